@@ -1,0 +1,136 @@
+"""Public functions: argument normalisation and value checks in front of the custom ops."""
+
+from __future__ import annotations
+
+import torch
+
+from .ops import BlockSparseMask, attention_op, block_sparse_attention_op, varlen_attention_op
+from .ops import checks
+
+
+def _window(window, causal: bool) -> tuple[int, int]:
+    """``None`` -> unbounded; ``w`` -> (w, 0) if causal else (w, w); ``(left, right)`` as given."""
+    if window is None:
+        return -1, -1
+    if isinstance(window, int) and not isinstance(window, bool):
+        if window < 0:
+            raise ValueError(f"window must be >= 0 (or None for unbounded), got {window}")
+        return (window, 0) if causal else (window, window)
+    if isinstance(window, (tuple, list)) and len(window) == 2:
+        left, right = window
+        checks.check_window(left, right)
+        return left, right
+    raise TypeError(f"window must be None, an int or a (left, right) pair of ints, got {window!r}")
+
+
+def _scale(scale, q) -> float:
+    if scale is None:
+        return q.shape[-1] ** -0.5
+    checks.check_scale(scale)
+    return float(scale)
+
+
+def _eager() -> bool:
+    return not torch.compiler.is_compiling()
+
+
+@torch.compiler.disable
+def _convert_block_mask(block_mask) -> BlockSparseMask:
+    # A graph break under torch.compile: the bitmaps come from running the mask_mod. The result is kept
+    # on the BlockMask, so a mask reused across layers is converted once. Convert outside the compiled
+    # region (BlockSparseMask.from_block_mask) to keep fullgraph=True.
+    cached = getattr(block_mask, "_inductor_attn_sparse", None)
+    if cached is None:
+        cached = BlockSparseMask.from_block_mask(block_mask)
+        block_mask._inductor_attn_sparse = cached
+    return cached
+
+
+def _as_sparse(block_mask, q, k) -> BlockSparseMask:
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if isinstance(block_mask, BlockMask):
+        lengths = tuple(int(x) for x in block_mask.seq_lengths)
+        if lengths != (q.shape[2], k.shape[2]):
+            raise ValueError(
+                f"block_mask was built for (Q_LEN, KV_LEN) = {lengths}, but q/k have lengths "
+                f"({q.shape[2]}, {k.shape[2]})"
+            )
+        return _convert_block_mask(block_mask)
+    if isinstance(block_mask, BlockSparseMask):
+        if tuple(block_mask.seq_lengths) != (q.shape[2], k.shape[2]):
+            raise ValueError(
+                f"block_mask was built for (Q_LEN, KV_LEN) = {tuple(block_mask.seq_lengths)}, but q/k have "
+                f"lengths ({q.shape[2]}, {k.shape[2]})"
+            )
+        return block_mask
+    raise TypeError(
+        f"block_mask must be a torch.nn.attention.flex_attention.BlockMask or an inductor_attn.BlockSparseMask, "
+        f"got {type(block_mask).__name__}"
+    )
+
+
+def attention(q, k, v, *, causal: bool = False, scale: float | None = None, window=None,
+              kv_seqlens: torch.Tensor | None = None, block_mask=None, return_lse: bool = False):
+    """Scaled dot-product attention on the fastest correct kernel for this shape.
+
+    Args:
+        q: (B, Hq, Lq, D); k: (B, Hkv, Lk, D); v: (B, Hkv, Lk, Dv). Any strides. Hq must be a multiple
+            of Hkv (GQA/MQA). fp16, bf16, fp32 (fp64 runs on the reference only). 8 <= D, Dv <= 256.
+        causal: lower-right aligned when Lq != Lk: query i sees keys j <= i + Lk - Lq (FlashAttention's
+            convention; with ``kv_seqlens`` the alignment uses each batch's own length).
+        scale: softmax scale, default ``D ** -0.5``.
+        window: sliding window. ``w`` keeps keys within w positions before the (aligned) diagonal, and
+            after it too unless causal; ``(left, right)`` sets both sides, -1 = unbounded.
+        kv_seqlens: int32 (B,): only the first ``kv_seqlens[b]`` keys of batch b are valid (KV cache).
+        block_mask: a flex_attention ``BlockMask`` (or ``BlockSparseMask``); it carries the whole mask,
+            so causal/window/kv_seqlens must be left unset.
+        return_lse: also return the float32 log-sum-exp (B, Hq, Lq).
+
+    Fully masked query rows give zeros and lse = -inf.
+    """
+    scale = _scale(scale, q)
+    if block_mask is not None:
+        if causal or window is not None or kv_seqlens is not None:
+            raise ValueError("block_mask already encodes the mask: leave causal, window and kv_seqlens unset")
+        checks.check_attention(q, k, v, scale, -1, -1, None)
+        s = _as_sparse(block_mask, q, k)
+        out, lse = block_sparse_attention_op(q, k, v, s.kv_num_blocks, s.kv_indices, s.full_kv_num_blocks,
+                                             s.full_kv_indices, s.partial_bits, s.block_q, s.block_kv, scale,
+                                             s.density, s.partial_fraction, "")
+    else:
+        left, right = _window(window, causal)
+        checks.check_attention(q, k, v, scale, left, right, kv_seqlens)
+        if _eager():
+            checks.check_attention_values(k, kv_seqlens)
+        out, lse = attention_op(q, k, v, scale, causal, left, right, kv_seqlens, "")
+    return (out, lse) if return_lse else out
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | None = None,
+                     max_seqlen_k: int | None = None, *, causal: bool = False, scale: float | None = None,
+                     window=None, return_lse: bool = False):
+    """Attention over packed variable-length sequences.
+
+    Args:
+        q: (total_q, Hq, D); k: (total_k, Hkv, D); v: (total_k, Hkv, Dv).
+        cu_seqlens_q, cu_seqlens_k: int32 (num_seqs + 1,), starting at 0, non-decreasing, ending at
+            the totals. Sequence i is ``q[cu_seqlens_q[i]:cu_seqlens_q[i+1]]``.
+        max_seqlen_q, max_seqlen_k: longest sequence; computed from cu_seqlens (a device sync) if None.
+        causal, scale, window: as in :func:`attention`, aligned per sequence (lower-right).
+        return_lse: also return the float32 lse of shape (Hq, total_q).
+    """
+    scale = _scale(scale, q)
+    left, right = _window(window, causal)
+    if max_seqlen_q is None or max_seqlen_k is None:
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            checks.check_index_tensor(name, cu, tuple(cu.shape) if isinstance(cu, torch.Tensor) else (),
+                                      q.device, "(num_seqs + 1,)")
+        max_seqlen_q = max_seqlen_q or int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+        max_seqlen_k = max_seqlen_k or int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
+    checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right)
+    if _eager():
+        checks.check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    out, lse = varlen_attention_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
+                                   left, right, "")
+    return (out, lse) if return_lse else out

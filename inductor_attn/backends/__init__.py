@@ -1,0 +1,81 @@
+"""Backend registry. Order is the stable prior: ties between candidates go to the earlier backend, and
+the first runnable candidate is the "default" that others must beat with a confident speedup."""
+
+from __future__ import annotations
+
+import contextlib
+
+from ..device import DeviceInfo
+from ..problem import Problem
+from .base import AttnCall, Backend, Candidate, Config
+from .reference import BACKEND as REFERENCE
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+def register_backend(backend: Backend, *, first: bool = False) -> None:
+    """Add (or replace) a backend; ``first=True`` puts it ahead in the prior order."""
+    _REGISTRY.pop(backend.name, None)
+    if first:
+        items = list(_REGISTRY.items())
+        _REGISTRY.clear()
+        _REGISTRY[backend.name] = backend
+        _REGISTRY.update(items)
+    else:
+        _REGISTRY[backend.name] = backend
+
+
+def unregister_backend(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+@contextlib.contextmanager
+def only_backends(*backends: Backend):
+    """Replace the whole registry inside a ``with`` block (tests, experiments)."""
+    saved = dict(_REGISTRY)
+    _REGISTRY.clear()
+    for b in backends:
+        _REGISTRY[b.name] = b
+    try:
+        yield
+    finally:
+        _REGISTRY.clear()
+        _REGISTRY.update(saved)
+
+
+def get_backend(name: str) -> Backend:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown backend {name!r}; registered: {', '.join(_REGISTRY)}") from None
+
+
+def backends() -> list[Backend]:
+    return list(_REGISTRY.values())
+
+
+def enumerate_candidates(p: Problem, dev: DeviceInfo) -> list[Candidate]:
+    """Every (backend, config) for ``p`` in prior order, each with its pruned reason or None."""
+    out: list[Candidate] = []
+    for backend in _REGISTRY.values():
+        reason = backend.supports(p, dev)
+        if reason is not None:
+            out.append(Candidate(backend.name, None, reason))
+            continue
+        for cfg in backend.configs(p, dev):
+            out.append(Candidate(backend.name, cfg, backend.prune(p, dev, cfg)))
+    names = [c.name for c in out]
+    duplicates = {n for n in names if names.count(n) > 1}
+    if duplicates:
+        raise RuntimeError(f"candidate names must be unique, duplicated: {sorted(duplicates)}")
+    return out
+
+
+def _register_builtin() -> None:
+    register_backend(REFERENCE)
+
+
+_register_builtin()
+
+__all__ = ["AttnCall", "Backend", "Candidate", "Config", "register_backend", "unregister_backend",
+           "only_backends", "get_backend", "backends", "enumerate_candidates", "REFERENCE"]

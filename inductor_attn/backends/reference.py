@@ -1,0 +1,196 @@
+"""Reference backend: chunked PyTorch math on any device. The correctness oracle and the CPU default.
+
+Queries are processed in chunks so memory stays O(chunk x Lk) per head; scores accumulate in float32
+(float64 inputs stay float64). GQA is computed by viewing q as (B, Hkv, G, Lq, D) against k/v heads,
+never by copying k/v. Every mask is a function ``rows(start, end) -> bool`` over the chunk's scores, so
+forward and backward share one loop for dense, varlen and block-sparse problems.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..device import DeviceInfo
+from ..problem import Problem
+from .base import AttnCall, Backend, Config
+
+# Bytes of float32 scores one chunk may hold (chunk x Lk x B x Hq x 4).
+_CHUNK_BYTES = 1 << 28
+
+MaskFn = Callable[[int, int], torch.Tensor | None]
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _chunk_rows(q: torch.Tensor, len_k: int, align: int = 1) -> int:
+    per_row = 4 * q.shape[0] * q.shape[1] * max(len_k, 1)
+    rows = max(align, (_CHUNK_BYTES // per_row) // align * align)
+    return min(rows, -(-q.shape[2] // align) * align)
+
+
+def dense_mask_fn(len_q: int, len_k: int, causal: bool, window_left: int, window_right: int,
+                  kv_seqlens: torch.Tensor | None, device) -> MaskFn | None:
+    """Lower-right aligned causal/window mask; with kv_seqlens the alignment uses each batch's length.
+
+    Query i sees key j iff j < n_b and (i + n_b - Lq) - window_left <= j <= (i + n_b - Lq) + right,
+    where n_b = kv_seqlens[b] (or Lk), right = 0 if causal else window_right, and -1 means unbounded.
+    Returns a bool mask of shape (B or 1, 1, 1, rows, Lk).
+    """
+    right = 0 if causal else window_right
+    if right < 0 and window_left < 0 and kv_seqlens is None:
+        return None
+    n = (kv_seqlens.to(device=device, dtype=torch.int64) if kv_seqlens is not None
+         else torch.full((1,), len_k, device=device, dtype=torch.int64))
+    keys = torch.arange(len_k, device=device)
+
+    def rows(start: int, end: int) -> torch.Tensor:
+        diag = torch.arange(start, end, device=device)[None, :, None] + (n - len_q)[:, None, None]
+        ok = keys[None, None, :] < n[:, None, None]
+        if right >= 0:
+            ok = ok & (keys <= diag + right)
+        if window_left >= 0:
+            ok = ok & (keys >= diag - window_left)
+        return ok[:, None, None]
+
+    return rows
+
+
+def block_sparse_mask_fn(call: AttnCall) -> MaskFn:
+    sparse, hkv = call.sparse, call.k.shape[1]
+    bq, len_k = sparse.block_q, call.k.shape[2]
+
+    def rows(start: int, end: int) -> torch.Tensor:
+        blocks = [sparse.block_rows(m) for m in range(start // bq, -(-end // bq))]
+        mask = torch.cat(blocks, dim=2)[:, :, : end - start, :len_k]
+        b, h = mask.shape[:2]
+        # mask heads are query heads (or 1): regroup as (B', Hkv, G, rows, Lk) like q
+        return mask.view(b, hkv, h // hkv, *mask.shape[2:]) if h > 1 else mask[:, :, None]
+
+    return rows
+
+
+def _scores(qc, k, scale, mask):
+    s = torch.matmul(qc, k.transpose(-1, -2)[:, :, None]) * scale
+    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+
+
+def forward(q, k, v, scale: float, mask_fn: MaskFn | None, align: int = 1):
+    """(B, H, Lq, D) attention; returns out (q.dtype) and lse (float32, -inf on fully masked rows)."""
+    acc = _acc_dtype(q.dtype)
+    b, hq, lq, _ = q.shape
+    hkv, lk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    qg = q.to(acc).reshape(b, hkv, hq // hkv, lq, q.shape[-1])
+    kf, vf = k.to(acc), v.to(acc)
+    out = torch.empty(b, hkv, hq // hkv, lq, dv, dtype=acc, device=q.device)
+    lse = torch.empty(b, hkv, hq // hkv, lq, dtype=acc, device=q.device)
+    step = _chunk_rows(q, lk, align)
+    for s in range(0, lq, step):
+        e = min(lq, s + step)
+        scores = _scores(qg[:, :, :, s:e], kf, scale, mask_fn(s, e) if mask_fn else None)
+        m = scores.amax(-1, keepdim=True)
+        m = torch.where(torch.isinf(m), 0.0, m)
+        p = torch.exp(scores - m)
+        denom = p.sum(-1, keepdim=True)
+        out[:, :, :, s:e] = torch.matmul(p, vf[:, :, None]) / torch.where(denom == 0, 1.0, denom)
+        lse[:, :, :, s:e] = (m + torch.log(denom)).squeeze(-1)
+    return out.reshape(b, hq, lq, dv).to(q.dtype), lse.reshape(b, hq, lq).to(torch.float32)
+
+
+def backward(q, k, v, out, lse, grad_out, grad_lse, scale: float, mask_fn: MaskFn | None, align: int = 1):
+    """Gradients of :func:`forward` w.r.t. q, k, v given d(out) and d(lse) (either may be None)."""
+    acc = _acc_dtype(q.dtype)
+    b, hq, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    g = hq // hkv
+    qg = q.to(acc).reshape(b, hkv, g, lq, d)
+    kf, vf = k.to(acc), v.to(acc)
+    do = (torch.zeros_like(out, dtype=acc) if grad_out is None else grad_out.to(acc)).reshape(b, hkv, g, lq, -1)
+    dl = None if grad_lse is None else grad_lse.to(acc).reshape(b, hkv, g, lq)
+    delta = (do * out.to(acc).reshape(do.shape)).sum(-1)
+    lse_g = lse.to(acc).reshape(b, hkv, g, lq)
+    dq = torch.empty_like(qg)
+    dk = torch.zeros(b, hkv, lk, d, dtype=acc, device=q.device)
+    dv = torch.zeros_like(vf)
+    step = _chunk_rows(q, lk, align)
+    for s in range(0, lq, step):
+        e = min(lq, s + step)
+        qc = qg[:, :, :, s:e]
+        scores = _scores(qc, kf, scale, mask_fn(s, e) if mask_fn else None)
+        row_lse = lse_g[:, :, :, s:e, None]
+        p = torch.where(torch.isinf(row_lse), 0.0, torch.exp(scores - row_lse))
+        doc = do[:, :, :, s:e]
+        dv += torch.einsum("bhgqk,bhgqd->bhkd", p, doc)
+        dp = torch.matmul(doc, vf.transpose(-1, -2)[:, :, None])
+        shift = delta[:, :, :, s:e, None]
+        if dl is not None:
+            shift = shift - dl[:, :, :, s:e, None]
+        ds = p * (dp - shift)
+        dq[:, :, :, s:e] = torch.matmul(ds, kf[:, :, None]) * scale
+        dk += torch.einsum("bhgqk,bhgqd->bhkd", ds, qc) * scale
+    return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _varlen_sequences(call: AttnCall):
+    """Yield (q slice, k slice, per-sequence mask fn) views in (1, H, L, D) layout for each sequence."""
+    cq, ck = call.cu_seqlens_q.tolist(), call.cu_seqlens_k.tolist()
+    for i in range(len(cq) - 1):
+        (q0, q1), (k0, k1) = (cq[i], cq[i + 1]), (ck[i], ck[i + 1])
+        mask = dense_mask_fn(q1 - q0, k1 - k0, call.causal, call.window_left, call.window_right, None,
+                             call.q.device)
+        yield (q0, q1), (k0, k1), mask
+
+
+def _bhld(x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    return x[start:end].transpose(0, 1).unsqueeze(0)
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+    has_backward = True
+
+    def supports(self, p: Problem, dev: DeviceInfo) -> str | None:
+        return None
+
+    def _mask(self, call: AttnCall):
+        if call.op == "block_sparse":
+            return block_sparse_mask_fn(call), call.sparse.block_q
+        return dense_mask_fn(call.q.shape[2], call.k.shape[2], call.causal, call.window_left,
+                             call.window_right, call.kv_seqlens, call.q.device), 1
+
+    def run(self, call: AttnCall, cfg: Config):
+        if call.op != "varlen":
+            mask, align = self._mask(call)
+            return forward(call.q, call.k, call.v, call.scale, mask, align)
+        q, v = call.q, call.v
+        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+        for (q0, q1), (k0, k1), mask in _varlen_sequences(call):
+            if q1 == q0 or k1 == k0:
+                continue
+            o, l = forward(_bhld(q, q0, q1), _bhld(call.k, k0, k1), _bhld(v, k0, k1), call.scale, mask)
+            out[q0:q1] = o[0].transpose(0, 1)
+            lse[:, q0:q1] = l[0]
+        return out, lse
+
+    def backward(self, call: AttnCall, cfg: Config, out, lse, grad_out, grad_lse):
+        if call.op != "varlen":
+            mask, align = self._mask(call)
+            return backward(call.q, call.k, call.v, out, lse, grad_out, grad_lse, call.scale, mask, align)
+        dq, dk, dv = (torch.zeros_like(x) for x in (call.q, call.k, call.v))
+        for (q0, q1), (k0, k1), mask in _varlen_sequences(call):
+            if q1 == q0 or k1 == k0:
+                continue
+            go = None if grad_out is None else _bhld(grad_out, q0, q1)
+            gl = None if grad_lse is None else grad_lse[None, :, q0:q1]
+            grads = backward(_bhld(call.q, q0, q1), _bhld(call.k, k0, k1), _bhld(call.v, k0, k1),
+                             _bhld(out, q0, q1), lse[None, :, q0:q1], go, gl, call.scale, mask)
+            for full, part, (a, z) in zip((dq, dk, dv), grads, ((q0, q1), (k0, k1), (k0, k1))):
+                full[a:z] = part[0].transpose(0, 1)
+        return dq, dk, dv
+
+
+BACKEND = ReferenceBackend()

@@ -1,0 +1,1 @@
+"""Inductor integration: lowerings for the custom ops (registered lazily, see register.py)."""

@@ -1,0 +1,207 @@
+"""The ``inductor_attn::*`` custom ops: schemas, fake impls, autograd.
+
+Each op returns ``(out, lse)``; ``lse`` is float32 (B, H, Lq), or (H, total_q) for varlen. The last
+argument, ``choice``, is empty for user calls (the kernel is chosen at run time from the decision store)
+and is filled with ``"<backend>:<config>"`` by the Inductor lowering, which bakes the tuned kernel into
+the generated code. Backward ops have the same ``choice`` argument.
+
+This module imports only torch: kernels are reached through ``inductor_attn.dispatch`` at call time.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import checks
+from .block_mask import BlockSparseMask
+
+LIB = "inductor_attn"
+
+
+def _dispatch():
+    from .. import dispatch  # lazy: keeps ops importable without any backend's dependencies
+
+    return dispatch
+
+
+def _lse_like(q: Tensor, heads: int, rows: int, batch: int | None) -> Tensor:
+    shape = (heads, rows) if batch is None else (batch, heads, rows)
+    return q.new_empty(shape, dtype=torch.float32)
+
+
+def _ensure_lowering():
+    """Fake impls run only while tracing for torch.compile/export: register our Inductor lowerings
+    there, so ``import inductor_attn`` stays cheap (importing Inductor costs ~2.6 s on the CPU)."""
+    from ..lowering import register
+
+    register.ensure_registered()
+
+
+# --------------------------------------------------------------------------------------------- dense
+@torch.library.custom_op(f"{LIB}::attention", mutates_args=())
+def attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, window_left: int,
+                 window_right: int, kv_seqlens: Tensor | None, choice: str) -> tuple[Tensor, Tensor]:
+    checks.check_attention(q, k, v, scale, window_left, window_right, kv_seqlens)
+    call = _dispatch().AttnCall("attention", q, k, v, scale, causal, window_left, window_right, kv_seqlens)
+    return _dispatch().forward(call, choice)
+
+
+@attention_op.register_fake
+def _(q, k, v, scale, causal, window_left, window_right, kv_seqlens, choice):
+    checks.check_attention(q, k, v, scale, window_left, window_right, kv_seqlens)
+    _ensure_lowering()
+    b, h, lq, _ = q.shape
+    return q.new_empty(b, h, lq, v.shape[-1]), _lse_like(q, h, lq, b)
+
+
+@torch.library.custom_op(f"{LIB}::attention_backward", mutates_args=())
+def attention_backward_op(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
+                          out: Tensor, lse: Tensor, scale: float, causal: bool, window_left: int,
+                          window_right: int, kv_seqlens: Tensor | None,
+                          choice: str) -> tuple[Tensor, Tensor, Tensor]:
+    call = _dispatch().AttnCall("attention", q, k, v, scale, causal, window_left, window_right, kv_seqlens)
+    return _dispatch().backward(call, choice, out, lse, grad_out, grad_lse)
+
+
+@attention_backward_op.register_fake
+def _(grad_out, grad_lse, q, k, v, out, lse, scale, causal, window_left, window_right, kv_seqlens, choice):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _attention_setup(ctx, inputs, output):
+    q, k, v, scale, causal, wl, wr, kv_seqlens, choice = inputs
+    ctx.save_for_backward(q, k, v, *output, kv_seqlens)
+    ctx.args = (scale, causal, wl, wr)
+
+
+def _attention_grad(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, kv_seqlens = ctx.saved_tensors
+    dq, dk, dv = attention_backward_op(grad_out, grad_lse, q, k, v, out, lse, *ctx.args, kv_seqlens, "")
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+attention_op.register_autograd(_attention_grad, setup_context=_attention_setup)
+
+
+# -------------------------------------------------------------------------------------------- varlen
+@torch.library.custom_op(f"{LIB}::varlen_attention", mutates_args=())
+def varlen_attention_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                        max_seqlen_q: int, max_seqlen_k: int, scale: float, causal: bool, window_left: int,
+                        window_right: int, choice: str) -> tuple[Tensor, Tensor]:
+    checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
+                        window_right)
+    call = _dispatch().AttnCall("varlen", q, k, v, scale, causal, window_left, window_right,
+                                cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    return _dispatch().forward(call, choice)
+
+
+@varlen_attention_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window_left,
+      window_right, choice):
+    checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
+                        window_right)
+    _ensure_lowering()
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[-1]), _lse_like(q, q.shape[1], q.shape[0], None)
+
+
+@torch.library.custom_op(f"{LIB}::varlen_attention_backward", mutates_args=())
+def varlen_attention_backward_op(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
+                                 out: Tensor, lse: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                                 max_seqlen_q: int, max_seqlen_k: int, scale: float, causal: bool,
+                                 window_left: int, window_right: int,
+                                 choice: str) -> tuple[Tensor, Tensor, Tensor]:
+    call = _dispatch().AttnCall("varlen", q, k, v, scale, causal, window_left, window_right,
+                                cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    return _dispatch().backward(call, choice, out, lse, grad_out, grad_lse)
+
+
+@varlen_attention_backward_op.register_fake
+def _(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+      causal, window_left, window_right, choice):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _varlen_setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, wl, wr, choice = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k)
+    ctx.args = (max_q, max_k, scale, causal, wl, wr)
+
+
+def _varlen_grad(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = varlen_attention_backward_op(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, *ctx.args, "")
+    return (dq, dk, dv) + (None,) * 9
+
+
+varlen_attention_op.register_autograd(_varlen_grad, setup_context=_varlen_setup)
+
+
+# -------------------------------------------------------------------------------------- block-sparse
+def _sparse_mask(q, k, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, partial_bits,
+                 block_q, block_kv, density, partial_fraction) -> BlockSparseMask:
+    return BlockSparseMask((q.shape[2], k.shape[2]), block_q, block_kv, kv_num_blocks, kv_indices,
+                           full_kv_num_blocks, full_kv_indices, partial_bits, density, partial_fraction)
+
+
+@torch.library.custom_op(f"{LIB}::block_sparse_attention", mutates_args=())
+def block_sparse_attention_op(q: Tensor, k: Tensor, v: Tensor, kv_num_blocks: Tensor, kv_indices: Tensor,
+                              full_kv_num_blocks: Tensor | None, full_kv_indices: Tensor | None,
+                              partial_bits: Tensor, block_q: int, block_kv: int, scale: float, density: float,
+                              partial_fraction: float, choice: str) -> tuple[Tensor, Tensor]:
+    sparse = _sparse_mask(q, k, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, partial_bits,
+                          block_q, block_kv, density, partial_fraction)
+    checks.check_block_sparse(q, k, v, sparse, scale)
+    call = _dispatch().AttnCall("block_sparse", q, k, v, scale, sparse=sparse)
+    return _dispatch().forward(call, choice)
+
+
+@block_sparse_attention_op.register_fake
+def _(q, k, v, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, partial_bits, block_q, block_kv,
+      scale, density, partial_fraction, choice):
+    sparse = _sparse_mask(q, k, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, partial_bits,
+                          block_q, block_kv, density, partial_fraction)
+    checks.check_block_sparse(q, k, v, sparse, scale)
+    _ensure_lowering()
+    b, h, lq, _ = q.shape
+    return q.new_empty(b, h, lq, v.shape[-1]), _lse_like(q, h, lq, b)
+
+
+@torch.library.custom_op(f"{LIB}::block_sparse_attention_backward", mutates_args=())
+def block_sparse_attention_backward_op(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor,
+                                       v: Tensor, out: Tensor, lse: Tensor, kv_num_blocks: Tensor,
+                                       kv_indices: Tensor, full_kv_num_blocks: Tensor | None,
+                                       full_kv_indices: Tensor | None, partial_bits: Tensor, block_q: int,
+                                       block_kv: int, scale: float, density: float, partial_fraction: float,
+                                       choice: str) -> tuple[Tensor, Tensor, Tensor]:
+    sparse = _sparse_mask(q, k, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, partial_bits,
+                          block_q, block_kv, density, partial_fraction)
+    call = _dispatch().AttnCall("block_sparse", q, k, v, scale, sparse=sparse)
+    return _dispatch().backward(call, choice, out, lse, grad_out, grad_lse)
+
+
+@block_sparse_attention_backward_op.register_fake
+def _(grad_out, grad_lse, q, k, v, out, lse, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+      partial_bits, block_q, block_kv, scale, density, partial_fraction, choice):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _sparse_setup(ctx, inputs, output):
+    q, k, v, cnt, idx, full_cnt, full_idx, bits, bq, bk, scale, density, partial, choice = inputs
+    ctx.save_for_backward(q, k, v, *output, cnt, idx, full_cnt, full_idx, bits)
+    ctx.args = (bq, bk, scale, density, partial)
+
+
+def _sparse_grad(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, *mask_tensors = ctx.saved_tensors
+    dq, dk, dv = block_sparse_attention_backward_op(grad_out, grad_lse, q, k, v, out, lse, *mask_tensors,
+                                                    *ctx.args, "")
+    return (dq, dk, dv) + (None,) * 11
+
+
+block_sparse_attention_op.register_autograd(_sparse_grad, setup_context=_sparse_setup)
+
+FORWARD_OPS = (attention_op, varlen_attention_op, block_sparse_attention_op)
+BACKWARD_OPS = (attention_backward_op, varlen_attention_backward_op, block_sparse_attention_backward_op)

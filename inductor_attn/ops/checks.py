@@ -1,0 +1,195 @@
+"""Input checks shared by the public API, the op implementations and the fake (meta) implementations.
+
+Every message names the argument, what was given and what is accepted. Shape/dtype/device checks work
+on fake tensors too; checks that read tensor *values* (kv_seqlens, cu_seqlens) sync the device, so they
+run in the public API in eager mode only (``check_*_values``), never inside compiled code.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 8, 256
+
+
+def _dtype_names(dtypes) -> str:
+    return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+
+
+def check_tensor(name: str, x, ndim: int, layout: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims {layout}, got shape {tuple(x.shape)}")
+
+
+def check_same_dtype_device(tensors: dict[str, torch.Tensor]) -> None:
+    (first, ref), *rest = tensors.items()
+    if ref.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{first} has dtype {ref.dtype}; supported dtypes are {_dtype_names(SUPPORTED_DTYPES)}")
+    for name, t in rest:
+        if t.dtype != ref.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but {first} has {ref.dtype}; q, k and v must share one dtype")
+        if t.device != ref.device:
+            raise ValueError(f"{name} is on {t.device} but {first} is on {ref.device}; all inputs must be on one device")
+
+
+def check_head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    d, dk, dv = q.shape[-1], k.shape[-1], v.shape[-1]
+    if dk != d:
+        raise ValueError(f"k head_dim must equal q head_dim ({d}), got {dk}")
+    for name, size in (("q head_dim", d), ("v head_dim", dv)):
+        if not MIN_HEAD_DIM <= size <= MAX_HEAD_DIM:
+            raise ValueError(f"{name} must be in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {size}")
+
+
+def check_heads(heads_q, heads_kv, v_heads) -> None:
+    if v_heads != heads_kv:
+        raise ValueError(f"v must have as many heads as k ({heads_kv}), got {v_heads}")
+    if heads_kv < 1 or heads_q % heads_kv != 0:
+        raise ValueError(
+            f"q heads ({heads_q}) must be a multiple of k/v heads ({heads_kv}) for GQA/MQA"
+        )
+
+
+def check_window(window_left: int, window_right: int) -> None:
+    for name, w in (("window_left", window_left), ("window_right", window_right)):
+        if not isinstance(w, int) or isinstance(w, bool):
+            raise TypeError(f"{name} must be an int (-1 = unbounded), got {type(w).__name__}")
+        if w < -1:
+            raise ValueError(f"{name} must be -1 (unbounded) or >= 0, got {w}")
+
+
+def check_scale(scale) -> None:
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+
+
+def check_index_tensor(name: str, x, shape: tuple, device: torch.device, layout: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be an int32 torch.Tensor {layout}, got {type(x).__name__}")
+    if x.dtype != torch.int32:
+        raise TypeError(f"{name} must have dtype int32, got {x.dtype}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)} {layout}, got {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device} but q is on {device}")
+
+
+def check_attention(q, k, v, scale, window_left, window_right, kv_seqlens) -> None:
+    layout = "(batch, heads, seq_len, head_dim)"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, x, 4, layout)
+    check_same_dtype_device({"q": q, "k": k, "v": v})
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"q, k, v must share the batch size, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v must share seq_len, got {k.shape[2]} and {v.shape[2]}")
+    if q.shape[2] < 1 or k.shape[2] < 1:
+        raise ValueError(f"seq_len must be >= 1 for q and k, got {q.shape[2]} and {k.shape[2]}")
+    check_heads(q.shape[1], k.shape[1], v.shape[1])
+    check_head_dims(q, k, v)
+    check_scale(scale)
+    check_window(window_left, window_right)
+    if kv_seqlens is not None:
+        check_index_tensor("kv_seqlens", kv_seqlens, (q.shape[0],), q.device, "(batch,)")
+
+
+def check_attention_values(k, kv_seqlens) -> None:
+    """kv_seqlens[b] in [0, Lk]: reads values, so eager only."""
+    if kv_seqlens is None or kv_seqlens.numel() == 0:
+        return
+    lo, hi = int(kv_seqlens.min()), int(kv_seqlens.max())
+    if lo < 0 or hi > k.shape[2]:
+        raise ValueError(f"kv_seqlens values must be in [0, {k.shape[2]}] (the k seq_len), got min {lo}, max {hi}")
+
+
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
+                 window_right) -> None:
+    layout = "(total_tokens, heads, head_dim)"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, x, 3, layout)
+    check_same_dtype_device({"q": q, "k": k, "v": v})
+    if k.shape[0] != v.shape[0]:
+        raise ValueError(f"k and v must share total_tokens, got {k.shape[0]} and {v.shape[0]}")
+    check_heads(q.shape[1], k.shape[1], v.shape[1])
+    check_head_dims(q, k, v)
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be an int32 torch.Tensor of shape (num_seqs + 1,), got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} must have dtype int32, got {cu.dtype}")
+        if cu.dim() != 1 or cu.shape[0] < 2:
+            raise ValueError(f"{name} must have shape (num_seqs + 1,) with num_seqs >= 1, got {tuple(cu.shape)}")
+        if cu.device != q.device:
+            raise ValueError(f"{name} is on {cu.device} but q is on {q.device}")
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have the same length (num_seqs + 1), "
+            f"got {cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}"
+        )
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if not isinstance(m, (int, torch.SymInt)) or isinstance(m, bool):
+            raise TypeError(f"{name} must be an int, got {type(m).__name__}")
+        if m < 1:
+            raise ValueError(f"{name} must be >= 1, got {m}")
+    check_scale(scale)
+    check_window(window_left, window_right)
+
+
+def check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+    """cu_seqlens start at 0, never decrease, end at the total and respect max_seqlen: eager only."""
+    for name, cu, x, max_len in (("cu_seqlens_q", cu_seqlens_q, q, max_seqlen_q),
+                                 ("cu_seqlens_k", cu_seqlens_k, k, max_seqlen_k)):
+        values = cu.tolist()
+        if values[0] != 0:
+            raise ValueError(f"{name} must start at 0, got {values[0]}")
+        lengths = [b - a for a, b in zip(values, values[1:])]
+        if min(lengths) < 0:
+            raise ValueError(f"{name} must be non-decreasing (monotone), got {values}")
+        if values[-1] != x.shape[0]:
+            raise ValueError(
+                f"{name}[-1] must equal the total tokens of {name[-1]} ({x.shape[0]}), got {values[-1]}"
+            )
+        if max(lengths) > max_len:
+            raise ValueError(f"max_seqlen_{name[-1]} ({max_len}) is smaller than the longest sequence ({max(lengths)})")
+
+
+def check_block_sparse(q, k, v, sparse, scale) -> None:
+    """Shapes of the block-mask tensors against q/k: a mask built for other lengths is refused."""
+    check_attention(q, k, v, scale, -1, -1, None)
+    bq, bk = sparse.block_q, sparse.block_kv
+    for name, size in (("block_q", bq), ("block_kv", bk)):
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name} must be a positive int, got {size!r}")
+    if bk % 32 != 0:
+        raise ValueError(f"block_kv must be a multiple of 32 (bitmaps pack 32 keys per word), got {bk}")
+    batch, heads = q.shape[0], q.shape[1]
+    n_q = -(-q.shape[2] // bq)
+    cnt = sparse.kv_num_blocks
+    if not isinstance(cnt, torch.Tensor) or cnt.dim() != 3:
+        raise ValueError(f"kv_num_blocks must be an int32 tensor [batch or 1, heads or 1, q_blocks], got "
+                         f"{tuple(cnt.shape) if isinstance(cnt, torch.Tensor) else type(cnt).__name__}")
+    b, h, m = cnt.shape
+    if b not in (1, batch) or h not in (1, heads) or m != n_q:
+        raise ValueError(
+            f"block mask was built for other lengths or sizes: kv_num_blocks has shape {(b, h, m)}, expected "
+            f"({batch} or 1, {heads} or 1, {n_q}) for Lq={q.shape[2]}, block_q={bq}"
+        )
+    n_partial = sparse.kv_indices.shape[-1]
+    check_index_tensor("kv_num_blocks", cnt, (b, h, m), q.device, "[B, H, q_blocks]")
+    check_index_tensor("kv_indices", sparse.kv_indices, (b, h, m, n_partial), q.device, "[B, H, q_blocks, n]")
+    check_index_tensor("partial_bits", sparse.partial_bits, (b, h, m, n_partial, bq, bk // 32), q.device,
+                       "[B, H, q_blocks, n, block_q, block_kv // 32]")
+    if (sparse.full_kv_num_blocks is None) != (sparse.full_kv_indices is None):
+        raise ValueError("full_kv_num_blocks and full_kv_indices must be given together or both be None")
+    if sparse.full_kv_num_blocks is not None:
+        n_full = sparse.full_kv_indices.shape[-1]
+        check_index_tensor("full_kv_num_blocks", sparse.full_kv_num_blocks, (b, h, m), q.device, "[B, H, q_blocks]")
+        check_index_tensor("full_kv_indices", sparse.full_kv_indices, (b, h, m, n_full), q.device,
+                           "[B, H, q_blocks, n]")
