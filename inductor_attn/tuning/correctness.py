@@ -1,0 +1,44 @@
+"""Correctness gate: a candidate may win only after matching the reference on the problem.
+
+Tolerances are relative Frobenius errors ||out - ref|| / ||ref|| against a float64-accumulated
+reference, per input dtype (bf16 operands land between 1e-3 and 1e-2; the bounds leave room for the
+rounding of the output itself).
+"""
+
+from __future__ import annotations
+
+import torch
+
+TOLERANCES = {
+    torch.float64: 1e-10,
+    torch.float32: 1e-4,   # a tf32 dot (Triton's float32 default on GPUs) lands near 3e-4 of the inputs' scale
+    torch.float16: 5e-3,
+    torch.bfloat16: 2e-2,
+}
+LSE_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+POISON = float("nan")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; NaN anywhere gives inf, both zero gives 0."""
+    out, ref = out.double(), ref.double()
+    if torch.isnan(out).any():
+        return float("inf")
+    finite = torch.isfinite(ref)
+    if not torch.equal(finite, torch.isfinite(out)) or not torch.equal(ref[~finite], out[~finite]):
+        return float("inf")
+    num = (out[finite] - ref[finite]).norm().item()
+    den = ref[finite].norm().item()
+    return num / den if den > 0 else num
+
+
+def check_output(out, lse, ref_out, ref_lse, dtype: torch.dtype) -> str | None:
+    """None if (out, lse) match the reference within the dtype's tolerance, else the reason in words."""
+    tol = TOLERANCES.get(dtype, 2e-2)
+    e_out = rel_err(out, ref_out)
+    if not e_out <= tol:
+        return f"output rel. error {e_out:.2e} > {tol:.0e}"
+    e_lse = rel_err(lse, ref_lse)
+    if not e_lse <= LSE_TOLERANCE.get(dtype, 1e-2):
+        return f"lse rel. error {e_lse:.2e} > {LSE_TOLERANCE.get(dtype, 1e-2):.0e}"
+    return None
