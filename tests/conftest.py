@@ -1,7 +1,13 @@
 import os
 
-import pytest
 import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter. It is read when kernels are decorated, so it
+# must be set before any kernel module is imported; never set it on a GPU machine.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 # Keep runs repeatable and CPU-friendly.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
