@@ -121,6 +121,10 @@ def backward(q, k, v, out, lse, grad_out, grad_lse, scale: float, mask_fn: MaskF
         qc = qg[:, :, :, s:e]
         scores = _scores(qc, kf, scale, mask_fn(s, e) if mask_fn else None)
         row_lse = lse_g[:, :, :, s:e, None]
+        if acc == torch.float64:
+            # the saved lse is float32 (the ops' contract): p = exp(s - lse) from it is off by ~1e-7, so
+            # float64 gradients recompute lse from the float64 scores to stay exact
+            row_lse = torch.logsumexp(scores, -1, keepdim=True)
         p = torch.where(torch.isinf(row_lse), 0.0, torch.exp(scores - row_lse))
         doc = do[:, :, :, s:e]
         dv += torch.einsum("bhgqk,bhgqd->bhkd", p, doc)
