@@ -123,9 +123,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
     scale = _scale(scale, q)
     left, right = _window(window, causal)
     if max_seqlen_q is None or max_seqlen_k is None:
-        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-            checks.check_index_tensor(name, cu, tuple(cu.shape) if isinstance(cu, torch.Tensor) else (),
-                                      q.device, "(num_seqs + 1,)")
+        # validated before reading them: a 2-D or 1-element cu_seqlens would fail inside max()
+        checks.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
+        checks.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
         max_seqlen_q = max_seqlen_q or int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
         max_seqlen_k = max_seqlen_k or int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
     checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right)

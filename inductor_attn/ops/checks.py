@@ -109,6 +109,17 @@ def check_attention_values(k, kv_seqlens) -> None:
         raise ValueError(f"kv_seqlens values must be in [0, {k.shape[2]}] (the k seq_len), got min {lo}, max {hi}")
 
 
+def check_cu_seqlens(name: str, cu, device: torch.device) -> None:
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be an int32 torch.Tensor of shape (num_seqs + 1,), got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must have dtype int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.shape[0] < 2:
+        raise ValueError(f"{name} must have shape (num_seqs + 1,) with num_seqs >= 1, got {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device} but q is on {device}")
+
+
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
                  window_right) -> None:
     layout = "(total_tokens, heads, head_dim)"
@@ -119,15 +130,8 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         raise ValueError(f"k and v must share total_tokens, got {k.shape[0]} and {v.shape[0]}")
     check_heads(q.shape[1], k.shape[1], v.shape[1])
     check_head_dims(q, k, v)
-    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if not isinstance(cu, torch.Tensor):
-            raise TypeError(f"{name} must be an int32 torch.Tensor of shape (num_seqs + 1,), got {type(cu).__name__}")
-        if cu.dtype != torch.int32:
-            raise TypeError(f"{name} must have dtype int32, got {cu.dtype}")
-        if cu.dim() != 1 or cu.shape[0] < 2:
-            raise ValueError(f"{name} must have shape (num_seqs + 1,) with num_seqs >= 1, got {tuple(cu.shape)}")
-        if cu.device != q.device:
-            raise ValueError(f"{name} is on {cu.device} but q is on {q.device}")
+    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
+    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
         raise ValueError(
             f"cu_seqlens_q and cu_seqlens_k must have the same length (num_seqs + 1), "
