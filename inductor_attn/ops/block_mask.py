@@ -134,7 +134,10 @@ def _from_block_mask(bm) -> BlockSparseMask:
         b, h, m, s = listed[start : start + _BITMAP_CHUNK].unbind(-1)
         q_idx = (m * bq)[:, None, None] + q_off[None, :, None]
         kv_pos = (kv_idx[b, h, m, s].long() * bk)[:, None, None] + k_off[None, None, :]
-        mask = _eval_mask_mod(bm.mask_mod, b[:, None, None], h[:, None, None], q_idx, kv_pos)
+        # the last blocks run past Lq/Lk: evaluate the mask_mod on in-range (clamped) positions only, as
+        # flex does, since mods that index a tensor of length L (document ids) fail beyond it
+        mask = _eval_mask_mod(bm.mask_mod, b[:, None, None], h[:, None, None], q_idx.clamp(max=lq - 1),
+                              kv_pos.clamp(max=lk - 1))
         mask = mask & (q_idx < lq) & (kv_pos < lk)
         bits[b, h, m, s] = pack_bits(mask)
 
