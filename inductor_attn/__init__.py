@@ -3,11 +3,16 @@
 Public API only; see README.md.
 """
 
-from . import ops  # registers the custom ops
-from .api import attention, varlen_attention
-from .dispatch import reset_stats, stats
-from .ops import BlockSparseMask
-
 __version__ = "0.1.0"
 
-__all__ = ["attention", "varlen_attention", "BlockSparseMask", "stats", "reset_stats", "__version__"]
+from . import cache, ops  # noqa: E402  (ops registers the custom ops)
+from .api import attention, candidates, run_candidate, varlen_attention  # noqa: E402
+from .backends import Candidate, Config, register_backend  # noqa: E402
+from .dispatch import reset_stats, stats  # noqa: E402
+from .ops import BlockSparseMask  # noqa: E402
+from .tuning.modes import MODES, set_mode, tuning_mode  # noqa: E402
+
+__all__ = [
+    "attention", "varlen_attention", "BlockSparseMask", "candidates", "run_candidate", "Candidate", "Config",
+    "register_backend", "set_mode", "tuning_mode", "MODES", "stats", "reset_stats", "cache", "__version__",
+]

@@ -15,3 +15,30 @@ def inductor_lowering():
     from torch._inductor.lowering import fallback_handler, register_lowering
 
     return register_lowering, fallback_handler
+
+
+def inductor_cache_dir() -> str:
+    """Inductor's cache dir (torch/_inductor/runtime/cache_dir_utils.py, 2.11 and 2.13)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()
+
+
+def custom_graph_pass_base():
+    """``CustomGraphPass`` (torch/_inductor/custom_graph_pass.py): passes whose ``uuid()`` enters the FX
+    graph cache key."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    return CustomGraphPass
+
+
+def inductor_config():
+    """``torch._inductor.config`` (the module whose attributes are Inductor's settings)."""
+    import torch._inductor.config as config
+
+    return config
+
+
+def fused_sdp_choice(q, k, v, *, is_causal: bool, enable_gqa: bool) -> int:
+    """``torch._fused_sdp_choice``: the SDPBackend value F.scaled_dot_product_attention would use."""
+    return torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=None, enable_gqa=enable_gqa)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .ops import BlockSparseMask, attention_op, block_sparse_attention_op, varlen_attention_op
-from .ops import checks
+from .backends import AttnCall, Candidate, enumerate_candidates
+from .device import device_info
+from .ops import BlockSparseMask, attention_op, block_sparse_attention_op, checks, varlen_attention_op
 
 
 def _window(window, causal: bool) -> tuple[int, int]:
@@ -70,6 +71,24 @@ def _as_sparse(block_mask, q, k) -> BlockSparseMask:
     )
 
 
+def make_call(q, k, v, *, causal: bool = False, scale: float | None = None, window=None,
+              kv_seqlens: torch.Tensor | None = None, block_mask=None) -> AttnCall:
+    """Check and normalise :func:`attention`'s arguments into the call that backends run."""
+    scale = _scale(scale, q)
+    if block_mask is not None:
+        if causal or window is not None or kv_seqlens is not None:
+            raise ValueError("block_mask already encodes the mask: leave causal, window and kv_seqlens unset")
+        checks.check_attention(q, k, v, scale, -1, -1, None)
+        sparse = _as_sparse(block_mask, q, k)
+        checks.check_block_sparse(q, k, v, sparse, scale)
+        return AttnCall("block_sparse", q, k, v, scale, sparse=sparse)
+    left, right = _window(window, causal)
+    checks.check_attention(q, k, v, scale, left, right, kv_seqlens)
+    if _eager():
+        checks.check_attention_values(k, kv_seqlens)
+    return AttnCall("attention", q, k, v, scale, causal, left, right, kv_seqlens)
+
+
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, window=None,
               kv_seqlens: torch.Tensor | None = None, block_mask=None, return_lse: bool = False):
     """Scaled dot-product attention on the fastest correct kernel for this shape.
@@ -89,21 +108,41 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, wind
 
     Fully masked query rows give zeros and lse = -inf.
     """
-    scale = _scale(scale, q)
-    if block_mask is not None:
-        if causal or window is not None or kv_seqlens is not None:
-            raise ValueError("block_mask already encodes the mask: leave causal, window and kv_seqlens unset")
-        checks.check_attention(q, k, v, scale, -1, -1, None)
-        s = _as_sparse(block_mask, q, k)
-        out, lse = block_sparse_attention_op(q, k, v, s.kv_num_blocks, s.kv_indices, s.full_kv_num_blocks,
-                                             s.full_kv_indices, s.partial_bits, s.block_q, s.block_kv, scale,
-                                             s.density, s.partial_fraction, "")
-    else:
-        left, right = _window(window, causal)
-        checks.check_attention(q, k, v, scale, left, right, kv_seqlens)
-        if _eager():
-            checks.check_attention_values(k, kv_seqlens)
-        out, lse = attention_op(q, k, v, scale, causal, left, right, kv_seqlens, "")
+    call = make_call(q, k, v, causal=causal, scale=scale, window=window, kv_seqlens=kv_seqlens,
+                     block_mask=block_mask)
+    out, lse = _call_op(call)
+    return (out, lse) if return_lse else out
+
+
+def _call_op(call: AttnCall, choice: str = ""):
+    if call.op == "block_sparse":
+        s = call.sparse
+        return block_sparse_attention_op(call.q, call.k, call.v, s.kv_num_blocks, s.kv_indices,
+                                         s.full_kv_num_blocks, s.full_kv_indices, s.partial_bits, s.block_q,
+                                         s.block_kv, call.scale, s.density, s.partial_fraction, choice)
+    return attention_op(call.q, call.k, call.v, call.scale, call.causal, call.window_left, call.window_right,
+                        call.kv_seqlens, choice)
+
+
+def candidates(q, k, v, **kwargs) -> list[Candidate]:
+    """Every candidate for this call (same keyword arguments as :func:`attention`), in prior order,
+    each with its backend name, config string and pruned reason (None if it can run here)."""
+    call = make_call(q, k, v, **kwargs)
+    return enumerate_candidates(call.problem, device_info(q.device))
+
+
+def run_candidate(candidate: Candidate | str, q, k, v, *, return_lse: bool = False, **kwargs):
+    """Run exactly one candidate (a :class:`Candidate` or its ``"backend:config"`` name) on this call."""
+    name = candidate.name if isinstance(candidate, Candidate) else candidate
+    if not isinstance(name, str):
+        raise TypeError(f"candidate must be a Candidate or a 'backend:config' string, got {type(candidate).__name__}")
+    call = make_call(q, k, v, **kwargs)
+    listed = {c.name: c for c in enumerate_candidates(call.problem, device_info(q.device))}
+    if name not in listed:
+        raise ValueError(f"candidate {name!r} is not a candidate for this call; candidates: {', '.join(listed)}")
+    if listed[name].pruned:
+        raise ValueError(f"candidate {name!r} cannot run this call: {listed[name].pruned}")
+    out, lse = _call_op(call, name)
     return (out, lse) if return_lse else out
 
 

@@ -1,5 +1,8 @@
 """Backend registry. Order is the stable prior: ties between candidates go to the earlier backend, and
-the first runnable candidate is the "default" that others must beat with a confident speedup."""
+the first runnable candidate is the "default" that others must beat with a confident speedup.
+
+Built-in order: ``sdpa`` first (what F.scaled_dot_product_attention gives users today is the baseline
+for dense problems), ``reference`` last (always runs, slowest)."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from ..device import DeviceInfo
 from ..problem import Problem
 from .base import AttnCall, Backend, Candidate, Config
 from .reference import BACKEND as REFERENCE
+from .sdpa import BACKEND as SDPA
 
 _REGISTRY: dict[str, Backend] = {}
 
@@ -72,7 +76,8 @@ def enumerate_candidates(p: Problem, dev: DeviceInfo) -> list[Candidate]:
 
 
 def _register_builtin() -> None:
-    register_backend(REFERENCE)
+    for backend in (SDPA, REFERENCE):
+        register_backend(backend)
 
 
 _register_builtin()

@@ -32,12 +32,18 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return num / den if den > 0 else num
 
 
+def check_tensor(name: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> str | None:
+    """None if ``got`` matches ``want`` within the dtype's tolerance, else the reason in words."""
+    tol = TOLERANCES.get(dtype, 2e-2)
+    err = rel_err(got, want)
+    return None if err <= tol else f"{name} rel. error {err:.2e} > {tol:.0e}"
+
+
 def check_output(out, lse, ref_out, ref_lse, dtype: torch.dtype) -> str | None:
     """None if (out, lse) match the reference within the dtype's tolerance, else the reason in words."""
-    tol = TOLERANCES.get(dtype, 2e-2)
-    e_out = rel_err(out, ref_out)
-    if not e_out <= tol:
-        return f"output rel. error {e_out:.2e} > {tol:.0e}"
+    reason = check_tensor("output", out, ref_out, dtype)
+    if reason:
+        return reason
     e_lse = rel_err(lse, ref_lse)
     if not e_lse <= LSE_TOLERANCE.get(dtype, 1e-2):
         return f"lse rel. error {e_lse:.2e} > {LSE_TOLERANCE.get(dtype, 1e-2):.0e}"

@@ -1,0 +1,114 @@
+"""PyTorch SDPA's CUDA kernels as candidates: cuDNN, FA2 ("flash") and memory-efficient.
+
+They are called through the aten ops that F.scaled_dot_product_attention dispatches to, because those
+also return the log-sum-exp. The first config is the kernel SDPA itself would pick for the problem
+(``torch._fused_sdp_choice``), so with this backend first in the registry "SDPA default" is the
+baseline every other candidate must beat.
+
+Masks: the aten ops' ``is_causal`` is upper-left aligned, so it is used only when Lq == Lk. Lower-right
+causal with Lq != Lk, windows and kv_seqlens become an additive bias (B or 1, 1, Lq, Lk), which the
+flash kernel cannot take (pruned) and which is capped in size. GQA: flash and cuDNN get k/v as they
+are; the efficient kernel gets them expanded (a copy, as SDPA's own enable_gqa path does for it).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .._compat import fused_sdp_choice
+from ..device import DeviceInfo
+from ..problem import Problem
+from .base import AttnCall, Backend, Config
+
+KERNELS = ("cudnn", "flash", "efficient")
+_SDP_CHOICE = {1: "flash", 2: "efficient", 3: "cudnn"}  # torch.nn.attention.SDPBackend values
+MAX_BIAS_BYTES = 1 << 30
+
+
+def _needs_bias(p: Problem) -> bool:
+    lower_right_causal = p.causal and p.len_q != p.len_k
+    return lower_right_causal or p.window_left >= 0 or p.window_right >= 0 or p.has_kv_seqlens
+
+
+@functools.lru_cache(maxsize=256)
+def sdpa_default_kernel(p: Problem) -> str:
+    """The kernel F.scaled_dot_product_attention picks for this problem on the current GPU."""
+    if _needs_bias(p):
+        return "efficient"  # the kernel SDPA takes for an arbitrary additive mask
+    dtype = getattr(torch, p.dtype)
+    q = torch.empty(1, p.heads_q, p.len_q, p.head_dim, dtype=dtype, device="cuda")
+    k = torch.empty(1, p.heads_kv, p.len_k, p.head_dim, dtype=dtype, device="cuda")
+    v = torch.empty(1, p.heads_kv, p.len_k, p.head_dim_v, dtype=dtype, device="cuda")
+    choice = fused_sdp_choice(q, k, v, is_causal=p.causal, enable_gqa=p.heads_q != p.heads_kv)
+    return _SDP_CHOICE.get(choice, "efficient")
+
+
+def _bias(call: AttnCall) -> torch.Tensor:
+    """Additive float mask (B or 1, 1, Lq, Lk) with -inf where the reference mask forbids; the last dim
+    is padded to a multiple of 16 in memory (the efficient kernel wants aligned rows)."""
+    from .reference import dense_mask_fn
+
+    lq, lk = call.q.shape[2], call.k.shape[2]
+    allowed = dense_mask_fn(lq, lk, call.causal, call.window_left, call.window_right, call.kv_seqlens,
+                            call.q.device)(0, lq)[:, 0]  # (B or 1, 1, Lq, Lk)
+    padded = torch.empty(*allowed.shape[:-1], -(-lk // 16) * 16, dtype=call.q.dtype, device=call.q.device)
+    bias = padded[..., :lk]
+    bias.copy_(torch.where(allowed, 0.0, float("-inf")))
+    return bias.expand(call.q.shape[0], call.q.shape[1], lq, lk)
+
+
+class SdpaBackend(Backend):
+    name = "sdpa"
+
+    def supports(self, p: Problem, dev: DeviceInfo) -> str | None:
+        if p.device_type != "cuda":
+            return "needs a CUDA device"
+        if p.op != "attention":
+            return f"SDPA has no {p.op} entry point (a dense mask would be O(Lq x Lk))"
+        if p.dtype == "float64":
+            return "float64 runs on the reference only"
+        bias_bytes = (p.batch if p.has_kv_seqlens else 1) * p.len_q * p.len_k * 2
+        if _needs_bias(p) and bias_bytes > MAX_BIAS_BYTES:
+            return f"this mask needs an additive bias of {bias_bytes >> 20} MiB (cap {MAX_BIAS_BYTES >> 20} MiB)"
+        return None
+
+    def configs(self, p: Problem, dev: DeviceInfo) -> list[Config]:
+        first = sdpa_default_kernel(p)
+        return [Config.of(kernel=k) for k in (first, *(k for k in KERNELS if k != first))]
+
+    def prune(self, p: Problem, dev: DeviceInfo, cfg: Config) -> str | None:
+        kernel = cfg["kernel"]
+        if kernel in ("flash", "cudnn") and p.dtype == "float32":
+            return f"SDPA {kernel} needs fp16/bf16"
+        if kernel == "flash" and _needs_bias(p):
+            return "SDPA flash takes no mask: lower-right causal (Lq != Lk), windows and kv_seqlens need one"
+        if kernel == "flash" and p.head_dim != p.head_dim_v:
+            return "SDPA flash needs the same head dim for q/k and v"
+        return None
+
+    def run(self, call: AttnCall, cfg: Config):
+        q, k, v = call.q, call.k, call.v
+        p = call.problem
+        bias = _bias(call) if _needs_bias(p) else None
+        is_causal = call.causal and bias is None
+        aten = torch.ops.aten
+        kernel = cfg["kernel"]
+        if kernel == "flash":
+            out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=call.scale)[:2]
+        elif kernel == "cudnn":
+            out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, bias, True, 0.0, is_causal, False,
+                                                                scale=call.scale)[:2]
+        else:
+            group = p.gqa_ratio
+            if group > 1:
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, is_causal,
+                                                                    scale=call.scale)[:2]
+        b, h, lq = q.shape[:3]
+        # lse layouts differ: flash (B, H, Lq), cuDNN (B, H, Lq, 1), efficient padded to 32 rows
+        return out, lse.reshape(b, h, -1)[..., :lq].float()
+
+
+BACKEND = SdpaBackend()

@@ -1,0 +1,1 @@
+"""Our own Triton attention kernels, one module per kernel family (dense, split-K decode, ...)."""

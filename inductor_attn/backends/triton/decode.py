@@ -1,0 +1,353 @@
+"""Split-K flash-decoding for few query rows (Lq 1..16): two Triton kernels and the ``triton_decode`` backend.
+
+Why split K: at decode the usual grid has one program per (batch, kv head), 2 programs for B1 Hkv2, so a
+132-SM H100 leaves most of its bandwidth unused (anchors, H200: SDPA reaches 1.18 TB/s at B1 Hq16 Hkv2
+D256 Lkv16k of about 4.3 TB/s copy). Flash-Decoding (Dao, Haziza, Massa, Sizov, 2023) splits the KV
+sequence over ``num_splits`` programs per (batch, kv head) and merges their partial results by their
+log-sum-exps. ExecuTorch (pytorch/executorch#20142) found split-K 1.2-20x faster from Lkv ~256 up once it
+was timed under CUDA-graph replay, after a plain-launch benchmark had put the crossover at 2048, and its
+authors asked for the choice to be measured instead of a fixed threshold: here ``num_splits`` is a knob
+that the tuner measures.
+
+The work:
+- ``_decode_partial``: one program per (row block, split, batch x kv head). Its rows are the G = Hq / Hkv
+  query heads of one kv head times the Lq queries (row r = g * Lq + i), so each K/V tile is loaded once
+  for the whole group (GQA packing). The split's keys are a balanced run of whole BLOCK_N blocks of the
+  keys that any row can see, [lo, n_b). It writes a normalised float32 partial output and a log2-domain
+  lse per (row, split) to the workspace; with num_splits == 1 it writes out and lse directly and the
+  combine is skipped.
+- ``_decode_combine``: one program per output row merges the splits with weights 2^(lse_s - max).
+  Splits that saw no key wrote lse = -inf and output 0, so they get weight 0.
+
+Workspace (the partial outputs, float32): cached in ``_WORKSPACES``, one buffer pair per (device, B, Hq,
+Lq, Dv, num_splits) and never freed, so a plain call and a CUDA-graph replay do the same work and the
+steady state allocates only the returned (out, lse). The dtype is not in the key because the workspace is
+float32 for every input dtype. Sharing one buffer among all calls of a shape (every layer of a model) is
+safe for calls issued in order on one stream: each call's combine has read the buffer before the next
+call's partial kernel can start writing it, and a captured graph replays its kernels in that same order
+against the same buffer, which stays alive because the cache never drops it. Two streams running calls
+of one shape concurrently would race on it; nothing in this package does that.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ...device import DeviceInfo, device_info
+from ...problem import Problem, next_power_of_two
+from ..base import AttnCall, Backend, Config
+
+MAX_LEN_Q = 16
+SPLITS = tuple(2 ** i for i in range(8))  # 1 .. 128
+BLOCK_NS = (32, 64)
+NUM_WARPS = (4, 8)
+_DTYPES = ("float16", "bfloat16", "float32")
+_ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+_HEAD_DIMS = (16, 256)
+_LOG2E = 1.4426950408889634
+# Shared memory per block (KiB) that Triton may use, by arch; the interpreter (arch 0) uses the sm_90
+# figure so that CPU tests see the candidate list of the GPUs here.
+_SMEM_KIB = {0: 227, 80: 163, 86: 99, 89: 99, 90: 227, 100: 227}
+# Leave room for Triton's layout-conversion scratch, which the estimate below does not count.
+_SMEM_HEADROOM = 0.85
+
+
+@triton.jit
+def _decode_partial(
+    Q, K, V, SEQLENS, OUT, LSE,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+    qk_scale, HKV, G, LQ, LK, D, DV, NUM_SPLITS, NUM_M_BLOCKS, WINDOW_LEFT, WINDOW_RIGHT,
+    HAS_SEQLENS: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SINGLE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_IN_F32: tl.constexpr,
+):
+    # Row blocks of one (split, batch, kv head) are adjacent in launch order, so they run together and
+    # share the K/V tiles in L2 when G * Lq needs more than one row block.
+    pid = tl.program_id(0)
+    m_blk = pid % NUM_M_BLOCKS
+    split = (pid // NUM_M_BLOCKS) % NUM_SPLITS
+    bh = pid // (NUM_M_BLOCKS * NUM_SPLITS)
+    b = (bh // HKV).to(tl.int64)  # int64: b * stride overflows int32 for large KV caches
+    hkv = (bh % HKV).to(tl.int64)
+
+    if HAS_SEQLENS:
+        n = tl.load(SEQLENS + b).to(tl.int32)
+    else:
+        n = LK
+    # Keys any row may see: [lo, n). The left window bound of the first query is the lowest.
+    lo = 0
+    if HAS_LEFT:
+        lo = tl.maximum(n - LQ - WINDOW_LEFT, 0)
+    # Balanced split of the visible blocks: each split gets floor or ceil(nblk / NUM_SPLITS) blocks,
+    # so none is empty while NUM_SPLITS <= nblk; the ones beyond write lse = -inf.
+    nblk = tl.cdiv(n - lo, BLOCK_N)
+    start = lo + (split * nblk // NUM_SPLITS) * BLOCK_N
+    end = tl.minimum(lo + ((split + 1) * nblk // NUM_SPLITS) * BLOCK_N, n)
+
+    rows = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < G * LQ
+    g = rows // LQ
+    i = rows % LQ
+    diag = i + n - LQ  # lower-right aligned: query i's own position among the keys
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < D
+    dv_ok = offs_dv < DV
+    h = hkv * G + g
+    q = tl.load(Q + b * sqb + h[:, None] * sqh + i[:, None] * sqm + offs_d[None, :] * sqd,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_IN_F32:  # interpreter only: its tl.dot multiplies the raw bits of bf16 (triton#11584)
+        q = q.to(tl.float32)
+    k_base = K + b * skb + hkv * skh
+    v_base = V + b * svb + hkv * svh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    for s0 in range(start, end, BLOCK_N):
+        keys = s0 + offs_n
+        key_ok = keys < end
+        k = tl.load(k_base + keys[:, None] * skn + offs_d[None, :] * skd,
+                    mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+        if DOT_IN_F32:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        ok = key_ok[None, :]
+        if HAS_RIGHT:
+            ok = ok & (keys[None, :] <= diag[:, None] + WINDOW_RIGHT)
+        if HAS_LEFT:
+            ok = ok & (keys[None, :] >= diag[:, None] - WINDOW_LEFT)
+        qk = tl.where(ok, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # a row with no visible key so far keeps m = -inf; shift by 0 there so exp2 gives 0, not NaN
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(qk - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + keys[:, None] * svn + offs_dv[None, :] * svd,
+                    mask=key_ok[:, None] & dv_ok[None, :], other=0.0)
+        p_op = p.to(v.dtype)  # P @ V on the tensor cores in the input dtype, like FlashAttention
+        if DOT_IN_F32:  # rounded to the input dtype first, so the interpreter sees the GPU's numerics
+            p_op = p_op.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p_op, v, input_precision=PRECISION)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    # (b, hkv, row) -> flat (b, h, i) row of out: (b * Hq + hkv * G + g) * Lq + i
+    out_row = (b * HKV + hkv) * G * LQ + rows.to(tl.int64)
+    store_ok = row_ok[:, None] & dv_ok[None, :]
+    if SINGLE:
+        tl.store(OUT + out_row[:, None] * DV + offs_dv[None, :], out.to(OUT.dtype.element_ty), mask=store_ok)
+        tl.store(LSE + out_row, lse2 * 0.6931471805599453, mask=row_ok)
+    else:
+        ws_row = out_row * NUM_SPLITS + split
+        tl.store(OUT + ws_row[:, None] * DV + offs_dv[None, :], out, mask=store_ok)
+        tl.store(LSE + ws_row, lse2, mask=row_ok)
+
+
+@triton.jit
+def _decode_combine(WS_O, WS_LSE, OUT, LSE, NUM_SPLITS, DV, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr):
+    # Two passes over the split lses (max, then weighted sum) keep every loop-carried value a vector.
+    row = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < DV
+    lse_row = WS_LSE + row * NUM_SPLITS
+    top = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for s0 in range(0, NUM_SPLITS, BLOCK_S):
+        s = s0 + offs_s
+        top = tl.maximum(top, tl.load(lse_row + s, mask=s < NUM_SPLITS, other=float("-inf")))
+    m = tl.max(top, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    weight_sum = tl.zeros([BLOCK_S], tl.float32)
+    acc = tl.zeros([BLOCK_DV], tl.float32)
+    for s0 in range(0, NUM_SPLITS, BLOCK_S):
+        s = s0 + offs_s
+        s_ok = s < NUM_SPLITS
+        w = tl.exp2(tl.load(lse_row + s, mask=s_ok, other=float("-inf")) - m_safe)
+        o = tl.load(WS_O + (row * NUM_SPLITS + s[:, None]) * DV + offs_dv[None, :],
+                    mask=s_ok[:, None] & dv_ok[None, :], other=0.0)
+        weight_sum += w
+        acc += tl.sum(w[:, None] * o, 0)
+    total = tl.sum(weight_sum, 0)
+    empty = total == 0.0
+    out = acc / tl.where(empty, 1.0, total)
+    lse = tl.where(empty, float("-inf"), (m + tl.log2(tl.where(empty, 1.0, total))) * 0.6931471805599453)
+    tl.store(OUT + row * DV + offs_dv, out.to(OUT.dtype.element_ty), mask=dv_ok)
+    tl.store(LSE + row, lse)
+
+
+# ------------------------------------------------------------------------------------------- sizes
+def _block_d(d: int) -> int:
+    """Padded head dim (masked loads cover the rest); tl.dot needs >= 16.
+
+    >>> _block_d(40), _block_d(128), _block_d(16)
+    (64, 128, 16)
+    """
+    return max(16, next_power_of_two(d))
+
+
+def _block_m(group_rows: int, head_dim: int) -> int:
+    """Rows per program: all G * Lq rows of a kv head when they fit, else row blocks of 64 (32 at D > 128,
+    where a 64 x 256 float32 accumulator would take 128 registers per thread at 4 warps).
+
+    >>> _block_m(1, 128), _block_m(8, 256), _block_m(256, 128), _block_m(256, 256)
+    (16, 16, 64, 32)
+    """
+    cap = 64 if head_dim <= 128 else 32
+    return max(16, min(next_power_of_two(group_rows), cap))
+
+
+def _visible_keys(p: Problem) -> int:
+    """Keys that some query row can see: a left window bounds them to window_left + Lq.
+
+    >>> import dataclasses; p = Problem("attention", "bfloat16", "cuda", 1, 8, 2, 1, 8192, 128, 128)
+    >>> _visible_keys(p), _visible_keys(dataclasses.replace(p, window_left=255))
+    (8192, 256)
+    """
+    return p.len_k if p.window_left < 0 else min(p.len_k, p.window_left + p.len_q)
+
+
+def _smem_bytes(p: Problem, block_n: int, stages: int) -> int:
+    """Estimated shared memory: `stages` buffers of the K and V tiles plus the q and p dot operands."""
+    elem = _ELEM_BYTES[p.dtype]
+    block_m = _block_m(p.gqa_ratio * p.len_q, p.head_dim)
+    tiles = block_n * (_block_d(p.head_dim) + _block_d(p.head_dim_v)) * elem
+    return stages * tiles + block_m * (_block_d(p.head_dim) + block_n) * elem
+
+
+def _smem_limit(dev: DeviceInfo) -> int:
+    return int(_SMEM_KIB.get(dev.arch, 99) * 1024 * _SMEM_HEADROOM)
+
+
+def _num_stages(p: Problem, block_n: int, dev: DeviceInfo) -> int:
+    """3 pipeline stages (more bytes in flight per SM) when they fit in shared memory, else 2."""
+    return 3 if _smem_bytes(p, block_n, 3) <= _smem_limit(dev) else 2
+
+
+def _default_config(p: Problem, dev: DeviceInfo) -> Config:
+    """Untuned fallback: enough splits for about two programs per SM, never more than the KV blocks."""
+    block_n = 64 if p.head_dim <= 128 and p.dtype != "float32" else 32
+    programs = p.batch * p.heads_kv * -(-p.gqa_ratio * p.len_q // _block_m(p.gqa_ratio * p.len_q, p.head_dim))
+    want = next_power_of_two(max(1, math.ceil(2 * max(dev.sm_count, 1) / max(programs, 1))))
+    blocks = max(1, -(-_visible_keys(p) // block_n))
+    splits = max(s for s in SPLITS if s <= min(want, blocks))
+    return Config.of(block_n=block_n, num_splits=splits, num_warps=4)
+
+
+# ---------------------------------------------------------------------------------------- workspace
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, b: int, hq: int, lq: int, dv: int, splits: int):
+    """The (partial out, partial lse) buffers of this shape, allocated once; see the module docstring."""
+    key = (device, b, hq, lq, dv, splits)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        rows = b * hq * lq
+        ws = (torch.empty(rows, splits, dv, dtype=torch.float32, device=device),
+              torch.empty(rows, splits, dtype=torch.float32, device=device))
+        _WORKSPACES[key] = ws
+    return ws
+
+
+# ------------------------------------------------------------------------------------------- launch
+@functools.lru_cache(maxsize=1024)
+def _plan(p: Problem, dev: DeviceInfo, cfg: Config) -> tuple[int, int, int, int]:
+    """(num_splits, block_n, num_warps, num_stages) of a config; missing knobs come from the default."""
+    full = dict(_default_config(p, dev).params) | dict(cfg.params)
+    block_n = int(full["block_n"])
+    return int(full["num_splits"]), block_n, int(full["num_warps"]), _num_stages(p, block_n, dev)
+
+
+def launch(call: AttnCall, cfg: Config, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Write attention of ``call`` into ``out`` (B, Hq, Lq, Dv; contiguous) and ``lse`` (B, Hq, Lq;
+    float32, contiguous). Split from ``run`` so tests can hand in outputs poisoned with NaN."""
+    q, k, v = call.q, call.k, call.v
+    b, hq, lq, d = q.shape
+    hkv, lk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    g = hq // hkv
+    splits, block_n, num_warps, stages = _plan(call.problem, device_info(q.device), cfg)
+    block_m = _block_m(g * lq, d)
+    m_blocks = -(-g * lq // block_m)
+    right = 0 if call.causal else call.window_right
+    single = splits == 1
+    target_o, target_lse = (out, lse) if single else _workspace(q.device, b, hq, lq, dv, splits)
+    seqlens = call.kv_seqlens if call.kv_seqlens is not None else lse  # unread when HAS_SEQLENS is off
+    _decode_partial[(m_blocks * splits * b * hkv,)](
+        q, k, v, seqlens, target_o, target_lse, *q.stride(), *k.stride(), *v.stride(),
+        call.scale * _LOG2E, hkv, g, lq, lk, d, dv, splits, m_blocks, max(call.window_left, 0), max(right, 0),
+        HAS_SEQLENS=call.kv_seqlens is not None, HAS_LEFT=call.window_left >= 0, HAS_RIGHT=right >= 0,
+        SINGLE=single, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(d), BLOCK_DV=_block_d(dv),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_IN_F32=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=num_warps, num_stages=stages,
+    )
+    if not single:
+        block_dv = _block_d(dv)
+        # at most 4096 float32 partials (16 KiB) in registers per chunk of splits
+        block_s = min(next_power_of_two(splits), max(1, 4096 // block_dv))
+        _decode_combine[(b * hq * lq,)](target_o, target_lse, out, lse, splits, dv,
+                                        BLOCK_S=block_s, BLOCK_DV=block_dv, num_warps=4)
+
+
+# ------------------------------------------------------------------------------------------ backend
+class TritonDecodeBackend(Backend):
+    """Split-K flash-decoding for Lq <= 16; inference only (no backward)."""
+
+    name = "triton_decode"
+    has_backward = False
+
+    def supports(self, p: Problem, dev: DeviceInfo) -> str | None:
+        if p.op != "attention":
+            return f"split-K decode handles op 'attention' only, got {p.op!r}"
+        if p.len_q > MAX_LEN_Q:
+            return f"split-K decode is for Lq <= {MAX_LEN_Q}, got {p.len_q}"
+        if p.device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            return "needs a CUDA device"
+        if p.dtype not in _DTYPES:
+            return f"dtype {p.dtype} not supported (float16, bfloat16, float32)"
+        lo, hi = _HEAD_DIMS
+        for name, size in (("head_dim", p.head_dim), ("head_dim_v", p.head_dim_v)):
+            if not lo <= size <= hi:
+                return f"{name} must be in [{lo}, {hi}], got {size}"
+        return None
+
+    def configs(self, p: Problem, dev: DeviceInfo) -> list[Config]:
+        return [Config.of(block_n=n, num_splits=s, num_warps=w)
+                for n in BLOCK_NS for w in NUM_WARPS for s in SPLITS]
+
+    def prune(self, p: Problem, dev: DeviceInfo, cfg: Config) -> str | None:
+        block_n, splits = int(cfg["block_n"]), int(cfg["num_splits"])
+        blocks = -(-_visible_keys(p) // block_n)
+        if splits > blocks:
+            return f"num_splits {splits} > kv blocks {blocks}"
+        need, limit = _smem_bytes(p, block_n, 2), _smem_limit(dev)
+        if need > limit:
+            return (f"block_n {block_n} at D {p.head_dim} ({p.dtype}) needs ~{need // 1024} KiB shared memory, "
+                    f"{limit // 1024} KiB usable on sm_{dev.arch}")
+        return None
+
+    def default_config(self, p: Problem, dev: DeviceInfo) -> Config:
+        return _default_config(p, dev)
+
+    def run(self, call: AttnCall, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+        q, v = call.q, call.v
+        b, hq, lq, _ = q.shape
+        out = torch.empty(b, hq, lq, v.shape[-1], dtype=q.dtype, device=q.device)
+        lse = torch.empty(b, hq, lq, dtype=torch.float32, device=q.device)
+        launch(call, cfg, out, lse)
+        return out, lse
+
+
+BACKEND = TritonDecodeBackend()

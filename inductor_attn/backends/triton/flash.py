@@ -1,0 +1,250 @@
+"""Triton flash-attention forward backend: dense, varlen and block-sparse, three tile schedules.
+
+The kernel is in ``flash_kernel.py``; this module holds the backend protocol (supports, a short curated
+config list per problem, pruning with reasons) and the launcher, which passes strides instead of copying
+and allocates only ``out`` and ``lse``. Backward is delegated to ``flash_bwd.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+
+import torch
+
+from ...device import DeviceInfo, device_info
+from ...problem import Problem, next_power_of_two
+from ..base import AttnCall, Backend, Config
+
+_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # tl.dot needs K >= 16; beyond 256 the accumulator cannot stay in registers
+
+# Shared memory a block may use (opt-in maximum), by compute capability: the CUDA C programming guide's
+# table (sm_80: 163 KiB, sm_86/89: 99 KiB, sm_90/100: 227 KiB).
+_SMEM_BYTES = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024}
+_SMEM_DEFAULT = 99 * 1024
+
+# LPT groups heads so that their K and V fit in this much L2 (H100/H200 have 50 MiB; half leaves room for
+# Q, O and the other SMs' streams). FA3's scheduler sizes its L2 swizzle the same way.
+_L2_BUDGET = 25 * 1024 * 1024
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim, best first. Starting points from
+# Triton's tutorial 06 autotune space (BLOCK_M 64/128, BLOCK_N 32-128, 4/8 warps, 2-4 stages) and FA3's
+# sm_90 tiles (128 x 128 for d <= 128, 128 x 80 / 64 x 64 for d = 256), cut to a few per head dim;
+# the tuner measures them, this list only bounds the search.
+_DENSE_TILES = {
+    64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4), (128, 32, 4, 4)],
+    128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3)],
+    256: [(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 2)],
+}
+# fp32 tiles are twice the bytes: a smaller fallback keeps one runnable config for every head dim.
+_FP32_EXTRA = (64, 32, 4, 2)
+# Decode-shaped problems (<= 64 packed rows per sequence): one 64-row tile holds all G heads of a step.
+_DECODE_TILES = [(64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 8, 2)]
+_PERSISTENT_FROM = 2  # the first two tile shapes also run persistent (and LPT where it applies)
+
+
+def _tile_cfg(tile, schedule: str, pack: bool | None) -> Config:
+    bm, bn, w, s = tile
+    extra = {} if pack is None else {"pack_gqa": pack}
+    return Config.of(block_m=bm, block_n=bn, num_warps=w, num_stages=s, schedule=schedule, **extra)
+
+
+def _has_band(p: Problem) -> bool:
+    """Causal or windowed: query blocks do unequal work, which is what LPT orders by."""
+    return p.causal or p.window_left >= 0 or p.window_right >= 0
+
+
+def _padded_dims(p: Problem) -> tuple[int, int]:
+    return max(16, next_power_of_two(p.head_dim)), max(16, next_power_of_two(p.head_dim_v))
+
+
+def _smem_estimate(p: Problem, cfg: Config) -> int:
+    """Bytes of shared memory: the Q tile plus ``num_stages`` K and V tiles in flight."""
+    bd, bdv = _padded_dims(p)
+    es = _DTYPES.get(p.dtype, 4)
+    return (cfg["block_m"] * bd + cfg["num_stages"] * cfg["block_n"] * (bd + bdv)) * es
+
+
+class TritonFlashBackend(Backend):
+    name = "triton"
+    has_backward = True
+
+    def supports(self, p: Problem, dev: DeviceInfo) -> str | None:
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed"
+        if p.device_type != "cuda" and not (p.device_type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
+            return "needs a CUDA device (CPU only under TRITON_INTERPRET=1)"
+        if p.dtype not in _DTYPES:
+            return f"{p.dtype} not supported (float16, bfloat16, float32)"
+        if p.device_type == "cuda" and dev.arch < 80:
+            return f"needs sm_80 or newer, got sm_{dev.arch}"
+        for what, d in (("head_dim", p.head_dim), ("head_dim_v", p.head_dim_v)):
+            if d < MIN_HEAD_DIM:
+                return f"{what} {d} < {MIN_HEAD_DIM}"
+            if d > MAX_HEAD_DIM:
+                return f"{what} {d} > {MAX_HEAD_DIM}"
+        if p.op == "block_sparse":
+            if p.block_kv not in (32, 64, 128):
+                return f"block_kv {p.block_kv} not in (32, 64, 128): one KV tile reads one mask block"
+            if not _sparse_block_ms(p.block_q):
+                return f"block_q {p.block_q} is not a multiple of 16"
+        return None
+
+    def configs(self, p: Problem, dev: DeviceInfo) -> list[Config]:
+        pack = None if p.op == "block_sparse" or p.gqa_ratio == 1 else True
+        if p.op == "block_sparse":
+            tiles = [(bm, p.block_kv, w, s) for bm in _sparse_block_ms(p.block_q)[:2] for w, s in ((8, 2), (4, 3))]
+        elif p.len_q * p.gqa_ratio <= 64:
+            tiles = list(_DECODE_TILES)
+        else:
+            tiles = list(_DENSE_TILES[max(64, next_power_of_two(max(p.head_dim, p.head_dim_v)))])
+            if p.dtype == "float32":
+                tiles.append(_FP32_EXTRA)
+        schedules = ["persistent", "lpt"] if _has_band(p) and p.op != "block_sparse" else ["persistent"]
+        out = [_tile_cfg(t, "tile", pack) for t in tiles]
+        out += [_tile_cfg(t, s, pack) for s in schedules for t in tiles[:_PERSISTENT_FROM]]
+        if pack:
+            # packing trades a wider row block for one K/V read per group; unpacked is the usual layout
+            out.append(_tile_cfg(tiles[0], "tile", False))
+        return out
+
+    def prune(self, p: Problem, dev: DeviceInfo, cfg: Config) -> str | None:
+        bm, bn, warps = cfg["block_m"], cfg["block_n"], cfg["num_warps"]
+        if cfg["schedule"] not in ("tile", "persistent", "lpt"):
+            return f"unknown schedule {cfg['schedule']!r}"
+        if cfg["schedule"] == "lpt" and (not _has_band(p) or p.op == "block_sparse"):
+            return "lpt only helps causal/window problems (every query block does equal work otherwise)"
+        if p.op == "block_sparse":
+            if bn != p.block_kv:
+                return f"block_n {bn} != the mask's block_kv {p.block_kv}: a KV tile must be one mask block"
+            if p.block_q % bm:
+                return f"block_m {bm} does not divide the mask's block_q {p.block_q}"
+        if p.device_type != "cuda":
+            return None  # the interpreter has no shared-memory or register limits
+        smem, limit = _smem_estimate(p, cfg), _SMEM_BYTES.get(dev.arch, _SMEM_DEFAULT)
+        if smem > limit:
+            return f"needs ~{smem // 1024} KiB shared memory, sm_{dev.arch} has {limit // 1024} KiB"
+        regs = bm * (_padded_dims(p)[1] + bn) // (32 * warps)
+        if regs > 255:
+            return f"accumulator + scores need ~{regs} registers per thread (max 255)"
+        return None
+
+    def run(self, call: AttnCall, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+        return forward(call, cfg)
+
+    def backward(self, call: AttnCall, cfg: Config, out, lse, grad_out, grad_lse):
+        from .flash_bwd import backward as flash_backward
+
+        return flash_backward(call, cfg, out, lse, grad_out, grad_lse)
+
+
+def _sparse_block_ms(block_q: int) -> list[int]:
+    """Row-block sizes that tile a mask q block exactly, largest first.
+
+    >>> _sparse_block_ms(128), _sparse_block_ms(48), _sparse_block_ms(40)
+    ([128, 64, 32, 16], [16], [])
+    """
+    return [bm for bm in (128, 64, 32, 16) if block_q % bm == 0]
+
+
+def new_outputs(call: AttnCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """The only allocations of a forward: ``out`` and ``lse`` (tests wrap this to poison them)."""
+    q, v = call.q, call.v
+    if call.op == "varlen":
+        return (q.new_empty(q.shape[0], q.shape[1], v.shape[-1]),
+                torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device))
+    b, h, lq, _ = q.shape
+    return q.new_empty(b, h, lq, v.shape[-1]), torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
+
+
+def _bhld_strides(x: torch.Tensor, varlen: bool) -> tuple[int, ...]:
+    """(batch, head, row, dim) strides; varlen rows are packed tokens and the batch offset comes from
+    cu_seqlens, so its batch stride is 0."""
+    return (0, x.stride(1), x.stride(0), x.stride(2)) if varlen else tuple(x.stride())
+
+
+def _sparse_args(call: AttnCall, batch: int, heads: int) -> tuple[list, list[int]]:
+    """Mask tensors and their strides, broadcast (stride 0) over batch/heads where the mask is shared."""
+    sp = call.sparse
+    cnt = sp.kv_num_blocks.expand(batch, heads, -1)
+    idx = sp.kv_indices.expand(batch, heads, -1, -1)
+    bits = sp.partial_bits.expand(batch, heads, *sp.partial_bits.shape[2:])
+    if sp.full_kv_num_blocks is not None:
+        fcnt = sp.full_kv_num_blocks.expand(batch, heads, -1)
+        fidx = sp.full_kv_indices.expand(batch, heads, -1, -1)
+    else:
+        fcnt, fidx = cnt, idx  # never read: HAS_FULL is False
+    tensors = [fcnt, fidx, cnt, idx, bits]
+    strides = [*fcnt.stride(), *fidx.stride(), *cnt.stride(), *idx.stride(), *bits.stride()]
+    return tensors, strides
+
+
+def forward(call: AttnCall, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    from .flash_kernel import LOG2E, MODE_DENSE, MODE_SPARSE, MODE_VARLEN, SCHEDULES, flash_fwd_kernel
+
+    q, k, v = call.q, call.k, call.v
+    out, lse = new_outputs(call)
+    varlen, sparse = call.op == "varlen", call.op == "block_sparse"
+    bm, bn = cfg["block_m"], cfg["block_n"]
+    if varlen:
+        batch, len_q, len_k = call.cu_seqlens_q.shape[0] - 1, call.max_seqlen_q, call.max_seqlen_k
+        lse_strides = (0, lse.stride(0), lse.stride(1))
+    else:
+        batch, len_q, len_k = q.shape[0], q.shape[2], k.shape[2]
+        lse_strides = tuple(lse.stride())
+    heads_q, heads_kv = q.shape[-3], k.shape[-3]
+    group = heads_q // heads_kv
+    pack = group if cfg.get("pack_gqa", True) and not sparse else 1
+    heads_prog = heads_q // pack
+    num_m = math.ceil(len_q * pack / bm)
+    num_bh = batch * heads_prog
+    num_tiles = num_m * num_bh
+    if num_tiles == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    if sparse:
+        sp = call.sparse
+        if bn != sp.block_kv or sp.block_q % bm:
+            raise ValueError(f"config {cfg} does not fit block_q={sp.block_q}, block_kv={sp.block_kv} "
+                             "(block_n must equal block_kv and block_m divide block_q)")
+        mask_tensors, mask_strides = _sparse_args(call, batch, heads_q)
+    else:
+        mask_tensors, mask_strides = [q] * 5, [0] * 20
+    right = 0 if call.causal else call.window_right
+    schedule = SCHEDULES[cfg["schedule"]]
+    d, dv = q.shape[-1], v.shape[-1]
+    lpt_heads = max(1, min(num_bh, _L2_BUDGET // max(1, len_k * (d + dv) * q.element_size())))
+    grid = num_tiles if schedule == 0 else min(num_tiles, _resident_programs(q.device, cfg))
+    kv_lens = call.kv_seqlens if call.kv_seqlens is not None else q
+    cu_q = call.cu_seqlens_q if varlen else q
+    cu_k = call.cu_seqlens_k if varlen else q
+    flash_fwd_kernel[(grid,)](
+        q, k, v, out, lse, kv_lens, cu_q, cu_k, *mask_tensors,
+        *_bhld_strides(q, varlen), *_bhld_strides(k, varlen), *_bhld_strides(v, varlen),
+        *_bhld_strides(out, varlen), *lse_strides, *mask_strides,
+        len_q, len_k, call.scale * LOG2E, call.window_left, right,
+        heads_prog, num_m, num_bh, num_tiles, lpt_heads,
+        GROUP=group, PACK=pack, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_D=max(16, next_power_of_two(d)), BLOCK_DV=max(16, next_power_of_two(dv)), D=d, DV=dv,
+        MODE=MODE_SPARSE if sparse else MODE_VARLEN if varlen else MODE_DENSE, SCHEDULE=schedule,
+        HAS_LEFT=call.window_left >= 0 and not sparse, HAS_RIGHT=right >= 0 and not sparse,
+        HAS_KV_LENS=call.kv_seqlens is not None and not varlen,
+        HAS_FULL=sparse and call.sparse.full_kv_num_blocks is not None,
+        BLOCK_Q=call.sparse.block_q if sparse else bm, EVEN_N=len_k % bn == 0,
+        DOT_PREC="tf32x3" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out, lse
+
+
+def _resident_programs(device: torch.device, cfg: Config) -> int:
+    """Grid of a persistent launch: SMs x programs that fit on one SM (2 for 4-warp tiles of <= 64 rows,
+    whose registers and shared memory leave room for a second one; 1 otherwise)."""
+    per_sm = 2 if cfg["num_warps"] == 4 and cfg["block_m"] <= 64 else 1
+    return device_info(device).sm_count * per_sm
+
+
+BACKEND = TritonFlashBackend()

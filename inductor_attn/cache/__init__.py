@@ -1,0 +1,149 @@
+"""Looking inside the decision store: the Python side of ``python -m inductor_attn cache ...``.
+
+>>> import inductor_attn
+>>> rows = inductor_attn.cache.list_decisions()      # one dict per decision
+>>> print(inductor_attn.cache.explain(rows[0]["key"][:8]))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..problem import Problem
+from .store import DecisionStore, get_store
+
+__all__ = ["DecisionStore", "get_store", "list_decisions", "show", "explain", "clear", "export",
+           "import_decisions", "plot", "short_problem"]
+
+
+def short_problem(problem_key: str) -> str:
+    """A compact label such as ``attention bf16 B4 H32/8 L4096x4096 D128 causal``."""
+    p = Problem.from_key(problem_key)
+    label = f"{p.op} {p.dtype} B{p.batch} H{p.heads_q}/{p.heads_kv} L{p.len_q}x{p.len_k} D{p.head_dim}"
+    if p.head_dim_v != p.head_dim:
+        label += f"/{p.head_dim_v}"
+    if p.causal:
+        label += " causal"
+    if p.window_left >= 0 or p.window_right >= 0:
+        label += f" window({p.window_left},{p.window_right})"
+    if p.has_kv_seqlens:
+        label += " kv_seqlens"
+    if p.op == "block_sparse":
+        label += f" blocks{p.block_q}x{p.block_kv} density{p.density:.2f}"
+    return label
+
+
+def list_decisions(store: DecisionStore | None = None) -> list[dict]:
+    """One summary per stored decision: key, op, problem label, device, winner, speedup vs default."""
+    out = []
+    for row in (store or get_store()).rows():
+        winner = _winner_result(row)
+        out.append({
+            "key": row["key"], "op": row["op"], "problem": short_problem(row["problem"]),
+            "device": row["device"], "winner": row["winner"], "default": row["record"]["default"],
+            "speedup": None if winner is None else winner.get("speedup"),
+        })
+    return out
+
+
+def _winner_result(row: dict) -> dict | None:
+    return next((c for c in row["record"]["candidates"] if c["name"] == row["winner"]), None)
+
+
+def _one(key_prefix: str, store: DecisionStore | None) -> dict:
+    rows = (store or get_store()).find(key_prefix)
+    if len(rows) != 1:
+        raise ValueError(f"key prefix {key_prefix!r} matches {len(rows)} decisions; give more characters"
+                         if rows else f"no decision with a key starting with {key_prefix!r}")
+    return rows[0]
+
+
+def show(key_prefix: str, store: DecisionStore | None = None) -> dict:
+    """The whole stored row (versions, every candidate's samples) for one decision."""
+    return _one(key_prefix, store)
+
+
+def explain(key_prefix: str, store: DecisionStore | None = None) -> str:
+    """Why the winner won: every candidate with its median time, CI, correctness and reasons."""
+    row = _one(key_prefix, store)
+    rec = row["record"]
+    lines = [
+        f"decision {row['key'][:16]}  {row['op']}",
+        f"  problem (bucket): {short_problem(row['problem'])}",
+        f"  measured on:      {short_problem(rec['problem'])}  ({rec['timer']} timer)",
+        f"  device:           {row['device']}",
+        f"  versions:         " + ", ".join(f"{k} {v}" for k, v in row["versions"].items() if k != "sources"),
+        f"  winner:           {row['winner']}  (default {rec['default']})",
+        f"  why:              {rec['why']}",
+        "",
+        f"  {'candidate':44s} {'status':8s} {'median ms':>10s} {'speedup':>8s} {'95% CI':>15s} "
+        f"{'rel.err':>8s} {'1st call s':>10s}  reason",
+    ]
+    for c in rec["candidates"]:
+        mark = "*" if c["name"] == row["winner"] else " "
+        ci = f"{c['ci_low']:.3f}-{c['ci_high']:.3f}" if c.get("ci_low") is not None else ""
+        lines.append(
+            f"{mark} {c['name'][:44]:44s} {c['status']:8s} {_fmt(c.get('median_ms'), '.4f'):>10s} "
+            f"{_fmt(c.get('speedup'), '.3f'):>8s} {ci:>15s} {_fmt(c.get('error'), '.1e'):>8s} "
+            f"{_fmt(c.get('compile_s'), '.2f'):>10s}  {c.get('reason') or c.get('note') or ''}"
+        )
+    return "\n".join(lines)
+
+
+def _fmt(x, spec: str) -> str:
+    return "" if x is None else format(x, spec)
+
+
+def clear(store: DecisionStore | None = None) -> int:
+    """Delete every decision (returns how many); in-memory decisions of this process are dropped too."""
+    from ..tuning.decide import forget_decisions
+
+    forget_decisions()
+    return (store or get_store()).clear()
+
+
+def export(path: str | Path, store: DecisionStore | None = None) -> int:
+    """Write every decision to a JSON file (to ship tuned decisions with a model)."""
+    return (store or get_store()).export_json(path)
+
+
+def import_decisions(path: str | Path, store: DecisionStore | None = None) -> int:
+    """Add the decisions of a JSON export (rows with the same key are replaced)."""
+    from ..tuning.decide import forget_decisions
+
+    forget_decisions()
+    return (store or get_store()).import_json(path)
+
+
+def plot(path: str | Path, store: DecisionStore | None = None) -> int:
+    """Draw each decision's winner and its speedup over the default (with the 95% CI) to a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = (store or get_store()).rows()
+    if not rows:
+        raise ValueError("the decision store is empty: nothing to plot")
+    labels, speedups, lows, highs, winners = [], [], [], [], []
+    for row in rows:
+        w = _winner_result(row) or {}
+        labels.append(f"{short_problem(row['problem'])}\n{row['op']}")
+        s = w.get("speedup") or 1.0
+        speedups.append(s)
+        lows.append(s - (w.get("ci_low") or s))
+        highs.append((w.get("ci_high") or s) - s)
+        winners.append(row["winner"].split(":")[0])
+    colors = {name: f"C{i}" for i, name in enumerate(sorted(set(winners)))}
+    fig, ax = plt.subplots(figsize=(10, 0.5 * len(rows) + 1.5))
+    ys = range(len(rows))
+    ax.barh(ys, speedups, xerr=[lows, highs], color=[colors[w] for w in winners], capsize=3)
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_yticks(list(ys), labels, fontsize=7)
+    ax.set_xlabel("speedup of the winner over the default candidate (95% CI)")
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()], labels=list(colors),
+              title="winner", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return len(rows)

@@ -1,0 +1,55 @@
+"""Decision keys: everything that can change which candidate wins, hashed into one string.
+
+Fields (any change gives a new key, so an old decision is simply never found again):
+- op and direction ("attention/forward"): different ops, different kernels;
+- the bucketed Problem (problem.py decides what "the same shape" means);
+- device name, compute capability and SM count: a decision on an H100 says nothing about a B200;
+- versions of torch (SDPA/cuDNN dispatch, Inductor), triton (code generation), nvidia-cutlass-dsl and
+  flash-attn-4 (FA4 kernels) and this package;
+- a hash of each candidate backend's module source (like Inductor's ExternKernelChoice.hash_key):
+  editing a kernel invalidates the timings taken with the old one.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from importlib import metadata
+
+from ..device import DeviceInfo
+from ..problem import Problem
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+@functools.cache
+def library_versions() -> dict[str, str]:
+    import torch
+
+    from .. import __version__
+
+    return {
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "nvidia-cutlass-dsl": _version("nvidia-cutlass-dsl"),
+        "flash-attn-4": _version("flash-attn-4"),
+        "inductor_attn": __version__,
+    }
+
+
+def decision_fields(op: str, direction: str, problem: Problem, dev: DeviceInfo, sources: dict[str, str]) -> dict:
+    """The row fields that identify a decision, and ``key``, their hash."""
+    fields = {
+        "op": f"{op}/{direction}",
+        "problem": problem.bucket().key(),
+        "device": dev.key(),
+        "versions": {**library_versions(), "sources": dict(sorted(sources.items()))},
+    }
+    blob = json.dumps(fields, sort_keys=True).encode()
+    return {"key": hashlib.sha256(blob).hexdigest(), **fields}

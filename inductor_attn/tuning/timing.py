@@ -1,0 +1,105 @@
+"""Timers: how one sample of a candidate's run time is taken.
+
+A timer turns zero-argument callables (the same kernel on rotating copies of the inputs, so that small
+problems are not timed out of a warm L2) into a *runner* whose ``sample()`` returns the mean time of
+one call in milliseconds. The tuner interleaves samples of all candidates round by round.
+
+- ``CudaGraphTimer`` (GPU default): captures ``fn`` into a CUDA graph and times replays with CUDA
+  events, flushing L2 before each sample. Seed 001 (ExecuTorch): the decode threshold moved from 2048 to
+  256 once timed under graph replay, because eager launches hide the kernel behind launch overhead.
+  A kernel that cannot be captured is timed with plain launches and says so in ``note``.
+- ``WallClockTimer``: CPU problems (perf_counter around the call).
+- Tests use their own fake timers with known distributions (see tests/test_tuner.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+L2_FLUSH_BYTES = 256 << 20  # > 50 MB L2 of an H100 / 60 MB of an H200
+
+
+class Runner:
+    def __init__(self, sample: Callable[[], float], note: str = ""):
+        self.sample = sample
+        self.note = note
+
+
+class WallClockTimer:
+    name = "wall-clock"
+
+    def __init__(self, inner_repeats: int = 1):
+        self.inner_repeats = inner_repeats
+
+    def prepare(self, fns: list[Callable[[], object]]) -> Runner:
+        for fn in fns:  # warm-up
+            fn()
+
+        def sample() -> float:
+            start = time.perf_counter()
+            for _ in range(self.inner_repeats):
+                for fn in fns:
+                    fn()
+            return (time.perf_counter() - start) * 1e3 / (self.inner_repeats * len(fns))
+
+        return Runner(sample)
+
+
+class CudaGraphTimer:
+    """One sample = one replay of a graph that calls the kernel once per input copy, after an L2 flush,
+    divided by the number of copies."""
+
+    name = "cuda-graph"
+
+    def __init__(self, warmup: int = 3):
+        self.warmup = warmup
+        self._flush = None
+
+    def _flush_l2(self) -> None:
+        if self._flush is None:
+            self._flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+        self._flush.zero_()
+
+    def prepare(self, fns: list[Callable[[], object]]) -> Runner:
+        def run_all():
+            for fn in fns:
+                fn()
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up off the capture: compiles, autotunes, allocates
+            for _ in range(self.warmup):
+                run_all()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        note = ""
+        try:
+            with torch.cuda.graph(graph):
+                run_all()
+            launch = graph.replay
+        except RuntimeError as err:  # not capturable (host sync, unsupported API): time plain launches
+            torch.cuda.synchronize()
+            note = f"timed without CUDA graph: {str(err).splitlines()[0][:120]}"
+            launch = run_all
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+        def sample() -> float:
+            self._flush_l2()
+            start.record()
+            launch()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / len(fns)
+
+        # keep the graph (and the memory pool it captured) alive as long as the runner
+        runner = Runner(sample, note)
+        runner.graph = graph
+        return runner
+
+
+def default_timer(device_type: str):
+    return CudaGraphTimer() if device_type == "cuda" else WallClockTimer()
