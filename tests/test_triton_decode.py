@@ -1,0 +1,248 @@
+"""Split-K decode backend on the CPU, through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET).
+
+Shapes are tiny so the interpreter stays fast; tests/test_triton_decode_gpu.py sweeps real sizes on a GPU.
+Every run writes into outputs and a workspace poisoned with NaN, so an element a kernel forgets to write
+fails the comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import doctest
+import math
+import os
+
+import pytest
+import torch
+
+import naive
+from inductor_attn.backends import REFERENCE, AttnCall, Config, enumerate_candidates, only_backends
+from inductor_attn.backends.triton import decode
+from inductor_attn.device import DeviceInfo, parse_device_override
+from inductor_attn.ops.attention import attention_op
+from inductor_attn.problem import Problem
+from inductor_attn.tuning.correctness import check_output
+
+H100 = parse_device_override("sm_90")
+CPU = DeviceInfo("cpu", (0, 0), 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    b: int = 1
+    hq: int = 4
+    hkv: int = 2
+    lq: int = 1
+    lk: int = 100
+    d: int = 32
+    dv: int | None = None
+    dtype: torch.dtype = torch.float16
+    causal: bool = False
+    window: tuple[int, int] = (-1, -1)
+    seqlens: tuple[int, ...] | None = None
+    block_n: int = 32
+    splits: int = 4
+    layout: str = "contiguous"  # or "bshd" (k/v as transposed views) or "cache_slice"
+
+
+def _kv(case: Case, dim: int, gen: torch.Generator) -> torch.Tensor:
+    shape = (case.b, case.hkv, case.lk, dim)
+    if case.layout == "bshd":  # a (B, L, H, D) cache viewed as (B, H, L, D): strides are not BHLD
+        return torch.randn(case.b, case.lk, case.hkv, dim, generator=gen).to(case.dtype).transpose(1, 2)
+    if case.layout == "cache_slice":  # the first lk positions of a longer, preallocated cache
+        return torch.randn(case.b, case.hkv, case.lk + 24, dim, generator=gen).to(case.dtype)[:, :, : case.lk]
+    return torch.randn(*shape, generator=gen).to(case.dtype)
+
+
+def _call(case: Case, seed: int = 0) -> AttnCall:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(case.b, case.lq, case.hq, case.d, generator=gen).to(case.dtype).transpose(1, 2)
+    k, v = _kv(case, case.d, gen), _kv(case, case.dv or case.d, gen)
+    seqlens = None if case.seqlens is None else torch.tensor(case.seqlens, dtype=torch.int32)
+    return AttnCall("attention", q, k, v, case.d ** -0.5, case.causal, *case.window, kv_seqlens=seqlens)
+
+
+def _reference(call: AttnCall):
+    exact = dataclasses.replace(call, q=call.q.double(), k=call.k.double(), v=call.v.double(), _problem=None)
+    return REFERENCE.run(exact, Config())
+
+
+def _run_poisoned(call: AttnCall, cfg: Config):
+    """Launch into NaN-filled outputs after filling this shape's cached workspace with NaN."""
+    b, hq, lq, _ = call.q.shape
+    dv, splits = call.v.shape[-1], int(cfg["num_splits"])
+    if splits > 1:
+        for buf in decode._workspace(call.q.device, b, hq, lq, dv, splits):
+            buf.fill_(float("nan"))
+    out = torch.full((b, hq, lq, dv), float("nan"), dtype=call.q.dtype)
+    lse = torch.full((b, hq, lq), float("nan"), dtype=torch.float32)
+    decode.launch(call, cfg, out, lse)
+    return out, lse
+
+
+def _cfg(case: Case) -> Config:
+    return Config.of(block_n=case.block_n, num_splits=case.splits, num_warps=4)
+
+
+CASES = {
+    "mha_lq1": Case(hq=2, hkv=2),
+    "gqa4_causal_bf16_nonpow2_d": Case(hq=8, hkv=2, lq=3, lk=130, d=40, dtype=torch.bfloat16, causal=True,
+                                       splits=2),
+    "mqa_fp32_left_window_more_splits_than_blocks": Case(hq=8, hkv=1, lq=2, lk=96, d=64, dtype=torch.float32,
+                                                         window=(16, 0), splits=8),
+    "kv_seqlens_0_short_and_full_causal": Case(b=3, lq=4, lk=70, causal=True, seqlens=(0, 2, 70), splits=4),
+    "two_row_blocks_g8_lq16": Case(hq=8, hkv=1, lq=16, lk=64, d=16, dtype=torch.bfloat16, causal=True,
+                                   splits=2),
+    "bshd_views_dv_ne_d_two_sided_window": Case(b=2, lq=2, lk=90, d=48, dv=32, window=(8, 4), layout="bshd"),
+    "cache_slice_single_split_seqlens": Case(b=2, hq=4, hkv=1, lq=2, lk=80, causal=True, seqlens=(33, 80),
+                                             splits=1, layout="cache_slice"),
+    "left_window_right_unbounded_block64": Case(lq=3, lk=150, window=(10, -1), block_n=64, splits=2,
+                                                dtype=torch.float32),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_matches_float64_reference(name):
+    case = CASES[name]
+    call = _call(case)
+    out, lse = _run_poisoned(call, _cfg(case))
+    ref_out, ref_lse = _reference(call)
+    assert check_output(out, lse, ref_out, ref_lse, case.dtype) is None
+
+
+def test_matches_naive_oracle_with_kv_seqlens():
+    # not causal: naive.dense_mask's in-place `ok &= ...` cannot broadcast (1, Lk) to (Lq, Lk) yet
+    case = Case(b=3, hq=4, hkv=1, lq=4, lk=70, seqlens=(0, 2, 70), splits=4)
+    call = _call(case, seed=1)
+    out, lse = _run_poisoned(call, _cfg(case))
+    ref_out, ref_lse = naive.dense(call.q, call.k, call.v, call.scale, kv_seqlens=call.kv_seqlens)
+    assert check_output(out, lse, ref_out, ref_lse, case.dtype) is None
+
+
+def test_fully_masked_rows_give_zero_output_and_minus_inf_lse():
+    case = Case(b=2, lq=4, lk=40, causal=True, seqlens=(0, 2), splits=2)
+    out, lse = _run_poisoned(_call(case), _cfg(case))
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert (out[0] == 0).all() and (lse[0] == -math.inf).all()
+    # n = 2 keys and 4 queries, lower-right aligned: queries 0 and 1 see no key, 2 and 3 see some
+    assert (lse[1, :, :2] == -math.inf).all() and (out[1, :, :2] == 0).all()
+    assert torch.isfinite(lse[1, :, 2:]).all()
+
+
+@pytest.mark.parametrize("splits", decode.SPLITS)
+def test_every_num_splits_matches_reference(splits):
+    case = Case(hq=4, hkv=1, lq=2, lk=300, causal=True, splits=splits)
+    call = _call(case, seed=2)
+    out, lse = _run_poisoned(call, _cfg(case))
+    assert check_output(out, lse, *_reference(call), case.dtype) is None
+
+
+def test_default_config_runs_through_the_custom_op():
+    case = Case(b=2, hq=4, hkv=2, lq=1, lk=64, causal=True, seqlens=(64, 17))
+    call = _call(case, seed=3)
+    with only_backends(REFERENCE, decode.BACKEND):
+        out, lse = attention_op(call.q, call.k, call.v, call.scale, True, -1, -1, call.kv_seqlens,
+                                "triton_decode:default")
+    assert check_output(out, lse, *_reference(call), case.dtype) is None
+
+
+def test_workspace_is_allocated_once_per_shape_and_reused():
+    decode._WORKSPACES.clear()
+    case = Case(lq=1, lk=64, splits=2)
+    call = _call(case, seed=4)
+    decode.BACKEND.run(call, _cfg(case))
+    (key, (ws_o, _)), = decode._WORKSPACES.items()
+    decode.BACKEND.run(_call(case, seed=5), _cfg(case))
+    assert list(decode._WORKSPACES) == [key] and decode._WORKSPACES[key][0].data_ptr() == ws_o.data_ptr()
+    decode.BACKEND.run(call, _cfg(dataclasses.replace(case, splits=4)))
+    assert len(decode._WORKSPACES) == 2
+
+
+def test_single_split_needs_no_workspace():
+    decode._WORKSPACES.clear()
+    case = Case(splits=1)
+    decode.BACKEND.run(_call(case), _cfg(case))
+    assert not decode._WORKSPACES
+
+
+# ------------------------------------------------------------------------------------ supports/configs
+def _problem(**kw) -> Problem:
+    base = dict(op="attention", dtype="bfloat16", device_type="cuda", batch=1, heads_q=32, heads_kv=16,
+                len_q=1, len_k=4096, head_dim=256, head_dim_v=256)
+    return Problem(**(base | kw))
+
+
+@pytest.mark.parametrize("kw, reason", [
+    (dict(op="varlen"), "split-K decode handles op 'attention' only, got 'varlen'"),
+    (dict(len_q=4096), "split-K decode is for Lq <= 16, got 4096"),
+    (dict(dtype="float64"), "dtype float64 not supported (float16, bfloat16, float32)"),
+    (dict(head_dim=8, head_dim_v=8), "head_dim must be in [16, 256], got 8"),
+    (dict(head_dim_v=512), "head_dim_v must be in [16, 256], got 512"),
+])
+def test_supports_explains_what_it_cannot_run(kw, reason):
+    assert decode.BACKEND.supports(_problem(**kw), H100) == reason
+
+
+def test_supports_decode_shapes_including_lq16_and_non_pow2_head_dim():
+    assert decode.BACKEND.supports(_problem(len_q=16, head_dim=72, head_dim_v=72), H100) is None
+
+
+def test_cpu_problems_need_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert decode.BACKEND.supports(_problem(device_type="cpu"), CPU) == "needs a CUDA device"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert decode.BACKEND.supports(_problem(device_type="cpu"), CPU) is None
+
+
+def test_configs_list_every_num_splits_with_unique_parseable_names():
+    cfgs = decode.BACKEND.configs(_problem(), H100)
+    assert {c["num_splits"] for c in cfgs} == set(decode.SPLITS)
+    names = [str(c) for c in cfgs]
+    assert len(set(names)) == len(names) and all(Config.parse(n) == c for n, c in zip(names, cfgs))
+
+
+def test_prune_drops_splits_that_would_get_no_kv_block():
+    p = _problem(len_k=512, head_dim=128, head_dim_v=128)
+    cfg = Config.of(block_n=64, num_splits=64, num_warps=4)
+    assert decode.BACKEND.prune(p, H100, cfg) == "num_splits 64 > kv blocks 8"
+    assert decode.BACKEND.prune(p, H100, Config.of(block_n=64, num_splits=8, num_warps=4)) is None
+
+
+def test_prune_counts_only_the_keys_a_window_can_see():
+    p = _problem(len_k=16384, window_left=127, head_dim=128, head_dim_v=128)
+    assert decode.BACKEND.prune(p, H100, Config.of(block_n=32, num_splits=8, num_warps=4)) == \
+        "num_splits 8 > kv blocks 4"
+
+
+def test_prune_drops_tiles_that_exceed_shared_memory():
+    reason = decode.BACKEND.prune(_problem(dtype="float32"), H100, Config.of(block_n=64, num_splits=1,
+                                                                               num_warps=4))
+    assert reason is not None and reason.startswith("block_n 64 at D 256 (float32) needs ~")
+
+
+def test_candidates_for_a_decode_problem_keep_their_reasons():
+    with only_backends(REFERENCE, decode.BACKEND):
+        cands = enumerate_candidates(_problem(len_k=256), H100)
+    pruned = {c.name: c.pruned for c in cands if c.backend == "triton_decode"}
+    assert pruned["triton_decode:block_n=32,num_splits=8,num_warps=4"] is None
+    assert pruned["triton_decode:block_n=32,num_splits=16,num_warps=4"] == "num_splits 16 > kv blocks 8"
+
+
+def test_default_config_fills_the_gpu_with_splits_but_not_past_the_kv_blocks():
+    # B1 Hkv2 leaves 2 programs without splitting; ~2 per SM on 132 SMs wants 128 splits
+    assert decode.BACKEND.default_config(_problem(heads_q=16, heads_kv=2, len_k=16384), H100)["num_splits"] == 128
+    assert decode.BACKEND.default_config(_problem(heads_q=16, heads_kv=2, len_k=256), H100)["num_splits"] == 8
+
+
+def test_backend_is_inference_only():
+    assert decode.BACKEND.has_backward is False
+    with pytest.raises(NotImplementedError):
+        decode.BACKEND.backward(None, Config(), None, None, None, None)
+
+
+def test_module_doctests_pass():
+    assert doctest.testmod(decode).failed == 0
+
+
+def test_interpreter_is_on_for_these_tests():
+    assert torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
