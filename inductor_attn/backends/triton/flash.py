@@ -7,6 +7,7 @@ and allocates only ``out`` and ``lse``. Backward is delegated to ``flash_bwd.py`
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import os
@@ -25,13 +26,10 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # tl.dot needs K >= 16; beyond 256 the acc
 _SMEM_BYTES = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024}
 _SMEM_DEFAULT = 99 * 1024
 
-# LPT groups heads so that their K and V fit in this much L2 (H100/H200 have 50 MiB; half leaves room for
-# Q, O and the other SMs' streams). FA3's scheduler sizes its L2 swizzle the same way.
-_L2_BUDGET = 25 * 1024 * 1024
-
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim, best first. Starting points from
-# Triton's tutorial 06 autotune space (BLOCK_M 64/128, BLOCK_N 32-128, 4/8 warps, 2-4 stages) and FA3's
-# sm_90 tiles (128 x 128 for d <= 128, 128 x 80 / 64 x 64 for d = 256), cut to a few per head dim;
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim, most promising first. Starting points
+# from Triton's tutorial 06 autotune space (BLOCK_M 64/128, BLOCK_N 32-128, 4/8 warps, 2-4 stages) and
+# FA3's sm_90 forward tiles (hopper/tile_size.h: 128 query rows x 128 keys for causal d = 128; Triton
+# needs power-of-two tiles, so its 176-key tile is out), cut to four per head dim. Unmeasured guesses:
 # the tuner measures them, this list only bounds the search.
 _DENSE_TILES = {
     64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4), (128, 32, 4, 4)],
@@ -214,22 +212,11 @@ def forward(call: AttnCall, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
     else:
         mask_tensors, mask_strides = [q] * 5, [0] * 20
     right = 0 if call.causal else call.window_right
-    schedule = SCHEDULES[cfg["schedule"]]
     d, dv = q.shape[-1], v.shape[-1]
-    lpt_heads = max(1, min(num_bh, _L2_BUDGET // max(1, len_k * (d + dv) * q.element_size())))
-    grid = num_tiles if schedule == 0 else min(num_tiles, _resident_programs(q.device, cfg))
-    kv_lens = call.kv_seqlens if call.kv_seqlens is not None else q
-    cu_q = call.cu_seqlens_q if varlen else q
-    cu_k = call.cu_seqlens_k if varlen else q
-    flash_fwd_kernel[(grid,)](
-        q, k, v, out, lse, kv_lens, cu_q, cu_k, *mask_tensors,
-        *_bhld_strides(q, varlen), *_bhld_strides(k, varlen), *_bhld_strides(v, varlen),
-        *_bhld_strides(out, varlen), *lse_strides, *mask_strides,
-        len_q, len_k, call.scale * LOG2E, call.window_left, right,
-        heads_prog, num_m, num_bh, num_tiles, lpt_heads,
+    meta = dict(
         GROUP=group, PACK=pack, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_D=max(16, next_power_of_two(d)), BLOCK_DV=max(16, next_power_of_two(dv)), D=d, DV=dv,
-        MODE=MODE_SPARSE if sparse else MODE_VARLEN if varlen else MODE_DENSE, SCHEDULE=schedule,
+        MODE=MODE_SPARSE if sparse else MODE_VARLEN if varlen else MODE_DENSE, SCHEDULE=SCHEDULES[cfg["schedule"]],
         HAS_LEFT=call.window_left >= 0 and not sparse, HAS_RIGHT=right >= 0 and not sparse,
         HAS_KV_LENS=call.kv_seqlens is not None and not varlen,
         HAS_FULL=sparse and call.sparse.full_kv_num_blocks is not None,
@@ -237,14 +224,74 @@ def forward(call: AttnCall, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
         DOT_PREC="tf32x3" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    key = (q.dtype, *meta.values())
+    grid = num_tiles if meta["SCHEDULE"] == 0 else _persistent_grid(q.device, key, num_tiles)
+    lpt_heads = _lpt_group(_device_limits(q.device)[2], len_k * (d + dv) * k.element_size(), group // pack)
+    kv_lens = call.kv_seqlens if call.kv_seqlens is not None else q
+    cu_q = call.cu_seqlens_q if varlen else q
+    cu_k = call.cu_seqlens_k if varlen else q
+    compiled = flash_fwd_kernel[(grid,)](
+        q, k, v, out, lse, kv_lens, cu_q, cu_k, *mask_tensors,
+        *_bhld_strides(q, varlen), *_bhld_strides(k, varlen), *_bhld_strides(v, varlen),
+        *_bhld_strides(out, varlen), *lse_strides, *mask_strides,
+        len_q, len_k, call.scale * LOG2E, call.window_left, right,
+        heads_prog, num_m, num_bh, num_tiles, lpt_heads, **meta,
+    )
+    if meta["SCHEDULE"] != 0:
+        _record_occupancy(compiled, q.device, key, cfg["num_warps"])
     return out, lse
 
 
-def _resident_programs(device: torch.device, cfg: Config) -> int:
-    """Grid of a persistent launch: SMs x programs that fit on one SM (2 for 4-warp tiles of <= 64 rows,
-    whose registers and shared memory leave room for a second one; 1 otherwise)."""
-    per_sm = 2 if cfg["num_warps"] == 4 and cfg["block_m"] <= 64 else 1
-    return device_info(device).sm_count * per_sm
+def _lpt_group(l2_bytes: int, kv_bytes_per_head: int, heads_per_kv: int) -> int:
+    """How many heads LPT orders together: as many as have their K and V in L2, rounded down to a power
+    of two. flash-attention's SingleTileLPTScheduler (flash_attn/cute/tile_scheduler.py) budgets the whole
+    50 MB L2 of an H100 for K and V and notes that power-of-two groups ran faster. Unpacked GQA heads of
+    one group share K and V, so they count once.
+
+    >>> _lpt_group(50 << 20, 16384 * 256 * 2, 1), _lpt_group(50 << 20, 16384 * 256 * 2, 4), _lpt_group(1, 8, 1)
+    (4, 16, 1)
+    """
+    fit = max(1, l2_bytes // max(1, kv_bytes_per_head))
+    return (1 << (fit.bit_length() - 1)) * heads_per_kv
+
+
+# Programs per SM measured from the compiled kernel (registers, shared memory), keyed by specialization.
+_PER_SM: dict[tuple, int] = {}
+_REGS_PER_SM, _MAX_WARPS_PER_SM = 65536, 64  # sm_80 .. sm_100
+
+
+@functools.cache
+def _device_limits(device: torch.device) -> tuple[int, int, int]:
+    """(SM count, shared memory per SM, L2 bytes) of the device that runs the kernel (not a simulated
+    description: a persistent grid must match the real SM count)."""
+    if device.type != "cuda":
+        return device_info(device).sm_count, 228 * 1024, 50 * 1024 * 1024
+    props = torch.cuda.get_device_properties(device)
+    return (props.multi_processor_count, getattr(props, "shared_memory_per_multiprocessor", 228 * 1024),
+            getattr(props, "L2_cache_size", 50 * 1024 * 1024))
+
+
+def _persistent_grid(device: torch.device, key: tuple, num_tiles: int) -> int:
+    """SMs x resident programs per SM, capped at the tile count. Until the kernel has been compiled once
+    the count is 1 per SM, which is always correct, only possibly under-filled."""
+    return min(num_tiles, _device_limits(device)[0] * _PER_SM.get(key, 1))
+
+
+def _record_occupancy(compiled, device: torch.device, key: tuple, num_warps: int) -> None:
+    """Remember how many programs of this specialization fit on one SM (Triton's tutorial 02 computes
+    occupancy the same way, from ``n_regs`` and ``metadata.shared`` of the compiled kernel)."""
+    if key in _PER_SM or device.type != "cuda":
+        return
+    try:
+        regs, shared = compiled.n_regs, compiled.metadata.shared
+    except AttributeError:  # the interpreter returns no compiled kernel; other Triton versions may differ
+        return
+    fit = [_MAX_WARPS_PER_SM // num_warps]
+    if regs:
+        fit.append(_REGS_PER_SM // (regs * 32 * num_warps))
+    if shared:
+        fit.append(_device_limits(device)[1] // (shared + 1024))  # the driver reserves 1 KiB per block
+    _PER_SM[key] = max(1, min(fit))
 
 
 BACKEND = TritonFlashBackend()

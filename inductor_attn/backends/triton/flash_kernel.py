@@ -7,8 +7,9 @@ Triton's tutorial 06), and lse is converted back to natural log on the way out.
 
 One kernel serves three ops through constexpr ``MODE`` (dense, varlen, block-sparse) and three schedules
 through ``SCHEDULE``: one tile per program, persistent (grid = resident programs, each strides over the
-tile list), and LPT (persistent, heaviest query blocks first within L2-sized groups of heads, after
-FlashAttention-3's tile scheduler in hopper/tile_scheduler.hpp).
+tile list), and LPT (persistent, heaviest query blocks first within L2-sized groups of heads; the order
+of flash-attention's SingleTileLPTScheduler, flash_attn/cute/tile_scheduler.py, which launches one tile
+per block in that order instead of looping).
 
 GQA packing (FA3's PackGQA): with ``PACK = G`` a program owns one KV head and its tile rows are
 (position, query head) pairs, row r = position * G + head-in-group, so every K/V tile it loads serves all
