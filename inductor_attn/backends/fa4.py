@@ -1,0 +1,577 @@
+"""flash-attn-4 (CuTe DSL) as a candidate, with the scheduler knobs it has on each architecture.
+
+What is tuned (all facts from the flash-attn-4 4.0.0b36 source, ``flash_attn/cute/interface.py``):
+- sm_90: FA4's own default plus the few tile/MMA alternatives measured in
+  shared/anchors/h200-fa4-knobs-2026-11-22.json (``tile_mn``, ``mma_pv_is_rs``, ``intra_wg_overlap``),
+  and ``pack_gqa=False`` for GQA. Those are private keyword arguments of ``_flash_attn_fwd``: they are
+  checked with ``inspect.signature`` at first use and configs that need a moved one are pruned.
+- sm_100/sm_110: the CLC tile scheduler on/off and ``num_splits`` (split-KV). CLC is not a parameter:
+  see :func:`_clc_scheduler` for how one call gets it. Unmeasured here (no Blackwell GPU); the code
+  paths are exercised by simulating the device (``INDUCTOR_ATTN_DEVICE=sm_100``).
+On sm_90 the CLC and split configs still appear, pruned with "CLC needs sm_100" and
+"split-KV not supported on sm_90 by flash-attn-4" (``_flash_attn_fwd`` asserts "SplitKV not supported
+on SM 9.0").
+
+Layout: our (B, H, L, D) tensors reach FA4 as (B, L, H, D) transpose views. FA4 takes any strides whose
+last dim is contiguous and whose other strides are 16-byte multiples (``cute_dsl_utils._is_aligned_layout``)
+and otherwise copies silently (``maybe_contiguous``); we make that copy ourselves, count it in
+:data:`COPIES` and log it. ``out``/``lse`` are allocated in our layout and passed in, so results come back
+without a copy and the return tuple (5 items in b36, 4 before) is not relied on.
+
+Block-sparse: our :class:`BlockSparseMask` maps onto ``BlockSparseTensorsTorch`` (partial blocks ->
+``mask_block_*``, full -> ``full_block_*``). FA4 needs a ``mask_mod`` inside partial blocks; ours is a
+CuTe function that reads our per-block bitmaps through ``aux_tensors`` (:func:`_bitmap_mask_mod`).
+
+Compilation: FA4 JIT-compiles each configuration on first use (1-3 s on an H200, anchors README). Its
+disk cache is switched on before the first import unless the user configured it (:func:`_load`), and
+:meth:`FA4Backend.warmup` is that first call, so the tuner books compile time apart from run time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib.metadata
+import inspect
+import logging
+import math
+import os
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..device import DeviceInfo
+from ..problem import Problem
+from .base import AttnCall, Backend, Config
+from .block_bitmap import slot_table
+
+log = logging.getLogger(__name__)
+
+# Keyword arguments of interface._flash_attn_fwd / _flash_attn_bwd that every call uses: without them
+# the backend cannot run at all.
+FWD_KWARGS = frozenset({
+    "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal",
+    "window_size_left", "window_size_right", "mask_mod", "block_sparse_tensors", "aux_tensors", "out", "lse",
+    "return_lse",
+})
+BWD_KWARGS = frozenset({
+    "softmax_scale", "causal", "window_size_left", "window_size_right", "cu_seqlens_q", "cu_seqlens_k",
+    "seqused_k", "max_seqlen_q", "max_seqlen_k", "dlse",
+})
+# The private tuning knobs: a config that sets one is pruned if FA4 stops taking it.
+KNOB_KWARGS = frozenset({"tile_mn", "mma_pv_is_rs", "intra_wg_overlap", "pack_gqa", "num_splits"})
+CLC_SWITCH = "_get_use_clc_scheduler_default"
+
+DTYPES = (torch.float16, torch.bfloat16)
+# Input copies made because a tensor's layout did not suit FA4, by tensor name (see module docstring).
+COPIES: Counter = Counter()
+
+# sm_90 alternatives to FA4's default, from shared/anchors/h200-fa4-knobs-2026-11-22.json (H200, bf16,
+# D64/D128): the default was fastest within noise on all five shapes; these came closest or differ most
+# in kind. (64,128) and (128,64) lost 5-30% everywhere and are left out.
+SM90_ALTERNATIVES = (
+    Config.of(mma_pv_is_rs=False),
+    Config.of(intra_wg_overlap=False),
+    Config.of(tile_mn="128x176"),
+    Config.of(tile_mn="192x128", mma_pv_is_rs=False),
+    Config.of(tile_mn="128x176", mma_pv_is_rs=False),
+)
+# Measured launch failure (same file): compiled, then CUDA_LAUNCH_INVALID_CONFIG at D128 on all shapes.
+_LAUNCH_FAILURE = {("128x176", False, 128): "tile_mn=128x176 with mma_pv_is_rs=False failed to launch at "
+                                           "head_dim 128 (CUDA_LAUNCH_INVALID_CONFIG, H200, 2026-11-22)"}
+
+
+# ------------------------------------------------------------------------------------------ loading
+@dataclass(frozen=True)
+class _FA4:
+    """The imported pieces of flash-attn-4 this backend uses, and what its private API offers."""
+
+    interface: object
+    utils: object
+    block_sparsity: object
+    version: str
+    fwd_params: frozenset
+    bwd_params: frozenset
+    has_clc_switch: bool
+    has_sparse_block_size: bool
+    dsl_errors: tuple
+
+
+def user_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME`` (default ``~/.cache``) / inductor_attn."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "inductor_attn"
+
+
+def _enable_disk_cache() -> None:
+    """Turn on FA4's compiled-kernel disk cache unless the user set it either way.
+
+    ``flash_attn/cute/cache_utils.py`` reads both variables once, at import, so this must run before
+    the first import of ``flash_attn.cute``; done lazily (not at our import) so that importing
+    inductor_attn changes no global state. Without it every process recompiles (seconds per config,
+    flash-attention issue #2635).
+    """
+    if "flash_attn.cute.cache_utils" in sys.modules:
+        log.debug("flash_attn.cute was imported before inductor_attn: its disk-cache settings stand")
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(user_cache_dir() / "flash_attn_cute"))
+
+
+def missing_kwargs(params, required) -> list[str]:
+    """The names of ``required`` that a signature's parameter names lack, sorted.
+
+    >>> missing_kwargs({"q", "k", "tile_mn"}, {"tile_mn", "num_splits"})
+    ['num_splits']
+    """
+    return sorted(set(required) - set(params))
+
+
+@functools.cache
+def _load() -> _FA4 | str:
+    """Import flash-attn-4 once; the reason in words if it cannot be used."""
+    _enable_disk_cache()
+    try:
+        from flash_attn.cute import block_sparsity, interface
+        from flash_attn.cute import utils as fa_utils
+    except ModuleNotFoundError as err:
+        if err.name and err.name.split(".")[0] in ("flash_attn", "cutlass", "quack"):
+            return "flash-attn-4 not installed"
+        return f"flash-attn-4 not importable: {err}"
+    except (ImportError, OSError, RuntimeError) as err:  # e.g. a wheel built for another Python / CUDA
+        return f"flash-attn-4 not importable: {type(err).__name__}: {str(err)[:200]}"
+    try:
+        from cutlass.base_dsl.common import DSLBaseError  # compile/launch errors are not RuntimeErrors
+
+        dsl_errors = (DSLBaseError,)
+    except ImportError:
+        dsl_errors = ()
+    try:
+        version = importlib.metadata.version("flash-attn-4")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    return _FA4(
+        interface=interface,
+        utils=fa_utils,
+        block_sparsity=block_sparsity,
+        version=version,
+        fwd_params=frozenset(inspect.signature(interface._flash_attn_fwd).parameters),
+        bwd_params=frozenset(inspect.signature(interface._flash_attn_bwd).parameters),
+        has_clc_switch=callable(getattr(fa_utils, CLC_SWITCH, None)),
+        has_sparse_block_size="block_size" in getattr(block_sparsity.BlockSparseTensorsTorch, "_fields", ()),
+        dsl_errors=dsl_errors,
+    )
+
+
+def fa4_version() -> str | None:
+    """Installed flash-attn-4 version (for decision keys), None when it cannot be used."""
+    fa = _load()
+    return None if isinstance(fa, str) else fa.version
+
+
+# -------------------------------------------------------------------------------- problem geometry
+def _is_local(p: Problem) -> bool:
+    """FA4's "local" (interface._resolve_causal_local_window): a left window, or a right one without causal."""
+    return p.window_left >= 0 or (p.window_right >= 0 and not p.causal)
+
+
+def _parse_tile(text: str) -> tuple[int, int]:
+    m, n = text.split("x")
+    return int(m), int(n)
+
+
+def sm90_default_tile(head_dim: int, head_dim_v: int, causal: bool, local: bool,
+                      block_q: int | None = None, block_kv: int | None = None) -> tuple[int, int]:
+    """The forward tile FA4 picks on sm_90 when ``tile_mn`` is not given.
+
+    Restated from b36's ``_tile_size_fwd_sm90`` and ``_fit_sm90_fwd_tile_to_block_sparsity`` so that
+    pruning works without importing FA4; tests/test_fa4_gpu.py checks it against FA4's own functions.
+
+    >>> sm90_default_tile(128, 128, True, False), sm90_default_tile(64, 64, False, False, 128, 128)
+    ((128, 128), (128, 128))
+    """
+    if head_dim <= 96:
+        tall = block_q is None or block_q % 192 == 0  # 192-row tiles only when they nest in the q block
+        if not tall:
+            tile = (128, 128)
+        elif head_dim <= 64 or causal or local:
+            tile = (192, 128)
+        else:
+            tile = (192, 144)
+    elif head_dim <= 128:
+        tile = (128, 128)
+    elif head_dim <= 192:
+        tile = (128, 96 if local else 128 if head_dim_v <= 128 else 112)
+    else:
+        tile = (128, 64 if local else 80)
+    if block_q is None:
+        return tile
+    m, n = tile
+    if block_q % m != 0 and block_q % 64 == 0:
+        m = 64
+    if block_kv is not None and block_kv < n and block_kv % 16 == 0:
+        n = block_kv
+    return m, n
+
+
+def split_candidates(p: Problem, sm_count: int) -> list[int]:
+    """``num_splits`` values worth measuring on sm_100: 1, plus FA4's own estimate and half of it when
+    the grid of (batch, kv head, m-block) tiles leaves SMs idle.
+
+    The estimate follows b36's ``num_splits_heuristic``: SMs per tile, capped by the kv blocks and 128,
+    none when there are 4 kv blocks or fewer. Tiles are 128 x 128; FA4 packs GQA heads into the m
+    dimension and runs two q tiles per CTA once the packed rows exceed 128.
+
+    >>> dec = Problem("attention", "bfloat16", "cuda", 1, 32, 8, 1, 8192, 128, 128)
+    >>> split_candidates(dec, 148), split_candidates(dataclasses.replace(dec, len_q=1024, len_k=1024), 148)
+    ([1, 9, 18], [1])
+    """
+    pack = p.gqa_ratio > 1
+    rows = p.len_q * (p.gqa_ratio if pack else 1)
+    q_stage = 2 if rows > 128 else 1
+    tiles = p.batch * p.heads_kv * (1 if pack else p.gqa_ratio) * -(-rows // (128 * q_stage))
+    n_blocks = -(-p.len_k // 128)
+    if n_blocks <= 4 or tiles >= sm_count:
+        return [1]
+    best = min(sm_count // tiles, n_blocks, 128)
+    return sorted({1, best, max(2, best // 2)}) if best >= 2 else [1]
+
+
+def fa4_clc_off_reason(p: Problem) -> str | None:
+    """Why FA4 would run CLC off whatever is requested (b36 interface.py: "CLC regressed for varlen MHA
+    and dense noncausal"), or None when a CLC request takes effect. FA4 counts ``seqused_k``
+    (our kv_seqlens) as varlen, and runs block-sparse masks with causal off."""
+    if p.op == "block_sparse":
+        return "flash-attn-4 turns CLC off for block-sparse masks (it runs them as dense non-causal)"
+    varlen = p.op == "varlen" or p.has_kv_seqlens
+    if varlen and p.gqa_ratio == 1:
+        return "flash-attn-4 turns CLC off for varlen MHA (kv_seqlens count as varlen)"
+    if not varlen and not p.causal and not _is_local(p):
+        return "flash-attn-4 turns CLC off for dense non-causal problems"
+    return None
+
+
+def _head_dim_reason(p: Problem, arch: int) -> str | None:
+    d, dv = p.head_dim, p.head_dim_v
+    if d % 8 or dv % 8:
+        return f"flash-attn-4 needs head dims that are multiples of 8, got ({d}, {dv})"
+    if arch // 10 == 9 and not (8 <= d <= 256 and 8 <= dv <= 256):
+        return f"flash-attn-4 on sm_90 takes head dims 8..256, got ({d}, {dv})"
+    if arch // 10 in (10, 11) and not (max(d, dv) <= 128 or (d, dv) in ((192, 128), (256, 256))):
+        return f"flash-attn-4 on sm_100 takes head dims up to 128, (192, 128) or (256, 256), got ({d}, {dv})"
+    return None
+
+
+def _sparse_tile_reason(p: Problem, arch: int, tile: tuple[int, int]) -> str | None:
+    """Block sizes FA4 rejects (block_sparsity.normalize_block_sparse_config) for a given tile."""
+    m, n = tile
+    if arch // 10 == 9:
+        if p.block_kv != n:
+            return f"on sm_90 flash-attn-4 needs the kv block size ({p.block_kv}) to equal tile_n ({n})"
+        if p.block_q % m:
+            return f"flash-attn-4 needs the q block size ({p.block_q}) to be a multiple of tile_m ({m})"
+        return None
+    # sm_100: 128-row tiles, two per CTA (q_stage 2) once the rows exceed one tile, except at head_dim_v
+    # 256. Rows are counted without GQA packing, which FA4 turns off for per-head masks; with a mask
+    # shared by all heads and a short Lq FA4 may still want 256 (then the tuner drops the candidate).
+    m_eff = 256 if p.len_q > 128 and p.head_dim_v != 256 else 128
+    if p.block_kv % 128:
+        return f"on sm_100 flash-attn-4 needs the kv block size ({p.block_kv}) to be a multiple of 128"
+    if p.block_q % m_eff:
+        return f"on sm_100 flash-attn-4 needs the q block size ({p.block_q}) to be a multiple of {m_eff}"
+    return None
+
+
+# ------------------------------------------------------------------------------------ call helpers
+def _aligned(x: torch.Tensor) -> bool:
+    """FA4's layout rule (cute_dsl_utils._is_aligned_layout): contiguous last dim, 16-byte aligned
+    pointer, other strides 16-byte multiples (or 0, broadcast)."""
+    per16 = max(1, 16 // x.element_size())
+    return (x.stride(-1) == 1 and x.data_ptr() % 16 == 0
+            and all(s == 0 or s % per16 == 0 for s in x.stride()[:-1]))
+
+
+def _fa4_layout(x: torch.Tensor, name: str, transpose: bool) -> torch.Tensor:
+    """(B, H, L, D) -> FA4's (B, L, H, D) as a view; a copy (counted, logged) only when FA4 would make one."""
+    view = x.transpose(1, 2) if transpose else x
+    if _aligned(view):
+        return view
+    COPIES[name] += 1
+    log.info("flash-attn-4: copying %s %s (strides %s): last dim not contiguous or strides not 16-byte "
+             "aligned", name, tuple(x.shape), x.stride())
+    return view.contiguous()
+
+
+def _int32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.int32 and x.stride(0) == 1 else x.to(torch.int32).contiguous()
+
+
+def _window(call: AttnCall) -> tuple[int | None, int | None]:
+    left = None if call.window_left < 0 else call.window_left
+    right = 0 if call.causal else (None if call.window_right < 0 else call.window_right)
+    return left, right
+
+
+@contextlib.contextmanager
+def _clc_scheduler(fa_utils, enabled: bool | None):
+    """Run one FA4 call with the CLC scheduler requested (True) or not (False); None leaves FA4 alone.
+
+    FA4 has no CLC argument: ``FA_CLC=1`` is read at import into ``flash_attn.cute.utils`` and handed out
+    by ``utils._get_use_clc_scheduler_default()``, which ``_flash_attn_fwd`` calls through the module on
+    every call (b36 interface.py, "requested_use_clc_scheduler"). So we swap that function for the
+    duration of the call, under a lock so concurrent calls cannot see each other's value, and restore
+    it in ``finally``. The compile key includes the flag, so both variants stay cached side by side.
+    """
+    if enabled is None:
+        yield
+        return
+    with _CLC_LOCK:
+        saved = getattr(fa_utils, CLC_SWITCH)
+        setattr(fa_utils, CLC_SWITCH, lambda: enabled)
+        try:
+            yield
+        finally:
+            setattr(fa_utils, CLC_SWITCH, saved)
+
+
+_CLC_LOCK = threading.Lock()
+
+
+@functools.cache
+def _bitmap_mask_mod(block_q: int, block_kv: int, per_batch: int, per_head: int):
+    """A CuTe ``mask_mod`` that reads our partial-block bitmaps (aux_tensors = [slot_of, bits]).
+
+    ``slot_of[b, h, m, n]`` (int32, [B', H', M, N]) is the slot of kv block n in q block m's partial list
+    and ``bits`` is BlockSparseMask.partial_bits ([B', H', M, S, block_q, block_kv // 32]); bit j % 32 of
+    word j // 32 in row i says whether query i of the block sees key j. FA4 calls mask_mod only inside
+    partial blocks (block_sparse_utils.consume_block_sparse_loads passes mask_mod=None for full ones),
+    where both lookups are in range: FA4's tiles nest inside our blocks. Signature: b36 mask.call_mask_mod
+    (batch, head, q_idx, kv_idx, seqlen_info, aux_tensors), each index a 1-element TensorSSA.
+    Cached per block geometry, so FA4's compile key (it hashes the function and its closure) is stable.
+    """
+    import cutlass
+    import cutlass.cute as cute
+    from flash_attn.cute import utils as fa_utils
+
+    @cute.jit
+    def bitmap_mask_mod(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
+        slot_of = aux_tensors[0]
+        bits = aux_tensors[1]
+        q = q_idx[0]
+        kv = kv_idx[0]
+        b = batch[0] * per_batch  # 0 when the mask broadcasts over batch
+        h = head[0] * per_head
+        m = q // block_q
+        col = kv % block_kv
+        slot = slot_of[b, h, m, kv // block_kv]
+        word = bits[b, h, m, slot, q % block_q, col // 32]
+        bit = (word >> (col % 32)) & 1
+        return fa_utils.scalar_to_ssa(bit, cutlass.Int32) == fa_utils.scalar_to_ssa(1, cutlass.Int32)
+
+    return bitmap_mask_mod
+
+
+def _leading(t: torch.Tensor) -> torch.Tensor:
+    # FA4 infers an aux tensor's stride-1 dim and raises when several size-1 dims tie; name it.
+    t.__leading_dim__ = t.dim() - 1
+    return t
+
+
+# ------------------------------------------------------------------------------------------ backend
+class FA4Backend(Backend):
+    name = "fa4"
+    has_backward = True
+
+    # ---------------------------------------------------------------- enumeration (no FA4 needed)
+    def supports(self, p: Problem, dev: DeviceInfo) -> str | None:
+        if p.device_type != "cuda":
+            return "needs a CUDA device"
+        if p.dtype not in ("float16", "bfloat16"):
+            return f"flash-attn-4 takes float16 and bfloat16 only, got {p.dtype}"
+        if dev.arch // 10 not in (9, 10, 11):
+            return f"flash-attn-4 backend covers sm_90 and sm_100/sm_110, got sm_{dev.arch}"
+        reason = _head_dim_reason(p, dev.arch)
+        if reason:
+            return reason
+        fa = _load()
+        if isinstance(fa, str):
+            return fa
+        lost = missing_kwargs(fa.fwd_params, FWD_KWARGS)
+        if lost:
+            return f"flash-attn-4 {fa.version}: _flash_attn_fwd no longer takes {', '.join(lost)}"
+        if p.op == "block_sparse" and not fa.has_sparse_block_size:
+            return f"flash-attn-4 {fa.version}: BlockSparseTensorsTorch has no block_size field"
+        return None
+
+    def supports_backward(self, p: Problem, dev: DeviceInfo) -> str | None:
+        """Backward runs dense, GQA, window, kv_seqlens and varlen problems on sm_90 (and, unmeasured,
+        sm_100); not block-sparse: FA4 wants q-direction block lists there, and its sm_90 block-sparse
+        backward has known wrong gradients at head_dim 64 (flash-attention #2623)."""
+        reason = self.supports(p, dev)
+        if reason:
+            return reason
+        if p.op == "block_sparse":
+            return "flash-attn-4 block-sparse backward is not wired (needs q-direction blocks; #2623)"
+        lost = missing_kwargs(_load().bwd_params, BWD_KWARGS)
+        return f"flash-attn-4: _flash_attn_bwd no longer takes {', '.join(lost)}" if lost else None
+
+    def configs(self, p: Problem, dev: DeviceInfo) -> list[Config]:
+        scheduler = [Config.of(clc=clc, num_splits=s)
+                     for clc in (False, True) for s in self._splits(p, dev)]
+        if dev.arch // 10 in (10, 11):
+            return scheduler
+        out = [Config()]
+        if p.head_dim <= 128 and not p.is_decode:  # the measured range; a decode tile is one m-block
+            out += SM90_ALTERNATIVES
+        if p.gqa_ratio > 1:
+            out.append(Config.of(pack_gqa=False))
+        # shown so users see why they are not tried here; the one equal to FA4's default is left out
+        return out + [c for c in scheduler if c != Config.of(clc=False, num_splits=1)]
+
+    def _splits(self, p: Problem, dev: DeviceInfo) -> list[int]:
+        return [1] if p.op == "block_sparse" else split_candidates(p, dev.sm_count)
+
+    def prune(self, p: Problem, dev: DeviceInfo, cfg: Config) -> str | None:
+        arch = dev.arch
+        if cfg.get("clc") and arch < 100:
+            return "CLC needs sm_100"
+        if cfg.get("num_splits", 1) > 1 and arch // 10 == 9:
+            return "split-KV not supported on sm_90 by flash-attn-4"
+        fa = _load()
+        moved = missing_kwargs(fa.fwd_params, KNOB_KWARGS & {k for k, _ in cfg.params})
+        if moved:
+            return f"flash-attn-4 {fa.version}: _flash_attn_fwd no longer takes {', '.join(moved)}"
+        if cfg.get("clc"):
+            if not fa.has_clc_switch:
+                return f"flash-attn-4 {fa.version}: no utils.{CLC_SWITCH} to switch CLC per call"
+            reason = fa4_clc_off_reason(p)
+            if reason:
+                return reason
+        tile_text = cfg.get("tile_mn")
+        launch = _LAUNCH_FAILURE.get((tile_text, cfg.get("mma_pv_is_rs"), p.head_dim))
+        if launch:
+            return launch
+        if p.op == "block_sparse":
+            tile = (_parse_tile(tile_text) if tile_text else
+                    sm90_default_tile(p.head_dim, p.head_dim_v, False, False, p.block_q, p.block_kv))
+            return _sparse_tile_reason(p, arch, tile)
+        return None
+
+    def heuristic_config(self, p: Problem, dev: DeviceInfo) -> Config:
+        """FA4's hand rule without measuring: on sm_100 CLC on except where FA4 itself turns it off
+        (varlen MHA, dense non-causal; from the CLC heuristic PR, flash-attention #2455) and no split;
+        on sm_90 FA4's defaults."""
+        if dev.arch // 10 in (10, 11):
+            return Config.of(clc=fa4_clc_off_reason(p) is None, num_splits=1)
+        return Config()
+
+    # --------------------------------------------------------------------------------- execution
+    def _fa4(self) -> _FA4:
+        fa = _load()
+        if isinstance(fa, str):
+            raise RuntimeError(fa)
+        return fa
+
+    def _knobs(self, cfg: Config) -> dict:
+        kw = {}
+        if cfg.get("tile_mn"):
+            kw["tile_mn"] = _parse_tile(cfg["tile_mn"])
+        for key in ("mma_pv_is_rs", "intra_wg_overlap", "pack_gqa", "num_splits"):
+            if cfg.get(key) is not None:
+                kw[key] = cfg[key]
+        return kw
+
+    def _sparse_kwargs(self, fa: _FA4, call: AttnCall) -> dict:
+        s = call.sparse
+        tensors = fa.block_sparsity.BlockSparseTensorsTorch(
+            mask_block_cnt=s.kv_num_blocks, mask_block_idx=s.kv_indices,
+            full_block_cnt=s.full_kv_num_blocks, full_block_idx=s.full_kv_indices,
+            block_size=(s.block_q, s.block_kv))
+        kw = {"block_sparse_tensors": tensors}
+        if s.partial_fraction > 0:  # exact (not bucketed) here, so no device sync to find partial blocks
+            b, h = s.kv_num_blocks.shape[:2]
+            kw["mask_mod"] = _bitmap_mask_mod(s.block_q, s.block_kv, int(b > 1), int(h > 1))
+            kw["aux_tensors"] = [_leading(slot_table(s)), _leading(s.partial_bits.contiguous())]
+        return kw
+
+    def run(self, call: AttnCall, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+        fa = self._fa4()
+        q, k, v = call.q, call.k, call.v
+        dense = call.op != "varlen"
+        kw = dict(softmax_scale=call.scale, return_lse=True, **self._knobs(cfg))
+        if dense:
+            b, h, lq, _ = q.shape
+            out = q.new_empty(b, h, lq, v.shape[-1])
+            lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
+            kw.update(out=out.transpose(1, 2), lse=lse)
+        else:
+            out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+            lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+            kw.update(out=out, lse=lse, cu_seqlens_q=_int32(call.cu_seqlens_q),
+                      cu_seqlens_k=_int32(call.cu_seqlens_k), max_seqlen_q=call.max_seqlen_q,
+                      max_seqlen_k=call.max_seqlen_k)
+        if call.op == "block_sparse":
+            kw.update(self._sparse_kwargs(fa, call))
+        else:
+            kw["causal"] = call.causal
+            kw["window_size_left"], kw["window_size_right"] = _window(call)
+        if call.kv_seqlens is not None:
+            kw["seqused_k"] = _int32(call.kv_seqlens)
+        args = [_fa4_layout(x, name, dense) for x, name in ((q, "q"), (k, "k"), (v, "v"))]
+        with _clc_scheduler(fa.utils, cfg.get("clc")), self._dsl_errors(fa, cfg):
+            result = fa.interface._flash_attn_fwd(*args, **kw)
+        # b36 returns (out, lse, ...) and writes the buffers we passed; take FA4's lse if it made its own
+        got_lse = result[1] if isinstance(result, tuple) and len(result) > 1 else None
+        if got_lse is not None and got_lse.data_ptr() != lse.data_ptr():
+            lse = got_lse
+        return out, lse
+
+    @contextlib.contextmanager
+    def _dsl_errors(self, fa: _FA4, cfg: Config):
+        """CuTe DSL compile/launch errors (e.g. CUDA_LAUNCH_INVALID_CONFIG) do not derive from RuntimeError;
+        re-raise them as one so the tuner drops the candidate instead of treating it as our bug."""
+        try:
+            yield
+        except fa.dsl_errors as err:
+            first = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), "")
+            raise RuntimeError(f"flash-attn-4 [{cfg}] {type(err).__name__}: {first[:200]}") from err
+
+    def warmup(self, call: AttnCall, cfg: Config) -> float:
+        """First call of a config: FA4 compiles it (1-3 s on an H200) or loads it from the disk cache.
+        Returns the seconds it took, so the tuner counts compile time apart from run time."""
+        start = time.perf_counter()
+        self.run(call, cfg)
+        if call.q.device.type == "cuda":
+            torch.cuda.synchronize(call.q.device)
+        return time.perf_counter() - start
+
+    def backward(self, call: AttnCall, cfg: Config, out, lse, grad_out, grad_lse):
+        if call.op == "block_sparse":
+            raise NotImplementedError("flash-attn-4 block-sparse backward is not wired (see supports_backward)")
+        fa = self._fa4()
+        dense = call.op != "varlen"
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        kw = dict(softmax_scale=call.scale, causal=call.causal, dlse=grad_lse)
+        kw["window_size_left"], kw["window_size_right"] = _window(call)
+        if not dense:
+            kw.update(cu_seqlens_q=_int32(call.cu_seqlens_q), cu_seqlens_k=_int32(call.cu_seqlens_k),
+                      max_seqlen_q=call.max_seqlen_q, max_seqlen_k=call.max_seqlen_k)
+        if call.kv_seqlens is not None:
+            kw["seqused_k"] = _int32(call.kv_seqlens)
+        tensors = ((call.q, "q"), (call.k, "k"), (call.v, "v"), (out, "out"), (grad_out, "grad_out"))
+        q, k, v, o, do = (_fa4_layout(x, name, dense) for x, name in tensors)
+        with self._dsl_errors(fa, cfg):
+            dq, dk, dv = fa.interface._flash_attn_bwd(q, k, v, o, do, lse.contiguous(), **kw)[:3]
+        return (dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)) if dense else (dq, dk, dv)
+
+
+BACKEND = FA4Backend()
+
+__all__ = ["FA4Backend", "BACKEND", "COPIES", "fa4_version", "fa4_clc_off_reason", "split_candidates",
+           "sm90_default_tile", "missing_kwargs"]
