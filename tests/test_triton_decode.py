@@ -96,6 +96,7 @@ CASES = {
     "bshd_views_dv_ne_d_two_sided_window": Case(b=2, lq=2, lk=90, d=48, dv=32, window=(8, 4), layout="bshd"),
     "cache_slice_single_split_seqlens": Case(b=2, hq=4, hkv=1, lq=2, lk=80, causal=True, seqlens=(33, 80),
                                              splits=1, layout="cache_slice"),
+    "dv96_two_combine_column_chunks": Case(lq=2, lk=70, d=80, dv=96, causal=True, splits=4),
     "left_window_right_unbounded_block64": Case(lq=3, lk=150, window=(10, -1), block_n=64, splits=2,
                                                 dtype=torch.float32),
 }

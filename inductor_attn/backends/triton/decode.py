@@ -16,7 +16,8 @@ The work:
   keys that any row can see, [lo, n_b). It writes a normalised float32 partial output and a log2-domain
   lse per (row, split) to the workspace; with num_splits == 1 it writes out and lse directly and the
   combine is skipped.
-- ``_decode_combine``: one program per output row merges the splits with weights 2^(lse_s - max).
+- ``_decode_combine``: one program per (output row, 64 columns) merges the splits with weights
+  2^(lse_s - max).
   Splits that saw no key wrote lse = -inf and output 0, so they get weight 0.
 
 Workspace (the partial outputs, float32): cached in ``_WORKSPACES``, one buffer pair per (device, B, Hq,
@@ -58,7 +59,9 @@ _SMEM_KIB = {0: 227, 80: 163, 86: 99, 89: 99, 90: 227, 100: 227}
 _SMEM_HEADROOM = 0.85
 
 
-@triton.jit
+# Lengths, split counts and windows change between calls (every decode step without kv_seqlens): never
+# specialise on their values, or Triton would compile a variant for Lk == 1 and for Lk % 16 == 0.
+@triton.jit(do_not_specialize=["LK", "NUM_SPLITS", "NUM_M_BLOCKS", "WINDOW_LEFT", "WINDOW_RIGHT"])
 def _decode_partial(
     Q, K, V, SEQLENS, OUT, LSE,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
@@ -155,13 +158,18 @@ def _decode_partial(
         tl.store(LSE + ws_row, lse2, mask=row_ok)
 
 
-@triton.jit
-def _decode_combine(WS_O, WS_LSE, OUT, LSE, NUM_SPLITS, DV, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr):
+@triton.jit(do_not_specialize=["NUM_SPLITS"])
+def _decode_combine(WS_O, WS_LSE, OUT, LSE, NUM_SPLITS, DV, BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr):
+    # Program (row, chunk) merges BLOCK_DC output columns of one row. Splitting Dv across programs keeps
+    # this latency-bound step short: B1 Hq16 Lq1 is only 16 rows, and one program per row would read
+    # all num_splits x Dv partials (64 KiB at 64 splits, D256) alone. Every chunk recomputes the row's
+    # lse from the num_splits partial lses, which costs nothing next to the outputs.
     # Two passes over the split lses (max, then weighted sum) keep every loop-carried value a vector.
     row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    dv_ok = offs_dv < DV
+    offs_d = chunk * BLOCK_DC + tl.arange(0, BLOCK_DC)
+    d_ok = offs_d < DV
     lse_row = WS_LSE + row * NUM_SPLITS
     top = tl.full([BLOCK_S], float("-inf"), tl.float32)
     for s0 in range(0, NUM_SPLITS, BLOCK_S):
@@ -170,21 +178,22 @@ def _decode_combine(WS_O, WS_LSE, OUT, LSE, NUM_SPLITS, DV, BLOCK_S: tl.constexp
     m = tl.max(top, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     weight_sum = tl.zeros([BLOCK_S], tl.float32)
-    acc = tl.zeros([BLOCK_DV], tl.float32)
+    acc = tl.zeros([BLOCK_DC], tl.float32)
     for s0 in range(0, NUM_SPLITS, BLOCK_S):
         s = s0 + offs_s
         s_ok = s < NUM_SPLITS
         w = tl.exp2(tl.load(lse_row + s, mask=s_ok, other=float("-inf")) - m_safe)
-        o = tl.load(WS_O + (row * NUM_SPLITS + s[:, None]) * DV + offs_dv[None, :],
-                    mask=s_ok[:, None] & dv_ok[None, :], other=0.0)
+        o = tl.load(WS_O + (row * NUM_SPLITS + s[:, None]) * DV + offs_d[None, :],
+                    mask=s_ok[:, None] & d_ok[None, :], other=0.0)
         weight_sum += w
         acc += tl.sum(w[:, None] * o, 0)
     total = tl.sum(weight_sum, 0)
     empty = total == 0.0
     out = acc / tl.where(empty, 1.0, total)
-    lse = tl.where(empty, float("-inf"), (m + tl.log2(tl.where(empty, 1.0, total))) * 0.6931471805599453)
-    tl.store(OUT + row * DV + offs_dv, out.to(OUT.dtype.element_ty), mask=dv_ok)
-    tl.store(LSE + row, lse)
+    tl.store(OUT + row * DV + offs_d, out.to(OUT.dtype.element_ty), mask=d_ok)
+    if chunk == 0:
+        lse = tl.where(empty, float("-inf"), (m + tl.log2(tl.where(empty, 1.0, total))) * 0.6931471805599453)
+        tl.store(LSE + row, lse)
 
 
 # ------------------------------------------------------------------------------------------- sizes
@@ -294,11 +303,12 @@ def launch(call: AttnCall, cfg: Config, out: torch.Tensor, lse: torch.Tensor) ->
         num_warps=num_warps, num_stages=stages,
     )
     if not single:
-        block_dv = _block_d(dv)
-        # at most 4096 float32 partials (16 KiB) in registers per chunk of splits
-        block_s = min(next_power_of_two(splits), max(1, 4096 // block_dv))
-        _decode_combine[(b * hq * lq,)](target_o, target_lse, out, lse, splits, dv,
-                                        BLOCK_S=block_s, BLOCK_DV=block_dv, num_warps=4)
+        # One compiled combine for every num_splits: up to 128 splits x 64 columns (32 KiB of float32) in
+        # one pass; masked loads of unused split slots move no data.
+        block_dc = min(64, _block_d(dv))
+        _decode_combine[(b * hq * lq, triton.cdiv(dv, block_dc))](
+            target_o, target_lse, out, lse, splits, dv, BLOCK_S=max(SPLITS), BLOCK_DC=block_dc,
+            num_warps=4)
 
 
 # ------------------------------------------------------------------------------------------ backend
