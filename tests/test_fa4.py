@@ -1,0 +1,481 @@
+"""The fa4 backend on the CPU: candidate enumeration and pruning on simulated sm_90 / sm_100 devices, the
+CLC heuristic, the guard on FA4's private signature, and how calls are assembled (with a fake FA4).
+
+flash-attn-4 cannot be imported here (its CuTe DSL wheels need the GPU machine's Python), so the
+enumeration tests replace ``fa4._load`` with a fake; the signature guard reads the installed or
+unpacked FA4 (inspect when importable, else its source) and skips only when there is none.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib.util
+import inspect
+import os
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from inductor_attn.backends import Config, enumerate_candidates, only_backends
+from inductor_attn.backends import fa4
+from inductor_attn.backends.base import AttnCall
+from inductor_attn.backends.block_bitmap import bitmap_lookup, slot_table
+from inductor_attn.device import device_info, parse_device_override
+from inductor_attn.ops.block_mask import BlockSparseMask
+from inductor_attn.problem import Problem
+
+SM90, SM100 = parse_device_override("sm_90"), parse_device_override("sm_100")
+UNPACKED = Path("/tmp/cutedsl-site/flash_attn/cute")
+
+
+def prob(op="attention", **kw) -> Problem:
+    base = dict(op=op, dtype="bfloat16", device_type="cuda", batch=2, heads_q=16, heads_kv=16, len_q=4096,
+                len_k=4096, head_dim=128, head_dim_v=128)
+    base.update(kw)
+    return Problem(**base)
+
+
+def decode(**kw) -> Problem:
+    return prob(batch=1, heads_q=32, heads_kv=8, len_q=1, len_k=8192, causal=True, **kw)
+
+
+def sparse_prob(**kw) -> Problem:
+    base = dict(block_q=128, block_kv=128, density=0.3, partial_fraction=0.2)
+    base.update(kw)
+    return prob("block_sparse", **base)
+
+
+def fake_fa4(**overrides) -> fa4._FA4:
+    base = dict(interface=None, utils=None, block_sparsity=None, version="test",
+                fwd_params=fa4.FWD_KWARGS | fa4.KNOB_KWARGS, bwd_params=fa4.BWD_KWARGS, has_clc_switch=True,
+                has_sparse_block_size=True, dsl_errors=())
+    base.update(overrides)
+    return fa4._FA4(**base)
+
+
+@pytest.fixture
+def installed(monkeypatch):
+    """FA4 "installed": a fake load result; returns a setter for variants."""
+    monkeypatch.setattr(fa4, "_load", lambda: fake_fa4())
+
+    def use(**overrides):
+        monkeypatch.setattr(fa4, "_load", lambda: fake_fa4(**overrides))
+
+    return use
+
+
+def candidates(p: Problem, dev) -> dict[str, str | None]:
+    with only_backends(fa4.BACKEND):
+        return {c.name: c.pruned for c in enumerate_candidates(p, dev)}
+
+
+# ------------------------------------------------------------------------------------- enumeration
+def test_simulated_sm100_lists_clc_on_off_and_num_splits(installed, monkeypatch):
+    monkeypatch.setenv("INDUCTOR_ATTN_DEVICE", "sm_100")
+    dev = device_info("cuda")  # the simulation, not a GPU query
+    cands = candidates(decode(), dev)
+    assert set(cands) == {f"fa4:clc={c},num_splits={s}" for c in (False, True) for s in (1, 9, 18)}
+    assert all(reason is None for reason in cands.values())
+
+
+def test_sm100_big_problem_gets_no_split_candidates(installed):
+    cands = candidates(prob(causal=True, batch=8), SM100)
+    assert set(cands) == {"fa4:clc=False,num_splits=1", "fa4:clc=True,num_splits=1"}
+
+
+def test_sm90_shows_clc_and_split_configs_pruned_with_exact_reasons(installed, monkeypatch):
+    monkeypatch.setenv("INDUCTOR_ATTN_DEVICE", "sm_90")
+    cands = candidates(decode(), device_info("cuda"))  # an H100's 132 SMs: splits 8 and 16 would help
+    assert cands["fa4:clc=True,num_splits=1"] == "CLC needs sm_100"
+    assert cands["fa4:clc=True,num_splits=8"] == "CLC needs sm_100"
+    assert cands["fa4:clc=False,num_splits=8"] == "split-KV not supported on sm_90 by flash-attn-4"
+    assert cands["fa4:clc=False,num_splits=16"] == "split-KV not supported on sm_90 by flash-attn-4"
+    assert "fa4:clc=False,num_splits=1" not in cands  # that one is FA4's default, listed as "default"
+    assert cands["fa4:default"] is None and cands["fa4:pack_gqa=False"] is None
+
+
+def test_sm90_lists_default_and_measured_alternatives(installed):
+    cands = candidates(prob(causal=True), SM90)
+    runnable = {n for n, r in cands.items() if r is None}
+    assert runnable == {"fa4:default", "fa4:mma_pv_is_rs=False", "fa4:intra_wg_overlap=False",
+                        "fa4:tile_mn=128x176", "fa4:mma_pv_is_rs=False,tile_mn=192x128"}
+    # the measured launch failure is pruned with its measurement, not silently dropped
+    assert "failed to launch" in cands["fa4:mma_pv_is_rs=False,tile_mn=128x176"]
+    assert candidates(prob(head_dim=64, head_dim_v=64), SM90)["fa4:mma_pv_is_rs=False,tile_mn=128x176"] is None
+
+
+def test_sm90_large_head_dim_and_decode_get_only_defaults(installed):
+    assert {n for n, r in candidates(prob(head_dim=256, head_dim_v=256), SM90).items() if r is None} == {
+        "fa4:default"}
+    assert {n for n, r in candidates(decode(), SM90).items() if r is None} == {"fa4:default", "fa4:pack_gqa=False"}
+
+
+@pytest.mark.parametrize("p, reason", [
+    (prob(), "dense non-causal"),
+    (prob("varlen", total_q=8192, total_k=8192, causal=True), "varlen MHA"),
+    (prob(causal=True, has_kv_seqlens=True), "varlen MHA"),
+    (sparse_prob(), "block-sparse"),
+])
+def test_sm100_prunes_clc_where_fa4_turns_it_off(installed, p, reason):
+    pruned = {n: r for n, r in candidates(p, SM100).items() if "clc=True" in n}
+    assert pruned and all(r is not None and reason in r for r in pruned.values())
+
+
+@pytest.mark.parametrize("p, clc", [
+    (prob(causal=True), True),
+    (prob(), False),  # dense non-causal
+    (prob(window_left=256, window_right=0), True),  # local counts as masked, CLC stays on
+    (prob("varlen", total_q=8192, total_k=8192), False),  # varlen MHA
+    (prob("varlen", heads_kv=4, total_q=8192, total_k=8192), True),  # varlen GQA
+    (prob(heads_kv=4, has_kv_seqlens=True), True),  # seqused_k is varlen for FA4, but GQA
+    (prob(has_kv_seqlens=True, causal=True), False),  # varlen MHA
+    (sparse_prob(block_q=256), False),
+])
+def test_heuristic_reproduces_fa4_clc_rule(installed, p, clc):
+    assert fa4.BACKEND.heuristic_config(p, SM100) == Config.of(clc=clc, num_splits=1)
+    assert fa4.BACKEND.heuristic_config(p, SM90) == Config()
+    for dev in (SM90, SM100):  # the rule always names a runnable enumerated candidate
+        cands = candidates(p, dev)
+        assert cands[f"fa4:{fa4.BACKEND.heuristic_config(p, dev)}"] is None
+
+
+def test_gqa_adds_pack_gqa_false_on_sm90(installed):
+    assert candidates(prob(heads_kv=4), SM90)["fa4:pack_gqa=False"] is None
+    assert "fa4:pack_gqa=False" not in candidates(prob(), SM90)
+
+
+def test_block_sparse_sm90_prunes_tiles_that_do_not_match_the_kv_block(installed):
+    cands = candidates(sparse_prob(), SM90)
+    assert cands["fa4:default"] is None
+    assert cands["fa4:tile_mn=128x176"] == "on sm_90 flash-attn-4 needs the kv block size (128) to equal tile_n (176)"
+    assert "multiple of tile_m (192)" in cands["fa4:mma_pv_is_rs=False,tile_mn=192x128"]
+    wide = candidates(sparse_prob(block_kv=256), SM90)
+    assert wide["fa4:default"] == "on sm_90 flash-attn-4 needs the kv block size (256) to equal tile_n (128)"
+    # FA4 shrinks its default tile to a smaller kv block (64 at D128) and to tile_m 64 for 64-row q blocks
+    assert candidates(sparse_prob(block_q=64, block_kv=64), SM90)["fa4:default"] is None
+
+
+def test_block_sparse_sm100_needs_q_blocks_of_two_tiles(installed):
+    cands = candidates(sparse_prob(), SM100)
+    assert cands["fa4:clc=False,num_splits=1"] == (
+        "on sm_100 flash-attn-4 needs the q block size (128) to be a multiple of 256")
+    assert candidates(sparse_prob(block_q=256), SM100)["fa4:clc=False,num_splits=1"] is None
+
+
+@pytest.mark.parametrize("p, dev, reason", [
+    (prob(device_type="cpu"), SM90, "needs a CUDA device"),
+    (prob(dtype="float32"), SM90, "flash-attn-4 takes float16 and bfloat16 only, got float32"),
+    (prob(), parse_device_override("NVIDIA A100:8.0:108"), "covers sm_90 and sm_100/sm_110, got sm_80"),
+    (prob(head_dim=256, head_dim_v=256), SM90, None),
+    (prob(head_dim=160, head_dim_v=160), SM100, "flash-attn-4 on sm_100 takes head dims up to 128"),
+    (prob(head_dim=100, head_dim_v=100), SM90, "multiples of 8"),
+])
+def test_supports_reasons(installed, p, dev, reason):
+    got = fa4.BACKEND.supports(p, dev)
+    assert got == reason if reason is None else reason in got
+
+
+def test_supports_backward_excludes_block_sparse(installed):
+    assert fa4.BACKEND.supports_backward(prob(causal=True), SM90) is None
+    assert "block-sparse backward" in fa4.BACKEND.supports_backward(sparse_prob(), SM90)
+
+
+def test_moved_private_kwarg_prunes_only_the_configs_that_use_it(installed):
+    installed(fwd_params=fa4.FWD_KWARGS | {"mma_pv_is_rs", "intra_wg_overlap", "pack_gqa", "num_splits"})
+    cands = candidates(prob(causal=True), SM90)
+    assert cands["fa4:default"] is None and cands["fa4:mma_pv_is_rs=False"] is None
+    assert cands["fa4:tile_mn=128x176"] == "flash-attn-4 test: _flash_attn_fwd no longer takes tile_mn"
+
+
+def test_missing_core_kwarg_or_clc_switch_is_a_reason(installed):
+    installed(fwd_params=(fa4.FWD_KWARGS - {"lse"}) | fa4.KNOB_KWARGS)
+    assert fa4.BACKEND.supports(prob(), SM90) == "flash-attn-4 test: _flash_attn_fwd no longer takes lse"
+    installed(has_clc_switch=False)
+    assert "to switch CLC per call" in candidates(prob(causal=True), SM100)["fa4:clc=True,num_splits=1"]
+
+
+def test_not_installed_is_pruned_cleanly(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # any import of it raises ModuleNotFoundError
+    monkeypatch.delenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", raising=False)
+    monkeypatch.delenv("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", "/tmp/xdg-test")
+    fa4._load.cache_clear()
+    try:
+        assert candidates(prob(), SM90) == {"fa4:-": "flash-attn-4 not installed"}
+        assert fa4.fa4_version() is None
+        # the disk cache is switched on before the (attempted) import, under the user's cache dir
+        assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
+        assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] == "/tmp/xdg-test/inductor_attn/flash_attn_cute"
+    finally:
+        fa4._load.cache_clear()
+
+
+def test_disk_cache_settings_of_the_user_are_kept(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "0")
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "/somewhere")
+    fa4._load.cache_clear()
+    try:
+        fa4._load()
+        assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "0"
+        assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] == "/somewhere"
+    finally:
+        fa4._load.cache_clear()
+
+
+def test_candidate_names_are_unique_and_parse_back(installed):
+    for dev in (SM90, SM100):
+        for p in (decode(), prob(heads_kv=4, causal=True), sparse_prob()):
+            for cfg in fa4.BACKEND.configs(p, dev):
+                assert Config.parse(str(cfg)) == cfg
+            candidates(p, dev)  # raises on duplicates
+
+
+# ---------------------------------------------------------------------- FA4's private API (signature)
+def _fa4_sources() -> Path | None:
+    try:
+        spec = importlib.util.find_spec("flash_attn.cute")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    return UNPACKED if (UNPACKED / "interface.py").exists() else None
+
+
+def _importable() -> bool:
+    try:
+        import flash_attn.cute.interface  # noqa: F401
+    except Exception:  # noqa: BLE001 - any failure means "read the source instead"
+        return False
+    return True
+
+
+def _source_params(path: Path, func: str) -> set[str]:
+    tree = ast.parse(path.read_text())
+    node = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == func)
+    return {a.arg for a in node.args.args + node.args.kwonlyargs}
+
+
+@pytest.fixture(scope="module")
+def fa4_src():
+    src = _fa4_sources()
+    if src is None:
+        pytest.skip("flash-attn-4 is neither importable nor unpacked (source .devdeps/unpack.sh)")
+    return src
+
+
+def test_installed_fa4_still_takes_the_private_kwargs_we_pass(fa4_src):
+    if _importable():
+        from flash_attn.cute import interface
+
+        fwd = set(inspect.signature(interface._flash_attn_fwd).parameters)
+        bwd = set(inspect.signature(interface._flash_attn_bwd).parameters)
+    else:
+        fwd = _source_params(fa4_src / "interface.py", "_flash_attn_fwd")
+        bwd = _source_params(fa4_src / "interface.py", "_flash_attn_bwd")
+    assert fa4.missing_kwargs(fwd, fa4.FWD_KWARGS | fa4.KNOB_KWARGS) == []
+    assert fa4.missing_kwargs(bwd, fa4.BWD_KWARGS) == []
+
+
+def test_installed_fa4_reads_the_clc_switch_through_utils_on_every_call(fa4_src):
+    utils_tree = ast.parse((fa4_src / "utils.py").read_text())
+    assert any(isinstance(n, ast.FunctionDef) and n.name == fa4.CLC_SWITCH for n in utils_tree.body)
+    fwd = next(n for n in ast.walk(ast.parse((fa4_src / "interface.py").read_text()))
+               if isinstance(n, ast.FunctionDef) and n.name == "_flash_attn_fwd")
+    calls = [n for n in ast.walk(fwd) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and n.func.attr == fa4.CLC_SWITCH and getattr(n.func.value, "id", None) == "utils"]
+    assert calls, "_flash_attn_fwd no longer calls utils._get_use_clc_scheduler_default(): fix _clc_scheduler"
+
+
+def test_installed_fa4_block_sparse_tensors_have_block_size(fa4_src):
+    tree = ast.parse((fa4_src / "block_sparsity.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "BlockSparseTensorsTorch")
+    fields = [n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)]
+    assert fields[:4] == ["mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx"]
+    assert "block_size" in fields
+
+
+def _fa4_tile_functions(src: Path) -> dict:
+    """FA4's pure sm_90 tile-choice functions, compiled from its source (no cutlass import needed)."""
+    tree = ast.parse((src / "interface.py").read_text())
+    wanted = {"FwdConfig", "_tile_size_fwd_sm90", "_fit_sm90_fwd_tile_to_block_sparsity"}
+    module = ast.Module([n for n in tree.body if getattr(n, "name", None) in wanted], type_ignores=[])
+    namespace = {"dataclass": dataclasses.dataclass}
+    exec(compile(module, str(src / "interface.py"), "exec"), namespace)  # noqa: S102 - FA4's own source
+    return namespace
+
+
+def test_sm90_default_tile_matches_fa4(fa4_src):
+    ns = _fa4_tile_functions(fa4_src)
+    for d, dv in ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256)):
+        for causal, local in ((False, False), (True, False), (False, True)):
+            cfg = ns["_tile_size_fwd_sm90"](d, dv, causal, local)
+            assert fa4.sm90_default_tile(d, dv, causal, local) == (cfg.m_block_size, cfg.n_block_size)
+        for bq, bk in ((128, 128), (64, 64), (192, 128), (256, 64)):
+            cfg = ns["_fit_sm90_fwd_tile_to_block_sparsity"](
+                ns["_tile_size_fwd_sm90"](d, dv, False, False, sparse_block_size_q=bq), bq, bk)
+            assert fa4.sm90_default_tile(d, dv, False, False, bq, bk) == (cfg.m_block_size, cfg.n_block_size)
+
+
+# ------------------------------------------------------------------- assembling calls (fake FA4)
+def test_clc_switch_is_swapped_for_one_call_and_restored():
+    mod = types.SimpleNamespace(_get_use_clc_scheduler_default=lambda: False)
+    original = mod._get_use_clc_scheduler_default
+    with fa4._clc_scheduler(mod, True):
+        assert mod._get_use_clc_scheduler_default() is True
+    assert mod._get_use_clc_scheduler_default is original
+    with pytest.raises(ZeroDivisionError), fa4._clc_scheduler(mod, True):
+        1 / 0  # noqa: B018
+    assert mod._get_use_clc_scheduler_default is original
+    with fa4._clc_scheduler(mod, None):
+        assert mod._get_use_clc_scheduler_default is original
+
+
+class Recorder:
+    """Stands in for flash_attn.cute.interface: records calls, writes recognisable outputs."""
+
+    def __init__(self, utils=None, returns=5):
+        self.calls, self.utils, self.returns = [], utils, returns
+
+    def _flash_attn_fwd(self, q, k, v, **kw):
+        clc = self.utils._get_use_clc_scheduler_default() if self.utils else None
+        self.calls.append((q, k, v, kw, clc))
+        kw["out"].fill_(1.0)
+        kw["lse"].fill_(2.0)
+        return (kw["out"], kw["lse"], None, None, None)[: self.returns]
+
+    def _flash_attn_bwd(self, q, k, v, out, dout, lse, **kw):
+        self.calls.append((q, k, v, kw, None))
+        return torch.full_like(q, 3.0), torch.full_like(k, 4.0), torch.full_like(v, 5.0)
+
+
+def _use_recorder(monkeypatch, **kw) -> Recorder:
+    utils = types.SimpleNamespace(_get_use_clc_scheduler_default=lambda: False)
+    rec = Recorder(utils, **kw)
+    sparsity = types.SimpleNamespace(BlockSparseTensorsTorch=lambda **f: types.SimpleNamespace(**f))
+    monkeypatch.setattr(fa4, "_load", lambda: fake_fa4(interface=rec, utils=utils, block_sparsity=sparsity))
+    return rec
+
+
+@pytest.mark.parametrize("returns", [4, 5])
+def test_run_passes_transposed_views_and_returns_our_layout(monkeypatch, returns):
+    rec = _use_recorder(monkeypatch, returns=returns)
+    q = torch.randn(2, 8, 64, 64, dtype=torch.bfloat16)
+    k, v = torch.randn(2, 2, 80, 64, dtype=torch.bfloat16), torch.randn(2, 2, 80, 64, dtype=torch.bfloat16)
+    before = sum(fa4.COPIES.values())
+    out, lse = fa4.BACKEND.run(AttnCall("attention", q, k, v, 0.125, causal=True, window_left=32),
+                               Config.of(clc=True, num_splits=2))
+    fq, fk, fv, kw, clc = rec.calls[0]
+    assert fq.shape == (2, 64, 8, 64) and fq.data_ptr() == q.data_ptr()  # a view, no copy
+    assert fk.data_ptr() == k.data_ptr() and sum(fa4.COPIES.values()) == before
+    assert kw["causal"] and (kw["window_size_left"], kw["window_size_right"]) == (32, 0)
+    assert kw["num_splits"] == 2 and clc is True and "clc" not in kw
+    assert out.shape == (2, 8, 64, 64) and out.is_contiguous() and bool((out == 1).all())
+    assert lse.shape == (2, 8, 64) and lse.dtype == torch.float32 and bool((lse == 2).all())
+
+
+def test_run_copies_and_counts_a_layout_fa4_cannot_take(monkeypatch):
+    rec = _use_recorder(monkeypatch)
+    q = torch.randn(1, 2, 64, 16).transpose(-1, -2).contiguous().transpose(-1, -2).to(torch.float16)
+    k = v = torch.randn(1, 2, 64, 16, dtype=torch.float16)
+    before = fa4.COPIES["q"]
+    fa4.BACKEND.run(AttnCall("attention", q, k, v, 0.25), Config())
+    assert fa4.COPIES["q"] == before + 1 and rec.calls[0][0].stride(-1) == 1
+
+
+def test_run_varlen_and_kv_seqlens_arguments(monkeypatch):
+    rec = _use_recorder(monkeypatch)
+    q = torch.randn(30, 4, 32, dtype=torch.float16)
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32)
+    out, lse = fa4.BACKEND.run(AttnCall("varlen", q, q, q, 0.2, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                        max_seqlen_q=20, max_seqlen_k=20), Config.of(pack_gqa=False))
+    fq, _, _, kw, _ = rec.calls[0]
+    assert fq.data_ptr() == q.data_ptr() and kw["cu_seqlens_q"] is cu and kw["max_seqlen_k"] == 20
+    assert kw["pack_gqa"] is False and out.shape == (30, 4, 32) and lse.shape == (4, 30)
+    qd = torch.randn(3, 4, 1, 32, dtype=torch.float16)
+    kd = torch.randn(3, 4, 50, 32, dtype=torch.float16)
+    fa4.BACKEND.run(AttnCall("attention", qd, kd, kd, 0.2, kv_seqlens=torch.tensor([5, 50, 0])), Config())
+    seqused = rec.calls[1][3]["seqused_k"]
+    assert seqused.dtype == torch.int32 and seqused.tolist() == [5, 50, 0]
+
+
+def _causal_sparse_mask(lq=256, lk=256, block=64) -> BlockSparseMask:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    bm = create_block_mask(lambda b, h, q, kv: kv <= q, None, None, lq, lk, device="cpu", BLOCK_SIZE=block)
+    return BlockSparseMask.from_block_mask(bm)
+
+
+def test_run_block_sparse_passes_fa4_tensors_and_bitmap_aux(monkeypatch):
+    rec = _use_recorder(monkeypatch)
+    monkeypatch.setattr(fa4, "_bitmap_mask_mod", lambda *geometry: ("mask_mod", geometry))
+    sparse = _causal_sparse_mask()
+    q = torch.randn(1, 2, 256, 64, dtype=torch.bfloat16)
+    fa4.BACKEND.run(AttnCall("block_sparse", q, q, q, 0.125, sparse=sparse), Config())
+    kw = rec.calls[0][3]
+    t = kw["block_sparse_tensors"]
+    assert t.mask_block_cnt is sparse.kv_num_blocks and t.full_block_idx is sparse.full_kv_indices
+    assert t.block_size == (64, 64) and "causal" not in kw
+    assert kw["mask_mod"] == ("mask_mod", (64, 64, 0, 0))  # mask shared by batch and heads
+    slot_of, bits = kw["aux_tensors"]
+    assert torch.equal(slot_of, slot_table(sparse)) and torch.equal(bits, sparse.partial_bits)
+    assert slot_of.__leading_dim__ == 3 and bits.__leading_dim__ == 5
+
+
+def test_bitmap_lookup_reproduces_the_dense_mask_in_partial_blocks():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def doc_mask(b, h, q, kv):  # per-batch documents plus a per-head window: every kind of block
+        return ((q // (37 + 20 * b)) == (kv // (37 + 20 * b))) & (q - kv <= 40 + 8 * h) & (kv <= q)
+
+    bm = create_block_mask(doc_mask, 2, 3, 200, 200, device="cpu", BLOCK_SIZE=64)
+    sparse = BlockSparseMask.from_block_mask(bm)
+    dense = sparse.dense_mask()
+    b, h, qi, ki = torch.meshgrid(*(torch.arange(n) for n in dense.shape), indexing="ij")
+    got = bitmap_lookup(slot_table(sparse), sparse.partial_bits, 64, 64, b, h, qi, ki)
+    m, n = qi // 64, ki // 64
+    slots = torch.arange(sparse.kv_indices.shape[-1])
+    listed = (sparse.kv_indices[b, h, m] == n[..., None]) & (slots < sparse.kv_num_blocks[b, h, m][..., None])
+    partial = listed.any(-1)
+    assert partial.any() and torch.equal(got[partial], dense[partial])
+
+
+def test_dsl_errors_become_runtime_errors(monkeypatch):
+    class DSLError(Exception):
+        pass
+
+    class Failing(Recorder):
+        def _flash_attn_fwd(self, q, k, v, **kw):
+            raise DSLError("\nerror[CUDA_LAUNCH_INVALID_CONFIG]: CUDA launch failed")
+
+    utils = types.SimpleNamespace(_get_use_clc_scheduler_default=lambda: False)
+    monkeypatch.setattr(fa4, "_load", lambda: fake_fa4(interface=Failing(), utils=utils, dsl_errors=(DSLError,)))
+    q = torch.randn(1, 1, 16, 16, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match=r"flash-attn-4 \[tile_mn=128x176\] DSLError: error\[CUDA_LAUNCH"):
+        fa4.BACKEND.run(AttnCall("attention", q, q, q, 0.25), Config.of(tile_mn="128x176"))
+
+
+def test_warmup_is_the_first_call_and_returns_seconds(monkeypatch):
+    rec = _use_recorder(monkeypatch)
+    q = torch.randn(1, 1, 16, 16, dtype=torch.float16)
+    seconds = fa4.BACKEND.warmup(AttnCall("attention", q, q, q, 0.25), Config())
+    assert len(rec.calls) == 1 and seconds >= 0
+
+
+def test_backward_uses_views_and_returns_our_layout(monkeypatch):
+    rec = _use_recorder(monkeypatch)
+    q = torch.randn(2, 4, 32, 16, dtype=torch.float16)
+    k = torch.randn(2, 2, 48, 16, dtype=torch.float16)
+    call = AttnCall("attention", q, k, k, 0.25, causal=True)
+    out, lse = torch.randn_like(q), torch.randn(2, 4, 32)
+    dq, dk, dv = fa4.BACKEND.backward(call, Config(), out, lse, None, torch.ones(2, 4, 32))
+    fq, fk, _, kw, _ = rec.calls[0]
+    assert fq.data_ptr() == q.data_ptr() and kw["causal"] and kw["dlse"].shape == (2, 4, 32)
+    assert dq.shape == q.shape and dk.shape == k.shape and bool((dq == 3).all()) and bool((dv == 5).all())
+    with pytest.raises(NotImplementedError, match="block-sparse backward"):
+        fa4.BACKEND.backward(AttnCall("block_sparse", q, q, q, 0.25, sparse=_causal_sparse_mask(32, 32, 32)),
+                             Config(), out, lse, None, None)
