@@ -1,0 +1,213 @@
+"""Bad inputs raise TypeError/ValueError naming the argument, what is accepted and what was given: through the
+public API, through the ops themselves, and on fake tensors while tracing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.attention.flex_attention import create_block_mask
+
+from inductor_attn import BlockSparseMask, attention, varlen_attention
+
+OPS = torch.ops.inductor_attn
+
+
+def t(*shape: int, dtype=torch.float32, device="cpu") -> torch.Tensor:
+    return torch.randn(*shape, dtype=dtype, device=device)
+
+
+def i32(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def causal_block_mask(lq: int, lk: int, batch=None) -> object:
+    return create_block_mask(lambda b, h, q, k: q >= k, batch, None, lq, lk, device="cpu", BLOCK_SIZE=32)
+
+
+# q (2, 4, 8, 16), k/v (2, 2, 8, 16) unless a case says otherwise
+Q, K, V = t(2, 4, 8, 16), t(2, 2, 8, 16), t(2, 2, 8, 16)
+
+DENSE_CASES = {
+    "q_rank": (lambda: attention(t(4, 8, 16), K, V), ValueError,
+               r"q must have 4 dims \(batch, heads, seq_len, head_dim\), got shape \(4, 8, 16\)"),
+    "k_rank": (lambda: attention(Q, t(1, 2, 2, 8, 16), V), ValueError, r"k must have 4 dims"),
+    "batch_mismatch": (lambda: attention(Q, t(3, 2, 8, 16), t(3, 2, 8, 16)), ValueError,
+                       r"q, k, v must share the batch size, got 2, 3, 3"),
+    "v_heads_mismatch": (lambda: attention(Q, K, t(2, 1, 8, 16)), ValueError,
+                         r"v must have as many heads as k \(2\), got 1"),
+    "q_heads_not_multiple": (lambda: attention(t(2, 3, 8, 16), K, V), ValueError,
+                             r"q heads \(3\) must be a multiple of k/v heads \(2\)"),
+    "k_head_dim_mismatch": (lambda: attention(Q, t(2, 2, 8, 32), V), ValueError,
+                            r"k head_dim must equal q head_dim \(16\), got 32"),
+    "kv_seq_len_mismatch": (lambda: attention(Q, K, t(2, 2, 9, 16)), ValueError,
+                            r"k and v must share seq_len, got 8 and 9"),
+    "mixed_dtypes": (lambda: attention(Q, K.double(), V), TypeError,
+                     r"k has dtype torch.float64 but q has torch.float32"),
+    "mixed_devices": (lambda: attention(Q, K, t(2, 2, 8, 16, device="meta")), ValueError,
+                      r"v is on meta but q is on cpu"),
+    "int_dtype": (lambda: attention(Q.int(), K.int(), V.int()), TypeError,
+                  r"q has dtype torch.int32; supported dtypes are float16, bfloat16, float32, float64"),
+    "head_dim_4": (lambda: attention(t(2, 4, 8, 4), t(2, 2, 8, 4), t(2, 2, 8, 4)), ValueError,
+                   r"q head_dim must be in \[8, 256\], got 4"),
+    "head_dim_512": (lambda: attention(t(2, 4, 8, 512), t(2, 2, 8, 512), t(2, 2, 8, 512)), ValueError,
+                     r"q head_dim must be in \[8, 256\], got 512"),
+    "v_head_dim_512": (lambda: attention(Q, K, t(2, 2, 8, 512)), ValueError,
+                       r"v head_dim must be in \[8, 256\], got 512"),
+    "kv_seqlens_negative": (lambda: attention(Q, K, V, kv_seqlens=i32(-1, 3)), ValueError,
+                            r"kv_seqlens values must be in \[0, 8\] \(the k seq_len\), got min -1"),
+    "kv_seqlens_above_lk": (lambda: attention(Q, K, V, kv_seqlens=i32(8, 9)), ValueError,
+                            r"kv_seqlens values must be in \[0, 8\] \(the k seq_len\), got min 8, max 9"),
+    "kv_seqlens_int64": (lambda: attention(Q, K, V, kv_seqlens=torch.tensor([1, 2])), TypeError,
+                         r"kv_seqlens must have dtype int32, got torch.int64"),
+    "kv_seqlens_shape": (lambda: attention(Q, K, V, kv_seqlens=i32(1, 2, 3)), ValueError,
+                         r"kv_seqlens must have shape \(2,\) \(batch,\), got \(3,\)"),
+    "kv_seqlens_device": (lambda: attention(Q, K, V, kv_seqlens=i32(1, 2).to("meta")), ValueError,
+                          r"kv_seqlens is on meta but q is on cpu"),
+    "window_left_negative": (lambda: attention(Q, K, V, window=(-2, 3)), ValueError,
+                             r"window_left must be -1 \(unbounded\) or >= 0, got -2"),
+    "window_right_negative": (lambda: attention(Q, K, V, window=(3, -5)), ValueError,
+                              r"window_right must be -1 \(unbounded\) or >= 0, got -5"),
+    "window_int_negative": (lambda: attention(Q, K, V, window=-1), ValueError,
+                            r"window must be >= 0 \(or None for unbounded\), got -1"),
+    "window_float": (lambda: attention(Q, K, V, window=(2.0, 1)), TypeError,
+                     r"window_left must be an int \(-1 = unbounded\), got float"),
+    "window_triple": (lambda: attention(Q, K, V, window=(1, 2, 3)), TypeError,
+                      r"window must be None, an int or a \(left, right\) pair of ints, got \(1, 2, 3\)"),
+    "scale_nan": (lambda: attention(Q, K, V, scale=float("nan")), ValueError, r"scale must be finite, got nan"),
+    "scale_str": (lambda: attention(Q, K, V, scale="0.1"), TypeError, r"scale must be a float, got str"),
+    "block_mask_other_lengths": (lambda: attention(Q, K, V, block_mask=causal_block_mask(16, 8)), ValueError,
+                                 r"block_mask was built for \(Q_LEN, KV_LEN\) = \(16, 8\), but q/k have lengths "
+                                 r"\(8, 8\)"),
+    "block_sparse_mask_other_lengths": (
+        lambda: attention(Q, K, V, block_mask=BlockSparseMask.from_block_mask(causal_block_mask(8, 40))),
+        ValueError, r"block_mask was built for \(Q_LEN, KV_LEN\) = \(8, 40\)"),
+    "block_mask_other_batch": (lambda: attention(Q, K, V, block_mask=causal_block_mask(8, 8, batch=3)), ValueError,
+                               r"block mask was built for other lengths or sizes: kv_num_blocks has shape "
+                               r"\(3, 1, 1\), expected \(2 or 1, 4 or 1, 1\)"),
+    "block_mask_with_causal": (lambda: attention(Q, K, V, causal=True, block_mask=causal_block_mask(8, 8)),
+                               ValueError, r"block_mask already encodes the mask: leave causal, window and "
+                                           r"kv_seqlens unset"),
+    "block_mask_with_window": (lambda: attention(Q, K, V, window=4, block_mask=causal_block_mask(8, 8)),
+                               ValueError, r"block_mask already encodes the mask"),
+    "block_mask_with_kv_seqlens": (lambda: attention(Q, K, V, kv_seqlens=i32(8, 8), block_mask=causal_block_mask(8, 8)),
+                                   ValueError, r"block_mask already encodes the mask"),
+    "block_mask_wrong_type": (lambda: attention(Q, K, V, block_mask=torch.ones(8, 8, dtype=torch.bool)), TypeError,
+                              r"block_mask must be a torch.nn.attention.flex_attention.BlockMask or an "
+                              r"inductor_attn.BlockSparseMask, got Tensor"),
+}
+if hasattr(torch, "float8_e4m3fn"):
+    F8 = torch.float8_e4m3fn
+    DENSE_CASES["float8_dtype"] = (lambda: attention(Q.to(F8), K.to(F8), V.to(F8)), TypeError,
+                                   r"q has dtype torch.float8_e4m3fn; supported dtypes are")
+
+
+@pytest.mark.parametrize("call, error, message", DENSE_CASES.values(), ids=DENSE_CASES.keys())
+def test_attention_refuses_bad_input_naming_the_argument(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+# q (10, 4, 16), k/v (12, 2, 16): two sequences, q lengths (4, 6), k lengths (5, 7)
+QV, KV, VV = t(10, 4, 16), t(12, 2, 16), t(12, 2, 16)
+CU_Q, CU_K = i32(0, 4, 10), i32(0, 5, 12)
+
+VARLEN_CASES = {
+    "q_rank": (lambda: varlen_attention(QV[None], KV, VV, CU_Q, CU_K), ValueError,
+               r"q must have 3 dims \(total_tokens, heads, head_dim\), got shape \(1, 10, 4, 16\)"),
+    "kv_total_mismatch": (lambda: varlen_attention(QV, KV, VV[:11], CU_Q, CU_K, 6, 7), ValueError,
+                          r"k and v must share total_tokens, got 12 and 11"),
+    "q_heads_not_multiple": (lambda: varlen_attention(t(10, 3, 16), KV, VV, CU_Q, CU_K), ValueError,
+                             r"q heads \(3\) must be a multiple of k/v heads \(2\)"),
+    "head_dim_4": (lambda: varlen_attention(t(10, 4, 4), t(12, 2, 4), t(12, 2, 4), CU_Q, CU_K), ValueError,
+                   r"q head_dim must be in \[8, 256\], got 4"),
+    "mixed_dtypes": (lambda: varlen_attention(QV, KV.bfloat16(), VV, CU_Q, CU_K), TypeError,
+                     r"k has dtype torch.bfloat16 but q has torch.float32"),
+    "cu_seqlens_int64": (lambda: varlen_attention(QV, KV, VV, CU_Q.long(), CU_K), TypeError,
+                         r"cu_seqlens_q must have dtype int32, got torch.int64"),
+    "cu_seqlens_int64_with_max": (lambda: varlen_attention(QV, KV, VV, CU_Q, CU_K.long(), 6, 7), TypeError,
+                                  r"cu_seqlens_k must have dtype int32, got torch.int64"),
+    "cu_seqlens_list": (lambda: varlen_attention(QV, KV, VV, [0, 4, 10], CU_K), TypeError,
+                        r"cu_seqlens_q must be an int32 torch.Tensor of shape \(num_seqs \+ 1,\), got list"),
+    "cu_seqlens_2d": (lambda: varlen_attention(QV, KV, VV, CU_Q[None], CU_K[None]), ValueError,
+                      r"cu_seqlens_q must have shape \(num_seqs \+ 1,\) with num_seqs >= 1, got \(1, 3\)"),
+    "cu_seqlens_one_entry": (lambda: varlen_attention(QV, KV, VV, i32(10), i32(12)), ValueError,
+                             r"cu_seqlens_q must have shape \(num_seqs \+ 1,\) with num_seqs >= 1, got \(1,\)"),
+    "cu_seqlens_not_monotone": (lambda: varlen_attention(QV, KV, VV, i32(0, 6, 4, 10), i32(0, 5, 6, 12)),
+                                ValueError, r"cu_seqlens_q must be non-decreasing \(monotone\), got \[0, 6, 4, 10\]"),
+    "cu_seqlens_k_not_monotone": (lambda: varlen_attention(QV, KV, VV, i32(0, 4, 6, 10), i32(0, 7, 5, 12), 4, 7),
+                                  ValueError, r"cu_seqlens_k must be non-decreasing"),
+    "cu_seqlens_lengths_differ": (lambda: varlen_attention(QV, KV, VV, CU_Q, i32(0, 5, 6, 12)), ValueError,
+                                  r"cu_seqlens_q and cu_seqlens_k must have the same length \(num_seqs \+ 1\), "
+                                  r"got 3 and 4"),
+    "cu_seqlens_q_last_not_total": (lambda: varlen_attention(QV, KV, VV, i32(0, 4, 9), CU_K), ValueError,
+                                    r"cu_seqlens_q\[-1\] must equal the total tokens of q \(10\), got 9"),
+    "cu_seqlens_k_last_not_total": (lambda: varlen_attention(QV, KV, VV, CU_Q, i32(0, 5, 13)), ValueError,
+                                    r"cu_seqlens_k\[-1\] must equal the total tokens of k \(12\), got 13"),
+    "cu_seqlens_start_not_zero": (lambda: varlen_attention(QV, KV, VV, i32(1, 4, 10), CU_K), ValueError,
+                                  r"cu_seqlens_q must start at 0, got 1"),
+    "cu_seqlens_device": (lambda: varlen_attention(QV, KV, VV, CU_Q, CU_K.to("meta"), 6, 7), ValueError,
+                          r"cu_seqlens_k is on meta but q is on cpu"),
+    "max_seqlen_too_small": (lambda: varlen_attention(QV, KV, VV, CU_Q, CU_K, 3, 7), ValueError,
+                             r"max_seqlen_q \(3\) is smaller than the longest sequence \(6\)"),
+    "max_seqlen_not_int": (lambda: varlen_attention(QV, KV, VV, CU_Q, CU_K, 6.0, 7), TypeError,
+                           r"max_seqlen_q must be an int, got float"),
+    "window_negative": (lambda: varlen_attention(QV, KV, VV, CU_Q, CU_K, window=(-3, 0)), ValueError,
+                        r"window_left must be -1 \(unbounded\) or >= 0, got -3"),
+}
+
+
+@pytest.mark.parametrize("call, error, message", VARLEN_CASES.values(), ids=VARLEN_CASES.keys())
+def test_varlen_attention_refuses_bad_input_naming_the_argument(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def sparse_args(sparse: BlockSparseMask):
+    return (sparse.kv_num_blocks, sparse.kv_indices, sparse.full_kv_num_blocks, sparse.full_kv_indices,
+            sparse.partial_bits, sparse.block_q, sparse.block_kv, 0.25, sparse.density, sparse.partial_fraction, "")
+
+
+SPARSE_64 = BlockSparseMask.from_block_mask(causal_block_mask(64, 64))
+Q64 = t(1, 2, 64, 16)
+
+OP_CASES = {
+    "attention_rank": (lambda: OPS.attention(t(4, 8, 16), K, V, 0.25, False, -1, -1, None, ""), ValueError,
+                       r"q must have 4 dims"),
+    "attention_window": (lambda: OPS.attention(Q, K, V, 0.25, False, -7, -1, None, ""), ValueError,
+                         r"window_left must be -1 \(unbounded\) or >= 0, got -7"),
+    "varlen_cu_dtype": (lambda: OPS.varlen_attention(QV, KV, VV, CU_Q.long(), CU_K, 6, 7, 0.25, False, -1, -1, ""),
+                        TypeError, r"cu_seqlens_q must have dtype int32"),
+    "block_sparse_q_blocks": (lambda: OPS.block_sparse_attention(t(1, 2, 96, 16), Q64, Q64, *sparse_args(SPARSE_64)),
+                              ValueError, r"block mask was built for other lengths or sizes: kv_num_blocks has "
+                                          r"shape \(1, 1, 2\), expected \(1 or 1, 2 or 1, 3\) for Lq=96"),
+    "block_sparse_kv_block": (
+        lambda: OPS.block_sparse_attention(Q64, Q64, Q64, *sparse_args(dataclasses.replace(SPARSE_64, block_kv=16))),
+        ValueError, r"block_kv must be a multiple of 32 \(bitmaps pack 32 keys per word\), got 16"),
+    "block_sparse_bits_shape": (
+        lambda: OPS.block_sparse_attention(Q64, Q64, Q64, *sparse_args(dataclasses.replace(
+            SPARSE_64, partial_bits=SPARSE_64.partial_bits[..., :16, :]))),
+        ValueError, r"partial_bits must have shape \(1, 1, 2, 1, 32, 1\)"),
+    "block_sparse_index_dtype": (
+        lambda: OPS.block_sparse_attention(Q64, Q64, Q64, *sparse_args(dataclasses.replace(
+            SPARSE_64, kv_indices=SPARSE_64.kv_indices.long()))),
+        TypeError, r"kv_indices must have dtype int32, got torch.int64"),
+    "block_sparse_half_full_pair": (
+        lambda: OPS.block_sparse_attention(Q64, Q64, Q64, *sparse_args(dataclasses.replace(
+            SPARSE_64, full_kv_indices=None))),
+        ValueError, r"full_kv_num_blocks and full_kv_indices must be given together or both be None"),
+}
+
+
+@pytest.mark.parametrize("call, error, message", OP_CASES.values(), ids=OP_CASES.keys())
+def test_ops_refuse_bad_input_when_called_directly(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_checks_run_on_fake_tensors_while_tracing():
+    with FakeTensorMode(), pytest.raises(ValueError, match=r"q heads \(6\) must be a multiple of k/v heads \(4\)"):
+        OPS.attention(torch.empty(2, 6, 8, 16), torch.empty(2, 4, 8, 16), torch.empty(2, 4, 8, 16), 0.25, True,
+                      -1, -1, None, "")
