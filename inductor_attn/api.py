@@ -28,7 +28,7 @@ def _scale(scale, q) -> float:
     if scale is None:
         return q.shape[-1] ** -0.5
     checks.check_scale(scale)
-    return float(scale)
+    return scale if isinstance(scale, torch.SymFloat) else float(scale)
 
 
 def _eager() -> bool:

@@ -96,7 +96,7 @@ def _fmt(x, spec: str) -> str:
 
 def clear(store: DecisionStore | None = None) -> int:
     """Delete every decision (returns how many); in-memory decisions of this process are dropped too."""
-    from ..tuning.decide import forget_decisions
+    from ..tuning.decisions import forget_decisions
 
     forget_decisions()
     return (store or get_store()).clear()
@@ -109,7 +109,7 @@ def export(path: str | Path, store: DecisionStore | None = None) -> int:
 
 def import_decisions(path: str | Path, store: DecisionStore | None = None) -> int:
     """Add the decisions of a JSON export (rows with the same key are replaced)."""
-    from ..tuning.decide import forget_decisions
+    from ..tuning.decisions import forget_decisions
 
     forget_decisions()
     return (store or get_store()).import_json(path)

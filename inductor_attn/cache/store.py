@@ -8,8 +8,9 @@ per write, ``INSERT OR REPLACE`` per row. A corrupt, locked or unreadable file g
 which the store is skipped for the rest of the process (tuning still works, results are just not
 persisted); the file is never deleted or rewritten, so other rows are never lost.
 
-Every write also replaces the ``generation`` token (random), which the Inductor FX-graph-cache guard
-hashes: compiled code that baked decisions is not replayed after the decisions changed.
+A new store starts with a random ``generation`` token and every write replaces it; the Inductor
+FX-graph-cache guard hashes it, so compiled code that baked decisions is not replayed after the
+decisions changed, nor against another (e.g. a fresh, empty) store.
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ def default_path() -> Path:
 
 
 class DecisionStore:
-    def __init__(self, path: Path | str | None = None):
+    def __init__(self, path: Path | str | None = None, timeout_s: float = 30.0):
         self.path = Path(path) if path is not None else default_path()
+        self.timeout_s = timeout_s
         self._broken: str | None = None
         self._lock = threading.Lock()
 
@@ -59,10 +61,10 @@ class DecisionStore:
     @contextlib.contextmanager
     def _connect(self):
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        conn = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+        conn = sqlite3.connect(self.path, timeout=self.timeout_s, isolation_level=None)
         try:
+            conn.execute(f"PRAGMA busy_timeout={int(self.timeout_s * 1000)}")
             conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA busy_timeout=30000")
             conn.executescript(_SCHEMA)
             yield conn
         finally:
@@ -129,12 +131,15 @@ class DecisionStore:
         return self._guard("clear", wipe, default=0)
 
     def generation(self) -> str:
-        """Token that changes on every write; "" when the store is unusable or empty."""
-        def read(conn):
+        """Token that changes on every write; "" when the store is unusable."""
+        def read_or_create(conn):
             row = conn.execute("SELECT value FROM meta WHERE name = 'generation'").fetchone()
-            return row[0] if row else ""
+            if row:
+                return row[0]
+            conn.execute("INSERT OR IGNORE INTO meta VALUES ('generation', ?)", (uuid.uuid4().hex,))
+            return conn.execute("SELECT value FROM meta WHERE name = 'generation'").fetchone()[0]
 
-        return self._guard("read", read, default="")
+        return self._guard("read", read_or_create, default="")
 
     # -- JSON ------------------------------------------------------------------------------------
     def export_json(self, path: str | Path) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import uuid
 
 from .._compat import custom_graph_pass_base, inductor_config
 
@@ -32,7 +33,11 @@ class DecisionCacheGuard(_GuardBase):
         from ..device import ENV_VAR as DEVICE_ENV
         from ..tuning.modes import ENV_VAR as MODE_ENV, current_mode
 
-        parts = [__version__, get_store().generation(), current_mode("cuda"), os.environ.get(MODE_ENV, ""),
+        store = get_store()
+        generation = store.generation()
+        if store.broken:  # decisions are not persisted: never let a cached graph stand in for a tune
+            return uuid.uuid4().hex
+        parts = [__version__, generation, current_mode("cuda"), os.environ.get(MODE_ENV, ""),
                  os.environ.get(DEVICE_ENV, "")]
         parts += [f"{b.name}={b.source_hash()}" for b in backends.backends()]
         if self.chained is not None:

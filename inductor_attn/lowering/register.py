@@ -78,6 +78,6 @@ def compile_time_choice(overload, bound: dict) -> str | None:
     q, k, v = (torch.randn(s, dtype=dtype, device=device) for s in sizes)
     call = AttnCall("attention", q, k, v, float(bound["scale"]), bool(bound["causal"]),
                     int(bound["window_left"]), int(bound["window_right"]))
-    from ..tuning.decide import decide
+    from ..tuning.decisions import decide
 
     return decide(call, device_info(device), direction)

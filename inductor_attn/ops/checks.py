@@ -64,9 +64,10 @@ def check_window(window_left: int, window_right: int) -> None:
 
 
 def check_scale(scale) -> None:
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+    if not isinstance(scale, (int, float, torch.SymFloat)) or isinstance(scale, bool):
         raise TypeError(f"scale must be a float, got {type(scale).__name__}")
-    if not math.isfinite(scale):
+    # under dynamic shapes the default scale is symbolic: its value is checked when it runs
+    if not torch.compiler.is_compiling() and isinstance(scale, (int, float)) and not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
 
 

@@ -1,5 +1,5 @@
 """Deciding which candidate runs a problem."""
 
-from .decide import decide
+from .decisions import decide
 
 __all__ = ["decide"]

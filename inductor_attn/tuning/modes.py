@@ -40,7 +40,7 @@ def set_mode(mode: str | None) -> None:
     """Set the mode for this process (None: back to the environment variable / device default)."""
     global _override
     _override = None if mode is None else _check(mode)
-    from .decide import forget_decisions
+    from .decisions import forget_decisions
 
     forget_decisions()
 

@@ -76,6 +76,9 @@ class TritonFlashBackend(Backend):
             return "needs a CUDA device (CPU only under TRITON_INTERPRET=1)"
         if p.dtype not in _DTYPES:
             return f"{p.dtype} not supported (float16, bfloat16, float32)"
+        if p.device_type == "cpu" and p.dtype == "bfloat16":
+            # tl.dot on bfloat16 blocks returns garbage in the interpreter (triton 3.9: errors ~1e10)
+            return "bfloat16 dots are wrong in Triton's interpreter; use float16/float32 on the CPU"
         if p.device_type == "cuda" and dev.arch < 80:
             return f"needs sm_80 or newer, got sm_{dev.arch}"
         for what, d in (("head_dim", p.head_dim), ("head_dim_v", p.head_dim_v)):
@@ -192,7 +195,7 @@ def forward(call: AttnCall, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
     else:
         batch, len_q, len_k = q.shape[0], q.shape[2], k.shape[2]
         lse_strides = tuple(lse.stride())
-    heads_q, heads_kv = q.shape[-3], k.shape[-3]
+    heads_q, heads_kv = q.shape[1], k.shape[1]
     group = heads_q // heads_kv
     pack = group if cfg.get("pack_gqa", True) and not sparse else 1
     heads_prog = heads_q // pack

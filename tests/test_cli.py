@@ -1,0 +1,48 @@
+"""python -m inductor_attn cache ... on a store filled through the public API."""
+
+import json
+
+import pytest
+import torch
+
+import inductor_attn
+from fakes import FakeBackend, FakeTimer
+from inductor_attn.backends import only_backends
+from inductor_attn.cli import main
+
+
+@pytest.fixture
+def one_decision(monkeypatch):
+    a = FakeBackend("a", {"default": (1.0, 0.01)})
+    b = FakeBackend("b", {"x=1": (0.5, 0.01)}, fail=())
+    c = FakeBackend("c", {"default": (0.1, 0.01)}, wrong={"default"})
+    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b, c]))
+    q = torch.randn(1, 2, 32, 16)
+    with only_backends(a, b, c), inductor_attn.tuning_mode("autotune"):
+        inductor_attn.attention(q, q, q, causal=True)
+    return inductor_attn.cache.list_decisions()[0]["key"]
+
+
+def test_list_explain_show(one_decision, capsys):
+    assert main(["cache", "list"]) == 0
+    assert "b:x=1" in capsys.readouterr().out
+    assert main(["cache", "explain", one_decision[:10]]) == 0
+    text = capsys.readouterr().out
+    assert "winner:           b:x=1" in text and "wrong" in text and "rel. error" in text
+    assert main(["cache", "show", one_decision[:10]]) == 0
+    assert json.loads(capsys.readouterr().out)["winner"] == "b:x=1"
+
+
+def test_export_clear_import_plot(one_decision, tmp_path, capsys):
+    assert main(["cache", "export", str(tmp_path / "d.json")]) == 0
+    assert main(["cache", "clear"]) == 0
+    assert inductor_attn.cache.list_decisions() == []
+    assert main(["cache", "import", str(tmp_path / "d.json")]) == 0
+    assert len(inductor_attn.cache.list_decisions()) == 1
+    assert main(["cache", "plot", str(tmp_path / "d.png")]) == 0
+    assert (tmp_path / "d.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_unknown_key_is_an_error_not_a_traceback(capsys):
+    assert main(["cache", "explain", "nope"]) == 2
+    assert "no decision with a key starting with 'nope'" in capsys.readouterr().err

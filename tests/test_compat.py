@@ -1,0 +1,45 @@
+"""Every private PyTorch API we rely on still exists where _compat.py looks for it. If this fails after a
+torch upgrade, fix _compat.py (one place), not the callers."""
+
+import inspect
+
+import torch
+
+from inductor_attn import _compat
+
+
+def test_inductor_lowering_api_is_where_we_import_it():
+    register_lowering, fallback_handler = _compat.inductor_lowering()
+    assert "type_promotion_kind" in inspect.signature(register_lowering).parameters
+    assert "add_to_fallback_set" in inspect.signature(fallback_handler).parameters
+
+
+def test_custom_graph_pass_has_uuid_and_config_slot_exists():
+    base = _compat.custom_graph_pass_base()
+    assert hasattr(base, "uuid") and callable(base.__call__)
+    assert hasattr(_compat.inductor_config(), "post_grad_custom_post_pass")
+
+
+def test_inductor_cache_dir_is_a_path():
+    assert isinstance(_compat.inductor_cache_dir(), str)
+
+
+def test_fused_sdp_choice_accepts_our_arguments():
+    q = torch.randn(1, 2, 4, 16)
+    assert isinstance(_compat.fused_sdp_choice(q, q, q, is_causal=False, enable_gqa=False), int)
+
+
+def test_sdpa_aten_ops_keep_the_schemas_the_sdpa_backend_calls():
+    aten = torch.ops.aten
+    assert "compute_log_sumexp" in str(aten._scaled_dot_product_efficient_attention.default._schema)
+    assert "compute_log_sumexp" in str(aten._scaled_dot_product_cudnn_attention.default._schema)
+    assert "Tensor logsumexp" in str(aten._scaled_dot_product_flash_attention.default._schema)
+
+
+def test_flex_block_mask_still_has_the_fields_we_read():
+    from torch.nn.attention.flex_attention import BlockMask
+
+    params = inspect.signature(BlockMask.__init__).parameters
+    for name in ("seq_lengths", "kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                 "BLOCK_SIZE", "mask_mod"):
+        assert name in params
