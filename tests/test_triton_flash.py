@@ -1,0 +1,361 @@
+"""Triton flash forward against the naive float64 oracle, in Triton's interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1 without a GPU). Tiny shapes and 16 x 16 tiles so every case still spans several query
+and key tiles; outputs are poisoned with NaN so an element the kernel never writes fails the check."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from inductor_attn.backends import only_backends, enumerate_candidates
+from inductor_attn.backends.base import AttnCall, Config
+from inductor_attn.backends.triton import flash
+from inductor_attn.device import DeviceInfo, parse_device_override
+from inductor_attn.ops.block_mask import BlockSparseMask
+from inductor_attn.problem import Problem
+from inductor_attn.tuning.correctness import check_output
+
+import naive
+
+SM90 = parse_device_override("sm_90")
+SMALL = dict(block_m=16, block_n=16, num_warps=4, num_stages=1)
+
+
+def small(schedule="tile", **extra) -> Config:
+    return Config.of(**SMALL, schedule=schedule, **extra)
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """Every forward writes into NaN-filled out/lse: unwritten elements show up as errors."""
+    real = flash.new_outputs
+
+    def poisoned(call):
+        out, lse = real(call)
+        return out.fill_(float("nan")), lse.fill_(float("nan"))
+
+    monkeypatch.setattr(flash, "new_outputs", poisoned)
+
+
+def rand(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype)
+
+
+def assert_matches(out, lse, ref_out, ref_lse, dtype):
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    reason = check_output(out, lse, ref_out, ref_lse, dtype)
+    assert reason is None, reason
+
+
+def dense_case(b, hq, hkv, lq, lk, d, dv, causal=False, wl=-1, wr=-1, kv_lens=None, dtype=torch.float32):
+    q, k, v = rand(b, hq, lq, d, dtype=dtype), rand(b, hkv, lk, d, dtype=dtype), rand(b, hkv, lk, dv, dtype=dtype)
+    lens = None if kv_lens is None else torch.tensor(kv_lens, dtype=torch.int32)
+    return AttnCall("attention", q, k, v, d**-0.5, causal, wl, wr, lens)
+
+
+def visible(lq, lk, causal=False, wl=-1, wr=-1, n=None) -> torch.Tensor:
+    """Bool (Lq, Lk): query i sees key j iff j < n and diag - wl <= j <= diag + right, diag = i + n - Lq.
+    (naive.dense_mask would do, but its in-place ``&=`` cannot broadcast (1, Lk) to (Lq, Lk).)"""
+    n = lk if n is None else n
+    diag = torch.arange(lq)[:, None] + (n - lq)
+    j = torch.arange(lk)[None, :]
+    ok = (j < n).expand(lq, lk)
+    right = 0 if causal else wr
+    if right >= 0:
+        ok = ok & (j <= diag + right)
+    if wl >= 0:
+        ok = ok & (j >= diag - wl)
+    return ok
+
+
+def oracle_dense(q, k, v, scale, causal=False, wl=-1, wr=-1, kv_lens=None):
+    lq, lk = q.shape[2], k.shape[2]
+    if kv_lens is None:
+        return naive.attend(q, k, v, visible(lq, lk, causal, wl, wr), scale)
+    mask = torch.stack([visible(lq, lk, causal, wl, wr, int(n)) for n in kv_lens])[:, None]
+    return naive.attend(q, k, v, mask, scale)
+
+
+def oracle_varlen(call: AttnCall):
+    outs, lses = [], []
+    cu_q, cu_k = call.cu_seqlens_q.tolist(), call.cu_seqlens_k.tolist()
+    for (q0, q1), (k0, k1) in zip(zip(cu_q, cu_q[1:]), zip(cu_k, cu_k[1:])):
+        qs, ks, vs = (x.transpose(0, 1)[None] for x in (call.q[q0:q1], call.k[k0:k1], call.v[k0:k1]))
+        mask = visible(q1 - q0, k1 - k0, call.causal, call.window_left, call.window_right)
+        o, lse = naive.attend(qs, ks, vs, mask, call.scale)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def check_dense(call: AttnCall, cfg: Config):
+    out, lse = flash.BACKEND.run(call, cfg)
+    ref = oracle_dense(call.q, call.k, call.v, call.scale, call.causal, call.window_left, call.window_right,
+                       call.kv_seqlens)
+    assert_matches(out, lse, *ref, call.q.dtype)
+
+
+DENSE = {
+    "plain": dict(b=2, hq=2, hkv=2, lq=20, lk=20, d=16, dv=16),
+    "causal_lq_lt_lk_odd": dict(b=1, hq=2, hkv=2, lq=13, lk=37, d=24, dv=24, causal=True),
+    "causal_lq_gt_lk_rows_see_nothing": dict(b=1, hq=2, hkv=1, lq=37, lk=13, d=16, dv=16, causal=True),
+    "window_left_right": dict(b=2, hq=2, hkv=2, lq=33, lk=33, d=16, dv=16, wl=5, wr=3),
+    "causal_window_dv_differs": dict(b=1, hq=4, hkv=2, lq=40, lk=40, d=24, dv=40, causal=True, wl=7),
+    "kv_seqlens_causal_with_empty_batch": dict(b=3, hq=2, hkv=2, lq=19, lk=33, d=16, dv=16, causal=True,
+                                               kv_lens=[33, 10, 0]),
+    "mqa_window_left_only_d64": dict(b=2, hq=6, hkv=1, lq=29, lk=29, d=64, dv=16, wl=9),
+    "gqa3_noncausal": dict(b=1, hq=6, hkv=2, lq=17, lk=23, d=16, dv=16),
+}
+VARIANTS = {
+    "tile": small("tile"),
+    "persistent": small("persistent"),
+    "lpt": small("lpt"),
+    "tile_unpacked": small("tile", pack_gqa=False),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("case", DENSE)
+def test_dense_matches_naive(case, variant):
+    torch.manual_seed(0)
+    check_dense(dense_case(**DENSE[case]), VARIANTS[variant])
+
+
+def test_half_precision_causal_gqa_matches_naive():
+    """float16 only: the interpreter's bfloat16 dot is broken, so bfloat16 is covered by the GPU tests."""
+    torch.manual_seed(1)
+    check_dense(dense_case(2, 4, 2, 23, 31, 24, 24, causal=True, dtype=torch.float16), small("persistent"))
+
+
+def test_every_listed_config_matches_naive():
+    torch.manual_seed(2)
+    call = dense_case(1, 4, 2, 40, 40, 16, 16, causal=True, wl=20)
+    cfgs = flash.BACKEND.configs(call.problem, DeviceInfo("cpu", (0, 0), 2))
+    assert {c["schedule"] for c in cfgs} == {"tile", "persistent", "lpt"}
+    for cfg in cfgs:
+        check_dense(call, cfg)
+
+
+def test_strided_inputs_are_read_in_place():
+    """q is a (B, L, H, D) buffer seen as (B, H, L, D); k has a non-unit head-dim stride; v is a slice."""
+    torch.manual_seed(3)
+    b, hq, hkv, lq, lk, d = 2, 4, 2, 21, 26, 24
+    q = rand(b, lq, hq, d).transpose(1, 2)
+    k = rand(b, hkv, d, lk).transpose(2, 3)
+    v = rand(b, hkv, lk, 2 * d)[..., 3 : 3 + d]
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    for causal in (False, True):
+        check_dense(AttnCall("attention", q, k, v, 0.3, causal), small("persistent"))
+
+
+def test_fully_masked_rows_give_zero_output_and_neg_inf_lse():
+    torch.manual_seed(4)
+    call = dense_case(1, 2, 2, 20, 8, 16, 16, causal=True)  # rows 0..11 see no key
+    out, lse = flash.BACKEND.run(call, small())
+    assert torch.equal(out[:, :, :12], torch.zeros_like(out[:, :, :12]))
+    assert torch.isneginf(lse[:, :, :12]).all() and torch.isfinite(lse[:, :, 12:]).all()
+
+
+def test_kv_tiles_outside_the_band_are_never_read():
+    """Every row sees keys 44..63 only; NaN in keys 0..31 (two whole 16-key tiles) must never be loaded."""
+    torch.manual_seed(5)
+    call = dense_case(1, 2, 1, 16, 64, 16, 16, causal=True, wl=4)
+    clean = (call.k.clone(), call.v.clone())
+    call.k[:, :, :32] = float("nan")
+    call.v[:, :, :32] = float("nan")
+    out, lse = flash.BACKEND.run(call, small())
+    ref = oracle_dense(call.q, *clean, call.scale, True, 4)
+    assert_matches(out, lse, *ref, torch.float32)
+
+
+def test_keys_past_kv_seqlens_are_never_read():
+    torch.manual_seed(6)
+    call = dense_case(2, 2, 2, 9, 40, 16, 16, kv_lens=[5, 20])
+    clean = (call.k.clone(), call.v.clone())
+    call.k[0, :, 5:] = call.v[0, :, 5:] = float("nan")
+    call.k[1, :, 20:] = call.v[1, :, 20:] = float("nan")
+    out, lse = flash.BACKEND.run(call, small())
+    assert_matches(out, lse, *oracle_dense(call.q, *clean, call.scale, kv_lens=call.kv_seqlens), torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------- varlen
+def varlen_case(lens_q, lens_k, hq, hkv, d, causal=False, wl=-1, wr=-1, dtype=torch.float32):
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
+    q = rand(int(cu_q[-1]), hq, 2 * d, dtype=dtype)[..., :d]  # strided: a slice of a wider buffer
+    k, v = rand(int(cu_k[-1]), hkv, d, dtype=dtype), rand(int(cu_k[-1]), hkv, d, dtype=dtype)
+    return AttnCall("varlen", q, k, v, d**-0.5, causal, wl, wr, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                    max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+
+
+VARLEN = {
+    "causal_mixed_with_empty_sequences": dict(lens_q=[5, 0, 17, 9], lens_k=[7, 3, 17, 0], hq=4, hkv=2, d=16,
+                                              causal=True),
+    "decode_one_query_per_sequence": dict(lens_q=[1, 1, 1, 1], lens_k=[5, 30, 1, 17], hq=8, hkv=2, d=16,
+                                          causal=True),
+    "window_noncausal": dict(lens_q=[12, 25], lens_k=[20, 25], hq=2, hkv=2, d=24, wl=3, wr=2),
+}
+
+
+@pytest.mark.parametrize("schedule", ["tile", "lpt"])
+@pytest.mark.parametrize("case", VARLEN)
+def test_varlen_matches_naive(case, schedule):
+    torch.manual_seed(7)
+    call = varlen_case(**VARLEN[case])
+    out, lse = flash.BACKEND.run(call, small(schedule))
+    assert_matches(out, lse, *oracle_varlen(call), torch.float32)
+
+
+# ---------------------------------------------------------------------------------------- block-sparse
+def _causal(b, h, q, kv):
+    return q >= kv
+
+
+def _sliding_20(b, h, q, kv):
+    return (q >= kv) & (q - kv <= 20)
+
+
+def _per_head_stripes(b, h, q, kv):
+    return ((kv + 7 * h + 3 * b) % 5 != 0) & (kv <= q + 40)
+
+
+def _documents(b, h, q, kv):
+    return (q // 50) == (kv // 50)
+
+
+def _skips_block_1(b, h, q, kv):
+    return (kv < 64) | (kv >= 128)
+
+
+def sparse_case(mod, b, hq, hkv, lq, lk, d, block, mask_b=None, mask_h=None, dtype=torch.float32):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    bm = create_block_mask(mod, mask_b, mask_h, lq, lk, device="cpu", BLOCK_SIZE=block)
+    q, k, v = rand(b, hq, lq, d, dtype=dtype), rand(b, hkv, lk, d, dtype=dtype), rand(b, hkv, lk, d, dtype=dtype)
+    return AttnCall("block_sparse", q, k, v, d**-0.5, sparse=BlockSparseMask.from_block_mask(bm))
+
+
+SPARSE = {
+    "causal_full_and_partial_blocks_gqa": dict(mod=_causal, b=1, hq=4, hkv=2, lq=130, lk=130, d=16, block=64),
+    "sliding_window_lq_ne_lk": dict(mod=_sliding_20, b=1, hq=2, hkv=2, lq=100, lk=150, d=16, block=64),
+    "per_batch_and_head_mask": dict(mod=_per_head_stripes, b=2, hq=2, hkv=1, lq=70, lk=90, d=24, block=64,
+                                    mask_b=2, mask_h=2),
+    "documents_q128_kv64": dict(mod=_documents, b=1, hq=2, hkv=2, lq=140, lk=140, d=16, block=(128, 64)),
+    "kv32_blocks": dict(mod=_sliding_20, b=1, hq=2, hkv=1, lq=64, lk=96, d=16, block=(64, 32)),
+}
+
+
+def check_sparse(call: AttnCall, cfg: Config):
+    out, lse = flash.BACKEND.run(call, cfg)
+    ref = naive.attend(call.q, call.k, call.v, call.sparse.dense_mask(), call.scale)
+    assert_matches(out, lse, *ref, call.q.dtype)
+
+
+@pytest.mark.parametrize("case", SPARSE)
+def test_block_sparse_matches_naive(case):
+    torch.manual_seed(8)
+    call = sparse_case(**SPARSE[case])
+    cfgs = [c for c in flash.BACKEND.configs(call.problem, SM90) if flash.BACKEND.prune(call.problem, SM90, c) is None]
+    assert cfgs
+    for cfg in (cfgs[0], cfgs[-1]):  # largest row block (tile) and a persistent one
+        check_sparse(call, cfg)
+
+
+def test_block_sparse_half_precision():
+    torch.manual_seed(9)
+    call = sparse_case(_causal, 1, 2, 1, 96, 128, 16, 64, dtype=torch.float16)
+    check_sparse(call, Config.of(block_m=32, block_n=64, num_warps=4, num_stages=2, schedule="tile"))
+
+
+def test_unlisted_sparse_blocks_are_never_read():
+    torch.manual_seed(10)
+    call = sparse_case(_skips_block_1, 1, 2, 2, 64, 192, 16, 64)
+    clean = (call.k.clone(), call.v.clone())
+    call.k[:, :, 64:128] = call.v[:, :, 64:128] = float("nan")
+    out, lse = flash.BACKEND.run(call, Config.of(block_m=64, block_n=64, num_warps=4, num_stages=2,
+                                                 schedule="tile"))
+    assert_matches(out, lse, *naive.attend(call.q, *clean, call.sparse.dense_mask(), call.scale), torch.float32)
+
+
+# ------------------------------------------------------------------------------------- protocol pieces
+def problem(**kw) -> Problem:
+    base = dict(op="attention", dtype="bfloat16", device_type="cuda", batch=2, heads_q=32, heads_kv=32,
+                len_q=4096, len_k=4096, head_dim=128, head_dim_v=128)
+    return Problem(**{**base, **kw})
+
+
+TYPICAL = {
+    "d128_causal": problem(causal=True),
+    "d64_noncausal_gqa": problem(head_dim=64, head_dim_v=64, heads_kv=8),
+    "d256_window": problem(head_dim=256, head_dim_v=256, window_left=256, window_right=0),
+    "d96_fp16": problem(dtype="float16", head_dim=96, head_dim_v=96),
+    "decode_gqa": problem(len_q=1, heads_kv=8, causal=True),
+    "varlen_causal": problem(op="varlen", total_q=8000, total_k=8000, causal=True),
+    "sparse_128": problem(op="block_sparse", block_q=128, block_kv=128, density=0.1, partial_fraction=0.5),
+}
+
+
+@pytest.mark.parametrize("name", TYPICAL)
+def test_configs_are_a_short_unique_mostly_runnable_list(name):
+    p = TYPICAL[name]
+    assert flash.BACKEND.supports(p, SM90) is None
+    cfgs = flash.BACKEND.configs(p, SM90)
+    names = [str(c) for c in cfgs]
+    assert 5 <= len(cfgs) <= 12 and len(set(names)) == len(names)
+    assert all(Config.parse(n) == c for n, c in zip(names, cfgs))
+    runnable = [c for c in cfgs if flash.BACKEND.prune(p, SM90, c) is None]
+    assert len(runnable) >= 4, {str(c): flash.BACKEND.prune(p, SM90, c) for c in cfgs}
+
+
+def test_fp32_large_head_dim_keeps_a_runnable_config_and_prunes_big_tiles_for_shared_memory():
+    p = problem(dtype="float32", head_dim=256, head_dim_v=256)
+    reasons = [flash.BACKEND.prune(p, SM90, c) for c in flash.BACKEND.configs(p, SM90)]
+    assert None in reasons
+    assert any(r and "shared memory" in r for r in reasons)
+
+
+def test_prune_gives_reasons():
+    b = flash.BACKEND
+    lpt = Config.of(block_m=128, block_n=64, num_warps=8, num_stages=3, schedule="lpt")
+    assert "lpt only helps causal/window" in b.prune(problem(), SM90, lpt)
+    assert b.prune(problem(causal=True), SM90, lpt) is None
+    sparse = problem(op="block_sparse", block_q=64, block_kv=128)
+    assert "block_kv" in b.prune(sparse, SM90, Config.of(block_m=64, block_n=64, num_warps=4, num_stages=2,
+                                                        schedule="tile"))
+    assert "block_q" in b.prune(sparse, SM90, Config.of(block_m=128, block_n=128, num_warps=8, num_stages=2,
+                                                       schedule="tile"))
+    huge = Config.of(block_m=128, block_n=128, num_warps=4, num_stages=4, schedule="tile")
+    assert "shared memory" in b.prune(problem(head_dim=256, head_dim_v=256), SM90, huge)
+
+
+def test_supports_gives_reasons(monkeypatch):
+    b = flash.BACKEND
+    assert b.supports(problem(dtype="float64"), SM90) == "float64 not supported (float16, bfloat16, float32)"
+    assert b.supports(problem(head_dim=8), SM90) == "head_dim 8 < 16"
+    assert b.supports(problem(head_dim_v=512), SM90) == "head_dim_v 512 > 256"
+    assert "sm_80" in b.supports(problem(), DeviceInfo("Tesla T4", (7, 5), 40))
+    assert "block_kv" in b.supports(problem(op="block_sparse", block_q=64, block_kv=16), SM90)
+    assert b.supports(problem(device_type="cpu", dtype="float16"), SM90) is None  # conftest: interpreter
+    assert "interpreter" in b.supports(problem(device_type="cpu"), SM90)  # bfloat16
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert "needs a CUDA device" in b.supports(problem(device_type="cpu", dtype="float16"), SM90)
+
+
+def test_candidates_enumerate_without_duplicates():
+    with only_backends(flash.BACKEND):
+        cands = enumerate_candidates(TYPICAL["d128_causal"], SM90)
+    assert len(cands) >= 6 and all(c.backend == "triton" for c in cands)
+
+
+def test_backward_is_delegated_lazily_to_flash_bwd(monkeypatch):
+    seen = []
+    fake = types.ModuleType("inductor_attn.backends.triton.flash_bwd")
+    fake.backward = lambda *args: seen.append(args) or "grads"
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    call = dense_case(1, 1, 1, 4, 4, 16, 16)
+    assert flash.BACKEND.has_backward
+    assert flash.BACKEND.backward(call, small(), "out", "lse", "dout", None) == "grads"
+    assert seen == [(call, small(), "out", "lse", "dout", None)]
