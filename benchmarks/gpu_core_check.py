@@ -57,10 +57,10 @@ def phase_tune(out_dir: str) -> dict:
         compile_s = time.perf_counter() - start
         ref = inductor_attn.run_candidate("reference:default", q, k, v, causal=s["causal"])
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-        rows = [r for r in inductor_attn.cache.list_decisions() if r["key"] not in
-                {x.get("key") for x in report.values()}]
-        row = rows[-1] if rows else None
-        winner = row["winner"] if row else inductor_attn.stats()
+        bucket = inductor_attn.api.make_call(q, k, v, causal=s["causal"]).problem.bucket().key()
+        row = next((r for r in inductor_attn.cache.get_store().rows()
+                    if r["problem"] == bucket and r["op"] == "attention/forward"), None)
+        winner = row["winner"] if row else str(inductor_attn.stats())
         # independent re-measurement of every candidate that passed the gate
         passed = [c["name"] for c in inductor_attn.cache.show(row["key"])["record"]["candidates"]
                   if c["status"] == "passed"] if row else []
