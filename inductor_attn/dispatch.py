@@ -12,6 +12,7 @@ import functools
 
 from .backends import AttnCall, Candidate, get_backend
 from .device import device_info
+from .ops.layout import conform
 
 __all__ = ["AttnCall", "forward", "backward", "stats", "reset_stats"]
 
@@ -36,12 +37,14 @@ def _resolve(call: AttnCall, choice: str, direction: str):
 
 def forward(call: AttnCall, choice: str):
     backend, cfg = _resolve(call, choice, "forward")
-    return backend.run(call, cfg)
+    out, lse = backend.run(call, cfg)
+    return conform(out, call.q), lse.contiguous()
 
 
 def backward(call: AttnCall, choice: str, out, lse, grad_out, grad_lse):
     backend, cfg = _resolve(call, choice, "backward")
-    return backend.backward(call, cfg, out, lse, grad_out, grad_lse)
+    dq, dk, dv = backend.backward(call, cfg, out, lse, grad_out, grad_lse)
+    return conform(dq, call.q), conform(dk, call.k), conform(dv, call.v)
 
 
 def stats() -> dict[str, int]:

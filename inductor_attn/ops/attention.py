@@ -15,6 +15,7 @@ from torch import Tensor
 
 from . import checks
 from .block_mask import BlockSparseMask
+from .layout import empty_like_layout
 
 LIB = "inductor_attn"
 
@@ -52,7 +53,7 @@ def _(q, k, v, scale, causal, window_left, window_right, kv_seqlens, choice):
     checks.check_attention(q, k, v, scale, window_left, window_right, kv_seqlens)
     _ensure_lowering()
     b, h, lq, _ = q.shape
-    return q.new_empty(b, h, lq, v.shape[-1]), _lse_like(q, h, lq, b)
+    return empty_like_layout(q, (b, h, lq, v.shape[-1])), _lse_like(q, h, lq, b)
 
 
 @torch.library.custom_op(f"{LIB}::attention_backward", mutates_args=())
@@ -66,7 +67,7 @@ def attention_backward_op(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, 
 
 @attention_backward_op.register_fake
 def _(grad_out, grad_lse, q, k, v, out, lse, scale, causal, window_left, window_right, kv_seqlens, choice):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return empty_like_layout(q, q.shape), empty_like_layout(k, k.shape), empty_like_layout(v, v.shape)
 
 
 def _attention_setup(ctx, inputs, output):
@@ -103,7 +104,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, ca
     checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
                         window_right)
     _ensure_lowering()
-    return q.new_empty(q.shape[0], q.shape[1], v.shape[-1]), _lse_like(q, q.shape[1], q.shape[0], None)
+    return empty_like_layout(q, (q.shape[0], q.shape[1], v.shape[-1])), _lse_like(q, q.shape[1], q.shape[0], None)
 
 
 @torch.library.custom_op(f"{LIB}::varlen_attention_backward", mutates_args=())
@@ -121,7 +122,7 @@ def varlen_attention_backward_op(grad_out: Tensor, grad_lse: Tensor | None, q: T
 @varlen_attention_backward_op.register_fake
 def _(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
       causal, window_left, window_right, choice):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return empty_like_layout(q, q.shape), empty_like_layout(k, k.shape), empty_like_layout(v, v.shape)
 
 
 def _varlen_setup(ctx, inputs, output):
@@ -166,7 +167,7 @@ def _(q, k, v, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, p
     checks.check_block_sparse(q, k, v, sparse, scale)
     _ensure_lowering()
     b, h, lq, _ = q.shape
-    return q.new_empty(b, h, lq, v.shape[-1]), _lse_like(q, h, lq, b)
+    return empty_like_layout(q, (b, h, lq, v.shape[-1])), _lse_like(q, h, lq, b)
 
 
 @torch.library.custom_op(f"{LIB}::block_sparse_attention_backward", mutates_args=())
@@ -185,7 +186,7 @@ def block_sparse_attention_backward_op(grad_out: Tensor, grad_lse: Tensor | None
 @block_sparse_attention_backward_op.register_fake
 def _(grad_out, grad_lse, q, k, v, out, lse, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
       partial_bits, block_q, block_kv, scale, density, partial_fraction, choice):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return empty_like_layout(q, q.shape), empty_like_layout(k, k.shape), empty_like_layout(v, v.shape)
 
 
 def _sparse_setup(ctx, inputs, output):

@@ -1,0 +1,34 @@
+"""Output layout contract of every op, shared by the fake impls and the dispatcher.
+
+``out`` (and ``dq``/``dk``/``dv``) follow the *stride order* of their input (``q``, or ``k``/``v``):
+for q given as a transpose view of (B, L, H, D) memory, out is (B, H, L, Dv) with (B, L, H, Dv) memory,
+which is what cuDNN and FA4 produce natively, so no copy is needed for them. lse is contiguous.
+Inductor asserts the strides the fake impl promised, so a backend returning another layout is copied
+into this one by the dispatcher (``conform``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def stride_order(x: torch.Tensor) -> list[int]:
+    """Dims from outermost to innermost in memory (ties keep the logical order).
+
+    >>> stride_order(torch.empty(2, 5, 3, 4).transpose(1, 2))
+    [0, 2, 1, 3]
+    """
+    return sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+
+
+def empty_like_layout(like: torch.Tensor, size, dtype=None) -> torch.Tensor:
+    """An uninitialised tensor of ``size`` whose memory follows ``like``'s stride order."""
+    return torch.empty_permuted(size, stride_order(like), dtype=dtype or like.dtype, device=like.device)
+
+
+def conform(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` itself if it already has the layout ``empty_like_layout(like, t.shape)`` would give, else a copy."""
+    want = empty_like_layout(like, t.shape, t.dtype)
+    if want.stride() == t.stride():
+        return t
+    return want.copy_(t)
