@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
 import inductor_attn
-from inductor_attn.backends import reference
+from inductor_attn.backends import only_backends, reference
 from inductor_attn.tuning.correctness import LSE_TOLERANCE, TOLERANCES, rel_err
 
 # The per-test autouse store fixture (conftest) is safe to share between examples.
@@ -22,6 +22,13 @@ RANDOM = settings(max_examples=30, deadline=None, suppress_health_check=[HealthC
 LOW_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 # lse is float32 whatever the input dtype: a float64-exact lse still carries float32 rounding.
 LSE_FLOAT32_ROUNDING = 1e-6
+
+
+@pytest.fixture(autouse=True)
+def _reference_only():
+    """Every call here runs on the reference backend, whatever else is registered for the CPU."""
+    with only_backends(reference.BACKEND):
+        yield
 
 
 def rand(gen: torch.Generator, *shape: int, dtype=torch.float64) -> torch.Tensor:
