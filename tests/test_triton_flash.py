@@ -15,6 +15,7 @@ from inductor_attn.backends.base import AttnCall, Config
 from inductor_attn.backends.triton import flash
 from inductor_attn.device import DeviceInfo, parse_device_override
 from inductor_attn.ops.block_mask import BlockSparseMask
+from inductor_attn.ops.layout import empty_like_layout
 from inductor_attn.problem import Problem
 from inductor_attn.tuning.correctness import check_output
 
@@ -149,6 +150,16 @@ def test_strided_inputs_are_read_in_place():
     assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
     for causal in (False, True):
         check_dense(AttnCall("attention", q, k, v, 0.3, causal), small("persistent"))
+
+
+def test_output_follows_q_stride_order_and_lse_is_contiguous():
+    torch.manual_seed(3)
+    q = rand(2, 9, 4, 16).transpose(1, 2)  # (B, L, H, D) memory
+    call = AttnCall("attention", q, rand(2, 2, 11, 16), rand(2, 2, 11, 24), 0.25, True)
+    out, lse = flash.BACKEND.run(call, small())
+    assert out.shape == (2, 4, 9, 24) and out.stride() == empty_like_layout(q, out.shape).stride()
+    assert lse.is_contiguous()
+    assert_matches(out, lse, *oracle_dense(call.q, call.k, call.v, 0.25, True), torch.float32)
 
 
 def test_fully_masked_rows_give_zero_output_and_neg_inf_lse():

@@ -16,6 +16,7 @@ from inductor_attn.backends.reference import BACKEND as REFERENCE
 from inductor_attn.backends.triton import flash
 from inductor_attn.device import device_info
 from inductor_attn.ops.block_mask import BlockSparseMask
+from inductor_attn.ops.layout import empty_like_layout
 from inductor_attn.tuning.correctness import check_output
 
 pytestmark = pytest.mark.gpu
@@ -55,6 +56,7 @@ def check(call: AttnCall, cfgs: list[Config]):
     failures = {}
     for cfg in cfgs:
         out, lse = flash.BACKEND.run(call, cfg)
+        assert out.stride() == empty_like_layout(call.q, out.shape).stride() and lse.is_contiguous()
         reason = check_output(out, lse, ref_out, ref_lse, call.q.dtype)
         if reason:
             failures[str(cfg)] = reason

@@ -15,6 +15,7 @@ import os
 import torch
 
 from ...device import DeviceInfo, device_info
+from ...ops.layout import empty_like_layout
 from ...problem import Problem, next_power_of_two
 from ..base import AttnCall, Backend, Config
 
@@ -151,13 +152,13 @@ def _sparse_block_ms(block_q: int) -> list[int]:
 
 
 def new_outputs(call: AttnCall) -> tuple[torch.Tensor, torch.Tensor]:
-    """The only allocations of a forward: ``out`` and ``lse`` (tests wrap this to poison them)."""
-    q, v = call.q, call.v
-    if call.op == "varlen":
-        return (q.new_empty(q.shape[0], q.shape[1], v.shape[-1]),
-                torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device))
-    b, h, lq, _ = q.shape
-    return q.new_empty(b, h, lq, v.shape[-1]), torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
+    """The only allocations of a forward: ``out`` in q's stride order (the ops' layout contract, so the
+    dispatcher never copies it; the kernel writes any strides) and a contiguous float32 ``lse``. Tests
+    wrap this to poison both."""
+    q = call.q
+    out = empty_like_layout(q, (*q.shape[:-1], call.v.shape[-1]))
+    lse_shape = (q.shape[1], q.shape[0]) if call.op == "varlen" else q.shape[:-1]
+    return out, torch.empty(lse_shape, dtype=torch.float32, device=q.device)
 
 
 def _bhld_strides(x: torch.Tensor, varlen: bool) -> tuple[int, ...]:
