@@ -11,6 +11,8 @@ import dataclasses
 import doctest
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -247,3 +249,26 @@ def test_module_doctests_pass():
 
 def test_interpreter_is_on_for_these_tests():
     assert torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def test_module_imports_and_explains_itself_without_triton():
+    """The registry imports this backend on every install; a missing Triton must give a reason, not an
+    ImportError. Run in a fresh interpreter whose import of triton fails."""
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'triton' or name.startswith('triton.'):\n"
+        "            raise ImportError('blocked for this test')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from inductor_attn.backends.triton import decode\n"
+        "from inductor_attn.device import parse_device_override\n"
+        "from inductor_attn.problem import Problem\n"
+        "p = Problem('attention', 'bfloat16', 'cuda', 1, 8, 2, 1, 4096, 128, 128)\n"
+        "print(decode.BACKEND.supports(p, parse_device_override('sm_90')))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "needs triton (not installed)"

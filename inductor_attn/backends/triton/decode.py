@@ -37,8 +37,12 @@ import math
 import os
 
 import torch
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a CPU-only install: supports() says so, and no kernel below is ever built or run
+    triton = tl = None
 
 from ...device import DeviceInfo, device_info
 from ...problem import Problem, next_power_of_two
@@ -59,9 +63,14 @@ _SMEM_KIB = {0: 227, 80: 163, 86: 99, 89: 99, 90: 227, 100: 227}
 _SMEM_HEADROOM = 0.85
 
 
+def _jit(**options):
+    """``triton.jit(**options)``; without Triton the plain function, so this module imports anyway."""
+    return triton.jit(**options) if triton is not None else (lambda fn: fn)
+
+
 # Lengths, split counts and windows change between calls (every decode step without kv_seqlens): never
 # specialise on their values, or Triton would compile a variant for Lk == 1 and for Lk % 16 == 0.
-@triton.jit(do_not_specialize=["LK", "NUM_SPLITS", "NUM_M_BLOCKS", "WINDOW_LEFT", "WINDOW_RIGHT"])
+@_jit(do_not_specialize=["LK", "NUM_SPLITS", "NUM_M_BLOCKS", "WINDOW_LEFT", "WINDOW_RIGHT"])
 def _decode_partial(
     Q, K, V, SEQLENS, OUT, LSE,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
@@ -158,7 +167,7 @@ def _decode_partial(
         tl.store(LSE + ws_row, lse2, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["NUM_SPLITS"])
+@_jit(do_not_specialize=["NUM_SPLITS"])
 def _decode_combine(WS_O, WS_LSE, OUT, LSE, NUM_SPLITS, DV, BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr):
     # Program (row, chunk) merges BLOCK_DC output columns of one row. Splitting Dv across programs keeps
     # this latency-bound step short: B1 Hq16 Lq1 is only 16 rows, and one program per row would read
@@ -323,6 +332,8 @@ class TritonDecodeBackend(Backend):
             return f"split-K decode handles op 'attention' only, got {p.op!r}"
         if p.len_q > MAX_LEN_Q:
             return f"split-K decode is for Lq <= {MAX_LEN_Q}, got {p.len_q}"
+        if triton is None:
+            return "needs triton (not installed)"
         if p.device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             return "needs a CUDA device"
         if p.dtype not in _DTYPES:
