@@ -15,9 +15,9 @@ def dense_mask(lq: int, lk: int, causal=False, window_left=-1, window_right=-1, 
     ok = j < n
     right = 0 if causal else window_right
     if right >= 0:
-        ok &= j <= i + right
+        ok = ok & (j <= i + right)
     if window_left >= 0:
-        ok &= j >= i - window_left
+        ok = ok & (j >= i - window_left)
     return ok
 
 
