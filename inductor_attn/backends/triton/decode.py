@@ -13,12 +13,12 @@ The work:
 - ``_decode_partial``: one program per (row block, split, batch x kv head). Its rows are the G = Hq / Hkv
   query heads of one kv head times the Lq queries (row r = g * Lq + i), so each K/V tile is loaded once
   for the whole group (GQA packing). The split's keys are a balanced run of whole BLOCK_N blocks of the
-  keys that any row can see, [lo, n_b). It writes a normalised float32 partial output and a log2-domain
+  keys that any row can see, [lo, n_b), computed in the kernel from each batch's kv_seqlens: a cache
+  filled to 2k of its 16k capacity still spreads its 2k keys over all splits. It writes a normalised float32 partial output and a log2-domain
   lse per (row, split) to the workspace; with num_splits == 1 it writes out and lse directly and the
   combine is skipped.
 - ``_decode_combine``: one program per (output row, 64 columns) merges the splits with weights
-  2^(lse_s - max).
-  Splits that saw no key wrote lse = -inf and output 0, so they get weight 0.
+  2^(lse_s - max). Splits that saw no key wrote lse = -inf and output 0, so they get weight 0.
 
 Workspace (the partial outputs, float32): cached in ``_WORKSPACES``, one buffer pair per (device, B, Hq,
 Lq, Dv, num_splits) and never freed, so a plain call and a CUDA-graph replay do the same work and the
