@@ -150,3 +150,59 @@ def test_compiled_flex_with_our_block_mask_matches_the_reference():
     out = flex._compiled()(q, k, v, block_mask=flex.to_flex_block_mask(sparse), scale=0.25)
     want, _ = reference.BACKEND.run(AttnCall("block_sparse", q, k, v, 0.25, sparse=sparse), Config())
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------- GPU
+def _gpu_sparse_call(dtype, heads, hkv, d=64):
+    from inductor_attn.backends.base import AttnCall
+
+    sparse = BlockSparseMask.from_block_mask(create_block_mask(doc_mask, 2, heads, 512, 512, device="cuda",
+                                                               BLOCK_SIZE=128))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 6, 512, d, device="cuda", dtype=dtype, generator=gen)
+    k, v = (torch.randn(2, hkv, 512, d, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+    return AttnCall("block_sparse", q, k, v, d ** -0.5, sparse=sparse)
+
+
+def _assert_matches_reference(call, cfg):
+    from inductor_attn.tuning.correctness import check_output
+
+    out, lse = flex.BACKEND.run(call, cfg)
+    want = reference.BACKEND.run(call, Config())
+    reason = check_output(out, lse, *want, call.q.dtype)
+    assert reason is None, f"{cfg}: {reason}"
+
+
+TRITON_CONFIGS = [Config.of(backend="TRITON"), *flex.TRITON_TILES]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("heads, hkv", [(6, 6), (None, 2)], ids=["per-head-mask", "shared-mask-gqa"])
+def test_gpu_flex_triton_on_our_block_mask_matches_reference(dtype, heads, hkv):
+    call = _gpu_sparse_call(dtype, heads=heads, hkv=hkv)
+    for cfg in TRITON_CONFIGS:
+        _assert_matches_reference(call, cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_flex_flash_on_our_block_mask_matches_reference(dtype):
+    if not flex.flash_attn_available():
+        pytest.skip("flex FLASH needs flash-attn-4 (source .devdeps/unpack.sh)")
+    _assert_matches_reference(_gpu_sparse_call(dtype, heads=None, hkv=6, d=128), Config.of(backend="FLASH"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal, left, right, lq, lk", [(True, -1, -1, 384, 512), (True, 256, -1, 1024, 1024),
+                                                         (False, 100, 50, 600, 600)])
+def test_gpu_flex_on_dense_windows_matches_reference(causal, left, right, lq, lk):
+    from inductor_attn.backends.base import AttnCall
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(2, 4, lq, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(2, 2, lk, 64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    call = AttnCall("attention", q, k, v, 0.125, causal, left, right)
+    configs = TRITON_CONFIGS + ([Config.of(backend="FLASH")] if flex.flash_attn_available() else [])
+    for cfg in configs:
+        _assert_matches_reference(call, cfg)

@@ -88,16 +88,14 @@ class FlexBackend(Backend):
         return None
 
     def run(self, call: AttnCall, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
-        from torch.nn.attention.flex_attention import AuxRequest
-
         block_mask = (to_flex_block_mask(call.sparse) if call.op == "block_sparse" else
                       window_block_mask(call.q.shape[2], call.k.shape[2], call.causal, call.window_left,
                                         call.window_right, call.q.device))
         with _recompile_room():
             out, aux = _compiled()(call.q, call.k, call.v, block_mask=block_mask, scale=call.scale,
                                    enable_gqa=call.q.shape[1] != call.k.shape[1],
-                                   kernel_options=kernel_options(cfg), return_aux=AuxRequest(lse=True))
-        return out, aux.lse
+                                   kernel_options=kernel_options(cfg), **_lse_request())
+        return out, getattr(aux, "lse", aux)
 
 
 def kernel_options(cfg: Config) -> dict:
@@ -112,6 +110,16 @@ def kernel_options(cfg: Config) -> dict:
         if cfg.get(key) is not None:
             opts[name] = cfg[key]
     return opts
+
+
+def _lse_request() -> dict:
+    """Ask for the lse: ``return_aux=AuxRequest(lse=True)`` where it exists (return_lse is deprecated
+    there; flex then returns (out, AuxOutput)), else ``return_lse=True`` (returns (out, lse))."""
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:
+        return {"return_lse": True}
+    return {"return_aux": AuxRequest(lse=True)}
 
 
 @functools.cache

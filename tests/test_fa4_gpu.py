@@ -1,0 +1,209 @@
+"""flash-attn-4 through the fa4 backend on a GPU, against the reference backend (fp16 and bf16).
+
+Run on the device machine with FA4 on the path: ``source .devdeps/unpack.sh && pytest -m gpu tests/test_fa4_gpu.py``.
+Skipped when flash-attn-4 cannot be imported there (the reason is shown).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask
+
+from inductor_attn.backends import Config, fa4, reference
+from inductor_attn.backends.base import AttnCall
+from inductor_attn.device import device_info
+from inductor_attn.ops.block_mask import BlockSparseMask
+from inductor_attn.tuning.correctness import check_output, check_tensor
+
+pytestmark = pytest.mark.gpu
+DTYPES = [torch.bfloat16, torch.float16]
+FA4, REF = fa4.BACKEND, reference.BACKEND
+
+
+@pytest.fixture(scope="module")
+def dev():
+    loaded = fa4._load()
+    if isinstance(loaded, str):
+        pytest.skip(loaded)
+    return device_info("cuda")
+
+
+def rand(*shape, dtype, gen):
+    return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)
+
+
+def dense_call(b, hq, hkv, lq, lk, d, dtype, causal=False, left=-1, right=-1, kv_seqlens=None, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = rand(b, hq, lq, d, dtype=dtype, gen=gen), rand(b, hkv, lk, d, dtype=dtype, gen=gen), \
+        rand(b, hkv, lk, d, dtype=dtype, gen=gen)
+    return AttnCall("attention", q, k, v, d ** -0.5, causal, left, right, kv_seqlens)
+
+
+def assert_matches_reference(call: AttnCall, cfg=Config()):
+    out, lse = FA4.run(call, cfg)
+    ref_out, ref_lse = REF.run(call, Config())
+    reason = check_output(out, lse, ref_out, ref_lse, call.q.dtype)
+    assert reason is None, f"{cfg}: {reason}"
+    return out, lse
+
+
+DENSE = [
+    dict(b=2, hq=8, hkv=8, lq=300, lk=300, d=128),
+    dict(b=2, hq=8, hkv=8, lq=300, lk=300, d=128, causal=True),
+    dict(b=2, hq=8, hkv=2, lq=128, lk=512, d=128, causal=True),  # GQA, lower-right causal
+    dict(b=1, hq=8, hkv=8, lq=512, lk=512, d=64, causal=True, left=64),  # sliding window
+    dict(b=1, hq=4, hkv=4, lq=256, lk=384, d=256, causal=True),
+    dict(b=2, hq=6, hkv=2, lq=200, lk=200, d=96),
+]
+
+
+@pytest.mark.parametrize("case", DENSE, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dense_forward_matches_reference(dev, case, dtype):
+    call = dense_call(dtype=dtype, **case)
+    assert FA4.supports(call.problem, dev) is None
+    assert_matches_reference(call)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_with_kv_seqlens_matches_reference(dev, causal, dtype):
+    lens = torch.tensor([1000, 37, 512], device="cuda", dtype=torch.int32)
+    call = dense_call(3, 16, 4, 1, 1000, 128, dtype, causal=causal, kv_seqlens=lens)
+    for cfg in (Config(), Config.of(pack_gqa=False)):
+        assert_matches_reference(call, cfg)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hkv", [8, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_varlen_forward_matches_reference(dev, causal, hkv, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    cu = torch.tensor([0, 100, 357, 512], device="cuda", dtype=torch.int32)
+    q = rand(512, 8, 128, dtype=dtype, gen=gen)
+    k, v = rand(512, hkv, 128, dtype=dtype, gen=gen), rand(512, hkv, 128, dtype=dtype, gen=gen)
+    call = AttnCall("varlen", q, k, v, 128 ** -0.5, causal, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=257,
+                    max_seqlen_k=257)
+    assert_matches_reference(call)
+
+
+def _sparse_call(mask_mod, heads, d, dtype, length=512, block=128, hkv=None):
+    bm = create_block_mask(mask_mod, 2, heads, length, length, device="cuda", BLOCK_SIZE=block)
+    sparse = BlockSparseMask.from_block_mask(bm)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    hq = 8
+    q = rand(2, hq, length, d, dtype=dtype, gen=gen)
+    k, v = (rand(2, hkv or hq, length, d, dtype=dtype, gen=gen) for _ in range(2))
+    return AttnCall("block_sparse", q, k, v, d ** -0.5, sparse=sparse)
+
+
+def doc_mask(b, h, q, kv):  # per-batch documents and a per-head window: partial, full and empty blocks
+    return ((q // (150 + 60 * b)) == (kv // (150 + 60 * b))) & (q - kv <= 200 + 16 * h) & (kv <= q)
+
+
+def block_causal(b, h, q, kv):  # whole blocks only: no partial block, no mask_mod
+    return kv // 128 <= q // 128
+
+
+@pytest.mark.parametrize("mask_mod, heads", [(doc_mask, 8), (doc_mask, None), (block_causal, None)],
+                         ids=["partial-per-head", "partial-shared", "full-blocks-only"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_block_sparse_forward_matches_reference(dev, mask_mod, heads, d, dtype):
+    call = _sparse_call(mask_mod, heads, d, dtype)
+    for cand in fa4.BACKEND.configs(call.problem, dev):
+        if FA4.prune(call.problem, dev, cand) is None:
+            assert_matches_reference(call, cand)
+
+
+def test_block_sparse_gqa_with_a_shared_mask(dev):
+    assert_matches_reference(_sparse_call(doc_mask, None, 128, torch.bfloat16, hkv=2))
+
+
+@pytest.mark.parametrize("case", [dict(b=2, hq=8, hkv=8, lq=1024, lk=1024, d=128, causal=True),
+                                  dict(b=2, hq=8, hkv=2, lq=1024, lk=1024, d=64)], ids=["d128-causal", "d64-gqa"])
+def test_every_runnable_config_matches_or_fails_softly(dev, case):
+    """A candidate that compiles but cannot launch must surface as RuntimeError (the tuner drops it),
+    never as another exception type."""
+    call = dense_call(dtype=torch.bfloat16, **case)
+    ran, failed = [], []
+    for cfg in FA4.configs(call.problem, dev):
+        if FA4.prune(call.problem, dev, cfg) is not None:
+            continue
+        try:
+            assert_matches_reference(call, cfg)
+            ran.append(str(cfg))
+        except RuntimeError as err:
+            failed.append(f"{cfg}: {err}")
+    print("ran:", ran, "\nfailed:", failed)
+    assert "default" in ran and len(ran) >= len(failed)
+
+
+def test_heuristic_config_runs(dev):
+    call = dense_call(2, 8, 2, 512, 512, 128, torch.bfloat16, causal=True)
+    assert_matches_reference(call, FA4.heuristic_config(call.problem, dev))
+
+
+def test_native_fa4_layout_is_not_copied_and_warmup_reports_seconds(dev):
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (rand(2, 256, 8, 64, dtype=torch.bfloat16, gen=gen).transpose(1, 2) for _ in range(3))
+    before = sum(fa4.COPIES.values())
+    call = AttnCall("attention", q, k, v, 0.125, causal=True)
+    assert FA4.warmup(call, Config.of(intra_wg_overlap=False)) > 0
+    assert_matches_reference(call)
+    assert sum(fa4.COPIES.values()) == before
+
+
+def test_sm90_default_tile_matches_fa4_functions(dev):
+    from flash_attn.cute import interface
+
+    for d, dv in ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256)):
+        for causal, local in ((False, False), (True, False), (False, True)):
+            cfg = interface._tile_size_fwd_sm90(d, dv, causal, local)
+            assert fa4.sm90_default_tile(d, dv, causal, local) == (cfg.m_block_size, cfg.n_block_size)
+
+
+BACKWARD = [
+    dict(b=2, hq=8, hkv=8, lq=300, lk=300, d=128),
+    dict(b=2, hq=8, hkv=8, lq=256, lk=256, d=64, causal=True),
+    dict(b=2, hq=8, hkv=2, lq=128, lk=384, d=128, causal=True),  # GQA, lower-right causal
+    dict(b=1, hq=4, hkv=4, lq=512, lk=512, d=128, causal=True, left=100),
+]
+
+
+def _grads_match(call, out, lse, grad_out, grad_lse):
+    got = FA4.backward(call, Config(), out, lse, grad_out, grad_lse)
+    want = REF.backward(call, Config(), out, lse, grad_out, grad_lse)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert g.shape == w.shape, name
+        reason = check_tensor(name, g, w, call.q.dtype)
+        assert reason is None, reason
+
+
+@pytest.mark.parametrize("case", BACKWARD, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_grad_lse", [False, True])
+def test_dense_backward_matches_reference(dev, case, dtype, with_grad_lse):
+    call = dense_call(dtype=dtype, **case)
+    assert FA4.supports_backward(call.problem, dev) is None
+    out, lse = FA4.run(call, Config())
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    grad_out = torch.randn(out.shape, device="cuda", dtype=dtype, generator=gen)
+    grad_lse = torch.randn(lse.shape, device="cuda", generator=gen) if with_grad_lse else None
+    _grads_match(call, out, lse, grad_out, grad_lse)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_varlen_and_kv_seqlens_backward_match_reference(dev, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    cu = torch.tensor([0, 100, 357, 512], device="cuda", dtype=torch.int32)
+    q, k, v = (rand(512, 4, 64, dtype=dtype, gen=gen) for _ in range(3))
+    call = AttnCall("varlen", q, k, v, 0.125, True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=257,
+                    max_seqlen_k=257)
+    out, lse = FA4.run(call, Config())
+    _grads_match(call, out, lse, torch.randn_like(out), None)
+    lens = torch.tensor([300, 77], device="cuda", dtype=torch.int32)
+    call = dense_call(2, 4, 4, 64, 300, 64, dtype, causal=True, kv_seqlens=lens)
+    out, lse = FA4.run(call, Config())
+    _grads_match(call, out, lse, torch.randn_like(out), None)
