@@ -152,7 +152,8 @@ def test_run_allocates_only_out_and_lse():
 
 # -------------------------------------------------------------------------------------------- varlen
 def varlen(lens_q, lens_k, hq, hkv, d, causal=False, wl=-1, wr=-1, dtype=BF16):
-    cu = [torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32, device=DEV) for x in (lens_q, lens_k)]
+    cu = [torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+          for x in (lens_q, lens_k)]
     tq, tk = int(cu[0][-1]), int(cu[1][-1])
     q = rand(tq, hq, d, dtype=dtype)
     k = rand(tk, 2 * hkv, d, dtype=dtype)[:, ::2]  # strided heads
