@@ -135,3 +135,15 @@ def test_tune_result_survives_a_json_round_trip():
     result = _tune(FakeBackend("a", {"default": (1.0, 0.01)}), FakeBackend("b", {"default": (0.5, 0.01)}))
     again = TuneResult.from_json(result.to_json())
     assert again == result
+
+
+def test_kernel_library_errors_count_as_failed_candidates_even_in_strict_mode():
+    from inductor_attn.tuning.tuner import is_candidate_error
+
+    class OutOfResources(Exception):  # what triton.runtime.errors raises for too much shared memory
+        pass
+
+    OutOfResources.__module__ = "triton.runtime.errors"
+    assert is_candidate_error(OutOfResources("shared memory 300000 > 232448"))
+    assert is_candidate_error(RuntimeError("CUDA error"))
+    assert not is_candidate_error(TypeError("bad argument"))

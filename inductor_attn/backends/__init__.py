@@ -13,6 +13,7 @@ from ..problem import Problem
 from .base import AttnCall, Backend, Candidate, Config
 from .reference import BACKEND as REFERENCE
 from .sdpa import BACKEND as SDPA
+from .triton.decode import BACKEND as TRITON_DECODE
 
 _REGISTRY: dict[str, Backend] = {}
 
@@ -76,7 +77,7 @@ def enumerate_candidates(p: Problem, dev: DeviceInfo) -> list[Candidate]:
 
 
 def _register_builtin() -> None:
-    for backend in (SDPA, REFERENCE):
+    for backend in (SDPA, TRITON_DECODE, REFERENCE):
         register_backend(backend)
 
 

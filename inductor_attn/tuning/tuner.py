@@ -35,8 +35,15 @@ log = logging.getLogger(__name__)
 TIE_MARGIN = 0.02
 DEFAULT_ROUNDS = 15
 # Exceptions that mean "this candidate cannot run this problem here": compile, launch, resource and
-# library assertion errors. Anything else is a bug in our code and is re-raised in strict mode.
+# library assertion errors, and anything raised from inside a kernel library (Triton's CompilationError
+# and OutOfResources derive from Exception only; so do CuTe DSL's). Anything else is a bug in our code
+# and is re-raised in strict mode.
 CANDIDATE_ERRORS = (RuntimeError, AssertionError, ValueError, NotImplementedError, MemoryError)
+KERNEL_LIBRARIES = ("triton", "cutlass", "flash_attn", "cuda", "nvidia", "tvm_ffi")
+
+
+def is_candidate_error(err: BaseException) -> bool:
+    return isinstance(err, CANDIDATE_ERRORS) or type(err).__module__.split(".")[0] in KERNEL_LIBRARIES
 
 
 @dataclass
@@ -144,10 +151,10 @@ def _gate(cand: Candidate, direction: _Direction, call: AttnCall, expected) -> C
         got = direction.run(backend, call, cand.config)
         _sync(call.q.device)
         res.compile_s = time.perf_counter() - start
-    except CANDIDATE_ERRORS as err:
-        res.status, res.reason = "failed", _describe(err)
-        return res
-    except Exception as err:  # noqa: BLE001 - a bug in a backend must not crash the user's compile
+    except Exception as err:  # noqa: BLE001 - a failing candidate must not crash the user's compile
+        if is_candidate_error(err):
+            res.status, res.reason = "failed", _describe(err)
+            return res
         if strict():
             raise
         log.warning("candidate %s raised %s (a bug, please report): %s", cand.name, type(err).__name__, err)
