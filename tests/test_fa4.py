@@ -102,7 +102,8 @@ def test_sm90_lists_default_and_measured_alternatives(installed):
     cands = candidates(prob(causal=True), SM90)
     runnable = {n for n, r in cands.items() if r is None}
     assert runnable == {"fa4:default", "fa4:mma_pv_is_rs=False", "fa4:intra_wg_overlap=False",
-                        "fa4:tile_mn=128x176", "fa4:mma_pv_is_rs=False,tile_mn=192x128"}
+                        "fa4:tile_mn=128x176", "fa4:mma_pv_is_rs=False,tile_mn=192x128",
+                        "fa4:intra_wg_overlap=False,tile_mn=192x128"}
     # the measured launch failure is pruned with its measurement, not silently dropped
     assert "failed to launch" in cands["fa4:mma_pv_is_rs=False,tile_mn=128x176"]
     assert candidates(prob(head_dim=64, head_dim_v=64), SM90)["fa4:mma_pv_is_rs=False,tile_mn=128x176"] is None

@@ -35,7 +35,6 @@ import functools
 import importlib.metadata
 import inspect
 import logging
-import math
 import os
 import sys
 import threading
@@ -68,18 +67,19 @@ BWD_KWARGS = frozenset({
 KNOB_KWARGS = frozenset({"tile_mn", "mma_pv_is_rs", "intra_wg_overlap", "pack_gqa", "num_splits"})
 CLC_SWITCH = "_get_use_clc_scheduler_default"
 
-DTYPES = (torch.float16, torch.bfloat16)
 # Input copies made because a tensor's layout did not suit FA4, by tensor name (see module docstring).
 COPIES: Counter = Counter()
 
 # sm_90 alternatives to FA4's default, from shared/anchors/h200-fa4-knobs-2026-11-22.json (H200, bf16,
-# D64/D128): the default was fastest within noise on all five shapes; these came closest or differ most
-# in kind. (64,128) and (128,64) lost 5-30% everywhere and are left out.
+# D128 L1k-16k and D64 L4k). The default was fastest within noise on all five shapes; these came within
+# 1-11% of it (192x128 without intra-WG overlap: 0.99x at L16k). Left out: (128,64) at 0.80-0.95x,
+# (64,128) at 0.67-0.76x, and 192x128 with the default MMA settings at 0.54-0.58x (D128).
 SM90_ALTERNATIVES = (
     Config.of(mma_pv_is_rs=False),
     Config.of(intra_wg_overlap=False),
     Config.of(tile_mn="128x176"),
     Config.of(tile_mn="192x128", mma_pv_is_rs=False),
+    Config.of(tile_mn="192x128", intra_wg_overlap=False),
     Config.of(tile_mn="128x176", mma_pv_is_rs=False),
 )
 # Measured launch failure (same file): compiled, then CUDA_LAUNCH_INVALID_CONFIG at D128 on all shapes.
@@ -267,18 +267,21 @@ def _head_dim_reason(p: Problem, arch: int) -> str | None:
     return None
 
 
-def _sparse_tile_reason(p: Problem, arch: int, tile: tuple[int, int]) -> str | None:
-    """Block sizes FA4 rejects (block_sparsity.normalize_block_sparse_config) for a given tile."""
+def _sm90_sparse_reason(p: Problem, tile: tuple[int, int]) -> str | None:
+    """Block sizes FA4 rejects on sm_90 for a tile (block_sparsity.normalize_block_sparse_config)."""
     m, n = tile
-    if arch // 10 == 9:
-        if p.block_kv != n:
-            return f"on sm_90 flash-attn-4 needs the kv block size ({p.block_kv}) to equal tile_n ({n})"
-        if p.block_q % m:
-            return f"flash-attn-4 needs the q block size ({p.block_q}) to be a multiple of tile_m ({m})"
-        return None
-    # sm_100: 128-row tiles, two per CTA (q_stage 2) once the rows exceed one tile, except at head_dim_v
-    # 256. Rows are counted without GQA packing, which FA4 turns off for per-head masks; with a mask
-    # shared by all heads and a short Lq FA4 may still want 256 (then the tuner drops the candidate).
+    if p.block_kv != n:
+        return f"on sm_90 flash-attn-4 needs the kv block size ({p.block_kv}) to equal tile_n ({n})"
+    if p.block_q % m:
+        return f"flash-attn-4 needs the q block size ({p.block_q}) to be a multiple of tile_m ({m})"
+    return None
+
+
+def _sm100_sparse_reason(p: Problem) -> str | None:
+    """sm_100 tiles are 128 x 128 and a kv block may span several; q blocks must cover whole CTAs, which
+    hold two q tiles (q_stage 2) once the rows exceed one tile, except at head_dim_v 256. Rows are
+    counted without GQA packing, which FA4 turns off for per-head masks; with a mask shared by all heads
+    and a short Lq FA4 may still want 256 (then the tuner drops the candidate)."""
     m_eff = 256 if p.len_q > 128 and p.head_dim_v != 256 else 128
     if p.block_kv % 128:
         return f"on sm_100 flash-attn-4 needs the kv block size ({p.block_kv}) to be a multiple of 128"
@@ -443,6 +446,8 @@ class FA4Backend(Backend):
         if cfg.get("num_splits", 1) > 1 and arch // 10 == 9:
             return "split-KV not supported on sm_90 by flash-attn-4"
         fa = _load()
+        if isinstance(fa, str):
+            return fa
         moved = missing_kwargs(fa.fwd_params, KNOB_KWARGS & {k for k, _ in cfg.params})
         if moved:
             return f"flash-attn-4 {fa.version}: _flash_attn_fwd no longer takes {', '.join(moved)}"
@@ -457,9 +462,12 @@ class FA4Backend(Backend):
         if launch:
             return launch
         if p.op == "block_sparse":
+            if arch // 10 != 9:
+                return _sm100_sparse_reason(p)
+            # FA4 runs masks with causal and local off, and fits only its default tile to the blocks
             tile = (_parse_tile(tile_text) if tile_text else
                     sm90_default_tile(p.head_dim, p.head_dim_v, False, False, p.block_q, p.block_kv))
-            return _sparse_tile_reason(p, arch, tile)
+            return _sm90_sparse_reason(p, tile)
         return None
 
     def heuristic_config(self, p: Problem, dev: DeviceInfo) -> Config:
