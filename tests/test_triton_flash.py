@@ -109,6 +109,7 @@ DENSE = {
                                                kv_lens=[33, 10, 0]),
     "mqa_window_left_only_d64": dict(b=2, hq=6, hkv=1, lq=29, lk=29, d=64, dv=16, wl=9),
     "gqa3_noncausal": dict(b=1, hq=6, hkv=2, lq=17, lk=23, d=16, dv=16),
+    "one_query_one_key": dict(b=2, hq=2, hkv=1, lq=1, lk=1, d=16, dv=16, causal=True),
 }
 VARIANTS = {
     "tile": small("tile"),

@@ -103,6 +103,9 @@ DENSE = {
     "strided_blhd_causal": dict(b=2, hq=8, hkv=2, lq=555, lk=555, d=128, causal=True, layout="blhd"),
     "decode_gqa": dict(b=4, hq=32, hkv=8, lq=1, lk=3000, d=128, causal=True),
     "decode_lq4": dict(b=2, hq=16, hkv=2, lq=4, lk=999, d=128, causal=True),
+    # sizes equal to 1 are specialized into constexprs by Triton: the bound arithmetic must still compile
+    "one_query_one_key": dict(b=2, hq=4, hkv=2, lq=1, lk=1, d=64, causal=True),
+    "one_head_one_query_window": dict(b=1, hq=1, hkv=1, lq=1, lk=300, d=64, wl=1, wr=1),
 }
 
 

@@ -224,7 +224,8 @@ def forward(call: AttnCall, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
         HAS_LEFT=call.window_left >= 0 and not sparse, HAS_RIGHT=right >= 0 and not sparse,
         HAS_KV_LENS=call.kv_seqlens is not None and not varlen,
         HAS_FULL=sparse and call.sparse.full_kv_num_blocks is not None,
-        BLOCK_Q=call.sparse.block_q if sparse else bm, EVEN_N=len_k % bn == 0,
+        # dense/varlen ignore these two; constant values there avoid needless recompiles
+        BLOCK_Q=call.sparse.block_q if sparse else bm, EVEN_N=len_k % bn == 0 or not sparse,
         DOT_PREC="tf32x3" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

@@ -218,8 +218,10 @@ def _tile(tile, Q, K, V, O, LSE, KV_LENS, CU_Q, CU_K,
         k_off = k_start.to(tl.int64) * sk_n
         v_off = k_start.to(tl.int64) * sv_n
     else:
-        len_q_b = len_q
-        n_valid = len_k
+        # "+ 0 * b" keeps both runtime values even when Triton specializes an argument equal to 1 into a
+        # constexpr (Lq = 1 decode, Lk = 1), so the bound arithmetic below always works on tensors
+        len_q_b = len_q + 0 * b
+        n_valid = len_k + 0 * b
         if HAS_KV_LENS:
             n_valid = tl.load(KV_LENS + b)
         b64 = b.to(tl.int64)
