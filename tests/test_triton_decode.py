@@ -272,3 +272,26 @@ def test_module_imports_and_explains_itself_without_triton():
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "needs triton (not installed)"
+
+
+def test_configs_sweep_num_splits_around_one_default_tile():
+    from inductor_attn.backends.triton.decode import BACKEND, SPLITS
+    from inductor_attn.device import DeviceInfo
+    from inductor_attn.problem import Problem
+
+    p = Problem("attention", "bfloat16", "cuda", 1, 32, 16, 1, 16384, 256, 256)
+    cfgs = BACKEND.configs(p, DeviceInfo("NVIDIA H100", (9, 0), 132))
+    assert {int(c["num_splits"]) for c in cfgs} == set(SPLITS)
+    assert len(cfgs) == len({str(c) for c in cfgs}) <= len(SPLITS) + 4
+
+
+def test_heuristic_is_the_split_k_hand_rule():
+    from inductor_attn.backends.triton.decode import BACKEND
+    from inductor_attn.device import DeviceInfo
+    from inductor_attn.problem import Problem
+
+    dev = DeviceInfo("NVIDIA H100", (9, 0), 132)
+    short = Problem("attention", "bfloat16", "cuda", 1, 32, 16, 1, 255, 128, 128)
+    assert BACKEND.heuristic_config(short, dev) is None
+    long = Problem("attention", "bfloat16", "cuda", 1, 32, 16, 1, 4096, 128, 128)
+    assert int(BACKEND.heuristic_config(long, dev)["num_splits"]) == 16  # cdiv(4096, 256)

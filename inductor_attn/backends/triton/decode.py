@@ -345,8 +345,23 @@ class TritonDecodeBackend(Backend):
         return None
 
     def configs(self, p: Problem, dev: DeviceInfo) -> list[Config]:
-        return [Config.of(block_n=n, num_splits=s, num_warps=w)
-                for n in BLOCK_NS for w in NUM_WARPS for s in SPLITS]
+        """num_splits is searched; block_n and warps only around the default (each config is a Triton
+        compile of ~1 s in the gate, and the split count is the knob that moves decode time)."""
+        base = _default_config(p, dev)
+        sweep = [Config.of(block_n=base["block_n"], num_splits=s, num_warps=base["num_warps"]) for s in SPLITS]
+        others = [Config.of(block_n=n, num_splits=base["num_splits"], num_warps=w)
+                  for n in BLOCK_NS for w in NUM_WARPS]
+        return list(dict.fromkeys(sweep + others))
+
+    def heuristic_config(self, p: Problem, dev: DeviceInfo) -> Config | None:
+        """Today's hand rule (ExecuTorch, seed 001): split-K iff L_kv >= 256, with
+        num_splits = min(max(cdiv(L_kv, 256), 1), 128), here rounded down to a power of two."""
+        if p.len_k < 256:
+            return None
+        want = min(max(-(-p.len_k // 256), 1), 128)
+        base = _default_config(p, dev)
+        return Config.of(block_n=base["block_n"], num_splits=max(s for s in SPLITS if s <= want),
+                         num_warps=base["num_warps"])
 
     def prune(self, p: Problem, dev: DeviceInfo, cfg: Config) -> str | None:
         block_n, splits = int(cfg["block_n"]), int(cfg["num_splits"])
