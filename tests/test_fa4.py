@@ -480,3 +480,18 @@ def test_backward_uses_views_and_returns_our_layout(monkeypatch):
     with pytest.raises(NotImplementedError, match="block-sparse backward"):
         fa4.BACKEND.backward(AttnCall("block_sparse", q, q, q, 0.25, sparse=_causal_sparse_mask(32, 32, 32)),
                              Config(), out, lse, None, None)
+
+
+def test_importing_the_fa4_backend_needs_no_optional_dependency():
+    """STYLE pattern 2: backends import optional deps lazily (triton, cutlass, flash_attn blocked here)."""
+    import subprocess
+    import sys
+
+    blocker = ("import sys\n"
+               "class Block:\n"
+               "    def find_spec(self, name, path=None, target=None):\n"
+               "        if name.split('.')[0] in ('triton', 'cutlass', 'flash_attn', 'quack'):\n"
+               "            raise ImportError('blocked: ' + name)\n"
+               "sys.meta_path.insert(0, Block())\n"
+               "import inductor_attn.backends.fa4\n")
+    subprocess.run([sys.executable, "-c", blocker], check=True)

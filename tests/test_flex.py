@@ -152,6 +152,21 @@ def test_compiled_flex_with_our_block_mask_matches_the_reference():
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
+def test_importing_the_flex_backend_needs_no_optional_dependency():
+    """STYLE pattern 2: backends import optional deps lazily (triton, cutlass, flash_attn blocked here)."""
+    import subprocess
+    import sys
+
+    blocker = ("import sys\n"
+               "class Block:\n"
+               "    def find_spec(self, name, path=None, target=None):\n"
+               "        if name.split('.')[0] in ('triton', 'cutlass', 'flash_attn', 'quack'):\n"
+               "            raise ImportError('blocked: ' + name)\n"
+               "sys.meta_path.insert(0, Block())\n"
+               "import inductor_attn.backends.flex\n")
+    subprocess.run([sys.executable, "-c", blocker], check=True)
+
+
 # ------------------------------------------------------------------------------------------- GPU
 def _gpu_sparse_call(dtype, heads, hkv, d=64):
     from inductor_attn.backends.base import AttnCall
@@ -206,3 +221,4 @@ def test_gpu_flex_on_dense_windows_matches_reference(causal, left, right, lq, lk
     configs = TRITON_CONFIGS + ([Config.of(backend="FLASH")] if flex.flash_attn_available() else [])
     for cfg in configs:
         _assert_matches_reference(call, cfg)
+
