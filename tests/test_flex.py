@@ -192,7 +192,7 @@ TRITON_CONFIGS = [Config.of(backend="TRITON"), *flex.TRITON_TILES]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # each config compiles per dtype (~10 s)
 @pytest.mark.parametrize("heads, hkv", [(6, 6), (None, 2)], ids=["per-head-mask", "shared-mask-gqa"])
 def test_gpu_flex_triton_on_our_block_mask_matches_reference(dtype, heads, hkv):
     call = _gpu_sparse_call(dtype, heads=heads, hkv=hkv)
