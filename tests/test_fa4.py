@@ -199,8 +199,14 @@ def test_missing_core_kwarg_or_clc_switch_is_a_reason(installed):
     assert "to switch CLC per call" in candidates(prob(causal=True), SM100)["fa4:clc=True,num_splits=1"]
 
 
+def _hide_flash_attn(monkeypatch):
+    """Make every import of flash_attn raise ModuleNotFoundError, even where it was imported already."""
+    for name in [n for n in sys.modules if n.startswith("flash_attn.")] + ["flash_attn"]:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
 def test_not_installed_is_pruned_cleanly(monkeypatch):
-    monkeypatch.setitem(sys.modules, "flash_attn", None)  # any import of it raises ModuleNotFoundError
+    _hide_flash_attn(monkeypatch)
     monkeypatch.delenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", raising=False)
     monkeypatch.delenv("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", "/tmp/xdg-test")
@@ -216,7 +222,7 @@ def test_not_installed_is_pruned_cleanly(monkeypatch):
 
 
 def test_disk_cache_settings_of_the_user_are_kept(monkeypatch):
-    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    _hide_flash_attn(monkeypatch)
     monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "0")
     monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "/somewhere")
     fa4._load.cache_clear()
