@@ -2,7 +2,8 @@
 the first runnable candidate is the "default" that others must beat with a confident speedup.
 
 Built-in order: ``sdpa`` first (what F.scaled_dot_product_attention gives users today is the baseline
-for dense problems), ``reference`` last (always runs, slowest)."""
+for dense problems), then ``flex`` (the baseline for block masks), the kernels that must beat them, and
+``reference`` last (always runs, slowest)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import contextlib
 from ..device import DeviceInfo
 from ..problem import Problem
 from .base import AttnCall, Backend, Candidate, Config
+from .fa4 import BACKEND as FA4
+from .flex import BACKEND as FLEX
 from .reference import BACKEND as REFERENCE
 from .sdpa import BACKEND as SDPA
 from .triton.decode import BACKEND as TRITON_DECODE
@@ -77,7 +80,7 @@ def enumerate_candidates(p: Problem, dev: DeviceInfo) -> list[Candidate]:
 
 
 def _register_builtin() -> None:
-    for backend in (SDPA, TRITON_DECODE, REFERENCE):
+    for backend in (SDPA, FLEX, FA4, TRITON_DECODE, REFERENCE):
         register_backend(backend)
 
 

@@ -6,7 +6,8 @@ ChoiceCaller have the same shape):
   shown to users ("CLC needs sm_100").
 - ``configs(p, dev) -> [Config]``: its knobs for this problem.
 - ``prune(p, dev, cfg) -> None | reason``: a single config that cannot run here, with why.
-- ``run(call, cfg) -> (out, lse)``; backends with ``has_backward`` also implement ``backward``.
+- ``run(call, cfg) -> (out, lse)``; backends with ``has_backward`` also implement ``backward`` and
+  may narrow it with ``supports_backward(p, dev) -> None | reason``.
 Nothing here raises for an unsupported problem: reasons are returned, so enumeration never fails.
 """
 
@@ -134,6 +135,9 @@ class Backend:
 
     def supports(self, p: Problem, dev: DeviceInfo) -> str | None:
         raise NotImplementedError
+
+    def supports_backward(self, p: Problem, dev: DeviceInfo) -> str | None:
+        return None if self.has_backward else f"{self.name} has no backward"
 
     def configs(self, p: Problem, dev: DeviceInfo) -> list[Config]:
         return [Config()]

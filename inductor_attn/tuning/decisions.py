@@ -30,11 +30,13 @@ def forget_decisions() -> None:
 
 
 def candidates_for(p: Problem, dev: DeviceInfo, direction: str) -> list[Candidate]:
-    """Enumerated candidates; for backward, backends without a backward are pruned with that reason."""
+    """Enumerated candidates; for backward, those whose backend cannot run this backward are pruned
+    with its reason."""
     out = []
     for c in enumerate_candidates(p, dev):
-        if direction == "backward" and c.pruned is None and not get_backend(c.backend).has_backward:
-            c = Candidate(c.backend, c.config, f"{c.backend} has no backward")
+        if direction == "backward" and c.pruned is None:
+            reason = get_backend(c.backend).supports_backward(p, dev)
+            c = c if reason is None else Candidate(c.backend, c.config, reason)
         out.append(c)
     return out
 
