@@ -9,10 +9,13 @@ from . import cache, ops  # noqa: E402  (ops registers the custom ops)
 from .api import attention, candidates, run_candidate, varlen_attention  # noqa: E402
 from .backends import Candidate, Config, register_backend  # noqa: E402
 from .dispatch import reset_stats, stats  # noqa: E402
+from .enable import disable, enable, enabled, is_enabled  # noqa: E402
+from .lowering.rewrite import reset_routing_report, routing_report  # noqa: E402
 from .ops import BlockSparseMask  # noqa: E402
 from .tuning.modes import MODES, set_mode, tuning_mode  # noqa: E402
 
 __all__ = [
     "attention", "varlen_attention", "BlockSparseMask", "candidates", "run_candidate", "Candidate", "Config",
     "register_backend", "set_mode", "tuning_mode", "MODES", "stats", "reset_stats", "cache", "__version__",
+    "enable", "disable", "enabled", "is_enabled", "routing_report", "reset_routing_report",
 ]

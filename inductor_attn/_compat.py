@@ -42,3 +42,24 @@ def inductor_config():
 def fused_sdp_choice(q, k, v, *, is_causal: bool, enable_gqa: bool) -> int:
     """``torch._fused_sdp_choice``: the SDPBackend value F.scaled_dot_product_attention would use."""
     return torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=None, enable_gqa=enable_gqa)
+
+
+def statically_known_true(expr) -> bool:
+    """True only if ``expr`` (a bool or SymBool) holds for every value of its symbols; never adds a guard
+    (torch/fx/experimental/symbolic_shapes.py, 2.11 and 2.13)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true as known
+
+    return known(expr)
+
+
+def inductor_compile_patches(mode: str | None, options: dict | None) -> dict:
+    """The Inductor config patches ``torch.compile(mode=..., options=...)`` applies, validated the same way
+    (``torch._TorchCompileInductorWrapper``, torch/__init__.py, 2.11 and 2.13)."""
+    return dict(torch._TorchCompileInductorWrapper(mode, options, None).config)
+
+
+def compile_fx():
+    """Inductor's entry point for a Dynamo graph (torch/_inductor/compile_fx.py, 2.11 and 2.13)."""
+    from torch._inductor.compile_fx import compile_fx as inductor_compile_fx
+
+    return inductor_compile_fx

@@ -1,0 +1,369 @@
+"""Graph rewrite: send ``F.scaled_dot_product_attention`` calls in a Dynamo graph to ``inductor_attn::attention``.
+
+It runs as Inductor's ``pre_grad_custom_pass``, on the graph Dynamo captured and before AOTAutograd, so
+the autograd formula of our op (ops/attention.py) gives the backward: training routes too. An SDPA call
+is rewritten only when the result is provably the same; everything else stays SDPA, with the reason
+counted in :func:`routing_report`.
+
+Routed (a call with ``dropout_p == 0``, 4-D q/k/v of one dtype and device, the batch shared, head dims
+in [8, 256], ``scale`` a constant or default, GQA only through ``enable_gqa`` or a repeat we undo):
+
+- no mask, ``is_causal=False``: dense attention.
+- no mask, ``is_causal=True`` with Lq == Lk provable from shapes. SDPA's causal is upper-left aligned and
+  ours lower-right (DESIGN.md); they agree only for square scores, so other shapes stay SDPA.
+- a boolean ``attn_mask`` that mask_proof.py proves, from how the graph builds it, to be a conjunction of
+  upper bounds on the key index, and that does not vary over heads:
+  * rows that do not depend on the query (any Lq), or one query row (decode, Lq == 1): every row is a
+    prefix of the keys, so ``kv_seqlens`` = the row's count of True, read from the mask itself at the
+    call (so it is exact for any run-time offset, and mutation of the offset tensors cannot matter).
+    This is how a static KV cache decode step builds its mask when the model runs under torch.compile
+    (transformers masking_utils.sdpa_mask: ``kv_idx <= q_idx + cache_offset``).
+  * rows ``j <= i + d`` with d a compile-time constant: causal (with a constant ``kv_seqlens`` when
+    d != Lk - Lq and 0 <= d <= Lk - Lq).
+- ``k``/``v`` made by repeating KV heads (transformers ``repeat_kv``: ``x[:, :, None].expand(...).reshape``,
+  or ``repeat_interleave`` on dim 1): the unrepeated tensor is passed and our op does GQA, as long as
+  nothing may mutate between the repeat and the call.
+
+Left alone: masks that are graph inputs (transformers ``generate()`` builds its 4-D decode mask eagerly
+and passes it in, so its values exist only at run time), masks combined with a padding mask, additive
+float masks, lower bounds (sliding windows), dropout, non-constant scales, and every ``flex_attention``.
+
+One documented difference: a query row the mask leaves empty gives zeros (our convention, api.py); SDPA's
+math kernel gives NaN there.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import logging
+import math
+import operator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.fx
+from torch.utils._pytree import tree_map
+
+from .._compat import custom_graph_pass_base, statically_known_true
+from . import mask_proof
+
+log = logging.getLogger(__name__)
+
+SDPA_TARGETS = frozenset({torch._C._nn.scaled_dot_product_attention,
+                          torch.nn.functional.scaled_dot_product_attention})
+_SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+
+_REPORT: collections.Counter = collections.Counter()
+
+
+def routing_report() -> dict[str, int]:
+    """Attention calls seen by the rewrite since start (or the last reset), by outcome:
+    ``{"sdpa: routed (causal)": 4, "sdpa: left alone (attn_mask ...)": 2, ...}``. Counted when the pass
+    runs, i.e. at compile time; an FX-graph-cache hit replays compiled code without running it."""
+    return dict(sorted(_REPORT.items()))
+
+
+def reset_routing_report() -> None:
+    _REPORT.clear()
+
+
+@dataclass
+class _Plan:
+    q: torch.fx.Node
+    k: torch.fx.Node
+    v: torch.fx.Node
+    scale: float
+    causal: bool
+    kv_from_mask: torch.fx.Node | None = None  # kv_seqlens = count of True in the mask's first row
+    kv_constant: int | None = None
+    what: str = "dense"
+
+
+class _Skip(Exception):
+    """An SDPA call that stays SDPA; the message is the reason."""
+
+
+# ------------------------------------------------------------------------------------------ analysis
+def _ev(x):
+    return x.meta.get("example_value") if isinstance(x, torch.fx.Node) else x
+
+
+def _sdpa_args(node: torch.fx.Node) -> dict:
+    if len(node.args) > len(_SDPA_PARAMS) or set(node.kwargs) - set(_SDPA_PARAMS):
+        raise _Skip("unexpected SDPA arguments")
+    bound = dict(_SDPA_DEFAULTS) | dict(zip(_SDPA_PARAMS, node.args)) | dict(node.kwargs)
+    if any(p not in bound for p in _SDPA_PARAMS[:3]):
+        raise _Skip("unexpected SDPA arguments")
+    return bound
+
+
+def _known(expr) -> bool:
+    return statically_known_true(expr)
+
+
+def _check_tensors(q, k, v) -> tuple:
+    evs = [_ev(t) for t in (q, k, v)]
+    if not all(isinstance(t, torch.Tensor) for t in evs):
+        raise _Skip("no example values for q/k/v in the graph")
+    qe, ke, ve = evs
+    if not all(t.dim() == 4 for t in evs):
+        raise _Skip("q/k/v are not 4-D (batch, heads, seq, head_dim)")
+    if not (qe.dtype == ke.dtype == ve.dtype) or qe.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise _Skip(f"dtypes {qe.dtype}/{ke.dtype}/{ve.dtype}: routed are fp16, bf16 and fp32, one dtype")
+    if not (qe.device == ke.device == ve.device):
+        raise _Skip("q/k/v on different devices")
+    if not (_known(qe.shape[0] == ke.shape[0]) and _known(ke.shape[0] == ve.shape[0])):
+        raise _Skip("batch sizes of q/k/v differ or may differ (SDPA broadcasts them, our op does not)")
+    if not _known(ke.shape[2] == ve.shape[2]):
+        raise _Skip("k and v sequence lengths may differ")
+    for name, size in (("q/k head_dim", qe.shape[3]), ("v head_dim", ve.shape[3])):
+        if not (isinstance(size, int) and 8 <= size <= 256):
+            raise _Skip(f"{name} {size} is not a constant in [8, 256]")
+    if qe.shape[3] != ke.shape[3]:
+        raise _Skip("q and k head_dims differ")
+    return qe, ke, ve
+
+
+def _unrepeat_kv(node: torch.fx.Node, sdpa: torch.fx.Node) -> torch.fx.Node | None:
+    """The tensor before a KV-head repeat, if ``node`` is one and undoing it reads the same values."""
+    src = None
+    if node.op == "call_method" and node.target == "reshape" and isinstance(node.args[0], torch.fx.Node):
+        expand = node.args[0]
+        if expand.op == "call_method" and expand.target == "expand" and isinstance(expand.args[0], torch.fx.Node):
+            item = expand.args[0]
+            full = slice(None, None, None)
+            if (item.op == "call_function" and item.target is operator.getitem
+                    and item.args[1] == (full, full, None, full, full)):
+                src = item.args[0]
+                ex, out, s = _ev(expand), _ev(node), _ev(src)
+                if not (isinstance(s, torch.Tensor) and s.dim() == 4 and isinstance(ex, torch.Tensor)
+                        and ex.dim() == 5 and all(_known(ex.shape[d] == s.shape[d]) for d in (0, 1))
+                        and all(_known(ex.shape[d + 1] == s.shape[d]) for d in (2, 3))
+                        and _known(out.shape[1] == ex.shape[1] * ex.shape[2])):
+                    return None
+    elif (node.op == "call_method" and node.target == "repeat_interleave" and len(node.args) == 2
+          and isinstance(node.args[1], int) and node.kwargs in ({"dim": 1}, {"dim": -3})):
+        src = node.args[0]
+    elif (node.op == "call_function" and node.target is torch.repeat_interleave and len(node.args) == 2
+          and isinstance(node.args[1], int) and node.kwargs in ({"dim": 1}, {"dim": -3})):
+        src = node.args[0]
+    if not isinstance(src, torch.fx.Node) or not isinstance(_ev(src), torch.Tensor) or _ev(src).dim() != 4:
+        return None
+    # the repeat copied src where it stands; the call would read src later
+    if mask_proof.may_mutate(node) or mask_proof.mutation_between(node, sdpa):
+        return None
+    return src
+
+
+def _heads(q, k, v, enable_gqa: bool, sdpa) -> tuple:
+    qe, ke, _ = _check_tensors(q, k, v)
+    if _known(qe.shape[1] == ke.shape[1]):
+        k2, v2 = _unrepeat_kv(k, sdpa), _unrepeat_kv(v, sdpa)
+        if k2 is not None and v2 is not None and _known(_ev(k2).shape[1] == _ev(v2).shape[1]):
+            k, v = k2, v2
+    elif not enable_gqa:
+        raise _Skip("q and k head counts differ without enable_gqa (SDPA would fail)")
+    qe, ke, ve = _check_tensors(q, k, v)
+    hq, hk = qe.shape[1], ke.shape[1]
+    if not (isinstance(hq, int) and isinstance(hk, int) and hk >= 1 and hq % hk == 0 and ve.shape[1] == hk):
+        raise _Skip(f"head counts q={hq} k={hk} are not constants with q a multiple of k")
+    return k, v
+
+
+def _scale(value, qe) -> float:
+    if value is None:
+        return qe.shape[3] ** -0.5
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    raise _Skip("scale is not a compile-time constant")
+
+
+def _mask_plan(mask: torch.fx.Node, sdpa: torch.fx.Node, qe, ke, analysis: mask_proof.MaskAnalysis) -> dict:
+    me = _ev(mask)
+    if not isinstance(me, torch.Tensor) or me.dtype != torch.bool:
+        raise _Skip("attn_mask is not a bool tensor (additive masks are not routed)")
+    if me.device != qe.device or me.dim() > 4:
+        raise _Skip("attn_mask device or rank differs from q")
+    target = (qe.shape[0], qe.shape[1], qe.shape[2], ke.shape[2])
+    shape = (1,) * (4 - me.dim()) + tuple(me.shape)
+    if not all(_known(s == 1) or _known(s == t) for s, t in zip(shape, target)):
+        raise _Skip("attn_mask shape does not provably broadcast to (B, H, Lq, Lk)")
+    value = analysis.value(mask)
+    if isinstance(value, mask_proof.Unknown):
+        raise _Skip(f"attn_mask cannot be proven: {value.reason}")
+    if not isinstance(value, mask_proof.Mask):
+        raise _Skip("attn_mask is not a proven bool mask")
+    if not mask_proof.mutation_free(analysis.cone(mask), stop={sdpa}):
+        raise _Skip("attn_mask: a tensor it is built from may be mutated in place")
+    bounds = []
+    for b in mask_proof.realign(value, shape).bounds:
+        if not any(b.coefs) and not b.free_dims and b.base is not None:
+            if b.base > 0:
+                raise _Skip("attn_mask is all False")
+            continue  # always true
+        if b.coefs[1] != 0 or 1 in b.free_dims:
+            raise _Skip("attn_mask varies over heads (our kv_seqlens is per batch)")
+        if b.coefs[3] != 1:
+            raise _Skip("attn_mask has a bound that is not an upper bound on the key index "
+                        "(a sliding window, a suffix or a whole-row switch)")
+        bounds.append(b)
+    if not bounds:
+        return {"causal": False, "what": "dense (mask proven all True)"}
+    row_dependent = any(b.coefs[2] != 0 or 2 in b.free_dims for b in bounds)
+    if not row_dependent:
+        return {"causal": False, "kv_from_mask": mask, "what": "kv_seqlens from a proven prefix mask"}
+    lq, lk = qe.shape[2], ke.shape[2]
+    if any(b.coefs[0] != 0 or b.coefs[2] != -1 or b.free_dims or b.base is None for b in bounds):
+        raise _Skip("attn_mask rows depend on the query through a run-time offset with Lq > 1")
+    d = min(-b.base for b in bounds)  # key j visible iff j <= i + d
+    if _known(lk - lq == d):
+        return {"causal": True, "what": "causal (proven mask)"}
+    if isinstance(lq, int) and isinstance(lk, int) and 0 <= d <= lk - lq:
+        return {"causal": True, "kv_constant": d + lq, "what": "causal with constant kv_seqlens (proven mask)"}
+    raise _Skip("attn_mask is causal with a diagonal our lower-right causal cannot express")
+
+
+def plan_sdpa(node: torch.fx.Node, analysis: mask_proof.MaskAnalysis) -> _Plan:
+    args = _sdpa_args(node)
+    if args["dropout_p"] not in (0, 0.0):
+        raise _Skip("dropout_p is not 0")
+    q = args["query"]
+    k, v = _heads(q, args["key"], args["value"], bool(args["enable_gqa"]), node)
+    qe, ke, _ = _check_tensors(q, k, v)
+    scale = _scale(args["scale"], qe)
+    mask, causal = args["attn_mask"], args["is_causal"]
+    if not isinstance(causal, bool):
+        raise _Skip("is_causal is not a constant")
+    if mask is None:
+        if causal and not _known(qe.shape[2] == ke.shape[2]):
+            raise _Skip("is_causal with Lq != Lk (SDPA aligns upper-left, our causal lower-right)")
+        return _Plan(q, k, v, scale, causal, what="causal" if causal else "dense")
+    if causal:
+        raise _Skip("both attn_mask and is_causal (SDPA rejects this)")
+    if not isinstance(mask, torch.fx.Node):
+        raise _Skip("attn_mask is not a tensor")
+    return _Plan(q, k, v, scale, **_mask_plan(mask, node, qe, ke, analysis))
+
+
+# ------------------------------------------------------------------------------------------ emission
+class _Emitter:
+    """Inserts nodes before ``anchor`` with example values computed in the graph's fake mode."""
+
+    def __init__(self, graph: torch.fx.Graph, anchor: torch.fx.Node, fake_mode):
+        self.graph, self.anchor, self.fake_mode = graph, anchor, fake_mode
+
+    def __call__(self, op: str, target, *args, **kwargs) -> torch.fx.Node:
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.create_node(op, target, args, kwargs)
+        evs = tree_map(_ev, (args, kwargs))
+        with self.fake_mode if self.fake_mode is not None else contextlib.nullcontext():
+            if op == "call_method":
+                value = getattr(evs[0][0], target)(*evs[0][1:], **evs[1])
+            else:
+                value = target(*evs[0], **evs[1])
+        node.meta["example_value"] = value
+        for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+            if key in self.anchor.meta:
+                node.meta[key] = self.anchor.meta[key]
+        return node
+
+
+def _kv_seqlens(emit: _Emitter, plan: _Plan) -> torch.fx.Node | None:
+    if plan.kv_from_mask is None and plan.kv_constant is None:
+        return None
+    batch = emit("call_method", "size", plan.q, 0)
+    if plan.kv_constant is not None:
+        device = _ev(plan.q).device
+        return emit("call_function", torch.full, (batch,), plan.kv_constant, dtype=torch.int32, device=device)
+    mask = plan.kv_from_mask
+    ndim = _ev(mask).dim()
+    if ndim < 4:
+        mask = emit("call_function", operator.getitem, mask, (None,) * (4 - ndim) + (Ellipsis,))
+    counts = emit("call_method", "sum", mask, -1, dtype=torch.int32)  # (B or 1, H or 1, Lq or 1)
+    row = emit("call_function", operator.getitem, counts, (slice(None, None, None), 0, 0))
+    row = emit("call_method", "expand", row, batch)
+    return emit("call_method", "contiguous", row)
+
+
+def _emit(graph: torch.fx.Graph, node: torch.fx.Node, plan: _Plan) -> None:
+    emit = _Emitter(graph, node, getattr(_ev(plan.q), "fake_mode", None))
+    kv = _kv_seqlens(emit, plan)
+    op = torch.ops.inductor_attn.attention.default
+    result = emit("call_function", op, plan.q, plan.k, plan.v, plan.scale, plan.causal, -1, -1, kv, "")
+    out = emit("call_function", operator.getitem, result, 0)
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+
+
+# ------------------------------------------------------------------------------------------ the pass
+def _is_flex(node: torch.fx.Node) -> bool:
+    hop = getattr(torch.ops.higher_order, "flex_attention", None)
+    return node.op == "call_function" and hop is not None and node.target is hop
+
+
+_FLEX_REASON = ("flex_attention is not routed: our block-sparse op needs the mask's bitmaps and density "
+                "at compile time, and in the graph they exist only as the mask_mod subgraph")
+
+
+def rewrite_graph(graph: torch.fx.Graph) -> int:
+    """Rewrite provably equivalent SDPA calls in ``graph``; returns how many were rewritten."""
+    from .. import ops  # noqa: F401  (registers torch.ops.inductor_attn.*)
+
+    analysis = mask_proof.MaskAnalysis()
+    rewritten = 0
+    for node in list(graph.nodes):
+        if _is_flex(node):
+            _REPORT[f"flex_attention: left alone ({_FLEX_REASON})"] += 1
+            continue
+        if node.op != "call_function" or node.target not in SDPA_TARGETS:
+            continue
+        try:
+            plan = plan_sdpa(node, analysis)
+        except _Skip as skip:
+            _REPORT[f"sdpa: left alone ({skip})"] += 1
+            log.debug("inductor_attn: %s stays SDPA: %s", node.name, skip)
+            continue
+        _emit(graph, node, plan)
+        _REPORT[f"sdpa: routed ({plan.what})"] += 1
+        rewritten += 1
+    return rewritten
+
+
+_SOURCES = (Path(__file__), Path(mask_proof.__file__))
+
+
+class RewritePass(custom_graph_pass_base()):
+    """``pre_grad_custom_pass`` that runs the pass it replaced (``chained``: None, a pass, or a list of
+    passes), then :func:`rewrite_graph`."""
+
+    def __init__(self, chained=None):
+        self.chained = chained
+
+    def _chain(self) -> tuple:
+        if self.chained is None:
+            return ()
+        return tuple(self.chained) if isinstance(self.chained, (list, tuple)) else (self.chained,)
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for p in self._chain():
+            p(graph)
+        rewrite_graph(graph)
+
+    def uuid(self):
+        """Changes with this rewrite's source and the chained passes' uuids; None (no FX graph caching)
+        when a chained pass has no uuid, as Inductor requires."""
+        from .. import __version__
+
+        h = hashlib.sha256(__version__.encode())
+        for path in _SOURCES:
+            h.update(path.read_bytes())
+        for p in self._chain():
+            chained_uuid = getattr(p, "uuid", lambda: None)()
+            if chained_uuid is None:
+                return None
+            h.update(repr(chained_uuid).encode())
+        return h.hexdigest()
