@@ -134,7 +134,7 @@ def test_half_precision_causal_gqa_matches_naive():
 
 def test_every_listed_config_matches_naive():
     torch.manual_seed(2)
-    call = dense_case(1, 4, 2, 40, 40, 16, 16, causal=True, wl=20)
+    call = dense_case(1, 4, 2, 40, 40, 16, 16, causal=True, wl=20, dtype=torch.float16)
     cfgs = flash.BACKEND.configs(call.problem, DeviceInfo("cpu", (0, 0), 2))
     assert {c["schedule"] for c in cfgs} == {"tile", "persistent", "lpt"}
     for cfg in cfgs:
@@ -322,11 +322,31 @@ def test_configs_are_a_short_unique_mostly_runnable_list(name):
     assert len(runnable) >= 4, {str(c): flash.BACKEND.prune(p, SM90, c) for c in cfgs}
 
 
-def test_fp32_large_head_dim_keeps_a_runnable_config_and_prunes_big_tiles_for_shared_memory():
-    p = problem(dtype="float32", head_dim=256, head_dim_v=256)
-    reasons = [flash.BACKEND.prune(p, SM90, c) for c in flash.BACKEND.configs(p, SM90)]
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_fp32_keeps_a_runnable_one_tile_config_and_prunes_big_tiles_for_shared_memory(d):
+    p = problem(dtype="float32", head_dim=d, head_dim_v=d, causal=True)
+    cfgs = flash.BACKEND.configs(p, SM90)
+    reasons = [flash.BACKEND.prune(p, SM90, c) for c in cfgs]
     assert None in reasons
     assert any(r and "shared memory" in r for r in reasons)
+    assert {c["schedule"] for c in cfgs} == {"tile"}
+
+
+def test_listed_bf16_configs_fit_the_register_and_shared_memory_rules():
+    """The rules were calibrated by compiling for sm_90; a listed config that breaks them is a list bug."""
+    for p in TYPICAL.values():
+        for cfg in flash.BACKEND.configs(p, SM90):
+            assert flash.BACKEND.prune(p, SM90, cfg) is None, (p, str(cfg))
+
+
+def test_register_rule_prunes_shapes_that_spill():
+    d128 = problem()
+    spilling = Config.of(block_m=128, block_n=64, num_warps=4, num_stages=3, schedule="tile")
+    assert "spill" in flash.BACKEND.prune(d128, SM90, spilling)
+    looping = Config.of(block_m=128, block_n=128, num_warps=8, num_stages=2, schedule="persistent")
+    assert "persistent programs spill" in flash.BACKEND.prune(d128, SM90, looping)
+    assert flash.BACKEND.prune(d128, SM90, Config.of(block_m=128, block_n=128, num_warps=8, num_stages=2,
+                                                     schedule="tile")) is None
 
 
 def test_prune_gives_reasons():

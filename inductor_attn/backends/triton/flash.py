@@ -30,18 +30,30 @@ _SMEM_DEFAULT = 99 * 1024
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim, most promising first. Starting points
 # from Triton's tutorial 06 autotune space (BLOCK_M 64/128, BLOCK_N 32-128, 4/8 warps, 2-4 stages) and
 # FA3's sm_90 forward tiles (hopper/tile_size.h: 128 query rows x 128 keys for causal d = 128; Triton
-# needs power-of-two tiles, so its 176-key tile is out), cut to four per head dim. Unmeasured guesses:
-# the tuner measures them, this list only bounds the search.
+# needs power-of-two tiles, so its 176-key tile is out), cut to four per head dim that compile for sm_90
+# without spilling (checked by compiling each for sm_90 with triton 3.9 and ptxas 13.4 on a CPU machine;
+# speed is unmeasured: the tuner measures them, this list only bounds the search).
 _DENSE_TILES = {
     64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4), (128, 32, 4, 4)],
-    128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3)],
-    256: [(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 2)],
+    128: [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 8, 4)],
+    256: [(64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 3), (64, 32, 8, 3)],
 }
-# fp32 tiles are twice the bytes: a smaller fallback keeps one runnable config for every head dim.
-_FP32_EXTRA = (64, 32, 4, 2)
+# fp32 tiles are twice the bytes: a smaller fallback keeps one runnable config for every head dim (at
+# d = 256 every fp32 shape spills on sm_90, 16 x 32 least: 584 B). fp32 is the accuracy path, not a speed
+# target: its tf32x3 dots hold Q twice and spill in persistent loops, so it runs one tile per program.
+_FP32_EXTRA = {64: (64, 32, 4, 2), 128: (64, 32, 4, 2), 256: (16, 32, 4, 2)}
 # Decode-shaped problems (<= 64 packed rows per sequence): one 64-row tile holds all G heads of a step.
 _DECODE_TILES = [(64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 8, 2)]
-_PERSISTENT_FROM = 2  # the first two tile shapes also run persistent (and LPT where it applies)
+_PERSISTENT_SHAPES = 2  # tile shapes that also run persistent (and LPT where it applies)
+
+# fp32 accumulator + score values per thread, BLOCK_M * (BLOCK_DV + BLOCK_N) / threads, above which ptxas
+# spills. Calibrated by compiling for sm_90 (triton 3.9, ptxas 13.4): one-tile programs spill above 144
+# (d=128 128x64 4 warps: 192 -> 408 B spilled; d=256 64x64 4 warps: 160 -> 372 B), persistent ones above
+# 96 (the outer loop keeps more alive: 128 -> 28..500 B), block-sparse ones 16 earlier (bitmap words:
+# persistent 64x64 4 warps at 96 spilled 152 B). fp32 counts the Q tile too (64x64 d=64 4 warps: 96 -> 0 B;
+# 128x32: 160 -> 160 B).
+_REG_LIMIT = {"tile": 144, "persistent": 96, "lpt": 96}
+_SPARSE_REG_MARGIN = 16
 
 
 def _tile_cfg(tile, schedule: str, pack: bool | None) -> Config:
@@ -60,10 +72,30 @@ def _padded_dims(p: Problem) -> tuple[int, int]:
 
 
 def _smem_estimate(p: Problem, cfg: Config) -> int:
-    """Bytes of shared memory: the Q tile plus ``num_stages`` K and V tiles in flight."""
+    """Bytes of shared memory: the Q tile plus ``num_stages`` K and V tiles in flight. Matches what Triton
+    3.9 allocated for every listed fp16/bf16 config on sm_90; fp32 (tf32x3 dots) holds Q twice; the
+    block-sparse loop (indices loaded in the loop) buffers at most 2 K/V stages plus one tile of bitmap
+    words (an upper bound for all its listed configs)."""
     bd, bdv = _padded_dims(p)
+    bm, bn, stages = cfg["block_m"], cfg["block_n"], cfg["num_stages"]
     es = _DTYPES.get(p.dtype, 4)
-    return (cfg["block_m"] * bd + cfg["num_stages"] * cfg["block_n"] * (bd + bdv)) * es
+    q_bytes = (2 if es == 4 else 1) * bm * bd * es
+    if p.op == "block_sparse":
+        return q_bytes + min(stages, 2) * bn * (bd + bdv) * es + bm * bn * 4
+    return q_bytes + stages * bn * (bd + bdv) * es
+
+
+def _acc_regs(p: Problem, block_m: int, block_n: int, num_warps: int) -> int:
+    q_dims = _padded_dims(p)[0] if p.dtype == "float32" else 0
+    return block_m * (_padded_dims(p)[1] + block_n + q_dims) // (32 * num_warps)
+
+
+def _reg_limit(p: Problem, schedule: str) -> int:
+    return _REG_LIMIT[schedule] - (_SPARSE_REG_MARGIN if p.op == "block_sparse" else 0)
+
+
+def _fits_registers(p: Problem, tile, schedule: str) -> bool:
+    return _acc_regs(p, *tile[:3]) <= _reg_limit(p, schedule)
 
 
 class TritonFlashBackend(Backend):
@@ -96,17 +128,24 @@ class TritonFlashBackend(Backend):
 
     def configs(self, p: Problem, dev: DeviceInfo) -> list[Config]:
         pack = None if p.op == "block_sparse" or p.gqa_ratio == 1 else True
+        d = max(64, next_power_of_two(max(p.head_dim, p.head_dim_v)))
         if p.op == "block_sparse":
-            tiles = [(bm, p.block_kv, w, s) for bm in _sparse_block_ms(p.block_q)[:2] for w, s in ((8, 2), (4, 3))]
+            tiles = [(bm, p.block_kv, w, s) for bm in _sparse_block_ms(p.block_q)[:3] for w, s in ((8, 2), (4, 3))]
         elif p.len_q * p.gqa_ratio <= 64:
             tiles = list(_DECODE_TILES)
         else:
-            tiles = list(_DENSE_TILES[max(64, next_power_of_two(max(p.head_dim, p.head_dim_v)))])
-            if p.dtype == "float32":
-                tiles.append(_FP32_EXTRA)
+            tiles = list(_DENSE_TILES[d])
+        if p.dtype == "float32" and p.op != "block_sparse":
+            tiles.append(_FP32_EXTRA[d])
+        # never list a shape that spills: keep the lightest one if none fits (a large d on small blocks)
+        fitting = [t for t in tiles if _fits_registers(p, t, "tile")]
+        tiles = fitting or [min(tiles, key=lambda t: _acc_regs(p, *t[:3]))]
         schedules = ["persistent", "lpt"] if _has_band(p) and p.op != "block_sparse" else ["persistent"]
+        looping = [t for t in tiles if _fits_registers(p, t, "persistent")][:_PERSISTENT_SHAPES]
+        if p.dtype == "float32":
+            looping = []
         out = [_tile_cfg(t, "tile", pack) for t in tiles]
-        out += [_tile_cfg(t, s, pack) for s in schedules for t in tiles[:_PERSISTENT_FROM]]
+        out += [_tile_cfg(t, s, pack) for s in schedules for t in looping]
         if pack:
             # packing trades a wider row block for one K/V read per group; unpacked is the usual layout
             out.append(_tile_cfg(tiles[0], "tile", False))
@@ -128,9 +167,10 @@ class TritonFlashBackend(Backend):
         smem, limit = _smem_estimate(p, cfg), _SMEM_BYTES.get(dev.arch, _SMEM_DEFAULT)
         if smem > limit:
             return f"needs ~{smem // 1024} KiB shared memory, sm_{dev.arch} has {limit // 1024} KiB"
-        regs = bm * (_padded_dims(p)[1] + bn) // (32 * warps)
-        if regs > 255:
-            return f"accumulator + scores need ~{regs} registers per thread (max 255)"
+        regs, limit = _acc_regs(p, bm, bn, warps), _reg_limit(p, cfg["schedule"])
+        if regs > limit:
+            return (f"accumulator + scores hold ~{regs} fp32 values per thread; above {limit} "
+                    f"{cfg['schedule']} programs spill registers")
         return None
 
     def run(self, call: AttnCall, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
