@@ -223,30 +223,62 @@ def _sparse_args(call: AttnCall, batch: int, heads: int) -> tuple[list, list[int
     return tensors, strides
 
 
-def forward(call: AttnCall, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
-    from .flash_kernel import LOG2E, MODE_DENSE, MODE_SPARSE, MODE_VARLEN, SCHEDULES, flash_fwd_kernel
+def kernel_constexprs(p: Problem, cfg: Config, has_full_blocks: bool = True) -> dict:
+    """Compile-time parameters of the kernel for ``p`` under ``cfg`` (one compiled variant each)."""
+    from .flash_kernel import MODE_DENSE, MODE_SPARSE, MODE_VARLEN, SCHEDULES
 
-    q, k, v = call.q, call.k, call.v
-    out, lse = new_outputs(call)
-    varlen, sparse = call.op == "varlen", call.op == "block_sparse"
+    sparse = p.op == "block_sparse"
+    right = 0 if p.causal else p.window_right
     bm, bn = cfg["block_m"], cfg["block_n"]
-    if varlen:
-        batch, len_q, len_k = call.cu_seqlens_q.shape[0] - 1, call.max_seqlen_q, call.max_seqlen_k
-        lse_strides = (0, lse.stride(0), lse.stride(1))
-    else:
-        batch, len_q, len_k = q.shape[0], q.shape[2], k.shape[2]
-        lse_strides = tuple(lse.stride())
-    heads_q, heads_kv = q.shape[1], k.shape[1]
-    group = heads_q // heads_kv
-    pack = group if cfg.get("pack_gqa", True) and not sparse else 1
-    heads_prog = heads_q // pack
-    num_m = math.ceil(len_q * pack / bm)
-    num_bh = batch * heads_prog
+    return dict(
+        GROUP=p.gqa_ratio, PACK=p.gqa_ratio if cfg.get("pack_gqa", True) and not sparse else 1,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=_padded_dims(p)[0], BLOCK_DV=_padded_dims(p)[1],
+        D=p.head_dim, DV=p.head_dim_v,
+        MODE=MODE_SPARSE if sparse else MODE_VARLEN if p.op == "varlen" else MODE_DENSE,
+        SCHEDULE=SCHEDULES[cfg["schedule"]],
+        HAS_LEFT=p.window_left >= 0 and not sparse, HAS_RIGHT=right >= 0 and not sparse,
+        HAS_KV_LENS=p.has_kv_seqlens and p.op == "attention", HAS_FULL=sparse and has_full_blocks,
+        # dense/varlen ignore these two; constant values there avoid needless recompiles
+        BLOCK_Q=p.block_q if sparse else bm, EVEN_N=not sparse or p.len_k % bn == 0,
+        DOT_PREC="tf32x3" if p.dtype == "float32" else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def forward(call: AttnCall, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    from .flash_kernel import LOG2E, flash_fwd_kernel
+
+    p, q, k, v = call.problem, call.q, call.k, call.v
+    sparse, varlen = p.op == "block_sparse", p.op == "varlen"
+    if sparse and (cfg["block_n"] != p.block_kv or p.block_q % cfg["block_m"]):
+        raise ValueError(f"config {cfg} does not fit block_q={p.block_q}, block_kv={p.block_kv} "
+                         "(block_n must equal block_kv and block_m divide block_q)")
+    meta = kernel_constexprs(p, cfg, sparse and call.sparse.full_kv_num_blocks is not None)
+    out, lse = new_outputs(call)
+    heads_prog = p.heads_q // meta["PACK"]
+    num_m = math.ceil(p.len_q * meta["PACK"] / cfg["block_m"])
+    num_bh = p.batch * heads_prog
     num_tiles = num_m * num_bh
     if num_tiles == 0:
-        out.zero_()
-        lse.fill_(float("-inf"))
-        return out, lse
+        return out.zero_(), lse.fill_(float("-inf"))
+    mask_tensors, mask_strides = _sparse_args(call, p.batch, p.heads_q) if sparse else ([q] * 5, [0] * 20)
+    key = (q.dtype, *meta.values())
+    grid = num_tiles if meta["SCHEDULE"] == 0 else _persistent_grid(q.device, key, num_tiles)
+    lpt_heads = _lpt_group(_device_limits(q.device)[2], p.len_k * (p.head_dim + p.head_dim_v) * k.element_size(),
+                           p.gqa_ratio // meta["PACK"])
+    lse_strides = (0, lse.stride(0), lse.stride(1)) if varlen else tuple(lse.stride())
+    compiled = flash_fwd_kernel[(grid,)](
+        q, k, v, out, lse,
+        q if call.kv_seqlens is None else call.kv_seqlens,  # unused pointers get any tensor
+        call.cu_seqlens_q if varlen else q, call.cu_seqlens_k if varlen else q, *mask_tensors,
+        *_bhld_strides(q, varlen), *_bhld_strides(k, varlen), *_bhld_strides(v, varlen),
+        *_bhld_strides(out, varlen), *lse_strides, *mask_strides,
+        p.len_q, p.len_k, call.scale * LOG2E, call.window_left, 0 if call.causal else call.window_right,
+        heads_prog, num_m, num_bh, num_tiles, lpt_heads, **meta,
+    )
+    if meta["SCHEDULE"] != 0:
+        _record_occupancy(compiled, q.device, key, cfg["num_warps"])
+    return out, lse
     if sparse:
         sp = call.sparse
         if bn != sp.block_kv or sp.block_q % bm:
