@@ -165,7 +165,7 @@ def _preprocess(kern, shape: _Shape, out, lse, grad_out, grad_lse):
     rows, heads = shape.rows_total, shape.heads_q
     delta = torch.empty(batch * heads * rows, dtype=torch.float32, device=out.device)
     lse2 = torch.empty_like(delta)
-    block_dv = max(_MIN_TILE, triton_next_pow2(out.shape[-1]))
+    block_dv = max(_MIN_TILE, _next_pow2(out.shape[-1]))
     block_m = max(1, min(64, 8192 // block_dv))
     dlse = grad_lse if grad_lse is not None else lse
     grid = (-(-rows // block_m), batch * heads)
@@ -178,9 +178,11 @@ def _preprocess(kern, shape: _Shape, out, lse, grad_out, grad_lse):
     return delta, lse2, strides
 
 
-def triton_next_pow2(n: int) -> int:
-    """>>> triton_next_pow2(80), triton_next_pow2(64)
-    (128, 64)
+def _next_pow2(n: int) -> int:
+    """Tile width covering ``n`` (Triton blocks are powers of two).
+
+    >>> _next_pow2(80), _next_pow2(64), _next_pow2(1)
+    (128, 64, 1)
     """
     return 1 << max(n - 1, 0).bit_length()
 
@@ -216,7 +218,7 @@ def transpose_block_lists(sparse, num_kv_blocks: int):
     conceptually (q_num_blocks/q_indices), but through a dense block matrix.
 
     >>> from inductor_attn.ops.block_mask import BlockSparseMask
-    >>> t = lambda *x: torch.tensor(x, dtype=torch.int32)
+    >>> t = lambda x: torch.tensor(x, dtype=torch.int32)
     >>> m = BlockSparseMask((64, 64), 32, 32, t([[[1, 1]]]), t([[[[0], [1]]]]), t([[[0, 1]]]),
     ...                     t([[[[0], [0]]]]), torch.zeros(1, 1, 2, 1, 32, 1, dtype=torch.int32), 0.75, 0.67)
     >>> row_start, codes, slots1 = transpose_block_lists(m, 2)
@@ -324,8 +326,8 @@ def _common_args(call: AttnCall, shape: _Shape, grad_out, delta, lse2, row_strid
                 left=max(left, 0), right=max(right, 0), VARLEN=shape.varlen,
                 HAS_KV_LENS=call.kv_seqlens is not None and call.op == "attention",
                 SPARSE=call.op == "block_sparse", HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
-                BLOCK_D=max(_MIN_TILE, triton_next_pow2(q.shape[-1])),
-                BLOCK_DV=max(_MIN_TILE, triton_next_pow2(v.shape[-1])),
+                BLOCK_D=max(_MIN_TILE, _next_pow2(q.shape[-1])),
+                BLOCK_DV=max(_MIN_TILE, _next_pow2(v.shape[-1])),
                 DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32")
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)  # a plain float global is refused inside @jit
 
 
 @triton.jit
@@ -59,8 +59,10 @@ def _visible(r, c, lk, off, left, right, BITS, s_bi, s_bw, partial, q_blk0, k_bl
     ok = c < lk
     if SPARSE:
         j = c - k_blk0
-        # a full block loads nothing and reads all-ones (-1)
-        words = tl.load(BITS + (r - q_blk0) * s_bi + (j // 32) * s_bw, mask=ok & partial, other=-1)
+        # a full block loads nothing and reads all-ones (-1); where(), not `ok & partial`: the
+        # interpreter turns a block & scalar of bools into int32
+        words = tl.load(BITS + (r - q_blk0) * s_bi + (j // 32) * s_bw, mask=tl.where(partial, ok, False),
+                        other=-1)
         ok = ok & (((words >> (j % 32)) & 1) != 0)
     else:
         if HAS_RIGHT:
