@@ -63,3 +63,18 @@ def compile_fx():
     from torch._inductor.compile_fx import compile_fx as inductor_compile_fx
 
     return inductor_compile_fx
+
+
+def size_hint(size) -> int | None:
+    """The concrete value a (possibly symbolic) size has in this compilation, or None when it has none
+    (data-dependent). ``optimization_hint`` in 2.13, ``hint_int`` before (torch/fx/experimental/
+    symbolic_shapes.py)."""
+    if isinstance(size, int):
+        return size
+    from torch.fx.experimental import symbolic_shapes
+
+    hint = getattr(symbolic_shapes, "optimization_hint", None) or symbolic_shapes.hint_int
+    try:
+        return int(hint(size))
+    except RuntimeError:  # GuardOnDataDependentSymNode and friends: no hint
+        return None

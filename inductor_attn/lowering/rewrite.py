@@ -47,7 +47,7 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_map
 
-from .._compat import custom_graph_pass_base, statically_known_true
+from .._compat import custom_graph_pass_base, size_hint, statically_known_true
 from . import mask_proof
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class _Plan:
     q: torch.fx.Node
     k: torch.fx.Node
     v: torch.fx.Node
-    scale: float
+    scale: float | None
     causal: bool
     kv_from_mask: torch.fx.Node | None = None  # kv_seqlens = count of True in the mask's first row
     kv_constant: int | None = None
@@ -105,7 +105,16 @@ def _known(expr) -> bool:
     return statically_known_true(expr)
 
 
+def _hint(size) -> int:
+    value = size_hint(size)
+    if value is None:
+        raise _Skip("a size is data-dependent")
+    return value
+
+
 def _check_tensors(q, k, v) -> tuple:
+    """Example values of q/k/v. Properties that ops/checks.py check_attention verifies in our op's fake
+    impl are tested on this compilation's sizes: under dynamic shapes that check guards them."""
     evs = [_ev(t) for t in (q, k, v)]
     if not all(isinstance(t, torch.Tensor) for t in evs):
         raise _Skip("no example values for q/k/v in the graph")
@@ -116,15 +125,16 @@ def _check_tensors(q, k, v) -> tuple:
         raise _Skip(f"dtypes {qe.dtype}/{ke.dtype}/{ve.dtype}: routed are fp16, bf16 and fp32, one dtype")
     if not (qe.device == ke.device == ve.device):
         raise _Skip("q/k/v on different devices")
-    if not (_known(qe.shape[0] == ke.shape[0]) and _known(ke.shape[0] == ve.shape[0])):
-        raise _Skip("batch sizes of q/k/v differ or may differ (SDPA broadcasts them, our op does not)")
-    if not _known(ke.shape[2] == ve.shape[2]):
-        raise _Skip("k and v sequence lengths may differ")
-    for name, size in (("q/k head_dim", qe.shape[3]), ("v head_dim", ve.shape[3])):
-        if not (isinstance(size, int) and 8 <= size <= 256):
-            raise _Skip(f"{name} {size} is not a constant in [8, 256]")
-    if qe.shape[3] != ke.shape[3]:
+    qs, ks, vs = ([_hint(s) for s in t.shape] for t in evs)
+    if not qs[0] == ks[0] == vs[0]:
+        raise _Skip("batch sizes of q/k/v differ (SDPA broadcasts them, our op does not)")
+    if ks[2] != vs[2]:
+        raise _Skip("k and v sequence lengths differ")
+    if qs[3] != ks[3]:
         raise _Skip("q and k head_dims differ")
+    for name, size in (("q/k head_dim", qs[3]), ("v head_dim", vs[3])):
+        if not 8 <= size <= 256:
+            raise _Skip(f"{name} {size} is outside [8, 256]")
     return qe, ke, ve
 
 
@@ -166,17 +176,18 @@ def _heads(q, k, v, enable_gqa: bool, sdpa) -> tuple:
         if k2 is not None and v2 is not None and _known(_ev(k2).shape[1] == _ev(v2).shape[1]):
             k, v = k2, v2
     elif not enable_gqa:
-        raise _Skip("q and k head counts differ without enable_gqa (SDPA would fail)")
+        raise _Skip("q and k head counts may differ without enable_gqa (SDPA would fail)")
     qe, ke, ve = _check_tensors(q, k, v)
-    hq, hk = qe.shape[1], ke.shape[1]
-    if not (isinstance(hq, int) and isinstance(hk, int) and hk >= 1 and hq % hk == 0 and ve.shape[1] == hk):
-        raise _Skip(f"head counts q={hq} k={hk} are not constants with q a multiple of k")
+    hq, hk, hv = (_hint(t.shape[1]) for t in (qe, ke, ve))
+    if not (hk >= 1 and hq % hk == 0 and hv == hk):
+        raise _Skip(f"head counts q={hq} k={hk} v={hv}: q must be a multiple of k, and v equal to k")
     return k, v
 
 
-def _scale(value, qe) -> float:
+def _scale(value) -> float | None:
+    """The constant scale, or None for SDPA's default 1/sqrt(head_dim) (emitted from q's size)."""
     if value is None:
-        return qe.shape[3] ** -0.5
+        return None
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return float(value)
     raise _Skip("scale is not a compile-time constant")
@@ -234,7 +245,7 @@ def plan_sdpa(node: torch.fx.Node, analysis: mask_proof.MaskAnalysis) -> _Plan:
     q = args["query"]
     k, v = _heads(q, args["key"], args["value"], bool(args["enable_gqa"]), node)
     qe, ke, _ = _check_tensors(q, k, v)
-    scale = _scale(args["scale"], qe)
+    scale = _scale(args["scale"])
     mask, causal = args["attn_mask"], args["is_causal"]
     if not isinstance(causal, bool):
         raise _Skip("is_causal is not a constant")
@@ -292,8 +303,15 @@ def _kv_seqlens(emit: _Emitter, plan: _Plan) -> torch.fx.Node | None:
 def _emit(graph: torch.fx.Graph, node: torch.fx.Node, plan: _Plan) -> None:
     emit = _Emitter(graph, node, getattr(_ev(plan.q), "fake_mode", None))
     kv = _kv_seqlens(emit, plan)
+    scale = plan.scale
+    if scale is None:
+        head_dim = _ev(plan.q).shape[3]
+        if isinstance(head_dim, int):
+            scale = head_dim ** -0.5
+        else:  # dynamic head_dim: SDPA's default scale, computed from the size at run time
+            scale = emit("call_function", operator.pow, emit("call_method", "size", plan.q, 3), -0.5)
     op = torch.ops.inductor_attn.attention.default
-    result = emit("call_function", op, plan.q, plan.k, plan.v, plan.scale, plan.causal, -1, -1, kv, "")
+    result = emit("call_function", op, plan.q, plan.k, plan.v, scale, plan.causal, -1, -1, kv, "")
     out = emit("call_function", operator.getitem, result, 0)
     node.replace_all_uses_with(out)
     graph.erase_node(node)

@@ -1,0 +1,362 @@
+"""The SDPA rewrite (lowering/rewrite.py, mask_proof.py) and its installation (enable.py).
+
+Most tests capture a Dynamo graph with a recording backend, run the rewrite on it and execute the graph
+eagerly (no Inductor, ~1 s each): the rewritten graph must compute what SDPA computed. A few compile
+with Inductor end to end (~10-20 s each on a CPU)."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import inductor_attn
+from inductor_attn import _compat
+from inductor_attn.backends import REFERENCE, only_backends
+from inductor_attn.lowering.rewrite import RewritePass, rewrite_graph
+
+ATTENTION = torch.ops.inductor_attn.attention.default
+TOL = dict(rtol=1e-5, atol=1e-5)  # float32, reference kernel vs SDPA math
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    torch._dynamo.reset()
+    inductor_attn.reset_routing_report()
+    inductor_attn.reset_stats()
+    with only_backends(REFERENCE):
+        yield
+    torch._dynamo.reset()
+
+
+def capture(fn, *args) -> torch.fx.GraphModule:
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(fn, backend=record, fullgraph=True)(*args)
+    assert len(graphs) == 1
+    return graphs[0]
+
+
+def run_graph(gm, fn, *args):
+    """Call a captured graph with ``fn``'s arguments (Dynamo orders its inputs by first use)."""
+    by_name = {f"L_{name}_": arg for name, arg in zip(inspect.signature(fn).parameters, args)}
+    return gm(*(by_name[n.target] for n in gm.graph.nodes if n.op == "placeholder"))[0]
+
+
+def rewrite_and_run(fn, *args):
+    """(what fn returns eagerly, what the rewritten graph returns, the rewritten graph)."""
+    gm = capture(fn, *args)
+    rewrite_graph(gm.graph)
+    gm.recompile()
+    return fn(*args), run_graph(gm, fn, *args), gm
+
+
+def routed_calls(gm) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.target is ATTENTION]
+
+
+def only_outcome() -> str:
+    report = inductor_attn.routing_report()
+    assert len(report) == 1 and sum(report.values()) == 1, report
+    return next(iter(report))
+
+
+def qkv(b=2, hq=4, hk=2, lq=8, lk=8, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, hq, lq, d, generator=g), torch.randn(b, hk, lk, d, generator=g),
+            torch.randn(b, hk, lk, d, generator=g))
+
+
+# ------------------------------------------------------------------------------------------ routed
+def test_causal_gqa_without_mask_is_routed_as_causal_and_matches_sdpa():
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=0.3)
+
+    eager, rewritten, gm = rewrite_and_run(fn, *qkv())
+    torch.testing.assert_close(rewritten, eager, **TOL)
+    (call,) = routed_calls(gm)
+    assert call.args[3:7] == (0.3, True, -1, -1) and call.args[7] is None
+    assert only_outcome() == "sdpa: routed (causal)"
+
+
+def test_decode_mask_from_a_runtime_cache_offset_becomes_kv_seqlens():
+    # transformers masking_utils.sdpa_mask under torch.compile with a static cache, one query token
+    def fn(q, k, v, offset):
+        q_idx = (torch.arange(1) + offset)[None, None, :, None]
+        kv_idx = torch.arange(k.shape[2])[None, None, None, :]
+        mask = (kv_idx <= q_idx).expand(q.shape[0], -1, 1, k.shape[2])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    q, k, v = qkv(lq=1, lk=12)
+    gm = capture(fn, q, k, v, torch.tensor([3]))
+    rewrite_graph(gm.graph)
+    gm.recompile()
+    assert only_outcome() == "sdpa: routed (kv_seqlens from a proven prefix mask)"
+    (call,) = routed_calls(gm)
+    assert call.args[4] is False and call.args[7] is not None
+    for offset in (0, 5, 11, 40):  # 40: past the end of the keys, every key visible
+        off = torch.tensor([offset])
+        torch.testing.assert_close(run_graph(gm, fn, q, k, v, off), fn(q, k, v, off), **TOL)
+
+
+def test_per_batch_length_mask_becomes_kv_seqlens():
+    def fn(q, k, v, lengths):
+        mask = torch.arange(k.shape[2])[None, None, None, :] < lengths[:, None, None, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    q, k, v = qkv(hk=4, lq=5, lk=9)
+    eager, rewritten, _ = rewrite_and_run(fn, q, k, v, torch.tensor([9, 4]))
+    torch.testing.assert_close(rewritten, eager, **TOL)
+    assert only_outcome() == "sdpa: routed (kv_seqlens from a proven prefix mask)"
+
+
+def test_tril_mask_on_square_scores_is_routed_as_plain_causal():
+    def fn(q, k, v):
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    eager, rewritten, gm = rewrite_and_run(fn, *qkv())
+    torch.testing.assert_close(rewritten, eager, **TOL)
+    assert only_outcome() == "sdpa: routed (causal (proven mask))"
+    assert routed_calls(gm)[0].args[7] is None
+
+
+def test_upper_left_causal_mask_on_a_longer_cache_uses_a_constant_kv_seqlens():
+    # key j visible iff j <= i: a prefill of 6 tokens into a cache of 10 slots
+    def fn(q, k, v):
+        mask = torch.arange(k.shape[2])[None, :] <= torch.arange(q.shape[2])[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    eager, rewritten, _ = rewrite_and_run(fn, *qkv(lq=6, lk=10))
+    torch.testing.assert_close(rewritten, eager, **TOL)
+    assert only_outcome() == "sdpa: routed (causal with constant kv_seqlens (proven mask))"
+
+
+def test_repeated_kv_heads_are_passed_unrepeated():
+    def repeat_kv(x, n):  # transformers' repeat_kv
+        b, h, s, d = x.shape
+        return x[:, :, None, :, :].expand(b, h, n, s, d).reshape(b, h * n, s, d)
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), is_causal=True)
+
+    q, k, v = qkv()
+    eager, rewritten, gm = rewrite_and_run(fn, q, k, v)
+    torch.testing.assert_close(rewritten, eager, **TOL)
+    call = routed_calls(gm)[0]
+    assert call.args[1].op == "placeholder" and call.args[2].op == "placeholder"
+
+
+# ------------------------------------------------------------------------------------------ left alone
+def assert_left_alone(fn, *args, reason: str):
+    eager, rewritten, gm = rewrite_and_run(fn, *args)
+    assert not routed_calls(gm)
+    torch.testing.assert_close(rewritten, eager, rtol=0, atol=0)
+    outcome = only_outcome()
+    assert outcome.startswith("sdpa: left alone") and reason in outcome, outcome
+
+
+def test_mask_given_as_a_graph_input_stays_sdpa():
+    def fn(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    q, k, v = qkv(lq=1)
+    assert_left_alone(fn, q, k, v, torch.ones(2, 1, 1, 8, dtype=torch.bool), reason="graph input")
+
+
+def test_causal_mask_combined_with_a_padding_input_stays_sdpa():
+    def fn(q, k, v, padding):
+        causal = torch.arange(8)[None, :] <= torch.arange(8)[:, None]
+        mask = causal[None, None] & padding[:, None, None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    assert_left_alone(fn, *qkv(), torch.ones(2, 8, dtype=torch.bool), reason="combined (&)")
+
+
+def test_sliding_window_mask_stays_sdpa():
+    def fn(q, k, v):
+        i, j = torch.arange(8)[:, None], torch.arange(8)[None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(j <= i) & (j > i - 3), enable_gqa=True)
+
+    assert_left_alone(fn, *qkv(), reason="not an upper bound on the key index")
+
+
+def test_additive_float_mask_stays_sdpa():
+    def fn(q, k, v):
+        bias = torch.zeros(8, 8).masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), float("-inf"))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+
+    assert_left_alone(fn, *qkv(), reason="additive")
+
+
+def test_causal_with_fewer_queries_than_keys_stays_sdpa():
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    assert_left_alone(fn, *qkv(lq=4, lk=8), reason="upper-left")
+
+
+def test_mask_built_from_a_tensor_mutated_in_place_stays_sdpa():
+    def fn(q, k, v):
+        kv_idx = torch.arange(8)
+        mask = kv_idx[None, :] <= torch.arange(8)[:, None]
+        kv_idx.add_(3)  # the mask already holds the old values, but the proof cannot see that
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True) + kv_idx.sum()
+
+    assert_left_alone(fn, *qkv(), reason="mutated in place")
+
+
+def test_dropout_stays_sdpa():
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, enable_gqa=True)
+
+    gm = capture(fn, *qkv())
+    rewrite_graph(gm.graph)
+    assert not routed_calls(gm) and "dropout_p" in only_outcome()
+
+
+def test_flex_attention_is_counted_and_left_alone():
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    q, k, v = qkv(hk=4, lq=128, lk=128)
+    block_mask = create_block_mask(lambda b, h, i, j: j <= i, None, None, 128, 128, device="cpu")
+
+    def fn(q, k, v):
+        return flex_attention(q, k, v, block_mask=block_mask)
+
+    gm = capture(fn, q, k, v)
+    assert rewrite_graph(gm.graph) == 0
+    assert only_outcome().startswith("flex_attention: left alone")
+
+
+# ------------------------------------------------------------------------------------------ installing
+class UserPass(_compat.custom_graph_pass_base()):
+    def __init__(self, tag):
+        self.tag, self.calls = tag, 0
+
+    def __call__(self, graph):
+        self.calls += 1
+
+    def uuid(self):
+        return self.tag
+
+
+def test_import_changes_no_inductor_config():
+    code = ("import torch._inductor.config as c; before = c.get_config_copy(); import inductor_attn; "
+            "after = c.get_config_copy(); assert before == after, [k for k in after if after[k] != before[k]]")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_enable_chains_the_users_pass_and_disable_restores_exactly_it(monkeypatch):
+    config = _compat.inductor_config()
+    user = UserPass("user-v1")
+    monkeypatch.setattr(config, "pre_grad_custom_pass", user)
+    inductor_attn.enable()
+    inductor_attn.enable()  # idempotent: one wrapper
+    installed = config.pre_grad_custom_pass
+    assert isinstance(installed, RewritePass) and installed.chained is user
+    graph = torch.fx.Graph()
+    graph.output(None)
+    installed(graph)
+    assert user.calls == 1
+    first = installed.uuid()
+    user.tag = "user-v2"
+    assert installed.uuid() != first  # a change of the user's pass changes the FX-graph-cache key
+    inductor_attn.disable()
+    assert config.pre_grad_custom_pass is user
+
+
+def test_enabled_context_restores_and_keeps_an_enclosing_enable(monkeypatch):
+    config = _compat.inductor_config()
+    monkeypatch.setattr(config, "pre_grad_custom_pass", None)
+    with inductor_attn.enabled():
+        assert inductor_attn.is_enabled()
+    assert config.pre_grad_custom_pass is None
+    inductor_attn.enable()
+    with inductor_attn.enabled():
+        pass
+    assert inductor_attn.is_enabled()
+    inductor_attn.disable()
+    assert config.pre_grad_custom_pass is None
+
+
+def test_chained_pass_without_uuid_disables_fx_graph_caching():
+    assert RewritePass(chained=lambda graph: None).uuid() is None
+    assert RewritePass(chained=[UserPass("a"), UserPass("b")]).uuid() is not None
+
+
+# ------------------------------------------------------------------------------------------ end to end
+def rand(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).requires_grad_()
+
+
+def forward_backward(fn, *inputs):
+    out = fn(*inputs)
+    grads = torch.autograd.grad(out.square().sum(), inputs)
+    return out, grads
+
+
+@pytest.mark.slow
+def test_backend_name_routes_forward_and_backward_with_fullgraph():
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).relu()
+
+    inputs = [rand(2, 4, 16, 16, seed=0), rand(2, 2, 16, 16, seed=1), rand(2, 2, 16, 16, seed=2)]
+    compiled = torch.compile(fn, backend="inductor_attn", fullgraph=True)
+    out, grads = forward_backward(compiled, *inputs)
+    ref_out, ref_grads = forward_backward(fn, *inputs)
+    torch.testing.assert_close(out, ref_out, **TOL)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, **TOL)
+    stats = inductor_attn.stats()
+    assert any(key.startswith("attention/forward") for key in stats), stats
+    assert any(key.startswith("attention/backward") for key in stats), stats
+    assert not inductor_attn.is_enabled()  # the backend patched the config for its compilation only
+
+
+@pytest.mark.slow
+def test_dynamic_sequence_lengths_compile_once():
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True) * 2
+
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled = torch.compile(fn, backend="inductor_attn", fullgraph=True, dynamic=True)
+    for length in (20, 28, 44):  # none equal to head_dim 16: duck sizing would tie them
+        q, k, v = (t.detach() for t in qkv(lq=length, lk=length))
+        torch.testing.assert_close(compiled(q, k, v), fn(q, k, v), **TOL)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert inductor_attn.routing_report() == {"sdpa: routed (causal)": 1}
+
+
+@pytest.mark.slow
+def test_fx_graph_cache_hit_still_runs_our_op(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True) + 1
+
+    q, k, v = (t.detach() for t in qkv())
+    counters = torch._dynamo.utils.counters
+    with inductor_config.patch(fx_graph_cache=True), functorch_config.patch(enable_autograd_cache=True):
+        counters.clear()
+        torch.compile(fn, backend="inductor_attn")(q, k, v)
+        torch._dynamo.reset()
+        inductor_attn.reset_routing_report()
+        inductor_attn.reset_stats()
+        out = torch.compile(fn, backend="inductor_attn")(q, k, v)
+    hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+    assert hits >= 1
+    assert inductor_attn.routing_report() == {}  # the pass did not run: the cached code replayed
+    assert sum(inductor_attn.stats().values()) == 1  # and the cached code calls our op
+    torch.testing.assert_close(out, fn(q, k, v), **TOL)
