@@ -1,0 +1,434 @@
+"""Writing a benchmark result: results.json, results.md, up to three small plots, and RESULTS.md.
+
+The JSON (schema 1) holds everything: ``meta`` (device, date, commit, command, versions, timer, copy
+bandwidth), ``rows`` (one per workload: status, decisions, every candidate's gate result, samples,
+speedups with CIs, regret) and ``quality``. The markdown is a view of it; ``bench --report`` rebuilds
+the markdown and plots from one or more JSON files (several suite calls make one RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+MAIN_COLUMNS = ("workload", "unit", "baseline", "autotuned", "autotuned / baseline (95% CI)", "tune s",
+                "heuristic", "heuristic / baseline (95% CI)", "oracle", "regret (95% CI)")
+SETUP_COLUMNS = ("workload", "density", "create_block_mask s", "compiled", "convert s", "kept pairs")
+TUNE_COLUMNS = ("workload", "first tune", "s", "second tune", "s", "same", "difference inside CIs")
+COMPILE_COLUMNS = ("workload", "autotune, warm store: s", "off: s", "added s", "new decisions")
+KIND_TITLES = {"dense": "Dense", "decode": "Decode", "varlen": "Varlen (packed)", "block_sparse": "Block-sparse"}
+MAX_NOTES = 25
+METHOD = """\
+## How these numbers are made
+
+- Every row is one workload of `inductor_attn/bench/suites.py`, measured in one process: the autotuned
+  choice (`autotune` mode on a fresh decision store; "tune s" is its wall time, JIT compiles included
+  unless the on-disk kernel caches were warm), today's hand rules (`heuristic` mode: FA4's CLC rule,
+  split-K iff L_kv >= 256), every candidate of every backend, and the user's baseline called directly:
+  `F.scaled_dot_product_attention` (`enable_gqa` for GQA, a boolean mask where the mask needs one) for
+  dense and decode, `torch.nn.attention.varlen.varlen_attn` for varlen, `torch.compile(flex_attention)`
+  with the workload's own BlockMask for block-sparse (max-autotune in full runs, default compile in
+  `--quick`). Where the baseline cannot run, the `off` choice (first runnable candidate) stands in.
+- Correctness first: each candidate and baseline runs once on fresh inputs and is compared with the
+  float64-accumulated reference (tolerances of `tuning/correctness.py`); a wrong or failing one is listed
+  with its reason and never timed, so it can never be the oracle.
+- Timing: one timer for everything, CUDA-graph replay of the call on rotating input copies with L2 flushed
+  before each sample (`tuning/timing.py`), in interleaved rounds (one sample of each per round).
+- Throughput: TFLOP/s = 4 x kept (query, key) pairs x head dim / median time, pairs counted exactly
+  (causal lower-right; varlen per sequence; block-sparse from the mask's full blocks and partial-block
+  bitmaps). Decode: GB/s = (valid K and V rows of the kv heads once + q + out) / median time, and its
+  share of the device-to-device copy bandwidth (bytes read + written) measured at the start of the run.
+- Speedups are ratios of medians with a paired bootstrap 95% CI over rounds (`tuning/stats.py`). The
+  oracle is the fastest candidate that passed; regret = autotuned time / oracle time - 1.
+- Tuning quality: the decisions of this process are compared with those of a second process tuning the
+  same workloads on its own empty store; a difference counts as "inside CIs" when, in both tunes' own
+  records, the two winners' speedup intervals overlap. Compile time added: `torch.compile` of a function
+  calling `inductor_attn.attention` in a new process with the store warm, minus the same in `off` mode
+  (FX graph cache off in both, kernel caches as the run left them).
+"""
+
+
+# -------------------------------------------------------------------------------------------- files
+def write_results(result: dict, out_dir: Path, plots: bool = True) -> list[Path]:
+    """results.json, results.md, RESULTS.md (a copy to publish) and, with ``plots``, the PNGs."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "results.json", out_dir / "results.md", out_dir / "RESULTS.md"]
+    paths[0].write_text(json.dumps(result, indent=1, default=_jsonable))
+    paths[1].write_text(render_markdown(result))
+    paths[2].write_text(render_results_md(result))
+    if plots:
+        paths += write_plots(result, out_dir)
+    return paths
+
+
+def write_results_md(result: dict, path: Path) -> None:
+    Path(path).write_text(render_results_md(result))
+
+
+def _jsonable(x):
+    return str(x)
+
+
+def load(paths: list[Path]) -> dict:
+    """Merge results.json files (several suite calls) into one result: rows concatenated, each run's
+    meta kept in ``runs``, and the first quality section of each run kept by its command."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    if not runs:
+        raise ValueError("give at least one results.json")
+    for p, r in zip(paths, runs):
+        if r.get("schema") != 1:
+            raise ValueError(f"{p}: not a schema-1 inductor_attn bench result")
+    merged = {"schema": 1, "meta": runs[0]["meta"], "runs": [r["meta"] for r in runs],
+              "rows": [row for r in runs for row in r["rows"]], "quality": None}
+    qualities = [r["quality"] for r in runs if r.get("quality")]
+    if qualities:
+        merged["quality"] = _merge_quality(qualities)
+    return merged
+
+
+def _merge_quality(qualities: list[dict]) -> dict:
+    out = {"tunes": [], "compile": [], "notes": []}
+    for q in qualities:
+        out["tunes"] += q.get("tunes") or []
+        out["compile"] += q.get("compile") or []
+        out["notes"] += q.get("notes") or []
+    return out
+
+
+# ----------------------------------------------------------------------------------------- markdown
+def render_markdown(result: dict) -> str:
+    rows = result["rows"]
+    parts = [_summary(rows)]
+    for kind, title in KIND_TITLES.items():
+        mine = [r for r in rows if r["kind"] == kind]
+        if mine:
+            parts.append(_kind_section(title, mine))
+    parts.append(_quality_section(result.get("quality")))
+    return "\n\n".join(p for p in parts if p) + "\n"
+
+
+def render_results_md(result: dict) -> str:
+    runs = result.get("runs") or [result["meta"]]
+    meta = runs[0]
+    smoke = any(m.get("smoke") for m in runs)
+    head = ["# Benchmark results", ""]
+    if smoke:
+        head += ["**Smoke run: tiny shapes, possibly on a CPU. These numbers mean nothing.**", ""]
+    head += [
+        "Generated by `python -m inductor_attn bench`; do not edit by hand (rerun, see the commands below).", "",
+        f"- device: {meta['device']} ({meta['capability']}, {meta['sm_count']} SMs)",
+        f"- date: {', '.join(sorted({m['date'] for m in runs}))}",
+        f"- commit: {', '.join(sorted({m['commit'] for m in runs}))}",
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
+        f"- timer: {meta['timer']}, {meta['rounds']} interleaved rounds per workload",
+        "- device-to-device copy bandwidth (read + write), measured in the run: "
+        + ", ".join(_gbps_text(m.get("copy_gbps")) for m in runs),
+        "- commands:",
+        *[f"  - `{m['command']}` ({m.get('elapsed_s') or 0:.0f} s)" for m in runs],
+    ]
+    return "\n".join(head) + "\n\n" + render_markdown(result) + "\n" + METHOD
+
+
+def _gbps_text(x) -> str:
+    return "?" if x is None else f"{x:.0f} GB/s"
+
+
+def _summary(rows: list[dict]) -> str:
+    lines = ["## Summary", "",
+             "| suite | workloads measured | not measured | autotuned / baseline (geomean) | oracle / baseline "
+             "(geomean) | median regret | worst regret | wrong candidates |",
+             "|---|---|---|---|---|---|---|---|"]
+    for kind in KIND_TITLES:
+        mine = [r for r in rows if r["kind"] == kind]
+        if not mine:
+            continue
+        ok = [r for r in mine if r["status"] == "ok"]
+        auto = [r["choices"]["autotune"].get("speedup") for r in ok]
+        best = [r["choices"]["oracle"].get("speedup") for r in ok]
+        regrets = sorted(r["regret"] for r in ok if r.get("regret") is not None)
+        wrong = sum(e["status"] == "wrong" for r in ok for e in r["entries"])
+        lines.append(f"| {kind} | {len(ok)} | {len(mine) - len(ok)} | {_geomean(auto)} | {_geomean(best)} | "
+                     f"{_pct(regrets[len(regrets) // 2]) if regrets else ''} | "
+                     f"{_pct(regrets[-1]) if regrets else ''} | {wrong} |")
+    return "\n".join(lines)
+
+
+def _geomean(xs) -> str:
+    xs = [x for x in xs if x]
+    return f"{math.exp(sum(math.log(x) for x in xs) / len(xs)):.3f}x" if xs else ""
+
+
+def _pct(x) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _kind_section(title: str, rows: list[dict]) -> str:
+    ok = [r for r in rows if r["status"] == "ok"]
+    parts = [f"## {title}"]
+    if ok:
+        parts.append(_table(MAIN_COLUMNS, [_main_cells(r) for r in ok]))
+        parts.append(_defaults_table(ok))
+    if any(r["kind"] == "block_sparse" for r in ok):
+        parts.append("Mask construction (not part of the attention times):\n\n"
+                     + _table(SETUP_COLUMNS, [_setup_cells(r) for r in ok]))
+    notes = _notes(rows)
+    if notes:
+        parts.append("Not timed, wrong, failed, pruned or not measured:\n\n" + "\n".join(notes))
+    return "\n\n".join(p for p in parts if p)
+
+
+def _table(columns, rows) -> str:
+    head = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns)
+    return head + "".join("\n| " + " | ".join(str(c) for c in cells) + " |" for cells in rows)
+
+
+def _value_text(d: dict, metric: str) -> str:
+    if metric == "GB/s":
+        if d.get("gbps") is None:
+            return ""
+        frac = d.get("frac_copy")
+        return f"{d['gbps']:.0f}" + (f" ({100 * frac:.0f}%)" if frac is not None else "")
+    v = d.get("tflops")
+    return "" if v is None else f"{v:.0f}" if v >= 10 else f"{v:.2f}"
+
+
+def _unit(row: dict) -> str:
+    return "GB/s (% copy)" if row["metric"] == "GB/s" else "TF/s"
+
+
+def _pick_text(d: dict, metric: str) -> str:
+    if not d.get("choice"):
+        return "none"
+    value = _value_text(d, metric)
+    return f"{value} `{d['choice']}`" if value else f"`{d['choice']}` ({d.get('status')})"
+
+
+def _ci_text(d: dict) -> str:
+    if d.get("speedup") is None:
+        return ""
+    return f"{d['speedup']:.2f}x ({d['ci_low']:.2f}-{d['ci_high']:.2f})"
+
+
+def _main_cells(row: dict) -> list[str]:
+    m = row["metric"]
+    base = row.get("baseline")
+    base_entry = next((e for e in row["entries"] if base and e["name"] == base["name"]), {})
+    auto, heur, oracle = (row["choices"][k] for k in ("autotune", "heuristic", "oracle"))
+    tune_s = auto.get("tune_s")
+    regret = ""
+    if row.get("regret") is not None:
+        lo, hi = row["regret_ci"]
+        regret = f"{_pct(row['regret'])} ({_pct(lo)}-{_pct(hi)})"
+    tune = "" if tune_s is None else f"{tune_s:.1f}" + (" (reused)" if auto.get("reused_from") else "")
+    return [row["name"], _unit(row), f"{_value_text(base_entry, m)} {base['label']}" if base else "none",
+            _pick_text(auto, m), _ci_text(auto), tune,
+            _pick_text(heur, m), _ci_text(heur), _pick_text(oracle, m), regret]
+
+
+def _defaults_table(rows: list[dict]) -> str:
+    labels = []
+    for r in rows:
+        for d in r["defaults"]:
+            if d.get("choice") and d["label"] not in labels:
+                labels.append(d["label"])
+    users = []
+    for r in rows:
+        for e in r["entries"]:
+            if e["kind"] == "user" and e["name"] != (r.get("baseline") or {}).get("name") and e["name"] not in users:
+                users.append(e["name"])
+    if not labels and not users:
+        return ""
+    cells = []
+    for r in rows:
+        by_label = {d["label"]: d for d in r["defaults"]}
+        by_name = {e["name"]: e for e in r["entries"]}
+        line = [r["name"], _unit(r)]
+        line += [_status_or_value(by_label.get(label, {}), r["metric"]) for label in labels]
+        line += [_status_or_value(by_name.get(name, {}), r["metric"]) for name in users]
+        cells.append(line)
+    return "Each backend's own default config, and user baselines other than the row's baseline:\n\n" + _table(
+        ("workload", "unit", *labels, *users), cells)
+
+
+def _status_or_value(d: dict, metric: str) -> str:
+    value = _value_text(d, metric)
+    if value:
+        return value
+    status = d.get("status")
+    return "" if status in (None, "n/a", "none") else status
+
+
+def _setup_cells(row: dict) -> list[str]:
+    s = row.get("setup_s") or {}
+    density = _density(row)
+    return [row["name"], density, _num(s.get("create_block_mask_s"), ".3f"),
+            "yes" if s.get("create_block_mask_compiled") else "no", _num(s.get("convert_s"), ".3f"),
+            f"{row['pairs']:,}"]
+
+
+def _density(row: dict) -> str:
+    for item in row["problem"].split(","):
+        if item.startswith("density="):
+            return f"{float(item.split('=')[1]):.3f}"
+    return ""
+
+
+def _num(x, spec: str) -> str:
+    return "" if x is None else format(x, spec)
+
+
+def _notes(rows: list[dict]) -> list[str]:
+    """Workloads not measured, and every entry that is wrong, failed, or is a named choice (a mode's
+    pick, a backend default) that was not timed, with its reason; one line per distinct finding, with
+    the workloads it applies to."""
+    found: dict[str, list[str]] = {}
+    for r in rows:
+        if r["status"] != "ok":
+            found.setdefault(f"{r['status']}: {r['reason']}", []).append(r["name"])
+            continue
+        owner = r["choices"]["autotune"].get("reused_from")
+        if owner:
+            found.setdefault(f"autotuned decision reused from the store: same decision bucket as {owner}",
+                             []).append(r["name"])
+        named = {d["choice"]: d["label"] for d in r["defaults"] if d.get("choice")}
+        named.update({c["choice"]: f"{mode} choice" for mode, c in r["choices"].items() if c.get("choice")})
+        for e in r["entries"]:
+            untimed_pick = e["name"] in named and not e.get("median_ms")
+            if e["status"] in ("wrong", "failed") or untimed_pick:
+                what = f"`{e['name']}`" + (f" ({named[e['name']]})" if e["name"] in named else "")
+                found.setdefault(f"{what} {e['status']}: {e['reason']}", []).append(r["name"])
+        for d in r["defaults"]:
+            if not d.get("choice"):
+                found.setdefault(f"{d['label']}: {d.get('reason')}", []).append(r["name"])
+    notes = [f"- {text} ({_workloads_text(names, len(rows))})" for text, names in found.items()]
+    if len(notes) > MAX_NOTES:
+        notes = notes[:MAX_NOTES] + [f"- ... and {len(notes) - MAX_NOTES} more in results.json"]
+    return notes
+
+
+def _workloads_text(names: list[str], total: int) -> str:
+    if len(names) == total and total > 1:
+        return f"all {total} workloads"
+    return "; ".join(names)
+
+
+def _quality_section(q: dict | None) -> str:
+    if not q:
+        return ""
+    parts = ["## Tuning quality"]
+    tunes = q.get("tunes") or []
+    if tunes:
+        same = sum(t["same"] for t in tunes)
+        inside = sum(bool(t.get("inside_ci")) for t in tunes if not t["same"])
+        differ = len(tunes) - same
+        text = (f"Two fresh tunes in two processes, each on its own empty store: {same} of {len(tunes)} "
+                f"decisions identical ({100 * same / len(tunes):.0f}%)")
+        parts.append(text + (f"; of the {differ} that differ, {inside} lie inside the CIs." if differ else "."))
+        parts.append(_table(TUNE_COLUMNS, [[t["name"], f"`{t['first']}`", _num(t.get("first_s"), ".1f"),
+                                            f"`{t['second']}`", _num(t.get("second_s"), ".1f"),
+                                            "yes" if t["same"] else "no",
+                                            "" if t["same"] else ("yes" if t.get("inside_ci") else "no")]
+                                           for t in tunes]))
+    comp = q.get("compile") or []
+    if comp:
+        parts.append("Compile time added by inductor_attn in a new process with the decisions stored "
+                     "(`torch.compile` + first call):\n\n" + _table(COMPILE_COLUMNS, [
+                         [c["name"], _num(c.get("autotune_s"), ".2f"), _num(c.get("off_s"), ".2f"),
+                          _num(c.get("added_s"), "+.2f"), _num(c.get("new_decisions"), "d")] for c in comp]))
+    if q.get("notes"):
+        parts.append("\n".join(f"- {n}" for n in q["notes"]))
+    return "\n\n".join(parts)
+
+
+# -------------------------------------------------------------------------------------------- plots
+def write_plots(result: dict, out_dir: Path) -> list[Path]:
+    """speedups.png, decode_bandwidth.png and tuning.png (each only when there is something to draw);
+    none when matplotlib is missing (its absence is noted in the JSON's meta)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        result["meta"]["plots"] = "skipped: matplotlib is not installed"
+        return []
+    ok = [r for r in result["rows"] if r["status"] == "ok"]
+    paths = []
+    for name, draw in (("speedups.png", _plot_speedups), ("decode_bandwidth.png", _plot_decode),
+                       ("tuning.png", _plot_tuning)):
+        fig = draw(plt, ok)
+        if fig is not None:
+            path = Path(out_dir) / name
+            fig.tight_layout()
+            fig.savefig(path, dpi=80)
+            plt.close(fig)
+            paths.append(path)
+    return paths
+
+
+def _bars(plt, labels, series, xlabel, ref=None):
+    """Horizontal grouped bars: ``series`` = [(name, values, (lows, highs) or None)]."""
+    n = len(labels)
+    fig, ax = plt.subplots(figsize=(8, 0.32 * n * max(1, len(series) / 2) + 1.4))
+    height = 0.8 / len(series)
+    for i, (name, values, err) in enumerate(series):
+        ys = [y + i * height for y in range(n)]
+        vals = [v if v is not None else 0.0 for v in values]
+        xerr = None
+        if err is not None:
+            xerr = [[max(v - lo, 0) if lo is not None else 0 for v, lo in zip(vals, err[0])],
+                    [max(hi - v, 0) if hi is not None else 0 for v, hi in zip(vals, err[1])]]
+        ax.barh(ys, vals, height=height, xerr=xerr, label=name, capsize=2)
+    if ref is not None:
+        ax.axvline(ref, color="black", linewidth=0.8)
+    ax.set_yticks([y + 0.4 - height / 2 for y in range(n)], labels, fontsize=6)
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel, fontsize=8)
+    ax.legend(fontsize=7)
+    return fig
+
+
+def _plot_speedups(plt, rows):
+    rows = [r for r in rows if r.get("baseline")]
+    if not rows:
+        return None
+    series = []
+    for mode in ("autotune", "heuristic", "oracle"):
+        picks = [r["choices"][mode] for r in rows]
+        series.append((mode, [p.get("speedup") for p in picks],
+                       ([p.get("ci_low") for p in picks], [p.get("ci_high") for p in picks])))
+    return _bars(plt, [r["name"] for r in rows], series, "speedup over the baseline (95% CI)", ref=1.0)
+
+
+def _plot_decode(plt, rows):
+    rows = [r for r in rows if r["metric"] == "GB/s"]
+    if not rows:
+        return None
+    series = []
+    for label in ("baseline", "autotune", "oracle"):
+        vals = []
+        for r in rows:
+            if label == "baseline":
+                name = (r.get("baseline") or {}).get("name")
+                d = next((e for e in r["entries"] if e["name"] == name), {})
+            else:
+                d = r["choices"][label]
+            vals.append(d.get("frac_copy"))
+        series.append((label, vals, None))
+    return _bars(plt, [r["name"] for r in rows], series, "share of the measured copy bandwidth", ref=1.0)
+
+
+def _plot_tuning(plt, rows):
+    rows = [r for r in rows if r["choices"]["autotune"].get("tune_s") is not None]
+    if not rows:
+        return None
+    fig = _bars(plt, [r["name"] for r in rows], [("tuning s", [r["choices"]["autotune"]["tune_s"] for r in rows],
+                                                    None)], "seconds to tune (first time in the run)")
+    ax = fig.axes[0]
+    for y, r in enumerate(rows):
+        if r.get("regret") is not None:
+            ax.annotate(f"regret {_pct(r['regret'])}", (r["choices"]["autotune"]["tune_s"], y), fontsize=6,
+                        xytext=(3, -2), textcoords="offset points")
+    return fig
