@@ -1,4 +1,4 @@
-"""Command line: ``python -m inductor_attn {demo,...}``."""
+"""Command line: ``python -m inductor_attn {demo,cache,bench}``."""
 
 from __future__ import annotations
 
@@ -22,6 +22,12 @@ def build_parser() -> argparse.ArgumentParser:
     for verb, text in (("export", "write decisions to a JSON file"), ("import", "add decisions from a JSON file"),
                        ("plot", "draw winners and speedups to a PNG")):
         verbs.add_parser(verb, help=text).add_argument("file")
+
+    from .bench import add_arguments as add_bench_arguments
+
+    bench = sub.add_parser("bench", help="benchmark suite: autotuned vs SDPA default, backend defaults, hand rules, "
+                                         "oracle (needs a GPU; --smoke runs tiny shapes anywhere)")
+    add_bench_arguments(bench)
     return parser
 
 
@@ -65,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
+    if args.command == "bench":
+        from .bench import main as run_bench
+
+        command = " ".join(["python -m inductor_attn", *(sys.argv[1:] if argv is None else argv)])
+        return run_bench(args, command)
     return 2
 
 
