@@ -1,0 +1,370 @@
+"""The benchmark suite on the CPU: workload definitions, exact counting, writers, and smoke runs of the
+whole pipeline (tiny shapes; fake backends where several candidates are needed)."""
+
+import json
+import math
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, create_mask
+
+from fakes import FakeBackend
+from inductor_attn import BlockSparseMask
+from inductor_attn.backends import REFERENCE, AttnCall, Candidate, Config, only_backends
+from inductor_attn.backends.reference import dense_mask_fn
+from inductor_attn.bench import metrics, quality, report, runner, suites
+from inductor_attn.cli import main
+from inductor_attn.device import DeviceInfo
+from inductor_attn.problem import Problem
+
+ALL = suites.select("all")
+
+
+def _problem(w: suites.Workload) -> Problem:
+    common = dict(dtype=w.dtype, device_type="cuda", heads_q=w.heads_q, heads_kv=w.heads_kv, head_dim=w.head_dim,
+                  head_dim_v=w.head_dim, causal=w.causal)
+    if w.kind == "varlen":
+        lengths = suites.seq_lengths(w.pattern, w.batch, w.len_q, w.seed)
+        return Problem("varlen", batch=w.batch, len_q=max(lengths), len_k=max(lengths), total_q=w.len_q,
+                       total_k=w.len_k, **common)
+    left = w.window if w.window else -1
+    return Problem("attention", batch=w.batch, len_q=w.len_q, len_k=w.len_k, window_left=left,
+                   window_right=0 if w.window else -1, has_kv_seqlens=w.kind == "decode", **common)
+
+
+# -------------------------------------------------------------------------------------- definitions
+@pytest.mark.parametrize("pattern", suites.PATTERNS)
+@pytest.mark.parametrize("count,total,seed", [(1, 7, 0), (4, 10, 0), (16, 32768, 3), (32, 16384, 32), (7, 7, 1)])
+def test_varlen_patterns_give_monotone_cu_seqlens_with_the_exact_total(pattern, count, total, seed):
+    lengths = suites.seq_lengths(pattern, count, total, seed)
+    assert len(lengths) == count and min(lengths) >= 1 and sum(lengths) == total
+    cu = suites.cu_seqlens(lengths)
+    assert cu.dtype == torch.int32 and cu[0] == 0 and cu[-1] == total
+    assert bool((cu[1:] > cu[:-1]).all())
+    assert suites.seq_lengths(pattern, count, total, seed) == lengths  # deterministic from the seed
+
+
+def test_varlen_patterns_have_their_shapes():
+    assert len(set(suites.seq_lengths("uniform", 16, 32768, 0))) == 1
+    stairs = suites.seq_lengths("staircase", 16, 32768, 0)
+    assert stairs == sorted(stairs) and stairs[-1] > 10 * stairs[0]
+    tail = sorted(suites.seq_lengths("longtail", 16, 32768, 0))
+    assert tail[-1] > 4 * tail[len(tail) // 2]  # a few long, many short
+    spiky = sorted(suites.seq_lengths("spiky", 16, 32768, 0))
+    assert spiky[-1] > 10 * spiky[0]
+    assert suites.seq_lengths("bimodal", 16, 32768, 0) != suites.seq_lengths("bimodal", 16, 32768, 1)
+
+
+def test_workload_names_are_unique_and_shapes_are_in_the_documented_ranges():
+    names = [w.name for w in ALL]
+    assert len(set(names)) == len(names)
+    smoke = [w.name for w in suites.select("all", smoke=True)]
+    assert len(set(smoke)) == len(smoke)
+    for w in ALL:
+        assert w.heads_q % w.heads_kv == 0 and w.head_dim in (64, 128, 256)
+    dense = [w for w in ALL if w.kind == "dense"]
+    assert {w.head_dim for w in dense} == {64, 128, 256} and {w.causal for w in dense} == {True, False}
+    assert {w.heads_kv == w.heads_q for w in dense} == {True, False} and any(w.heads_kv == 1 for w in dense)
+    assert min(w.len_q for w in dense) == 512 and max(w.len_k for w in dense) == 32768
+    decode = [w for w in ALL if w.kind == "decode"]
+    assert {(w.head_dim, w.heads_kv) for w in decode} >= {(256, 16), (256, 2)} and 128 in {w.head_dim for w in decode}
+    assert min(w.len_k for w in decode) == 64 and max(w.len_k for w in decode) == 32768
+    assert {w.batch for w in decode} >= {1, 64} and {w.len_q for w in decode} == {1, 2, 4}
+    assert all(w.causal == (w.len_q > 1) for w in decode)
+    assert {w.pattern for w in ALL if w.kind == "varlen"} == set(suites.PATTERNS)
+    assert {w.pattern for w in ALL if w.kind == "block_sparse"} == set(suites.MASKS)
+
+
+def test_dense_and_decode_workloads_fall_in_distinct_decision_buckets():
+    # so each one's tuning time is a real tune; varlen patterns may share a bucket on purpose (the
+    # bucket sees only the longest sequence), and the report says when a decision was reused
+    for kind in ("dense", "decode"):
+        buckets = [_problem(w).bucket() for w in suites.SUITES[kind]]
+        assert len(set(buckets)) == len(buckets), kind
+
+
+def test_quick_suite_fits_its_budget_in_count():
+    quick = suites.select("all", quick=True)
+    counts = {kind: sum(w.kind == kind for w in quick) for kind in suites.KINDS}
+    assert counts == {"dense": 3, "decode": 3, "varlen": 2, "block_sparse": 2}
+    # each quick workload is at most one 16k-token dense problem's work (B2 H32 L16k D128 causal)
+    biggest = 4 * 32 * 2 * (16384 * 16385 // 2) * 128
+    assert all(_problem(w).flops() <= biggest for w in quick if w.kind != "block_sparse")
+
+
+def test_shards_split_a_suite_into_disjoint_parts_that_cover_it():
+    parts = [suites.select("dense", shard=(k, 3)) for k in (1, 2, 3)]
+    assert sorted(w.name for p in parts for w in p) == sorted(w.name for w in suites.select("dense"))
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    with pytest.raises(ValueError, match="shard"):
+        suites.select("dense", shard=(4, 3))
+
+
+def test_every_workload_builds_a_valid_call_at_smoke_size():
+    for w in suites.select("all", smoke=True):
+        built = suites.build(w, "cpu")
+        call = built.call
+        if w.kind == "varlen":
+            assert call.cu_seqlens_q[-1] == call.q.shape[0] == w.len_q
+            assert call.max_seqlen_q == max(built.lengths) and len(built.lengths) == w.batch
+        elif w.kind == "decode":
+            assert call.kv_seqlens.tolist() == built.lengths and built.lengths[0] == w.len_k
+            assert all(1 <= n <= w.len_k for n in built.lengths) and len(built.lengths) == w.batch
+        elif w.kind == "block_sparse":
+            assert tuple(built.block_mask.seq_lengths) == (w.len_q, w.len_k) == tuple(call.sparse.seq_lengths)
+            assert built.setup_s["create_block_mask_s"] > 0 and built.setup_s["convert_s"] >= 0
+        assert call.q.dtype == torch.float32 and metrics.call_pairs(call) > 0
+
+
+def test_nsa_selection_keeps_the_diagonal_and_top_k_earlier_blocks():
+    sel = suites.nsa_selection(heads=3, length=2048, block=128, top_k=4, seed=5)
+    assert sel.shape == (3, 16, 16) and bool(sel.diagonal(dim1=1, dim2=2).all())
+    assert bool((sel.triu(1) == 0).all())  # nothing after the query's own block
+    assert sel.sum(-1)[:, 5:].unique().tolist() == [4]
+    assert not torch.equal(sel[0], sel[1])  # per-head selection
+
+
+# ----------------------------------------------------------------------------------------- counting
+def _sparse(mask_mod, heads, lq, lk, block):
+    bm = create_block_mask(mask_mod, None if heads == 1 else 1, heads, lq, lk, device="cpu", BLOCK_SIZE=block)
+    return bm, BlockSparseMask.from_block_mask(bm)
+
+
+@pytest.mark.parametrize("lq,lk,block", [(256, 256, 64), (200, 328, 64), (130, 130, 128), (96, 200, 32)])
+def test_block_sparse_kept_pairs_are_exact_against_a_dense_count(lq, lk, block):
+    sel = torch.rand(4, 8, 8, generator=torch.Generator().manual_seed(0)) > 0.5
+    mods = {
+        "sliding": (lambda b, h, q, kv: (q >= kv) & (q - kv <= 37), 1),
+        "prefix": (lambda b, h, q, kv: (kv < 50) | (q >= kv), 1),
+        "document": (lambda b, h, q, kv: (q // 70) == (kv // 70), 1),
+        "per-head": (lambda b, h, q, kv: sel[h, (q * 8) // lq, (kv * 8) // lk] | (q == kv), 4),
+    }
+    for name, (mod, heads) in mods.items():
+        bm, sparse = _sparse(mod, heads, lq, lk, block)
+        dense = int(create_mask(mod, 1, heads, lq, lk, device="cpu").sum())
+        assert int(sparse.dense_mask().sum()) == dense, name
+        batch, hq = 3, 4
+        assert metrics.sparse_pairs(sparse, batch, hq) == dense * batch * (hq // heads), name
+
+
+def test_popcount_is_exact():
+    words = torch.randint(-(2**31), 2**31 - 1, (1000,), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
+    expected = [bin(w & 0xFFFFFFFF).count("1") for w in words.tolist()]
+    assert metrics.popcount32(words).tolist() == expected
+
+
+def test_dense_pairs_equal_problem_flops_and_kv_seqlens_count_each_rows_own_length():
+    q, k = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 10, 8)
+    call = AttnCall("attention", q, k, k, 1.0, causal=True)
+    assert metrics.call_flops(call) == call.problem.flops()
+    seqlens = torch.tensor([10, 7], dtype=torch.int32)
+    call = AttnCall("attention", q, k, k, 1.0, causal=True, window_left=3, window_right=-1, kv_seqlens=seqlens)
+    mask = dense_mask_fn(6, 10, True, 3, -1, seqlens, "cpu")(0, 6)  # (B, 1, 1, Lq, Lk)
+    assert metrics.call_pairs(call) == int(mask.sum()) * 4
+
+
+def test_varlen_pairs_are_counted_per_sequence():
+    lengths = [5, 1, 9]
+    cu = suites.cu_seqlens(lengths)
+    q = torch.randn(15, 2, 8)
+    call = AttnCall("varlen", q, q, q, 1.0, True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=9, max_seqlen_k=9)
+    assert metrics.call_pairs(call) == 2 * sum(n * (n + 1) // 2 for n in lengths)
+
+
+# ------------------------------------------------------------------------------------------ writers
+def _entry(name, kind="candidate", status="passed", ms=None, speedup=None, reason=None):
+    e = {"name": name, "kind": kind, "status": status, "reason": reason, "error": 1e-3, "first_call_s": 0.5, "note": ""}
+    if ms is not None:
+        e.update(median_ms=ms, tflops=100 / ms, speedup=speedup, ci_low=speedup * 0.98, ci_high=speedup * 1.02,
+                 samples=[ms] * 3)
+    return e
+
+
+def _row(name, kind="dense", metric="TF/s"):
+    entries = [_entry("user:sdpa", "user", ms=1.0, speedup=1.0), _entry("fa4:default", ms=0.8, speedup=1.25),
+               _entry("sdpa:kernel=cudnn", ms=0.9, speedup=1.11), _entry("triton:bad", status="wrong",
+                                                                       reason="output rel. error 1e+00 > 2e-02")]
+    if metric == "GB/s":
+        for e in entries:
+            if "median_ms" in e:
+                e.update(gbps=1000 / e["median_ms"], frac_copy=0.3 / e["median_ms"])
+
+    def pick(n):
+        e = next(x for x in entries if x["name"] == n)
+        return {"choice": n, **{k: e.get(k) for k in ("status", "reason", "median_ms", "tflops", "gbps", "frac_copy",
+                                                      "speedup", "ci_low", "ci_high")}}
+
+    return {"name": name, "kind": kind, "workload": {}, "status": "ok", "reason": None,
+            "problem": "op=attention,density=1.0", "pairs": 100, "flops": 1e11, "bytes": None, "metric": metric,
+            "setup_s": {}, "baseline": {"name": "user:sdpa", "label": "SDPA default"},
+            "decisions": {"autotune": {"choice": "fa4:default", "tune_s": 12.5, "record": None}},
+            "defaults": [{"label": "fa4 default", "choice": "fa4:default", **pick("fa4:default")},
+                         {"label": "triton default", "choice": None, "status": "n/a",
+                          "reason": "backend not registered"}],
+            "entries": entries, "regret": 0.0, "regret_ci": [0.0, 0.01],
+            "choices": {"autotune": {**pick("fa4:default"), "tune_s": 12.5}, "heuristic": pick("sdpa:kernel=cudnn"),
+                        "off": pick("sdpa:kernel=cudnn"), "oracle": pick("fa4:default")}}
+
+
+def _result(command="python -m inductor_attn bench --quick"):
+    meta = {"device": "NVIDIA H100 80GB HBM3", "capability": "sm_90", "sm_count": 132, "date": "2026-11-22 10:00 UTC",
+            "commit": "abc1234", "command": command, "versions": {"torch": "2.11.0"}, "timer": "cuda-graph",
+            "rounds": 20, "copy_gbps": 3000.0, "elapsed_s": 300.0, "smoke": False}
+    rows = [_row("dense B4 H32 L1k D128 full"), _row("decode B1 H32/16 Lq1 Lkv16k D256", "decode", "GB/s"),
+            {"name": "dense B1 H32 L32k D128 causal", "kind": "dense", "workload": {}, "status": "skipped",
+             "reason": "needs about 90.0 GiB of GPU memory, 70.0 GiB free"}]
+    q = {"tunes": [{"name": "dense B4 H32 L1k D128 full", "first": "fa4:default", "first_s": 12.5,
+                    "second": "sdpa:kernel=cudnn", "second_s": 3.0, "same": False, "inside_ci": True}],
+         "compile": [{"name": "dense B4 H32 L1k D128 full", "autotune_s": 5.5, "off_s": 5.0, "added_s": 0.5,
+                      "new_decisions": 0}], "notes": []}
+    return {"schema": 1, "meta": meta, "rows": rows, "quality": q}
+
+
+def _header(columns) -> str:
+    return "| " + " | ".join(columns) + " |"
+
+
+def test_writers_produce_the_documented_files_and_columns(tmp_path):
+    paths = report.write_results(_result(), tmp_path)
+    names = sorted(p.name for p in paths)
+    assert names == ["RESULTS.md", "decode_bandwidth.png", "results.json", "results.md", "speedups.png", "tuning.png"]
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths if p.suffix == ".png")
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert rows[0]["choices"]["autotune"]["choice"] == "fa4:default"
+    md = (tmp_path / "results.md").read_text()
+    for columns in (report.MAIN_COLUMNS, report.TUNE_COLUMNS, report.COMPILE_COLUMNS):
+        assert _header(columns) in md
+    assert ("| dense B4 H32 L1k D128 full | TF/s | 100 SDPA default | 125 `fa4:default` | 1.25x (1.23-1.27) | 12.5 |"
+            in md)
+    assert "| decode B1 H32/16 Lq1 Lkv16k D256 | GB/s (% copy) | 1000 (30%) SDPA default |" in md
+    assert "`triton:bad` wrong: output rel. error" in md  # a wrong candidate is reported
+    assert "skipped: needs about 90.0 GiB" in md
+    assert "0 of 1 decisions identical (0%); of the 1 that differ, 1 lie inside the CIs" in md
+    results_md = (tmp_path / "RESULTS.md").read_text()
+    for text in ("NVIDIA H100 80GB HBM3", "2026-11-22 10:00 UTC", "abc1234", "`python -m inductor_attn bench --quick`",
+                 report.METHOD):
+        assert text in results_md
+
+
+def test_results_md_template_explains_the_method_and_holds_no_numbers():
+    text = (runner.repo_root() / "benchmarks" / "RESULTS.md").read_text()
+    assert report.METHOD in text
+    if "Generated by `python -m inductor_attn bench`" not in text:  # the template, before any GPU run
+        assert "TF/s |" not in text and "GB/s |" not in text
+
+
+def test_report_merges_several_suite_runs_into_one_results_md(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(_result("python -m inductor_attn bench --suite dense")))
+    b.write_text(json.dumps(_result("python -m inductor_attn bench --suite decode")))
+    assert main(["bench", "--report", str(a), str(b), "--out", str(tmp_path / "merged")]) == 0
+    text = (tmp_path / "merged" / "RESULTS.md").read_text()
+    assert "--suite dense" in text and "--suite decode" in text
+    assert text.count("| dense B4 H32 L1k D128 full | TF/s | 100 SDPA default") == 2
+
+
+def test_compare_tunes_counts_identical_decisions_and_whether_a_difference_is_inside_the_cis():
+    def rec(a_ci, b_ci):
+        return {"candidates": [{"name": "a", "ci_low": a_ci[0], "ci_high": a_ci[1]},
+                               {"name": "b", "ci_low": b_ci[0], "ci_high": b_ci[1]}]}
+
+    first = {"w1": {"choice": "a", "tune_s": 1.0, "record": rec((1.1, 1.2), (1.15, 1.3))},
+             "w2": {"choice": "a", "tune_s": 1.0, "record": rec((1.5, 1.6), (1.0, 1.1))},
+             "w3": {"choice": "a", "tune_s": 1.0, "record": None}}
+    second = {"w1": {"choice": "b", "tune_s": 0.5, "record": rec((1.1, 1.2), (1.12, 1.3))},
+              "w2": {"choice": "b", "tune_s": 0.5, "record": rec((1.0, 1.1), (1.2, 1.3))},
+              "w3": {"choice": "a", "tune_s": 0.5, "record": None}}
+    out = {t["name"]: t for t in quality.compare_tunes(first, second, [])}
+    assert out["w1"]["inside_ci"] is True and out["w2"]["inside_ci"] is False and out["w3"]["same"]
+    assert quality.compare_compile({"w": {"compile_s": 3.0, "new_decisions": 0}}, {"w": {"compile_s": 2.5}})[0][
+        "added_s"] == pytest.approx(0.5)
+
+
+def test_backend_defaults_name_each_backends_own_default_or_say_why_not():
+    sdpa = FakeBackend("sdpa", {"kernel=cudnn": (1, 0), "kernel=flash": (1, 0), "kernel=efficient": (1, 0)},
+                       prune={"kernel=flash": "SDPA flash takes no mask"})
+    fa4 = FakeBackend("fa4", {"tile=1": (1, 0), "default": (1, 0)})
+    triton = FakeBackend("triton", {"block_m=128": (1, 0), "block_m=64": (1, 0)})
+    flex = FakeBackend("flex", {}, supports_reason="flex backend adds nothing for unmasked attention")
+    p = Problem("attention", "float32", "cpu", 1, 2, 2, 8, 8, 16, 16)
+    cands = [Candidate(b.name, Config.parse(c), b.prune(p, None, Config.parse(c))) for b in (sdpa, fa4, triton)
+             for c in b.times] + [Candidate("flex", None, flex.supports_reason)]
+    with only_backends(sdpa, fa4, triton, flex, REFERENCE):
+        got = {d["label"]: d for d in runner.backend_defaults(cands, p, DeviceInfo("cpu", (0, 0), 2))}
+    assert got["sdpa cudnn"]["choice"] == "sdpa:kernel=cudnn" and got["sdpa flash"]["choice"] == "sdpa:kernel=flash"
+    assert got["fa4 default"]["choice"] == "fa4:default"
+    assert got["triton default"]["choice"] == "triton:block_m=128"  # first in prior order
+    assert got["flex Triton"]["reason"] == "flex backend adds nothing for unmasked attention"
+    assert got["triton_decode default"]["reason"] == "backend not registered"
+
+
+# ------------------------------------------------------------------------------------------- smoke
+def test_bench_without_a_gpu_exits_2_and_says_a_gpu_is_needed(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", "--suite", "dense", "--quick", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and "--smoke" in err
+    assert not any(tmp_path.iterdir())
+
+
+def test_smoke_run_writes_at_most_six_files_and_measures_every_workload(tmp_path):
+    with only_backends(REFERENCE):
+        assert main(["bench", "--suite", "block_sparse", "--quick", "--smoke", "--no-quality", "--rounds", "2",
+                     "--out", str(tmp_path), "--commit", "deadbee"]) == 0
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert len(files) <= 6 and {"results.json", "results.md", "RESULTS.md"} <= set(files)
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert [r["status"] for r in result["rows"]] == ["ok", "ok"]
+    assert result["meta"]["commit"] == "deadbee" and "--smoke" in result["meta"]["command"]
+    row = result["rows"][0]
+    assert row["choices"]["oracle"]["choice"] == "reference:default" and row["regret"] == 0.0
+    assert row["setup_s"]["create_block_mask_s"] > 0
+    assert "Smoke run" in (tmp_path / "RESULTS.md").read_text()
+
+
+def test_wrong_and_failing_candidates_are_reported_and_never_picked(tmp_path, monkeypatch):
+    monkeypatch.setenv("INDUCTOR_ATTN_ROUNDS", "3")
+    fast = FakeBackend("fast", {"good=1": (1, 0), "bad=1": (1, 0), "broken=1": (1, 0)}, wrong={"bad=1"},
+                       fail={"broken=1"})
+    with only_backends(fast, REFERENCE):
+        code = runner.run(runner.Options(suite="decode", quick=True, smoke=True, out=tmp_path, rounds=3, quality=False,
+                                         shard=(2, 3)))  # one GQA decode workload, with kv_seqlens: cheap
+    assert code == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert len(rows) == 1
+    for row in rows:
+        entries = {e["name"]: e for e in row["entries"]}
+        assert entries["fast:bad=1"]["status"] == "wrong" and "rel. error" in entries["fast:bad=1"]["reason"]
+        assert entries["fast:broken=1"]["status"] == "failed" and "launch failed" in entries["fast:broken=1"]["reason"]
+        assert "median_ms" not in entries["fast:bad=1"] and "median_ms" not in entries["fast:broken=1"]
+        picks = {c["choice"] for c in row["choices"].values()}
+        assert picks <= {"fast:good=1", "reference:default"}
+        assert entries["user:sdpa"]["status"] == "passed" and row["baseline"]["name"] == "user:sdpa"
+        auto = row["choices"]["autotune"]
+        assert auto["ci_low"] <= auto["speedup"] <= auto["ci_high"] and row["regret"] is not None
+        assert math.isfinite(auto["tflops"])
+
+
+def test_a_workload_that_raises_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setenv("INDUCTOR_ATTN_STRICT", "0")
+    build = suites.build
+
+    def flaky(w, device):
+        if "causal" in w.name:
+            raise KeyError("simulated bug")
+        return build(w, device)
+
+    monkeypatch.setattr(suites, "build", flaky)
+    with only_backends(REFERENCE):
+        code = runner.run(runner.Options(suite="dense", quick=True, smoke=True, out=tmp_path, rounds=2, quality=False))
+    assert code == 1
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [r["status"] for r in rows] == ["ok", "error", "error"]
+    assert "KeyError" in rows[1]["reason"] and "simulated bug" in rows[1]["traceback"]
+
+
+def test_no_workload_starts_after_the_time_budget(tmp_path):
+    with only_backends(REFERENCE):
+        runner.run(runner.Options(suite="varlen", quick=True, smoke=True, out=tmp_path, budget_s=1e-6, quality=False))
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert {r["status"] for r in rows} == {"not_run"}
