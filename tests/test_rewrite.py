@@ -12,6 +12,8 @@ import sys
 
 import pytest
 import torch
+import torch._functorch.config
+import torch._inductor.config
 import torch.nn.functional as F
 
 import inductor_attn
@@ -25,10 +27,12 @@ TOL = dict(rtol=1e-5, atol=1e-5)  # float32, reference kernel vs SDPA math
 
 @pytest.fixture(autouse=True)
 def _fresh():
+    """Compile afresh: routing_report counts rewrites, and a cache hit replays without rewriting."""
     torch._dynamo.reset()
     inductor_attn.reset_routing_report()
     inductor_attn.reset_stats()
-    with only_backends(REFERENCE):
+    with only_backends(REFERENCE), torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
         yield
     torch._dynamo.reset()
 
@@ -340,8 +344,7 @@ def test_dynamic_sequence_lengths_compile_once():
 @pytest.mark.slow
 def test_fx_graph_cache_hit_still_runs_our_op(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
+    functorch_config, inductor_config = torch._functorch.config, torch._inductor.config
 
     def fn(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True) + 1

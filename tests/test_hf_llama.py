@@ -1,0 +1,129 @@
+"""An unmodified transformers Llama under torch.compile with inductor_attn enabled (CPU, float32).
+
+Tiny random model (hidden 64, 2 layers, 4 heads, 2 KV heads: GQA, vocab 128), no download. Tolerance:
+rtol 1e-4, atol 1e-5 (float32; the reference kernel and SDPA's math kernel sum in different orders).
+The kernel choice is pinned to the reference backend: routing is the subject here, not kernels.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch._functorch.config
+import torch._inductor.config
+
+import inductor_attn
+from inductor_attn.backends import REFERENCE, only_backends
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.slow
+
+TOL = dict(rtol=1e-4, atol=1e-5)
+PROMPT, NEW_TOKENS, CACHE_LEN = 12, 4, 24
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    """Compile afresh: routing_report counts rewrites, and a cache hit replays without rewriting."""
+    torch._dynamo.reset()
+    inductor_attn.reset_routing_report()
+    inductor_attn.reset_stats()
+    with only_backends(REFERENCE), torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+    torch._dynamo.reset()
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, max_position_embeddings=64, attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(config)
+
+
+def prompt(batch=2):
+    return torch.randint(0, 128, (batch, PROMPT), generator=torch.Generator().manual_seed(1))
+
+
+def routed_count(what: str) -> int:
+    return inductor_attn.routing_report().get(f"sdpa: routed ({what})", 0)
+
+
+def attention_calls(direction: str) -> int:
+    return sum(n for key, n in inductor_attn.stats().items() if key.startswith(f"attention/{direction}"))
+
+
+def test_forward_logits_match_eager_and_every_layer_is_routed_causal():
+    model = tiny_llama().eval()
+    ids = prompt()
+    with torch.no_grad():
+        expected = model(ids).logits
+        with inductor_attn.enabled():
+            logits = torch.compile(model, fullgraph=True)(ids).logits
+    torch.testing.assert_close(logits, expected, **TOL)
+    assert routed_count("causal") == 2
+    assert attention_calls("forward") == 2
+
+
+def test_training_step_gradients_match_eager():
+    model = tiny_llama().train()
+    compiled_model = copy.deepcopy(model)
+    ids = prompt()
+    model(ids, labels=ids).loss.backward()
+    compiled = torch.compile(compiled_model, fullgraph=True)
+    with inductor_attn.enabled():
+        loss = compiled(ids, labels=ids).loss
+    loss.backward()
+    for (name, p), (_, p_compiled) in zip(model.named_parameters(), compiled_model.named_parameters()):
+        torch.testing.assert_close(p_compiled.grad, p.grad, **TOL, msg=lambda m: f"{name}: {m}")
+    assert routed_count("causal") == 2
+    assert attention_calls("forward") == 2 and attention_calls("backward") == 2
+
+
+def greedy_with_static_cache(model, ids, steps: int) -> torch.Tensor:
+    """Prefill, then one token per call, as generate() does; the model builds each mask itself."""
+    cache = transformers.StaticCache(config=model.config, max_cache_len=CACHE_LEN)
+    tokens = []
+    step_ids = ids
+    for _ in range(steps + 1):
+        logits = model(input_ids=step_ids, past_key_values=cache, use_cache=True).logits
+        step_ids = logits[:, -1:].argmax(-1)
+        tokens.append(step_ids)
+    return torch.cat(tokens, dim=1)
+
+
+def test_static_cache_decode_runs_on_our_op_with_kv_seqlens_and_matches_eager():
+    model = tiny_llama().eval()
+    ids = prompt()
+    with torch.no_grad():
+        expected = greedy_with_static_cache(model, ids, NEW_TOKENS)
+        with inductor_attn.enabled():
+            tokens = greedy_with_static_cache(torch.compile(model, fullgraph=True), ids, NEW_TOKENS)
+    assert torch.equal(tokens, expected)
+    # prefill: no mask, is_causal (keys cut to the prompt); decode: the mask transformers builds in the
+    # graph from the cache position, proven to be a prefix -> kv_seqlens
+    assert routed_count("causal") == 2
+    assert routed_count("kv_seqlens from a proven prefix mask") == 2
+    assert attention_calls("forward") == 2 * (NEW_TOKENS + 1)
+    assert not any("left alone" in key for key in inductor_attn.routing_report())
+
+
+def test_generate_with_static_cache_matches_eager_and_leaves_its_input_mask_to_sdpa():
+    # generate() builds the 4-D decode mask eagerly (prepare_inputs_for_generation) and passes it into
+    # the compiled forward: its values are unknown at compile time, so the rewrite cannot prove it
+    model = tiny_llama().eval()
+    ids = prompt()
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+                  cache_implementation="static")
+    expected = model.generate(ids, disable_compile=True, **kwargs)
+    compile_config = transformers.CompileConfig(backend="inductor_attn", fullgraph=True, mode="default")
+    compile_config._compile_all_devices = True  # transformers compiles generate() on GPUs only otherwise
+    tokens = model.generate(ids, compile_config=compile_config, **kwargs)
+    assert torch.equal(tokens, expected)
+    report = inductor_attn.routing_report()
+    assert report == {"sdpa: left alone (attn_mask cannot be proven: it is a graph input: its values exist "
+                      "only at run time)": 2}, report
