@@ -92,6 +92,12 @@ def test_quick_suite_fits_its_budget_in_count():
     assert all(_problem(w).flops() <= biggest for w in quick if w.kind != "block_sparse")
 
 
+def test_all_suites_take_turns_so_a_budget_cut_keeps_every_kind():
+    quick = suites.select("all", quick=True)
+    assert [w.kind for w in quick[:4]] == list(suites.KINDS)
+    assert [w.kind for w in quick[4:8]] == list(suites.KINDS)
+
+
 def test_shards_split_a_suite_into_disjoint_parts_that_cover_it():
     parts = [suites.select("dense", shard=(k, 3)) for k in (1, 2, 3)]
     assert sorted(w.name for p in parts for w in p) == sorted(w.name for w in suites.select("dense"))

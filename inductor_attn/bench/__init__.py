@@ -42,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="every N-th workload from the K-th: split a suite over several calls")
     parser.add_argument("--rounds", type=int, default=None, help="timing rounds per workload (default 30; quick 20)")
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="seconds the call may take; no workload starts after 60%% of it (default 480; quick 420)")
+                        help="seconds the call may take; no workload starts after 60%% of it (70%% with --quick), the "
+                             "rest is for the quality phase (default 480; quick 450)")
     parser.add_argument("--no-quality", action="store_true",
                         help="skip the second tune and the compile-time measurement")
     parser.add_argument("--smoke", action="store_true",

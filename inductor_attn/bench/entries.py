@@ -4,7 +4,7 @@ A user baseline is what people run today without inductor_attn, called directly 
 backends:
 - dense and decode: ``F.scaled_dot_product_attention`` (``enable_gqa`` for GQA; ``is_causal`` where it
   means the same, i.e. Lq == Lk, else a boolean mask of exactly our semantics: lower-right causal,
-  windows, kv_seqlens). In full runs, dense causal/window workloads also get the anchors' "flex Triton
+  windows, kv_seqlens). In full runs, dense sliding-window workloads also get the anchors' "flex Triton
   (max-autotune)" column.
 - varlen: ``torch.nn.attention.varlen.varlen_attn``.
 - block-sparse: ``torch.compile(flex_attention)`` with the workload's own BlockMask (its own mask_mod,
@@ -63,7 +63,9 @@ def user_entries(w: Workload, built: Built, flex_max_autotune: bool) -> list[Ent
     if call.op == "block_sparse":
         return [flex_user_entry(call, built.block_mask, flex_max_autotune)]
     out = [sdpa_user_entry(call)]
-    if flex_max_autotune and w.kind == "dense" and (call.causal or call.window_left >= 0):
+    # max-autotune compiles and benchmarks several flex tile configs per shape: only the sliding-window rows, where
+    # flex is what users reach for (the anchors' flex columns), get it
+    if flex_max_autotune and w.kind == "dense" and call.window_left >= 0:
         out.append(flex_user_entry(call, _dense_block_mask(call), flex_max_autotune))
     return out
 
@@ -93,14 +95,19 @@ def sdpa_user_entry(call: AttnCall) -> Entry:
 
 def varlen_user_entry(call: AttnCall) -> Entry:
     """torch.nn.attention.varlen.varlen_attn; its keyword arguments changed between torch releases
-    (``is_causal`` in 2.10/2.11, ``window_size`` later), so they are read from its signature."""
+    (first ``is_causal`` and no scale or GQA; later ``window_size``, ``scale``, ``enable_gqa``), so they
+    are read from its signature and what it cannot express is pruned with the reason."""
     name = "user:varlen_attn"
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return Entry(name, "user", None, status="pruned", reason="this torch has no torch.nn.attention.varlen")
     params = inspect.signature(varlen_attn).parameters
-    kw = {"scale": call.scale}
+    kw = {}
+    if "scale" in params:
+        kw["scale"] = call.scale
+    elif abs(call.scale - call.q.shape[-1] ** -0.5) > 1e-12 * call.scale:
+        return Entry(name, "user", None, status="pruned", reason="this torch's varlen_attn takes no scale")
     windowed = call.window_left >= 0 or (call.window_right >= 0 and not call.causal)
     if "window_size" in params:
         kw["window_size"] = (call.window_left, 0 if call.causal else call.window_right)
@@ -124,7 +131,7 @@ def flex_user_entry(call: AttnCall, block_mask, max_autotune: bool) -> Entry:
     """torch.compile(flex_attention) with the user's BlockMask (its own mask_mod, not our bitmaps)."""
     if call.q.device.type != "cuda":
         return Entry("user:flex", "user", None, status="pruned",
-                     reason="compiled flex_attention is only benchmarked on CUDA (its CPU compile takes minutes)")
+                     reason="compiled flex_attention is benchmarked on CUDA only")
     from torch.nn.attention.flex_attention import flex_attention
 
     mode = "max-autotune-no-cudagraphs" if max_autotune else None

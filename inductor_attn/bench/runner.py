@@ -59,9 +59,10 @@ from .suites import Workload
 
 ROUNDS = {"full": 30, "quick": 20, "smoke": 5}
 # Seconds one call may run: the device machine stops a command at 600 s; leave room to start and write.
-BUDGET_S = {"full": 480, "quick": 420, "smoke": 300}
-# Share of the budget the measurement phase may start workloads in; the rest is for the quality phase.
-MEASURE_SHARE = 0.6
+BUDGET_S = {"full": 480, "quick": 450, "smoke": 300}
+# Share of the budget the measurement phase may start workloads in; the rest is for the quality phase,
+# whose second tune finds the kernels compiled on disk and needs less.
+MEASURE_SHARE = {"full": 0.6, "quick": 0.7, "smoke": 0.6}
 COPY_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}
 GATE_SEED = 11  # not the tuner's gate seed (1): the bench's gate is an independent check
 # Columns of the "backend defaults" table: (label, backend, config keys a candidate must have). No keys:
@@ -108,6 +109,9 @@ class Context:
     # (op, bucket key) -> the first workload tuned in it: a later workload of the same bucket reuses
     # that decision, as it would in a user's process (varlen patterns differ only in their max length)
     bucket_owner: dict = field(default_factory=dict)
+    # set when a kernel left the CUDA context unusable (illegal address, ...): every later call in this
+    # process fails, so later workloads are not started and the reason says where it happened
+    device_lost: str | None = None
 
 
 # ------------------------------------------------------------------------------------- measurement
@@ -408,7 +412,7 @@ def run(opts: Options) -> int:
     workloads = suites.select(opts.suite, opts.quick, opts.shard, opts.smoke)
     started = time.perf_counter()
     budget = opts.budget_s or BUDGET_S[opts.size]
-    share = MEASURE_SHARE if opts.quality else 0.9
+    share = MEASURE_SHARE[opts.size] if opts.quality else 0.9
     ctx = Context(device, device_info(device), default_timer(device.type), opts.rounds or ROUNDS[opts.size],
                   started + share * budget, flex_max_autotune=opts.size == "full")
     result = {"schema": 1, "meta": run_meta(opts, ctx, budget), "rows": [], "quality": None}
@@ -437,9 +441,9 @@ def run(opts: Options) -> int:
 def measure_safely(w: Workload, ctx: Context) -> dict:
     """measure_workload, but a workload never ends the run: past the deadline it is not started, and
     anything it raises is recorded (re-raised under INDUCTOR_ATTN_STRICT=1)."""
-    if time.perf_counter() > ctx.deadline:
+    if ctx.device_lost or time.perf_counter() > ctx.deadline:
         return {"name": w.name, "kind": w.kind, "workload": w.to_json(), "status": "not_run",
-                "reason": "the time budget (--budget-s) was spent before it started"}
+                "reason": ctx.device_lost or "the time budget (--budget-s) was spent before it started"}
     try:
         return measure_workload(w, ctx)
     except torch.OutOfMemoryError as err:
@@ -452,7 +456,24 @@ def measure_safely(w: Workload, ctx: Context) -> dict:
                 "reason": describe(err), "traceback": traceback.format_exc(limit=8)}
     finally:
         forget_decisions()
-        _free(ctx.device)
+        lost = device_error(ctx.device)
+        if lost:
+            ctx.device_lost = (f"the CUDA context became unusable during {w.name} ({lost}); rerun the rest in a "
+                               "new process (--suite/--shard)")
+        else:
+            _free(ctx.device)
+
+
+def device_error(device: torch.device) -> str | None:
+    """Why the device no longer runs anything (a sticky CUDA error), or None if it does."""
+    if device.type != "cuda":
+        return None
+    try:
+        torch.cuda.synchronize(device)
+        torch.ones(1, device=device).add_(1).item()
+    except RuntimeError as err:
+        return describe(err)
+    return None
 
 
 def _print_row(row: dict) -> None:

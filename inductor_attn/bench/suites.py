@@ -22,6 +22,7 @@ tuning time is a real tune and not a hit on the previous workload's decision.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 import time
 from dataclasses import dataclass
@@ -183,15 +184,17 @@ SUITE_NAMES = (*KINDS, "all")
 
 
 def select(suite: str, quick: bool = False, shard: tuple[int, int] = (1, 1), smoke: bool = False) -> list[Workload]:
-    """The workloads one run measures: a suite (or all), its quick subset, one shard of it (``(k, n)``:
-    every n-th workload from the k-th, 1-based), each scaled down to a smoke size if asked."""
+    """The workloads one run measures: a suite (or all, its kinds in turns), its quick subset, one shard
+    of it (``(k, n)``: every n-th workload from the k-th, 1-based), each shrunk to a smoke size if asked."""
     if suite not in SUITE_NAMES:
         raise ValueError(f"suite must be one of {', '.join(SUITE_NAMES)}, got {suite!r}")
     k, n = shard
     if not 1 <= k <= n:
         raise ValueError(f"shard must be K/N with 1 <= K <= N, got {k}/{n}")
     kinds = KINDS if suite == "all" else (suite,)
-    chosen = [w for kind in kinds for w in SUITES[kind] if w.quick or not quick]
+    per_kind = [[w for w in SUITES[kind] if w.quick or not quick] for kind in kinds]
+    # kinds take turns, so a run that its time budget cuts short still measured some of each kind
+    chosen = [w for turn in itertools.zip_longest(*per_kind) for w in turn if w is not None]
     chosen = chosen[k - 1 :: n]
     return [smoke_size(w) for w in chosen] if smoke else chosen
 
