@@ -374,3 +374,13 @@ def test_no_workload_starts_after_the_time_budget(tmp_path):
         runner.run(runner.Options(suite="varlen", quick=True, smoke=True, out=tmp_path, budget_s=1e-6, quality=False))
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert {r["status"] for r in rows} == {"not_run"}
+
+
+def test_a_workload_too_big_for_free_gpu_memory_is_skipped_with_the_estimate(monkeypatch):
+    q = torch.empty(2, 8, 1024, 64, dtype=torch.bfloat16)  # sizes only: the estimate reads no values
+    call = AttnCall("attention", q, q[:, :2], q[:, :2], 0.125)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 30, 80 << 30))
+    reason = runner.memory_reason(call, n_timed=20, device=torch.device("cuda"))
+    assert reason.startswith("needs about 2.") and "1.0 GiB free" in reason
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 << 30, 80 << 30))
+    assert runner.memory_reason(call, n_timed=20, device=torch.device("cuda")) is None

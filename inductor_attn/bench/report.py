@@ -391,15 +391,28 @@ def _bars(plt, labels, series, xlabel, ref=None):
 
 
 def _plot_speedups(plt, rows):
+    """Points with 95% CI bars on a log axis: speedups run from below 1 to 20x (split-K decode)."""
     rows = [r for r in rows if r.get("baseline")]
     if not rows:
         return None
-    series = []
-    for mode in ("autotune", "heuristic", "oracle"):
-        picks = [r["choices"][mode] for r in rows]
-        series.append((mode, [p.get("speedup") for p in picks],
-                       ([p.get("ci_low") for p in picks], [p.get("ci_high") for p in picks])))
-    return _bars(plt, [r["name"] for r in rows], series, "speedup over the baseline (95% CI)", ref=1.0)
+    fig, ax = plt.subplots(figsize=(8, 0.3 * len(rows) + 1.4))
+    for i, (mode, marker) in enumerate((("autotune", "o"), ("heuristic", "s"), ("oracle", "^"))):
+        ys, xs, lows, highs = [], [], [], []
+        for y, r in enumerate(rows):
+            p = r["choices"][mode]
+            if p.get("speedup"):
+                ys.append(y + (i - 1) * 0.2)
+                xs.append(p["speedup"])
+                lows.append(p["speedup"] - p["ci_low"])
+                highs.append(p["ci_high"] - p["speedup"])
+        ax.errorbar(xs, ys, xerr=[lows, highs], fmt=marker, markersize=4, capsize=2, label=mode)
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set_yticks(range(len(rows)), [r["name"] for r in rows], fontsize=6)
+    ax.invert_yaxis()
+    ax.set_xlabel("speedup over the row's baseline (95% CI, log scale)", fontsize=8)
+    ax.legend(fontsize=7)
+    return fig
 
 
 def _plot_decode(plt, rows):
@@ -427,6 +440,7 @@ def _plot_tuning(plt, rows):
     fig = _bars(plt, [r["name"] for r in rows], [("tuning s", [r["choices"]["autotune"]["tune_s"] for r in rows],
                                                     None)], "seconds to tune (first time in the run)")
     ax = fig.axes[0]
+    ax.margins(x=0.2)  # room for the regret labels right of the bars
     for y, r in enumerate(rows):
         if r.get("regret") is not None:
             ax.annotate(f"regret {_pct(r['regret'])}", (r["choices"]["autotune"]["tune_s"], y), fontsize=6,

@@ -126,9 +126,9 @@ def input_copies(call: AttnCall) -> int:
 
 def memory_reason(call: AttnCall, n_timed: int, device: torch.device) -> str | None:
     """Why this workload would not fit in free GPU memory (None if it fits). Counts the timed input
-    copies, the gate's inputs and outputs, one output per captured graph and input copy, a GQA
-    expansion of K/V (SDPA's efficient kernel and math path copy them) and 2 GiB of scratch (the
-    reference's chunks, the L2 flush buffer, masks)."""
+    copies, the gate's inputs and outputs, one output per captured graph and input copy, two GQA
+    expansions of K/V (the SDPA baseline's math path and our sdpa backend's efficient kernel each copy
+    them inside their graphs) and 2 GiB of scratch (the reference's chunks, the L2 flush buffer, masks)."""
     if device.type != "cuda":
         return None
     io = sum(t.numel() * t.element_size() for t in (call.q, call.k, call.v))
@@ -136,7 +136,7 @@ def memory_reason(call: AttnCall, n_timed: int, device: torch.device) -> str | N
     kv = sum(t.numel() * t.element_size() for t in (call.k, call.v))
     group = call.q.shape[1] // call.k.shape[1]
     copies = input_copies(call)
-    need = io * (copies + 3) + out * (n_timed * copies + 4) + (kv * group if group > 1 else 0) + (2 << 30)
+    need = io * (copies + 3) + out * (n_timed * copies + 4) + (2 * kv * group if group > 1 else 0) + (2 << 30)
     free, _ = torch.cuda.mem_get_info(device)
     if need > 0.9 * free:
         return f"needs about {need / 2**30:.1f} GiB of GPU memory, {free / 2**30:.1f} GiB free"
