@@ -63,8 +63,8 @@ def user_entries(w: Workload, built: Built, flex_max_autotune: bool) -> list[Ent
     if call.op == "block_sparse":
         return [flex_user_entry(call, built.block_mask, flex_max_autotune)]
     out = [sdpa_user_entry(call)]
-    # max-autotune compiles and benchmarks several flex tile configs per shape: only the sliding-window rows, where
-    # flex is what users reach for (the anchors' flex columns), get it
+    # max-autotune compiles and benchmarks several flex tile configs per shape: only the sliding-window
+    # rows, where flex is what users reach for (the anchors' flex columns), get it
     if flex_max_autotune and w.kind == "dense" and call.window_left >= 0:
         out.append(flex_user_entry(call, _dense_block_mask(call), flex_max_autotune))
     return out
@@ -80,9 +80,8 @@ def sdpa_user_entry(call: AttnCall) -> Entry:
         call.kv_seqlens is not None and bool((call.kv_seqlens < lk).any()))
     mask = None
     if masked:
-        seqlens = call.kv_seqlens if call.kv_seqlens is not None else None
-        mask = dense_mask_fn(lq, lk, call.causal, call.window_left, call.window_right, seqlens,
-                             call.q.device)(0, lq)[:, 0]
+        mask = dense_mask_fn(lq, lk, call.causal, call.window_left, call.window_right, call.kv_seqlens,
+                             call.q.device)(0, lq)[:, 0]  # (B or 1, 1, Lq, Lk)
     is_causal = call.causal and mask is None
     gqa = call.q.shape[1] != call.k.shape[1]
 
