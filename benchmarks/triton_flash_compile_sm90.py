@@ -63,6 +63,10 @@ def compile_sm90(p: Problem, cfg) -> triton.compiler.CompiledKernel:
             signature[name] = "constexpr"
             constexprs[(i,)] = meta.get(name, 1)
             continue
+        if name in ("K", "V") and meta["TMA"]:
+            block_d = meta["BLOCK_D"] if name == "K" else meta["BLOCK_DV"]
+            signature[name] = f"tensordesc<{ELEM[p.dtype]}[1,1,{meta['BLOCK_N']},{block_d}]>"
+            continue
         if name in POINTERS:
             elem = ELEM[p.dtype] if name in ("Q", "K", "V", "O") else "fp32" if name == "LSE" else "i32"
             signature[name] = "*" + elem

@@ -116,6 +116,7 @@ VARIANTS = {
     "persistent": small("persistent"),
     "lpt": small("lpt"),
     "tile_unpacked": small("tile", pack_gqa=False),
+    "lpt_tma": small("lpt", tma=True),  # the interpreter emulates TMA descriptors
 }
 
 
@@ -183,14 +184,28 @@ def test_kv_tiles_outside_the_band_are_never_read():
     assert_matches(out, lse, *ref, torch.float32)
 
 
-def test_keys_past_kv_seqlens_are_never_read():
+@pytest.mark.parametrize("tma", [False, True])
+def test_nan_keys_past_kv_seqlens_never_reach_the_output(tma):
+    """Pointer loads never read them; TMA tiles do read them (whole tiles) and must zero V there."""
     torch.manual_seed(6)
     call = dense_case(2, 2, 2, 9, 40, 16, 16, kv_lens=[5, 20])
     clean = (call.k.clone(), call.v.clone())
     call.k[0, :, 5:] = call.v[0, :, 5:] = float("nan")
     call.k[1, :, 20:] = call.v[1, :, 20:] = float("nan")
-    out, lse = flash.BACKEND.run(call, small())
+    out, lse = flash.BACKEND.run(call, small(tma=tma))
     assert_matches(out, lse, *oracle_dense(call.q, *clean, call.scale, kv_lens=call.kv_seqlens), torch.float32)
+
+
+def test_tma_configs_fall_back_to_pointer_loads_where_tma_cannot_read(monkeypatch):
+    seen = []
+    real = flash._kv_descriptors
+    monkeypatch.setattr(flash, "_kv_descriptors", lambda call, cfg: seen.append(real(call, cfg)) or seen[-1])
+    torch.manual_seed(11)
+    aligned = dense_case(1, 2, 1, 17, 20, 16, 16, causal=True)
+    check_dense(aligned, small(tma=True))
+    misaligned_k = rand(1, 1, 20, 17)[..., 1:]  # base 4 bytes past an aligned address
+    check_dense(AttnCall("attention", aligned.q, misaligned_k, aligned.v, 0.25, True), small(tma=True))
+    assert seen[0] is not None and seen[1] is None
 
 
 # ---------------------------------------------------------------------------------------------- varlen
@@ -212,12 +227,12 @@ VARLEN = {
 }
 
 
-@pytest.mark.parametrize("schedule", ["tile", "lpt"])
+@pytest.mark.parametrize("variant", ["tile", "lpt", "lpt_tma"])
 @pytest.mark.parametrize("case", VARLEN)
-def test_varlen_matches_naive(case, schedule):
+def test_varlen_matches_naive(case, variant):
     torch.manual_seed(7)
     call = varlen_case(**VARLEN[case])
-    out, lse = flash.BACKEND.run(call, small(schedule))
+    out, lse = flash.BACKEND.run(call, VARIANTS[variant])
     assert_matches(out, lse, *oracle_varlen(call), torch.float32)
 
 
@@ -272,7 +287,8 @@ def test_block_sparse_matches_naive(case):
     call = sparse_case(**SPARSE[case])
     cfgs = [c for c in flash.BACKEND.configs(call.problem, SM90) if flash.BACKEND.prune(call.problem, SM90, c) is None]
     assert cfgs
-    for cfg in (cfgs[0], cfgs[-1]):  # largest row block (tile) and a persistent one
+    largest_tma = Config.of(**{**dict(cfgs[0].params), "tma": True})
+    for cfg in (cfgs[0], cfgs[-1], largest_tma):  # largest row block, a persistent one, TMA loads
         check_sparse(call, cfg)
 
 
@@ -280,6 +296,15 @@ def test_block_sparse_half_precision():
     torch.manual_seed(9)
     call = sparse_case(_causal, 1, 2, 1, 96, 128, 16, 64, dtype=torch.float16)
     check_sparse(call, Config.of(block_m=32, block_n=64, num_warps=4, num_stages=2, schedule="tile"))
+
+
+def test_tma_is_listed_only_where_the_device_has_it():
+    p = problem(causal=True)
+    assert {c.get("tma") for c in flash.BACKEND.configs(p, SM90)} == {True, False}
+    a100 = DeviceInfo("NVIDIA A100-SXM4-80GB", (8, 0), 108)
+    assert {c.get("tma") for c in flash.BACKEND.configs(p, a100)} == {None}
+    tma = Config.of(block_m=128, block_n=64, num_warps=8, num_stages=3, schedule="tile", tma=True)
+    assert "sm_90" in flash.BACKEND.prune(p, a100, tma)
 
 
 def test_unlisted_sparse_blocks_are_never_read():

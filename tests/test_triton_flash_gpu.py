@@ -78,6 +78,10 @@ def dense(b, hq, hkv, lq, lk, d, dv=None, causal=False, wl=-1, wr=-1, kv_lens=No
         q = rand(b, lq, hq, d, dtype=dtype).transpose(1, 2)
         k = rand(b, lk, hkv, d, dtype=dtype).transpose(1, 2)
         v = rand(b, lk, hkv, dv, dtype=dtype).transpose(1, 2)
+    elif layout == "misaligned":  # k/v start 2 bytes past an aligned address: TMA configs use pointer loads
+        q = rand(b, hq, lq, d, dtype=dtype)
+        k = rand(b, hkv, lk, d + 8, dtype=dtype)[..., 1 : d + 1]
+        v = rand(b, hkv, lk, dv + 8, dtype=dtype)[..., 1 : dv + 1]
     else:
         q, k, v = rand(b, hq, lq, d, dtype=dtype), rand(b, hkv, lk, d, dtype=dtype), rand(b, hkv, lk, dv, dtype=dtype)
     lens = None if kv_lens is None else torch.tensor(kv_lens, dtype=torch.int32, device=DEV)
@@ -101,6 +105,7 @@ DENSE = {
     "kv_seqlens_causal": dict(b=4, hq=8, hkv=2, lq=200, lk=1024, d=128, causal=True, kv_lens=[1024, 1, 0, 513]),
     "kv_seqlens_noncausal": dict(b=3, hq=4, hkv=4, lq=333, lk=600, d=64, kv_lens=[600, 77, 300]),
     "strided_blhd_causal": dict(b=2, hq=8, hkv=2, lq=555, lk=555, d=128, causal=True, layout="blhd"),
+    "misaligned_kv": dict(b=1, hq=4, hkv=2, lq=300, lk=400, d=64, causal=True, layout="misaligned"),
     "decode_gqa": dict(b=4, hq=32, hkv=8, lq=1, lk=3000, d=128, causal=True),
     "decode_lq4": dict(b=2, hq=16, hkv=2, lq=4, lk=999, d=128, causal=True),
     # sizes equal to 1 are specialized into constexprs by Triton: the bound arithmetic must still compile

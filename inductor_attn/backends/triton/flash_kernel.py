@@ -11,6 +11,9 @@ tile list), and LPT (persistent, heaviest query blocks first within L2-sized gro
 of flash-attention's SingleTileLPTScheduler, flash_attn/cute/tile_scheduler.py, which launches one tile
 per block in that order instead of looping).
 
+K and V arrive through pointer loads (cp.async, any strides) or, with ``TMA``, as host-side tensor
+descriptors over (batch, head, row, dim) that Hopper's TMA unit copies; the same code handles both.
+
 GQA packing (FA3's PackGQA): with ``PACK = G`` a program owns one KV head and its tile rows are
 (position, query head) pairs, row r = position * G + head-in-group, so every K/V tile it loads serves all
 G query heads. With ``PACK = 1`` rows are positions of one query head.
@@ -62,21 +65,28 @@ def _load_2d(ptrs, row_ok, col_ok, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.cons
 
 
 @triton.jit
-def _scores(q, k_base, start_n, n_limit, sk_n, sk_d, qk_scale,
+def _scores(q, k_base, kv_at, start_n, n_limit, sk_n, sk_d, qk_scale,
             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-            CHECK_N: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Scores of the query tile against keys [start_n, start_n + BLOCK_N), in log2 units."""
+            CHECK_N: tl.constexpr, TMA: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Scores of the query tile against keys [start_n, start_n + BLOCK_N), in log2 units. With ``TMA``,
+    ``k_base`` is a (batch, head, row, dim) tensor descriptor and ``kv_at`` the (batch, head, first row)
+    of this sequence in it (rows past the descriptor's shape read as zeros); else ``k_base`` points at
+    the sequence's first key."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    kt = _load_2d(k_base + offs_d[:, None] * sk_d + offs_n[None, :] * sk_n, offs_d < D, offs_n < n_limit,
-                  BLOCK_D != D, CHECK_N)
+    if TMA:
+        k = k_base.load([kv_at[0], kv_at[1], kv_at[2] + start_n, 0])
+        kt = tl.trans(tl.reshape(k, (BLOCK_N, BLOCK_D)))
+    else:
+        offs_d = tl.arange(0, BLOCK_D)
+        kt = _load_2d(k_base + offs_d[:, None] * sk_d + offs_n[None, :] * sk_n, offs_d < D, offs_n < n_limit,
+                      BLOCK_D != D, CHECK_N)
     return tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale
 
 
 @triton.jit
-def _accumulate(acc, m_i, l_i, s, v_base, start_n, n_limit, sv_n, sv_d,
+def _accumulate(acc, m_i, l_i, s, v_base, kv_at, start_n, n_limit, sv_n, sv_d,
                 BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, DV: tl.constexpr,
-                CHECK_N: tl.constexpr, SAFE: tl.constexpr, DOT_PREC: tl.constexpr):
+                CHECK_N: tl.constexpr, SAFE: tl.constexpr, TMA: tl.constexpr, DOT_PREC: tl.constexpr):
     """One online-softmax step. ``SAFE`` handles rows whose scores are all -inf so far (masked tiles):
     their max is taken as 0 so exp2 gives 0 instead of NaN (exp2(-inf - -inf))."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -88,24 +98,32 @@ def _accumulate(acc, m_i, l_i, s, v_base, start_n, n_limit, sv_n, sv_d,
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    v = _load_2d(v_base + offs_n[:, None] * sv_n + offs_dv[None, :] * sv_d, offs_n < n_limit, offs_dv < DV,
-                 CHECK_N, BLOCK_DV != DV)
+    if TMA:
+        v = tl.reshape(v_base.load([kv_at[0], kv_at[1], kv_at[2] + start_n, 0]), (BLOCK_N, BLOCK_DV))
+        if CHECK_N:
+            # rows past this sequence's keys hold other data (the next sequence, unused cache slots that
+            # may be NaN): p is 0 there, but 0 * NaN is not
+            v = tl.where((offs_n < n_limit)[:, None], v, 0.0)
+    else:
+        offs_dv = tl.arange(0, BLOCK_DV)
+        v = _load_2d(v_base + offs_n[:, None] * sv_n + offs_dv[None, :] * sv_d, offs_n < n_limit, offs_dv < DV,
+                     CHECK_N, BLOCK_DV != DV)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
     return acc, m_new, l_i
 
 
 @triton.jit
-def _dense_span(acc, m_i, l_i, q, k_base, v_base, lo, hi, n_valid, diag, window_left, window_right,
+def _dense_span(acc, m_i, l_i, q, k_base, v_base, kv_at, lo, hi, n_valid, diag, window_left, window_right,
                 sk_n, sk_d, sv_n, sv_d, qk_scale,
                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, D: tl.constexpr,
                 DV: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                DOT_PREC: tl.constexpr):
+                TMA: tl.constexpr, DOT_PREC: tl.constexpr):
     """KV tiles [lo, hi) of a dense/varlen row block. Unmasked spans are tiles every row sees entirely
     (no compare, no select); masked spans apply the key bound and the causal/window band per element.
     ``diag`` is each row's aligned diagonal: position + n_valid - len_q."""
     for start_n in range(lo, hi, BLOCK_N):
-        s = _scores(q, k_base, start_n, n_valid, sk_n, sk_d, qk_scale, BLOCK_N, BLOCK_D, D, MASKED, DOT_PREC)
+        s = _scores(q, k_base, kv_at, start_n, n_valid, sk_n, sk_d, qk_scale, BLOCK_N, BLOCK_D, D, MASKED, TMA,
+                    DOT_PREC)
         if MASKED:
             cols = start_n + tl.arange(0, BLOCK_N)
             ok = cols[None, :] < n_valid
@@ -114,16 +132,17 @@ def _dense_span(acc, m_i, l_i, q, k_base, v_base, lo, hi, n_valid, diag, window_
             if HAS_LEFT:
                 ok = ok & (cols[None, :] >= diag[:, None] - window_left)
             s = tl.where(ok, s, float("-inf"))
-        acc, m_i, l_i = _accumulate(acc, m_i, l_i, s, v_base, start_n, n_valid, sv_n, sv_d, BLOCK_N, BLOCK_DV,
-                                    DV, MASKED, MASKED, DOT_PREC)
+        acc, m_i, l_i = _accumulate(acc, m_i, l_i, s, v_base, kv_at, start_n, n_valid, sv_n, sv_d, BLOCK_N,
+                                    BLOCK_DV, DV, MASKED, MASKED, TMA, DOT_PREC)
     return acc, m_i, l_i
 
 
 @triton.jit
-def _dense_rows(acc, m_i, l_i, q, k_base, v_base, pos_first, pos_last, len_q, n_valid, diag,
+def _dense_rows(acc, m_i, l_i, q, k_base, v_base, kv_at, pos_first, pos_last, len_q, n_valid, diag,
                 window_left, window_right, sk_n, sk_d, sv_n, sv_d, qk_scale,
                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, D: tl.constexpr,
-                DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PREC: tl.constexpr):
+                DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, TMA: tl.constexpr,
+                DOT_PREC: tl.constexpr):
     """Visit only the KV tiles that some row of the block can see, split into masked edge spans and an
     unmasked middle: [lo, full_lo) masked, [full_lo, full_hi) unmasked, [full_hi, hi) masked."""
     off = n_valid - len_q
@@ -139,27 +158,28 @@ def _dense_rows(acc, m_i, l_i, q, k_base, v_base, pos_first, pos_last, len_q, n_
         vis_end = tl.minimum(n_valid, tl.maximum(pos_first + off + window_right + 1, 0))
     full_lo = tl.minimum(tl.maximum(full_lo, lo), tl.maximum(hi, lo))
     full_hi = tl.maximum(tl.minimum(vis_end // BLOCK_N * BLOCK_N, hi), full_lo)
-    acc, m_i, l_i = _dense_span(acc, m_i, l_i, q, k_base, v_base, lo, full_lo, n_valid, diag, window_left,
-                                window_right, sk_n, sk_d, sv_n, sv_d, qk_scale, BLOCK_N, BLOCK_D, BLOCK_DV,
-                                D, DV, True, HAS_LEFT, HAS_RIGHT, DOT_PREC)
-    acc, m_i, l_i = _dense_span(acc, m_i, l_i, q, k_base, v_base, full_lo, full_hi, n_valid, diag,
+    acc, m_i, l_i = _dense_span(acc, m_i, l_i, q, k_base, v_base, kv_at, lo, full_lo, n_valid, diag,
                                 window_left, window_right, sk_n, sk_d, sv_n, sv_d, qk_scale, BLOCK_N, BLOCK_D,
-                                BLOCK_DV, D, DV, False, HAS_LEFT, HAS_RIGHT, DOT_PREC)
-    acc, m_i, l_i = _dense_span(acc, m_i, l_i, q, k_base, v_base, full_hi, hi, n_valid, diag, window_left,
-                                window_right, sk_n, sk_d, sv_n, sv_d, qk_scale, BLOCK_N, BLOCK_D, BLOCK_DV,
-                                D, DV, True, HAS_LEFT, HAS_RIGHT, DOT_PREC)
+                                BLOCK_DV, D, DV, True, HAS_LEFT, HAS_RIGHT, TMA, DOT_PREC)
+    acc, m_i, l_i = _dense_span(acc, m_i, l_i, q, k_base, v_base, kv_at, full_lo, full_hi, n_valid, diag,
+                                window_left, window_right, sk_n, sk_d, sv_n, sv_d, qk_scale, BLOCK_N, BLOCK_D,
+                                BLOCK_DV, D, DV, False, HAS_LEFT, HAS_RIGHT, TMA, DOT_PREC)
+    acc, m_i, l_i = _dense_span(acc, m_i, l_i, q, k_base, v_base, kv_at, full_hi, hi, n_valid, diag,
+                                window_left, window_right, sk_n, sk_d, sv_n, sv_d, qk_scale, BLOCK_N, BLOCK_D,
+                                BLOCK_DV, D, DV, True, HAS_LEFT, HAS_RIGHT, TMA, DOT_PREC)
     return acc, m_i, l_i
 
 
 @triton.jit
-def _sparse_rows(acc, m_i, l_i, q, k_base, v_base, len_k, b, hq, qb, rows_in_block,
+def _sparse_rows(acc, m_i, l_i, q, k_base, v_base, kv_at, len_k, b, hq, qb, rows_in_block,
                  FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BITS,
                  sfc_b, sfc_h, sfc_m, sfi_b, sfi_h, sfi_m, sfi_s,
                  spc_b, spc_h, spc_m, spi_b, spi_h, spi_m, spi_s,
                  sbt_b, sbt_h, sbt_m, sbt_s, sbt_r, sbt_w,
                  sk_n, sk_d, sv_n, sv_d, qk_scale,
                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, D: tl.constexpr,
-                 DV: tl.constexpr, HAS_FULL: tl.constexpr, EVEN_N: tl.constexpr, DOT_PREC: tl.constexpr):
+                 DV: tl.constexpr, HAS_FULL: tl.constexpr, EVEN_N: tl.constexpr, TMA: tl.constexpr,
+                 DOT_PREC: tl.constexpr):
     """Visit the listed KV blocks of q block ``qb`` only: full blocks without a mask (bar the sequence
     end), partial blocks through their bitmaps (bit j%32 of word j//32 per row). BLOCK_N == block_kv."""
     if HAS_FULL:
@@ -167,25 +187,26 @@ def _sparse_rows(acc, m_i, l_i, q, k_base, v_base, len_k, b, hq, qb, rows_in_blo
         idx_base = FULL_IDX + b * sfi_b + hq * sfi_h + qb * sfi_m
         for i in range(0, n_full):
             start_n = tl.load(idx_base + i * sfi_s) * BLOCK_N
-            s = _scores(q, k_base, start_n, len_k, sk_n, sk_d, qk_scale, BLOCK_N, BLOCK_D, D, not EVEN_N,
-                        DOT_PREC)
+            s = _scores(q, k_base, kv_at, start_n, len_k, sk_n, sk_d, qk_scale, BLOCK_N, BLOCK_D, D, not EVEN_N,
+                        TMA, DOT_PREC)
             if not EVEN_N:
                 s = tl.where((start_n + tl.arange(0, BLOCK_N))[None, :] < len_k, s, float("-inf"))
-            acc, m_i, l_i = _accumulate(acc, m_i, l_i, s, v_base, start_n, len_k, sv_n, sv_d, BLOCK_N, BLOCK_DV,
-                                        DV, not EVEN_N, False, DOT_PREC)
+            acc, m_i, l_i = _accumulate(acc, m_i, l_i, s, v_base, kv_at, start_n, len_k, sv_n, sv_d, BLOCK_N,
+                                        BLOCK_DV, DV, not EVEN_N, False, TMA, DOT_PREC)
     n_part = tl.load(PART_CNT + b * spc_b + hq * spc_h + qb * spc_m)
     idx_base = PART_IDX + b * spi_b + hq * spi_h + qb * spi_m
     bits_base = BITS + b * sbt_b + hq * sbt_h + qb * sbt_m + rows_in_block[:, None] * sbt_r
     cols = tl.arange(0, BLOCK_N)
     for i in range(0, n_part):
         start_n = tl.load(idx_base + i * spi_s) * BLOCK_N
-        s = _scores(q, k_base, start_n, len_k, sk_n, sk_d, qk_scale, BLOCK_N, BLOCK_D, D, not EVEN_N, DOT_PREC)
+        s = _scores(q, k_base, kv_at, start_n, len_k, sk_n, sk_d, qk_scale, BLOCK_N, BLOCK_D, D, not EVEN_N, TMA,
+                    DOT_PREC)
         # each word is read by the 32 columns it covers; the repeats are served by L1
         words = tl.load(bits_base + i * sbt_s + (cols // 32)[None, :] * sbt_w)
         ok = ((words >> (cols % 32)[None, :]) & 1) != 0
         s = tl.where(ok, s, float("-inf"))
-        acc, m_i, l_i = _accumulate(acc, m_i, l_i, s, v_base, start_n, len_k, sv_n, sv_d, BLOCK_N, BLOCK_DV, DV,
-                                    not EVEN_N, True, DOT_PREC)
+        acc, m_i, l_i = _accumulate(acc, m_i, l_i, s, v_base, kv_at, start_n, len_k, sv_n, sv_d, BLOCK_N,
+                                    BLOCK_DV, DV, not EVEN_N, True, TMA, DOT_PREC)
     return acc, m_i, l_i
 
 
@@ -203,7 +224,7 @@ def _tile(tile, Q, K, V, O, LSE, KV_LENS, CU_Q, CU_K,
           BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
           MODE: tl.constexpr, SCHEDULE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
           HAS_KV_LENS: tl.constexpr, HAS_FULL: tl.constexpr, BLOCK_Q: tl.constexpr, EVEN_N: tl.constexpr,
-          DOT_PREC: tl.constexpr):
+          TMA: tl.constexpr, DOT_PREC: tl.constexpr):
     bh, m = _tile_coords(tile, num_m, num_bh, lpt_heads, SCHEDULE)
     b = bh // heads_prog
     hp = bh - b * heads_prog
@@ -235,30 +256,40 @@ def _tile(tile, Q, K, V, O, LSE, KV_LENS, CU_Q, CU_K,
         rows = row0 + tl.arange(0, BLOCK_M)
         pos = rows // PACK
         head = hp * PACK + rows % PACK  # query head of each row
-        hkv = (hp * PACK // GROUP).to(tl.int64)
+        hkv32 = hp * PACK // GROUP
+        hkv = hkv32.to(tl.int64)
         row_ok = pos < len_q_b
         offs_d = tl.arange(0, BLOCK_D)
         q = _load_2d(Q + q_off + pos[:, None] * sq_m + head[:, None].to(tl.int64) * sq_h + offs_d[None, :] * sq_d,
                      row_ok, offs_d < D, True, BLOCK_D != D)
-        k_base = K + k_off + hkv * sk_h
-        v_base = V + v_off + hkv * sv_h
+        if TMA:  # K and V are (batch, head, row, dim) descriptors; varlen packs all sequences in batch 0
+            k_base = K
+            v_base = V
+            if MODE == 1:
+                kv_at = (0 * b, hkv32, k_start)
+            else:
+                kv_at = (b, hkv32, 0 * b)
+        else:
+            k_base = K + k_off + hkv * sk_h
+            v_base = V + v_off + hkv * sv_h
+            kv_at = (b, hkv32, b)  # unused by pointer loads
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         if MODE == 2:
             qb = row0 // BLOCK_Q
             acc, m_i, l_i = _sparse_rows(
-                acc, m_i, l_i, q, k_base, v_base, len_k, b, hp, qb, rows - qb * BLOCK_Q,
+                acc, m_i, l_i, q, k_base, v_base, kv_at, len_k, b, hp, qb, rows - qb * BLOCK_Q,
                 FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BITS,
                 sfc_b, sfc_h, sfc_m, sfi_b, sfi_h, sfi_m, sfi_s, spc_b, spc_h, spc_m, spi_b, spi_h, spi_m, spi_s,
                 sbt_b, sbt_h, sbt_m, sbt_s, sbt_r, sbt_w, sk_n, sk_d, sv_n, sv_d, qk_scale,
-                BLOCK_N, BLOCK_D, BLOCK_DV, D, DV, HAS_FULL, EVEN_N, DOT_PREC)
+                BLOCK_N, BLOCK_D, BLOCK_DV, D, DV, HAS_FULL, EVEN_N, TMA, DOT_PREC)
         else:
             pos_last = tl.minimum(row0 + BLOCK_M - 1, len_q_b * PACK - 1) // PACK
             acc, m_i, l_i = _dense_rows(
-                acc, m_i, l_i, q, k_base, v_base, row0 // PACK, pos_last, len_q_b, n_valid,
+                acc, m_i, l_i, q, k_base, v_base, kv_at, row0 // PACK, pos_last, len_q_b, n_valid,
                 pos + (n_valid - len_q_b), window_left, window_right, sk_n, sk_d, sv_n, sv_d, qk_scale,
-                BLOCK_N, BLOCK_D, BLOCK_DV, D, DV, HAS_LEFT, HAS_RIGHT, DOT_PREC)
+                BLOCK_N, BLOCK_D, BLOCK_DV, D, DV, HAS_LEFT, HAS_RIGHT, TMA, DOT_PREC)
         # rows that saw no key: out 0, lse -inf (never 0/0)
         empty = l_i == 0.0
         out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -283,7 +314,7 @@ def flash_fwd_kernel(Q, K, V, O, LSE, KV_LENS, CU_Q, CU_K,
                      BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                      MODE: tl.constexpr, SCHEDULE: tl.constexpr, HAS_LEFT: tl.constexpr,
                      HAS_RIGHT: tl.constexpr, HAS_KV_LENS: tl.constexpr, HAS_FULL: tl.constexpr,
-                     BLOCK_Q: tl.constexpr, EVEN_N: tl.constexpr, DOT_PREC: tl.constexpr):
+                     BLOCK_Q: tl.constexpr, EVEN_N: tl.constexpr, TMA: tl.constexpr, DOT_PREC: tl.constexpr):
     """Forward of every tile assigned to this program; see the module docstring for the layouts."""
     pid = tl.program_id(0)
     if SCHEDULE == 0:
@@ -293,7 +324,7 @@ def flash_fwd_kernel(Q, K, V, O, LSE, KV_LENS, CU_Q, CU_K,
               spi_b, spi_h, spi_m, spi_s, sbt_b, sbt_h, sbt_m, sbt_s, sbt_r, sbt_w,
               len_q, len_k, qk_scale, window_left, window_right, heads_prog, num_m, num_bh, lpt_heads,
               GROUP, PACK, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, D, DV, MODE, SCHEDULE, HAS_LEFT, HAS_RIGHT,
-              HAS_KV_LENS, HAS_FULL, BLOCK_Q, EVEN_N, DOT_PREC)
+              HAS_KV_LENS, HAS_FULL, BLOCK_Q, EVEN_N, TMA, DOT_PREC)
     else:
         # static striding: program p takes tiles p, p + P, ...; with the LPT order each program's first
         # tile is among the heaviest, so the tail of the launch holds the light ones
@@ -304,4 +335,4 @@ def flash_fwd_kernel(Q, K, V, O, LSE, KV_LENS, CU_Q, CU_K,
                   spi_b, spi_h, spi_m, spi_s, sbt_b, sbt_h, sbt_m, sbt_s, sbt_r, sbt_w,
                   len_q, len_k, qk_scale, window_left, window_right, heads_prog, num_m, num_bh, lpt_heads,
                   GROUP, PACK, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, D, DV, MODE, SCHEDULE, HAS_LEFT,
-                  HAS_RIGHT, HAS_KV_LENS, HAS_FULL, BLOCK_Q, EVEN_N, DOT_PREC)
+                  HAS_RIGHT, HAS_KV_LENS, HAS_FULL, BLOCK_Q, EVEN_N, TMA, DOT_PREC)
