@@ -407,6 +407,14 @@ def test_candidates_enumerate_without_duplicates():
     assert len(cands) >= 6 and all(c.backend == "triton" for c in cands)
 
 
+def test_source_hash_covers_the_kernel_module(monkeypatch, tmp_path):
+    before = flash.BACKEND.source_hash()
+    edited = tmp_path / "flash_kernel.py"
+    edited.write_bytes(flash.KERNEL_SOURCE.read_bytes() + b"# edited\n")
+    monkeypatch.setattr(flash, "KERNEL_SOURCE", edited)
+    assert flash.BACKEND.source_hash() != before
+
+
 def test_backward_is_delegated_lazily_to_flash_bwd(monkeypatch):
     seen = []
     fake = types.ModuleType("inductor_attn.backends.triton.flash_bwd")

@@ -8,9 +8,11 @@ and allocates only ``out`` and ``lse``. Backward is delegated to ``flash_bwd.py`
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
 import math
 import os
+from pathlib import Path
 
 import torch
 
@@ -19,6 +21,7 @@ from ...ops.layout import empty_like_layout
 from ...problem import Problem, next_power_of_two
 from ..base import AttnCall, Backend, Config
 
+KERNEL_SOURCE = Path(__file__).with_name("flash_kernel.py")
 _DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # tl.dot needs K >= 16; beyond 256 the accumulator cannot stay in registers
 
@@ -188,6 +191,12 @@ class TritonFlashBackend(Backend):
 
     def run(self, call: AttnCall, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
         return forward(call, cfg)
+
+    def source_hash(self) -> str:
+        """Hash of this module and of the kernel's module: editing either invalidates old decisions. The
+        kernel file is read, not imported, so computing a decision key never needs triton."""
+        kernel_src = KERNEL_SOURCE.read_bytes()
+        return hashlib.sha256(super().source_hash().encode() + kernel_src).hexdigest()[:16]
 
     def backward(self, call: AttnCall, cfg: Config, out, lse, grad_out, grad_lse):
         from .flash_bwd import backward as flash_backward
