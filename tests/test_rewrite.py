@@ -292,6 +292,15 @@ def test_enabled_context_restores_and_keeps_an_enclosing_enable(monkeypatch):
     assert config.pre_grad_custom_pass is None
 
 
+def test_private_apis_the_rewrite_uses_are_where_compat_looks():
+    assert _compat.statically_known_true(True) and not _compat.statically_known_true(False)
+    assert _compat.size_hint(7) == 7
+    assert _compat.inductor_compile_patches("max-autotune-no-cudagraphs", {"fx_graph_cache": False})["max_autotune"]
+    assert callable(_compat.compile_fx())
+    assert hasattr(_compat.inductor_config(), "pre_grad_custom_pass")
+    assert callable(torch.ops.higher_order.flex_attention)
+
+
 def test_chained_pass_without_uuid_disables_fx_graph_caching():
     assert RewritePass(chained=lambda graph: None).uuid() is None
     assert RewritePass(chained=[UserPass("a"), UserPass("b")]).uuid() is not None

@@ -153,6 +153,8 @@ def _unrepeat_kv(node: torch.fx.Node, sdpa: torch.fx.Node) -> torch.fx.Node | No
                 if not (isinstance(s, torch.Tensor) and s.dim() == 4 and isinstance(ex, torch.Tensor)
                         and ex.dim() == 5 and all(_known(ex.shape[d] == s.shape[d]) for d in (0, 1))
                         and all(_known(ex.shape[d + 1] == s.shape[d]) for d in (2, 3))
+                        and isinstance(out, torch.Tensor) and out.dim() == 4
+                        and all(_known(out.shape[d] == s.shape[d]) for d in (0, 2, 3))
                         and _known(out.shape[1] == ex.shape[1] * ex.shape[2])):
                     return None
     elif (node.op == "call_method" and node.target == "repeat_interleave" and len(node.args) == 2
