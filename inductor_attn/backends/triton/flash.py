@@ -83,7 +83,7 @@ def _smem_estimate(p: Problem, cfg: Config) -> int:
     """Bytes of shared memory: the Q tile plus ``num_stages`` K and V tiles in flight. Matches what Triton
     3.9 allocated for every listed fp16/bf16 config on sm_90; fp32 (tf32x3 dots) holds Q twice; the
     block-sparse loop (indices loaded in the loop) buffers at most 2 K/V stages plus one tile of bitmap
-    words (an upper bound for all its listed configs)."""
+    words (an upper bound for all its listed configs). TMA configs add under 1 KiB of barriers."""
     bd, bdv = _padded_dims(p)
     bm, bn, stages = cfg["block_m"], cfg["block_n"], cfg["num_stages"]
     es = _DTYPES.get(p.dtype, 4)
@@ -111,7 +111,7 @@ class TritonFlashBackend(Backend):
     has_backward = True
 
     def supports(self, p: Problem, dev: DeviceInfo) -> str | None:
-        if importlib.util.find_spec("triton") is None:
+        if not _triton_available():
             return "triton is not installed"
         if p.device_type != "cuda" and not (p.device_type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
             return "needs a CUDA device (CPU only under TRITON_INTERPRET=1)"
@@ -202,6 +202,14 @@ class TritonFlashBackend(Backend):
         from .flash_bwd import backward as flash_backward
 
         return flash_backward(call, cfg, out, lse, grad_out, grad_lse)
+
+
+@functools.cache
+def _triton_available() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # an import hook refusing it; a stub module without a spec
+        return False
 
 
 def _sparse_block_ms(block_q: int) -> list[int]:
