@@ -43,23 +43,14 @@ class BwdPlan:
     kv_split: int  # programs per (batch, kv head) sharing the GQA group; 0 = pick from the SM count
 
 
-def _default_tiles(head_dim: int) -> tuple[int, int, int, int]:
-    """(block_m, block_n, warps, stages) when the config names none. Sized so the resident dK, dV
-    accumulators (2 x block_n x head_dim floats) fit the register file; not yet measured."""
-    if head_dim <= 64:
-        return 32, 128, 4, 3
-    if head_dim <= 128:
-        return 32, 128, 8, 2
-    return 16, 32, 4, 1
-
-
 def deterministic_requested(cfg: Config) -> bool:
     return bool(cfg.get("deterministic", False)) or torch.are_deterministic_algorithms_enabled()
 
 
-def plan_for(head_dim: int, cfg: Config) -> BwdPlan:
-    """Read the ``bwd_*`` keys of ``cfg`` (a backward or a forward config), defaults for the rest."""
-    bm, bn, warps, stages = _default_tiles(head_dim)
+def plan_for(head_dim: int, cfg: Config, dtype: str = "float16") -> BwdPlan:
+    """Read the ``bwd_*`` keys of ``cfg`` (a backward or a forward config), defaults for the rest: the
+    first listed tile for this head dim and dtype."""
+    bm, bn, warps, stages, _ = _tile_list(head_dim, dtype)[0]
     atomic = cfg.get("bwd_dq", "separate") == "atomic" and not deterministic_requested(cfg)
     return BwdPlan(int(cfg.get("bwd_block_m", bm)), int(cfg.get("bwd_block_n", bn)),
                    int(cfg.get("bwd_warps", warps)), int(cfg.get("bwd_stages", stages)), atomic,
@@ -91,28 +82,43 @@ def unsupported_reason(p: Problem) -> str | None:
     return None
 
 
-# Curated per head dim (unmeasured starting points; the tuner measures them): (block_m, block_n, warps,
-# stages). Resident dK/dV cost 2 x block_n x head_dim fp32 registers, so block_n shrinks as D grows.
+# (block_m, block_n, warps, stages, also list atomic dQ) per padded head dim, most promising first.
+# Starting points from Triton tutorial 06 (32 x 128 for dK/dV, swapped for dQ), cut to tiles whose dK/dV
+# kernel compiles for sm_90 without spilling: compiled with triton 3.9 + ptxas 13 on a CPU machine by
+# benchmarks/flash_bwd_compile_sm90.py (bf16 causal GQA). d=128: 16x128 8 warps 0 B (atomic 0 B), 32x128
+# 20 B (atomic 180 B), 32x64 8 warps 0 B (atomic 28 B), while 64x64 spills 248 B and any 4-warp 128-key
+# tile spills > 2 KiB; d=256: only 32-key tiles with 8 warps stay at 0 B (16x64: 164 B). Speed is
+# unmeasured: the tuner measures these; the list only bounds the search.
 _TILES = {
-    64: [(32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 2)],
-    128: [(32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 2), (64, 64, 4, 3)],
-    256: [(16, 32, 4, 1), (32, 32, 4, 1), (32, 64, 8, 1)],
+    64: [(32, 128, 4, 3, False), (64, 128, 8, 3, True), (32, 128, 8, 2, True), (64, 64, 4, 2, False),
+         (32, 64, 4, 3, False)],
+    128: [(16, 128, 8, 2, True), (32, 128, 8, 2, False), (32, 64, 8, 2, True), (16, 128, 8, 3, False)],
+    256: [(32, 32, 8, 2, False), (16, 32, 8, 2, True), (32, 32, 8, 1, False)],
 }
+# fp32 runs tf32x3 dots (three tf32 products: about fp32 accuracy on tensor cores), which hold every
+# operand twice: at d=128 the 16x32 8-warp tile spills 72 B, 32x32 304 B, 16x64 1.4 KiB. fp32 is the
+# accuracy path, not a speed target, so it gets the two smallest tiles at every head dim.
+_FP32_TILES = [(16, 32, 8, 2, False), (32, 32, 8, 2, False)]
+
+
+def _tile_list(head_dim: int, dtype: str):
+    if dtype == "float32":
+        return _FP32_TILES
+    return _TILES[64 if head_dim <= 64 else 128 if head_dim <= 128 else 256]
 
 
 def backward_configs(p: Problem, dev: DeviceInfo) -> list[Config]:
-    """A small list of backward configs for ``p``: each tile with the atomic-free dQ pass, and the two
-    leading tiles with atomic dQ (fewer FLOPs: no recomputation of QK^T and dO V^T for dQ)."""
-    d = max(p.head_dim, p.head_dim_v)
-    tiles = _TILES[64 if d <= 64 else 128 if d <= 128 else 256]
+    """A small list of backward configs for ``p``: each tile with the atomic-free dQ pass, and the marked
+    tiles with atomic dQ too (fewer FLOPs: no recomputation of QK^T and dO V^T for dQ)."""
+    tiles = _tile_list(max(p.head_dim, p.head_dim_v), p.dtype)
     if dev.arch == 0:  # the CPU interpreter runs tests, not timings: one config
         tiles = tiles[:1]
     out: list[Config] = []
-    for i, (bm, bn, w, s) in enumerate(tiles):
+    for bm, bn, w, s, atomic in tiles:
         if p.op == "block_sparse":
             g = math.gcd(p.block_q, p.block_kv)
             bm, bn = _fit_tile(bm, g), _fit_tile(bn, g)
-        modes = ("separate", "atomic") if i < 2 and dev.arch else ("separate",)
+        modes = ("separate", "atomic") if atomic and dev.arch else ("separate",)
         for mode in modes:
             cfg = Config.of(bwd_block_m=bm, bwd_block_n=bn, bwd_warps=w, bwd_stages=s, bwd_dq=mode)
             if cfg not in out:
@@ -328,7 +334,7 @@ def _common_args(call: AttnCall, shape: _Shape, grad_out, delta, lse2, row_strid
                 SPARSE=call.op == "block_sparse", HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
                 BLOCK_D=max(_MIN_TILE, _next_pow2(q.shape[-1])),
                 BLOCK_DV=max(_MIN_TILE, _next_pow2(v.shape[-1])),
-                DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32")
+                DOT_PREC="tf32x3" if q.dtype == torch.float32 else "tf32")
 
 
 def _launch_dkdv(kern, call, shape, plan, common, dq_acc, dk_out, dv_out, split, dummy):
@@ -386,7 +392,7 @@ def backward(call: AttnCall, cfg: Config, out: torch.Tensor, lse: torch.Tensor, 
         raise ValueError(f"Triton backward supports head dims up to {MAX_HEAD_DIM}, got {q.shape[-1]}, "
                          f"{v.shape[-1]}")
     shape = _Shape.of(call)
-    plan = plan_for(q.shape[-1], cfg)
+    plan = plan_for(max(q.shape[-1], v.shape[-1]), cfg, str(q.dtype).removeprefix("torch."))
     split = _kv_split(plan, shape, q.device)
     dq, dq_acc, dk, dv, dk_t, dv_t = _grad_buffers(call, plan, split)
     if min(q.numel(), k.numel(), shape.batch, shape.len_q, shape.len_k) == 0:
