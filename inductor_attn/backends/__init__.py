@@ -17,6 +17,7 @@ from .flex import BACKEND as FLEX
 from .reference import BACKEND as REFERENCE
 from .sdpa import BACKEND as SDPA
 from .triton.decode import BACKEND as TRITON_DECODE
+from .triton.flash import BACKEND as TRITON_FLASH
 
 _REGISTRY: dict[str, Backend] = {}
 
@@ -62,13 +63,19 @@ def backends() -> list[Backend]:
     return list(_REGISTRY.values())
 
 
-def enumerate_candidates(p: Problem, dev: DeviceInfo) -> list[Candidate]:
-    """Every (backend, config) for ``p`` in prior order, each with its pruned reason or None."""
+def enumerate_candidates(p: Problem, dev: DeviceInfo, direction: str = "forward") -> list[Candidate]:
+    """Every (backend, config) for ``p`` in prior order, each with its pruned reason or None.
+    For ``direction="backward"`` the backends' backward support and backward configs are used."""
     out: list[Candidate] = []
     for backend in _REGISTRY.values():
         reason = backend.supports(p, dev)
+        if reason is None and direction == "backward":
+            reason = backend.supports_backward(p, dev)
         if reason is not None:
             out.append(Candidate(backend.name, None, reason))
+            continue
+        if direction == "backward":
+            out.extend(Candidate(backend.name, cfg) for cfg in backend.backward_configs(p, dev))
             continue
         for cfg in backend.configs(p, dev):
             out.append(Candidate(backend.name, cfg, backend.prune(p, dev, cfg)))
@@ -80,7 +87,7 @@ def enumerate_candidates(p: Problem, dev: DeviceInfo) -> list[Candidate]:
 
 
 def _register_builtin() -> None:
-    for backend in (SDPA, FLEX, FA4, TRITON_DECODE, REFERENCE):
+    for backend in (SDPA, FLEX, FA4, TRITON_FLASH, TRITON_DECODE, REFERENCE):
         register_backend(backend)
 
 

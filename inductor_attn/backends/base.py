@@ -142,6 +142,10 @@ class Backend:
     def configs(self, p: Problem, dev: DeviceInfo) -> list[Config]:
         return [Config()]
 
+    def backward_configs(self, p: Problem, dev: DeviceInfo) -> list[Config]:
+        """Knobs of the backward kernel (default: the forward's)."""
+        return self.configs(p, dev)
+
     def prune(self, p: Problem, dev: DeviceInfo, cfg: Config) -> str | None:
         return None
 

@@ -48,7 +48,8 @@ from ..cache.keys import library_versions
 from ..cache.store import get_store
 from ..device import DeviceInfo, device_info
 from ..tuning.correctness import POISON, check_output, check_tensor, rel_err
-from ..tuning.decisions import candidates_for, decide, forget_decisions
+from ..backends import enumerate_candidates
+from ..tuning.decisions import decide, forget_decisions
 from ..tuning.modes import tuning_mode
 from ..tuning.stats import median, paired_bootstrap_speedup
 from ..tuning.timing import default_timer
@@ -296,7 +297,7 @@ def measure_workload(w: Workload, ctx: Context) -> dict:
     built = suites.build(w, ctx.device)
     call = built.call
     p = call.problem
-    cands = candidates_for(p, ctx.dev, "forward")
+    cands = enumerate_candidates(p, ctx.dev, "forward")
     entries = [candidate_entry(c) for c in cands] + user_entries(w, built, ctx.flex_max_autotune)
     row = _row_head(w, built, ctx)
     runnable = sum(e.make is not None for e in entries)

@@ -29,18 +29,6 @@ def forget_decisions() -> None:
     _MEMO.clear()
 
 
-def candidates_for(p: Problem, dev: DeviceInfo, direction: str) -> list[Candidate]:
-    """Enumerated candidates; for backward, those whose backend cannot run this backward are pruned
-    with its reason."""
-    out = []
-    for c in enumerate_candidates(p, dev):
-        if direction == "backward" and c.pruned is None:
-            reason = get_backend(c.backend).supports_backward(p, dev)
-            c = c if reason is None else Candidate(c.backend, c.config, reason)
-        out.append(c)
-    return out
-
-
 def default_choice(cands: list[Candidate]) -> str:
     for c in cands:
         if c.pruned is None:
@@ -71,7 +59,7 @@ def _capturing(call: AttnCall) -> bool:
 
 def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str) -> str:
     p = call.problem
-    cands = candidates_for(p, dev, direction)
+    cands = enumerate_candidates(p, dev, direction)
     mode = current_mode(p.device_type)
     if mode == "off":
         return default_choice(cands)

@@ -198,6 +198,11 @@ class TritonFlashBackend(Backend):
         kernel_src = KERNEL_SOURCE.read_bytes()
         return hashlib.sha256(super().source_hash().encode() + kernel_src).hexdigest()[:16]
 
+    def backward_configs(self, p: Problem, dev: DeviceInfo) -> list[Config]:
+        from .flash_bwd import backward_configs
+
+        return backward_configs(p, dev)
+
     def backward(self, call: AttnCall, cfg: Config, out, lse, grad_out, grad_lse):
         from .flash_bwd import backward as flash_backward
 

@@ -27,13 +27,15 @@ from ..base import AttnCall, Config
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 _MIN_TILE = 16  # tl.dot needs every dimension >= 16
+_DQ_MIN_KEYS = 32  # keys per step of the dQ pass (see BwdPlan)
 
 
 @dataclasses.dataclass(frozen=True)
 class BwdPlan:
     """Launch parameters. ``block_n`` keys stay resident in the dK/dV kernel while it walks
-    ``block_m`` rows at a time; the dQ pass swaps the roles (``block_n`` rows resident), as the tutorial's
-    BLOCK_M1/BLOCK_N1 vs BLOCK_M2/BLOCK_N2 do."""
+    ``block_m`` rows at a time; the dQ pass swaps the roles, as the tutorial's BLOCK_M1/BLOCK_N1 vs
+    BLOCK_M2/BLOCK_N2 do: ``block_n`` rows resident, ``max(block_m, 32)`` keys a step (16-key steps
+    would leave its dots tiny; 128 x 32 compiles for sm_90 at d=128 without spills)."""
 
     block_m: int
     block_n: int
@@ -354,7 +356,7 @@ def _launch_dkdv(kern, call, shape, plan, common, dq_acc, dk_out, dv_out, split,
 
 
 def _launch_dq(kern, call, shape, plan, common, dq, dummy):
-    bm, bn = _tiles(call, plan)
+    bm, bn = _tiles(call, dataclasses.replace(plan, block_m=max(plan.block_m, _DQ_MIN_KEYS)))
     grid = (-(-shape.len_q // bn), shape.batch * shape.heads_q)
     kern.bwd_dq[grid](**common, DQ=dq, **dict(zip(("s_dqb", "s_dqh", "s_dqm", "s_dqd"), _layout(dq, shape.varlen))),
                       **_sparse_dq_args(call, shape, dummy), HQ=shape.heads_q,
