@@ -218,7 +218,8 @@ def random_block_mask(batch, heads, lq, lk, bq, bk, seed=0, with_full=True) -> B
             for m in range(nq):
                 part = (state[b, h, m] == 1).nonzero().flatten()
                 full = (state[b, h, m] == 2).nonzero().flatten()
-                part, full = part[torch.randperm(len(part), generator=gen)], full[torch.randperm(len(full), generator=gen)]
+                part = part[torch.randperm(len(part), generator=gen)]
+                full = full[torch.randperm(len(full), generator=gen)]
                 idx[b, h, m, : len(part)], fidx[b, h, m, : len(full)] = part.int(), full.int()
                 for s, n in enumerate(part.tolist()):
                     keep = (torch.rand(bq, bk, generator=gen) < 0.5) & (rows + m * bq < lq) & (cols + n * bk < lk)

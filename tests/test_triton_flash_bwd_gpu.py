@@ -63,7 +63,8 @@ def test_dense_default_and_atomic_configs_match_float64(case, dtype, monkeypatch
         check_dense(monkeypatch, cfg, dtype, seed=i, **DENSE[case])
 
 
-@pytest.mark.parametrize("case,dtype", [("causal Lq < Lk, GQA 4", torch.bfloat16), ("causal Lq < Lk, GQA 4", torch.float16),
+@pytest.mark.parametrize("case,dtype", [("causal Lq < Lk, GQA 4", torch.bfloat16),
+                                        ("causal Lq < Lk, GQA 4", torch.float16),
                                         ("two-sided window", torch.float32), ("head dim 256", torch.bfloat16)])
 def test_every_listed_config_matches_float64(case, dtype, monkeypatch):
     c = DENSE[case]
