@@ -8,6 +8,8 @@ bfloat16 is left to the GPU tests: the interpreter's dot reads bf16 bits as inte
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -114,6 +116,7 @@ DENSE_CASES = {
     "sliding window": dict(b=1, hq=3, hkv=1, lq=57, lk=57, d=16, dv=16, wl=9, wr=4),
     "left window only, causal": dict(b=1, hq=2, hkv=1, lq=40, lk=52, d=16, dv=16, causal=True, wl=13),
     "MQA right window": dict(b=2, hq=4, hkv=1, lq=33, lk=40, d=32, dv=16, wr=7),
+    "head dim 8 (padded to a 16-wide tile)": dict(b=1, hq=2, hkv=2, lq=20, lk=27, d=8, dv=8, causal=True),
 }
 
 
@@ -122,11 +125,43 @@ def test_dense_grads_match_float64_autograd(case, monkeypatch):
     check_dense(monkeypatch, **DENSE_CASES[case])
 
 
+def test_window_edges_sweep_matches_reference():
+    """100 random (Lk, window) pairs on 16-row tiles: band edges land on every residue of the tile
+    grid, where an off-by-one in the mask-free tile ranges shows (each such mutation of the kernels
+    was checked to fail here). Errors are scaled by ||dv||: with a one-key window, dq and dk are
+    exactly zero and a plain relative error is noise over noise."""
+    gen = torch.Generator().manual_seed(6)
+    lq = 37
+    sizes = torch.randint(-1, 40, (100, 2), generator=gen).tolist()  # window edges; -1 = unbounded
+    lks = torch.randint(20, 70, (100,), generator=gen).tolist()
+    for lk, (wl, wr), mode in zip(lks, sizes, itertools.cycle(("separate", "atomic"))):
+        q, k, v = torch.randn(1, 1, lq, 16, generator=gen), torch.randn(1, 1, lk, 16, generator=gen), \
+            torch.randn(1, 1, lk, 16, generator=gen)
+        call = AttnCall("attention", q, k, v, 0.25, False, wl, wr)
+        out, lse = reference.BACKEND.run(call, Config())
+        go, gl = torch.randn(out.shape, generator=gen), torch.randn(lse.shape, generator=gen)
+        want = reference.BACKEND.backward(call, Config(), out, lse, go, gl)
+        got = flash_bwd.backward(call, Config.of(bwd_block_m=16, bwd_block_n=16, bwd_dq=mode), out, lse, go, gl)
+        floor = 1e-2 * want[2].norm()
+        for name, a, b in zip(("dq", "dk", "dv"), got, want):
+            err = ((a - b).norm() / torch.maximum(b.norm(), floor)).item()
+            assert err <= 1e-4, f"{name} lk={lk} window=({wl}, {wr}) {mode}: {err:.1e}"
+
+
 def test_kv_seqlens_with_an_empty_sequence_gives_zero_grads_and_no_nan(monkeypatch):
     dq, dk, dv = check_dense(monkeypatch, b=2, hq=2, hkv=1, lq=20, lk=35, d=16, dv=16, causal=True,
                              kv_seqlens=torch.tensor([0, 23]))
     assert dq[0].abs().max() == 0 and dk[0].abs().max() == 0 and dv[0].abs().max() == 0
     assert dk[1, :, 23:].abs().max() == 0 and dv[1, :, 23:].abs().max() == 0  # keys past the length
+
+
+def test_kv_seqlens_without_causal_masks_keys_past_each_length(monkeypatch):
+    """Keys in [kv_seqlens[b], Lk) are real data in the tensor: only the mask keeps them out (a tile
+    that straddles the length must be masked even where no causal/window edge crosses it)."""
+    for cfg in (SMALL, Config.of(bwd_block_m=16, bwd_block_n=16, bwd_dq="atomic")):
+        dq, dk, dv = check_dense(monkeypatch, cfg=cfg, b=3, hq=2, hkv=1, lq=30, lk=45, d=16, dv=16,
+                                 kv_seqlens=torch.tensor([0, 17, 45]))
+        assert dk[1, :, 17:].abs().max() == 0 and dv[1, :, 17:].abs().max() == 0
 
 
 def test_float16_matches_within_the_gate_tolerance(monkeypatch):
@@ -290,6 +325,7 @@ def test_backward_configs_are_unique_and_fit_block_sizes():
 def test_unsupported_problems_say_why():
     assert "float64" in flash_bwd.unsupported_reason(_problem(dtype="float64"))
     assert "multiples of 16" in flash_bwd.unsupported_reason(_problem(op="block_sparse", block_q=8, block_kv=32))
+    assert "interpreter" in flash_bwd.unsupported_reason(_problem(device_type="cpu", dtype="bfloat16"))
     assert flash_bwd.unsupported_reason(_problem()) is None
     with pytest.raises(TypeError, match="float64"):
         q = torch.randn(1, 1, 4, 16, dtype=torch.float64)

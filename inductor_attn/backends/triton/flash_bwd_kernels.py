@@ -310,6 +310,8 @@ def _dense_col_ranges(m0, lq, lk, off, left, right, HAS_LEFT: tl.constexpr, HAS_
     if HAS_LEFT:  # first tile whose first key is seen by the bottom row's window
         a = tl.maximum(lo, tl.cdiv(tl.maximum(m0 + BLOCK_M - 1 + off - left, 0), BLOCK_N) * BLOCK_N)
     a = tl.minimum(a, hi)
+    # (a key past the end loads as zero and adds nothing to dQ, so this edge is only for symmetry with
+    # dK/dV, where keys past a kv_seqlens length are real data)
     z = lk - BLOCK_N  # last mask-free tile start: inside the keys ...
     if HAS_RIGHT:  # ... and its last key seen by the top row
         z = tl.minimum(z, m0 + off + right - BLOCK_N + 1)
