@@ -33,7 +33,9 @@ def _worker(rank: int, world: int, init_file: str, cache_dir: str, results):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_all_ranks_use_rank_zero_decision(world, tmp_path):
-    results = mp.get_context("fork").Manager().dict()
+    # spawn, not fork: earlier tests in the same pytest process leave torch.compile worker threads
+    # whose locks a forked child would inherit held (the full suite hung here with fork)
+    results = mp.get_context("spawn").Manager().dict()
     mp.start_processes(_worker, args=(world, str(tmp_path / "init"), str(tmp_path), results), nprocs=world,
-                       start_method="fork")
+                       start_method="spawn")
     assert dict(results) == {r: "b:default" for r in range(world)}

@@ -102,7 +102,7 @@ def _writer(path: str, worker: int, n: int) -> None:
 def test_eight_concurrent_writer_processes_lose_no_rows(tmp_path):
     path = str(tmp_path / "d.sqlite")
     DecisionStore(path).generation()  # create the file once, as the first compile would
-    ctx = mp.get_context("fork")  # no re-import of torch per process; the store holds no open connection
+    ctx = mp.get_context("spawn")  # fork could inherit locks held by torch.compile threads of earlier tests
     procs = [ctx.Process(target=_writer, args=(path, w, 25)) for w in range(8)]
     for p in procs:
         p.start()
