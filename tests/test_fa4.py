@@ -138,10 +138,9 @@ def test_sm100_prunes_clc_where_fa4_turns_it_off(installed, p, reason):
 ])
 def test_heuristic_reproduces_fa4_clc_rule(installed, p, clc):
     assert fa4.BACKEND.heuristic_config(p, SM100) == Config.of(clc=clc, num_splits=1)
-    assert fa4.BACKEND.heuristic_config(p, SM90) == Config()
-    for dev in (SM90, SM100):  # the rule always names a runnable enumerated candidate
-        cands = candidates(p, dev)
-        assert cands[f"fa4:{fa4.BACKEND.heuristic_config(p, dev)}"] is None
+    assert fa4.BACKEND.heuristic_config(p, SM90) is None  # no FA4 rule on sm_90: the default (SDPA) stands
+    # the rule always names a runnable enumerated candidate
+    assert candidates(p, SM100)[f"fa4:{fa4.BACKEND.heuristic_config(p, SM100)}"] is None
 
 
 def test_gqa_adds_pack_gqa_false_on_sm90(installed):

@@ -432,11 +432,14 @@ def test_candidates_enumerate_without_duplicates():
     assert len(cands) >= 6 and all(c.backend == "triton" for c in cands)
 
 
-def test_source_hash_covers_the_kernel_module(monkeypatch, tmp_path):
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_source_hash_covers_the_forward_and_backward_kernel_modules(monkeypatch, tmp_path, index):
     before = flash.BACKEND.source_hash()
-    edited = tmp_path / "flash_kernel.py"
-    edited.write_bytes(flash.KERNEL_SOURCE.read_bytes() + b"# edited\n")
-    monkeypatch.setattr(flash, "KERNEL_SOURCE", edited)
+    sources = list(flash.KERNEL_SOURCES)
+    edited = tmp_path / sources[index].name
+    edited.write_bytes(sources[index].read_bytes() + b"# edited\n")
+    sources[index] = edited
+    monkeypatch.setattr(flash, "KERNEL_SOURCES", sources)
     assert flash.BACKEND.source_hash() != before
 
 

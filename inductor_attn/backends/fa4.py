@@ -470,13 +470,14 @@ class FA4Backend(Backend):
             return _sm90_sparse_reason(p, tile)
         return None
 
-    def heuristic_config(self, p: Problem, dev: DeviceInfo) -> Config:
+    def heuristic_config(self, p: Problem, dev: DeviceInfo) -> Config | None:
         """FA4's hand rule without measuring: on sm_100 CLC on except where FA4 itself turns it off
-        (varlen MHA, dense non-causal; from the CLC heuristic PR, flash-attention #2455) and no split;
-        on sm_90 FA4's defaults."""
+        (varlen MHA, dense non-causal; from the CLC heuristic PR, flash-attention #2455) and no split.
+        On sm_90 there is no FA4 rule to reproduce: today's rule there is SDPA's own priority (cuDNN
+        first), so the heuristic mode keeps the default candidate."""
         if dev.arch // 10 in (10, 11):
             return Config.of(clc=fa4_clc_off_reason(p) is None, num_splits=1)
-        return Config()
+        return None
 
     # --------------------------------------------------------------------------------- execution
     def _fa4(self) -> _FA4:

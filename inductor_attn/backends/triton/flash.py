@@ -21,7 +21,8 @@ from ...ops.layout import empty_like_layout
 from ...problem import Problem, next_power_of_two
 from ..base import AttnCall, Backend, Config
 
-KERNEL_SOURCE = Path(__file__).with_name("flash_kernel.py")
+# kernel files read (not imported) for the decision key: forward kernel and the backward it delegates to
+KERNEL_SOURCES = [Path(__file__).with_name(n) for n in ("flash_kernel.py", "flash_bwd.py", "flash_bwd_kernels.py")]
 _DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # tl.dot needs K >= 16; beyond 256 the accumulator cannot stay in registers
 
@@ -193,9 +194,9 @@ class TritonFlashBackend(Backend):
         return forward(call, cfg)
 
     def source_hash(self) -> str:
-        """Hash of this module and of the kernel's module: editing either invalidates old decisions. The
-        kernel file is read, not imported, so computing a decision key never needs triton."""
-        kernel_src = KERNEL_SOURCE.read_bytes()
+        """Hash of this module and of the forward and backward kernel modules: editing any invalidates old
+        decisions. Kernel files are read, not imported, so computing a decision key never needs triton."""
+        kernel_src = b"".join(path.read_bytes() for path in KERNEL_SOURCES)
         return hashlib.sha256(super().source_hash().encode() + kernel_src).hexdigest()[:16]
 
     def backward_configs(self, p: Problem, dev: DeviceInfo) -> list[Config]:
