@@ -156,3 +156,14 @@ def test_run_candidate_runs_exactly_that_one_and_refuses_pruned_ones():
         inductor_attn.run_candidate("sdpa:-", q, q, q)
     with pytest.raises(ValueError, match="not a candidate for this call"):
         inductor_attn.run_candidate("nope:default", q, q, q)
+
+
+def test_deterministic_backward_decisions_are_kept_apart(fakes):
+    with inductor_attn.tuning_mode("autotune"):
+        decide(_call(), DEV, "backward")
+        torch.use_deterministic_algorithms(True)
+        try:
+            decide(_call(), DEV, "backward")
+        finally:
+            torch.use_deterministic_algorithms(False)
+    assert sorted(r["op"] for r in get_store().rows()) == ["attention/backward", "attention/backward-deterministic"]

@@ -57,6 +57,14 @@ def _capturing(call: AttnCall) -> bool:
     return call.q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def _variant(direction: str) -> str:
+    """Backward kernels behave differently under torch.use_deterministic_algorithms (no atomic dQ), so
+    deterministic backward decisions are kept apart."""
+    if direction == "backward" and torch.are_deterministic_algorithms_enabled():
+        return "backward-deterministic"
+    return direction
+
+
 def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str) -> str:
     p = call.problem
     cands = enumerate_candidates(p, dev, direction)
@@ -68,7 +76,7 @@ def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str) -> str:
     runnable = {c.name for c in cands if c.pruned is None}
     if len(runnable) == 1:
         return default_choice(cands)
-    fields = decision_fields(p.op, direction, p, dev, _sources(cands))
+    fields = decision_fields(p.op, _variant(direction), p, dev, _sources(cands))
     store = get_store()
     row = store.get(fields["key"])
     if row is not None and row["winner"] in runnable:
@@ -83,7 +91,7 @@ def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str) -> str:
 
 def decide(call: AttnCall, dev: DeviceInfo, direction: str) -> str:
     """The candidate (``backend:config``) that runs ``call``; see the module doc."""
-    key = (direction, call.problem.bucket(), dev.key(), current_mode(call.problem.device_type))
+    key = (_variant(direction), call.problem.bucket(), dev.key(), current_mode(call.problem.device_type))
     choice = _MEMO.get(key)
     if choice is not None:
         return choice
