@@ -20,14 +20,12 @@ The work:
 - ``_decode_combine``: one program per (output row, 64 columns) merges the splits with weights
   2^(lse_s - max). Splits that saw no key wrote lse = -inf and output 0, so they get weight 0.
 
-Workspace (the partial outputs, float32): cached in ``_WORKSPACES``, one buffer pair per (device, B, Hq,
-Lq, Dv, num_splits) and never freed, so a plain call and a CUDA-graph replay do the same work and the
-steady state allocates only the returned (out, lse). The dtype is not in the key because the workspace is
-float32 for every input dtype. Sharing one buffer among all calls of a shape (every layer of a model) is
-safe for calls issued in order on one stream: each call's combine has read the buffer before the next
-call's partial kernel can start writing it, and a captured graph replays its kernels in that same order
-against the same buffer, which stays alive because the cache never drops it. Two streams running calls
-of one shape concurrently would race on it; nothing in this package does that.
+Workspace (the partial outputs, float32): allocated per call from PyTorch's caching allocator, so the
+steady state never calls cudaMalloc and a captured CUDA graph holds it as a static buffer of its pool:
+a plain call and a replay do the same work. A module-level cache of buffers was tried first and broke
+``torch.compile(mode="reduce-overhead")``: a buffer first allocated during the cudagraph-trees warm-up
+lives in the graph's pool without being an output, which cudagraph trees refuse (seen on an H200,
+2026-11-22, Llama decode).
 """
 
 from __future__ import annotations
@@ -264,19 +262,11 @@ def _default_config(p: Problem, dev: DeviceInfo) -> Config:
 
 
 # ---------------------------------------------------------------------------------------- workspace
-_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _workspace(device: torch.device, b: int, hq: int, lq: int, dv: int, splits: int):
-    """The (partial out, partial lse) buffers of this shape, allocated once; see the module docstring."""
-    key = (device, b, hq, lq, dv, splits)
-    ws = _WORKSPACES.get(key)
-    if ws is None:
-        rows = b * hq * lq
-        ws = (torch.empty(rows, splits, dv, dtype=torch.float32, device=device),
-              torch.empty(rows, splits, dtype=torch.float32, device=device))
-        _WORKSPACES[key] = ws
-    return ws
+def workspace(device: torch.device, b: int, hq: int, lq: int, dv: int, splits: int):
+    """Fresh (partial out, partial lse) buffers for one call; see the module docstring."""
+    rows = b * hq * lq
+    return (torch.empty(rows, splits, dv, dtype=torch.float32, device=device),
+            torch.empty(rows, splits, dtype=torch.float32, device=device))
 
 
 # ------------------------------------------------------------------------------------------- launch
@@ -288,9 +278,10 @@ def _plan(p: Problem, dev: DeviceInfo, cfg: Config) -> tuple[int, int, int, int]
     return int(full["num_splits"]), block_n, int(full["num_warps"]), _num_stages(p, block_n, dev)
 
 
-def launch(call: AttnCall, cfg: Config, out: torch.Tensor, lse: torch.Tensor) -> None:
+def launch(call: AttnCall, cfg: Config, out: torch.Tensor, lse: torch.Tensor, ws=None) -> None:
     """Write attention of ``call`` into ``out`` (B, Hq, Lq, Dv; contiguous) and ``lse`` (B, Hq, Lq;
-    float32, contiguous). Split from ``run`` so tests can hand in outputs poisoned with NaN."""
+    float32, contiguous). Split from ``run`` so tests can hand in outputs (and a workspace ``ws`` from
+    :func:`workspace`) poisoned with NaN."""
     q, k, v = call.q, call.k, call.v
     b, hq, lq, d = q.shape
     hkv, lk, dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -300,7 +291,7 @@ def launch(call: AttnCall, cfg: Config, out: torch.Tensor, lse: torch.Tensor) ->
     m_blocks = -(-g * lq // block_m)
     right = 0 if call.causal else call.window_right
     single = splits == 1
-    target_o, target_lse = (out, lse) if single else _workspace(q.device, b, hq, lq, dv, splits)
+    target_o, target_lse = (out, lse) if single else (ws or workspace(q.device, b, hq, lq, dv, splits))
     seqlens = call.kv_seqlens if call.kv_seqlens is not None else lse  # unread when HAS_SEQLENS is off
     _decode_partial[(m_blocks * splits * b * hkv,)](
         q, k, v, seqlens, target_o, target_lse, *q.stride(), *k.stride(), *v.stride(),
