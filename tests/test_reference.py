@@ -35,47 +35,6 @@ def rand(gen: torch.Generator, *shape: int, dtype=torch.float64) -> torch.Tensor
     return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
 
 
-def visible_keys(lq: int, lk: int, causal: bool, window_left: int, window_right: int, n: int | None = None):
-    """Bool (Lq, Lk): query i sees key j iff j < n and j is within the window around the lower-right
-    diagonal d = i + n - Lq (right bound 0 when causal, -1 = unbounded).
-
-    Built out of place here because naive.dense_mask updates a (1, Lk) tensor in place with an
-    (Lq, Lk) one, which raises for every causal or windowed mask with Lq > 1.
-    """
-    n = lk if n is None else n
-    diag = torch.arange(lq)[:, None] + (n - lq)
-    j = torch.arange(lk)[None, :]
-    ok = (j < n).expand(lq, lk)
-    right = 0 if causal else window_right
-    if right >= 0:
-        ok = ok & (j <= diag + right)
-    if window_left >= 0:
-        ok = ok & (j >= diag - window_left)
-    return ok
-
-
-def oracle_dense(q, k, v, scale, causal=False, window_left=-1, window_right=-1, kv_seqlens=None):
-    lq, lk = q.shape[2], k.shape[2]
-    if kv_seqlens is None:
-        mask = visible_keys(lq, lk, causal, window_left, window_right)
-    else:
-        rows = [visible_keys(lq, lk, causal, window_left, window_right, int(n)) for n in kv_seqlens]
-        mask = torch.stack(rows)[:, None]
-    return naive.attend(q, k, v, mask, scale)
-
-
-def oracle_varlen(q, k, v, cu_q, cu_k, scale, causal=False, window_left=-1, window_right=-1):
-    outs, lses = [], []
-    cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
-    for (q0, q1), (k0, k1) in zip(zip(cu_q, cu_q[1:]), zip(cu_k, cu_k[1:])):
-        qs, ks, vs = (x.transpose(0, 1)[None] for x in (q[q0:q1], k[k0:k1], v[k0:k1]))
-        mask = visible_keys(q1 - q0, k1 - k0, causal, window_left, window_right)
-        o, lse = naive.attend(qs, ks, vs, mask, scale)
-        outs.append(o[0].transpose(0, 1))
-        lses.append(lse[0])
-    return torch.cat(outs), torch.cat(lses, dim=1)
-
-
 def assert_close(out, lse, ref_out, ref_lse, dtype):
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     assert lse.dtype == torch.float32
@@ -105,7 +64,7 @@ def run_dense(p, dtype):
     kv_seqlens = None if p["kv_seqlens"] is None else torch.tensor(p["kv_seqlens"], dtype=torch.int32)
     out, lse = inductor_attn.attention(q, k, v, causal=p["causal"], window=p["window"], kv_seqlens=kv_seqlens,
                                        scale=0.3, return_lse=True)
-    ref_out, ref_lse = oracle_dense(q, k, v, 0.3, p["causal"], *p["window"], kv_seqlens)
+    ref_out, ref_lse = naive.dense(q, k, v, 0.3, p["causal"], *p["window"], kv_seqlens)
     return out, lse, ref_out, ref_lse
 
 
@@ -223,7 +182,7 @@ def test_varlen_matches_naive_per_sequence(p, dtype):
     maxes = (max(lens_q), max(lens_k)) if p["pass_max"] else (None, None)
     out, lse = inductor_attn.varlen_attention(q, k, v, cu_q, cu_k, *maxes, causal=p["causal"], window=p["window"],
                                               scale=0.25, return_lse=True)
-    ref_out, ref_lse = oracle_varlen(q, k, v, cu_q, cu_k, 0.25, p["causal"], *p["window"])
+    ref_out, ref_lse = naive.varlen(q, k, v, cu_q, cu_k, 0.25, p["causal"], *p["window"])
     assert out.shape == (sum(lens_q), hq, 8) and lse.shape == (hq, sum(lens_q))
     assert_close(out, lse, ref_out, ref_lse, dtype)
 
@@ -396,7 +355,7 @@ def test_dense_gradients_match_naive_autograd_including_lse(p, dtype):
                                        scale=0.3, return_lse=True)
 
     def oracle(q, k, v):
-        return oracle_dense(q, k, v, 0.3, p["causal"], *p["window"], kv_seqlens)
+        return naive.dense(q, k, v, 0.3, p["causal"], *p["window"], kv_seqlens)
 
     grads_vs_oracle(inputs, run, oracle, dtype, p["seed"] + 1)
 
@@ -414,7 +373,7 @@ def test_varlen_gradients_match_naive_autograd_including_lse(p, dtype):
                                               return_lse=True)
 
     def oracle(q, k, v):
-        return oracle_varlen(q, k, v, cu_q, cu_k, 16**-0.5, p["causal"], *p["window"])
+        return naive.varlen(q, k, v, cu_q, cu_k, 16**-0.5, p["causal"], *p["window"])
 
     grads_vs_oracle(inputs, run, oracle, dtype, p["seed"] + 1)
 
