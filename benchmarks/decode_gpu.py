@@ -26,12 +26,12 @@ import datetime
 import json
 import math
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from inductor_attn.bench.runner import git_commit  # noqa: E402  (one helper for every script)
 
 SHAPES = [  # (B, Hq, Hkv, D, Lkv)
     (1, 32, 16, 256, 256), (1, 32, 16, 256, 4096), (1, 32, 16, 256, 16384),
@@ -205,12 +205,6 @@ def print_table(summary: dict, targets: list[dict], copy_gbps: float) -> None:
         print(f"target {t['case']}: {t['target']}: {t['value']} -> {'PASS' if t['passed'] else 'FAIL'}")
 
 
-def git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def main() -> None:

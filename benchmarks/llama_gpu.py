@@ -30,7 +30,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -40,6 +39,7 @@ import torch._functorch.config
 import torch._inductor.config
 
 import inductor_attn
+from inductor_attn.bench.runner import git_commit  # noqa: E402  (one helper for every script)
 
 
 def build_model(args):
@@ -209,8 +209,7 @@ def main():
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True).stdout.strip(),
+        "commit": git_commit(),
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "prefill": {
             "stock_ms": stock_p["median_ms"], "inductor_attn_ms": ours_p["median_ms"],

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import subprocess
 import time
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from inductor_attn.device import device_info
 from inductor_attn.ops.block_mask import BlockSparseMask
 from inductor_attn.problem import kept_pairs
 from inductor_attn.tuning.correctness import TOLERANCES, rel_err
+from inductor_attn.bench.runner import git_commit  # noqa: E402  (one helper for every script)
 
 DTYPE = torch.bfloat16
 D = 128
@@ -185,12 +185,6 @@ def print_table(results: list[dict]) -> None:
                   f"{s['best_baseline_ms']:.3f} ms: x{s['speedup_vs_best_baseline']:.2f}")
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:
