@@ -27,6 +27,7 @@ from inductor_attn.backends.block_bitmap import bitmap_lookup, slot_table
 from inductor_attn.device import device_info, parse_device_override
 from inductor_attn.ops.block_mask import BlockSparseMask
 from inductor_attn.problem import Problem
+from blocked_imports import run_without
 
 SM90, SM100 = parse_device_override("sm_90"), parse_device_override("sm_100")
 UNPACKED = Path("/tmp/cutedsl-site/flash_attn/cute")
@@ -489,14 +490,4 @@ def test_backward_uses_views_and_returns_our_layout(monkeypatch):
 
 def test_importing_the_fa4_backend_needs_no_optional_dependency():
     """STYLE pattern 2: backends import optional deps lazily (triton, cutlass, flash_attn blocked here)."""
-    import subprocess
-    import sys
-
-    blocker = ("import sys\n"
-               "class Block:\n"
-               "    def find_spec(self, name, path=None, target=None):\n"
-               "        if name.split('.')[0] in ('triton', 'cutlass', 'flash_attn', 'quack'):\n"
-               "            raise ImportError('blocked: ' + name)\n"
-               "sys.meta_path.insert(0, Block())\n"
-               "import inductor_attn.backends.fa4\n")
-    subprocess.run([sys.executable, "-c", blocker], check=True)
+    run_without(("triton", "cutlass", "flash_attn", "quack"), "import inductor_attn.backends.fa4\n")

@@ -13,6 +13,7 @@ from inductor_attn.backends.base import AttnCall
 from inductor_attn.device import parse_device_override
 from inductor_attn.ops.block_mask import BlockSparseMask
 from inductor_attn.problem import Problem
+from blocked_imports import run_without
 
 SM90 = parse_device_override("sm_90")
 
@@ -154,17 +155,7 @@ def test_compiled_flex_with_our_block_mask_matches_the_reference():
 
 def test_importing_the_flex_backend_needs_no_optional_dependency():
     """STYLE pattern 2: backends import optional deps lazily (triton, cutlass, flash_attn blocked here)."""
-    import subprocess
-    import sys
-
-    blocker = ("import sys\n"
-               "class Block:\n"
-               "    def find_spec(self, name, path=None, target=None):\n"
-               "        if name.split('.')[0] in ('triton', 'cutlass', 'flash_attn', 'quack'):\n"
-               "            raise ImportError('blocked: ' + name)\n"
-               "sys.meta_path.insert(0, Block())\n"
-               "import inductor_attn.backends.flex\n")
-    subprocess.run([sys.executable, "-c", blocker], check=True)
+    run_without(("triton", "cutlass", "flash_attn", "quack"), "import inductor_attn.backends.flex\n")
 
 
 # ------------------------------------------------------------------------------------------- GPU

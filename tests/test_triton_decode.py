@@ -11,8 +11,6 @@ import dataclasses
 import doctest
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,6 +22,7 @@ from inductor_attn.device import DeviceInfo, parse_device_override
 from inductor_attn.ops.attention import attention_op
 from inductor_attn.problem import Problem
 from inductor_attn.tuning.correctness import check_output
+from blocked_imports import run_without
 
 H100 = parse_device_override("sm_90")
 CPU = DeviceInfo("cpu", (0, 0), 2)
@@ -236,23 +235,13 @@ def test_module_imports_and_explains_itself_without_triton():
     """The registry imports this backend on every install; a missing Triton must give a reason, not an
     ImportError. Run in a fresh interpreter whose import of triton fails."""
     code = (
-        "import sys\n"
-        "class Block:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'triton' or name.startswith('triton.'):\n"
-        "            raise ImportError('blocked for this test')\n"
-        "sys.meta_path.insert(0, Block())\n"
         "from inductor_attn.backends.triton import decode\n"
         "from inductor_attn.device import parse_device_override\n"
         "from inductor_attn.problem import Problem\n"
         "p = Problem('attention', 'bfloat16', 'cuda', 1, 8, 2, 1, 4096, 128, 128)\n"
         "print(decode.BACKEND.supports(p, parse_device_override('sm_90')))\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "needs triton (not installed)"
+    assert run_without(("triton",), code) == "needs triton (not installed)"
 
 
 def test_configs_sweep_num_splits_around_one_default_tile():

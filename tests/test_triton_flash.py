@@ -4,8 +4,6 @@ and key tiles; outputs are poisoned with NaN so an element the kernel never writ
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import types
 
@@ -22,6 +20,7 @@ from inductor_attn.problem import Problem
 from inductor_attn.tuning.correctness import check_output
 
 import naive
+from blocked_imports import run_without
 
 SM90 = parse_device_override("sm_90")
 SMALL = dict(block_m=16, block_n=16, num_warps=4, num_stages=1)
@@ -407,23 +406,13 @@ def test_without_triton_the_backend_imports_and_gives_a_reason():
     """The registry imports this module on every install: with triton's import refused, importing it
     and asking supports() must work (fresh interpreter, no TRITON_INTERPRET)."""
     code = (
-        "import sys\n"
-        "class Block:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'triton' or name.startswith('triton.'):\n"
-        "            raise ImportError('blocked for this test')\n"
-        "sys.meta_path.insert(0, Block())\n"
         "from inductor_attn.backends.triton import flash\n"
         "from inductor_attn.device import parse_device_override\n"
         "from inductor_attn.problem import Problem\n"
         "p = Problem('attention', 'bfloat16', 'cuda', 1, 8, 2, 512, 512, 128, 128)\n"
         "print(flash.BACKEND.supports(p, parse_device_override('sm_90')), flash.BACKEND.source_hash() != '')\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "triton is not installed True"
+    assert run_without(("triton",), code) == "triton is not installed True"
 
 
 def test_candidates_enumerate_without_duplicates():
