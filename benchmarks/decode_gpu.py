@@ -205,8 +205,6 @@ def print_table(summary: dict, targets: list[dict], copy_gbps: float) -> None:
         print(f"target {t['case']}: {t['target']}: {t['value']} -> {'PASS' if t['passed'] else 'FAIL'}")
 
 
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="directory for decode_gpu.json")

@@ -185,8 +185,6 @@ def print_table(results: list[dict]) -> None:
                   f"{s['best_baseline_ms']:.3f} ms: x{s['speedup_vs_best_baseline']:.2f}")
 
 
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="directory for triton_flash_gpu.json")
