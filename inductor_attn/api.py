@@ -50,25 +50,17 @@ def _convert_block_mask(block_mask) -> BlockSparseMask:
 def _as_sparse(block_mask, q, k) -> BlockSparseMask:
     from torch.nn.attention.flex_attention import BlockMask
 
-    if isinstance(block_mask, BlockMask):
-        lengths = tuple(int(x) for x in block_mask.seq_lengths)
-        if lengths != (q.shape[2], k.shape[2]):
-            raise ValueError(
-                f"block_mask was built for (Q_LEN, KV_LEN) = {lengths}, but q/k have lengths "
-                f"({q.shape[2]}, {k.shape[2]})"
-            )
-        return _convert_block_mask(block_mask)
-    if isinstance(block_mask, BlockSparseMask):
-        if tuple(block_mask.seq_lengths) != (q.shape[2], k.shape[2]):
-            raise ValueError(
-                f"block_mask was built for (Q_LEN, KV_LEN) = {tuple(block_mask.seq_lengths)}, but q/k have "
-                f"lengths ({q.shape[2]}, {k.shape[2]})"
-            )
-        return block_mask
-    raise TypeError(
-        f"block_mask must be a torch.nn.attention.flex_attention.BlockMask or an inductor_attn.BlockSparseMask, "
-        f"got {type(block_mask).__name__}"
-    )
+    if not isinstance(block_mask, (BlockMask, BlockSparseMask)):
+        raise TypeError(
+            f"block_mask must be a torch.nn.attention.flex_attention.BlockMask or an inductor_attn.BlockSparseMask, "
+            f"got {type(block_mask).__name__}"
+        )
+    lengths = tuple(int(x) for x in block_mask.seq_lengths)
+    if lengths != (q.shape[2], k.shape[2]):
+        raise ValueError(
+            f"block_mask was built for (Q_LEN, KV_LEN) = {lengths}, but q/k have lengths ({q.shape[2]}, {k.shape[2]})"
+        )
+    return _convert_block_mask(block_mask) if isinstance(block_mask, BlockMask) else block_mask
 
 
 def make_call(q, k, v, *, causal: bool = False, scale: float | None = None, window=None,
