@@ -64,25 +64,28 @@ def _as_sparse(block_mask, q, k) -> BlockSparseMask:
 
 
 def make_call(q, k, v, *, causal: bool = False, scale: float | None = None, window=None,
-              kv_seqlens: torch.Tensor | None = None, block_mask=None) -> AttnCall:
+              kv_seqlens: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
+              block_mask=None) -> AttnCall:
     """Check and normalise :func:`attention`'s arguments into the call that backends run."""
     scale = _scale(scale, q)
     if block_mask is not None:
-        if causal or window is not None or kv_seqlens is not None:
-            raise ValueError("block_mask already encodes the mask: leave causal, window and kv_seqlens unset")
+        if causal or window is not None or kv_seqlens is not None or key_mask is not None:
+            raise ValueError("block_mask already encodes the mask: leave causal, window, kv_seqlens and key_mask "
+                             "unset")
         checks.check_attention(q, k, v, scale, -1, -1, None)
         sparse = _as_sparse(block_mask, q, k)
         checks.check_block_sparse(q, k, v, sparse, scale)
         return AttnCall("block_sparse", q, k, v, scale, sparse=sparse)
     left, right = _window(window, causal)
-    checks.check_attention(q, k, v, scale, left, right, kv_seqlens)
+    checks.check_attention(q, k, v, scale, left, right, kv_seqlens, key_mask)
     if _eager():
         checks.check_attention_values(k, kv_seqlens)
-    return AttnCall("attention", q, k, v, scale, causal, left, right, kv_seqlens)
+    return AttnCall("attention", q, k, v, scale, causal, left, right, kv_seqlens, key_mask=key_mask)
 
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, window=None,
-              kv_seqlens: torch.Tensor | None = None, block_mask=None, return_lse: bool = False):
+              kv_seqlens: torch.Tensor | None = None, key_mask: torch.Tensor | None = None, block_mask=None,
+              return_lse: bool = False):
     """Scaled dot-product attention on the fastest correct kernel for this shape.
 
     Args:
@@ -94,6 +97,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, wind
         window: sliding window. ``w`` keeps keys within w positions before the (aligned) diagonal, and
             after it too unless causal; ``(left, right)`` sets both sides, -1 = unbounded.
         kv_seqlens: int32 (B,): only the first ``kv_seqlens[b]`` keys of batch b are valid (KV cache).
+        key_mask: bool (B, Lk), any strides: key j of batch b may be attended only where True (a padding
+            mask, or a decode mask with left padding). Combines with the arguments above; it does not
+            move the causal/window alignment. Runs on sdpa, triton_decode and reference.
         block_mask: a flex_attention ``BlockMask`` (or ``BlockSparseMask``); it carries the whole mask,
             so causal/window/kv_seqlens must be left unset.
         return_lse: also return the float32 log-sum-exp (B, Hq, Lq).
@@ -101,7 +107,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, wind
     Fully masked query rows give zeros and lse = -inf.
     """
     call = make_call(q, k, v, causal=causal, scale=scale, window=window, kv_seqlens=kv_seqlens,
-                     block_mask=block_mask)
+                     key_mask=key_mask, block_mask=block_mask)
     out, lse = _call_op(call)
     return (out, lse) if return_lse else out
 
@@ -113,7 +119,7 @@ def _call_op(call: AttnCall, choice: str = ""):
                                          s.full_kv_num_blocks, s.full_kv_indices, s.partial_bits, s.block_q,
                                          s.block_kv, call.scale, s.density, s.partial_fraction, choice)
     return attention_op(call.q, call.k, call.v, call.scale, call.causal, call.window_left, call.window_right,
-                        call.kv_seqlens, choice)
+                        call.kv_seqlens, call.key_mask, choice)
 
 
 def candidates(q, k, v, **kwargs) -> list[Candidate]:

@@ -57,6 +57,7 @@ class Problem:
     window_left: int = -1
     window_right: int = -1
     has_kv_seqlens: bool = False
+    has_key_mask: bool = False
     total_q: int = 0
     total_k: int = 0
     block_q: int = 0

@@ -33,13 +33,15 @@ def attend(q, k, v, mask, scale):
     return p @ v, lse
 
 
-def dense(q, k, v, scale, causal=False, window_left=-1, window_right=-1, kv_seqlens=None):
+def dense(q, k, v, scale, causal=False, window_left=-1, window_right=-1, kv_seqlens=None, key_mask=None):
     lq, lk = q.shape[2], k.shape[2]
     if kv_seqlens is None:
         mask = dense_mask(lq, lk, causal, window_left, window_right)
     else:
         mask = torch.stack([dense_mask(lq, lk, causal, window_left, window_right, int(n)) for n in kv_seqlens])
         mask = mask[:, None]
+    if key_mask is not None:  # (B, Lk): per batch, per key
+        mask = mask & key_mask.cpu()[:, None, None, :]
     return attend(q, k, v, mask.to(q.device), scale)
 
 

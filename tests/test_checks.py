@@ -66,6 +66,14 @@ DENSE_CASES = {
                          r"kv_seqlens must have shape \(2,\) \(batch,\), got \(3,\)"),
     "kv_seqlens_device": (lambda: attention(Q, K, V, kv_seqlens=i32(1, 2).to("meta")), ValueError,
                           r"kv_seqlens is on meta but q is on cpu"),
+    "key_mask_dtype": (lambda: attention(Q, K, V, key_mask=torch.ones(2, 8, dtype=torch.int32)), TypeError,
+                       r"key_mask must have dtype bool, got torch.int32"),
+    "key_mask_shape": (lambda: attention(Q, K, V, key_mask=torch.ones(2, 1, 1, 8, dtype=torch.bool)), ValueError,
+                       r"key_mask must have shape \(2, 8\) \(batch, k seq_len\), True = the key may be attended, "
+                       r"got \(2, 1, 1, 8\)"),
+    "key_mask_not_tensor": (lambda: attention(Q, K, V, key_mask=[True] * 8), TypeError,
+                            r"key_mask must be a bool torch.Tensor \(batch, k seq_len\), True = the key may be "
+                            r"attended, got list"),
     "window_left_negative": (lambda: attention(Q, K, V, window=(-2, 3)), ValueError,
                              r"window_left must be -1 \(unbounded\) or >= 0, got -2"),
     "window_right_negative": (lambda: attention(Q, K, V, window=(3, -5)), ValueError,
@@ -88,8 +96,8 @@ DENSE_CASES = {
                                r"block mask was built for other lengths or sizes: kv_num_blocks has shape "
                                r"\(3, 1, 1\), expected \(2 or 1, 4 or 1, 1\)"),
     "block_mask_with_causal": (lambda: attention(Q, K, V, causal=True, block_mask=causal_block_mask(8, 8)),
-                               ValueError, r"block_mask already encodes the mask: leave causal, window and "
-                                           r"kv_seqlens unset"),
+                               ValueError, r"block_mask already encodes the mask: leave causal, window, "
+                                           r"kv_seqlens and key_mask unset"),
     "block_mask_with_window": (lambda: attention(Q, K, V, window=4, block_mask=causal_block_mask(8, 8)),
                                ValueError, r"block_mask already encodes the mask"),
     "block_mask_with_kv_seqlens": (lambda: attention(Q, K, V, kv_seqlens=i32(8, 8), block_mask=causal_block_mask(8, 8)),
@@ -174,9 +182,9 @@ SPARSE_64 = BlockSparseMask.from_block_mask(causal_block_mask(64, 64))
 Q64 = t(1, 2, 64, 16)
 
 OP_CASES = {
-    "attention_rank": (lambda: OPS.attention(t(4, 8, 16), K, V, 0.25, False, -1, -1, None, ""), ValueError,
+    "attention_rank": (lambda: OPS.attention(t(4, 8, 16), K, V, 0.25, False, -1, -1, None, None, ""), ValueError,
                        r"q must have 4 dims"),
-    "attention_window": (lambda: OPS.attention(Q, K, V, 0.25, False, -7, -1, None, ""), ValueError,
+    "attention_window": (lambda: OPS.attention(Q, K, V, 0.25, False, -7, -1, None, None, ""), ValueError,
                          r"window_left must be -1 \(unbounded\) or >= 0, got -7"),
     "varlen_cu_dtype": (lambda: OPS.varlen_attention(QV, KV, VV, CU_Q.long(), CU_K, 6, 7, 0.25, False, -1, -1, ""),
                         TypeError, r"cu_seqlens_q must have dtype int32"),
@@ -210,4 +218,4 @@ def test_ops_refuse_bad_input_when_called_directly(call, error, message):
 def test_checks_run_on_fake_tensors_while_tracing():
     with FakeTensorMode(), pytest.raises(ValueError, match=r"q heads \(6\) must be a multiple of k/v heads \(4\)"):
         OPS.attention(torch.empty(2, 6, 8, 16), torch.empty(2, 4, 8, 16), torch.empty(2, 4, 8, 16), 0.25, True,
-                      -1, -1, None, "")
+                      -1, -1, None, None, "")

@@ -26,11 +26,15 @@ def rand(*shape: int, dtype=torch.float64, grad: bool = False, seed: int = 0) ->
     return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).requires_grad_(grad)
 
 
-def dense_args(dtype, grad, causal=False, window=(-1, -1), kv_seqlens=None, heads=(4, 2)):
+def dense_args(dtype, grad, causal=False, window=(-1, -1), kv_seqlens=None, heads=(4, 2), key_mask=None):
     hq, hkv = heads
     q, k, v = rand(2, hq, 5, 16, dtype=dtype, grad=grad), rand(2, hkv, 7, 16, dtype=dtype, grad=grad, seed=1), \
         rand(2, hkv, 7, 8, dtype=dtype, grad=grad, seed=2)
-    return (q, k, v, 0.25, causal, *window, kv_seqlens, "")
+    return (q, k, v, 0.25, causal, *window, kv_seqlens, key_mask, "")
+
+
+# batch 0 keeps keys 2..6 (left padding), batch 1 keys 0, 3 and 5
+KEY_MASK = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 0, 0, 1, 0, 1, 0]], dtype=torch.bool)
 
 
 def varlen_args(dtype, grad, causal=False, window=(-1, -1)):
@@ -64,6 +68,8 @@ FORWARD_CASES = {
     "attention_causal_window_kv_seqlens": (OPS.attention.default, lambda dt, g: dense_args(
         dt, g, causal=True, window=(3, -1), kv_seqlens=torch.tensor([7, 2], dtype=torch.int32))),
     "attention_mqa_window": (OPS.attention.default, lambda dt, g: dense_args(dt, g, window=(2, 1), heads=(4, 1))),
+    "attention_causal_key_mask": (OPS.attention.default,
+                                  lambda dt, g: dense_args(dt, g, causal=True, key_mask=KEY_MASK)),
     "varlen_attention": (OPS.varlen_attention.default, lambda dt, g: varlen_args(dt, g)),
     "varlen_attention_causal_window": (OPS.varlen_attention.default,
                                        lambda dt, g: varlen_args(dt, g, causal=True, window=(2, -1))),
@@ -87,6 +93,8 @@ BACKWARD_CASES = {
     "attention_backward": (OPS.attention.default, OPS.attention_backward.default, 3,
                            lambda: dense_args(torch.float64, False, causal=True,
                                               kv_seqlens=torch.tensor([7, 0], dtype=torch.int32))),
+    "attention_backward_key_mask": (OPS.attention.default, OPS.attention_backward.default, 3,
+                                    lambda: dense_args(torch.float64, False, key_mask=KEY_MASK)),
     "varlen_attention_backward": (OPS.varlen_attention.default, OPS.varlen_attention_backward.default, 3,
                                   lambda: varlen_args(torch.float64, False, causal=True)),
     "block_sparse_attention_backward": (OPS.block_sparse_attention.default,
@@ -134,7 +142,7 @@ def test_fake_impl_gives_shapes_and_dtypes_without_running_a_kernel():
     with FakeTensorMode():
         q, k, v = torch.empty(2, 8, 33, 64, dtype=torch.bfloat16), torch.empty(2, 2, 50, 64, dtype=torch.bfloat16), \
             torch.empty(2, 2, 50, 32, dtype=torch.bfloat16)
-        out, lse = OPS.attention(q, k, v, 0.125, True, -1, -1, None, "")
+        out, lse = OPS.attention(q, k, v, 0.125, True, -1, -1, None, None, "")
     assert (out.shape, out.dtype) == ((2, 8, 33, 32), torch.bfloat16)
     assert (lse.shape, lse.dtype) == ((2, 8, 33), torch.float32)
     assert inductor_attn.stats() == {}

@@ -51,8 +51,11 @@ def dense_problems(draw):
     causal = draw(st.booleans())
     window = (draw(st.integers(-1, 12)), draw(st.integers(-1, 12)))
     kv_seqlens = draw(st.none() | st.lists(st.integers(0, lk), min_size=batch, max_size=batch))
+    key_mask = draw(st.none() | st.lists(st.lists(st.booleans(), min_size=lk, max_size=lk), min_size=batch,
+                                         max_size=batch))
     return dict(shape=(batch, heads_kv * group, heads_kv, lq, lk), head_dims=draw(st.sampled_from([(8, 8), (16, 16),
-                (32, 16)])), causal=causal, window=window, kv_seqlens=kv_seqlens, seed=draw(st.integers(0, 2**31)))
+                (32, 16)])), causal=causal, window=window, kv_seqlens=kv_seqlens, key_mask=key_mask,
+                seed=draw(st.integers(0, 2**31)))
 
 
 def run_dense(p, dtype):
@@ -62,9 +65,10 @@ def run_dense(p, dtype):
     q, k, v = rand(gen, batch, hq, lq, d, dtype=dtype), rand(gen, batch, hkv, lk, d, dtype=dtype), \
         rand(gen, batch, hkv, lk, dv, dtype=dtype)
     kv_seqlens = None if p["kv_seqlens"] is None else torch.tensor(p["kv_seqlens"], dtype=torch.int32)
+    key_mask = None if p["key_mask"] is None else torch.tensor(p["key_mask"], dtype=torch.bool)
     out, lse = inductor_attn.attention(q, k, v, causal=p["causal"], window=p["window"], kv_seqlens=kv_seqlens,
-                                       scale=0.3, return_lse=True)
-    ref_out, ref_lse = naive.dense(q, k, v, 0.3, p["causal"], *p["window"], kv_seqlens)
+                                       key_mask=key_mask, scale=0.3, return_lse=True)
+    ref_out, ref_lse = naive.dense(q, k, v, 0.3, p["causal"], *p["window"], kv_seqlens, key_mask)
     return out, lse, ref_out, ref_lse
 
 
@@ -349,13 +353,14 @@ def test_dense_gradients_match_naive_autograd_including_lse(p, dtype):
     gen = torch.Generator().manual_seed(p["seed"])
     inputs = rand(gen, batch, hq, lq, d), rand(gen, batch, hkv, lk, d), rand(gen, batch, hkv, lk, dv)
     kv_seqlens = None if p["kv_seqlens"] is None else torch.tensor(p["kv_seqlens"], dtype=torch.int32)
+    key_mask = None if p["key_mask"] is None else torch.tensor(p["key_mask"], dtype=torch.bool)
 
     def run(q, k, v):
         return inductor_attn.attention(q, k, v, causal=p["causal"], window=p["window"], kv_seqlens=kv_seqlens,
-                                       scale=0.3, return_lse=True)
+                                       key_mask=key_mask, scale=0.3, return_lse=True)
 
     def oracle(q, k, v):
-        return naive.dense(q, k, v, 0.3, p["causal"], *p["window"], kv_seqlens)
+        return naive.dense(q, k, v, 0.3, p["causal"], *p["window"], kv_seqlens, key_mask)
 
     grads_vs_oracle(inputs, run, oracle, dtype, p["seed"] + 1)
 

@@ -44,6 +44,7 @@ class Case:
     block_n: int = 32
     splits: int = 4
     layout: str = "contiguous"  # or "bshd" (k/v as transposed views) or "cache_slice"
+    key_mask: str | None = None  # "random", "left_pad" or "shared" (one row expanded over the batch)
 
 
 def _kv(case: Case, dim: int, gen: torch.Generator) -> torch.Tensor:
@@ -60,7 +61,18 @@ def _call(case: Case, seed: int = 0) -> AttnCall:
     q = torch.randn(case.b, case.lq, case.hq, case.d, generator=gen).to(case.dtype).transpose(1, 2)
     k, v = _kv(case, case.d, gen), _kv(case, case.dv or case.d, gen)
     seqlens = None if case.seqlens is None else torch.tensor(case.seqlens, dtype=torch.int32)
-    return AttnCall("attention", q, k, v, case.d ** -0.5, case.causal, *case.window, kv_seqlens=seqlens)
+    return AttnCall("attention", q, k, v, case.d ** -0.5, case.causal, *case.window, kv_seqlens=seqlens,
+                    key_mask=_key_mask(case, gen))
+
+
+def _key_mask(case: Case, gen: torch.Generator) -> torch.Tensor | None:
+    if case.key_mask == "random":
+        return torch.rand(case.b, case.lk, generator=gen) < 0.6
+    if case.key_mask == "left_pad":  # what generate() passes for a left-padded batch: batch i skips 7 * i keys
+        return torch.arange(case.lk)[None, :] >= 7 * torch.arange(case.b)[:, None]
+    if case.key_mask == "shared":
+        return (torch.rand(1, case.lk, generator=gen) < 0.5).expand(case.b, case.lk)
+    return None
 
 
 def _reference(call: AttnCall):
@@ -100,6 +112,10 @@ CASES = {
     "dv96_two_combine_column_chunks": Case(lq=2, lk=70, d=80, dv=96, causal=True, splits=4),
     "left_window_right_unbounded_block64": Case(lq=3, lk=150, window=(10, -1), block_n=64, splits=2,
                                                 dtype=torch.float32),
+    "key_mask_random_gqa": Case(b=2, hq=8, hkv=2, lk=130, key_mask="random", splits=4),
+    "key_mask_left_pad_with_seqlens_causal": Case(b=3, lq=2, lk=70, causal=True, seqlens=(70, 40, 9),
+                                                  key_mask="left_pad", splits=2),
+    "key_mask_shared_stride0_single_split": Case(b=2, lk=64, key_mask="shared", splits=1),
 }
 
 
@@ -143,7 +159,7 @@ def test_default_config_runs_through_the_custom_op():
     case = Case(b=2, hq=4, hkv=2, lq=1, lk=64, causal=True, seqlens=(64, 17))
     call = _call(case, seed=3)
     with only_backends(REFERENCE, decode.BACKEND):
-        out, lse = attention_op(call.q, call.k, call.v, call.scale, True, -1, -1, call.kv_seqlens,
+        out, lse = attention_op(call.q, call.k, call.v, call.scale, True, -1, -1, call.kv_seqlens, None,
                                 "triton_decode:default")
     assert check_output(out, lse, *_reference(call), case.dtype) is None
 

@@ -1,6 +1,6 @@
 """Split-K decode backend on a real GPU against the float64 reference: the sweep the interpreter is too slow for.
 
-Lq 1..16, GQA ratios 1/2/8/16 and MQA, head dims 64/128/256, fp16/bf16, kv_seqlens with 0 and Lk,
+Lq 1..16, GQA ratios 1/2/8/16 and MQA, head dims 64/128/256, fp16/bf16, kv_seqlens with 0 and Lk, key masks,
 non-contiguous K/V cache views, every num_splits and every config that the tuner may pick, CUDA-graph
 replay. Outputs and the cached workspace are poisoned with NaN before each run.
 Run: ``python -m pytest -q -m gpu tests/test_triton_decode_gpu.py``.
@@ -22,7 +22,7 @@ from inductor_attn.tuning.correctness import check_output
 
 pytestmark = pytest.mark.gpu
 
-MASKS = ("none", "causal", "causal_seqlens", "window_left", "window_both", "seqlens")
+MASKS = ("none", "causal", "causal_seqlens", "window_left", "window_both", "seqlens", "key_mask_seqlens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +63,11 @@ def _call(c: Case, seed: int = 0) -> AttnCall:
     if c.mask.endswith("seqlens"):
         lens = [0, c.lk, c.lk // 2 + 1][: c.b] if c.b > 1 else [c.lk // 2 + 1]
         seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    return AttnCall("attention", q, k, v, c.d ** -0.5, causal, *window, kv_seqlens=seqlens)
+    key_mask = None
+    if c.mask.startswith("key_mask"):  # left padding of 3 * b keys plus random holes, as generate() may pass
+        key_mask = ((torch.arange(c.lk, device="cuda")[None, :] >= 3 * torch.arange(c.b, device="cuda")[:, None])
+                    & (torch.rand(c.b, c.lk, generator=gen, device="cuda") < 0.9))
+    return AttnCall("attention", q, k, v, c.d ** -0.5, causal, *window, kv_seqlens=seqlens, key_mask=key_mask)
 
 
 def _reference(call: AttnCall):

@@ -69,6 +69,8 @@ def enumerate_candidates(p: Problem, dev: DeviceInfo, direction: str = "forward"
     out: list[Candidate] = []
     for backend in _REGISTRY.values():
         reason = backend.supports(p, dev)
+        if reason is None and p.has_key_mask and not backend.takes_key_mask:
+            reason = f"{backend.name} does not take key_mask (per-batch key masks run on {_key_mask_backends()})"
         if reason is None and direction == "backward":
             reason = backend.supports_backward(p, dev)
         if reason is not None:
@@ -84,6 +86,10 @@ def enumerate_candidates(p: Problem, dev: DeviceInfo, direction: str = "forward"
     if duplicates:
         raise RuntimeError(f"candidate names must be unique, duplicated: {sorted(duplicates)}")
     return out
+
+
+def _key_mask_backends() -> str:
+    return ", ".join(b.name for b in _REGISTRY.values() if b.takes_key_mask)
 
 
 def _register_builtin() -> None:

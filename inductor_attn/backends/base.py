@@ -102,6 +102,7 @@ class AttnCall:
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     sparse: BlockSparseMask | None = None
+    key_mask: torch.Tensor | None = None
     _problem: Problem | None = field(default=None, repr=False)
 
     @property
@@ -124,7 +125,8 @@ def problem_of(call: AttnCall) -> Problem:
     extra = {} if sparse is None else dict(block_q=sparse.block_q, block_kv=sparse.block_kv,
                                            density=sparse.density, partial_fraction=sparse.partial_fraction)
     return Problem(batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1], len_q=q.shape[2],
-                   len_k=k.shape[2], has_kv_seqlens=call.kv_seqlens is not None, **common, **extra)
+                   len_k=k.shape[2], has_kv_seqlens=call.kv_seqlens is not None,
+                   has_key_mask=call.key_mask is not None, **common, **extra)
 
 
 class Backend:
@@ -132,6 +134,8 @@ class Backend:
 
     name: str = "?"
     has_backward: bool = False
+    # whether run/backward apply AttnCall.key_mask; the registry prunes the others for such problems
+    takes_key_mask: bool = False
 
     def supports(self, p: Problem, dev: DeviceInfo) -> str | None:
         raise NotImplementedError

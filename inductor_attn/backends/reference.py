@@ -33,15 +33,15 @@ def _chunk_rows(q: torch.Tensor, len_k: int, align: int = 1) -> int:
 
 
 def dense_mask_fn(len_q: int, len_k: int, causal: bool, window_left: int, window_right: int,
-                  kv_seqlens: torch.Tensor | None, device) -> MaskFn | None:
+                  kv_seqlens: torch.Tensor | None, device, key_mask: torch.Tensor | None = None) -> MaskFn | None:
     """Lower-right aligned causal/window mask; with kv_seqlens the alignment uses each batch's length.
 
-    Query i sees key j iff j < n_b and (i + n_b - Lq) - window_left <= j <= (i + n_b - Lq) + right,
-    where n_b = kv_seqlens[b] (or Lk), right = 0 if causal else window_right, and -1 means unbounded.
-    Returns a bool mask of shape (B or 1, 1, 1, rows, Lk).
+    Query i sees key j iff j < n_b and (i + n_b - Lq) - window_left <= j <= (i + n_b - Lq) + right
+    and key_mask[b, j], where n_b = kv_seqlens[b] (or Lk), right = 0 if causal else window_right, and -1
+    means unbounded. Returns a bool mask of shape (B or 1, 1, 1, rows, Lk).
     """
     right = 0 if causal else window_right
-    if right < 0 and window_left < 0 and kv_seqlens is None:
+    if right < 0 and window_left < 0 and kv_seqlens is None and key_mask is None:
         return None
     n = (kv_seqlens.to(device=device, dtype=torch.int64) if kv_seqlens is not None
          else torch.full((1,), len_k, device=device, dtype=torch.int64))
@@ -54,6 +54,8 @@ def dense_mask_fn(len_q: int, len_k: int, causal: bool, window_left: int, window
             ok = ok & (keys <= diag + right)
         if window_left >= 0:
             ok = ok & (keys >= diag - window_left)
+        if key_mask is not None:
+            ok = ok & key_mask.to(device)[:, None, :]
         return ok[:, None, None]
 
     return rows
@@ -155,6 +157,7 @@ def _bhld(x: torch.Tensor, start: int, end: int) -> torch.Tensor:
 class ReferenceBackend(Backend):
     name = "reference"
     has_backward = True
+    takes_key_mask = True
 
     def supports(self, p: Problem, dev: DeviceInfo) -> str | None:
         return None
@@ -163,7 +166,7 @@ class ReferenceBackend(Backend):
         if call.op == "block_sparse":
             return block_sparse_mask_fn(call), call.sparse.block_q
         return dense_mask_fn(call.q.shape[2], call.k.shape[2], call.causal, call.window_left,
-                             call.window_right, call.kv_seqlens, call.q.device), 1
+                             call.window_right, call.kv_seqlens, call.q.device, call.key_mask), 1
 
     def run(self, call: AttnCall, cfg: Config):
         if call.op != "varlen":

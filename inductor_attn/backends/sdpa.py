@@ -6,7 +6,7 @@ also return the log-sum-exp. The first config is the kernel SDPA itself would pi
 baseline every other candidate must beat.
 
 Masks: the aten ops' ``is_causal`` is upper-left aligned, so it is used only when Lq == Lk. Lower-right
-causal with Lq != Lk, windows and kv_seqlens become an additive bias (B or 1, 1, Lq, Lk), which the
+causal with Lq != Lk, windows, kv_seqlens and key_mask become an additive bias (B or 1, 1, Lq, Lk), which the
 flash kernel cannot take (pruned) and which is capped in size. GQA: flash and cuDNN get k/v as they
 are; the efficient kernel gets them expanded (a copy, as SDPA's own enable_gqa path does for it).
 """
@@ -29,7 +29,8 @@ MAX_BIAS_BYTES = 1 << 30
 
 def _needs_bias(p: Problem) -> bool:
     lower_right_causal = p.causal and p.len_q != p.len_k
-    return lower_right_causal or p.window_left >= 0 or p.window_right >= 0 or p.has_kv_seqlens
+    return (lower_right_causal or p.window_left >= 0 or p.window_right >= 0 or p.has_kv_seqlens
+            or p.has_key_mask)
 
 
 @functools.lru_cache(maxsize=256)
@@ -52,7 +53,7 @@ def _bias(call: AttnCall) -> torch.Tensor:
 
     lq, lk = call.q.shape[2], call.k.shape[2]
     allowed = dense_mask_fn(lq, lk, call.causal, call.window_left, call.window_right, call.kv_seqlens,
-                            call.q.device)(0, lq)[:, 0]  # (B or 1, 1, Lq, Lk)
+                            call.q.device, call.key_mask)(0, lq)[:, 0]  # (B or 1, 1, Lq, Lk)
     padded = torch.empty(*allowed.shape[:-1], -(-lk // 16) * 16, dtype=call.q.dtype, device=call.q.device)
     bias = padded[..., :lk]
     bias.copy_(torch.where(allowed, 0.0, float("-inf")))
@@ -61,6 +62,7 @@ def _bias(call: AttnCall) -> torch.Tensor:
 
 class SdpaBackend(Backend):
     name = "sdpa"
+    takes_key_mask = True
 
     def supports(self, p: Problem, dev: DeviceInfo) -> str | None:
         if p.device_type != "cuda":
@@ -69,7 +71,7 @@ class SdpaBackend(Backend):
             return f"SDPA has no {p.op} entry point (a dense mask would be O(Lq x Lk))"
         if p.dtype == "float64":
             return "float64 runs on the reference only"
-        bias_bytes = (p.batch if p.has_kv_seqlens else 1) * p.len_q * p.len_k * 2
+        bias_bytes = (p.batch if p.has_kv_seqlens or p.has_key_mask else 1) * p.len_q * p.len_k * 2
         if _needs_bias(p) and bias_bytes > MAX_BIAS_BYTES:
             return f"this mask needs an additive bias of {bias_bytes >> 20} MiB (cap {MAX_BIAS_BYTES >> 20} MiB)"
         return None
@@ -83,7 +85,7 @@ class SdpaBackend(Backend):
         if kernel in ("flash", "cudnn") and p.dtype == "float32":
             return f"SDPA {kernel} needs fp16/bf16"
         if kernel == "flash" and _needs_bias(p):
-            return "SDPA flash takes no mask: lower-right causal (Lq != Lk), windows and kv_seqlens need one"
+            return "SDPA flash takes no mask: lower-right causal (Lq != Lk), windows, kv_seqlens and key_mask need one"
         if kernel == "flash" and p.head_dim != p.head_dim_v:
             return "SDPA flash needs the same head dim for q/k and v"
         return None

@@ -28,6 +28,8 @@ def short_problem(problem_key: str) -> str:
         label += f" window({p.window_left},{p.window_right})"
     if p.has_kv_seqlens:
         label += " kv_seqlens"
+    if p.has_key_mask:
+        label += " key_mask"
     if p.op == "block_sparse":
         label += f" blocks{p.block_q}x{p.block_kv} density{p.density:.2f}"
     return label

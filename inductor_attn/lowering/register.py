@@ -1,10 +1,10 @@
 """Inductor lowerings for the ``inductor_attn`` ops: decide at compile time, emit a direct call.
 
-For a dense ``attention`` (or its backward) with static shapes and no kv_seqlens, the decision is made
-while lowering (store hit, or tuning on fresh random inputs of the exact shape) and the generated code
-calls the op with ``choice="<backend>:<config>"`` baked in. Everything else (dynamic shapes, varlen and
-block-sparse problems, whose index tensors' values matter and are unknown at compile time, kv_seqlens)
-is emitted with ``choice=""``: the op decides at run time per bucket, tuning a new bucket once on the
+For a dense ``attention`` (or its backward) with static shapes and no kv_seqlens or key_mask, the
+decision is made while lowering (store hit, or tuning on fresh random inputs of the exact shape) and the
+generated code calls the op with ``choice="<backend>:<config>"`` baked in. Everything else (dynamic
+shapes, varlen and block-sparse problems, kv_seqlens and key_mask: index tensors whose values matter and
+are unknown at compile time) is emitted with ``choice=""``: the op decides at run time per bucket, tuning a new bucket once on the
 real index tensors and persisting it, then one dict lookup per call.
 
 Registered the first time a fake impl runs (i.e. while tracing for torch.compile), not at import. The
@@ -66,9 +66,9 @@ def _static_size(node) -> list[int] | None:
 
 
 def compile_time_choice(overload, bound: dict) -> str | None:
-    """Decide from shapes alone, or None when that is impossible (dynamic shapes, kv_seqlens)."""
+    """Decide from shapes alone, or None when that is impossible (dynamic shapes, kv_seqlens, key_mask)."""
     direction = _COMPILE_TIME[overload]
-    if bound["kv_seqlens"] is not None:
+    if bound["kv_seqlens"] is not None or bound["key_mask"] is not None:
         return None
     sizes = [_static_size(bound[n]) for n in ("q", "k", "v")]
     if any(s is None for s in sizes):

@@ -42,15 +42,17 @@ def _ensure_lowering():
 # --------------------------------------------------------------------------------------------- dense
 @torch.library.custom_op(f"{LIB}::attention", mutates_args=())
 def attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, window_left: int,
-                 window_right: int, kv_seqlens: Tensor | None, choice: str) -> tuple[Tensor, Tensor]:
-    checks.check_attention(q, k, v, scale, window_left, window_right, kv_seqlens)
-    call = _dispatch().AttnCall("attention", q, k, v, scale, causal, window_left, window_right, kv_seqlens)
+                 window_right: int, kv_seqlens: Tensor | None, key_mask: Tensor | None,
+                 choice: str) -> tuple[Tensor, Tensor]:
+    checks.check_attention(q, k, v, scale, window_left, window_right, kv_seqlens, key_mask)
+    call = _dispatch().AttnCall("attention", q, k, v, scale, causal, window_left, window_right, kv_seqlens,
+                                key_mask=key_mask)
     return _dispatch().forward(call, choice)
 
 
 @attention_op.register_fake
-def _(q, k, v, scale, causal, window_left, window_right, kv_seqlens, choice):
-    checks.check_attention(q, k, v, scale, window_left, window_right, kv_seqlens)
+def _(q, k, v, scale, causal, window_left, window_right, kv_seqlens, key_mask, choice):
+    checks.check_attention(q, k, v, scale, window_left, window_right, kv_seqlens, key_mask)
     _ensure_lowering()
     b, h, lq, _ = q.shape
     return empty_like_layout(q, (b, h, lq, v.shape[-1])), _lse_like(q, h, lq, b)
@@ -59,27 +61,30 @@ def _(q, k, v, scale, causal, window_left, window_right, kv_seqlens, choice):
 @torch.library.custom_op(f"{LIB}::attention_backward", mutates_args=())
 def attention_backward_op(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
                           out: Tensor, lse: Tensor, scale: float, causal: bool, window_left: int,
-                          window_right: int, kv_seqlens: Tensor | None,
+                          window_right: int, kv_seqlens: Tensor | None, key_mask: Tensor | None,
                           choice: str) -> tuple[Tensor, Tensor, Tensor]:
-    call = _dispatch().AttnCall("attention", q, k, v, scale, causal, window_left, window_right, kv_seqlens)
+    call = _dispatch().AttnCall("attention", q, k, v, scale, causal, window_left, window_right, kv_seqlens,
+                                key_mask=key_mask)
     return _dispatch().backward(call, choice, out, lse, grad_out, grad_lse)
 
 
 @attention_backward_op.register_fake
-def _(grad_out, grad_lse, q, k, v, out, lse, scale, causal, window_left, window_right, kv_seqlens, choice):
+def _(grad_out, grad_lse, q, k, v, out, lse, scale, causal, window_left, window_right, kv_seqlens, key_mask,
+      choice):
     return empty_like_layout(q, q.shape), empty_like_layout(k, k.shape), empty_like_layout(v, v.shape)
 
 
 def _attention_setup(ctx, inputs, output):
-    q, k, v, scale, causal, wl, wr, kv_seqlens, choice = inputs
-    ctx.save_for_backward(q, k, v, *output, kv_seqlens)
+    q, k, v, scale, causal, wl, wr, kv_seqlens, key_mask, choice = inputs
+    ctx.save_for_backward(q, k, v, *output, kv_seqlens, key_mask)
     ctx.args = (scale, causal, wl, wr)
 
 
 def _attention_grad(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, kv_seqlens = ctx.saved_tensors
-    dq, dk, dv = attention_backward_op(grad_out, grad_lse, q, k, v, out, lse, *ctx.args, kv_seqlens, "")
-    return dq, dk, dv, None, None, None, None, None, None
+    q, k, v, out, lse, kv_seqlens, key_mask = ctx.saved_tensors
+    dq, dk, dv = attention_backward_op(grad_out, grad_lse, q, k, v, out, lse, *ctx.args, kv_seqlens, key_mask,
+                                       "")
+    return (dq, dk, dv) + (None,) * 7
 
 
 attention_op.register_autograd(_attention_grad, setup_context=_attention_setup)

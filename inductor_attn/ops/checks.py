@@ -82,7 +82,7 @@ def check_index_tensor(name: str, x, shape: tuple, device: torch.device, layout:
         raise ValueError(f"{name} is on {x.device} but q is on {device}")
 
 
-def check_attention(q, k, v, scale, window_left, window_right, kv_seqlens) -> None:
+def check_attention(q, k, v, scale, window_left, window_right, kv_seqlens, key_mask=None) -> None:
     layout = "(batch, heads, seq_len, head_dim)"
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, x, 4, layout)
@@ -99,6 +99,20 @@ def check_attention(q, k, v, scale, window_left, window_right, kv_seqlens) -> No
     check_window(window_left, window_right)
     if kv_seqlens is not None:
         check_index_tensor("kv_seqlens", kv_seqlens, (q.shape[0],), q.device, "(batch,)")
+    if key_mask is not None:
+        check_key_mask(key_mask, (q.shape[0], k.shape[2]), q.device)
+
+
+def check_key_mask(key_mask, shape: tuple, device: torch.device) -> None:
+    layout = "(batch, k seq_len), True = the key may be attended"
+    if not isinstance(key_mask, torch.Tensor):
+        raise TypeError(f"key_mask must be a bool torch.Tensor {layout}, got {type(key_mask).__name__}")
+    if key_mask.dtype != torch.bool:
+        raise TypeError(f"key_mask must have dtype bool, got {key_mask.dtype}")
+    if tuple(key_mask.shape) != tuple(shape):
+        raise ValueError(f"key_mask must have shape {tuple(shape)} {layout}, got {tuple(key_mask.shape)}")
+    if key_mask.device != device:
+        raise ValueError(f"key_mask is on {key_mask.device} but q is on {device}")
 
 
 def check_attention_values(k, kv_seqlens) -> None:

@@ -14,7 +14,8 @@ The work:
   query heads of one kv head times the Lq queries (row r = g * Lq + i), so each K/V tile is loaded once
   for the whole group (GQA packing). The split's keys are a balanced run of whole BLOCK_N blocks of the
   keys that any row can see, [lo, n_b), computed in the kernel from each batch's kv_seqlens: a cache
-  filled to 2k of its 16k capacity still spreads its 2k keys over all splits. It writes a normalised float32 partial output and a log2-domain
+  filled to 2k of its 16k capacity still spreads its 2k keys over all splits. A ``key_mask`` (B, Lk)
+  is read as one byte per key next to the tile. It writes a normalised float32 partial output and a log2-domain
   lse per (row, split) to the workspace; with num_splits == 1 it writes out and lse directly and the
   combine is skipped.
 - ``_decode_combine``: one program per (output row, 64 columns) merges the splits with weights
@@ -70,10 +71,11 @@ def _jit(**options):
 # specialise on their values, or Triton would compile a variant for Lk == 1 and for Lk % 16 == 0.
 @_jit(do_not_specialize=["LK", "NUM_SPLITS", "NUM_M_BLOCKS", "WINDOW_LEFT", "WINDOW_RIGHT"])
 def _decode_partial(
-    Q, K, V, SEQLENS, OUT, LSE,
-    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+    Q, K, V, SEQLENS, KEY_MASK, OUT, LSE,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, smn,
     qk_scale, HKV, G, LQ, LK, D, DV, NUM_SPLITS, NUM_M_BLOCKS, WINDOW_LEFT, WINDOW_RIGHT,
-    HAS_SEQLENS: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SINGLE: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    SINGLE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PRECISION: tl.constexpr, DOT_IN_F32: tl.constexpr,
 ):
@@ -134,6 +136,8 @@ def _decode_partial(
             ok = ok & (keys[None, :] <= diag[:, None] + WINDOW_RIGHT)
         if HAS_LEFT:
             ok = ok & (keys[None, :] >= diag[:, None] - WINDOW_LEFT)
+        if HAS_KEY_MASK:  # one byte per key, next to 2 x D x 2 bytes of K and V
+            ok = ok & (tl.load(KEY_MASK + b * smb + keys * smn, mask=key_ok, other=0) != 0)[None, :]
         qk = tl.where(ok, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         # a row with no visible key so far keeps m = -inf; shift by 0 there so exp2 gives 0, not NaN
@@ -272,10 +276,13 @@ def workspace(device: torch.device, b: int, hq: int, lq: int, dv: int, splits: i
 # ------------------------------------------------------------------------------------------- launch
 @functools.lru_cache(maxsize=1024)
 def _plan(p: Problem, dev: DeviceInfo, cfg: Config) -> tuple[int, int, int, int]:
-    """(num_splits, block_n, num_warps, num_stages) of a config; missing knobs come from the default."""
+    """(num_splits, block_n, num_warps, num_stages) of a config; missing knobs come from the default.
+    ``num_stages`` is not in the tuned configs (2 or 3 from shared memory), but a config may set it:
+    benchmarks/decode_gpu.py --stages sweeps it."""
     full = dict(_default_config(p, dev).params) | dict(cfg.params)
     block_n = int(full["block_n"])
-    return int(full["num_splits"]), block_n, int(full["num_warps"]), _num_stages(p, block_n, dev)
+    stages = int(full.get("num_stages", _num_stages(p, block_n, dev)))
+    return int(full["num_splits"]), block_n, int(full["num_warps"]), stages
 
 
 def launch(call: AttnCall, cfg: Config, out: torch.Tensor, lse: torch.Tensor, ws=None) -> None:
@@ -293,10 +300,14 @@ def launch(call: AttnCall, cfg: Config, out: torch.Tensor, lse: torch.Tensor, ws
     single = splits == 1
     target_o, target_lse = (out, lse) if single else (ws or workspace(q.device, b, hq, lq, dv, splits))
     seqlens = call.kv_seqlens if call.kv_seqlens is not None else lse  # unread when HAS_SEQLENS is off
+    # bool has no Triton pointer type: read the mask's bytes as uint8 (a view, no copy)
+    key_mask = call.key_mask.view(torch.uint8) if call.key_mask is not None else lse
+    mask_strides = call.key_mask.stride() if call.key_mask is not None else (0, 0)
     _decode_partial[(m_blocks * splits * b * hkv,)](
-        q, k, v, seqlens, target_o, target_lse, *q.stride(), *k.stride(), *v.stride(),
+        q, k, v, seqlens, key_mask, target_o, target_lse, *q.stride(), *k.stride(), *v.stride(), *mask_strides,
         call.scale * _LOG2E, hkv, g, lq, lk, d, dv, splits, m_blocks, max(call.window_left, 0), max(right, 0),
-        HAS_SEQLENS=call.kv_seqlens is not None, HAS_LEFT=call.window_left >= 0, HAS_RIGHT=right >= 0,
+        HAS_SEQLENS=call.kv_seqlens is not None, HAS_KEY_MASK=call.key_mask is not None,
+        HAS_LEFT=call.window_left >= 0, HAS_RIGHT=right >= 0,
         SINGLE=single, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(d), BLOCK_DV=_block_d(dv),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_IN_F32=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
@@ -317,6 +328,7 @@ class TritonDecodeBackend(Backend):
 
     name = "triton_decode"
     has_backward = False
+    takes_key_mask = True
 
     def supports(self, p: Problem, dev: DeviceInfo) -> str | None:
         if p.op != "attention":
