@@ -115,18 +115,20 @@ def test_static_cache_decode_runs_on_our_op_with_kv_seqlens_and_matches_eager():
     assert not any("left alone" in key for key in inductor_attn.routing_report())
 
 
-def test_generate_with_static_cache_matches_eager_and_leaves_its_input_mask_to_sdpa():
+def test_generate_with_static_cache_routes_its_input_decode_mask_as_a_key_mask_and_matches_eager():
     # generate() builds the 4-D decode mask eagerly (prepare_inputs_for_generation) and passes it into
-    # the compiled forward: its values are unknown at compile time, so the rewrite cannot prove it
+    # the compiled forward: its values are unknown at compile time, but it is the same for every head and
+    # (one query) row, so it runs as a key_mask on the decode path, left padding included
     model = tiny_llama().eval()
     ids = prompt()
-    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
-                  cache_implementation="static")
+    padding = torch.ones_like(ids)
+    padding[1, :3] = 0  # left-padded second sequence
+    kwargs = dict(attention_mask=padding, max_new_tokens=NEW_TOKENS, do_sample=False, cache_implementation="static")
     expected = model.generate(ids, disable_compile=True, **kwargs)
     compile_config = transformers.CompileConfig(backend="inductor_attn", fullgraph=True, mode="default")
     compile_config._compile_all_devices = True  # transformers compiles generate() on GPUs only otherwise
     tokens = model.generate(ids, compile_config=compile_config, **kwargs)
     assert torch.equal(tokens, expected)
     report = inductor_attn.routing_report()
-    assert report == {"sdpa: left alone (attn_mask cannot be proven: it is a graph input: its values exist "
-                      "only at run time)": 2}, report
+    assert report == {"sdpa: routed (key_mask from an unproven mask the same for every query)": 2}, report
+    assert attention_calls("forward") == 2 * (NEW_TOKENS - 1)  # the prefill runs eagerly in generate()

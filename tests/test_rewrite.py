@@ -144,6 +144,44 @@ def test_upper_left_causal_mask_on_a_longer_cache_uses_a_constant_kv_seqlens():
     assert only_outcome() == "sdpa: routed (causal with constant kv_seqlens (proven mask))"
 
 
+KEY_MASKS = {  # (B, 1, 1, Lk) bool masks as generate() passes them at decode: any values
+    "left_padding_and_unfilled_cache": torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0],
+                                                     [1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0]], dtype=torch.bool),
+    "holes_and_an_empty_row": torch.tensor([[1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 1],
+                                            [0] * 12], dtype=torch.bool),
+    "all_true": torch.ones(2, 12, dtype=torch.bool),
+}
+
+
+@pytest.mark.parametrize("mask", KEY_MASKS.values(), ids=KEY_MASKS.keys())
+def test_decode_mask_given_as_a_graph_input_becomes_a_key_mask(mask):
+    def fn(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    q, k, v = qkv(lq=1, lk=12)
+    gm = capture(fn, q, k, v, mask[:, None, None])
+    rewrite_graph(gm.graph)
+    gm.recompile()
+    assert only_outcome() == "sdpa: routed (key_mask from an unproven mask the same for every query)"
+    (call,) = routed_calls(gm)
+    assert call.args[7] is not None and call.args[8] is not None  # kv_seqlens up to the last True key
+    expected = fn(q, k, v, mask[:, None, None])
+    got = run_graph(gm, fn, q, k, v, mask[:, None, None])
+    empty = ~mask.any(-1)  # our convention: zeros where SDPA's math kernel gives NaN
+    torch.testing.assert_close(got[~empty], expected[~empty], **TOL)
+    assert (got[empty] == 0).all()
+
+
+def test_padding_mask_the_same_for_every_query_is_a_key_mask_at_any_lq():
+    def fn(q, k, v, padding):  # an encoder's padding mask, (B, 1, 1, Lk)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=padding[:, None, None, :], enable_gqa=True)
+
+    padding = torch.tensor([[1] * 6 + [0] * 2, [1] * 8], dtype=torch.bool)
+    eager, rewritten, _ = rewrite_and_run(fn, *qkv(lq=5), padding)
+    torch.testing.assert_close(rewritten, eager, **TOL)
+    assert only_outcome() == "sdpa: routed (key_mask from an unproven mask the same for every query)"
+
+
 def test_repeated_kv_heads_are_passed_unrepeated():
     def repeat_kv(x, n):  # transformers' repeat_kv
         b, h, s, d = x.shape
@@ -168,12 +206,22 @@ def assert_left_alone(fn, *args, reason: str):
     assert outcome.startswith("sdpa: left alone") and reason in outcome, outcome
 
 
-def test_mask_given_as_a_graph_input_stays_sdpa():
+def test_mask_given_as_a_graph_input_with_queries_varying_stays_sdpa():
     def fn(q, k, v, mask):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
-    q, k, v = qkv(lq=1)
-    assert_left_alone(fn, q, k, v, torch.ones(2, 1, 1, 8, dtype=torch.bool), reason="graph input")
+    assert_left_alone(fn, *qkv(lq=8), torch.ones(2, 1, 8, 8, dtype=torch.bool),
+                      reason="graph input: its values exist only at run time; not a key mask either")
+
+
+def test_key_mask_route_is_not_taken_when_gradients_are_needed():
+    def fn(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    q, k, v = (t.requires_grad_() for t in qkv(lq=1))
+    gm = capture(fn, q, k, v, torch.ones(2, 1, 1, 8, dtype=torch.bool))
+    rewrite_graph(gm.graph)
+    assert not routed_calls(gm) and "backward would run on the reference kernel only" in only_outcome()
 
 
 def test_causal_mask_combined_with_a_padding_input_stays_sdpa():

@@ -20,13 +20,19 @@ in [8, 256], ``scale`` a constant or default, GQA only through ``enable_gqa`` or
     (transformers masking_utils.sdpa_mask: ``kv_idx <= q_idx + cache_offset``).
   * rows ``j <= i + d`` with d a compile-time constant: causal (with a constant ``kv_seqlens`` when
     d != Lk - Lq and 0 <= d <= Lk - Lq).
+- any other boolean ``attn_mask`` (a graph input included) that is the same for every head and query row
+  by its shape: (B or 1, 1, 1, Lk), or Lq == 1. Whatever its values, it is a per-batch key mask and runs
+  as ``key_mask``, with ``kv_seqlens`` = 1 + its last True key so kernels skip the unfilled cache tail.
+  This is how transformers ``generate()`` passes its decode mask (built eagerly, left padding included)
+  into the compiled forward. Not when q/k need gradients: only the reference kernel has a key-mask
+  backward.
 - ``k``/``v`` made by repeating KV heads (transformers ``repeat_kv``: ``x[:, :, None].expand(...).reshape``,
   or ``repeat_interleave`` on dim 1): the unrepeated tensor is passed and our op does GQA, as long as
   nothing may mutate between the repeat and the call.
 
-Left alone: masks that are graph inputs (transformers ``generate()`` builds its 4-D decode mask eagerly
-and passes it in, so its values exist only at run time), masks combined with a padding mask, additive
-float masks, lower bounds (sliding windows), dropout, non-constant scales, and every ``flex_attention``.
+Left alone: masks that vary over query rows and cannot be proven (graph inputs with Lq > 1, causal masks
+combined with a padding mask), additive float masks, lower bounds (sliding windows) with Lq > 1, dropout,
+non-constant scales, and every ``flex_attention``.
 
 One documented difference: a query row the mask leaves empty gives zeros (our convention, api.py); SDPA's
 math kernel gives NaN there.
@@ -80,6 +86,7 @@ class _Plan:
     causal: bool
     kv_from_mask: torch.fx.Node | None = None  # kv_seqlens = count of True in the mask's first row
     kv_constant: int | None = None
+    key_mask: torch.fx.Node | None = None  # a mask the same for every query and head: passed as key_mask
     what: str = "dense"
 
 
@@ -240,6 +247,19 @@ def _mask_plan(mask: torch.fx.Node, sdpa: torch.fx.Node, qe, ke, analysis: mask_
     raise _Skip("attn_mask is causal with a diagonal our lower-right causal cannot express")
 
 
+def _key_mask_plan(mask: torch.fx.Node, qe, ke, unproven: _Skip) -> dict:
+    """A bool mask that is the same for every head and query row is a per-batch key mask, whatever its
+    values: exact by its shape alone. Used for masks the proof cannot read (a graph input, such as the
+    decode mask transformers' generate() builds eagerly, with any left padding)."""
+    me = _ev(mask)
+    shape = (1,) * (4 - me.dim()) + tuple(me.shape)
+    if not (_known(shape[1] == 1) and (_known(shape[2] == 1) or _known(qe.shape[2] == 1))):
+        raise _Skip(f"{unproven}; not a key mask either (it may vary over heads or query rows)")
+    if any(t.requires_grad for t in (qe, ke)):
+        raise _Skip(f"{unproven}; as a key mask its backward would run on the reference kernel only")
+    return {"causal": False, "key_mask": mask, "what": "key_mask from an unproven mask the same for every query"}
+
+
 def plan_sdpa(node: torch.fx.Node, analysis: mask_proof.MaskAnalysis) -> _Plan:
     args = _sdpa_args(node)
     if args["dropout_p"] not in (0, 0.0):
@@ -259,7 +279,12 @@ def plan_sdpa(node: torch.fx.Node, analysis: mask_proof.MaskAnalysis) -> _Plan:
         raise _Skip("both attn_mask and is_causal (SDPA rejects this)")
     if not isinstance(mask, torch.fx.Node):
         raise _Skip("attn_mask is not a tensor")
-    return _Plan(q, k, v, scale, **_mask_plan(mask, node, qe, ke, analysis))
+    try:
+        return _Plan(q, k, v, scale, **_mask_plan(mask, node, qe, ke, analysis))
+    except _Skip as unproven:
+        if not isinstance(_ev(mask), torch.Tensor) or _ev(mask).dtype != torch.bool:
+            raise
+        return _Plan(q, k, v, scale, **_key_mask_plan(mask, qe, ke, unproven))
 
 
 # ------------------------------------------------------------------------------------------ emission
@@ -285,6 +310,23 @@ class _Emitter:
         return node
 
 
+def _as_4d(emit: _Emitter, mask: torch.fx.Node) -> torch.fx.Node:
+    ndim = _ev(mask).dim()
+    return mask if ndim == 4 else emit("call_function", operator.getitem, mask, (None,) * (4 - ndim) + (Ellipsis,))
+
+
+def _key_mask(emit: _Emitter, plan: _Plan) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """(key_mask (B, Lk), kv_seqlens = 1 + the last True key per batch): the kernels then read only the
+    keys up to the last visible one, as with a proven prefix, and the mask does the rest."""
+    batch, len_k = emit("call_method", "size", plan.q, 0), emit("call_method", "size", plan.k, 2)
+    rows = emit("call_function", operator.getitem, _as_4d(emit, plan.key_mask), (slice(None, None, None), 0, 0))
+    key_mask = emit("call_method", "expand", rows, batch, len_k)
+    positions = emit("call_function", torch.arange, 1, emit("call_function", operator.add, len_k, 1),
+                     dtype=torch.int32, device=_ev(plan.q).device)
+    last = emit("call_function", torch.where, key_mask, positions, 0)
+    return key_mask, emit("call_method", "amax", last, -1)
+
+
 def _kv_seqlens(emit: _Emitter, plan: _Plan) -> torch.fx.Node | None:
     if plan.kv_from_mask is None and plan.kv_constant is None:
         return None
@@ -292,11 +334,7 @@ def _kv_seqlens(emit: _Emitter, plan: _Plan) -> torch.fx.Node | None:
     if plan.kv_constant is not None:
         device = _ev(plan.q).device
         return emit("call_function", torch.full, (batch,), plan.kv_constant, dtype=torch.int32, device=device)
-    mask = plan.kv_from_mask
-    ndim = _ev(mask).dim()
-    if ndim < 4:
-        mask = emit("call_function", operator.getitem, mask, (None,) * (4 - ndim) + (Ellipsis,))
-    counts = emit("call_method", "sum", mask, -1, dtype=torch.int32)  # (B or 1, H or 1, Lq or 1)
+    counts = emit("call_method", "sum", _as_4d(emit, plan.kv_from_mask), -1, dtype=torch.int32)  # (B or 1, H or 1, Lq or 1)
     row = emit("call_function", operator.getitem, counts, (slice(None, None, None), 0, 0))
     row = emit("call_method", "expand", row, batch)
     return emit("call_method", "contiguous", row)
@@ -304,7 +342,7 @@ def _kv_seqlens(emit: _Emitter, plan: _Plan) -> torch.fx.Node | None:
 
 def _emit(graph: torch.fx.Graph, node: torch.fx.Node, plan: _Plan) -> None:
     emit = _Emitter(graph, node, getattr(_ev(plan.q), "fake_mode", None))
-    kv = _kv_seqlens(emit, plan)
+    key_mask, kv = _key_mask(emit, plan) if plan.key_mask is not None else (None, _kv_seqlens(emit, plan))
     scale = plan.scale
     if scale is None:
         head_dim = _ev(plan.q).shape[3]
@@ -313,7 +351,7 @@ def _emit(graph: torch.fx.Graph, node: torch.fx.Node, plan: _Plan) -> None:
         else:  # dynamic head_dim: SDPA's default scale, computed from the size at run time
             scale = emit("call_function", operator.pow, emit("call_method", "size", plan.q, 3), -0.5)
     op = torch.ops.inductor_attn.attention.default
-    result = emit("call_function", op, plan.q, plan.k, plan.v, scale, plan.causal, -1, -1, kv, "")
+    result = emit("call_function", op, plan.q, plan.k, plan.v, scale, plan.causal, -1, -1, kv, key_mask, "")
     out = emit("call_function", operator.getitem, result, 0)
     node.replace_all_uses_with(out)
     graph.erase_node(node)
