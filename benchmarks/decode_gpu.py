@@ -122,14 +122,27 @@ def reference(q, k, v) -> torch.Tensor:
     return forward(q.double(), k.double(), v.double(), q.shape[-1] ** -0.5, None)[0].float()
 
 
-def bench_ours(bench: Bench, shape, inputs, ref) -> None:
+def stage_sweep(configs) -> list:
+    """The tuned configs' splits x block_n {32, 64} x warps {4, 8} x num_stages {2, 3, 4}, for the best
+    split counts of the first run (16..128): what a deeper pipeline or more warps would buy."""
+    from inductor_attn.backends import Config
+
+    splits = sorted({int(c["num_splits"]) for c in configs if int(c["num_splits"]) >= 16})
+    return [Config.of(block_n=n, num_splits=s, num_warps=w, num_stages=st)
+            for s in splits for n in (32, 64) for w in (4, 8) for st in (2, 3, 4)]
+
+
+def bench_ours(bench: Bench, shape, inputs, ref, stages: bool = False) -> None:
     from inductor_attn.backends import AttnCall
     from inductor_attn.backends.triton.decode import BACKEND
     from inductor_attn.device import device_info
 
     dev = device_info("cuda")
     problem = AttnCall("attention", *inputs[0], inputs[0][0].shape[-1] ** -0.5).problem
-    for cfg in sorted(BACKEND.configs(problem, dev), key=lambda c: (c["num_splits"], str(c))):
+    configs = BACKEND.configs(problem, dev)
+    if stages:
+        configs = stage_sweep(configs)
+    for cfg in sorted(configs, key=lambda c: (c["num_splits"], str(c))):
         reason = BACKEND.prune(problem, dev, cfg)
         if reason is not None:
             bench.rows.append(dict(case=case_name(shape), backend="triton_decode", config=str(cfg), status="pruned",
@@ -167,7 +180,8 @@ def summarize(rows: list[dict], copy_gbps: float) -> tuple[dict, dict, list[dict
                 per_split[r["case"]][splits] = dict(config=r["config"], ms=r["ms"], gbps=r["gbps"],
                                                     frac_copy=r["frac_copy"])
     summary = {}
-    for shape in SHAPES:
+    shapes = SHAPES if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
+    for shape in shapes:
         name = case_name(shape)
         best = {}
         for backend in ("triton_decode", "sdpa_default", "flex_decode"):
@@ -179,7 +193,8 @@ def summarize(rows: list[dict], copy_gbps: float) -> tuple[dict, dict, list[dict
             best["speedup_vs_sdpa"] = best["sdpa_default"]["ms"] / best["triton_decode"]["ms"]
         summary[name] = best
     targets = []
-    for shape in SHAPES:
+    shapes = SHAPES if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
+    for shape in shapes:
         b, hq, hkv, d, lk = shape
         s = summary[case_name(shape)]
         if (b, hq, hkv, d) == (1, 32, 16, 256) and lk >= 4096:
@@ -212,6 +227,10 @@ def main() -> None:
                         help="start no new measurement after this many seconds (default 140: one flex compile "
                              "started just before still ends within 3 minutes)")
     parser.add_argument("--no-flex", action="store_true", help="skip compiled flex_attention")
+    parser.add_argument("--shapes", default=None,
+                        help="indices into SHAPES to run, comma-separated (default: all)")
+    parser.add_argument("--stages", action="store_true",
+                        help="time the num_stages x block_n x warps sweep (stage_sweep) instead of the tuned configs")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_gpu.py needs a CUDA GPU")
@@ -222,12 +241,13 @@ def main() -> None:
     copy_gbps = copy_bandwidth_gbps()
     bench = Bench(copy_gbps, args.budget_s)
     prepared = []
-    for shape in SHAPES:
+    shapes = SHAPES if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
+    for shape in shapes:
         copies = max(1, min(32, math.ceil(ROTATE_BYTES / moved_bytes(shape))))
         inputs = make_inputs(shape, copies)
         ref = reference(*inputs[0])
         bench_sdpa(bench, shape, inputs, ref)
-        bench_ours(bench, shape, inputs, ref)
+        bench_ours(bench, shape, inputs, ref, args.stages)
         prepared.append((shape, inputs, ref))
         print(f"{case_name(shape)}: done at {time.monotonic() - started:.0f} s", flush=True)
     if not args.no_flex:

@@ -1,4 +1,4 @@
-"""Our Triton flash forward, every listed config, against SDPA (cuDNN, flash) and compiled flex attention.
+"""Our Triton flash forward, every listed config, against SDPA (cuDNN, flash), FA4 and compiled flex attention.
 
     PYTHONPATH=. python benchmarks/triton_flash_gpu.py --out DIR      (under 4 minutes on an H100)
 
@@ -98,6 +98,17 @@ def sdpa_rows(q, k, v, causal, flops, budget) -> tuple[list[dict], torch.Tensor 
     return rows, ref
 
 
+def fa4_row(call: AttnCall, ref, flops, budget) -> dict:
+    """FA4 with its own default config (anchors: its fastest on sm_90): the ratio issue #4 asks for."""
+    from inductor_attn.backends import Config, fa4
+
+    reason = fa4.BACKEND.supports(call.problem, device_info(call.q.device))
+    if reason:
+        return {"impl": "fa4", "config": "default", "status": "unsupported", "error": reason}
+    return measure({"impl": "fa4", "config": "default"}, lambda: fa4.BACKEND.run(call, Config())[0], ref, flops,
+                   budget)
+
+
 def ours_rows(call: AttnCall, ref, flops, budget, impl="triton", limit=None) -> list[dict]:
     p, dev = call.problem, device_info(call.q.device)
     reason = BACKEND.supports(p, dev)
@@ -134,7 +145,9 @@ def run_problem(name, b, h, seq, causal, op, budget) -> dict:
     if op == "attention":
         flops = 4.0 * b * h * kept_pairs(seq, seq, causal) * D
         rows, ref = sdpa_rows(q, k, v, causal, flops, budget)
-        rows += ours_rows(AttnCall("attention", q, k, v, scale, causal), ref, flops, budget)
+        call = AttnCall("attention", q, k, v, scale, causal)
+        rows.append(fa4_row(call, ref, flops, budget))
+        rows += ours_rows(call, ref, flops, budget)
         return {"problem": name, "flops": flops, "rows": rows}
 
     from torch.nn.attention.flex_attention import create_block_mask
@@ -165,9 +178,11 @@ def summarize(result: dict) -> dict:
     best = lambda rows: min(rows, key=lambda r: r["ms"]) if rows else None  # noqa: E731
     ours = best([r for r in ok if r["impl"].startswith("triton")])
     base = best([r for r in ok if not r["impl"].startswith("triton")])
+    fa4 = best([r for r in ok if r["impl"] == "fa4"])
     return {"best_ours": ours and f"{ours['impl']}:{ours['config']}", "best_ours_ms": ours and ours["ms"],
             "best_baseline": base and base["impl"], "best_baseline_ms": base and base["ms"],
-            "speedup_vs_best_baseline": (base["ms"] / ours["ms"]) if ours and base else None}
+            "speedup_vs_best_baseline": (base["ms"] / ours["ms"]) if ours and base else None,
+            "fraction_of_fa4": (fa4["ms"] / ours["ms"]) if ours and fa4 else None}
 
 
 def print_table(results: list[dict]) -> None:
