@@ -180,7 +180,8 @@ def summarize(rows: list[dict], copy_gbps: float) -> tuple[dict, dict, list[dict
                 per_split[r["case"]][splits] = dict(config=r["config"], ms=r["ms"], gbps=r["gbps"],
                                                     frac_copy=r["frac_copy"])
     summary = {}
-    shapes = SHAPES if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
+    measured = {r["case"] for r in rows}
+    shapes = [shape for shape in SHAPES if case_name(shape) in measured]
     for shape in shapes:
         name = case_name(shape)
         best = {}
@@ -193,7 +194,6 @@ def summarize(rows: list[dict], copy_gbps: float) -> tuple[dict, dict, list[dict
             best["speedup_vs_sdpa"] = best["sdpa_default"]["ms"] / best["triton_decode"]["ms"]
         summary[name] = best
     targets = []
-    shapes = SHAPES if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
     for shape in shapes:
         b, hq, hkv, d, lk = shape
         s = summary[case_name(shape)]

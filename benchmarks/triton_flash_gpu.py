@@ -204,6 +204,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="directory for triton_flash_gpu.json")
     parser.add_argument("--budget-s", type=float, default=200, help="stop starting new runs after this long")
+    parser.add_argument("--only", default="", help="run only the problems whose name contains this text")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -213,12 +214,13 @@ def main() -> None:
     results = {}
     # the sparse problem first: flex's max-autotune is the slowest single step, and the budget must not
     # run out before it; the table keeps the listed order
-    for spec in sorted(PROBLEMS, key=lambda s: s[-1] != "block_sparse"):
+    problems = [spec for spec in PROBLEMS if args.only in spec[0]]
+    for spec in sorted(problems, key=lambda s: s[-1] != "block_sparse"):
         res = run_problem(*spec, budget)
         res["summary"] = summarize(res)
         results[spec[0]] = res
         torch.cuda.empty_cache()
-    results = [results[spec[0]] for spec in PROBLEMS]
+    results = [results[spec[0]] for spec in problems]
     print_table(results)
     meta = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "commit": git_commit(), "torch": torch.__version__, "triton": triton.__version__,

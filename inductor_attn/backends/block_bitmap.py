@@ -40,16 +40,16 @@ def bitmap_lookup(slot_of: torch.Tensor, bits: torch.Tensor, block_q: int, block
     broadcast. Block indices are capped, so padded positions past the sequence ends read a valid word.
 
     Written with the operations flex's FLASH (CuTe DSL) template lowers in torch 2.11: ``torch.clamp``
-    (its ``minimum``) and ``&`` with a constant (an i32 vector the DSL rejects) failed there on an H100
-    (benchmarks/flex_flash_probe.py), so the cap is a ``where`` and the bit test a remainder (C-style
-    or floored, ``!= 0`` reads the bit either way).
+    (its ``minimum``), ``&`` with a constant (an i32 vector the DSL rejects) and ``where`` with a constant
+    branch failed there on an H100 (benchmarks/flex_flash_probe.py), so the cap is arithmetic and the bit
+    test a remainder (C-style or floored, ``!= 0`` reads the bit either way).
     """
     b = b * int(slot_of.shape[0] > 1)
     h = h * int(slot_of.shape[1] > 1)
     m, n = q_idx // block_q, kv_idx // block_kv
     last_m, last_n = slot_of.shape[2] - 1, slot_of.shape[3] - 1
-    m = torch.where(m > last_m, last_m, m)
-    n = torch.where(n > last_n, last_n, n)
+    m = m - (m - last_m) * (m > last_m)
+    n = n - (n - last_n) * (n > last_n)
     slot = slot_of[b, h, m, n]
     word = bits[b, h, m, slot, q_idx % block_q, (kv_idx % block_kv) // 32]
     return (word >> (kv_idx % 32)) % 2 != 0

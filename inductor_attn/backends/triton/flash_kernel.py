@@ -170,6 +170,16 @@ def _dense_rows(acc, m_i, l_i, q, k_base, v_base, kv_at, pos_first, pos_last, le
 
 
 @triton.jit
+def _bitmap_tile(row_words, s_w, BLOCK_N: tl.constexpr):
+    """[rows, BLOCK_N] bool from each row's BLOCK_N // 32 bitmap words (``row_words``: [rows, 1] pointers):
+    one load per word, expanded in registers (column j = bit j % 32 of word j // 32), instead of a gather
+    of one word per column."""
+    words = tl.load(row_words + tl.arange(0, BLOCK_N // 32)[None, :] * s_w)
+    bits = (words[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1
+    return tl.reshape(bits, (words.shape[0], BLOCK_N)) != 0
+
+
+@triton.jit
 def _sparse_rows(acc, m_i, l_i, q, k_base, v_base, kv_at, len_k, b, hq, qb, rows_in_block,
                  FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BITS,
                  sfc_b, sfc_h, sfc_m, sfi_b, sfi_h, sfi_m, sfi_s,
@@ -195,15 +205,11 @@ def _sparse_rows(acc, m_i, l_i, q, k_base, v_base, kv_at, len_k, b, hq, qb, rows
     n_part = tl.load(PART_CNT + b * spc_b + hq * spc_h + qb * spc_m)
     idx_base = PART_IDX + b * spi_b + hq * spi_h + qb * spi_m
     bits_base = BITS + b * sbt_b + hq * sbt_h + qb * sbt_m + rows_in_block[:, None] * sbt_r
-    cols = tl.arange(0, BLOCK_N)
     for i in range(0, n_part):
         start_n = tl.load(idx_base + i * spi_s) * BLOCK_N
         s = _scores(q, k_base, kv_at, start_n, len_k, sk_n, sk_d, qk_scale, BLOCK_N, BLOCK_D, D, not EVEN_N, TMA,
                     DOT_PREC)
-        # each word is read by the 32 columns it covers; the repeats are served by L1
-        words = tl.load(bits_base + i * sbt_s + (cols // 32)[None, :] * sbt_w)
-        ok = ((words >> (cols % 32)[None, :]) & 1) != 0
-        s = tl.where(ok, s, float("-inf"))
+        s = tl.where(_bitmap_tile(bits_base + i * sbt_s, sbt_w, BLOCK_N), s, float("-inf"))
         acc, m_i, l_i = _accumulate(acc, m_i, l_i, s, v_base, kv_at, start_n, len_k, sv_n, sv_d, BLOCK_N,
                                     BLOCK_DV, DV, not EVEN_N, True, TMA, DOT_PREC)
     return acc, m_i, l_i
