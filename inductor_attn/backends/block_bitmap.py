@@ -40,16 +40,21 @@ def bitmap_lookup(slot_of: torch.Tensor, bits: torch.Tensor, block_q: int, block
     broadcast. Block indices are capped, so padded positions past the sequence ends read a valid word.
 
     Written with the operations flex's FLASH (CuTe DSL) template lowers in torch 2.11: ``torch.clamp``
-    (its ``minimum``), ``&`` with a constant (an i32 vector the DSL rejects) and ``where`` with a constant
-    branch failed there on an H100 (benchmarks/flex_flash_probe.py), so the cap is arithmetic and the bit
-    test a remainder (C-style or floored, ``!= 0`` reads the bit either way).
+    (its ``minimum``), ``&`` with a constant (an i32 vector the DSL rejects) and an index that is a
+    constant failed there on an H100 (benchmarks/flex_flash_probe.py), so the cap is arithmetic, the bit
+    test a remainder (C-style or floored, ``!= 0`` reads the bit either way) and broadcast batch/head
+    dims are dropped instead of indexed with 0.
     """
-    b = b * int(slot_of.shape[0] > 1)
-    h = h * int(slot_of.shape[1] > 1)
+    lead = []  # batch/head indices of the dims that are not broadcast; broadcast ones are dropped
+    for dim, index in ((0, b), (1, h)):
+        if slot_of.shape[dim - len(lead)] == 1:
+            slot_of, bits = slot_of.select(dim - len(lead), 0), bits.select(dim - len(lead), 0)
+        else:
+            lead.append(index)
     m, n = q_idx // block_q, kv_idx // block_kv
-    last_m, last_n = slot_of.shape[2] - 1, slot_of.shape[3] - 1
+    last_m, last_n = slot_of.shape[-2] - 1, slot_of.shape[-1] - 1
     m = m - (m - last_m) * (m > last_m)
     n = n - (n - last_n) * (n > last_n)
-    slot = slot_of[b, h, m, n]
-    word = bits[b, h, m, slot, q_idx % block_q, (kv_idx % block_kv) // 32]
+    slot = slot_of[(*lead, m, n)]
+    word = bits[(*lead, m, slot, q_idx % block_q, (kv_idx % block_kv) // 32)]
     return (word >> (kv_idx % 32)) % 2 != 0
