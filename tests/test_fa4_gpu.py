@@ -140,9 +140,13 @@ def test_every_runnable_config_matches_or_fails_softly(dev, case):
     assert "default" in ran and len(ran) >= len(failed)
 
 
-def test_heuristic_config_runs(dev):
+def test_heuristic_config_runs_where_fa4_has_a_hand_rule(dev):
     call = dense_call(2, 8, 2, 512, 512, 128, torch.bfloat16, causal=True)
-    assert_matches_reference(call, FA4.heuristic_config(call.problem, dev))
+    cfg = FA4.heuristic_config(call.problem, dev)
+    if dev.arch // 10 == 9:  # no FA4 hand rule on Hopper: the heuristic mode keeps the default candidate
+        assert cfg is None
+    else:
+        assert_matches_reference(call, cfg)
 
 
 def test_native_fa4_layout_is_not_copied_and_warmup_reports_seconds(dev):

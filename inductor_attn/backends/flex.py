@@ -33,6 +33,13 @@ TRITON_TILES = (
     Config.of(backend="TRITON", block_m=128, block_n=64, num_warps=4, num_stages=3),
     Config.of(backend="TRITON", block_m=64, block_n=64, num_warps=4, num_stages=2),
 )
+# Partial blocks reach flex through a mask_mod that reads our bitmaps (block_bitmap.bitmap_lookup). flex's
+# CuTe DSL template in torch 2.11 could not lower it in any form tried on an H100 (2026-11-22,
+# benchmarks/flex_flash_probe.py): no `minimum`, a DSL error on `& 1`, then "Expected TensorSSA" and an
+# MLIR error; masks reading captured tensors by q/kv index did lower. FA4 runs the same block masks
+# directly (the fa4 backend, with its own CuTe lookup), so the candidate is not lost. Set to None to retry.
+_FLASH_BITMAP_REASON = ("flex FLASH (torch 2.11) cannot lower our partial-block bitmap lookup; the fa4 backend "
+                        "runs block masks directly")
 # flex_attention compiles once per (config, shape); dynamo's default limit of 8 entries per function
 # would otherwise make later configs silently fall back to eager flex while tuning.
 RECOMPILE_LIMIT = 256
@@ -79,6 +86,8 @@ class FlexBackend(Backend):
                 return "flex FLASH needs flash-attn-4, not installed"
             if p.dtype == "float32":
                 return "flex FLASH takes float16 and bfloat16 only"
+            if p.op == "block_sparse" and p.partial_fraction > 0 and _FLASH_BITMAP_REASON:
+                return _FLASH_BITMAP_REASON
             return None
         if min(p.head_dim, p.head_dim_v) < 16:
             return f"flex Triton needs head dims >= 16, got ({p.head_dim}, {p.head_dim_v})"
