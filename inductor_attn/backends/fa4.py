@@ -577,6 +577,12 @@ class FA4Backend(Backend):
         q, k, v, o, do = (_fa4_layout(x, name, dense) for x, name in tensors)
         with self._dsl_errors(fa, cfg):
             dq, dk, dv = fa.interface._flash_attn_bwd(q, k, v, o, do, lse.contiguous(), **kw)[:3]
+        if call.kv_seqlens is not None:
+            # FA4 leaves dk/dv of keys past seqused_k unwritten (garbage of order 1e19 on an H100, b36);
+            # those keys are masked, so their gradients are 0
+            unused = torch.arange(dk.shape[1], device=dk.device)[None, :] >= call.kv_seqlens[:, None]
+            dk.masked_fill_(unused[:, :, None, None], 0)
+            dv.masked_fill_(unused[:, :, None, None], 0)
         return (dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)) if dense else (dq, dk, dv)
 
 
