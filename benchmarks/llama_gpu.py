@@ -197,6 +197,7 @@ def main():
     parser.add_argument("--decode", type=int, default=128)
     parser.add_argument("--samples", type=int, default=20)
     parser.add_argument("--decode-repeats", type=int, default=3)
+    parser.add_argument("--only-generate", action="store_true", help="run the generate() comparison only")
     parser.add_argument("--store", type=Path, default=None,
                         help="decision store dir (default: a fresh one, so tuning is measured)")
     args = parser.parse_args()
@@ -211,6 +212,16 @@ def main():
                         generator=torch.Generator("cuda").manual_seed(1))
     started = time.perf_counter()
     inductor_attn.reset_routing_report()
+    if args.only_generate:
+        stock_g, ours_g = generate(model, ids, "inductor", args), generate(model, ids, "inductor_attn", args)
+        result = {"device": torch.cuda.get_device_name(), "commit": git_commit(),
+                  "stock_s": stock_g["median_s"], "inductor_attn_s": ours_g["median_s"],
+                  "greedy_token_agreement": (stock_g["tokens"] == ours_g["tokens"]).float().mean().item(),
+                  "routing_report": inductor_attn.routing_report(), "kernel_calls": inductor_attn.stats(),
+                  "decisions": inductor_attn.cache.list_decisions()}
+        (args.out / "llama_generate.json").write_text(json.dumps(result, indent=2))
+        print(json.dumps(result, indent=2))
+        return
 
     stock_p = prefill(model, ids, "inductor", args.samples)
     ours_p = prefill(model, ids, "inductor_attn", args.samples)
@@ -256,6 +267,7 @@ def main():
         "tuning": tuning,
         "routing_report": inductor_attn.routing_report(),
         "kernel_calls": inductor_attn.stats(),
+        "decisions": inductor_attn.cache.list_decisions(),
         "total_s": time.perf_counter() - started,
     }
     (args.out / "llama_gpu.json").write_text(json.dumps(result, indent=2))
