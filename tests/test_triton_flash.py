@@ -293,6 +293,21 @@ def test_block_sparse_matches_naive(case):
         check_sparse(call, cfg)
 
 
+@pytest.mark.parametrize("case", ["causal_gqa_lk_not_a_block_multiple", "documents", "per_batch_and_head_mask"])
+def test_block_sparse_with_two_tiles_per_mask_block_matches_naive(case):
+    # 128-key mask blocks visited as two 64-key tiles (bitmap words 0-1 then 2-3 of each row)
+    torch.manual_seed(10)
+    spec = {"causal_gqa_lk_not_a_block_multiple": dict(mod=_causal, b=1, hq=4, hkv=2, lq=200, lk=200, d=16),
+            "documents": dict(mod=_documents, b=1, hq=2, hkv=2, lq=260, lk=260, d=16),
+            "per_batch_and_head_mask": dict(mod=_per_head_stripes, b=2, hq=2, hkv=1, lq=140, lk=170, d=16,
+                                            mask_b=2, mask_h=2)}[case]
+    call = sparse_case(**spec, block=128)
+    sub_tiled = [c for c in flash.BACKEND.configs(call.problem, SM90) if c["block_n"] == 64]
+    assert sub_tiled and all(flash.BACKEND.prune(call.problem, SM90, c) is None for c in sub_tiled)
+    for cfg in sub_tiled:
+        check_sparse(call, cfg)
+
+
 def test_block_sparse_half_precision():
     torch.manual_seed(9)
     call = sparse_case(_causal, 1, 2, 1, 96, 128, 16, 64, dtype=torch.float16)
@@ -381,7 +396,8 @@ def test_prune_gives_reasons():
     assert "lpt only helps causal/window" in b.prune(problem(), SM90, lpt)
     assert b.prune(problem(causal=True), SM90, lpt) is None
     sparse = problem(op="block_sparse", block_q=64, block_kv=128)
-    assert "block_kv" in b.prune(sparse, SM90, Config.of(block_m=64, block_n=64, num_warps=4, num_stages=2,
+    assert b.prune(sparse, SM90, Config.of(block_m=64, block_n=64, num_warps=4, num_stages=2, schedule="tile")) is None
+    assert "block_kv" in b.prune(sparse, SM90, Config.of(block_m=64, block_n=16, num_warps=4, num_stages=2,
                                                         schedule="tile"))
     assert "block_q" in b.prune(sparse, SM90, Config.of(block_m=128, block_n=128, num_warps=8, num_stages=2,
                                                        schedule="tile"))

@@ -130,7 +130,7 @@ class TritonFlashBackend(Backend):
                 return f"{what} {d} > {MAX_HEAD_DIM}"
         if p.op == "block_sparse":
             if p.block_kv not in (32, 64, 128):
-                return f"block_kv {p.block_kv} not in (32, 64, 128): one KV tile reads one mask block"
+                return f"block_kv {p.block_kv} not in (32, 64, 128): a mask block is one or two KV tiles"
             if not _sparse_block_ms(p.block_q):
                 return f"block_q {p.block_q} is not a multiple of 16"
         return None
@@ -140,6 +140,8 @@ class TritonFlashBackend(Backend):
         d = max(64, next_power_of_two(max(p.head_dim, p.head_dim_v)))
         if p.op == "block_sparse":
             tiles = [(bm, p.block_kv, w, s) for bm in _sparse_block_ms(p.block_q)[:3] for w, s in ((8, 2), (4, 3))]
+            if p.block_kv == 128:  # two 64-key tiles per mask block: the dense window's best tile (H100)
+                tiles += [(bm, 64, 4, 3) for bm in _sparse_block_ms(p.block_q)[:2] if bm <= 64]
         elif p.len_q * p.gqa_ratio <= 64:
             tiles = list(_DECODE_TILES)
         else:
@@ -173,8 +175,9 @@ class TritonFlashBackend(Backend):
         if cfg["schedule"] == "lpt" and (not _has_band(p) or p.op == "block_sparse"):
             return "lpt only helps causal/window problems (every query block does equal work otherwise)"
         if p.op == "block_sparse":
-            if bn != p.block_kv:
-                return f"block_n {bn} != the mask's block_kv {p.block_kv}: a KV tile must be one mask block"
+            if p.block_kv % bn or bn < 32:
+                return (f"block_n {bn} does not divide the mask's block_kv {p.block_kv} into tiles of >= 32 keys "
+                        "(one bitmap word)")
             if p.block_q % bm:
                 return f"block_m {bm} does not divide the mask's block_q {p.block_q}"
         if p.device_type != "cuda":
@@ -295,7 +298,8 @@ def kernel_constexprs(p: Problem, cfg: Config, has_full_blocks: bool = True) -> 
         HAS_LEFT=p.window_left >= 0 and not sparse, HAS_RIGHT=right >= 0 and not sparse,
         HAS_KV_LENS=p.has_kv_seqlens and p.op == "attention", HAS_FULL=sparse and has_full_blocks,
         # dense/varlen ignore these two; constant values there avoid needless recompiles
-        BLOCK_Q=p.block_q if sparse else bm, EVEN_N=not sparse or p.len_k % bn == 0,
+        BLOCK_Q=p.block_q if sparse else bm, BLOCK_KV=p.block_kv if sparse else bn,
+        EVEN_N=not sparse or p.len_k % p.block_kv == 0,
         TMA=bool(cfg.get("tma", False)), DOT_PREC="tf32x3" if p.dtype == "float32" else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -306,9 +310,9 @@ def forward(call: AttnCall, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
 
     p, q, k, v = call.problem, call.q, call.k, call.v
     sparse, varlen = p.op == "block_sparse", p.op == "varlen"
-    if sparse and (cfg["block_n"] != p.block_kv or p.block_q % cfg["block_m"]):
+    if sparse and (p.block_kv % cfg["block_n"] or cfg["block_n"] < 32 or p.block_q % cfg["block_m"]):
         raise ValueError(f"config {cfg} does not fit block_q={p.block_q}, block_kv={p.block_kv} "
-                         "(block_n must equal block_kv and block_m divide block_q)")
+                         "(block_n must divide block_kv and be >= 32, block_m divide block_q)")
     meta = kernel_constexprs(p, cfg, sparse and call.sparse.full_kv_num_blocks is not None)
     kv = _kv_descriptors(call, cfg) if meta["TMA"] else None
     meta["TMA"] = kv is not None
