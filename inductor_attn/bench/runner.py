@@ -517,12 +517,23 @@ def repo_root() -> Path:
 
 
 def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo_root(), capture_output=True,
-                             text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
+    """The commit the results belong to: ``$INDUCTOR_ATTN_COMMIT`` if set, else git's HEAD with
+    "-dirty" when tracked files differ from it (the device machine receives the working tree with a
+    .git that can lag behind it: its HEAD alone named an older commit on 2026-11-22)."""
+    if os.environ.get("INDUCTOR_ATTN_COMMIT"):
+        return os.environ["INDUCTOR_ATTN_COMMIT"]
+
+    def git(*args) -> str | None:
+        try:
+            out = subprocess.run(["git", *args], cwd=repo_root(), capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    head = git("rev-parse", "--short", "HEAD")
+    if not head:
         return "unknown"
-    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+    return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def default_out_dir(ctx: Context, smoke: bool) -> Path:
