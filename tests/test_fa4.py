@@ -433,20 +433,26 @@ def test_run_block_sparse_passes_fa4_tensors_and_bitmap_aux(monkeypatch):
     assert slot_of.__leading_dim__ == 3 and bits.__leading_dim__ == 5
 
 
-def test_bitmap_lookup_reproduces_the_dense_mask_in_partial_blocks():
+@pytest.mark.parametrize("mask_b, mask_h", [(2, 3), (None, None), (2, None), (None, 3)],
+                         ids=["per_batch_and_head", "shared", "per_batch", "per_head"])
+def test_bitmap_lookup_reproduces_the_dense_mask_in_partial_blocks(mask_b, mask_h):
     from torch.nn.attention.flex_attention import create_block_mask
 
     def doc_mask(b, h, q, kv):  # per-batch documents plus a per-head window: every kind of block
         return ((q // (37 + 20 * b)) == (kv // (37 + 20 * b))) & (q - kv <= 40 + 8 * h) & (kv <= q)
 
-    bm = create_block_mask(doc_mask, 2, 3, 200, 200, device="cpu", BLOCK_SIZE=64)
+    bm = create_block_mask(doc_mask, mask_b, mask_h, 200, 200, device="cpu", BLOCK_SIZE=64)
     sparse = BlockSparseMask.from_block_mask(bm)
     dense = sparse.dense_mask()
-    b, h, qi, ki = torch.meshgrid(*(torch.arange(n) for n in dense.shape), indexing="ij")
+    # broadcast batch/head dims (size 1) are looked up at index 0 whatever b and h are asked
+    b, h, qi, ki = torch.meshgrid(torch.arange(2), torch.arange(3), *(torch.arange(n) for n in dense.shape[2:]),
+                                  indexing="ij")
+    dense = dense.expand(2, 3, *dense.shape[2:])
     got = bitmap_lookup(slot_table(sparse), sparse.partial_bits, 64, 64, b, h, qi, ki)
     m, n = qi // 64, ki // 64
     slots = torch.arange(sparse.kv_indices.shape[-1])
-    listed = (sparse.kv_indices[b, h, m] == n[..., None]) & (slots < sparse.kv_num_blocks[b, h, m][..., None])
+    cnt, idx = sparse.kv_num_blocks.expand(2, 3, -1), sparse.kv_indices.expand(2, 3, -1, -1)
+    listed = (idx[b, h, m] == n[..., None]) & (slots < cnt[b, h, m][..., None])
     partial = listed.any(-1)
     assert partial.any() and torch.equal(got[partial], dense[partial])
 

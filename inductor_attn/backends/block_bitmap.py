@@ -46,9 +46,10 @@ def bitmap_lookup(slot_of: torch.Tensor, bits: torch.Tensor, block_q: int, block
     dims are dropped instead of indexed with 0.
     """
     lead = []  # batch/head indices of the dims that are not broadcast; broadcast ones are dropped
-    for dim, index in ((0, b), (1, h)):
-        if slot_of.shape[dim - len(lead)] == 1:
-            slot_of, bits = slot_of.select(dim - len(lead), 0), bits.select(dim - len(lead), 0)
+    for index in (b, h):
+        dim = len(lead)  # where this dim sits once the dims before it were kept or dropped
+        if slot_of.shape[dim] == 1:
+            slot_of, bits = slot_of.select(dim, 0), bits.select(dim, 0)
         else:
             lead.append(index)
     m, n = q_idx // block_q, kv_idx // block_kv
