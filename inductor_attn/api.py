@@ -101,7 +101,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, wind
             mask, or a decode mask with left padding). Combines with the arguments above; it does not
             move the causal/window alignment. Runs on sdpa, triton_decode and reference.
         block_mask: a flex_attention ``BlockMask`` (or ``BlockSparseMask``); it carries the whole mask,
-            so causal/window/kv_seqlens must be left unset.
+            so causal/window/kv_seqlens/key_mask must be left unset.
         return_lse: also return the float32 log-sum-exp (B, Hq, Lq).
 
     Fully masked query rows give zeros and lse = -inf.

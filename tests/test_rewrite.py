@@ -172,14 +172,17 @@ def test_decode_mask_given_as_a_graph_input_becomes_a_key_mask(mask):
     assert (got[empty] == 0).all()
 
 
-def test_padding_mask_the_same_for_every_query_is_a_key_mask_at_any_lq():
-    def fn(q, k, v, padding):  # an encoder's padding mask, (B, 1, 1, Lk)
+def test_padding_mask_the_same_for_every_query_is_a_key_mask_up_to_16_queries():
+    def fn(q, k, v, padding):  # a padding mask, (B, 1, 1, Lk), over a few queries (speculative decoding)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=padding[:, None, None, :], enable_gqa=True)
 
     padding = torch.tensor([[1] * 6 + [0] * 2, [1] * 8], dtype=torch.bool)
     eager, rewritten, _ = rewrite_and_run(fn, *qkv(lq=5), padding)
     torch.testing.assert_close(rewritten, eager, **TOL)
     assert only_outcome() == "sdpa: routed (key_mask from an unproven mask the same for every query)"
+    torch._dynamo.reset()
+    inductor_attn.reset_routing_report()
+    assert_left_alone(fn, *qkv(lq=17, lk=8), padding, reason="only the decode kernel (Lq <= 16) would gain")
 
 
 def test_repeated_kv_heads_are_passed_unrepeated():
@@ -218,7 +221,8 @@ def test_key_mask_route_is_not_taken_when_gradients_are_needed():
     def fn(q, k, v, mask):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
-    q, k, v = (t.requires_grad_() for t in qkv(lq=1))
+    q, k, v = qkv(lq=1)
+    v.requires_grad_()  # a gradient for v alone is enough to stay SDPA
     gm = capture(fn, q, k, v, torch.ones(2, 1, 1, 8, dtype=torch.bool))
     rewrite_graph(gm.graph)
     assert not routed_calls(gm) and "backward would run on the reference kernel only" in only_outcome()

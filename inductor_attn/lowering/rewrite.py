@@ -21,11 +21,11 @@ in [8, 256], ``scale`` a constant or default, GQA only through ``enable_gqa`` or
   * rows ``j <= i + d`` with d a compile-time constant: causal (with a constant ``kv_seqlens`` when
     d != Lk - Lq and 0 <= d <= Lk - Lq).
 - any other boolean ``attn_mask`` (a graph input included) that is the same for every head and query row
-  by its shape: (B or 1, 1, 1, Lk), or Lq == 1. Whatever its values, it is a per-batch key mask and runs
-  as ``key_mask``, with ``kv_seqlens`` = 1 + its last True key so kernels skip the unfilled cache tail.
-  This is how transformers ``generate()`` passes its decode mask (built eagerly, left padding included)
-  into the compiled forward. Not when q/k need gradients: only the reference kernel has a key-mask
-  backward.
+  by its shape: (B or 1, 1, 1, Lk), or Lq == 1, with Lq <= 16. Whatever its values, it is a per-batch
+  key mask and runs as ``key_mask``, with ``kv_seqlens`` = 1 + its last True key so kernels skip the
+  unfilled cache tail. This is how transformers ``generate()`` passes its decode mask (built eagerly,
+  left padding included) into the compiled forward. Not when q/k/v need gradients: only the reference
+  kernel has a key-mask backward.
 - ``k``/``v`` made by repeating KV heads (transformers ``repeat_kv``: ``x[:, :, None].expand(...).reshape``,
   or ``repeat_interleave`` on dim 1): the unrepeated tensor is passed and our op does GQA, as long as
   nothing may mutate between the repeat and the call.
@@ -247,15 +247,25 @@ def _mask_plan(mask: torch.fx.Node, sdpa: torch.fx.Node, qe, ke, analysis: mask_
     raise _Skip("attn_mask is causal with a diagonal our lower-right causal cannot express")
 
 
-def _key_mask_plan(mask: torch.fx.Node, qe, ke, unproven: _Skip) -> dict:
+# Key masks are routed for decode-sized queries only: the split-K decode kernel takes them; for longer
+# query blocks only SDPA (with the mask materialised as a (B, 1, Lq, Lk) bias) or the reference would.
+KEY_MASK_MAX_LEN_Q = 16
+
+
+def _key_mask_plan(mask: torch.fx.Node, qe, ke, ve, unproven: _Skip) -> dict:
     """A bool mask that is the same for every head and query row is a per-batch key mask, whatever its
     values: exact by its shape alone. Used for masks the proof cannot read (a graph input, such as the
     decode mask transformers' generate() builds eagerly, with any left padding)."""
     me = _ev(mask)
+    if me.device != qe.device or me.dim() > 4:
+        raise _Skip(f"{unproven}; attn_mask device or rank differs from q")
     shape = (1,) * (4 - me.dim()) + tuple(me.shape)
-    if not (_known(shape[1] == 1) and (_known(shape[2] == 1) or _known(qe.shape[2] == 1))):
+    if not (all(_known(s == 1) or _known(s == t) for s, t in ((shape[0], qe.shape[0]), (shape[3], ke.shape[2])))
+            and _known(shape[1] == 1) and (_known(shape[2] == 1) or _known(qe.shape[2] == 1))):
         raise _Skip(f"{unproven}; not a key mask either (it may vary over heads or query rows)")
-    if any(t.requires_grad for t in (qe, ke)):
+    if not _known(qe.shape[2] <= KEY_MASK_MAX_LEN_Q):
+        raise _Skip(f"{unproven}; as a key mask only the decode kernel (Lq <= {KEY_MASK_MAX_LEN_Q}) would gain")
+    if any(t.requires_grad for t in (qe, ke, ve)):
         raise _Skip(f"{unproven}; as a key mask its backward would run on the reference kernel only")
     return {"causal": False, "key_mask": mask, "what": "key_mask from an unproven mask the same for every query"}
 
@@ -266,7 +276,7 @@ def plan_sdpa(node: torch.fx.Node, analysis: mask_proof.MaskAnalysis) -> _Plan:
         raise _Skip("dropout_p is not 0")
     q = args["query"]
     k, v = _heads(q, args["key"], args["value"], bool(args["enable_gqa"]), node)
-    qe, ke, _ = _check_tensors(q, k, v)
+    qe, ke, ve = _check_tensors(q, k, v)
     scale = _scale(args["scale"])
     mask, causal = args["attn_mask"], args["is_causal"]
     if not isinstance(causal, bool):
@@ -284,7 +294,7 @@ def plan_sdpa(node: torch.fx.Node, analysis: mask_proof.MaskAnalysis) -> _Plan:
     except _Skip as unproven:
         if not isinstance(_ev(mask), torch.Tensor) or _ev(mask).dtype != torch.bool:
             raise
-        return _Plan(q, k, v, scale, **_key_mask_plan(mask, qe, ke, unproven))
+        return _Plan(q, k, v, scale, **_key_mask_plan(mask, qe, ke, ve, unproven))
 
 
 # ------------------------------------------------------------------------------------------ emission

@@ -68,8 +68,9 @@ def _jit(**options):
 
 
 # Lengths, split counts and windows change between calls (every decode step without kv_seqlens): never
-# specialise on their values, or Triton would compile a variant for Lk == 1 and for Lk % 16 == 0.
-@_jit(do_not_specialize=["LK", "NUM_SPLITS", "NUM_M_BLOCKS", "WINDOW_LEFT", "WINDOW_RIGHT"])
+# specialise on their values, or Triton would compile a variant for Lk == 1 and for Lk % 16 == 0. The key
+# mask's strides (its batch stride is Lk) likewise.
+@_jit(do_not_specialize=["LK", "NUM_SPLITS", "NUM_M_BLOCKS", "WINDOW_LEFT", "WINDOW_RIGHT", "smb", "smn"])
 def _decode_partial(
     Q, K, V, SEQLENS, KEY_MASK, OUT, LSE,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, smn,

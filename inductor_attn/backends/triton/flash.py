@@ -130,7 +130,7 @@ class TritonFlashBackend(Backend):
                 return f"{what} {d} > {MAX_HEAD_DIM}"
         if p.op == "block_sparse":
             if p.block_kv not in (32, 64, 128):
-                return f"block_kv {p.block_kv} not in (32, 64, 128): a mask block is one or two KV tiles"
+                return f"block_kv {p.block_kv} not in (32, 64, 128): a mask block is a whole number of KV tiles"
             if not _sparse_block_ms(p.block_q):
                 return f"block_q {p.block_q} is not a multiple of 16"
         return None
@@ -297,7 +297,7 @@ def kernel_constexprs(p: Problem, cfg: Config, has_full_blocks: bool = True) -> 
         SCHEDULE=SCHEDULES[cfg["schedule"]],
         HAS_LEFT=p.window_left >= 0 and not sparse, HAS_RIGHT=right >= 0 and not sparse,
         HAS_KV_LENS=p.has_kv_seqlens and p.op == "attention", HAS_FULL=sparse and has_full_blocks,
-        # dense/varlen ignore these two; constant values there avoid needless recompiles
+        # dense/varlen ignore these three; constant values there avoid needless recompiles
         BLOCK_Q=p.block_q if sparse else bm, BLOCK_KV=p.block_kv if sparse else bn,
         EVEN_N=not sparse or p.len_k % p.block_kv == 0,
         TMA=bool(cfg.get("tma", False)), DOT_PREC="tf32x3" if p.dtype == "float32" else "tf32",
