@@ -34,12 +34,14 @@ TRITON_TILES = (
     Config.of(backend="TRITON", block_m=64, block_n=64, num_warps=4, num_stages=2),
 )
 # Partial blocks reach flex through a mask_mod that reads our bitmaps (block_bitmap.bitmap_lookup). flex's
-# CuTe DSL template in torch 2.11 could not lower it in any form tried on an H100 (2026-11-22,
-# benchmarks/flex_flash_probe.py): no `minimum`, a DSL error on `& 1`, then "Expected TensorSSA" and an
-# MLIR error; masks reading captured tensors by q/kv index did lower. FA4 runs the same block masks
-# directly (the fa4 backend, with its own CuTe lookup), so the candidate is not lost. Set to None to retry.
-_FLASH_BITMAP_REASON = ("flex FLASH (torch 2.11) cannot lower our partial-block bitmap lookup; the fa4 backend "
-                        "runs block masks directly")
+# CuTe DSL template in torch 2.11 did not lower the forms tried on an H100 (2026-11-22,
+# benchmarks/flex_flash_probe.py): no `minimum` (clamp), a DSL error on `& 1`, "Expected TensorSSA" for a
+# constant index (twice); masks reading captured tensors by q/kv index did lower. The current form (no
+# constant index, arithmetic cap, remainder bit test) failed with an MLIR error only while it still had
+# an indexing bug of ours, fixed since: it is untested there. Until the probe passes, FLASH is pruned for
+# such masks; FA4 runs them directly (the fa4 backend, with its own CuTe lookup). Set to None to retry.
+_FLASH_BITMAP_REASON = ("flex FLASH (torch 2.11) did not lower our partial-block bitmap lookup on an H100 "
+                        "(benchmarks/flex_flash_probe.py); the fa4 backend runs block masks directly")
 # flex_attention compiles once per (config, shape); dynamo's default limit of 8 entries per function
 # would otherwise make later configs silently fall back to eager flex while tuning.
 RECOMPILE_LIMIT = 256
