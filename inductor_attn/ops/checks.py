@@ -71,11 +71,15 @@ def check_scale(scale) -> None:
         raise ValueError(f"scale must be finite, got {scale}")
 
 
-def check_index_tensor(name: str, x, shape: tuple, device: torch.device, layout: str) -> None:
+def check_index_tensor(name: str, x, shape: tuple, device: torch.device, layout: str,
+                       dtype: torch.dtype = torch.int32) -> None:
+    """A tensor argument of a fixed dtype, shape and device: int32 indices and lengths, bool masks."""
+    kind = str(dtype).removeprefix("torch.")
+    article = "an" if kind[0] in "aeiou" else "a"
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be an int32 torch.Tensor {layout}, got {type(x).__name__}")
-    if x.dtype != torch.int32:
-        raise TypeError(f"{name} must have dtype int32, got {x.dtype}")
+        raise TypeError(f"{name} must be {article} {kind} torch.Tensor {layout}, got {type(x).__name__}")
+    if x.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {kind}, got {x.dtype}")
     if tuple(x.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)} {layout}, got {tuple(x.shape)}")
     if x.device != device:
@@ -100,19 +104,8 @@ def check_attention(q, k, v, scale, window_left, window_right, kv_seqlens, key_m
     if kv_seqlens is not None:
         check_index_tensor("kv_seqlens", kv_seqlens, (q.shape[0],), q.device, "(batch,)")
     if key_mask is not None:
-        check_key_mask(key_mask, (q.shape[0], k.shape[2]), q.device)
-
-
-def check_key_mask(key_mask, shape: tuple, device: torch.device) -> None:
-    layout = "(batch, k seq_len), True = the key may be attended"
-    if not isinstance(key_mask, torch.Tensor):
-        raise TypeError(f"key_mask must be a bool torch.Tensor {layout}, got {type(key_mask).__name__}")
-    if key_mask.dtype != torch.bool:
-        raise TypeError(f"key_mask must have dtype bool, got {key_mask.dtype}")
-    if tuple(key_mask.shape) != tuple(shape):
-        raise ValueError(f"key_mask must have shape {tuple(shape)} {layout}, got {tuple(key_mask.shape)}")
-    if key_mask.device != device:
-        raise ValueError(f"key_mask is on {key_mask.device} but q is on {device}")
+        check_index_tensor("key_mask", key_mask, (q.shape[0], k.shape[2]), q.device,
+                           "(batch, k seq_len), True = the key may be attended", dtype=torch.bool)
 
 
 def check_attention_values(k, kv_seqlens) -> None:
