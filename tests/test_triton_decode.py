@@ -75,20 +75,20 @@ def _key_mask(case: Case, gen: torch.Generator) -> torch.Tensor | None:
     return None
 
 
-def _reference(call: AttnCall):
+def float64_reference(call: AttnCall):
     exact = dataclasses.replace(call, q=call.q.double(), k=call.k.double(), v=call.v.double(), _problem=None)
     return REFERENCE.run(exact, Config())
 
 
-def _run_poisoned(call: AttnCall, cfg: Config):
-    """Launch into NaN-filled outputs and a NaN-filled workspace."""
+def run_poisoned(call: AttnCall, cfg: Config):
+    """Launch into NaN-filled outputs and a NaN-filled workspace (tests/test_triton_decode_gpu.py too)."""
     b, hq, lq, _ = call.q.shape
     dv, splits = call.v.shape[-1], int(cfg["num_splits"])
     ws = decode.workspace(call.q.device, b, hq, lq, dv, splits)
     for buf in ws:
         buf.fill_(float("nan"))
-    out = torch.full((b, hq, lq, dv), float("nan"), dtype=call.q.dtype)
-    lse = torch.full((b, hq, lq), float("nan"), dtype=torch.float32)
+    out = torch.full((b, hq, lq, dv), float("nan"), dtype=call.q.dtype, device=call.q.device)
+    lse = torch.full((b, hq, lq), float("nan"), dtype=torch.float32, device=call.q.device)
     decode.launch(call, cfg, out, lse, ws)
     return out, lse
 
@@ -123,8 +123,8 @@ CASES = {
 def test_matches_float64_reference(name):
     case = CASES[name]
     call = _call(case)
-    out, lse = _run_poisoned(call, _cfg(case))
-    ref_out, ref_lse = _reference(call)
+    out, lse = run_poisoned(call, _cfg(case))
+    ref_out, ref_lse = float64_reference(call)
     assert check_output(out, lse, ref_out, ref_lse, case.dtype) is None
 
 
@@ -132,14 +132,14 @@ def test_matches_naive_oracle_with_kv_seqlens():
     # not causal: naive.dense_mask's in-place `ok &= ...` cannot broadcast (1, Lk) to (Lq, Lk) yet
     case = Case(b=3, hq=4, hkv=1, lq=4, lk=70, seqlens=(0, 2, 70), splits=4)
     call = _call(case, seed=1)
-    out, lse = _run_poisoned(call, _cfg(case))
+    out, lse = run_poisoned(call, _cfg(case))
     ref_out, ref_lse = naive.dense(call.q, call.k, call.v, call.scale, kv_seqlens=call.kv_seqlens)
     assert check_output(out, lse, ref_out, ref_lse, case.dtype) is None
 
 
 def test_fully_masked_rows_give_zero_output_and_minus_inf_lse():
     case = Case(b=2, lq=4, lk=40, causal=True, seqlens=(0, 2), splits=2)
-    out, lse = _run_poisoned(_call(case), _cfg(case))
+    out, lse = run_poisoned(_call(case), _cfg(case))
     assert not out.isnan().any() and not lse.isnan().any()
     assert (out[0] == 0).all() and (lse[0] == -math.inf).all()
     # n = 2 keys and 4 queries, lower-right aligned: queries 0 and 1 see no key, 2 and 3 see some
@@ -151,8 +151,8 @@ def test_fully_masked_rows_give_zero_output_and_minus_inf_lse():
 def test_every_num_splits_matches_reference(splits):
     case = Case(hq=4, hkv=1, lq=2, lk=300, causal=True, splits=splits)
     call = _call(case, seed=2)
-    out, lse = _run_poisoned(call, _cfg(case))
-    assert check_output(out, lse, *_reference(call), case.dtype) is None
+    out, lse = run_poisoned(call, _cfg(case))
+    assert check_output(out, lse, *float64_reference(call), case.dtype) is None
 
 
 def test_default_config_runs_through_the_custom_op():
@@ -161,7 +161,7 @@ def test_default_config_runs_through_the_custom_op():
     with only_backends(REFERENCE, decode.BACKEND):
         out, lse = attention_op(call.q, call.k, call.v, call.scale, True, -1, -1, call.kv_seqlens, None,
                                 "triton_decode:default")
-    assert check_output(out, lse, *_reference(call), case.dtype) is None
+    assert check_output(out, lse, *float64_reference(call), case.dtype) is None
 
 
 # ------------------------------------------------------------------------------------ supports/configs

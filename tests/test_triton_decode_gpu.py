@@ -15,10 +15,11 @@ import math
 import pytest
 import torch
 
-from inductor_attn.backends import REFERENCE, AttnCall, Config
+from inductor_attn.backends import AttnCall, Config
 from inductor_attn.backends.triton import decode
 from inductor_attn.device import device_info
 from inductor_attn.tuning.correctness import check_output
+from test_triton_decode import float64_reference, run_poisoned
 
 pytestmark = pytest.mark.gpu
 
@@ -70,26 +71,9 @@ def _call(c: Case, seed: int = 0) -> AttnCall:
     return AttnCall("attention", q, k, v, c.d ** -0.5, causal, *window, kv_seqlens=seqlens, key_mask=key_mask)
 
 
-def _reference(call: AttnCall):
-    exact = dataclasses.replace(call, q=call.q.double(), k=call.k.double(), v=call.v.double(), _problem=None)
-    return REFERENCE.run(exact, Config())
-
-
-def _poisoned_run(call: AttnCall, cfg: Config):
-    b, hq, lq, _ = call.q.shape
-    dv, splits = call.v.shape[-1], int(cfg["num_splits"])
-    ws = decode.workspace(call.q.device, b, hq, lq, dv, splits)
-    for buf in ws:
-        buf.fill_(float("nan"))
-    out = torch.full((b, hq, lq, dv), float("nan"), dtype=call.q.dtype, device="cuda")
-    lse = torch.full((b, hq, lq), float("nan"), dtype=torch.float32, device="cuda")
-    decode.launch(call, cfg, out, lse, ws)
-    return out, lse
-
-
 def _assert_matches(call: AttnCall, cfg: Config, ref=None):
-    out, lse = _poisoned_run(call, cfg)
-    ref_out, ref_lse = ref if ref is not None else _reference(call)
+    out, lse = run_poisoned(call, cfg)
+    ref_out, ref_lse = ref if ref is not None else float64_reference(call)
     reason = check_output(out, lse, ref_out, ref_lse, call.q.dtype)
     assert reason is None, f"{call.problem} {cfg}: {reason}"
 
@@ -124,7 +108,7 @@ def test_every_config_and_num_splits_matches_reference(dtype, d):
     kernel must still be right there: those splits see no key and must drop out of the combine)."""
     case = Case(b=3, hq=16, hkv=2, lq=1, lk=1000, d=d, dtype=dtype, mask="causal_seqlens", layout="cache_slice")
     call = _call(case)
-    ref = _reference(call)
+    ref = float64_reference(call)
     dev = device_info("cuda")
     for cfg in decode.BACKEND.configs(call.problem, dev):
         reason = decode.BACKEND.prune(call.problem, dev, cfg)
@@ -141,7 +125,7 @@ def test_benchmark_shapes_every_runnable_config_compiles_and_matches(shape):
     """The configs that benchmarks/decode_gpu.py times: none may fail to compile (shared memory) or be wrong."""
     b, hq, hkv, d, lk = shape
     call = _call(Case(b=b, hq=hq, hkv=hkv, lq=1, lk=lk, d=d))
-    ref = _reference(call)
+    ref = float64_reference(call)
     dev = device_info("cuda")
     runnable = [c for c in decode.BACKEND.configs(call.problem, dev) if decode.BACKEND.prune(call.problem, dev, c) is None]
     assert runnable
@@ -152,7 +136,7 @@ def test_benchmark_shapes_every_runnable_config_compiles_and_matches(shape):
 def test_fully_masked_rows_give_zero_output_and_minus_inf_lse():
     case = Case(b=2, hq=8, hkv=2, lq=4, lk=300, d=128, mask="causal_seqlens", splits=8)
     call = dataclasses.replace(_call(case), kv_seqlens=torch.tensor([0, 2], dtype=torch.int32, device="cuda"))
-    out, lse = _poisoned_run(call, case.cfg())
+    out, lse = run_poisoned(call, case.cfg())
     assert not out.isnan().any() and not lse.isnan().any()
     assert (out[0] == 0).all() and (lse[0] == -math.inf).all()
     assert (lse[1, :, :2] == -math.inf).all() and (out[1, :, :2] == 0).all() and torch.isfinite(lse[1, :, 2:]).all()
@@ -174,7 +158,7 @@ def test_cuda_graph_replay_matches_a_plain_call():
             dst.copy_(src)
         graph.replay()
         torch.cuda.synchronize()
-        assert check_output(out, lse, *_reference(call), case.dtype) is None
+        assert check_output(out, lse, *float64_reference(call), case.dtype) is None
 
 
 def test_float32_inputs_match_with_ieee_dots():
