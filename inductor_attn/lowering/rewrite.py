@@ -202,7 +202,8 @@ def _scale(value) -> float | None:
     raise _Skip("scale is not a compile-time constant")
 
 
-def _mask_plan(mask: torch.fx.Node, sdpa: torch.fx.Node, qe, ke, analysis: mask_proof.MaskAnalysis) -> dict:
+def _mask_shape(mask: torch.fx.Node, qe, ke) -> tuple:
+    """The bool mask's shape padded to 4 dims, once it provably broadcasts to (B, H, Lq, Lk)."""
     me = _ev(mask)
     if not isinstance(me, torch.Tensor) or me.dtype != torch.bool:
         raise _Skip("attn_mask is not a bool tensor (additive masks are not routed)")
@@ -212,6 +213,11 @@ def _mask_plan(mask: torch.fx.Node, sdpa: torch.fx.Node, qe, ke, analysis: mask_
     shape = (1,) * (4 - me.dim()) + tuple(me.shape)
     if not all(_known(s == 1) or _known(s == t) for s, t in zip(shape, target)):
         raise _Skip("attn_mask shape does not provably broadcast to (B, H, Lq, Lk)")
+    return shape
+
+
+def _mask_plan(mask: torch.fx.Node, shape: tuple, sdpa: torch.fx.Node, qe, ke,
+               analysis: mask_proof.MaskAnalysis) -> dict:
     value = analysis.value(mask)
     if isinstance(value, mask_proof.Unknown):
         raise _Skip(f"attn_mask cannot be proven: {value.reason}")
@@ -252,16 +258,11 @@ def _mask_plan(mask: torch.fx.Node, sdpa: torch.fx.Node, qe, ke, analysis: mask_
 KEY_MASK_MAX_LEN_Q = 16
 
 
-def _key_mask_plan(mask: torch.fx.Node, qe, ke, ve, unproven: _Skip) -> dict:
+def _key_mask_plan(mask: torch.fx.Node, shape: tuple, qe, ke, ve, unproven: _Skip) -> dict:
     """A bool mask that is the same for every head and query row is a per-batch key mask, whatever its
     values: exact by its shape alone. Used for masks the proof cannot read (a graph input, such as the
     decode mask transformers' generate() builds eagerly, with any left padding)."""
-    me = _ev(mask)
-    if me.device != qe.device or me.dim() > 4:
-        raise _Skip(f"{unproven}; attn_mask device or rank differs from q")
-    shape = (1,) * (4 - me.dim()) + tuple(me.shape)
-    if not (all(_known(s == 1) or _known(s == t) for s, t in ((shape[0], qe.shape[0]), (shape[3], ke.shape[2])))
-            and _known(shape[1] == 1) and (_known(shape[2] == 1) or _known(qe.shape[2] == 1))):
+    if not (_known(shape[1] == 1) and (_known(shape[2] == 1) or _known(qe.shape[2] == 1))):
         raise _Skip(f"{unproven}; not a key mask either (it may vary over heads or query rows)")
     if not _known(qe.shape[2] <= KEY_MASK_MAX_LEN_Q):
         raise _Skip(f"{unproven}; as a key mask only the decode kernel (Lq <= {KEY_MASK_MAX_LEN_Q}) would gain")
@@ -289,12 +290,11 @@ def plan_sdpa(node: torch.fx.Node, analysis: mask_proof.MaskAnalysis) -> _Plan:
         raise _Skip("both attn_mask and is_causal (SDPA rejects this)")
     if not isinstance(mask, torch.fx.Node):
         raise _Skip("attn_mask is not a tensor")
+    shape = _mask_shape(mask, qe, ke)
     try:
-        return _Plan(q, k, v, scale, **_mask_plan(mask, node, qe, ke, analysis))
+        return _Plan(q, k, v, scale, **_mask_plan(mask, shape, node, qe, ke, analysis))
     except _Skip as unproven:
-        if not isinstance(_ev(mask), torch.Tensor) or _ev(mask).dtype != torch.bool:
-            raise
-        return _Plan(q, k, v, scale, **_key_mask_plan(mask, qe, ke, ve, unproven))
+        return _Plan(q, k, v, scale, **_key_mask_plan(mask, shape, qe, ke, ve, unproven))
 
 
 # ------------------------------------------------------------------------------------------ emission
