@@ -174,6 +174,17 @@ def generate(model, ids, backend: str, args) -> dict:
             "tokens": runs[-1][0][:, ids.shape[1]:]}
 
 
+def compare_generate(model, ids, args) -> dict:
+    """generate() under stock torch.compile and under inductor_attn: times and token agreement."""
+    stock, ours = generate(model, ids, "inductor", args), generate(model, ids, "inductor_attn", args)
+    return {
+        "stock_s": stock["median_s"], "inductor_attn_s": ours["median_s"],
+        "speedup": stock["median_s"] / ours["median_s"],
+        "stock_first_call_s": stock["first_call_s"], "inductor_attn_first_call_s": ours["first_call_s"],
+        "greedy_token_agreement": (stock["tokens"] == ours["tokens"]).float().mean().item(),
+    }
+
+
 # ------------------------------------------------------------------------------------------ tuning
 def tuning_seconds(model, ids) -> dict:
     """A recompile of the prefill with its decisions already stored (no tuning)."""
@@ -213,10 +224,8 @@ def main():
     started = time.perf_counter()
     inductor_attn.reset_routing_report()
     if args.only_generate:
-        stock_g, ours_g = generate(model, ids, "inductor", args), generate(model, ids, "inductor_attn", args)
         result = {"device": torch.cuda.get_device_name(), "commit": git_commit(),
-                  "stock_s": stock_g["median_s"], "inductor_attn_s": ours_g["median_s"],
-                  "greedy_token_agreement": (stock_g["tokens"] == ours_g["tokens"]).float().mean().item(),
+                  "generate": compare_generate(model, ids, args),
                   "routing_report": inductor_attn.routing_report(), "kernel_calls": inductor_attn.stats(),
                   "decisions": inductor_attn.cache.list_decisions()}
         (args.out / "llama_generate.json").write_text(json.dumps(result, indent=2))
@@ -232,7 +241,7 @@ def main():
     stock_d = decode(model, ids, "inductor", args)
     ours_d = decode(model, ids, "inductor_attn", args, forced=stock_d["tokens"])
     stock_step, ours_step = stock_d["ms_per_step"], ours_d["ms_per_step"]
-    stock_g, ours_g = generate(model, ids, "inductor", args), generate(model, ids, "inductor_attn", args)
+    generated = compare_generate(model, ids, args)
 
     step_errors = [rel_err(o, s) for o, s in zip(ours_d["logits"], stock_d["logits"])]
     agree = (torch.stack([lo.argmax(-1) for lo in ours_d["logits"]])
@@ -258,12 +267,7 @@ def main():
             "max_step_logits_rel_err_vs_stock": max(step_errors),
             "argmax_agreement_teacher_forced": agree,
         },
-        "generate": {
-            "stock_s": stock_g["median_s"], "inductor_attn_s": ours_g["median_s"],
-            "speedup": stock_g["median_s"] / ours_g["median_s"],
-            "stock_first_call_s": stock_g["first_call_s"], "inductor_attn_first_call_s": ours_g["first_call_s"],
-            "greedy_token_agreement": (stock_g["tokens"] == ours_g["tokens"]).float().mean().item(),
-        },
+        "generate": generated,
         "tuning": tuning,
         "routing_report": inductor_attn.routing_report(),
         "kernel_calls": inductor_attn.stats(),
