@@ -1,4 +1,4 @@
-"""Graph rewrite: send ``F.scaled_dot_product_attention`` calls in a Dynamo graph to ``inductor_attn::attention``.
+"""Graph rewrite: send ``F.scaled_dot_product_attention`` (and flex_attention) calls in a Dynamo graph to our ops.
 
 It runs as Inductor's ``pre_grad_custom_pass``, on the graph Dynamo captured and before AOTAutograd, so
 the autograd formula of our op (ops/attention.py) gives the backward: training routes too. An SDPA call
@@ -32,7 +32,9 @@ in [8, 256], ``scale`` a constant or default, GQA only through ``enable_gqa`` or
 
 Left alone: masks that vary over query rows and cannot be proven (graph inputs with Lq > 1, causal masks
 combined with a padding mask), additive float masks, lower bounds (sliding windows) with Lq > 1, dropout,
-non-constant scales, and every ``flex_attention``.
+non-constant scales.
+
+``flex_attention`` calls with a block mask and no score_mod go to our block-sparse op (flex_route.py).
 
 One documented difference: a query row the mask leaves empty gives zeros (our convention, api.py); SDPA's
 math kernel gives NaN there.
@@ -41,7 +43,6 @@ math kernel gives NaN there.
 from __future__ import annotations
 
 import collections
-import contextlib
 import hashlib
 import logging
 import math
@@ -51,10 +52,10 @@ from pathlib import Path
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_map
 
 from .._compat import custom_graph_pass_base, size_hint, statically_known_true
-from . import mask_proof
+from . import flex_route, graph_edit, mask_proof
+from .graph_edit import Emitter, Skip, ev
 
 log = logging.getLogger(__name__)
 
@@ -90,21 +91,13 @@ class _Plan:
     what: str = "dense"
 
 
-class _Skip(Exception):
-    """An SDPA call that stays SDPA; the message is the reason."""
-
-
 # ------------------------------------------------------------------------------------------ analysis
-def _ev(x):
-    return x.meta.get("example_value") if isinstance(x, torch.fx.Node) else x
-
-
 def _sdpa_args(node: torch.fx.Node) -> dict:
     if len(node.args) > len(_SDPA_PARAMS) or set(node.kwargs) - set(_SDPA_PARAMS):
-        raise _Skip("unexpected SDPA arguments")
+        raise Skip("unexpected SDPA arguments")
     bound = dict(_SDPA_DEFAULTS) | dict(zip(_SDPA_PARAMS, node.args)) | dict(node.kwargs)
     if any(p not in bound for p in _SDPA_PARAMS[:3]):
-        raise _Skip("unexpected SDPA arguments")
+        raise Skip("unexpected SDPA arguments")
     return bound
 
 
@@ -115,33 +108,33 @@ def _known(expr) -> bool:
 def _hint(size) -> int:
     value = size_hint(size)
     if value is None:
-        raise _Skip("a size is data-dependent")
+        raise Skip("a size is data-dependent")
     return value
 
 
 def _check_tensors(q, k, v) -> tuple:
     """Example values of q/k/v. Properties that ops/checks.py check_attention verifies in our op's fake
     impl are tested on this compilation's sizes: under dynamic shapes that check guards them."""
-    evs = [_ev(t) for t in (q, k, v)]
+    evs = [ev(t) for t in (q, k, v)]
     if not all(isinstance(t, torch.Tensor) for t in evs):
-        raise _Skip("no example values for q/k/v in the graph")
+        raise Skip("no example values for q/k/v in the graph")
     qe, ke, ve = evs
     if not all(t.dim() == 4 for t in evs):
-        raise _Skip("q/k/v are not 4-D (batch, heads, seq, head_dim)")
+        raise Skip("q/k/v are not 4-D (batch, heads, seq, head_dim)")
     if not (qe.dtype == ke.dtype == ve.dtype) or qe.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise _Skip(f"dtypes {qe.dtype}/{ke.dtype}/{ve.dtype}: routed are fp16, bf16 and fp32, one dtype")
+        raise Skip(f"dtypes {qe.dtype}/{ke.dtype}/{ve.dtype}: routed are fp16, bf16 and fp32, one dtype")
     if not (qe.device == ke.device == ve.device):
-        raise _Skip("q/k/v on different devices")
+        raise Skip("q/k/v on different devices")
     qs, ks, vs = ([_hint(s) for s in t.shape] for t in evs)
     if not qs[0] == ks[0] == vs[0]:
-        raise _Skip("batch sizes of q/k/v differ (SDPA broadcasts them, our op does not)")
+        raise Skip("batch sizes of q/k/v differ (SDPA broadcasts them, our op does not)")
     if ks[2] != vs[2]:
-        raise _Skip("k and v sequence lengths differ")
+        raise Skip("k and v sequence lengths differ")
     if qs[3] != ks[3]:
-        raise _Skip("q and k head_dims differ")
+        raise Skip("q and k head_dims differ")
     for name, size in (("q/k head_dim", qs[3]), ("v head_dim", vs[3])):
         if not 8 <= size <= 256:
-            raise _Skip(f"{name} {size} is outside [8, 256]")
+            raise Skip(f"{name} {size} is outside [8, 256]")
     return qe, ke, ve
 
 
@@ -156,7 +149,7 @@ def _unrepeat_kv(node: torch.fx.Node, sdpa: torch.fx.Node) -> torch.fx.Node | No
             if (item.op == "call_function" and item.target is operator.getitem
                     and item.args[1] == (full, full, None, full, full)):
                 src = item.args[0]
-                ex, out, s = _ev(expand), _ev(node), _ev(src)
+                ex, out, s = ev(expand), ev(node), ev(src)
                 if not (isinstance(s, torch.Tensor) and s.dim() == 4 and isinstance(ex, torch.Tensor)
                         and ex.dim() == 5 and all(_known(ex.shape[d] == s.shape[d]) for d in (0, 1))
                         and all(_known(ex.shape[d + 1] == s.shape[d]) for d in (2, 3))
@@ -170,7 +163,7 @@ def _unrepeat_kv(node: torch.fx.Node, sdpa: torch.fx.Node) -> torch.fx.Node | No
     elif (node.op == "call_function" and node.target is torch.repeat_interleave and len(node.args) == 2
           and isinstance(node.args[1], int) and node.kwargs in ({"dim": 1}, {"dim": -3})):
         src = node.args[0]
-    if not isinstance(src, torch.fx.Node) or not isinstance(_ev(src), torch.Tensor) or _ev(src).dim() != 4:
+    if not isinstance(src, torch.fx.Node) or not isinstance(ev(src), torch.Tensor) or ev(src).dim() != 4:
         return None
     # the repeat copied src where it stands; the call would read src later
     if mask_proof.may_mutate(node) or mask_proof.mutation_between(node, sdpa):
@@ -182,14 +175,14 @@ def _heads(q, k, v, enable_gqa: bool, sdpa) -> tuple:
     qe, ke, _ = _check_tensors(q, k, v)
     if _known(qe.shape[1] == ke.shape[1]):
         k2, v2 = _unrepeat_kv(k, sdpa), _unrepeat_kv(v, sdpa)
-        if k2 is not None and v2 is not None and _known(_ev(k2).shape[1] == _ev(v2).shape[1]):
+        if k2 is not None and v2 is not None and _known(ev(k2).shape[1] == ev(v2).shape[1]):
             k, v = k2, v2
     elif not enable_gqa:
-        raise _Skip("q and k head counts may differ without enable_gqa (SDPA would fail)")
+        raise Skip("q and k head counts may differ without enable_gqa (SDPA would fail)")
     qe, ke, ve = _check_tensors(q, k, v)
     hq, hk, hv = (_hint(t.shape[1]) for t in (qe, ke, ve))
     if not (hk >= 1 and hq % hk == 0 and hv == hk):
-        raise _Skip(f"head counts q={hq} k={hk} v={hv}: q must be a multiple of k, and v equal to k")
+        raise Skip(f"head counts q={hq} k={hk} v={hv}: q must be a multiple of k, and v equal to k")
     return k, v
 
 
@@ -199,20 +192,20 @@ def _scale(value) -> float | None:
         return None
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return float(value)
-    raise _Skip("scale is not a compile-time constant")
+    raise Skip("scale is not a compile-time constant")
 
 
 def _mask_shape(mask: torch.fx.Node, qe, ke) -> tuple:
     """The bool mask's shape padded to 4 dims, once it provably broadcasts to (B, H, Lq, Lk)."""
-    me = _ev(mask)
+    me = ev(mask)
     if not isinstance(me, torch.Tensor) or me.dtype != torch.bool:
-        raise _Skip("attn_mask is not a bool tensor (additive masks are not routed)")
+        raise Skip("attn_mask is not a bool tensor (additive masks are not routed)")
     if me.device != qe.device or me.dim() > 4:
-        raise _Skip("attn_mask device or rank differs from q")
+        raise Skip("attn_mask device or rank differs from q")
     target = (qe.shape[0], qe.shape[1], qe.shape[2], ke.shape[2])
     shape = (1,) * (4 - me.dim()) + tuple(me.shape)
     if not all(_known(s == 1) or _known(s == t) for s, t in zip(shape, target)):
-        raise _Skip("attn_mask shape does not provably broadcast to (B, H, Lq, Lk)")
+        raise Skip("attn_mask shape does not provably broadcast to (B, H, Lq, Lk)")
     return shape
 
 
@@ -220,21 +213,21 @@ def _mask_plan(mask: torch.fx.Node, shape: tuple, sdpa: torch.fx.Node, qe, ke,
                analysis: mask_proof.MaskAnalysis) -> dict:
     value = analysis.value(mask)
     if isinstance(value, mask_proof.Unknown):
-        raise _Skip(f"attn_mask cannot be proven: {value.reason}")
+        raise Skip(f"attn_mask cannot be proven: {value.reason}")
     if not isinstance(value, mask_proof.Mask):
-        raise _Skip("attn_mask is not a proven bool mask")
+        raise Skip("attn_mask is not a proven bool mask")
     if not mask_proof.mutation_free(analysis.cone(mask), stop={sdpa}):
-        raise _Skip("attn_mask: a tensor it is built from may be mutated in place")
+        raise Skip("attn_mask: a tensor it is built from may be mutated in place")
     bounds = []
     for b in mask_proof.realign(value, shape).bounds:
         if not any(b.coefs) and not b.free_dims and b.base is not None:
             if b.base > 0:
-                raise _Skip("attn_mask is all False")
+                raise Skip("attn_mask is all False")
             continue  # always true
         if b.coefs[1] != 0 or 1 in b.free_dims:
-            raise _Skip("attn_mask varies over heads (our kv_seqlens is per batch)")
+            raise Skip("attn_mask varies over heads (our kv_seqlens is per batch)")
         if b.coefs[3] != 1:
-            raise _Skip("attn_mask has a bound that is not an upper bound on the key index "
+            raise Skip("attn_mask has a bound that is not an upper bound on the key index "
                         "(a sliding window, a suffix or a whole-row switch)")
         bounds.append(b)
     if not bounds:
@@ -244,13 +237,13 @@ def _mask_plan(mask: torch.fx.Node, shape: tuple, sdpa: torch.fx.Node, qe, ke,
         return {"causal": False, "kv_from_mask": mask, "what": "kv_seqlens from a proven prefix mask"}
     lq, lk = qe.shape[2], ke.shape[2]
     if any(b.coefs[0] != 0 or b.coefs[2] != -1 or b.free_dims or b.base is None for b in bounds):
-        raise _Skip("attn_mask rows depend on the query through a run-time offset with Lq > 1")
+        raise Skip("attn_mask rows depend on the query through a run-time offset with Lq > 1")
     d = min(-b.base for b in bounds)  # key j visible iff j <= i + d
     if _known(lk - lq == d):
         return {"causal": True, "what": "causal (proven mask)"}
     if isinstance(lq, int) and isinstance(lk, int) and 0 <= d <= lk - lq:
         return {"causal": True, "kv_constant": d + lq, "what": "causal with constant kv_seqlens (proven mask)"}
-    raise _Skip("attn_mask is causal with a diagonal our lower-right causal cannot express")
+    raise Skip("attn_mask is causal with a diagonal our lower-right causal cannot express")
 
 
 # Key masks are routed for decode-sized queries only: the split-K decode kernel takes them; for longer
@@ -258,91 +251,69 @@ def _mask_plan(mask: torch.fx.Node, shape: tuple, sdpa: torch.fx.Node, qe, ke,
 KEY_MASK_MAX_LEN_Q = 16
 
 
-def _key_mask_plan(mask: torch.fx.Node, shape: tuple, qe, ke, ve, unproven: _Skip) -> dict:
+def _key_mask_plan(mask: torch.fx.Node, shape: tuple, qe, ke, ve, unproven: Skip) -> dict:
     """A bool mask that is the same for every head and query row is a per-batch key mask, whatever its
     values: exact by its shape alone. Used for masks the proof cannot read (a graph input, such as the
     decode mask transformers' generate() builds eagerly, with any left padding)."""
     if not (_known(shape[1] == 1) and (_known(shape[2] == 1) or _known(qe.shape[2] == 1))):
-        raise _Skip(f"{unproven}; not a key mask either (it may vary over heads or query rows)")
+        raise Skip(f"{unproven}; not a key mask either (it may vary over heads or query rows)")
     if not _known(qe.shape[2] <= KEY_MASK_MAX_LEN_Q):
-        raise _Skip(f"{unproven}; as a key mask only the decode kernel (Lq <= {KEY_MASK_MAX_LEN_Q}) would gain")
+        raise Skip(f"{unproven}; as a key mask only the decode kernel (Lq <= {KEY_MASK_MAX_LEN_Q}) would gain")
     if any(t.requires_grad for t in (qe, ke, ve)):
-        raise _Skip(f"{unproven}; as a key mask its backward would run on the reference kernel only")
+        raise Skip(f"{unproven}; as a key mask its backward would run on the reference kernel only")
     return {"causal": False, "key_mask": mask, "what": "key_mask from an unproven mask the same for every query"}
 
 
 def plan_sdpa(node: torch.fx.Node, analysis: mask_proof.MaskAnalysis) -> _Plan:
     args = _sdpa_args(node)
     if args["dropout_p"] not in (0, 0.0):
-        raise _Skip("dropout_p is not 0")
+        raise Skip("dropout_p is not 0")
     q = args["query"]
     k, v = _heads(q, args["key"], args["value"], bool(args["enable_gqa"]), node)
     qe, ke, ve = _check_tensors(q, k, v)
     scale = _scale(args["scale"])
     mask, causal = args["attn_mask"], args["is_causal"]
     if not isinstance(causal, bool):
-        raise _Skip("is_causal is not a constant")
+        raise Skip("is_causal is not a constant")
     if mask is None:
         if causal and not _known(qe.shape[2] == ke.shape[2]):
-            raise _Skip("is_causal with Lq != Lk (SDPA aligns upper-left, our causal lower-right)")
+            raise Skip("is_causal with Lq != Lk (SDPA aligns upper-left, our causal lower-right)")
         return _Plan(q, k, v, scale, causal, what="causal" if causal else "dense")
     if causal:
-        raise _Skip("both attn_mask and is_causal (SDPA rejects this)")
+        raise Skip("both attn_mask and is_causal (SDPA rejects this)")
     if not isinstance(mask, torch.fx.Node):
-        raise _Skip("attn_mask is not a tensor")
+        raise Skip("attn_mask is not a tensor")
     shape = _mask_shape(mask, qe, ke)
     try:
         return _Plan(q, k, v, scale, **_mask_plan(mask, shape, node, qe, ke, analysis))
-    except _Skip as unproven:
+    except Skip as unproven:
         return _Plan(q, k, v, scale, **_key_mask_plan(mask, shape, qe, ke, ve, unproven))
 
 
 # ------------------------------------------------------------------------------------------ emission
-class _Emitter:
-    """Inserts nodes before ``anchor`` with example values computed in the graph's fake mode."""
-
-    def __init__(self, graph: torch.fx.Graph, anchor: torch.fx.Node, fake_mode):
-        self.graph, self.anchor, self.fake_mode = graph, anchor, fake_mode
-
-    def __call__(self, op: str, target, *args, **kwargs) -> torch.fx.Node:
-        with self.graph.inserting_before(self.anchor):
-            node = self.graph.create_node(op, target, args, kwargs)
-        evs = tree_map(_ev, (args, kwargs))
-        with self.fake_mode if self.fake_mode is not None else contextlib.nullcontext():
-            if op == "call_method":
-                value = getattr(evs[0][0], target)(*evs[0][1:], **evs[1])
-            else:
-                value = target(*evs[0], **evs[1])
-        node.meta["example_value"] = value
-        for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
-            if key in self.anchor.meta:
-                node.meta[key] = self.anchor.meta[key]
-        return node
-
-
-def _as_4d(emit: _Emitter, mask: torch.fx.Node) -> torch.fx.Node:
-    ndim = _ev(mask).dim()
+def _as_4d(emit: Emitter, mask: torch.fx.Node) -> torch.fx.Node:
+    ndim = ev(mask).dim()
     return mask if ndim == 4 else emit("call_function", operator.getitem, mask, (None,) * (4 - ndim) + (Ellipsis,))
 
 
-def _key_mask(emit: _Emitter, plan: _Plan) -> tuple[torch.fx.Node, torch.fx.Node]:
+def _key_mask(emit: Emitter, plan: _Plan) -> tuple[torch.fx.Node, torch.fx.Node]:
     """(key_mask (B, Lk), kv_seqlens = 1 + the last True key per batch): the kernels then read only the
     keys up to the last visible one, as with a proven prefix, and the mask does the rest."""
     batch, len_k = emit("call_method", "size", plan.q, 0), emit("call_method", "size", plan.k, 2)
     rows = emit("call_function", operator.getitem, _as_4d(emit, plan.key_mask), (slice(None, None, None), 0, 0))
     key_mask = emit("call_method", "expand", rows, batch, len_k)
     positions = emit("call_function", torch.arange, 1, emit("call_function", operator.add, len_k, 1),
-                     dtype=torch.int32, device=_ev(plan.q).device)
+                     dtype=torch.int32, device=ev(plan.q).device)
     last = emit("call_function", torch.where, key_mask, positions, 0)
     return key_mask, emit("call_method", "amax", last, -1)
 
 
-def _kv_seqlens(emit: _Emitter, plan: _Plan) -> torch.fx.Node | None:
+def _kv_seqlens(emit: Emitter, plan: _Plan) -> torch.fx.Node | None:
     if plan.kv_from_mask is None and plan.kv_constant is None:
         return None
     batch = emit("call_method", "size", plan.q, 0)
     if plan.kv_constant is not None:
-        device = _ev(plan.q).device
+        device = ev(plan.q).device
         return emit("call_function", torch.full, (batch,), plan.kv_constant, dtype=torch.int32, device=device)
     counts = emit("call_method", "sum", _as_4d(emit, plan.kv_from_mask), -1, dtype=torch.int32)  # (B or 1, H or 1, Lq or 1)
     row = emit("call_function", operator.getitem, counts, (slice(None, None, None), 0, 0))
@@ -351,11 +322,11 @@ def _kv_seqlens(emit: _Emitter, plan: _Plan) -> torch.fx.Node | None:
 
 
 def _emit(graph: torch.fx.Graph, node: torch.fx.Node, plan: _Plan) -> None:
-    emit = _Emitter(graph, node, getattr(_ev(plan.q), "fake_mode", None))
+    emit = Emitter(graph, node, getattr(ev(plan.q), "fake_mode", None))
     key_mask, kv = _key_mask(emit, plan) if plan.key_mask is not None else (None, _kv_seqlens(emit, plan))
     scale = plan.scale
     if scale is None:
-        head_dim = _ev(plan.q).shape[3]
+        head_dim = ev(plan.q).shape[3]
         if isinstance(head_dim, int):
             scale = head_dim ** -0.5
         else:  # dynamic head_dim: SDPA's default scale, computed from the size at run time
@@ -368,40 +339,33 @@ def _emit(graph: torch.fx.Graph, node: torch.fx.Node, plan: _Plan) -> None:
 
 
 # ------------------------------------------------------------------------------------------ the pass
-def _is_flex(node: torch.fx.Node) -> bool:
-    hop = getattr(torch.ops.higher_order, "flex_attention", None)
-    return node.op == "call_function" and hop is not None and node.target is hop
-
-
-_FLEX_REASON = ("flex_attention is not routed: our block-sparse op needs the mask's bitmaps and density "
-                "at compile time, and in the graph they exist only as the mask_mod subgraph")
-
-
 def rewrite_graph(graph: torch.fx.Graph) -> int:
-    """Rewrite provably equivalent SDPA calls in ``graph``; returns how many were rewritten."""
+    """Rewrite provably equivalent SDPA and flex_attention calls in ``graph``; returns how many."""
     from .. import ops  # noqa: F401  (registers torch.ops.inductor_attn.*)
 
     analysis = mask_proof.MaskAnalysis()
     rewritten = 0
     for node in list(graph.nodes):
-        if _is_flex(node):
-            _REPORT[f"flex_attention: left alone ({_FLEX_REASON})"] += 1
-            continue
-        if node.op != "call_function" or node.target not in SDPA_TARGETS:
+        if flex_route.is_flex(node):
+            kind, plan_fn, emit_fn = "flex_attention", flex_route.plan_flex, flex_route.emit_flex
+        elif node.op == "call_function" and node.target in SDPA_TARGETS:
+            kind, plan_fn, emit_fn = "sdpa", lambda n: plan_sdpa(n, analysis), _emit
+        else:
             continue
         try:
-            plan = plan_sdpa(node, analysis)
-        except _Skip as skip:
-            _REPORT[f"sdpa: left alone ({skip})"] += 1
-            log.debug("inductor_attn: %s stays SDPA: %s", node.name, skip)
+            plan = plan_fn(node)
+            emit_fn(graph, node, plan)
+        except Skip as skip:
+            _REPORT[f"{kind}: left alone ({skip})"] += 1
+            log.debug("inductor_attn: %s stays %s: %s", node.name, kind, skip)
             continue
-        _emit(graph, node, plan)
-        _REPORT[f"sdpa: routed ({plan.what})"] += 1
+        what = plan.what if kind == "sdpa" else "block-sparse"
+        _REPORT[f"{kind}: routed ({what})"] += 1
         rewritten += 1
     return rewritten
 
 
-_SOURCES = (Path(__file__), Path(mask_proof.__file__))
+_SOURCES = tuple(Path(m.__file__) for m in (mask_proof, graph_edit, flex_route)) + (Path(__file__),)
 
 
 class RewritePass(custom_graph_pass_base()):
