@@ -40,7 +40,8 @@ class Problem:
     Lengths are per sequence: for varlen, ``batch`` is the number of sequences and ``len_q``/``len_k``
     are ``max_seqlen_q``/``max_seqlen_k``; ``total_q``/``total_k`` hold the packed token counts.
     For block-sparse problems ``density`` is the fraction of (q block, kv block) pairs that are listed
-    and ``partial_fraction`` the fraction of listed pairs that need the mask evaluated.
+    and ``partial_fraction`` the fraction of listed pairs that need the mask evaluated; both are -1 when
+    unknown (a flex_attention call routed in a compiled graph, whose block mask is run-time data).
     """
 
     op: str
@@ -82,7 +83,7 @@ class Problem:
         """The representative of this problem's bucket: what decisions are stored under.
 
         Rule (documented in README): batch, lengths and packed totals round *up* to a power of two;
-        density rounds to 1/16 and partial_fraction to 1/8; everything else (dtype, heads, head dims,
+        density rounds to 1/16 and partial_fraction to 1/8 (-1, unknown, stays); everything else (dtype, heads, head dims,
         masks, window sizes, block sizes) must match exactly. So L=1000 and L=1024 share a decision,
         L=1025 does not; decode lengths 1, 2, 4, 8, 16 are separate buckets.
         """
@@ -126,8 +127,8 @@ class Problem:
         here, so the full len_k counts.
         """
         d = (self.head_dim + self.head_dim_v) / 2
-        if self.op == "block_sparse":
-            pairs = self.batch * self.len_q * self.len_k * self.density
+        if self.op == "block_sparse":  # an unknown density (-1) counts every pair
+            pairs = self.batch * self.len_q * self.len_k * (self.density if self.density >= 0 else 1.0)
         elif self.op == "varlen":
             pairs = self.batch * kept_pairs(self.total_q // max(self.batch, 1), self.total_k // max(self.batch, 1),
                                             self.causal, self.window_left, self.window_right)

@@ -279,20 +279,6 @@ def test_dropout_stays_sdpa():
     assert not routed_calls(gm) and "dropout_p" in only_outcome()
 
 
-def test_flex_attention_is_counted_and_left_alone():
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    q, k, v = qkv(hk=4, lq=128, lk=128)
-    block_mask = create_block_mask(lambda b, h, i, j: j <= i, None, None, 128, 128, device="cpu")
-
-    def fn(q, k, v):
-        return flex_attention(q, k, v, block_mask=block_mask)
-
-    gm = capture(fn, q, k, v)
-    assert rewrite_graph(gm.graph) == 0
-    assert only_outcome().startswith("flex_attention: left alone")
-
-
 # ------------------------------------------------------------------------------------------ installing
 class UserPass(_compat.custom_graph_pass_base()):
     def __init__(self, tag):

@@ -502,7 +502,7 @@ class FA4Backend(Backend):
             full_block_cnt=s.full_kv_num_blocks, full_block_idx=s.full_kv_indices,
             block_size=(s.block_q, s.block_kv))
         kw = {"block_sparse_tensors": tensors}
-        if s.partial_fraction > 0:  # exact (not bucketed) here, so no device sync to find partial blocks
+        if s.partial_fraction != 0:  # exact (not bucketed; -1 unknown) here: no device sync to find partial blocks
             b, h = s.kv_num_blocks.shape[:2]
             kw["mask_mod"] = _bitmap_mask_mod(s.block_q, s.block_kv, int(b > 1), int(h > 1))
             kw["aux_tensors"] = [_leading(slot_table(s)), _leading(s.partial_bits.contiguous())]

@@ -88,7 +88,7 @@ class FlexBackend(Backend):
                 return "flex FLASH needs flash-attn-4, not installed"
             if p.dtype == "float32":
                 return "flex FLASH takes float16 and bfloat16 only"
-            if p.op == "block_sparse" and p.partial_fraction > 0 and _FLASH_BITMAP_REASON:
+            if p.op == "block_sparse" and p.partial_fraction != 0 and _FLASH_BITMAP_REASON:
                 return _FLASH_BITMAP_REASON
             return None
         if min(p.head_dim, p.head_dim_v) < 16:

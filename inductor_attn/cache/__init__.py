@@ -31,7 +31,8 @@ def short_problem(problem_key: str) -> str:
     if p.has_key_mask:
         label += " key_mask"
     if p.op == "block_sparse":
-        label += f" blocks{p.block_q}x{p.block_kv} density{p.density:.2f}"
+        density = "?" if p.density < 0 else f"{p.density:.2f}"
+        label += f" blocks{p.block_q}x{p.block_kv} density{density}"
     return label
 
 

@@ -8,6 +8,9 @@ Built once from a flex_attention ``BlockMask`` (same meaning of its fields):
   of word ``j // 32`` in row ``i`` says whether query ``i`` of the q block sees key ``j`` of the listed
   kv block. Slot ``s`` holds the bitmap of ``kv_indices[..., s]``.
 
+``density`` and ``partial_fraction`` (see ``Problem``) are -1 when unknown: a flex_attention call routed
+in a compiled graph (lowering/flex_route.py) builds the bitmaps in the graph and never reads them back.
+
 Index tensors are cut to the longest row (``max(kv_num_blocks)``), so memory grows with the number of
 listed blocks, never with Lq x Lk: flex keeps ``kv_indices`` as wide as all kv blocks.
 """

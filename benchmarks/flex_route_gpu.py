@@ -1,0 +1,110 @@
+"""flex_attention under plain torch.compile vs the same call routed by inductor_attn (issue #6).
+
+    source .devdeps/unpack.sh && PYTHONPATH=. python benchmarks/flex_route_gpu.py --out DIR
+
+One unmodified function, ``flex_attention(q, k, v, block_mask=...)`` with the BlockMask built outside
+(bf16, D 128), compiled three ways: Inductor's default flex kernel, ``mode="max-autotune-no-cudagraphs"``
+and ``backend="inductor_attn"``. The routed time includes building the partial-block bitmaps in the
+graph on every call; the kernel behind it is whatever our tuner picked at the first call (autotune mode,
+recorded from ``inductor_attn.stats()``). Forward, then forward + backward (default compile modes only).
+Outputs are compared with flex's default one. Timing and rows as in triton_flash_gpu.py. Writes
+DIR/flex_route_gpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from pathlib import Path
+
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
+
+import inductor_attn
+from inductor_attn.bench.runner import git_commit
+from triton_flash_gpu import Budget, measure
+
+D = 128
+DTYPE = torch.bfloat16
+
+
+def sliding_window(batch, length):
+    return (lambda b, h, q, kv: (q >= kv) & (q - kv <= 256)), None
+
+
+def document_causal(batch, length):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    docs = (torch.rand(batch, length, generator=gen, device="cuda") < 1 / 600).cumsum(-1)  # ~600-token docs
+    return (lambda b, h, q, kv: (docs[b, q] == docs[b, kv]) & (q >= kv)), batch
+
+
+PROBLEMS = [("sliding window 256 B4 H32 L4096", sliding_window, 4, 32, 4096),
+            ("document causal B4 H32 L4096", document_causal, 4, 32, 4096)]
+
+
+def run_problem(name, factory, batch, heads, length, budget) -> dict:
+    mask_mod, mask_batch = factory(batch, length)
+    block_mask = create_block_mask(mask_mod, mask_batch, None, length, length, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(batch, heads, length, D, device="cuda", generator=gen, dtype=DTYPE) for _ in range(3))
+    grad = torch.randn_like(q)
+    kept = create_mask(mask_mod, mask_batch or 1, 1, length, length, device="cuda").sum().item()
+    flops = 4.0 * heads * kept * (batch if mask_batch is None else 1) * D  # kept (query, key) pairs
+    def fn(q, k, v):
+        return flex_attention(q, k, v, block_mask=block_mask)
+
+    ways = {"flex default": dict(), "flex max-autotune": dict(mode="max-autotune-no-cudagraphs"),
+            "inductor_attn": dict(backend="inductor_attn")}
+    rows, ref = [], None
+    for way, kwargs in ways.items():
+        torch._dynamo.reset()
+        inductor_attn.reset_stats()
+        compiled = torch.compile(fn, fullgraph=True, **kwargs)
+        row = measure({"impl": way, "pass": "forward"}, lambda: compiled(q, k, v), ref, flops, budget,
+                      reserve_s=30)
+        if ref is None and row["status"] == "ok":
+            ref = compiled(q, k, v)
+        row["kernels"] = inductor_attn.stats()
+        rows.append(row)
+    for way in ("flex default", "inductor_attn"):
+        torch._dynamo.reset()
+        inductor_attn.reset_stats()
+        compiled = torch.compile(fn, fullgraph=True, **ways[way])
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+
+        def train():
+            out = compiled(qg, kg, vg)
+            out.backward(grad)
+            return qg.grad
+
+        row = measure({"impl": way, "pass": "forward+backward"}, train, None, 3.5 * flops, budget, reserve_s=30)
+        row["kernels"] = inductor_attn.stats()
+        rows.append(row)
+    return {"problem": name, "flops_forward": flops, "rows": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--budget-s", type=float, default=300)
+    args = parser.parse_args()
+    budget = Budget(args.budget_s)
+    results = [run_problem(*spec, budget) for spec in PROBLEMS]
+    for res in results:
+        print(f"\n== {res['problem']}")
+        for r in res["rows"]:
+            ms = f"{r['ms']:.3f}" if "ms" in r else "-"
+            print(f"{r['impl']:<20} {r['pass']:<18} {ms:>8} ms  {r['status']}  {r.get('error', '')}  {r['kernels']}")
+    import triton
+
+    meta = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "commit": git_commit(), "torch": torch.__version__, "triton": triton.__version__,
+            "timing": "triton.testing.do_bench median, warmup 25 ms, rep 100 ms, L2 flushed",
+            "flops": "forward 4 * heads * kept (query, key) pairs * D; forward+backward 3.5x that"}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "flex_route_gpu.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""The flex_attention rewrite (lowering/flex_route.py): flex calls with a block mask and no score_mod
+run on our block-sparse op, with the partial-block bitmaps computed in the graph from the mask_mod.
+
+Most tests run the rewritten Dynamo graph eagerly (no Inductor, ~1 s each) against a float64 reference
+built from flex's own ``create_mask``; one compiles with Inductor end to end. flex_attention has no CPU
+backward, so gradients through this route are tested on the GPU only (test_flex_route_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._functorch.config
+import torch._inductor.config
+from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
+
+import inductor_attn
+from inductor_attn.backends import REFERENCE, only_backends
+from inductor_attn.lowering.rewrite import rewrite_graph
+from naive import attend
+
+SPARSE = torch.ops.inductor_attn.block_sparse_attention.default
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    torch._dynamo.reset()
+    inductor_attn.reset_routing_report()
+    inductor_attn.reset_stats()
+    with only_backends(REFERENCE), torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+    torch._dynamo.reset()
+
+
+def rewriting_backend(graphs: list):
+    """A Dynamo backend that runs our rewrite on the graph and then executes it eagerly."""
+    def backend(gm, example_inputs):
+        rewrite_graph(gm.graph)
+        gm.recompile()
+        graphs.append(gm)
+        return gm.forward
+    return backend
+
+
+def qkv(b, hq, hk, lq, lk, d=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, hq, lq, d, generator=g), torch.randn(b, hk, lk, d, generator=g),
+            torch.randn(b, hk, lk, d, generator=g))
+
+
+def doc_ids(batch, length, seed):
+    """Per-batch document ids: random cut points, so documents end inside blocks."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.rand(batch, length, generator=g) < 0.02
+    return cuts.cumsum(-1)
+
+
+def mask_cases(batch, heads, lq, lk):
+    docs = doc_ids(batch, max(lq, lk), seed=1)
+    offset = lk - lq
+    return {
+        "causal": (lambda b, h, q, kv: q + offset >= kv, None, None),
+        "sliding_window_48": (lambda b, h, q, kv: (q + offset >= kv) & (q + offset - kv <= 48), None, None),
+        "document_causal": (lambda b, h, q, kv: (docs[b, q] == docs[b, kv]) & (q >= kv), batch, None),
+        "prefix_lm_or_causal": (lambda b, h, q, kv: (kv < 40) | (q + offset >= kv), None, None),
+        "per_head_stride": (lambda b, h, q, kv: (kv % (h + 2)) == 0, None, heads),
+    }
+
+
+CASES = [  # name, batch, heads q, heads kv, Lq, Lk, (block_q, block_kv)
+    ("causal", 2, 4, 2, 200, 200, (64, 32)),
+    ("causal", 1, 2, 2, 96, 256, (32, 64)),
+    ("sliding_window_48", 2, 4, 4, 300, 300, (128, 128)),
+    ("document_causal", 2, 4, 1, 256, 256, (64, 64)),
+    ("prefix_lm_or_causal", 1, 2, 2, 160, 160, (32, 32)),
+    ("per_head_stride", 2, 4, 2, 128, 192, (64, 64)),
+]
+
+
+@pytest.mark.parametrize("name, batch, hq, hk, lq, lk, blocks", CASES)
+def test_routed_flex_matches_float64_reference(name, batch, hq, hk, lq, lk, blocks):
+    q, k, v = qkv(batch, hq, hk, lq, lk)
+    mask_mod, mask_b, mask_h = mask_cases(batch, hq, lq, lk)[name]
+    block_mask = create_block_mask(mask_mod, mask_b, mask_h, lq, lk, device="cpu", BLOCK_SIZE=blocks)
+
+    def fn(q, k, v):
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=hq != hk, return_lse=True)
+
+    graphs = []
+    out, lse = torch.compile(fn, backend=rewriting_backend(graphs), fullgraph=True)(q, k, v)
+    assert inductor_attn.routing_report() == {"flex_attention: routed (block-sparse)": 1}
+    assert [n.target for n in graphs[0].graph.nodes].count(SPARSE) == 1
+    dense = create_mask(mask_mod, batch, hq, lq, lk, device="cpu")
+    ref, ref_lse = attend(q, k, v, dense, q.shape[-1] ** -0.5)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-6
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=1e-5, atol=1e-5)
+    assert torch.equal(torch.isfinite(lse), finite)
+
+
+def test_score_mod_stays_flex():
+    q, k, v = qkv(1, 2, 2, 128, 128)
+    block_mask = create_block_mask(lambda b, h, i, j: j <= i, None, None, 128, 128, device="cpu")
+
+    def fn(q, k, v):
+        return flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s * 0.5, block_mask=block_mask)
+
+    torch.compile(fn, backend=rewriting_backend([]), fullgraph=True)(q, k, v)
+    (outcome,) = inductor_attn.routing_report()
+    assert outcome == "flex_attention: left alone (a score_mod is given (only block masks are routed))"
+
+
+def test_mask_mod_reading_the_batch_of_a_shared_block_mask_stays_flex():
+    """flex evaluates partial blocks with each call's real batch index, while a block mask built with B=None
+    holds batch 0's bitmaps only: routing would change the result."""
+    q, k, v = qkv(2, 2, 2, 128, 128)
+    docs = doc_ids(2, 128, seed=3)
+
+    def mask_mod(b, h, i, j):
+        return docs[b, i] == docs[b, j]
+
+    block_mask = create_block_mask(mask_mod, None, None, 128, 128, device="cpu")
+
+    def fn(q, k, v):
+        return flex_attention(q, k, v, block_mask=block_mask)
+
+    torch.compile(fn, backend=rewriting_backend([]), fullgraph=True)(q, k, v)
+    (outcome,) = inductor_attn.routing_report()
+    assert "reads its batch index but the block mask is shared" in outcome
+
+
+def test_lse_is_not_requested_and_out_alone_is_replaced():
+    q, k, v = qkv(1, 2, 2, 128, 128)
+    block_mask = create_block_mask(lambda b, h, i, j: j <= i, None, None, 128, 128, device="cpu")
+
+    def fn(q, k, v):
+        return flex_attention(q, k, v, block_mask=block_mask) * 2
+
+    graphs = []
+    out = torch.compile(fn, backend=rewriting_backend(graphs), fullgraph=True)(q, k, v)
+    targets = [n.target for n in graphs[0].graph.nodes]
+    assert torch.ops.higher_order.flex_attention not in targets and targets.count(SPARSE) == 1
+    assert not [n for n in graphs[0].graph.nodes if n.op == "get_attr"]  # score/mask subgraphs dropped
+    ref, _ = attend(q, k, v, create_mask(lambda b, h, i, j: j <= i, 1, 1, 128, 128, device="cpu"), 32 ** -0.5)
+    assert ((out.double() - 2 * ref).norm() / ref.norm()).item() < 1e-6
+
+
+@pytest.mark.slow
+def test_inductor_compile_of_two_layers_sharing_a_mask_built_in_the_graph():
+    """End to end through AOTAutograd and Inductor, the block mask made inside the compiled function,
+    with dynamic shapes: new lengths reuse the graph."""
+    def fn(q, k, v):
+        length = q.shape[2]
+        block_mask = create_block_mask(lambda b, h, i, j: (j <= i) & (i - j < 100), None, None, length, length,
+                                       device="cpu")
+        x = flex_attention(q, k, v, block_mask=block_mask)
+        return flex_attention(x, k, v, block_mask=block_mask)
+
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled = torch.compile(fn, backend="inductor_attn", fullgraph=True, dynamic=True)
+    for length in (256, 384):
+        q, k, v = qkv(1, 2, 2, length, length)
+        out = compiled(q, k, v)
+        mask = create_mask(lambda b, h, i, j: (j <= i) & (i - j < 100), 1, 1, length, length, device="cpu")
+        x, _ = attend(q, k, v, mask, 32 ** -0.5)
+        ref, _ = attend(x.float(), k, v, mask, 32 ** -0.5)
+        assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+    assert counters["stats"]["unique_graphs"] == 1
+    assert inductor_attn.routing_report() == {"flex_attention: routed (block-sparse)": 2}
+    assert inductor_attn.stats() == {"block_sparse/forward -> reference:default": 4}
