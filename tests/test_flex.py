@@ -162,10 +162,14 @@ def test_importing_the_flex_backend_needs_no_optional_dependency():
 
 
 # ------------------------------------------------------------------------------------------- GPU
-def _gpu_sparse_call(dtype, heads, hkv, d=64):
+def block_causal(b, h, q, kv):  # whole 128-blocks only: no partial block, so flex FLASH is a candidate
+    return (q // 128) >= (kv // 128)
+
+
+def _gpu_sparse_call(dtype, heads, hkv, d=64, mask_mod=doc_mask):
     from inductor_attn.backends.base import AttnCall
 
-    sparse = BlockSparseMask.from_block_mask(create_block_mask(doc_mask, 2, heads, 512, 512, device="cuda",
+    sparse = BlockSparseMask.from_block_mask(create_block_mask(mask_mod, 2, heads, 512, 512, device="cuda",
                                                                BLOCK_SIZE=128))
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(2, 6, 512, d, device="cuda", dtype=dtype, generator=gen)
@@ -196,10 +200,13 @@ def test_gpu_flex_triton_on_our_block_mask_matches_reference(dtype, heads, hkv):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_flex_flash_on_our_block_mask_matches_reference(dtype):
+def test_gpu_flex_flash_on_a_full_block_mask_matches_reference(dtype):
+    """FLASH is a candidate only for masks without partial blocks (flex.py _FLASH_BITMAP_REASON)."""
     if not flex.flash_attn_available():
         pytest.skip("flex FLASH needs flash-attn-4 (source .devdeps/unpack.sh)")
-    _assert_matches_reference(_gpu_sparse_call(dtype, heads=None, hkv=6, d=128), Config.of(backend="FLASH"))
+    call = _gpu_sparse_call(dtype, heads=None, hkv=6, d=128, mask_mod=block_causal)
+    assert call.problem.partial_fraction == 0
+    _assert_matches_reference(call, Config.of(backend="FLASH"))
 
 
 @pytest.mark.gpu
