@@ -6,7 +6,8 @@ One unmodified function, ``flex_attention(q, k, v, block_mask=...)`` with the Bl
 (bf16, D 128), compiled three ways: Inductor's default flex kernel, ``mode="max-autotune-no-cudagraphs"``
 and ``backend="inductor_attn"``. The routed time includes building the partial-block bitmaps in the
 graph on every call; the kernel behind it is whatever our tuner picked at the first call (autotune mode,
-recorded from ``inductor_attn.stats()``). Forward, then forward + backward (default compile modes only).
+recorded from ``inductor_attn.stats()``, with every candidate's time from the decision store; point
+``INDUCTOR_ATTN_CACHE_DIR`` at an empty directory to tune afresh). Forward, then forward + backward (default compile modes only).
 Outputs are compared with flex's default one. Timing and rows as in triton_flash_gpu.py. Writes
 DIR/flex_route_gpu.json.
 """
@@ -84,6 +85,16 @@ def run_problem(name, factory, batch, heads, length, budget) -> dict:
     return {"problem": name, "flops_forward": flops, "rows": rows}
 
 
+def tuner_records() -> list[dict]:
+    """What our tuner measured for the routed calls (every candidate, its status and median)."""
+    from inductor_attn.cache.store import get_store
+
+    keep = ("name", "status", "reason", "median_ms")
+    return [{"op": row["op"], "problem": row["problem"], "winner": row["winner"],
+             "candidates": [{k: c.get(k) for k in keep} for c in row["record"]["candidates"]]}
+            for row in get_store().rows() if row["op"].startswith("block_sparse")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -103,7 +114,13 @@ def main() -> None:
             "timing": "triton.testing.do_bench median, warmup 25 ms, rep 100 ms, L2 flushed",
             "flops": "forward 4 * heads * kept (query, key) pairs * D; forward+backward 3.5x that"}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "flex_route_gpu.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    records = tuner_records()
+    for rec in records:
+        print(f"\n{rec['op']} winner {rec['winner']}")
+        for c in sorted(rec["candidates"], key=lambda c: c.get("median_ms") or float("inf"))[:8]:
+            print(f"  {c['name']:<90} {c.get('median_ms')}  {c['status']}  {(c.get('reason') or '')[:80]}")
+    (args.out / "flex_route_gpu.json").write_text(json.dumps({"meta": meta, "results": results,
+                                                             "tuner": records}, indent=1))
 
 
 if __name__ == "__main__":

@@ -73,6 +73,18 @@ def _visible(r, c, lk, off, left, right, BITS, s_bi, s_bw, partial, q_blk0, k_bl
 
 
 @triton.jit
+def _bitmap_bits(BITS, rows, first_key, k_blk0, s_bi, s_bw, partial, q_blk0, KEYS: tl.constexpr):
+    """int32 0/1 [rows, KEYS]: the bitmap of keys ``first_key + [0, KEYS)`` (KEYS and first_key - k_blk0
+    multiples of 32) for each row; one load per 32-key word, expanded in registers like the forward's
+    _bitmap_tile, instead of _visible's gather of one word per element. All ones where not ``partial``."""
+    w0 = (first_key - k_blk0) // 32
+    words = tl.load(BITS + (rows - q_blk0)[:, None] * s_bi + (w0 + tl.arange(0, KEYS // 32))[None, :] * s_bw,
+                    mask=tl.where(partial, rows[:, None] >= 0, False), other=-1)
+    bits = (words[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1
+    return tl.reshape(bits, (rows.shape[0], KEYS))
+
+
+@triton.jit
 def bwd_preprocess(O, DO, LSE, DLSE, DELTA, LSE2,
                    s_ob, s_oh, s_om, s_od, s_gb, s_gh, s_gm, s_gd,
                    s_lb, s_lh, s_lm, s_db, s_dh, s_dm,
@@ -114,8 +126,12 @@ def _dkdv_rows(dk, dv, k, v, lo, hi, Qh, DOh, DQh, LSE2h, DELTAh,
         lse2 = tl.load(LSE2h + rows * s_rm, mask=row_ok, other=float("inf"))
         s_t = tl.dot(k, q_t, input_precision=DOT_PREC) * qk_scale
         if MASK:
-            ok = _visible(rows[None, :], cols[:, None], lk, off, left, right, BITSh, s_bi, s_bw, partial,
-                          q_blk0, k_blk0, SPARSE, HAS_LEFT, HAS_RIGHT)
+            if SPARSE and cols.shape[0] % 32 == 0:  # the resident keys start at k_blk0 (_dkdv_sparse_head)
+                bits = _bitmap_bits(BITSh, rows, k_blk0, k_blk0, s_bi, s_bw, partial, q_blk0, cols.shape[0])
+                ok = (tl.trans(bits) != 0) & (cols[:, None] < lk)
+            else:
+                ok = _visible(rows[None, :], cols[:, None], lk, off, left, right, BITSh, s_bi, s_bw, partial,
+                              q_blk0, k_blk0, SPARSE, HAS_LEFT, HAS_RIGHT)
             s_t = tl.where(ok, s_t, float("-inf"))
         p_t = tl.exp2(s_t - lse2[None, :])
         do = tl.load(DOh + rows[:, None] * s_om + offs_dv[None, :] * s_od,
@@ -243,8 +259,11 @@ def _dkdv_sparse_head(dk, dv, k, v, Qh, DOh, DQh, LSE2h, DELTAh, s_qm, s_qd, s_o
     """One query head's contribution through the transposed block list: the q blocks that list the
     resident kv block, in ascending order (code = q_block * slots1 + slot + 1, slot -1 = full block)."""
     nb = n0 // block_kv
-    k_blk0 = nb * block_kv
-    edge = k_blk0 + block_kv > lk  # the last kv block may run past the keys
+    # the 32-key word holding the resident keys' first: bitmap pointers and k_blk0 start there, so that
+    # resident keys are keys [0, BLOCK_N) (or [0 | 16, +16) for 16-key tiles) of the rebased bitmap
+    word0 = (n0 - nb * block_kv) // 32 * 32
+    k_blk0 = nb * block_kv + word0
+    edge = (nb + 1) * block_kv > lk  # the last kv block may run past the keys
     e_lo = tl.load(ROW_START + nb)
     e_hi = tl.load(ROW_START + nb + 1)
     for e in range(e_lo, e_hi):
@@ -256,7 +275,7 @@ def _dkdv_sparse_head(dk, dv, k, v, Qh, DOh, DQh, LSE2h, DELTAh, s_qm, s_qd, s_o
         lo = q_blk0
         hi = tl.minimum(q_blk0 + block_q, lq)
         mid = tl.where(partial | edge, hi, lo)
-        bits = BITS + m.to(tl.int64) * s_bm + tl.maximum(slot, 0) * s_bs
+        bits = BITS + m.to(tl.int64) * s_bm + tl.maximum(slot, 0) * s_bs + (word0 // 32) * s_bw
         dk, dv = _dkdv_rows(dk, dv, k, v, lo, mid, Qh, DOh, DQh, LSE2h, DELTAh, s_qm, s_qd, s_om, s_od,
                             s_dqm, s_dqd, s_rm, cols, offs_d, offs_dv, lq, lk, 0, 0, 0,
                             bits, s_bi, s_bw, partial, q_blk0, k_blk0, qk_scale, sm_scale, D, DV,
@@ -283,8 +302,12 @@ def _dq_cols(dq, q, do, lse2, delta, rows, lo, hi, Kh, Vh, s_kn, s_kd, s_vn, s_v
                       mask=col_ok[None, :] & (offs_dv[:, None] < DV), other=0.0).to(q.dtype)
         s = tl.dot(q, k_t, input_precision=DOT_PREC) * qk_scale
         if MASK:
-            ok = _visible(rows[:, None], cols[None, :], lk, off, left, right, BITS, s_bi, s_bw, partial,
-                          q_blk0, k_blk0, SPARSE, HAS_LEFT, HAS_RIGHT)
+            if SPARSE and BLOCK_N % 32 == 0:  # key tiles step from the kv block's start (bwd_dq)
+                bits = _bitmap_bits(BITS, rows, n0, k_blk0, s_bi, s_bw, partial, q_blk0, BLOCK_N)
+                ok = (bits != 0) & (cols[None, :] < lk)
+            else:
+                ok = _visible(rows[:, None], cols[None, :], lk, off, left, right, BITS, s_bi, s_bw, partial,
+                              q_blk0, k_blk0, SPARSE, HAS_LEFT, HAS_RIGHT)
             s = tl.where(ok, s, float("-inf"))
         p = tl.exp2(s - lse2[:, None])
         dp = tl.dot(do, v_t, input_precision=DOT_PREC)
