@@ -4,7 +4,7 @@
 
 One unmodified function, ``flex_attention(q, k, v, block_mask=...)`` with the BlockMask built outside
 (bf16, D 128), compiled three ways: Inductor's default flex kernel, ``mode="max-autotune-no-cudagraphs"``
-and ``backend="inductor_attn"``. The routed time includes building the partial-block bitmaps in the
+and ``backend="inductor_attn"`` with ``INDUCTOR_ATTN_ROUTE_FLEX=1`` (set here). The routed time includes building the partial-block bitmaps in the
 graph on every call; the kernel behind it is whatever our tuner picked at the first call (autotune mode,
 recorded from ``inductor_attn.stats()``, with every candidate's time from the decision store; point
 ``INDUCTOR_ATTN_CACHE_DIR`` at an empty directory to tune afresh). Forward, then forward + backward (default compile modes only).
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ from torch.nn.attention.flex_attention import create_block_mask, create_mask, fl
 
 import inductor_attn
 from inductor_attn.bench.runner import git_commit
+from inductor_attn.lowering import flex_route
 from triton_flash_gpu import Budget, measure
 
 D = 128
@@ -100,6 +102,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--budget-s", type=float, default=300)
     args = parser.parse_args()
+    os.environ[flex_route.ROUTE_ENV] = "1"  # flex routing is opt-in (lowering/flex_route.py)
     budget = Budget(args.budget_s)
     results = [run_problem(*spec, budget) for spec in PROBLEMS]
     for res in results:

@@ -15,14 +15,16 @@ from torch.nn.attention.flex_attention import create_block_mask, create_mask, fl
 
 import inductor_attn
 from inductor_attn.backends import REFERENCE, only_backends
-from inductor_attn.lowering.rewrite import rewrite_graph
+from inductor_attn.lowering import flex_route
+from inductor_attn.lowering.rewrite import RewritePass, rewrite_graph
 from naive import attend
 
 SPARSE = torch.ops.inductor_attn.block_sparse_attention.default
 
 
 @pytest.fixture(autouse=True)
-def _fresh():
+def _fresh(monkeypatch):
+    monkeypatch.setenv(flex_route.ROUTE_ENV, "1")
     torch._dynamo.reset()
     inductor_attn.reset_routing_report()
     inductor_attn.reset_stats()
@@ -169,3 +171,20 @@ def test_inductor_compile_of_two_layers_sharing_a_mask_built_in_the_graph():
     assert counters["stats"]["unique_graphs"] == 1
     assert inductor_attn.routing_report() == {"flex_attention: routed (block-sparse)": 2}
     assert inductor_attn.stats() == {"block_sparse/forward -> reference:default": 4}
+
+
+def test_flex_stays_flex_unless_routing_is_requested(monkeypatch):
+    q, k, v = qkv(1, 2, 2, 128, 128)
+    block_mask = create_block_mask(lambda b, h, i, j: j <= i, None, None, 128, 128, device="cpu")
+    with_routing = RewritePass().uuid()
+    monkeypatch.delenv(flex_route.ROUTE_ENV)
+    assert RewritePass().uuid() != with_routing  # FX graph cache entries of the two settings stay apart
+
+    def fn(q, k, v):
+        return flex_attention(q, k, v, block_mask=block_mask)
+
+    graphs = []
+    torch.compile(fn, backend=rewriting_backend(graphs), fullgraph=True)(q, k, v)
+    (outcome,) = inductor_attn.routing_report()
+    assert outcome.startswith("flex_attention: left alone (not routed unless INDUCTOR_ATTN_ROUTE_FLEX=1")
+    assert torch.ops.higher_order.flex_attention in [n.target for n in graphs[0].graph.nodes]

@@ -35,7 +35,7 @@ CASES = {  # name: (mask_mod factory -> (mask_mod, mask batch or None), B, Hq, H
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("name", list(CASES))
-def test_routed_flex_forward_and_backward_match_float64(name, dtype):
+def test_routed_flex_forward_and_backward_match_float64(name, dtype, monkeypatch):
     factory, batch, hq, hkv, length = CASES[name]
     mask_mod, mask_batch = factory(batch, length)
     block_mask = create_block_mask(mask_mod, mask_batch, None, length, length, device="cuda")
@@ -48,6 +48,7 @@ def test_routed_flex_forward_and_backward_match_float64(name, dtype):
     def fn(q, k, v):
         return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=hq != hkv)
 
+    monkeypatch.setenv("INDUCTOR_ATTN_ROUTE_FLEX", "1")
     torch._dynamo.reset()
     inductor_attn.reset_routing_report()
     inductor_attn.reset_stats()

@@ -18,7 +18,7 @@ mask used by every layer) are merged by AOTAutograd's common-subexpression elimi
 The mask's density is run-time data here, so the op gets ``density = partial_fraction = -1``
 ("unknown"): the decision is per shape, tuned on the first call's real block mask.
 
-Left alone, with the reason counted: a score_mod, captured score_mod buffers, a read of flex's max-score
+Only with ``INDUCTOR_ATTN_ROUTE_FLEX=1`` (see :data:`ROUTE_ENV`). Left alone, with the reason counted: a score_mod, captured score_mod buffers, a read of flex's max-score
 output, a mask built for other lengths, a mask_mod that reads its batch/head index while the block mask
 broadcasts over that dim, and mask_mods that do not evaluate on index tensors (anything but elementwise
 ops and indexing).
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 
 import torch
 import torch.fx
@@ -35,6 +36,11 @@ from torch.fx.node import map_arg
 
 from .._compat import size_hint, statically_known_true
 from .graph_edit import Emitter, Skip, ev
+
+# Opt-in: on an H100, our block-sparse kernels plus the per-call bitmaps ran slower than compiled flex on
+# sliding-window and document masks (benchmarks/flex_route_gpu.py, RESULTS.md), and which of the two
+# wins cannot be measured at compile time (the mask is run-time data), so flex keeps its calls by default.
+ROUTE_ENV = "INDUCTOR_ATTN_ROUTE_FLEX"
 
 # Bitmaps above this size (B' * H' * Lq * Lk / 8 bytes) are not built per call: 256 MiB is Lq = Lk = 46k
 # for a mask shared by batch and heads.
@@ -83,8 +89,15 @@ def _outputs(node: torch.fx.Node) -> dict[int, torch.fx.Node]:
     return outs
 
 
+def routing_requested() -> bool:
+    return os.environ.get(ROUTE_ENV, "") == "1"
+
+
 def plan_flex(node: torch.fx.Node) -> dict:
     """What the emitter needs, or :class:`Skip` with the reason the call stays flex."""
+    if not routing_requested():
+        raise Skip(f"not routed unless {ROUTE_ENV}=1: measured slower than flex's own kernel on an H100 "
+                   "(benchmarks/RESULTS.md)")
     args = _bound_args(node)
     q, k, v = args["query"], args["key"], args["value"]
     qe, ke, ve = (ev(t) for t in (q, k, v))
@@ -186,11 +199,10 @@ def _partial_bits(emit: Emitter, plan: dict) -> torch.fx.Node:
     listed = fn(operator.lt, slot, fn(operator.getitem, cnt, (Ellipsis, None, None, None)))
     in_range = fn(operator.and_, fn(operator.lt, q_pos, len_q), fn(operator.lt, kv_pos, len_k))
     keep = fn(operator.and_, fn(operator.and_, keep, in_range), listed)
-    bits = method("to", method("unflatten", keep, -1, (bk // 32, 32)), torch.int64)
-    shifts = fn(torch.arange, 32, dtype=torch.int64, device=device)
-    words = method("sum", fn(operator.lshift, bits, shifts), -1)
-    signed = fn(torch.where, fn(operator.ge, words, 2**31), fn(operator.sub, words, 2**32), words)
-    return method("to", signed, torch.int32)
+    bits = method("to", method("unflatten", keep, -1, (bk // 32, 32)), torch.int32)
+    shifts = fn(torch.arange, 32, dtype=torch.int32, device=device)
+    # distinct bits: an int32 sum is their OR, bit 31 the sign (no partial sum overflows)
+    return method("sum", fn(operator.lshift, bits, shifts), -1, dtype=torch.int32)
 
 
 def emit_flex(graph: torch.fx.Graph, node: torch.fx.Node, plan: dict) -> None:

@@ -34,7 +34,8 @@ Left alone: masks that vary over query rows and cannot be proven (graph inputs w
 combined with a padding mask), additive float masks, lower bounds (sliding windows) with Lq > 1, dropout,
 non-constant scales.
 
-``flex_attention`` calls with a block mask and no score_mod go to our block-sparse op (flex_route.py).
+``flex_attention`` calls with a block mask and no score_mod go to our block-sparse op (flex_route.py) when
+``INDUCTOR_ATTN_ROUTE_FLEX=1``: opt-in, since flex's own kernels measured faster on an H100.
 
 One documented difference: a query row the mask leaves empty gives zeros (our convention, api.py); SDPA's
 math kernel gives NaN there.
@@ -391,6 +392,7 @@ class RewritePass(custom_graph_pass_base()):
         from .. import __version__
 
         h = hashlib.sha256(__version__.encode())
+        h.update(str(flex_route.routing_requested()).encode())  # the setting changes the rewritten graph
         for path in _SOURCES:
             h.update(path.read_bytes())
         for p in self._chain():
