@@ -78,3 +78,15 @@ def size_hint(size) -> int | None:
         return int(hint(size))
     except RuntimeError:  # GuardOnDataDependentSymNode and friends: no hint
         return None
+
+
+def flex_flash_lse_scaled_by_ln2() -> bool:
+    """Whether ``flex_attention`` multiplies the lse of its FLASH backend by ln 2 although FA4 returns it in
+    natural log already. torch 2.13's ``_finalize_outputs`` takes ``stats_are_log2=BACKEND != "FLASH"``;
+    torch 2.11 scales every backend's lse (measured on an H100: FLASH's lse off by exactly 1 - ln 2, 0.307).
+    Read from the source of torch/nn/attention/flex_attention.py, since no version attribute says it."""
+    import inspect
+
+    from torch.nn.attention import flex_attention as flex_module
+
+    return "stats_are_log2" not in inspect.getsource(flex_module)

@@ -43,3 +43,10 @@ def test_flex_block_mask_still_has_the_fields_we_read():
     for name in ("seq_lengths", "kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
                  "BLOCK_SIZE", "mask_mod"):
         assert name in params
+
+
+def test_flex_lse_scaling_probe_reads_the_installed_flex_source():
+    """torch 2.13 (CI) knows FLASH's lse is natural-log based; the probe must say so here. On torch 2.11
+    (the device machine) it says the opposite, checked there by tests/test_flex.py's FLASH lse tests."""
+    expected = _compat.TORCH_VERSION < (2, 13)
+    assert _compat.flex_flash_lse_scaled_by_ln2() is expected

@@ -223,3 +223,16 @@ def test_gpu_flex_on_dense_windows_matches_reference(causal, left, right, lq, lk
     for cfg in configs:
         _assert_matches_reference(call, cfg)
 
+
+
+def test_a_mask_without_partial_blocks_reaches_flex_with_its_no_op_mask_mod():
+    """flex's FLASH template lowers the mask_mod even when no block needs it, and cannot lower our
+    bitmap lookup: full-block masks must not carry it."""
+    from torch.nn.attention.flex_attention import noop_mask
+
+    full_only = BlockSparseMask.from_block_mask(create_block_mask(lambda b, h, q, kv: (q // 64) >= (kv // 64),
+                                                                  None, None, 256, 256, device="cpu", BLOCK_SIZE=64))
+    assert full_only.partial_fraction == 0
+    assert flex.to_flex_block_mask(full_only).mask_mod is noop_mask
+    partial = BlockSparseMask.from_block_mask(create_block_mask(doc_mask, 2, 2, 256, 256, device="cpu"))
+    assert flex.to_flex_block_mask(partial).mask_mod is not noop_mask

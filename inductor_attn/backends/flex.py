@@ -17,9 +17,11 @@ import contextlib
 import functools
 import importlib.util
 import inspect
+import math
 
 import torch
 
+from .._compat import flex_flash_lse_scaled_by_ln2
 from ..device import DeviceInfo
 from ..problem import Problem
 from .base import AttnCall, Backend, Config
@@ -109,7 +111,10 @@ class FlexBackend(Backend):
             out, aux = _compiled()(call.q, call.k, call.v, block_mask=block_mask, scale=call.scale,
                                    enable_gqa=call.q.shape[1] != call.k.shape[1],
                                    kernel_options=kernel_options(cfg), **_lse_request())
-        return out, getattr(aux, "lse", aux)
+        lse = getattr(aux, "lse", aux)
+        if cfg["backend"] == "FLASH" and flex_flash_lse_scaled_by_ln2():
+            lse = lse / math.log(2)
+        return out, lse
 
 
 def kernel_options(cfg: Config) -> dict:
@@ -171,18 +176,24 @@ def _pad_blocks(idx: torch.Tensor, n_kv: int) -> torch.Tensor:
 
 def to_flex_block_mask(sparse):
     """A flex ``BlockMask`` with the same meaning as our BlockSparseMask (its mask_mod reads our bitmaps)."""
+    from torch.nn.attention.flex_attention import noop_mask
+
     n_kv = -(-sparse.seq_lengths[1] // sparse.block_kv)
     slot_of, bits, bq, bk = slot_table(sparse), sparse.partial_bits, sparse.block_q, sparse.block_kv
 
     def bitmap_mask_mod(b, h, q_idx, kv_idx):
         return bitmap_lookup(slot_of, bits, bq, bk, b, h, q_idx, kv_idx)
 
+    # Without partial blocks the mask_mod is never evaluated; flex's FLASH template still lowers it, and
+    # fails on the lookup (benchmarks/flex_flash_probe.py), so pass flex's no-op instead.
+    mask_mod = bitmap_mask_mod if sparse.partial_fraction != 0 else noop_mask
+
     full_cnt, full_idx = sparse.full_kv_num_blocks, sparse.full_kv_indices
     if full_cnt is None:  # flex's FLASH path wants full-block tensors even when there are none
         full_cnt = torch.zeros_like(sparse.kv_num_blocks)
         full_idx = torch.zeros_like(sparse.kv_indices[..., :1])
     return _from_kv_blocks(sparse.kv_num_blocks, _pad_blocks(sparse.kv_indices, n_kv), full_cnt,
-                           _pad_blocks(full_idx, n_kv), (bq, bk), bitmap_mask_mod, sparse.seq_lengths)
+                           _pad_blocks(full_idx, n_kv), (bq, bk), mask_mod, sparse.seq_lengths)
 
 
 def window_blocks(len_q: int, len_k: int, causal: bool, window_left: int, window_right: int,
