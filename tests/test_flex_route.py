@@ -188,3 +188,44 @@ def test_flex_stays_flex_unless_routing_is_requested(monkeypatch):
     (outcome,) = inductor_attn.routing_report()
     assert outcome.startswith("flex_attention: left alone (not routed unless INDUCTOR_ATTN_ROUTE_FLEX=1")
     assert torch.ops.higher_order.flex_attention in [n.target for n in graphs[0].graph.nodes]
+
+
+def test_a_mask_mod_with_a_reduction_stays_flex():
+    """Traced on scalars, ``valid[b].any()`` reduces one row; inlined on index tensors it would reduce
+    them all (found in review: routed, it gave a 0.76 relative error)."""
+    valid = torch.ones(2, 256, dtype=torch.bool)
+    valid[1] = False
+
+    def mask_mod(b, h, i, j):
+        return (j <= i) | valid[b].any()
+
+    q, k, v = qkv(2, 2, 2, 256, 256)
+    block_mask = create_block_mask(mask_mod, 2, None, 256, 256, device="cpu")
+
+    def fn(q, k, v):
+        return flex_attention(q, k, v, block_mask=block_mask)
+
+    out = torch.compile(fn, backend=rewriting_backend([]), fullgraph=True)(q, k, v)
+    (outcome,) = inductor_attn.routing_report()
+    assert "not known to be elementwise" in outcome or "slices" in outcome, outcome
+    ref, _ = attend(q, k, v, create_mask(mask_mod, 2, 2, 256, 256, device="cpu"), 32 ** -0.5)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("what", ["head_dim 4", "GQA with a block mask per kv head"])
+def test_calls_our_op_refuses_stay_flex_and_still_compile(what):
+    """flex accepts these; our op's checks do not. The compile must go on with flex (found in review:
+    the fake impl's error escaped the pass)."""
+    hq, hk, d, mask_h = (2, 2, 4, None) if what == "head_dim 4" else (4, 2, 32, 2)
+    q, k, v = qkv(1, hq, hk, 128, 128, d=d)
+    block_mask = create_block_mask(lambda b, h, i, j: j <= i, None, mask_h, 128, 128, device="cpu")
+
+    def fn(q, k, v):
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=hq != hk)
+
+    graphs = []
+    out = torch.compile(fn, backend=rewriting_backend(graphs), fullgraph=True)(q, k, v)
+    (outcome,) = inductor_attn.routing_report()
+    assert outcome.startswith("flex_attention: left alone"), outcome
+    assert SPARSE not in [n.target for n in graphs[0].graph.nodes]
+    torch.testing.assert_close(out, fn(q, k, v), rtol=1e-5, atol=1e-5)

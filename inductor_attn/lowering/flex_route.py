@@ -20,8 +20,11 @@ The mask's density is run-time data here, so the op gets ``density = partial_fra
 
 Only with ``INDUCTOR_ATTN_ROUTE_FLEX=1`` (see :data:`ROUTE_ENV`). Left alone, with the reason counted: a score_mod, captured score_mod buffers, a read of flex's max-score
 output, a mask built for other lengths, a mask_mod that reads its batch/head index while the block mask
-broadcasts over that dim, and mask_mods that do not evaluate on index tensors (anything but elementwise
-ops and indexing).
+broadcasts over that dim, mask_mods that call anything but known elementwise ops and
+indexing by index tensors (they were traced on scalars; on index tensors a reduction would change
+meaning), and calls our op's checks refuse (head dims outside [8, 256], index tensors not int32, a
+block mask with Hkv heads under GQA). The bitmap limit is checked at the compiled sizes: under dynamic
+shapes, larger lengths run with the same graph.
 """
 
 from __future__ import annotations
@@ -149,6 +152,32 @@ def _placeholders(subgraph: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [n for n in subgraph.graph.nodes if n.op == "placeholder"]
 
 
+# What a mask_mod may do to be evaluated on index tensors instead of scalars with the same meaning: each
+# output element depends only on the same element of the inputs (a reduction or a slice would not).
+_ELEMENTWISE_FUNCTIONS = frozenset({
+    operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge, operator.and_, operator.or_,
+    operator.xor, operator.invert, operator.not_, operator.add, operator.sub, operator.mul, operator.floordiv,
+    operator.mod, operator.neg, operator.abs, operator.lshift, operator.rshift,
+    torch.where, torch.logical_and, torch.logical_or, torch.logical_not, torch.logical_xor, torch.remainder,
+    torch.abs, torch.minimum, torch.maximum, torch.clamp, torch.eq, torch.ne, torch.lt, torch.le, torch.gt,
+    torch.ge, torch.bitwise_and, torch.bitwise_or, torch.bitwise_xor, torch.bitwise_not,
+})
+_ELEMENTWISE_METHODS = frozenset({"to", "int", "long", "bool", "__and__", "__or__", "__invert__", "clamp",
+                                  "remainder", "abs", "logical_and", "logical_or", "logical_not"})
+
+
+def _check_elementwise(n: torch.fx.Node) -> None:
+    if n.op == "call_function" and n.target is operator.getitem:
+        index = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
+        if all(isinstance(i, (torch.fx.Node, int)) for i in index):  # a gather by index tensors
+            return
+        raise Skip("the mask_mod indexes with slices (its result would not be elementwise)")
+    if (n.op == "call_function" and n.target in _ELEMENTWISE_FUNCTIONS) or \
+            (n.op == "call_method" and n.target in _ELEMENTWISE_METHODS):
+        return
+    raise Skip(f"the mask_mod calls {getattr(n.target, '__name__', n.target)}, not known to be elementwise")
+
+
 def _inline(emit: Emitter, subgraph: torch.fx.GraphModule, inputs: list) -> torch.fx.Node:
     """Copy the mask_mod's nodes before the call, its placeholders bound to ``inputs``."""
     env = {}
@@ -162,8 +191,7 @@ def _inline(emit: Emitter, subgraph: torch.fx.GraphModule, inputs: list) -> torc
         if n.op == "output":
             result = map_arg(n.args[0], env.__getitem__)
             return result[0] if isinstance(result, (tuple, list)) else result
-        if n.op not in ("call_function", "call_method"):
-            raise Skip(f"the mask_mod has a {n.op} node ({n.target})")
+        _check_elementwise(n)
         env[n] = emit(n.op, n.target, *map_arg(n.args, env.__getitem__), **map_arg(n.kwargs, env.__getitem__))
     raise Skip("the mask_mod subgraph has no output")
 
@@ -209,14 +237,16 @@ def emit_flex(graph: torch.fx.Graph, node: torch.fx.Node, plan: dict) -> None:
     emit = Emitter(graph, node, getattr(ev(plan["q"]), "fake_mode", None))
     try:
         bits = _partial_bits(emit, plan)
-    except Exception as exc:  # a mask_mod that does not broadcast fails in its fake evaluation
+        # the op's fake impl checks what flex accepts and we do not (head dims, index dtypes, the block
+        # mask's head count): a refusal leaves the call to flex
+        result = emit.fn(torch.ops.inductor_attn.block_sparse_attention.default, plan["q"], plan["k"], plan["v"],
+                         plan["cnt"], plan["idx"], plan["full_cnt"], plan["full_idx"], bits, plan["block_q"],
+                         plan["block_kv"], plan["scale"], -1.0, -1.0, "")
+    except Exception as exc:  # noqa: BLE001 - whatever fails in the fake evaluation, flex keeps the call
         emit.rollback()
         if isinstance(exc, Skip):
             raise
-        raise Skip(f"the mask_mod does not evaluate on index tensors ({type(exc).__name__}: {exc})") from exc
-    op = torch.ops.inductor_attn.block_sparse_attention.default
-    result = emit.fn(op, plan["q"], plan["k"], plan["v"], plan["cnt"], plan["idx"], plan["full_cnt"],
-                     plan["full_idx"], bits, plan["block_q"], plan["block_kv"], plan["scale"], -1.0, -1.0, "")
+        raise Skip(f"{type(exc).__name__}: {exc}") from exc
     outs = plan["outs"]
     if 0 in outs:
         outs[0].replace_all_uses_with(emit.fn(operator.getitem, result, 0))
