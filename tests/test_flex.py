@@ -53,9 +53,9 @@ def test_configs_are_triton_tiles_and_flash(monkeypatch):
                           "flex:backend=TRITON,block_m=128,block_n=64,num_stages=3,num_warps=4",
                           "flex:backend=TRITON,block_m=64,block_n=64,num_stages=2,num_warps=4"}
     assert all(reason is None for name, reason in cands.items() if name != "flex:backend=FLASH")
-    # measured: flex FLASH cannot lower the bitmap lookup of partial blocks (torch 2.11)
-    assert cands["flex:backend=FLASH"] == flex._FLASH_BITMAP_REASON
-    assert candidates(prob(partial_fraction=0.0))["flex:backend=FLASH"] is None
+    # measured: flex FLASH fails on our block masks, with or without partial blocks (torch 2.11, H100)
+    assert cands["flex:backend=FLASH"] == flex._FLASH_BLOCK_MASK_REASON
+    assert candidates(prob(partial_fraction=0.0))["flex:backend=FLASH"] == flex._FLASH_BLOCK_MASK_REASON
 
 
 def test_flash_is_pruned_without_flash_attn_4(monkeypatch):
@@ -162,14 +162,10 @@ def test_importing_the_flex_backend_needs_no_optional_dependency():
 
 
 # ------------------------------------------------------------------------------------------- GPU
-def block_causal(b, h, q, kv):  # whole 128-blocks only: no partial block, so flex FLASH is a candidate
-    return (q // 128) >= (kv // 128)
-
-
-def _gpu_sparse_call(dtype, heads, hkv, d=64, mask_mod=doc_mask):
+def _gpu_sparse_call(dtype, heads, hkv, d=64):
     from inductor_attn.backends.base import AttnCall
 
-    sparse = BlockSparseMask.from_block_mask(create_block_mask(mask_mod, 2, heads, 512, 512, device="cuda",
+    sparse = BlockSparseMask.from_block_mask(create_block_mask(doc_mask, 2, heads, 512, 512, device="cuda",
                                                                BLOCK_SIZE=128))
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(2, 6, 512, d, device="cuda", dtype=dtype, generator=gen)
@@ -199,17 +195,6 @@ def test_gpu_flex_triton_on_our_block_mask_matches_reference(dtype, heads, hkv):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_flex_flash_on_a_full_block_mask_matches_reference(dtype):
-    """FLASH is a candidate only for masks without partial blocks (flex.py _FLASH_BITMAP_REASON)."""
-    if not flex.flash_attn_available():
-        pytest.skip("flex FLASH needs flash-attn-4 (source .devdeps/unpack.sh)")
-    call = _gpu_sparse_call(dtype, heads=None, hkv=6, d=128, mask_mod=block_causal)
-    assert call.problem.partial_fraction == 0
-    _assert_matches_reference(call, Config.of(backend="FLASH"))
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("causal, left, right, lq, lk", [(True, -1, -1, 384, 512), (True, 256, -1, 1024, 1024),
                                                          (False, 100, 50, 600, 600)])
 def test_gpu_flex_on_dense_windows_matches_reference(causal, left, right, lq, lk):
@@ -224,15 +209,3 @@ def test_gpu_flex_on_dense_windows_matches_reference(causal, left, right, lq, lk
         _assert_matches_reference(call, cfg)
 
 
-
-def test_a_mask_without_partial_blocks_reaches_flex_with_its_no_op_mask_mod():
-    """flex's FLASH template lowers the mask_mod even when no block needs it, and cannot lower our
-    bitmap lookup: full-block masks must not carry it."""
-    from torch.nn.attention.flex_attention import noop_mask
-
-    full_only = BlockSparseMask.from_block_mask(create_block_mask(lambda b, h, q, kv: (q // 64) >= (kv // 64),
-                                                                  None, None, 256, 256, device="cpu", BLOCK_SIZE=64))
-    assert full_only.partial_fraction == 0
-    assert flex.to_flex_block_mask(full_only).mask_mod is noop_mask
-    partial = BlockSparseMask.from_block_mask(create_block_mask(doc_mask, 2, 2, 256, 256, device="cpu"))
-    assert flex.to_flex_block_mask(partial).mask_mod is not noop_mask

@@ -16,6 +16,7 @@ import torch._functorch.config
 import torch._inductor.config
 
 import inductor_attn
+from inductor_attn import _compat
 
 transformers = pytest.importorskip("transformers")
 
@@ -96,7 +97,15 @@ def teacher_forced_logits(model, ids, forced: torch.Tensor) -> list[torch.Tensor
     return out
 
 
-@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+# mode="reduce-overhead" segfaults in Triton's launcher (parseKernelArgs) on torch 2.11 + Triton 3.6 (H100,
+# 2026-11-22) for this static-cache model under *stock* torch.compile too, without inductor_attn: a skip,
+# since a segfault ends the whole test run. Re-run it on a newer torch.
+_STOCK_REDUCE_OVERHEAD_SEGFAULTS = _compat.TORCH_VERSION < (2, 13)
+
+
+@pytest.mark.parametrize("mode", ["default", pytest.param("reduce-overhead", marks=pytest.mark.skipif(
+    _STOCK_REDUCE_OVERHEAD_SEGFAULTS, reason="stock torch.compile(mode='reduce-overhead') segfaults on this "
+    "model with torch 2.11 + Triton 3.6 (H100), without inductor_attn"))])
 def test_static_cache_decode_runs_on_our_op_and_matches_eager_in_bf16(mode):
     model = tiny_llama().eval()
     ids = prompt()

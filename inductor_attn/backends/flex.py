@@ -35,15 +35,14 @@ TRITON_TILES = (
     Config.of(backend="TRITON", block_m=128, block_n=64, num_warps=4, num_stages=3),
     Config.of(backend="TRITON", block_m=64, block_n=64, num_warps=4, num_stages=2),
 )
-# Partial blocks reach flex through a mask_mod that reads our bitmaps (block_bitmap.bitmap_lookup). flex's
-# CuTe DSL template in torch 2.11 did not lower the forms tried on an H100 (2026-11-22,
-# benchmarks/flex_flash_probe.py): no `minimum` (clamp), a DSL error on `& 1`, "Expected TensorSSA" for a
-# constant index (twice); masks reading captured tensors by q/kv index did lower. The current form (no
-# constant index, arithmetic cap, remainder bit test) failed with an MLIR error only while it still had
-# an indexing bug of ours, fixed since: it is untested there. Until the probe passes, FLASH is pruned for
-# such masks; FA4 runs them directly (the fa4 backend, with its own CuTe lookup). Set to None to retry.
-_FLASH_BITMAP_REASON = ("flex FLASH (torch 2.11) did not lower our partial-block bitmap lookup on an H100 "
-                        "(benchmarks/flex_flash_probe.py); the fa4 backend runs block masks directly")
+# flex FLASH is pruned for every block mask (measured on an H100 with torch 2.11, 2026-11-22): it did not
+# lower our partial-block bitmap lookup in any form tried (benchmarks/flex_flash_probe.py: no `minimum`,
+# a DSL error on `& 1`, "Expected TensorSSA" for a constant index, a layout error for a 2-D index into a
+# captured tensor), and on a mask without partial blocks (flex's no-op mask_mod) it ran but its output
+# was off by a relative error of 0.72 (tests/test_flex.py, 064fe16/b862701). It stays a candidate for
+# sliding windows, where it matched. FA4 runs block masks directly (the fa4 backend).
+_FLASH_BLOCK_MASK_REASON = ("flex FLASH (torch 2.11, H100) failed on our block masks: no lowering of the bitmap "
+                            "lookup, wrong output without partial blocks; the fa4 backend runs block masks directly")
 # flex_attention compiles once per (config, shape); dynamo's default limit of 8 entries per function
 # would otherwise make later configs silently fall back to eager flex while tuning.
 RECOMPILE_LIMIT = 256
@@ -90,8 +89,8 @@ class FlexBackend(Backend):
                 return "flex FLASH needs flash-attn-4, not installed"
             if p.dtype == "float32":
                 return "flex FLASH takes float16 and bfloat16 only"
-            if p.op == "block_sparse" and p.partial_fraction != 0 and _FLASH_BITMAP_REASON:
-                return _FLASH_BITMAP_REASON
+            if p.op == "block_sparse":
+                return _FLASH_BLOCK_MASK_REASON
             return None
         if min(p.head_dim, p.head_dim_v) < 16:
             return f"flex Triton needs head dims >= 16, got ({p.head_dim}, {p.head_dim_v})"
@@ -176,24 +175,18 @@ def _pad_blocks(idx: torch.Tensor, n_kv: int) -> torch.Tensor:
 
 def to_flex_block_mask(sparse):
     """A flex ``BlockMask`` with the same meaning as our BlockSparseMask (its mask_mod reads our bitmaps)."""
-    from torch.nn.attention.flex_attention import noop_mask
-
     n_kv = -(-sparse.seq_lengths[1] // sparse.block_kv)
     slot_of, bits, bq, bk = slot_table(sparse), sparse.partial_bits, sparse.block_q, sparse.block_kv
 
     def bitmap_mask_mod(b, h, q_idx, kv_idx):
         return bitmap_lookup(slot_of, bits, bq, bk, b, h, q_idx, kv_idx)
 
-    # Without partial blocks the mask_mod is never evaluated; flex's FLASH template still lowers it, and
-    # fails on the lookup (benchmarks/flex_flash_probe.py), so pass flex's no-op instead.
-    mask_mod = bitmap_mask_mod if sparse.partial_fraction != 0 else noop_mask
-
     full_cnt, full_idx = sparse.full_kv_num_blocks, sparse.full_kv_indices
     if full_cnt is None:  # flex's FLASH path wants full-block tensors even when there are none
         full_cnt = torch.zeros_like(sparse.kv_num_blocks)
         full_idx = torch.zeros_like(sparse.kv_indices[..., :1])
     return _from_kv_blocks(sparse.kv_num_blocks, _pad_blocks(sparse.kv_indices, n_kv), full_cnt,
-                           _pad_blocks(full_idx, n_kv), (bq, bk), mask_mod, sparse.seq_lengths)
+                           _pad_blocks(full_idx, n_kv), (bq, bk), bitmap_mask_mod, sparse.seq_lengths)
 
 
 def window_blocks(len_q: int, len_k: int, causal: bool, window_left: int, window_right: int,
