@@ -7,6 +7,8 @@ backward, so gradients through this route are tested on the GPU only (test_flex_
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 import torch._functorch.config
@@ -16,6 +18,7 @@ from torch.nn.attention.flex_attention import create_block_mask, create_mask, fl
 import inductor_attn
 from inductor_attn.backends import REFERENCE, only_backends
 from inductor_attn.lowering import flex_route
+from inductor_attn.lowering.graph_edit import Skip
 from inductor_attn.lowering.rewrite import RewritePass, rewrite_graph
 from naive import attend
 
@@ -229,3 +232,22 @@ def test_calls_our_op_refuses_stay_flex_and_still_compile(what):
     assert outcome.startswith("flex_attention: left alone"), outcome
     assert SPARSE not in [n.target for n in graphs[0].graph.nodes]
     torch.testing.assert_close(out, fn(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op, target, elementwise", [
+    ("call_function", operator.eq, True),
+    ("call_function", torch.Tensor.__eq__, True),  # how Dynamo in torch 2.11 records `docs[b, q] == docs[b, kv]`
+    ("call_method", "__eq__", True),
+    ("call_method", "sum", False),
+    ("call_function", torch.Tensor.sum, False),
+    ("call_function", torch.any, False),
+])
+def test_only_elementwise_mask_mod_nodes_are_inlined(op, target, elementwise):
+    graph = torch.fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    node = graph.create_node(op, target, (a, b))
+    if elementwise:
+        flex_route._check_elementwise(node)
+    else:
+        with pytest.raises(Skip, match="not known to be elementwise"):
+            flex_route._check_elementwise(node)

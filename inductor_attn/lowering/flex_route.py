@@ -162,8 +162,14 @@ _ELEMENTWISE_FUNCTIONS = frozenset({
     torch.abs, torch.minimum, torch.maximum, torch.clamp, torch.eq, torch.ne, torch.lt, torch.le, torch.gt,
     torch.ge, torch.bitwise_and, torch.bitwise_or, torch.bitwise_xor, torch.bitwise_not,
 })
-_ELEMENTWISE_METHODS = frozenset({"to", "int", "long", "bool", "__and__", "__or__", "__invert__", "clamp",
-                                  "remainder", "abs", "logical_and", "logical_or", "logical_not"})
+# Tensor methods, called as methods or, as Dynamo in torch 2.11 records ``docs[b, q] == docs[b, kv]``, as
+# ``Tensor.__eq__`` (an H100 run routed nothing else)
+_ELEMENTWISE_METHODS = frozenset(
+    {f"__{op}__" for op in ("eq", "ne", "lt", "le", "gt", "ge", "and", "or", "xor", "invert", "add", "sub", "mul",
+                            "floordiv", "mod", "neg", "abs", "lshift", "rshift", "rand", "ror", "rxor", "radd",
+                            "rsub", "rmul")}
+    | {"to", "int", "long", "bool", "clamp", "remainder", "abs", "eq", "ne", "lt", "le", "gt", "ge",
+       "logical_and", "logical_or", "logical_not", "bitwise_and", "bitwise_or", "bitwise_not"})
 
 
 def _check_elementwise(n: torch.fx.Node) -> None:
@@ -172,8 +178,11 @@ def _check_elementwise(n: torch.fx.Node) -> None:
         if all(isinstance(i, (torch.fx.Node, int)) for i in index):  # a gather by index tensors
             return
         raise Skip("the mask_mod indexes with slices (its result would not be elementwise)")
-    if (n.op == "call_function" and n.target in _ELEMENTWISE_FUNCTIONS) or \
-            (n.op == "call_method" and n.target in _ELEMENTWISE_METHODS):
+    if n.op == "call_function" and n.target in _ELEMENTWISE_FUNCTIONS:
+        return
+    name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+    is_tensor_method = n.op == "call_method" or getattr(torch.Tensor, name, None) is n.target
+    if is_tensor_method and name in _ELEMENTWISE_METHODS:
         return
     raise Skip(f"the mask_mod calls {getattr(n.target, '__name__', n.target)}, not known to be elementwise")
 
