@@ -16,7 +16,6 @@ import torch._inductor.config
 from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
 
 import inductor_attn
-from inductor_attn.backends import REFERENCE, only_backends
 from inductor_attn.lowering import flex_route
 from inductor_attn.lowering.graph_edit import Skip
 from inductor_attn.lowering.rewrite import RewritePass, rewrite_graph
@@ -25,16 +24,12 @@ from naive import attend
 SPARSE = torch.ops.inductor_attn.block_sparse_attention.default
 
 
+pytestmark = pytest.mark.usefixtures("fresh_compile")
+
+
 @pytest.fixture(autouse=True)
-def _fresh(monkeypatch):
+def _route_flex(monkeypatch):
     monkeypatch.setenv(flex_route.ROUTE_ENV, "1")
-    torch._dynamo.reset()
-    inductor_attn.reset_routing_report()
-    inductor_attn.reset_stats()
-    with only_backends(REFERENCE), torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
-        yield
-    torch._dynamo.reset()
 
 
 def rewriting_backend(graphs: list):

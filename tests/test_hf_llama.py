@@ -15,26 +15,15 @@ import torch._functorch.config
 import torch._inductor.config
 
 import inductor_attn
-from inductor_attn.backends import REFERENCE, only_backends
 
 transformers = pytest.importorskip("transformers")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_compile")]
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 PROMPT, NEW_TOKENS, CACHE_LEN = 12, 4, 24
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    """Compile afresh: routing_report counts rewrites, and a cache hit replays without rewriting."""
-    torch._dynamo.reset()
-    inductor_attn.reset_routing_report()
-    inductor_attn.reset_stats()
-    with only_backends(REFERENCE), torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
-        yield
-    torch._dynamo.reset()
 
 
 def tiny_llama():

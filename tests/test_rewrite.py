@@ -18,23 +18,13 @@ import torch.nn.functional as F
 
 import inductor_attn
 from inductor_attn import _compat
-from inductor_attn.backends import REFERENCE, only_backends
 from inductor_attn.lowering.rewrite import RewritePass, rewrite_graph
 
 ATTENTION = torch.ops.inductor_attn.attention.default
 TOL = dict(rtol=1e-5, atol=1e-5)  # float32, reference kernel vs SDPA math
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    """Compile afresh: routing_report counts rewrites, and a cache hit replays without rewriting."""
-    torch._dynamo.reset()
-    inductor_attn.reset_routing_report()
-    inductor_attn.reset_stats()
-    with only_backends(REFERENCE), torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
-        yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_compile")
 
 
 def capture(fn, *args) -> torch.fx.GraphModule:
