@@ -174,10 +174,16 @@ _ELEMENTWISE_METHODS = frozenset(
 
 def _check_elementwise(n: torch.fx.Node) -> None:
     if n.op == "call_function" and n.target is operator.getitem:
+        # a gather of one element (a 0-d result in the scalar trace Dynamo recorded); ``docs[b][q]`` or
+        # ``valid[b]`` would take a whole row, which on index tensors means something else
+        value, base = n.meta.get("example_value"), getattr(n.args[0], "meta", {}).get("example_value")
         index = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
-        if all(isinstance(i, (torch.fx.Node, int)) for i in index):  # a gather by index tensors
+        if isinstance(value, torch.Tensor) and value.dim() == 0:
             return
-        raise Skip("the mask_mod indexes with slices (its result would not be elementwise)")
+        if value is None and isinstance(base, torch.Tensor) and len(index) == base.dim() and \
+                all(isinstance(i, (torch.fx.Node, int)) for i in index):  # no recorded value: count the indices
+            return
+        raise Skip("the mask_mod indexes a whole row or slice of a tensor (only single-element gathers are routed)")
     if n.op == "call_function" and n.target in _ELEMENTWISE_FUNCTIONS:
         return
     name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 import torch.fx
@@ -22,6 +23,19 @@ def ev(x):
     return x.meta.get("example_value")
 
 
+@contextlib.contextmanager
+def _fake_tensor_log_quiet():
+    """A node whose fake evaluation fails is a reason to leave a call alone, raised to the caller; torch's
+    fake-tensor logger would also print the failure as an ERROR with a traceback."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 class Emitter:
     """Inserts nodes before ``anchor`` with example values computed in the graph's fake mode; remembers
     them, so that a plan which fails halfway can take them out again (:meth:`rollback`)."""
@@ -35,7 +49,7 @@ class Emitter:
             node = self.graph.create_node(op, target, args, kwargs)
         self.created.append(node)
         evs = tree_map(ev, (args, kwargs))
-        with self.fake_mode if self.fake_mode is not None else contextlib.nullcontext():
+        with self.fake_mode if self.fake_mode is not None else contextlib.nullcontext(), _fake_tensor_log_quiet():
             if op == "call_method":
                 value = getattr(evs[0][0], target)(*evs[0][1:], **evs[1])
             else:
