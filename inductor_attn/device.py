@@ -61,13 +61,24 @@ def parse_device_override(text: str) -> DeviceInfo:
 
 
 def device_info(device: torch.device | str) -> DeviceInfo:
-    """Describe ``device`` (CUDA or CPU), honouring the simulation override for CUDA problems."""
+    """Describe ``device`` (CUDA or CPU), honouring the simulation override for CUDA problems. Called on
+    every op call that decides at run time, so every branch is a cache hit after the first."""
     device = torch.device(device)
     override = os.environ.get(ENV_VAR)
     if override:
-        return parse_device_override(override)
+        return _parsed_override(override)
     if device.type == "cuda":
         return _cuda_info(device.index if device.index is not None else torch.cuda.current_device())
+    return _cpu_info()
+
+
+@functools.cache
+def _parsed_override(text: str) -> DeviceInfo:
+    return parse_device_override(text)
+
+
+@functools.cache
+def _cpu_info() -> DeviceInfo:
     return DeviceInfo("cpu", (0, 0), os.cpu_count() or 1)
 
 

@@ -8,6 +8,7 @@ where only shapes are known), so the constructors take plain ints.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 OPS = ("attention", "varlen", "block_sparse")
@@ -83,20 +84,11 @@ class Problem:
         """The representative of this problem's bucket: what decisions are stored under.
 
         Rule (documented in README): batch, lengths and packed totals round *up* to a power of two;
-        density rounds to 1/16 and partial_fraction to 1/8 (-1, unknown, stays); everything else (dtype, heads, head dims,
-        masks, window sizes, block sizes) must match exactly. So L=1000 and L=1024 share a decision,
-        L=1025 does not; decode lengths 1, 2, 4, 8, 16 are separate buckets.
+        density rounds to 1/16 and partial_fraction to 1/8 (-1, unknown, stays); everything else (dtype,
+        heads, head dims, masks, window sizes, block sizes) must match exactly. So L=1000 and L=1024 share
+        a decision, L=1025 does not; decode lengths 1, 2, 4, 8, 16 are separate buckets.
         """
-        return dataclasses.replace(
-            self,
-            batch=next_power_of_two(self.batch),
-            len_q=next_power_of_two(self.len_q),
-            len_k=next_power_of_two(self.len_k),
-            total_q=next_power_of_two(self.total_q),
-            total_k=next_power_of_two(self.total_k),
-            density=round_fraction(self.density, 16),
-            partial_fraction=round_fraction(self.partial_fraction, 8),
-        )
+        return _bucket(self)
 
     def key(self) -> str:
         """Stable string form (field=value, in declaration order) used in decision keys."""
@@ -136,6 +128,20 @@ class Problem:
             pairs = self.batch * kept_pairs(self.len_q, self.len_k, self.causal, self.window_left,
                                             self.window_right)
         return 4.0 * self.heads_q * pairs * d
+
+
+@functools.lru_cache(maxsize=4096)  # run-time decisions bucket every call's problem
+def _bucket(p: Problem) -> Problem:
+    return dataclasses.replace(
+        p,
+        batch=next_power_of_two(p.batch),
+        len_q=next_power_of_two(p.len_q),
+        len_k=next_power_of_two(p.len_k),
+        total_q=next_power_of_two(p.total_q),
+        total_k=next_power_of_two(p.total_k),
+        density=round_fraction(p.density, 16),
+        partial_fraction=round_fraction(p.partial_fraction, 8),
+    )
 
 
 def kept_pairs(len_q: int, len_k: int, causal: bool, window_left: int = -1, window_right: int = -1) -> int:
