@@ -264,3 +264,26 @@ def test_a_chained_row_gather_stays_flex():
     torch.compile(fn, backend=rewriting_backend([]), fullgraph=True)(q, k, v)
     (outcome,) = inductor_attn.routing_report()
     assert "indexes a whole row" in outcome, outcome
+
+
+def test_calls_sharing_a_block_mask_share_one_bitmap_build():
+    """Every layer of a model reuses one mask; nothing after the pass merged the copies (torch 2.13)."""
+    q, k, v = qkv(1, 2, 2, 256, 256)
+    window = create_block_mask(lambda b, h, i, j: (j <= i) & (i - j < 100), None, None, 256, 256, device="cpu")
+    causal = create_block_mask(lambda b, h, i, j: j <= i, None, None, 256, 256, device="cpu")
+
+    def fn(q, k, v):
+        x = flex_attention(q, k, v, block_mask=window)
+        x = flex_attention(x, k, v, block_mask=window)
+        return flex_attention(x, k, v, block_mask=causal)
+
+    graphs = []
+    out = torch.compile(fn, backend=rewriting_backend(graphs), fullgraph=True)(q, k, v)
+    assert inductor_attn.routing_report() == {"flex_attention: routed (block-sparse)": 3}
+    assert [n.target for n in graphs[0].graph.nodes].count(operator.lshift) == 2  # window once, causal once
+    scale = 32 ** -0.5
+    window_mask = create_mask(window.mask_mod, 1, 1, 256, 256, device="cpu")
+    x, _ = attend(q, k, v, window_mask, scale)
+    x, _ = attend(x.float(), k, v, window_mask, scale)
+    ref, _ = attend(x.float(), k, v, create_mask(causal.mask_mod, 1, 1, 256, 256, device="cpu"), scale)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5

@@ -44,6 +44,7 @@ math kernel gives NaN there.
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import logging
 import math
@@ -345,10 +346,12 @@ def rewrite_graph(graph: torch.fx.Graph) -> int:
     from .. import ops  # noqa: F401  (registers torch.ops.inductor_attn.*)
 
     analysis = mask_proof.MaskAnalysis()
+    bits_memo: dict = {}  # flex calls sharing a block mask share its bitmaps
     rewritten = 0
     for node in list(graph.nodes):
         if flex_route.is_flex(node):
-            kind, plan_fn, emit_fn = "flex_attention", flex_route.plan_flex, flex_route.emit_flex
+            kind, plan_fn = "flex_attention", flex_route.plan_flex
+            emit_fn = functools.partial(flex_route.emit_flex, bits_memo=bits_memo)
         elif node.op == "call_function" and node.target in SDPA_TARGETS:
             kind, plan_fn, emit_fn = "sdpa", lambda n: plan_sdpa(n, analysis), _emit
         else:
