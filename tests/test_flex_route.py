@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch._functorch.config
 import torch._inductor.config
-from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
 
 import inductor_attn
 from inductor_attn.lowering import flex_route
@@ -287,3 +287,26 @@ def test_calls_sharing_a_block_mask_share_one_bitmap_build():
     x, _ = attend(x.float(), k, v, window_mask, scale)
     ref, _ = attend(x.float(), k, v, create_mask(causal.mask_mod, 1, 1, 256, 256, device="cpu"), scale)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def test_block_tensors_shared_by_masks_of_other_lengths_do_not_share_bitmaps():
+    """``BlockMask.from_kv_blocks`` can give one set of block tensors two ``seq_lengths``; the bitmaps
+    depend on the lengths (found in review: the long call reused the short one's and lost keys 200-255)."""
+    def causal(b, h, i, j):
+        return i >= j
+
+    long_mask = create_block_mask(causal, None, None, 256, 256, device="cpu", BLOCK_SIZE=64)
+    short_mask = BlockMask.from_kv_blocks(long_mask.kv_num_blocks, long_mask.kv_indices, long_mask.full_kv_num_blocks,
+                                          long_mask.full_kv_indices, BLOCK_SIZE=64, mask_mod=causal,
+                                          seq_lengths=(200, 200))
+    short, long = qkv(1, 2, 2, 200, 200), qkv(1, 2, 2, 256, 256, seed=1)
+
+    def fn(qs, ks, vs, ql, kl, vl):
+        return flex_attention(qs, ks, vs, block_mask=short_mask), flex_attention(ql, kl, vl, block_mask=long_mask)
+
+    outs = torch.compile(fn, backend=rewriting_backend([]), fullgraph=True)(*short, *long)
+    assert inductor_attn.routing_report() == {"flex_attention: routed (block-sparse)": 2}
+    for out, (q, k, v) in zip(outs, (short, long)):
+        length = q.shape[2]
+        ref, _ = attend(q, k, v, create_mask(causal, 1, 1, length, length, device="cpu"), 32 ** -0.5)
+        assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-6

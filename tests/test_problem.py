@@ -51,3 +51,15 @@ def test_causal_flops_count_lower_right_pairs():
     full = _p(len_q=4, len_k=4, batch=1, heads_q=1, heads_kv=1, head_dim=8, head_dim_v=8)
     assert full.flops() == 4 * 16 * 8
     assert _p(len_q=4, len_k=4, batch=1, heads_q=1, heads_kv=1, head_dim=8, head_dim_v=8, causal=True).flops() == 4 * 10 * 8
+
+
+def test_a_call_with_an_int_causal_gets_a_bool_problem():
+    """Buckets are cached and 1 == True: without the coercion a causal=1 call could hand its bucket
+    (key "causal=1", read back as False by from_key) to later causal=True calls."""
+    import torch
+
+    from inductor_attn.backends.base import AttnCall
+
+    q = torch.zeros(1, 1, 4, 8)
+    problem = AttnCall("attention", q, q, q, 1.0, 1, -1, -1).problem
+    assert problem.causal is True and Problem.from_key(problem.bucket().key()).causal is True

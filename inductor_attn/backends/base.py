@@ -115,7 +115,7 @@ class AttnCall:
 def problem_of(call: AttnCall) -> Problem:
     q, k, v = call.q, call.k, call.v
     common = dict(op=call.op, dtype=str(q.dtype).removeprefix("torch."), device_type=q.device.type,
-                  head_dim=q.shape[-1], head_dim_v=v.shape[-1], causal=call.causal,
+                  head_dim=q.shape[-1], head_dim_v=v.shape[-1], causal=bool(call.causal),
                   window_left=call.window_left, window_right=call.window_right)
     if call.op == "varlen":
         return Problem(batch=call.cu_seqlens_q.shape[0] - 1, heads_q=q.shape[1], heads_kv=k.shape[1],

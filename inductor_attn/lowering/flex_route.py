@@ -145,6 +145,7 @@ def plan_flex(node: torch.fx.Node) -> dict:
     if 1 in outs and outs[1].users and not lse_base2:
         raise Skip("the lse of flex's FLASH backend is read (its base is not pinned down here)")
     return dict(q=q, k=k, v=v, scale=scale, cnt=cnt, idx=idx, full_cnt=full_cnt, full_idx=full_idx,
+                len_q=len_q, len_k=len_k,
                 block_q=block_q, block_kv=block_kv, mask_mod=mask_mod,
                 buffers=tuple(args["mask_mod_other_buffers"]), outs=outs, score_mod=args["score_mod"])
 
@@ -177,12 +178,8 @@ def _check_elementwise(n: torch.fx.Node) -> None:
     if n.op == "call_function" and n.target is operator.getitem:
         # a gather of one element (a 0-d result in the scalar trace Dynamo recorded); ``docs[b][q]`` or
         # ``valid[b]`` would take a whole row, which on index tensors means something else
-        value, base = n.meta.get("example_value"), getattr(n.args[0], "meta", {}).get("example_value")
-        index = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
+        value = n.meta.get("example_value")
         if isinstance(value, torch.Tensor) and value.dim() == 0:
-            return
-        if value is None and isinstance(base, torch.Tensor) and len(index) == base.dim() and \
-                all(isinstance(i, (torch.fx.Node, int)) for i in index):  # no recorded value: count the indices
             return
         raise Skip("the mask_mod indexes a whole row or slice of a tensor (only single-element gathers are routed)")
     if n.op == "call_function" and n.target in _ELEMENTWISE_FUNCTIONS:
@@ -250,9 +247,10 @@ def _partial_bits(emit: Emitter, plan: dict) -> torch.fx.Node:
 
 
 def _bits_key(plan: dict) -> tuple:
-    """Calls with the same block-mask tensors and the same mask_mod code get the same bitmaps."""
-    return (plan["cnt"], plan["idx"], plan["block_q"], plan["block_kv"], ev(plan["mask_mod"]).code,
-            plan["buffers"])
+    """Calls with the same block-mask tensors, lengths (``BlockMask.from_kv_blocks`` can give one set of
+    block tensors several ``seq_lengths``) and mask_mod code get the same bitmaps."""
+    return (plan["cnt"], plan["idx"], plan["len_q"], plan["len_k"], plan["block_q"], plan["block_kv"],
+            ev(plan["mask_mod"]).code, plan["buffers"])
 
 
 def emit_flex(graph: torch.fx.Graph, node: torch.fx.Node, plan: dict, *, bits_memo: dict) -> None:
