@@ -13,10 +13,7 @@ compiler rejects; this does, and it shows which tiles spill.
 from __future__ import annotations
 
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
 import torch
 import triton
@@ -27,6 +24,7 @@ from inductor_attn.backends.base import AttnCall
 from inductor_attn.backends.triton import flash_bwd, flash_bwd_kernels
 from inductor_attn.device import parse_device_override
 from inductor_attn.ops.block_mask import BlockSparseMask
+from triton_flash_compile_sm90 import ptxas_report  # the forward's report script, beside this one
 
 SM90 = parse_device_override("sm_90")
 ELEM = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
@@ -103,24 +101,6 @@ def compile_sm90(fn, kw) -> triton.compiler.CompiledKernel:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-
-
-def ptxas_report(ptx: str) -> str:
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-
-        ptxas = get_ptxas(90).path
-    except (ImportError, AttributeError):
-        return "ptxas not found"
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        res = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
-                             capture_output=True, text=True)
-    regs = re.findall(r"Used (\d+) registers", res.stderr)
-    spills = re.findall(r"(\d+) bytes spill stores", res.stderr)
-    return f"regs {regs[0] if regs else '?'} spill {spills[0] if spills else '?'} B"
 
 
 def main(names: list[str]) -> None:

@@ -35,6 +35,7 @@ from inductor_attn.device import device_info
 from inductor_attn.problem import kept_pairs
 from inductor_attn.tuning.correctness import TOLERANCES, rel_err
 from inductor_attn.bench.runner import git_commit  # noqa: E402  (one helper for every script)
+from triton_flash_gpu import Budget, bench_ms  # the forward's benchmark script, beside this one
 
 DTYPE = torch.bfloat16
 D = 128
@@ -42,20 +43,6 @@ PROBLEMS = [  # name, B, H, L, causal
     ("bwd B4 H32 L4k D128 causal", 4, 32, 4096, True),
     ("bwd B2 H32 L8k D128", 2, 32, 8192, False),
 ]
-
-
-class Budget:
-    def __init__(self, seconds: float):
-        self.end = time.monotonic() + seconds
-
-    def left(self) -> float:
-        return self.end - time.monotonic()
-
-
-def bench_ms(fn) -> float:
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
 def measure(row: dict, fn, ref, flops: float, budget: Budget) -> tuple[dict, tuple | None]:
