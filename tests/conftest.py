@@ -39,18 +39,26 @@ def _isolated_store(tmp_path, monkeypatch):
 
 @pytest.fixture
 def fresh_compile():
-    """Compile afresh on the reference kernel: routing_report counts rewrites, and an FX-graph or
-    AOTAutograd cache hit would replay without rewriting. Used by the rewrite and model tests."""
+    """Compile afresh: routing_report counts rewrites, and an FX-graph or AOTAutograd cache hit would
+    replay without rewriting. Used by the rewrite and model tests."""
     import torch._functorch.config
     import torch._inductor.config
 
     import inductor_attn
-    from inductor_attn.backends import REFERENCE, only_backends
 
     torch._dynamo.reset()
     inductor_attn.reset_routing_report()
     inductor_attn.reset_stats()
-    with only_backends(REFERENCE), torch._inductor.config.patch(fx_graph_cache=False), \
+    with torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):
         yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def reference_only():
+    """Only the reference kernel is a candidate (CPU tests stay exact when run on a GPU machine)."""
+    from inductor_attn.backends import REFERENCE, only_backends
+
+    with only_backends(REFERENCE):
+        yield

@@ -11,8 +11,6 @@ import operator
 
 import pytest
 import torch
-import torch._functorch.config
-import torch._inductor.config
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
 
 import inductor_attn
@@ -24,7 +22,7 @@ from naive import attend
 SPARSE = torch.ops.inductor_attn.block_sparse_attention.default
 
 
-pytestmark = pytest.mark.usefixtures("fresh_compile")
+pytestmark = pytest.mark.usefixtures("fresh_compile", "reference_only")
 
 
 @pytest.fixture(autouse=True)

@@ -11,19 +11,15 @@ import copy
 
 import pytest
 import torch
-import torch._functorch.config
-import torch._inductor.config
 
 import inductor_attn
 
 transformers = pytest.importorskip("transformers")
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_compile")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_compile", "reference_only")]
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 PROMPT, NEW_TOKENS, CACHE_LEN = 12, 4, 24
-
-
 
 
 def tiny_llama():

@@ -12,29 +12,18 @@ import copy
 
 import pytest
 import torch
-import torch._functorch.config
-import torch._inductor.config
 
 import inductor_attn
 from inductor_attn import _compat
 
 transformers = pytest.importorskip("transformers")
 
-pytestmark = pytest.mark.gpu
+from test_hf_llama import attention_calls, routed_count  # noqa: E402  (the CPU twin's report readers)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_compile")]
 
 REL_LOGITS, REL_GRADS, MARGIN = 2e-2, 5e-2, 0.1
 PROMPT, NEW_TOKENS, CACHE_LEN = 64, 8, 128
-
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    inductor_attn.reset_routing_report()
-    inductor_attn.reset_stats()
-    with torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
-        yield
-    torch._dynamo.reset()
 
 
 def tiny_llama():
@@ -52,15 +41,6 @@ def prompt(batch=2):
 
 def rel_err(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def routed_count(what: str) -> int:
-    prefix = f"sdpa: routed ({what}"
-    return sum(n for key, n in inductor_attn.routing_report().items() if key.startswith(prefix))
-
-
-def attention_calls(direction: str) -> int:
-    return sum(n for key, n in inductor_attn.stats().items() if key.startswith(f"attention/{direction}"))
 
 
 def test_forward_logits_match_eager_in_bf16():

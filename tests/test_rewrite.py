@@ -24,7 +24,7 @@ ATTENTION = torch.ops.inductor_attn.attention.default
 TOL = dict(rtol=1e-5, atol=1e-5)  # float32, reference kernel vs SDPA math
 
 
-pytestmark = pytest.mark.usefixtures("fresh_compile")
+pytestmark = pytest.mark.usefixtures("fresh_compile", "reference_only")
 
 
 def capture(fn, *args) -> torch.fx.GraphModule:
