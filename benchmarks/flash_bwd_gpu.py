@@ -35,7 +35,7 @@ from inductor_attn.device import device_info
 from inductor_attn.problem import kept_pairs
 from inductor_attn.tuning.correctness import TOLERANCES, rel_err
 from inductor_attn.bench.runner import git_commit  # noqa: E402  (one helper for every script)
-from triton_flash_gpu import Budget, bench_ms  # the forward's benchmark script, beside this one
+from triton_flash_gpu import Budget, bench_ms, print_table  # the forward's benchmark script, beside this one
 
 DTYPE = torch.bfloat16
 D = 128
@@ -139,22 +139,6 @@ def summarize(result: dict) -> dict:
             "speedup_vs_best_baseline": (base["ms"] / ours["ms"]) if ours and base else None}
 
 
-def print_table(results: list[dict]) -> None:
-    for res in results:
-        print(f"\n== {res['problem']}  ({res['flops'] / 1e12:.2f} TFLOP backward)")
-        print(f"{'impl':<22} {'config':<86} {'ms':>8} {'TFLOP/s':>8}  status")
-        for r in sorted(res["rows"], key=lambda r: r.get("ms", float("inf"))):
-            ms = f"{r['ms']:.3f}" if "ms" in r else "-"
-            tf = f"{r['tflops']:.0f}" if "tflops" in r else "-"
-            extra = f"  {r['error']}" if r.get("error") else ""
-            extra += f"  bitwise repeatable: {r['bitwise_repeatable']}" if "bitwise_repeatable" in r else ""
-            print(f"{r['impl']:<22} {r['config']:<86} {ms:>8} {tf:>8}  {r['status']}{extra}")
-        s = res["summary"]
-        if s["speedup_vs_best_baseline"]:
-            print(f"best ours {s['best_ours']} {s['best_ours_ms']:.3f} ms vs {s['best_baseline']} "
-                  f"{s['best_baseline_ms']:.3f} ms: x{s['speedup_vs_best_baseline']:.2f}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="directory for flash_bwd_gpu.json")
@@ -175,7 +159,7 @@ def main() -> None:
               "problems": results}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "flash_bwd_gpu.json").write_text(json.dumps(report, indent=2))
-    print_table(results)
+    print_table(results, "TFLOP backward", 86)
     print(f"\nwrote {args.out / 'flash_bwd_gpu.json'}")
 
 

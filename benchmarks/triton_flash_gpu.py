@@ -185,15 +185,18 @@ def summarize(result: dict) -> dict:
             "fraction_of_fa4": (fa4["ms"] / ours["ms"]) if ours and fa4 else None}
 
 
-def print_table(results: list[dict]) -> None:
+def print_table(results: list[dict], flops_label: str = "TFLOP", config_width: int = 78) -> None:
+    """One table per problem, fastest first; also used by flash_bwd_gpu.py, whose rows may carry
+    ``bitwise_repeatable``."""
     for res in results:
-        print(f"\n== {res['problem']}  ({res['flops'] / 1e12:.2f} TFLOP)")
-        print(f"{'impl':<22} {'config':<78} {'ms':>8} {'TFLOP/s':>8}  status")
+        print(f"\n== {res['problem']}  ({res['flops'] / 1e12:.2f} {flops_label})")
+        print(f"{'impl':<22} {'config':<{config_width}} {'ms':>8} {'TFLOP/s':>8}  status")
         for r in sorted(res["rows"], key=lambda r: r.get("ms", float("inf"))):
             ms = f"{r['ms']:.3f}" if "ms" in r else "-"
             tf = f"{r['tflops']:.0f}" if "tflops" in r else "-"
             extra = f"  {r['error']}" if r.get("error") else ""
-            print(f"{r['impl']:<22} {r['config']:<78} {ms:>8} {tf:>8}  {r['status']}{extra}")
+            extra += f"  bitwise repeatable: {r['bitwise_repeatable']}" if "bitwise_repeatable" in r else ""
+            print(f"{r['impl']:<22} {r['config']:<{config_width}} {ms:>8} {tf:>8}  {r['status']}{extra}")
         s = res["summary"]
         if s["speedup_vs_best_baseline"]:
             print(f"best ours {s['best_ours']} {s['best_ours_ms']:.3f} ms vs {s['best_baseline']} "

@@ -22,16 +22,17 @@ TOL = dict(rtol=1e-4, atol=1e-5)
 PROMPT, NEW_TOKENS, CACHE_LEN = 12, 4, 24
 
 
-def tiny_llama():
+def tiny_llama(hidden_size=64, device="cpu", dtype=torch.float32):
+    """A 2-layer Llama with GQA (4 query heads, 2 KV heads) and random weights; the GPU tests use a wider one."""
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=128, max_position_embeddings=64, attn_implementation="sdpa")
-    return transformers.LlamaForCausalLM(config)
+        hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=hidden_size, attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(config).to(device, dtype)
 
 
-def prompt(batch=2):
-    return torch.randint(0, 128, (batch, PROMPT), generator=torch.Generator().manual_seed(1))
+def prompt(batch=2, length=PROMPT, device="cpu"):
+    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(1)).to(device)
 
 
 def routed_count(what: str) -> int:

@@ -18,7 +18,8 @@ from inductor_attn import _compat
 
 transformers = pytest.importorskip("transformers")
 
-from test_hf_llama import attention_calls, routed_count  # noqa: E402  (the CPU twin's report readers)
+import test_hf_llama  # noqa: E402  (the CPU twin: model, prompt and report readers)
+from test_hf_llama import attention_calls, routed_count  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_compile")]
 
@@ -27,16 +28,11 @@ PROMPT, NEW_TOKENS, CACHE_LEN = 64, 8, 128
 
 
 def tiny_llama():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=128, max_position_embeddings=256, attn_implementation="sdpa")
-    return transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16)
+    return test_hf_llama.tiny_llama(hidden_size=256, device="cuda", dtype=torch.bfloat16)
 
 
 def prompt(batch=2):
-    ids = torch.randint(0, 128, (batch, PROMPT), generator=torch.Generator().manual_seed(1))
-    return ids.cuda()
+    return test_hf_llama.prompt(batch, PROMPT, "cuda")
 
 
 def rel_err(a, b) -> float:
