@@ -62,8 +62,30 @@ def bench_ms(fn) -> float:
     return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
-def measure(row: dict, fn, ref: torch.Tensor | None, flops: float, budget: Budget, reserve_s: float = 0.0) -> dict:
-    """Run ``fn`` once (compile), check it against ``ref``, time it; errors go into the row.
+def kernel_ms(fns, calls: int = 20) -> dict[str, float]:
+    """Device time per call of each kernel that ``fns`` launch, from the profiler (plain launches, cycling
+    through ``fns``: give copies of the inputs larger than L2 together). Against a CUDA-event time this
+    separates the kernels from launch gaps and host time that the GPU waits for."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            fns[i % len(fns)]()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, float] = {}
+    for e in prof.events():
+        if str(e.device_type).endswith("CUDA"):
+            per_kernel[e.name] = per_kernel.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3 / calls
+    return per_kernel
+
+
+def measure(row: dict, fn, ref: torch.Tensor | None, flops: float, budget: Budget, reserve_s: float = 0.0,
+            profile: bool = False) -> dict:
+    """Run ``fn`` once (compile), check it against ``ref``, time it; errors go into the row. With
+    ``profile`` (inputs larger than L2) the row also gets each kernel's device time, ``kernel_ms``.
     Broad catch on purpose: one broken candidate must not end a benchmark run."""
     if budget.left() < reserve_s:
         return {**row, "status": "skipped", "error": "time budget spent"}
@@ -76,6 +98,8 @@ def measure(row: dict, fn, ref: torch.Tensor | None, flops: float, budget: Budge
         if ref is not None and not row["rel_err"] <= TOLERANCES[DTYPE]:
             return {**row, "status": "wrong"}
         ms = bench_ms(fn)
+        if profile:
+            row["kernel_ms"] = kernel_ms([fn])
         return {**row, "status": "ok", "ms": ms, "tflops": flops / ms / 1e9}
     except Exception as e:  # noqa: BLE001 - recorded, see docstring
         torch.cuda.synchronize()
@@ -109,7 +133,7 @@ def fa4_row(call: AttnCall, ref, flops, budget) -> dict:
                    budget)
 
 
-def ours_rows(call: AttnCall, ref, flops, budget, impl="triton", limit=None) -> list[dict]:
+def ours_rows(call: AttnCall, ref, flops, budget, impl="triton", limit=None, profile=False) -> list[dict]:
     p, dev = call.problem, device_info(call.q.device)
     reason = BACKEND.supports(p, dev)
     if reason:
@@ -121,11 +145,11 @@ def ours_rows(call: AttnCall, ref, flops, budget, impl="triton", limit=None) -> 
             rows.append({"impl": impl, "config": str(cfg), "status": "pruned", "error": pruned})
             continue
         rows.append(measure({"impl": impl, "config": str(cfg)}, lambda cfg=cfg: BACKEND.run(call, cfg)[0], ref,
-                            flops, budget))
+                            flops, budget, profile=profile))
     return rows
 
 
-def flex_rows(q, k, v, block_mask, flops, budget) -> tuple[list[dict], torch.Tensor | None]:
+def flex_rows(q, k, v, block_mask, flops, budget, profile=False) -> tuple[list[dict], torch.Tensor | None]:
     from torch.nn.attention.flex_attention import flex_attention
 
     compiled = torch.compile(flex_attention, mode="max-autotune-no-cudagraphs")
@@ -134,11 +158,12 @@ def flex_rows(q, k, v, block_mask, flops, budget) -> tuple[list[dict], torch.Ten
         return compiled(q, k, v, block_mask=block_mask)
 
     # max-autotune compiles and times many templates: keep a minute for it
-    row = measure({"impl": "flex max-autotune", "config": "-"}, fn, None, flops, budget, reserve_s=60)
+    row = measure({"impl": "flex max-autotune", "config": "-"}, fn, None, flops, budget, reserve_s=60,
+                  profile=profile)
     return [row], (fn() if row["status"] == "ok" else None)
 
 
-def run_problem(name, b, h, seq, causal, op, budget) -> dict:
+def run_problem(name, b, h, seq, causal, op, budget, profile=False) -> dict:
     torch.manual_seed(0)
     q, k, v = (torch.randn(b, h, seq, D, device="cuda", dtype=DTYPE) for _ in range(3))
     scale = D**-0.5
@@ -158,7 +183,7 @@ def run_problem(name, b, h, seq, causal, op, budget) -> dict:
     block_mask = create_block_mask(sliding_window, None, None, seq, seq, device="cuda")
     sparse = BlockSparseMask.from_block_mask(block_mask)
     flops = 4.0 * b * h * kept_pairs(seq, seq, True, WINDOW) * D
-    rows, ref = flex_rows(q, k, v, block_mask, flops, budget)
+    rows, ref = flex_rows(q, k, v, block_mask, flops, budget, profile)
     dense_mask = sparse.dense_mask()  # (1, 1, L, L) bool: SDPA's memory-efficient kernel takes it
 
     def sdpa_masked():
@@ -167,9 +192,9 @@ def run_problem(name, b, h, seq, causal, op, budget) -> dict:
     rows.append(measure({"impl": "sdpa + bool mask", "config": "-"}, sdpa_masked, ref, flops, budget))
     if ref is None and rows[-1]["status"] == "ok":
         ref = sdpa_masked()
-    rows += ours_rows(AttnCall("block_sparse", q, k, v, scale, sparse=sparse), ref, flops, budget)
+    rows += ours_rows(AttnCall("block_sparse", q, k, v, scale, sparse=sparse), ref, flops, budget, profile=profile)
     window = AttnCall("attention", q, k, v, scale, True, WINDOW, 0)
-    rows += ours_rows(window, ref, flops, budget, impl="triton dense-window", limit=3)
+    rows += ours_rows(window, ref, flops, budget, impl="triton dense-window", limit=3, profile=profile)
     return {"problem": name, "flops": flops, "density": sparse.density, "rows": rows}
 
 
@@ -196,6 +221,7 @@ def print_table(results: list[dict], flops_label: str = "TFLOP", config_width: i
             tf = f"{r['tflops']:.0f}" if "tflops" in r else "-"
             extra = f"  {r['error']}" if r.get("error") else ""
             extra += f"  bitwise repeatable: {r['bitwise_repeatable']}" if "bitwise_repeatable" in r else ""
+            extra += "".join(f"  [{k[:40]} {t:.3f} ms]" for k, t in r.get("kernel_ms", {}).items())
             print(f"{r['impl']:<22} {r['config']:<{config_width}} {ms:>8} {tf:>8}  {r['status']}{extra}")
         s = res["summary"]
         if s["speedup_vs_best_baseline"]:
@@ -208,6 +234,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="directory for triton_flash_gpu.json")
     parser.add_argument("--budget-s", type=float, default=200, help="stop starting new runs after this long")
     parser.add_argument("--only", default="", help="run only the problems whose name contains this text")
+    parser.add_argument("--kernel-times", action="store_true",
+                        help="block-sparse problem: also record each kernel's device time (profiler)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -219,7 +247,7 @@ def main() -> None:
     # run out before it; the table keeps the listed order
     problems = [spec for spec in PROBLEMS if args.only in spec[0]]
     for spec in sorted(problems, key=lambda s: s[-1] != "block_sparse"):
-        res = run_problem(*spec, budget)
+        res = run_problem(*spec, budget, profile=args.kernel_times)
         res["summary"] = summarize(res)
         results[spec[0]] = res
         torch.cuda.empty_cache()

@@ -1,0 +1,125 @@
+"""Where split-K decode's time goes, for the issue's decode targets: ours vs a kernel that only reads.
+
+    PYTHONPATH=. python benchmarks/decode_floor_gpu.py --out DIR      (about a minute on an H100)
+
+For each target shape (bf16, Lq 1):
+1. every tuned ``triton_decode`` config, timed as decode_gpu.py times it (CUDA-graph replay over rotating
+   input copies, L2 flushed before each replay); the best one also gets each kernel's device time from
+   the profiler (partial and combine apart), which shows launch gaps and the combine's share;
+2. the read floor: one Triton kernel that reads the same K and V bytes once (summing them) and nothing
+   else, on 128..2048 programs, timed the same way: what any decode kernel moving these bytes can reach
+   on this device under this timer;
+3. SDPA (enable_gqa) as users call it.
+Fractions are of the 1 GiB copy bandwidth measured in the same run (decode_gpu.copy_bandwidth_gbps).
+
+Writes DIR/decode_floor_gpu.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from decode_gpu import ROTATE_BYTES, case_name, copy_bandwidth_gbps, make_inputs, moved_bytes, time_ms
+from inductor_attn.bench.runner import git_commit
+from triton_flash_gpu import kernel_ms
+
+SHAPES = [(1, 32, 16, 256, 4096), (1, 32, 16, 256, 16384), (1, 16, 2, 256, 16384)]  # (B, Hq, Hkv, D, Lkv)
+READ_PROGRAMS = (128, 256, 512, 1024, 2048)
+READ_BLOCK = 4096
+
+
+@triton.jit
+def _read_sum(X, OUT, per_program, BLOCK: tl.constexpr):
+    """Program p sums elements [p * per_program, (p + 1) * per_program) of X: a pure streaming read."""
+    base = X + tl.program_id(0).to(tl.int64) * per_program
+    acc = tl.zeros([BLOCK], tl.float32)
+    for i in range(0, per_program, BLOCK):
+        acc += tl.load(base + i + tl.arange(0, BLOCK)).to(tl.float32)
+    tl.store(OUT + tl.program_id(0), tl.sum(acc, 0))
+
+
+def read_floor(kv_copies: list[torch.Tensor]) -> list[dict]:
+    rows = []
+    for programs in READ_PROGRAMS:
+        n = kv_copies[0].numel()
+        if n % (programs * READ_BLOCK):
+            continue
+        out = torch.empty(programs, device="cuda", dtype=torch.float32)
+        fns = [lambda x=x: _read_sum[(programs,)](x, out, n // programs, BLOCK=READ_BLOCK, num_warps=8)
+               for x in kv_copies]
+        ms, _ = time_ms(fns)
+        rows.append(dict(programs=programs, ms=ms))
+    return rows
+
+
+def run_shape(shape, copy_gbps: float) -> dict:
+    from inductor_attn.backends import AttnCall
+    from inductor_attn.backends.triton.decode import BACKEND
+    from inductor_attn.device import device_info
+
+    copies = max(1, min(32, math.ceil(ROTATE_BYTES / moved_bytes(shape))))
+    inputs = make_inputs(shape, copies)
+    gbps = lambda ms: moved_bytes(shape) / (ms * 1e-3) / 1e9  # noqa: E731
+    call0 = AttnCall("attention", *inputs[0], shape[3] ** -0.5)
+    dev = device_info("cuda")
+    ours = []
+    for cfg in BACKEND.configs(call0.problem, dev):
+        if BACKEND.prune(call0.problem, dev, cfg):
+            continue
+        calls = [AttnCall("attention", q, k, v, shape[3] ** -0.5) for q, k, v in inputs]
+        fns = [lambda c=c, cfg=cfg: BACKEND.run(c, cfg) for c in calls]
+        ms, _ = time_ms(fns)
+        ours.append(dict(config=str(cfg), ms=ms, fns=fns))
+    best = min(ours, key=lambda r: r["ms"])
+    best["kernel_ms"] = kernel_ms(best.pop("fns"))
+    for r in ours:
+        r.pop("fns", None)
+    sdpa_ms, _ = time_ms([lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+                          for q, k, v in inputs])
+    kv = [torch.stack([k, v]) for _, k, v in inputs]
+    del inputs
+    floor = read_floor(kv)
+    floor_best = min(floor, key=lambda r: r["ms"])
+    floor_best["kernel_ms"] = kernel_ms([lambda x=x: _read_sum[(floor_best["programs"],)](
+        x, torch.empty(floor_best["programs"], device="cuda"), x.numel() // floor_best["programs"],
+        BLOCK=READ_BLOCK, num_warps=8) for x in kv])
+    return dict(case=case_name(shape), bytes=moved_bytes(shape),
+                ours=dict(config=best["config"], ms=best["ms"], frac_copy=gbps(best["ms"]) / copy_gbps,
+                          kernel_ms=best["kernel_ms"]),
+                read_floor=dict(programs=floor_best["programs"], ms=floor_best["ms"],
+                                frac_copy=gbps(floor_best["ms"]) / copy_gbps, kernel_ms=floor_best["kernel_ms"]),
+                sdpa=dict(ms=sdpa_ms, frac_copy=gbps(sdpa_ms) / copy_gbps),
+                all_configs=ours, all_read=floor)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    copy_gbps = copy_bandwidth_gbps()
+    results = [run_shape(shape, copy_gbps) for shape in SHAPES]
+    print(f"copy bandwidth {copy_gbps:.0f} GB/s")
+    print(f"{'case':30} {'ours us':>8} {'of copy':>8} {'read us':>8} {'of copy':>8} {'SDPA us':>8}  ours kernels (us)")
+    for r in results:
+        kernels = ", ".join(f"{k[:24]} {v * 1e3:.1f}" for k, v in r["ours"]["kernel_ms"].items())
+        print(f"{r['case']:30} {r['ours']['ms'] * 1e3:8.1f} {r['ours']['frac_copy']:8.2f} "
+              f"{r['read_floor']['ms'] * 1e3:8.1f} {r['read_floor']['frac_copy']:8.2f} {r['sdpa']['ms'] * 1e3:8.1f}"
+              f"  {kernels}  [{r['ours']['config']}]")
+    meta = dict(device=torch.cuda.get_device_name(), commit=git_commit(), torch=torch.__version__,
+                triton=triton.__version__, copy_gbps=copy_gbps,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "decode_floor_gpu.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+
+
+if __name__ == "__main__":
+    main()
