@@ -83,14 +83,15 @@ def _padded_dims(p: Problem) -> tuple[int, int]:
 def _smem_estimate(p: Problem, cfg: Config) -> int:
     """Bytes of shared memory: the Q tile plus ``num_stages`` K and V tiles in flight. Matches what Triton
     3.9 allocated for every listed fp16/bf16 config on sm_90; fp32 (tf32x3 dots) holds Q twice; the
-    block-sparse loop (indices loaded in the loop) buffers at most 2 K/V stages plus one tile of bitmap
-    words (an upper bound for all its listed configs). TMA configs add under 1 KiB of barriers."""
+    block-sparse loops (indices loaded in the loop, one pipeline stage) buffer max(2, num_stages - 2)
+    K/V tiles and their bitmap words (Triton 3.9, sm_90: 81 KiB at 64x64 with 3 or 4 stages, 113 KiB with
+    5). TMA configs add under 1 KiB of barriers."""
     bd, bdv = _padded_dims(p)
     bm, bn, stages = cfg["block_m"], cfg["block_n"], cfg["num_stages"]
     es = _DTYPES.get(p.dtype, 4)
     q_bytes = (2 if es == 4 else 1) * bm * bd * es
     if p.op == "block_sparse":
-        return q_bytes + min(stages, 2) * bn * (bd + bdv) * es + bm * bn * 4
+        return q_bytes + max(2, stages - 2) * (bn * (bd + bdv) * es + bm * bn // 8)
     return q_bytes + stages * bn * (bd + bdv) * es
 
 
@@ -140,8 +141,9 @@ class TritonFlashBackend(Backend):
         d = max(64, next_power_of_two(max(p.head_dim, p.head_dim_v)))
         if p.op == "block_sparse":
             tiles = [(bm, p.block_kv, w, s) for bm in _sparse_block_ms(p.block_q)[:3] for w, s in ((8, 2), (4, 3))]
-            if p.block_kv == 128:  # two 64-key tiles per mask block: the dense window's best tile (H100)
-                tiles += [(bm, 64, 4, 3) for bm in _sparse_block_ms(p.block_q)[:2] if bm <= 64]
+            if p.block_kv == 128:  # two 64-key tiles per mask block: the dense window's best tile (H100),
+                # with 2 or 3 K/V tiles in flight (3 or 5 stages, see _smem_estimate): two programs per SM
+                tiles += [(bm, 64, 4, s) for bm in _sparse_block_ms(p.block_q)[:2] if bm <= 64 for s in (3, 5)]
         elif p.len_q * p.gqa_ratio <= 64:
             tiles = list(_DECODE_TILES)
         else:
