@@ -20,6 +20,11 @@ The work:
   combine is skipped.
 - ``_decode_combine``: one program per (output row, 64 columns) merges the splits with weights
   2^(lse_s - max). Splits that saw no key wrote lse = -inf and output 0, so they get weight 0.
+- On sm_90+ both kernels use programmatic dependent launch (PDL; Triton's ``launch_pdl`` and
+  ``griddepcontrol``): a kernel may be launched while the one before it in the stream still runs and
+  waits (``gdc_wait``) before touching memory. At decode sizes the kernels run 3-30 us, so the launch
+  gaps were a visible share: on an H100 the two kernels took 26.2 + 2.5 us of device time against 32.1 us
+  per call in graph replay (B1 Hq32 Hkv16 D256 Lkv4096, benchmarks/decode_floor_gpu.py).
 
 Workspace (the partial outputs, float32): allocated per call from PyTorch's caching allocator, so the
 steady state never calls cudaMalloc and a captured CUDA graph holds it as a static buffer of its pool:
@@ -40,6 +45,7 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # a CPU-only install: supports() says so, and no kernel below is ever built or run
     triton = tl = None
 
@@ -78,8 +84,14 @@ def _decode_partial(
     HAS_SEQLENS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     SINGLE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_IN_F32: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_IN_F32: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        # Programmatic dependent launch (sm_90+): this kernel may start while the previous kernel of
+        # the stream finishes, so wait for its stores before reading q/k/v; then let the combine
+        # kernel launch early (its programs wait for ours to finish, see _decode_combine).
+        gdc_wait()
+        gdc_launch_dependents()
     # Row blocks of one (split, batch, kv head) are adjacent in launch order, so they run together and
     # share the K/V tiles in L2 when G * Lq needs more than one row block.
     pid = tl.program_id(0)
@@ -170,38 +182,31 @@ def _decode_partial(
         tl.store(LSE + ws_row, lse2, mask=row_ok)
 
 
-@_jit(do_not_specialize=["NUM_SPLITS"])
-def _decode_combine(WS_O, WS_LSE, OUT, LSE, NUM_SPLITS, DV, BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr):
+@_jit()
+def _decode_combine(WS_O, WS_LSE, OUT, LSE, NUM_SPLITS: tl.constexpr, DV, BLOCK_S: tl.constexpr,
+                    BLOCK_DC: tl.constexpr, USE_PDL: tl.constexpr):
     # Program (row, chunk) merges BLOCK_DC output columns of one row. Splitting Dv across programs keeps
     # this latency-bound step short: B1 Hq16 Lq1 is only 16 rows, and one program per row would read
     # all num_splits x Dv partials (64 KiB at 64 splits, D256) alone. Every chunk recomputes the row's
-    # lse from the num_splits partial lses, which costs nothing next to the outputs.
-    # Two passes over the split lses (max, then weighted sum) keep every loop-carried value a vector.
+    # lse from the num_splits partial lses, which costs nothing next to the outputs. NUM_SPLITS is a
+    # constexpr (one compile per split count, BLOCK_S = next power of two): one load of the lses and one
+    # of the partials, no loop.
+    if USE_PDL:  # launched before the partial kernel ends (see launch()): wait for its stores
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < NUM_SPLITS
     offs_d = chunk * BLOCK_DC + tl.arange(0, BLOCK_DC)
     d_ok = offs_d < DV
-    lse_row = WS_LSE + row * NUM_SPLITS
-    top = tl.full([BLOCK_S], float("-inf"), tl.float32)
-    for s0 in range(0, NUM_SPLITS, BLOCK_S):
-        s = s0 + offs_s
-        top = tl.maximum(top, tl.load(lse_row + s, mask=s < NUM_SPLITS, other=float("-inf")))
-    m = tl.max(top, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    weight_sum = tl.zeros([BLOCK_S], tl.float32)
-    acc = tl.zeros([BLOCK_DC], tl.float32)
-    for s0 in range(0, NUM_SPLITS, BLOCK_S):
-        s = s0 + offs_s
-        s_ok = s < NUM_SPLITS
-        w = tl.exp2(tl.load(lse_row + s, mask=s_ok, other=float("-inf")) - m_safe)
-        o = tl.load(WS_O + (row * NUM_SPLITS + s[:, None]) * DV + offs_d[None, :],
-                    mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-        weight_sum += w
-        acc += tl.sum(w[:, None] * o, 0)
-    total = tl.sum(weight_sum, 0)
+    lse_s = tl.load(WS_LSE + row * NUM_SPLITS + offs_s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    w = tl.exp2(lse_s - tl.where(m == float("-inf"), 0.0, m))
+    o = tl.load(WS_O + (row * NUM_SPLITS + offs_s[:, None]) * DV + offs_d[None, :],
+                mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    total = tl.sum(w, 0)
     empty = total == 0.0
-    out = acc / tl.where(empty, 1.0, total)
+    out = tl.sum(w[:, None] * o, 0) / tl.where(empty, 1.0, total)
     tl.store(OUT + row * DV + offs_d, out.to(OUT.dtype.element_ty), mask=d_ok)
     if chunk == 0:
         lse = tl.where(empty, float("-inf"), (m + tl.log2(tl.where(empty, 1.0, total))) * 0.6931471805599453)
@@ -294,7 +299,8 @@ def launch(call: AttnCall, cfg: Config, out: torch.Tensor, lse: torch.Tensor, ws
     b, hq, lq, d = q.shape
     hkv, lk, dv = k.shape[1], k.shape[2], v.shape[-1]
     g = hq // hkv
-    splits, block_n, num_warps, stages = _plan(call.problem, device_info(q.device), cfg)
+    dev = device_info(q.device)
+    splits, block_n, num_warps, stages = _plan(call.problem, dev, cfg)
     block_m = _block_m(g * lq, d)
     m_blocks = -(-g * lq // block_m)
     right = 0 if call.causal else call.window_right
@@ -304,6 +310,8 @@ def launch(call: AttnCall, cfg: Config, out: torch.Tensor, lse: torch.Tensor, ws
     # bool has no Triton pointer type: read the mask's bytes as uint8 (a view, no copy)
     key_mask = call.key_mask.view(torch.uint8) if call.key_mask is not None else lse
     mask_strides = call.key_mask.stride() if call.key_mask is not None else (0, 0)
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    pdl = not interpret and dev.arch >= 90
     _decode_partial[(m_blocks * splits * b * hkv,)](
         q, k, v, seqlens, key_mask, target_o, target_lse, *q.stride(), *k.stride(), *v.stride(), *mask_strides,
         call.scale * _LOG2E, hkv, g, lq, lk, d, dv, splits, m_blocks, max(call.window_left, 0), max(right, 0),
@@ -311,16 +319,15 @@ def launch(call: AttnCall, cfg: Config, out: torch.Tensor, lse: torch.Tensor, ws
         HAS_LEFT=call.window_left >= 0, HAS_RIGHT=right >= 0,
         SINGLE=single, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(d), BLOCK_DV=_block_d(dv),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_IN_F32=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
-        num_warps=num_warps, num_stages=stages,
+        DOT_IN_F32=q.dtype == torch.bfloat16 and interpret,
+        USE_PDL=pdl, launch_pdl=pdl, num_warps=num_warps, num_stages=stages,
     )
     if not single:
-        # One compiled combine for every num_splits: up to 128 splits x 64 columns (32 KiB of float32) in
-        # one pass; masked loads of unused split slots move no data.
+        # up to 128 splits x 64 columns (32 KiB of float32) per program, in one pass
         block_dc = min(64, _block_d(dv))
         _decode_combine[(b * hq * lq, triton.cdiv(dv, block_dc))](
-            target_o, target_lse, out, lse, splits, dv, BLOCK_S=max(SPLITS), BLOCK_DC=block_dc,
-            num_warps=4)
+            target_o, target_lse, out, lse, splits, dv, BLOCK_S=next_power_of_two(splits), BLOCK_DC=block_dc,
+            USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
 
 
 # ------------------------------------------------------------------------------------------ backend
