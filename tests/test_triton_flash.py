@@ -294,16 +294,17 @@ def test_block_sparse_matches_naive(case):
 
 
 @pytest.mark.parametrize("case", ["causal_gqa_lk_not_a_block_multiple", "documents", "per_batch_and_head_mask"])
-def test_block_sparse_with_two_tiles_per_mask_block_matches_naive(case):
-    # 128-key mask blocks visited as two 64-key tiles (bitmap words 0-1 then 2-3 of each row)
+def test_block_sparse_with_several_tiles_per_mask_block_matches_naive(case):
+    # 128-key mask blocks visited as two 64-key tiles (bitmap words 0-1 then 2-3 of each row) or four
+    # 32-key tiles (one word each)
     torch.manual_seed(10)
     spec = {"causal_gqa_lk_not_a_block_multiple": dict(mod=_causal, b=1, hq=4, hkv=2, lq=200, lk=200, d=16),
             "documents": dict(mod=_documents, b=1, hq=2, hkv=2, lq=260, lk=260, d=16),
             "per_batch_and_head_mask": dict(mod=_per_head_stripes, b=2, hq=2, hkv=1, lq=140, lk=170, d=16,
                                             mask_b=2, mask_h=2)}[case]
     call = sparse_case(**spec, block=128)
-    sub_tiled = [c for c in flash.BACKEND.configs(call.problem, SM90) if c["block_n"] == 64]
-    assert sub_tiled and all(flash.BACKEND.prune(call.problem, SM90, c) is None for c in sub_tiled)
+    sub_tiled = [c for c in flash.BACKEND.configs(call.problem, SM90) if c["block_n"] < 128]
+    assert {c["block_n"] for c in sub_tiled} == {32, 64} and all(flash.BACKEND.prune(call.problem, SM90, c) is None for c in sub_tiled)
     for cfg in sub_tiled:
         check_sparse(call, cfg)
 
