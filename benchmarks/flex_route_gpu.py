@@ -46,7 +46,7 @@ PROBLEMS = [("sliding window 256 B4 H32 L4096", sliding_window, 4, 32, 4096),
             ("document causal B4 H32 L4096", document_causal, 4, 32, 4096)]
 
 
-def run_problem(name, factory, batch, heads, length, budget) -> dict:
+def run_problem(name, factory, batch, heads, length, budget, profile=False) -> dict:
     mask_mod, mask_batch = factory(batch, length)
     block_mask = create_block_mask(mask_mod, mask_batch, None, length, length, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -65,7 +65,7 @@ def run_problem(name, factory, batch, heads, length, budget) -> dict:
         inductor_attn.reset_stats()
         compiled = torch.compile(fn, fullgraph=True, **kwargs)
         row = measure({"impl": way, "pass": "forward"}, lambda: compiled(q, k, v), ref, flops, budget,
-                      reserve_s=30)
+                      reserve_s=30, profile=profile)
         if ref is None and row["status"] == "ok":
             ref = compiled(q, k, v)
         row["kernels"] = inductor_attn.stats()
@@ -101,15 +101,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--budget-s", type=float, default=300)
+    parser.add_argument("--kernel-times", action="store_true",
+                        help="forward rows also get each kernel's device time and the back-to-back time per call")
     args = parser.parse_args()
     os.environ[flex_route.ROUTE_ENV] = "1"  # flex routing is opt-in (lowering/flex_route.py)
     budget = Budget(args.budget_s)
-    results = [run_problem(*spec, budget) for spec in PROBLEMS]
+    results = [run_problem(*spec, budget, args.kernel_times) for spec in PROBLEMS]
     for res in results:
         print(f"\n== {res['problem']}")
         for r in res["rows"]:
             ms = f"{r['ms']:.3f}" if "ms" in r else "-"
             print(f"{r['impl']:<20} {r['pass']:<18} {ms:>8} ms  {r['status']}  {r.get('error', '')}  {r['kernels']}")
+            if "kernel_ms" in r:
+                print(f"    back to back {r['back_to_back_ms']:.3f} ms/call; device ms/call: "
+                      + ", ".join(f"{k[:50]} {t:.3f}" for k, t in r["kernel_ms"].items()))
     import triton
 
     meta = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),

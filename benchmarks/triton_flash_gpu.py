@@ -82,10 +82,24 @@ def kernel_ms(fns, calls: int = 20) -> dict[str, float]:
     return per_kernel
 
 
+def back_to_back_ms(fn, calls: int = 50) -> float:
+    """Wall time per call of ``calls`` calls launched back to back (no flush, one sync at the end): the
+    larger of the host's time per call and the GPU's. Above the kernels' device time, the host is the
+    bottleneck."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / calls
+
+
 def measure(row: dict, fn, ref: torch.Tensor | None, flops: float, budget: Budget, reserve_s: float = 0.0,
             profile: bool = False) -> dict:
     """Run ``fn`` once (compile), check it against ``ref``, time it; errors go into the row. With
-    ``profile`` (inputs larger than L2) the row also gets each kernel's device time, ``kernel_ms``.
+    ``profile`` (inputs larger than L2) the row also gets each kernel's device time, ``kernel_ms``, and
+    ``back_to_back_ms``.
     Broad catch on purpose: one broken candidate must not end a benchmark run."""
     if budget.left() < reserve_s:
         return {**row, "status": "skipped", "error": "time budget spent"}
@@ -100,6 +114,7 @@ def measure(row: dict, fn, ref: torch.Tensor | None, flops: float, budget: Budge
         ms = bench_ms(fn)
         if profile:
             row["kernel_ms"] = kernel_ms([fn])
+            row["back_to_back_ms"] = back_to_back_ms(fn)
         return {**row, "status": "ok", "ms": ms, "tflops": flops / ms / 1e9}
     except Exception as e:  # noqa: BLE001 - recorded, see docstring
         torch.cuda.synchronize()
