@@ -46,6 +46,25 @@ PROBLEMS = [("sliding window 256 B4 H32 L4096", sliding_window, 4, 32, 4096),
             ("document causal B4 H32 L4096", document_causal, 4, 32, 4096)]
 
 
+def host_profile(fn, calls: int = 50, top: int = 30) -> str:
+    """cProfile of ``calls`` back-to-back calls (one sync at the end): where the host's time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
 def run_problem(name, factory, batch, heads, length, budget, profile=False) -> dict:
     mask_mod, mask_batch = factory(batch, length)
     block_mask = create_block_mask(mask_mod, mask_batch, None, length, length, device="cuda")
@@ -69,6 +88,8 @@ def run_problem(name, factory, batch, heads, length, budget, profile=False) -> d
         if ref is None and row["status"] == "ok":
             ref = compiled(q, k, v)
         row["kernels"] = inductor_attn.stats()
+        if profile and row["status"] == "ok":
+            row["host_profile"] = host_profile(lambda: compiled(q, k, v))
         rows.append(row)
     for way in ("flex default", "inductor_attn"):
         torch._dynamo.reset()
@@ -102,7 +123,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--budget-s", type=float, default=300)
     parser.add_argument("--kernel-times", action="store_true",
-                        help="forward rows also get each kernel's device time and the back-to-back time per call")
+                        help="forward rows also get each kernel's device time, the back-to-back time per call and "
+                             "a cProfile of the host (host_profile in the JSON)")
     args = parser.parse_args()
     os.environ[flex_route.ROUTE_ENV] = "1"  # flex routing is opt-in (lowering/flex_route.py)
     budget = Budget(args.budget_s)
