@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 from pathlib import Path
 
 import torch
@@ -28,7 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from decode_gpu import ROTATE_BYTES, case_name, copy_bandwidth_gbps, make_inputs, moved_bytes, time_ms
+from decode_gpu import case_name, copy_bandwidth_gbps, input_copies, make_inputs, moved_bytes, time_ms
 from inductor_attn.bench.runner import git_commit
 from triton_flash_gpu import kernel_ms
 
@@ -66,8 +65,7 @@ def run_shape(shape, copy_gbps: float) -> dict:
     from inductor_attn.backends.triton.decode import BACKEND
     from inductor_attn.device import device_info
 
-    copies = max(1, min(32, math.ceil(ROTATE_BYTES / moved_bytes(shape))))
-    inputs = make_inputs(shape, copies)
+    inputs = make_inputs(shape, input_copies(shape))
     gbps = lambda ms: moved_bytes(shape) / (ms * 1e-3) / 1e9  # noqa: E731
     call0 = AttnCall("attention", *inputs[0], shape[3] ** -0.5)
     dev = device_info("cuda")
