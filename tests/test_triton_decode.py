@@ -281,3 +281,11 @@ def test_heuristic_is_the_split_k_hand_rule():
     assert BACKEND.heuristic_config(short, dev) is None
     long = Problem("attention", "bfloat16", "cuda", 1, 32, 16, 1, 4096, 128, 128)
     assert int(BACKEND.heuristic_config(long, dev)["num_splits"]) == 16  # cdiv(4096, 256)
+
+
+def test_pdl_helpers_are_where_decode_imports_them():
+    # Programmatic dependent launch needs Triton's griddepcontrol helpers; without them decode silently
+    # loses PDL on sm_90+ (its launch gaps came back: 32.1 vs 30.4 us per call, H100)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    assert decode.gdc_wait is gdc_wait and decode.gdc_launch_dependents is gdc_launch_dependents

@@ -45,9 +45,12 @@ import torch
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # a CPU-only install: supports() says so, and no kernel below is ever built or run
     triton = tl = None
+try:  # Triton >= 3.4 (test_pdl_helpers_are_where_decode_imports_them fails if they move)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # without them the kernels launch plainly (USE_PDL off)
+    gdc_launch_dependents = gdc_wait = None
 
 from ...device import DeviceInfo, device_info
 from ...problem import Problem, next_power_of_two
@@ -311,7 +314,7 @@ def launch(call: AttnCall, cfg: Config, out: torch.Tensor, lse: torch.Tensor, ws
     key_mask = call.key_mask.view(torch.uint8) if call.key_mask is not None else lse
     mask_strides = call.key_mask.stride() if call.key_mask is not None else (0, 0)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    pdl = not interpret and dev.arch >= 90
+    pdl = not interpret and dev.arch >= 90 and gdc_wait is not None
     _decode_partial[(m_blocks * splits * b * hkv,)](
         q, k, v, seqlens, key_mask, target_o, target_lse, *q.stride(), *k.stride(), *v.stride(), *mask_strides,
         call.scale * _LOG2E, hkv, g, lq, lk, d, dv, splits, m_blocks, max(call.window_left, 0), max(right, 0),
