@@ -46,18 +46,26 @@ def _read_sum(X, OUT, per_program, BLOCK: tl.constexpr):
     tl.store(OUT + tl.program_id(0), tl.sum(acc, 0))
 
 
-def read_floor(kv_copies: list[torch.Tensor]) -> list[dict]:
-    rows = []
+def fastest(candidates: dict[str, list]) -> tuple[list[dict], dict]:
+    """Time each candidate (name -> one callable per input copy); the fastest also gets its kernels'
+    device times. Returns every (name, ms) row and the fastest one."""
+    rows = [dict(name=name, ms=time_ms(fns)[0]) for name, fns in candidates.items()]
+    best = dict(min(rows, key=lambda r: r["ms"]))
+    best["kernel_ms"] = kernel_ms(candidates[best["name"]])
+    return rows, best
+
+
+def read_floor_candidates(kv_copies: list[torch.Tensor]) -> dict[str, list]:
+    n = kv_copies[0].numel()
+    candidates = {}
     for programs in READ_PROGRAMS:
-        n = kv_copies[0].numel()
         if n % (programs * READ_BLOCK):
             continue
         out = torch.empty(programs, device="cuda", dtype=torch.float32)
-        fns = [lambda x=x: _read_sum[(programs,)](x, out, n // programs, BLOCK=READ_BLOCK, num_warps=8)
-               for x in kv_copies]
-        ms, _ = time_ms(fns)
-        rows.append(dict(programs=programs, ms=ms))
-    return rows
+        candidates[f"programs={programs}"] = [
+            lambda x=x, p=programs, o=out: _read_sum[(p,)](x, o, n // p, BLOCK=READ_BLOCK, num_warps=8)
+            for x in kv_copies]
+    return candidates
 
 
 def run_shape(shape, copy_gbps: float) -> dict:
@@ -66,36 +74,23 @@ def run_shape(shape, copy_gbps: float) -> dict:
     from inductor_attn.device import device_info
 
     inputs = make_inputs(shape, input_copies(shape))
-    gbps = lambda ms: moved_bytes(shape) / (ms * 1e-3) / 1e9  # noqa: E731
-    call0 = AttnCall("attention", *inputs[0], shape[3] ** -0.5)
+    frac_copy = lambda ms: moved_bytes(shape) / (ms * 1e-3) / 1e9 / copy_gbps  # noqa: E731
+    calls = [AttnCall("attention", q, k, v, shape[3] ** -0.5) for q, k, v in inputs]
     dev = device_info("cuda")
-    ours = []
-    for cfg in BACKEND.configs(call0.problem, dev):
-        if BACKEND.prune(call0.problem, dev, cfg):
-            continue
-        calls = [AttnCall("attention", q, k, v, shape[3] ** -0.5) for q, k, v in inputs]
-        fns = [lambda c=c, cfg=cfg: BACKEND.run(c, cfg) for c in calls]
-        ms, _ = time_ms(fns)
-        ours.append(dict(config=str(cfg), ms=ms, fns=fns))
-    best = min(ours, key=lambda r: r["ms"])
-    best["kernel_ms"] = kernel_ms(best.pop("fns"))
-    for r in ours:
-        r.pop("fns", None)
+    ours, best = fastest({str(cfg): [lambda c=c, cfg=cfg: BACKEND.run(c, cfg) for c in calls]
+                          for cfg in BACKEND.configs(calls[0].problem, dev)
+                          if not BACKEND.prune(calls[0].problem, dev, cfg)})
     sdpa_ms, _ = time_ms([lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
                           for q, k, v in inputs])
     kv = [torch.stack([k, v]) for _, k, v in inputs]
-    del inputs
-    floor = read_floor(kv)
-    floor_best = min(floor, key=lambda r: r["ms"])
-    floor_best["kernel_ms"] = kernel_ms([lambda x=x: _read_sum[(floor_best["programs"],)](
-        x, torch.empty(floor_best["programs"], device="cuda"), x.numel() // floor_best["programs"],
-        BLOCK=READ_BLOCK, num_warps=8) for x in kv])
+    del inputs, calls
+    floor, floor_best = fastest(read_floor_candidates(kv))
     return dict(case=case_name(shape), bytes=moved_bytes(shape),
-                ours=dict(config=best["config"], ms=best["ms"], frac_copy=gbps(best["ms"]) / copy_gbps,
+                ours=dict(config=best["name"], ms=best["ms"], frac_copy=frac_copy(best["ms"]),
                           kernel_ms=best["kernel_ms"]),
-                read_floor=dict(programs=floor_best["programs"], ms=floor_best["ms"],
-                                frac_copy=gbps(floor_best["ms"]) / copy_gbps, kernel_ms=floor_best["kernel_ms"]),
-                sdpa=dict(ms=sdpa_ms, frac_copy=gbps(sdpa_ms) / copy_gbps),
+                read_floor=dict(programs=int(floor_best["name"].split("=")[1]), ms=floor_best["ms"],
+                                frac_copy=frac_copy(floor_best["ms"]), kernel_ms=floor_best["kernel_ms"]),
+                sdpa=dict(ms=sdpa_ms, frac_copy=frac_copy(sdpa_ms)),
                 all_configs=ours, all_read=floor)
 
 
