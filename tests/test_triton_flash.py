@@ -4,6 +4,7 @@ and key tiles; outputs are poisoned with NaN so an element the kernel never writ
 
 from __future__ import annotations
 
+import itertools
 import sys
 import types
 
@@ -331,6 +332,49 @@ def test_unlisted_sparse_blocks_are_never_read():
     call.k[:, :, 64:128] = call.v[:, :, 64:128] = float("nan")
     out, lse = flash.BACKEND.run(call, Config.of(block_m=64, block_n=64, num_warps=4, num_stages=2,
                                                  schedule="tile"))
+    assert_matches(out, lse, *naive.attend(call.q, *clean, call.sparse.dense_mask(), call.scale), torch.float32)
+
+
+def _skips_first_tile(b, h, q, kv):
+    return (kv >= 32) & (kv <= q + 40)
+
+
+TILE_LIST = Config.of(block_m=64, block_n=32, num_warps=4, num_stages=3, schedule="tile", tile_list=True)
+
+
+@pytest.mark.parametrize("case", ["sliding", "documents", "per_batch_and_head_mask", "skips_first_tile"])
+def test_tile_list_holds_exactly_the_non_empty_tiles_and_marks_the_whole_ones(case):
+    spec = {"sliding": dict(mod=_sliding_20, b=1, hq=2, hkv=2, lq=200, lk=260, d=16),
+            "documents": dict(mod=_documents, b=1, hq=2, hkv=2, lq=260, lk=260, d=16),
+            "per_batch_and_head_mask": dict(mod=_per_head_stripes, b=2, hq=2, hkv=1, lq=140, lk=170, d=16,
+                                            mask_b=2, mask_h=2),
+            "skips_first_tile": dict(mod=_skips_first_tile, b=1, hq=1, hkv=1, lq=130, lk=128, d=16)}[case]
+    call = sparse_case(**spec, block=128)
+    meta = flash.kernel_constexprs(call.problem, TILE_LIST, call.sparse.full_kv_num_blocks is not None)
+    tiles = flash._tile_list(call.sparse, call.problem.len_q, meta)
+    lq, lk = call.problem.len_q, call.problem.len_k
+    dense = torch.nn.functional.pad(call.sparse.dense_mask(), (0, -lk % 32))  # whole 32-key tiles
+    sub = 128 // 32
+    for b, h, m in itertools.product(*(range(n) for n in tiles.shape[:3])):
+        entries = tiles[b, h, m, 1 : 1 + tiles[b, h, m, 0]].tolist()
+        slots = call.sparse.kv_indices[b, h, m * 64 // 128]
+        kv_tiles = [e if e >= 0 else int(slots[(-1 - e) // sub]) * sub + (-1 - e) % sub for e in entries]
+        rows = dense[b, h, m * 64 : min(lq, m * 64 + 64)].unflatten(-1, (-1, 32))  # [rows, kv tile, 32]
+        assert sorted(kv_tiles) == rows.any(-1).any(0).nonzero().flatten().tolist()
+        assert len(set(kv_tiles)) == len(kv_tiles)
+        whole = {t for e, t in zip(entries, kv_tiles) if e >= 0}
+        assert whole == {t for t in kv_tiles if rows[:, t].all() and len(rows) == 64 and (t + 1) * 32 <= lk}
+    check_sparse(call, TILE_LIST)
+
+
+def test_tiles_left_out_of_the_list_are_never_read():
+    # kv block 0 is partial, but no query sees its first 32 keys: with NaN there, only a kernel that reads
+    # them (the block walk) could turn an output to NaN; the tile list must skip them
+    torch.manual_seed(11)
+    call = sparse_case(_skips_first_tile, 1, 1, 1, 130, 128, 16, 128)
+    clean = (call.k.clone(), call.v.clone())
+    call.k[:, :, :32] = call.v[:, :, :32] = float("nan")
+    out, lse = flash.BACKEND.run(call, TILE_LIST)
     assert_matches(out, lse, *naive.attend(call.q, *clean, call.sparse.dense_mask(), call.scale), torch.float32)
 
 

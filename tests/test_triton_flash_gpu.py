@@ -239,7 +239,8 @@ def test_block_sparse_matches_reference(case, dtype):
     call = sparse(**SPARSE[case], dtype=dtype)
     cfgs = runnable_configs(call)
     pointer_loads = [c for c in cfgs if c.get("tma") is False][:1]
-    check(call, first_of_each_schedule(cfgs) + pointer_loads)
+    tile_lists = [c for c in cfgs if c.get("tile_list")]
+    check(call, first_of_each_schedule(cfgs) + pointer_loads + tile_lists)
 
 
 def test_persistent_launch_records_occupancy():

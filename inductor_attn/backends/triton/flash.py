@@ -49,6 +49,7 @@ _FP32_EXTRA = {64: (64, 32, 4, 2), 128: (64, 32, 4, 2), 256: (16, 32, 4, 2)}
 # Decode-shaped problems (<= 64 packed rows per sequence): one 64-row tile holds all G heads of a step.
 _DECODE_TILES = [(64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 8, 2)]
 _PERSISTENT_SHAPES = 2  # tile shapes that also run persistent (and LPT where it applies)
+_TILE_LIST_SHAPES = 2  # block-sparse tile shapes that also run from a list of non-empty tiles
 
 # fp32 accumulator + score values per thread, BLOCK_M * (BLOCK_DV + BLOCK_N) / threads, above which ptxas
 # spills. Calibrated by compiling for sm_90 (triton 3.9, ptxas 13.4): one-tile programs spill above 144
@@ -172,6 +173,11 @@ class TritonFlashBackend(Backend):
         if pack:
             # packing trades a wider row block for one K/V read per group; unpacked is the usual layout
             out.append(_tile_cfg(tiles[0], "tile", False, tma))
+        if p.op == "block_sparse":
+            # tiles of a quarter of a mask block or less, walking a per-call list of the non-empty ones
+            # (sparse_tile_list_kernel): a 256 window's 128-blocks hold tiles outside the band
+            small = [t for t in tiles if 4 * t[0] * t[1] <= p.block_q * p.block_kv][-_TILE_LIST_SHAPES:]
+            out += [Config.of(**dict(_tile_cfg(t, "tile", None, tma).params), tile_list=True) for t in small]
         return out
 
     def prune(self, p: Problem, dev: DeviceInfo, cfg: Config) -> str | None:
@@ -272,20 +278,51 @@ def _kv_descriptors(call: AttnCall, cfg: Config):
     return tuple(descs)
 
 
-def _sparse_args(call: AttnCall, batch: int, heads: int) -> tuple[list, list[int]]:
-    """Mask tensors and their strides, broadcast (stride 0) over batch/heads where the mask is shared."""
-    sp = call.sparse
-    cnt = sp.kv_num_blocks.expand(batch, heads, -1)
-    idx = sp.kv_indices.expand(batch, heads, -1, -1)
-    bits = sp.partial_bits.expand(batch, heads, *sp.partial_bits.shape[2:])
+def _mask_tensors(sp, batch: int, heads: int) -> tuple[list, list[int]]:
+    """The mask's lists and bitmaps and their strides, at the mask's own batch/head dims (batch and heads
+    None) or broadcast (stride 0) over the problem's where the mask is shared."""
+    def dims(x: torch.Tensor) -> torch.Tensor:
+        return x if batch is None else x.expand(batch, heads, *x.shape[2:])
+
+    cnt, idx, bits = dims(sp.kv_num_blocks), dims(sp.kv_indices), dims(sp.partial_bits)
     if sp.full_kv_num_blocks is not None:
-        fcnt = sp.full_kv_num_blocks.expand(batch, heads, -1)
-        fidx = sp.full_kv_indices.expand(batch, heads, -1, -1)
+        fcnt, fidx = dims(sp.full_kv_num_blocks), dims(sp.full_kv_indices)
     else:
         fcnt, fidx = cnt, idx  # never read: HAS_FULL is False
     tensors = [fcnt, fidx, cnt, idx, bits]
-    strides = [*fcnt.stride(), *fidx.stride(), *cnt.stride(), *idx.stride(), *bits.stride()]
-    return tensors, strides
+    return tensors, [st for t in tensors for st in t.stride()]
+
+
+def _sparse_args(call: AttnCall, cfg: Config, meta: dict) -> tuple[list, list[int]]:
+    """Mask tensors and strides for the forward kernel, followed by the tile list (``cfg["tile_list"]``)
+    or a placeholder that is never read."""
+    p, sp = call.problem, call.sparse
+    tensors, strides = _mask_tensors(sp, p.batch, p.heads_q)
+    if not meta["TILE_LIST"]:
+        return [*tensors, tensors[2]], [*strides, 0, 0, 0]
+    tiles = _tile_list(sp, p.len_q, meta)
+    wide = tiles.expand(p.batch, p.heads_q, *tiles.shape[2:])
+    return [*tensors, wide], [*strides, *wide.stride()[:3]]
+
+
+def _tile_list(sp, len_q: int, meta: dict) -> torch.Tensor:
+    """int32 [B', H', row tiles, 1 + tiles]: per row tile of BLOCK_M queries, the count and the list of the
+    non-empty KV tiles to visit (layout in ``sparse_tile_list_kernel``). Built per call by one small
+    kernel, so the tuner's timing of a ``tile_list`` config includes it."""
+    from .flash_kernel import sparse_tile_list_kernel
+
+    bm, bn, sub = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_KV"] // meta["BLOCK_N"]
+    b, h = sp.kv_num_blocks.shape[:2]
+    num_m = math.ceil(len_q / bm)
+    listed = sp.kv_indices.shape[-1] + (sp.full_kv_indices.shape[-1] if meta["HAS_FULL"] else 0)
+    tiles = torch.empty(b, h, num_m, 1 + listed * sub, dtype=torch.int32, device=sp.kv_num_blocks.device)
+    mask_tensors, mask_strides = _mask_tensors(sp, None, None)
+    sparse_tile_list_kernel[(b * h * num_m,)](
+        tiles, *mask_tensors, *tiles.stride()[:3], *mask_strides, h, num_m,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_Q=meta["BLOCK_Q"], BLOCK_KV=meta["BLOCK_KV"], HAS_FULL=meta["HAS_FULL"],
+        num_warps=1,
+    )
+    return tiles
 
 
 def kernel_constexprs(p: Problem, cfg: Config, has_full_blocks: bool = True) -> dict:
@@ -305,7 +342,7 @@ def kernel_constexprs(p: Problem, cfg: Config, has_full_blocks: bool = True) -> 
         HAS_KV_LENS=p.has_kv_seqlens and p.op == "attention", HAS_FULL=sparse and has_full_blocks,
         # dense/varlen ignore these three; constant values there avoid needless recompiles
         BLOCK_Q=p.block_q if sparse else bm, BLOCK_KV=p.block_kv if sparse else bn,
-        EVEN_N=not sparse or p.len_k % p.block_kv == 0,
+        EVEN_N=not sparse or p.len_k % p.block_kv == 0, TILE_LIST=sparse and bool(cfg.get("tile_list", False)),
         TMA=bool(cfg.get("tma", False)), DOT_PREC="tf32x3" if p.dtype == "float32" else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -330,7 +367,7 @@ def forward(call: AttnCall, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
     num_tiles = num_m * num_bh
     if num_tiles == 0:
         return out.zero_(), lse.fill_(float("-inf"))
-    mask_tensors, mask_strides = _sparse_args(call, p.batch, p.heads_q) if sparse else ([q] * 5, [0] * 20)
+    mask_tensors, mask_strides = _sparse_args(call, cfg, meta) if sparse else ([q] * 6, [0] * 23)
     key = (q.dtype, *meta.values())
     grid = num_tiles if meta["SCHEDULE"] == 0 else _persistent_grid(q.device, key, num_tiles)
     lpt_heads = _lpt_group(_device_limits(q.device)[2], p.len_k * (p.head_dim + p.head_dim_v) * k.element_size(),

@@ -170,75 +170,144 @@ def _dense_rows(acc, m_i, l_i, q, k_base, v_base, kv_at, pos_first, pos_last, le
 
 
 @triton.jit
-def _bitmap_tile(row_words, s_w, BLOCK_N: tl.constexpr):
+def _bitmap_tile(row_words, s_w, BLOCK_N: tl.constexpr, is_partial=None):
     """[rows, BLOCK_N] bool from each row's BLOCK_N // 32 bitmap words (``row_words``: [rows, 1] pointers):
     one load per word, expanded in registers (column j = bit j % 32 of word j // 32), instead of a gather
-    of one word per column."""
-    words = tl.load(row_words + tl.arange(0, BLOCK_N // 32)[None, :] * s_w)
+    of one word per column. Where a given ``is_partial`` is false nothing is read and every bit is set."""
+    ptrs = row_words + tl.arange(0, BLOCK_N // 32)[None, :] * s_w
+    if is_partial is None:
+        words = tl.load(ptrs)
+    else:
+        # the mask as a full [rows, words] tensor: Triton's interpreter rejects a broadcast scalar mask
+        words = tl.load(ptrs, mask=tl.full(ptrs.shape, 1, tl.int1) & is_partial, other=-1)
     bits = (words[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1
     return tl.reshape(bits, (words.shape[0], BLOCK_N)) != 0
 
 
 @triton.jit
-def _sparse_rows(acc, m_i, l_i, q, k_base, v_base, kv_at, len_k, b, hq, qb, rows_in_block,
-                 FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BITS,
+def _sparse_rows(acc, m_i, l_i, q, k_base, v_base, kv_at, len_k, b, hq, qb, rows_in_block, m,
+                 FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BITS, TILES,
                  sfc_b, sfc_h, sfc_m, sfi_b, sfi_h, sfi_m, sfi_s,
                  spc_b, spc_h, spc_m, spi_b, spi_h, spi_m, spi_s,
-                 sbt_b, sbt_h, sbt_m, sbt_s, sbt_r, sbt_w,
+                 sbt_b, sbt_h, sbt_m, sbt_s, sbt_r, sbt_w, st_b, st_h, st_m,
                  sk_n, sk_d, sv_n, sv_d, qk_scale,
                  BLOCK_N: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_DV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, HAS_FULL: tl.constexpr,
-                 EVEN_N: tl.constexpr, TMA: tl.constexpr, DOT_PREC: tl.constexpr):
+                 EVEN_N: tl.constexpr, TILE_LIST: tl.constexpr, TMA: tl.constexpr, DOT_PREC: tl.constexpr):
     """Visit the listed KV blocks of q block ``qb`` only: full blocks without a mask (bar the sequence
     end), partial blocks through their bitmaps (bit j%32 of word j//32 per row). A mask block of
     BLOCK_KV keys is visited as SUB = BLOCK_KV // BLOCK_N tiles (a smaller tile than the mask's block can
     be the faster one: 64x64 beat 128x128 by 25% on a dense 256 window, H100). Each loop runs over
     tiles, one per iteration, rather than over blocks with SUB tiles unrolled: the software pipeline
     buffers num_stages iterations, and SUB tiles per iteration took SUB times the shared memory (145 vs
-    113 KiB at 64x64, 3 stages, sm_90), one program per SM instead of two."""
+    113 KiB at 64x64, 3 stages, sm_90), one program per SM instead of two.
+
+    With ``TILE_LIST`` the program walks row tile ``m``'s list from :func:`sparse_tile_list_kernel`
+    instead: only its non-empty tiles, full and partial in one loop (one pipeline to fill)."""
     SUB: tl.constexpr = BLOCK_KV // BLOCK_N
-    if HAS_FULL:
-        n_full = tl.load(FULL_CNT + b * sfc_b + hq * sfc_h + qb * sfc_m)
-        idx_base = FULL_IDX + b * sfi_b + hq * sfi_h + qb * sfi_m
-        for t in range(0, n_full * SUB):
-            start_n = tl.load(idx_base + (t // SUB) * sfi_s) * BLOCK_KV + (t % SUB) * BLOCK_N
-            s = _scores(q, k_base, kv_at, start_n, len_k, sk_n, sk_d, qk_scale, BLOCK_N, BLOCK_D, D,
-                        not EVEN_N, TMA, DOT_PREC)
-            if not EVEN_N:
-                s = tl.where((start_n + tl.arange(0, BLOCK_N))[None, :] < len_k, s, float("-inf"))
-            acc, m_i, l_i = _accumulate(acc, m_i, l_i, s, v_base, kv_at, start_n, len_k, sv_n, sv_d, BLOCK_N,
-                                        BLOCK_DV, DV, not EVEN_N, not EVEN_N, TMA, DOT_PREC)
-    n_part = tl.load(PART_CNT + b * spc_b + hq * spc_h + qb * spc_m)
     idx_base = PART_IDX + b * spi_b + hq * spi_h + qb * spi_m
     bits_base = BITS + b * sbt_b + hq * sbt_h + qb * sbt_m + rows_in_block[:, None] * sbt_r
-    for t in range(0, n_part * SUB):
-        i = t // SUB
-        sub = t % SUB
-        start_n = tl.load(idx_base + i * spi_s) * BLOCK_KV + sub * BLOCK_N
-        s = _scores(q, k_base, kv_at, start_n, len_k, sk_n, sk_d, qk_scale, BLOCK_N, BLOCK_D, D, not EVEN_N,
-                    TMA, DOT_PREC)
-        words = bits_base + i * sbt_s + (sub * (BLOCK_N // 32)) * sbt_w
-        s = tl.where(_bitmap_tile(words, sbt_w, BLOCK_N), s, float("-inf"))
-        acc, m_i, l_i = _accumulate(acc, m_i, l_i, s, v_base, kv_at, start_n, len_k, sv_n, sv_d, BLOCK_N,
-                                    BLOCK_DV, DV, not EVEN_N, True, TMA, DOT_PREC)
+    if TILE_LIST:
+        list_base = TILES + b * st_b + hq * st_h + m * st_m
+        for t in range(0, tl.load(list_base)):
+            entry = tl.load(list_base + 1 + t)
+            is_partial = entry < 0
+            slot_sub = -1 - entry  # partial: slot * SUB + sub-tile of the partial list
+            i = slot_sub // SUB
+            sub = slot_sub - i * SUB
+            block = tl.load(idx_base + i * spi_s, mask=is_partial, other=0)
+            start_n = tl.where(is_partial, block * BLOCK_KV + sub * BLOCK_N, entry * BLOCK_N)
+            s = _scores(q, k_base, kv_at, start_n, len_k, sk_n, sk_d, qk_scale, BLOCK_N, BLOCK_D, D,
+                        not EVEN_N, TMA, DOT_PREC)
+            visible = _bitmap_tile(bits_base + i * sbt_s + (sub * (BLOCK_N // 32)) * sbt_w, sbt_w, BLOCK_N,
+                                   is_partial)
+            if not EVEN_N:
+                visible = visible & ((start_n + tl.arange(0, BLOCK_N))[None, :] < len_k)
+            s = tl.where(visible, s, float("-inf"))
+            acc, m_i, l_i = _accumulate(acc, m_i, l_i, s, v_base, kv_at, start_n, len_k, sv_n, sv_d, BLOCK_N,
+                                        BLOCK_DV, DV, not EVEN_N, True, TMA, DOT_PREC)
+    else:
+        if HAS_FULL:
+            n_full = tl.load(FULL_CNT + b * sfc_b + hq * sfc_h + qb * sfc_m)
+            full_base = FULL_IDX + b * sfi_b + hq * sfi_h + qb * sfi_m
+            for t in range(0, n_full * SUB):
+                start_n = tl.load(full_base + (t // SUB) * sfi_s) * BLOCK_KV + (t % SUB) * BLOCK_N
+                s = _scores(q, k_base, kv_at, start_n, len_k, sk_n, sk_d, qk_scale, BLOCK_N, BLOCK_D, D,
+                            not EVEN_N, TMA, DOT_PREC)
+                if not EVEN_N:
+                    s = tl.where((start_n + tl.arange(0, BLOCK_N))[None, :] < len_k, s, float("-inf"))
+                acc, m_i, l_i = _accumulate(acc, m_i, l_i, s, v_base, kv_at, start_n, len_k, sv_n, sv_d,
+                                            BLOCK_N, BLOCK_DV, DV, not EVEN_N, not EVEN_N, TMA, DOT_PREC)
+        n_part = tl.load(PART_CNT + b * spc_b + hq * spc_h + qb * spc_m)
+        for t in range(0, n_part * SUB):
+            i = t // SUB
+            sub = t % SUB
+            start_n = tl.load(idx_base + i * spi_s) * BLOCK_KV + sub * BLOCK_N
+            s = _scores(q, k_base, kv_at, start_n, len_k, sk_n, sk_d, qk_scale, BLOCK_N, BLOCK_D, D,
+                        not EVEN_N, TMA, DOT_PREC)
+            words = bits_base + i * sbt_s + (sub * (BLOCK_N // 32)) * sbt_w
+            s = tl.where(_bitmap_tile(words, sbt_w, BLOCK_N), s, float("-inf"))
+            acc, m_i, l_i = _accumulate(acc, m_i, l_i, s, v_base, kv_at, start_n, len_k, sv_n, sv_d, BLOCK_N,
+                                        BLOCK_DV, DV, not EVEN_N, True, TMA, DOT_PREC)
     return acc, m_i, l_i
 
 
 @triton.jit
+def sparse_tile_list_kernel(TILES, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BITS,
+                            st_b, st_h, st_m, sfc_b, sfc_h, sfc_m, sfi_b, sfi_h, sfi_m, sfi_s,
+                            spc_b, spc_h, spc_m, spi_b, spi_h, spi_m, spi_s,
+                            sbt_b, sbt_h, sbt_m, sbt_s, sbt_r, sbt_w, heads, num_m,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
+                            BLOCK_KV: tl.constexpr, HAS_FULL: tl.constexpr):
+    """The KV tiles (BLOCK_N keys) row tile m (BLOCK_M queries) of each mask (batch, head) must visit:
+    ``TILES[b, h, m, 0]`` is their count, then one int32 per tile: ``n >= 0`` is a tile every row sees
+    whole (keys n * BLOCK_N onward: a full block's, or a partial block's whose bits are all set), ``n < 0``
+    a tile to mask, ``-1 - n`` = slot * SUB + sub-tile of the q block's partial list. Tiles whose bits
+    are all clear (outside a window's band inside a partial 128-block, say) are left out."""
+    SUB: tl.constexpr = BLOCK_KV // BLOCK_N
+    WORDS: tl.constexpr = BLOCK_N // 32
+    pid = tl.program_id(0)
+    bh = pid // num_m
+    m = pid - bh * num_m
+    b = bh // heads
+    h = bh - b * heads
+    qb = m * BLOCK_M // BLOCK_Q
+    rows = m * BLOCK_M - qb * BLOCK_Q + tl.arange(0, BLOCK_M)
+    out = TILES + b * st_b + h * st_h + m * st_m + 1
+    count = 0
+    if HAS_FULL:
+        full_base = FULL_IDX + b * sfi_b + h * sfi_h + qb * sfi_m
+        for t in range(0, tl.load(FULL_CNT + b * sfc_b + h * sfc_h + qb * sfc_m) * SUB):
+            tl.store(out + count, tl.load(full_base + (t // SUB) * sfi_s) * SUB + t % SUB)
+            count += 1
+    n_part = tl.load(PART_CNT + b * spc_b + h * spc_h + qb * spc_m)
+    part_base = PART_IDX + b * spi_b + h * spi_h + qb * spi_m
+    bits_base = BITS + b * sbt_b + h * sbt_h + qb * sbt_m + rows[:, None] * sbt_r
+    for t in range(0, n_part * SUB):
+        words = tl.load(bits_base + (t // SUB) * sbt_s + ((t % SUB) * WORDS + tl.arange(0, WORDS))[None, :] * sbt_w)
+        seen = tl.max(tl.max((words != 0).to(tl.int32), 1), 0)
+        whole = tl.min(tl.min((words == -1).to(tl.int32), 1), 0)
+        tile = tl.load(part_base + (t // SUB) * spi_s) * SUB + t % SUB
+        tl.store(out + count, tl.where(whole == 1, tile, -1 - t), mask=seen == 1)
+        count += seen
+    tl.store(out - 1, count)
+
+
+@triton.jit
 def _tile(tile, Q, K, V, O, LSE, KV_LENS, CU_Q, CU_K,
-          FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BITS,
+          FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BITS, TILES,
           sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
           so_b, so_h, so_m, so_d, sl_b, sl_h, sl_m,
           sfc_b, sfc_h, sfc_m, sfi_b, sfi_h, sfi_m, sfi_s,
           spc_b, spc_h, spc_m, spi_b, spi_h, spi_m, spi_s,
-          sbt_b, sbt_h, sbt_m, sbt_s, sbt_r, sbt_w,
+          sbt_b, sbt_h, sbt_m, sbt_s, sbt_r, sbt_w, st_b, st_h, st_m,
           len_q, len_k, qk_scale, window_left, window_right,
           heads_prog, num_m, num_bh, lpt_heads,
           GROUP: tl.constexpr, PACK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
           MODE: tl.constexpr, SCHEDULE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
           HAS_KV_LENS: tl.constexpr, HAS_FULL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
-          EVEN_N: tl.constexpr, TMA: tl.constexpr, DOT_PREC: tl.constexpr):
+          EVEN_N: tl.constexpr, TILE_LIST: tl.constexpr, TMA: tl.constexpr, DOT_PREC: tl.constexpr):
     bh, m = _tile_coords(tile, num_m, num_bh, lpt_heads, SCHEDULE)
     b = bh // heads_prog
     hp = bh - b * heads_prog
@@ -293,11 +362,11 @@ def _tile(tile, Q, K, V, O, LSE, KV_LENS, CU_Q, CU_K,
         if MODE == 2:
             qb = row0 // BLOCK_Q
             acc, m_i, l_i = _sparse_rows(
-                acc, m_i, l_i, q, k_base, v_base, kv_at, len_k, b, hp, qb, rows - qb * BLOCK_Q,
-                FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BITS,
+                acc, m_i, l_i, q, k_base, v_base, kv_at, len_k, b, hp, qb, rows - qb * BLOCK_Q, m,
+                FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BITS, TILES,
                 sfc_b, sfc_h, sfc_m, sfi_b, sfi_h, sfi_m, sfi_s, spc_b, spc_h, spc_m, spi_b, spi_h, spi_m, spi_s,
-                sbt_b, sbt_h, sbt_m, sbt_s, sbt_r, sbt_w, sk_n, sk_d, sv_n, sv_d, qk_scale,
-                BLOCK_N, BLOCK_KV, BLOCK_D, BLOCK_DV, D, DV, HAS_FULL, EVEN_N, TMA, DOT_PREC)
+                sbt_b, sbt_h, sbt_m, sbt_s, sbt_r, sbt_w, st_b, st_h, st_m, sk_n, sk_d, sv_n, sv_d, qk_scale,
+                BLOCK_N, BLOCK_KV, BLOCK_D, BLOCK_DV, D, DV, HAS_FULL, EVEN_N, TILE_LIST, TMA, DOT_PREC)
         else:
             pos_last = tl.minimum(row0 + BLOCK_M - 1, len_q_b * PACK - 1) // PACK
             acc, m_i, l_i = _dense_rows(
@@ -316,38 +385,38 @@ def _tile(tile, Q, K, V, O, LSE, KV_LENS, CU_Q, CU_K,
 
 @triton.jit
 def flash_fwd_kernel(Q, K, V, O, LSE, KV_LENS, CU_Q, CU_K,
-                     FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BITS,
+                     FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BITS, TILES,
                      sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
                      so_b, so_h, so_m, so_d, sl_b, sl_h, sl_m,
                      sfc_b, sfc_h, sfc_m, sfi_b, sfi_h, sfi_m, sfi_s,
                      spc_b, spc_h, spc_m, spi_b, spi_h, spi_m, spi_s,
-                     sbt_b, sbt_h, sbt_m, sbt_s, sbt_r, sbt_w,
+                     sbt_b, sbt_h, sbt_m, sbt_s, sbt_r, sbt_w, st_b, st_h, st_m,
                      len_q, len_k, qk_scale, window_left, window_right,
                      heads_prog, num_m, num_bh, num_tiles, lpt_heads,
                      GROUP: tl.constexpr, PACK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                      MODE: tl.constexpr, SCHEDULE: tl.constexpr, HAS_LEFT: tl.constexpr,
                      HAS_RIGHT: tl.constexpr, HAS_KV_LENS: tl.constexpr, HAS_FULL: tl.constexpr,
-                     BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, EVEN_N: tl.constexpr, TMA: tl.constexpr,
-                     DOT_PREC: tl.constexpr):
+                     BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, EVEN_N: tl.constexpr,
+                     TILE_LIST: tl.constexpr, TMA: tl.constexpr, DOT_PREC: tl.constexpr):
     """Forward of every tile assigned to this program; see the module docstring for the layouts."""
     pid = tl.program_id(0)
     if SCHEDULE == 0:
-        _tile(pid, Q, K, V, O, LSE, KV_LENS, CU_Q, CU_K, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BITS,
+        _tile(pid, Q, K, V, O, LSE, KV_LENS, CU_Q, CU_K, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BITS, TILES,
               sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, so_b, so_h, so_m, so_d,
               sl_b, sl_h, sl_m, sfc_b, sfc_h, sfc_m, sfi_b, sfi_h, sfi_m, sfi_s, spc_b, spc_h, spc_m,
-              spi_b, spi_h, spi_m, spi_s, sbt_b, sbt_h, sbt_m, sbt_s, sbt_r, sbt_w,
+              spi_b, spi_h, spi_m, spi_s, sbt_b, sbt_h, sbt_m, sbt_s, sbt_r, sbt_w, st_b, st_h, st_m,
               len_q, len_k, qk_scale, window_left, window_right, heads_prog, num_m, num_bh, lpt_heads,
               GROUP, PACK, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, D, DV, MODE, SCHEDULE, HAS_LEFT, HAS_RIGHT,
-              HAS_KV_LENS, HAS_FULL, BLOCK_Q, BLOCK_KV, EVEN_N, TMA, DOT_PREC)
+              HAS_KV_LENS, HAS_FULL, BLOCK_Q, BLOCK_KV, EVEN_N, TILE_LIST, TMA, DOT_PREC)
     else:
         # static striding: program p takes tiles p, p + P, ...; with the LPT order each program's first
         # tile is among the heaviest, so the tail of the launch holds the light ones
         for tile in range(pid, num_tiles, tl.num_programs(0)):
-            _tile(tile, Q, K, V, O, LSE, KV_LENS, CU_Q, CU_K, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BITS,
+            _tile(tile, Q, K, V, O, LSE, KV_LENS, CU_Q, CU_K, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BITS, TILES,
                   sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, so_b, so_h, so_m, so_d,
                   sl_b, sl_h, sl_m, sfc_b, sfc_h, sfc_m, sfi_b, sfi_h, sfi_m, sfi_s, spc_b, spc_h, spc_m,
-                  spi_b, spi_h, spi_m, spi_s, sbt_b, sbt_h, sbt_m, sbt_s, sbt_r, sbt_w,
+                  spi_b, spi_h, spi_m, spi_s, sbt_b, sbt_h, sbt_m, sbt_s, sbt_r, sbt_w, st_b, st_h, st_m,
                   len_q, len_k, qk_scale, window_left, window_right, heads_prog, num_m, num_bh, lpt_heads,
                   GROUP, PACK, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, D, DV, MODE, SCHEDULE, HAS_LEFT,
-                  HAS_RIGHT, HAS_KV_LENS, HAS_FULL, BLOCK_Q, BLOCK_KV, EVEN_N, TMA, DOT_PREC)
+                  HAS_RIGHT, HAS_KV_LENS, HAS_FULL, BLOCK_Q, BLOCK_KV, EVEN_N, TILE_LIST, TMA, DOT_PREC)
