@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from inductor_attn.backends.base import AttnCall
+from inductor_attn.backends.base import AttnCall, Config
 from inductor_attn.backends.triton.flash import BACKEND
 from inductor_attn.device import device_info
 from inductor_attn.ops.block_mask import BlockSparseMask
@@ -139,7 +139,7 @@ def sdpa_rows(q, k, v, causal, flops, budget) -> tuple[list[dict], torch.Tensor 
 
 def fa4_row(call: AttnCall, ref, flops, budget) -> dict:
     """FA4 with its own default config (anchors: its fastest on sm_90): the ratio issue #4 asks for."""
-    from inductor_attn.backends import Config, fa4
+    from inductor_attn.backends import fa4
 
     reason = fa4.BACKEND.supports(call.problem, device_info(call.q.device))
     if reason:
@@ -148,13 +148,15 @@ def fa4_row(call: AttnCall, ref, flops, budget) -> dict:
                    budget)
 
 
-def ours_rows(call: AttnCall, ref, flops, budget, impl="triton", limit=None, profile=False) -> list[dict]:
+def ours_rows(call: AttnCall, ref, flops, budget, impl="triton", limit=None, profile=False,
+              extra=()) -> list[dict]:
+    """One row per listed config (the first ``limit``), then per ``extra`` config (not listed: trials)."""
     p, dev = call.problem, device_info(call.q.device)
     reason = BACKEND.supports(p, dev)
     if reason:
         return [{"impl": impl, "config": "-", "status": "unsupported", "error": reason}]
     rows = []
-    for cfg in BACKEND.configs(p, dev)[:limit]:
+    for cfg in BACKEND.configs(p, dev)[:limit] + list(extra):
         pruned = BACKEND.prune(p, dev, cfg)
         if pruned:
             rows.append({"impl": impl, "config": str(cfg), "status": "pruned", "error": pruned})
@@ -178,7 +180,7 @@ def flex_rows(q, k, v, block_mask, flops, budget, profile=False) -> tuple[list[d
     return [row], (fn() if row["status"] == "ok" else None)
 
 
-def run_problem(name, b, h, seq, causal, op, budget, profile=False) -> dict:
+def run_problem(name, b, h, seq, causal, op, budget, profile=False, extra=()) -> dict:
     torch.manual_seed(0)
     q, k, v = (torch.randn(b, h, seq, D, device="cuda", dtype=DTYPE) for _ in range(3))
     scale = D**-0.5
@@ -187,7 +189,7 @@ def run_problem(name, b, h, seq, causal, op, budget, profile=False) -> dict:
         rows, ref = sdpa_rows(q, k, v, causal, flops, budget)
         call = AttnCall("attention", q, k, v, scale, causal)
         rows.append(fa4_row(call, ref, flops, budget))
-        rows += ours_rows(call, ref, flops, budget)
+        rows += ours_rows(call, ref, flops, budget, extra=extra)
         return {"problem": name, "flops": flops, "rows": rows}
 
     from torch.nn.attention.flex_attention import create_block_mask
@@ -207,7 +209,8 @@ def run_problem(name, b, h, seq, causal, op, budget, profile=False) -> dict:
     rows.append(measure({"impl": "sdpa + bool mask", "config": "-"}, sdpa_masked, ref, flops, budget))
     if ref is None and rows[-1]["status"] == "ok":
         ref = sdpa_masked()
-    rows += ours_rows(AttnCall("block_sparse", q, k, v, scale, sparse=sparse), ref, flops, budget, profile=profile)
+    rows += ours_rows(AttnCall("block_sparse", q, k, v, scale, sparse=sparse), ref, flops, budget, profile=profile,
+                      extra=extra)
     window = AttnCall("attention", q, k, v, scale, True, WINDOW, 0)
     rows += ours_rows(window, ref, flops, budget, impl="triton dense-window", limit=3, profile=profile)
     return {"problem": name, "flops": flops, "density": sparse.density, "rows": rows}
@@ -251,6 +254,9 @@ def main() -> None:
     parser.add_argument("--only", default="", help="run only the problems whose name contains this text")
     parser.add_argument("--kernel-times", action="store_true",
                         help="block-sparse problem: also record each kernel's device time (profiler)")
+    parser.add_argument("--extra-config", action="append", default=[], type=Config.parse,
+                        help="also time this config of ours (repeatable; as printed, e.g. "
+                             "block_m=64,block_n=32,num_stages=3,num_warps=4,schedule=tile,tma=True)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -262,7 +268,7 @@ def main() -> None:
     # run out before it; the table keeps the listed order
     problems = [spec for spec in PROBLEMS if args.only in spec[0]]
     for spec in sorted(problems, key=lambda s: s[-1] != "block_sparse"):
-        res = run_problem(*spec, budget, profile=args.kernel_times)
+        res = run_problem(*spec, budget, profile=args.kernel_times, extra=args.extra_config)
         res["summary"] = summarize(res)
         results[spec[0]] = res
         torch.cuda.empty_cache()
