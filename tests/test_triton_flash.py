@@ -378,6 +378,14 @@ def test_tiles_left_out_of_the_list_are_never_read():
     assert_matches(out, lse, *naive.attend(call.q, *clean, call.sparse.dense_mask(), call.scale), torch.float32)
 
 
+def test_a_tile_list_over_the_size_cap_walks_the_blocks_instead(monkeypatch):
+    torch.manual_seed(12)
+    call = sparse_case(_documents, 1, 2, 2, 260, 260, 16, 128)
+    monkeypatch.setattr(flash, "_TILE_LIST_MAX_BYTES", 0)
+    monkeypatch.setattr(flash, "_tile_list", lambda *a: pytest.fail("built a list over the cap"))
+    check_sparse(call, TILE_LIST)
+
+
 # ------------------------------------------------------------------------------------- protocol pieces
 def problem(**kw) -> Problem:
     base = dict(op="attention", dtype="bfloat16", device_type="cuda", batch=2, heads_q=32, heads_kv=32,
@@ -406,6 +414,16 @@ def test_configs_are_a_short_unique_mostly_runnable_list(name):
     assert all(Config.parse(n) == c for n, c in zip(names, cfgs))
     runnable = [c for c in cfgs if flash.BACKEND.prune(p, SM90, c) is None]
     assert len(runnable) >= 4, {str(c): flash.BACKEND.prune(p, SM90, c) for c in cfgs}
+
+
+@pytest.mark.parametrize("blocks", [(128, 128), (64, 64), (128, 64), (64, 32), (128, 32), (32, 128)])
+def test_block_sparse_configs_are_unique_and_list_tile_walks_of_small_tiles(blocks):
+    p = problem(op="block_sparse", block_q=blocks[0], block_kv=blocks[1])
+    cfgs = flash.BACKEND.configs(p, SM90)
+    assert len({str(c) for c in cfgs}) == len(cfgs) <= 12
+    walks = [c for c in cfgs if c.get("tile_list")]
+    assert walks and all(c["block_m"] * c["block_n"] < blocks[0] * blocks[1] for c in walks)
+    assert all(flash.BACKEND.prune(p, SM90, c) is None for c in walks)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])

@@ -50,6 +50,9 @@ _FP32_EXTRA = {64: (64, 32, 4, 2), 128: (64, 32, 4, 2), 256: (16, 32, 4, 2)}
 _DECODE_TILES = [(64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 8, 2)]
 _PERSISTENT_SHAPES = 2  # tile shapes that also run persistent (and LPT where it applies)
 _TILE_LIST_SHAPES = 2  # block-sparse tile shapes that also run from a list of non-empty tiles
+# Beyond this a call walks the mask's blocks instead of allocating the list (same results): a per-head
+# mask at 32k tokens with 64x32 tiles could otherwise ask for hundreds of MiB per call.
+_TILE_LIST_MAX_BYTES = 64 << 20
 
 # fp32 accumulator + score values per thread, BLOCK_M * (BLOCK_DV + BLOCK_N) / threads, above which ptxas
 # spills. Calibrated by compiling for sm_90 (triton 3.9, ptxas 13.4): one-tile programs spill above 144
@@ -141,14 +144,16 @@ class TritonFlashBackend(Backend):
         pack = None if p.op == "block_sparse" or p.gqa_ratio == 1 else True
         d = max(64, next_power_of_two(max(p.head_dim, p.head_dim_v)))
         if p.op == "block_sparse":
-            tiles = [(bm, p.block_kv, w, s) for bm in _sparse_block_ms(p.block_q)[:3] for w, s in ((8, 2), (4, 3))]
+            # two row-block sizes: 32-row tiles lost to 64-row ones at every width measured (H100, window
+            # 256: 32x128 0.61-0.75 ms, 32x32 0.82 against 64x32 0.34)
+            tiles = [(bm, p.block_kv, w, s) for bm in _sparse_block_ms(p.block_q)[:2] for w, s in ((8, 2), (4, 3))]
             if p.block_kv == 128:  # two 64-key tiles per mask block: the dense window's best tile
                 tiles += [(bm, 64, 4, 3) for bm in _sparse_block_ms(p.block_q)[:2] if bm <= 64]
             if p.block_q % 64 == 0:
                 # 64x32 tiles: 48 KiB of shared memory and 124 registers on sm_90, four programs per SM;
                 # the fastest on the H100's block-sparse window (0.337 ms vs 0.374 at 64x64, 0.420 at
                 # 128x128), where occupancy hides the latency of a few tiles per program
-                tiles.append((64, 32, 4, 3))
+                tiles = list(dict.fromkeys([*tiles, (64, 32, 4, 3)]))  # a 64x32 mask lists it already
         elif p.len_q * p.gqa_ratio <= 64:
             tiles = list(_DECODE_TILES)
         else:
@@ -174,9 +179,9 @@ class TritonFlashBackend(Backend):
             # packing trades a wider row block for one K/V read per group; unpacked is the usual layout
             out.append(_tile_cfg(tiles[0], "tile", False, tma))
         if p.op == "block_sparse":
-            # tiles of a quarter of a mask block or less, walking a per-call list of the non-empty ones
-            # (sparse_tile_list_kernel): a 256 window's 128-blocks hold tiles outside the band
-            small = [t for t in tiles if 4 * t[0] * t[1] <= p.block_q * p.block_kv][-_TILE_LIST_SHAPES:]
+            # the smallest tiles again, walking a per-call list of the non-empty ones (sparse_tile_list_kernel):
+            # a 256 window's 128-blocks hold tiles outside the band (H100: 64x32 0.306 ms vs 0.339 by blocks)
+            small = [t for t in tiles if t[0] * t[1] < p.block_q * p.block_kv][-_TILE_LIST_SHAPES:]
             out += [Config.of(**dict(_tile_cfg(t, "tile", None, tma).params), tile_list=True) for t in small]
         return out
 
@@ -311,18 +316,21 @@ def _tile_list(sp, len_q: int, meta: dict) -> torch.Tensor:
     kernel, so the tuner's timing of a ``tile_list`` config includes it."""
     from .flash_kernel import sparse_tile_list_kernel
 
-    bm, bn, sub = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_KV"] // meta["BLOCK_N"]
-    b, h = sp.kv_num_blocks.shape[:2]
-    num_m = math.ceil(len_q / bm)
-    listed = sp.kv_indices.shape[-1] + (sp.full_kv_indices.shape[-1] if meta["HAS_FULL"] else 0)
-    tiles = torch.empty(b, h, num_m, 1 + listed * sub, dtype=torch.int32, device=sp.kv_num_blocks.device)
+    tiles = torch.empty(_tile_list_shape(sp, len_q, meta), dtype=torch.int32, device=sp.kv_num_blocks.device)
+    b, h, num_m = tiles.shape[:3]
     mask_tensors, mask_strides = _mask_tensors(sp, None, None)
     sparse_tile_list_kernel[(b * h * num_m,)](
         tiles, *mask_tensors, *tiles.stride()[:3], *mask_strides, h, num_m,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_Q=meta["BLOCK_Q"], BLOCK_KV=meta["BLOCK_KV"], HAS_FULL=meta["HAS_FULL"],
-        num_warps=1,
+        BLOCK_M=meta["BLOCK_M"], BLOCK_N=meta["BLOCK_N"], BLOCK_Q=meta["BLOCK_Q"], BLOCK_KV=meta["BLOCK_KV"],
+        HAS_FULL=meta["HAS_FULL"], num_warps=1,
     )
     return tiles
+
+
+def _tile_list_shape(sp, len_q: int, meta: dict) -> torch.Size:
+    listed = sp.kv_indices.shape[-1] + (sp.full_kv_indices.shape[-1] if meta["HAS_FULL"] else 0)
+    sub = meta["BLOCK_KV"] // meta["BLOCK_N"]
+    return torch.Size((*sp.kv_num_blocks.shape[:2], math.ceil(len_q / meta["BLOCK_M"]), 1 + listed * sub))
 
 
 def kernel_constexprs(p: Problem, cfg: Config, has_full_blocks: bool = True) -> dict:
@@ -359,6 +367,8 @@ def forward(call: AttnCall, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
     meta = kernel_constexprs(p, cfg, sparse and call.sparse.full_kv_num_blocks is not None)
     kv = _kv_descriptors(call, cfg) if meta["TMA"] else None
     meta["TMA"] = kv is not None
+    if meta["TILE_LIST"] and _tile_list_shape(call.sparse, p.len_q, meta).numel() * 4 > _TILE_LIST_MAX_BYTES:
+        meta["TILE_LIST"] = False  # walk the blocks instead: same results, no workspace
     k_arg, v_arg = kv or (k, v)
     out, lse = new_outputs(call)
     heads_prog = p.heads_q // meta["PACK"]
