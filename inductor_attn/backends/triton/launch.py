@@ -1,0 +1,100 @@
+"""Launching our Triton kernels without Triton's per-call argument binding.
+
+``kernel[grid](*args)`` works out on every call what the compiled binary was specialized on (each
+pointer's 16-byte alignment, each integer's ``== 1``, ``% 16 == 0`` and width, each descriptor's type),
+looks the binary up and launches it. On the H100 machine that took 60-115 us of host time per launch
+(benchmarks/launch_cost_gpu.py), about what the forward kernel of a 256-window problem takes on the GPU,
+so eager calls and do_bench timings became host-bound.
+
+:class:`DirectLaunch` keeps the binary Triton returned for each specialization and launches it through
+its own ``run`` on later calls. Its key is computed here from the same properties and errs on the side
+of more keys (a descriptor's whole shape and strides, every integer's three properties): an extra key
+only costs one more launch through Triton, which finds its cached binary; a missing property would launch
+a wrong binary. Without a compiled binary (Triton's interpreter, an API this Triton lacks) every launch
+goes through ``kernel[grid]`` as before; so does every launch while a launch hook (a profiler's) is set.
+The calling convention of ``CompiledKernel.run`` (grid, stream, function, packed metadata, launch
+metadata, enter/exit hooks, then every argument including constexprs) is that of Triton 3.4-3.9
+(``triton/runtime/jit.py``, ``JITFunction.run``); tests/test_triton_launch.py fails if it moves.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def _int_key(v: int) -> tuple[bool, bool, bool]:
+    return v == 1, v % 16 == 0, -(2**31) <= v < 2**31
+
+
+def _arg_key(v, is_constexpr: bool):
+    """What Triton may specialize a binary on for argument ``v`` (its value, for a constexpr)."""
+    if is_constexpr or v is None:
+        return v
+    if isinstance(v, torch.Tensor):
+        return v.dtype, v.data_ptr() % 16 == 0
+    if isinstance(v, bool):
+        return bool
+    if isinstance(v, int):
+        return _int_key(v)
+    if isinstance(v, float):
+        return float
+    base = getattr(v, "base", None)  # a host-side TensorDescriptor (triton.tools.tensor_descriptor)
+    if isinstance(base, torch.Tensor):
+        return (type(v), base.dtype, base.data_ptr() % 16 == 0, tuple(v.block_shape), getattr(v, "padding", None),
+                tuple(map(_int_key, v.shape)), tuple(map(_int_key, v.strides)))
+    raise TypeError(f"no launch key for a {type(v).__name__} argument")
+
+
+def _hooks_set() -> bool:
+    try:
+        from triton import knobs
+    except ImportError:
+        return True
+    return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+
+
+class DirectLaunch:
+    """``DirectLaunch(kernel)[grid](*args, **kwargs)`` behaves like ``kernel[grid](...)`` and returns the
+    compiled kernel (None under the interpreter)."""
+
+    def __init__(self, kernel):
+        from triton.runtime.jit import JITFunction
+
+        self.kernel = kernel
+        self.binaries: dict[tuple, object] = {}
+        # why launches go through kernel[grid] only: the interpreter compiles nothing
+        self.disabled = None if isinstance(kernel, JITFunction) else f"{type(kernel).__name__} has no binaries"
+        self.names = [p.name for p in getattr(kernel, "params", [])]
+        self.is_constexpr = [p.is_constexpr for p in getattr(kernel, "params", [])]
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def launch(self, grid, args: tuple, kwargs: dict):
+        if self.disabled is not None or _hooks_set():
+            return self.kernel[grid](*args, **kwargs)
+        values = list(args) + [kwargs[n] for n in self.names[len(args):]]
+        options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in self.names))
+        key = (torch.cuda.current_device(), options, *map(_arg_key, values, self.is_constexpr))
+        binary = self.binaries.get(key)
+        if binary is None:
+            binary = self.kernel[grid](*args, **kwargs)
+            if hasattr(binary, "run") and hasattr(binary, "packed_metadata"):
+                self.binaries[key] = binary
+            return binary
+        g0, g1, g2 = (*grid, 1, 1)[:3]
+        try:
+            binary.run(g0, g1, g2, torch.cuda.current_stream().cuda_stream, binary.function,
+                       binary.packed_metadata, None, None, None, *values)
+        except TypeError as err:  # another calling convention: launch through Triton from now on
+            self.disabled = f"CompiledKernel.run refused the arguments: {err}"
+            return self.kernel[grid](*args, **kwargs)
+        return binary
+
+
+@functools.cache
+def launcher(kernel) -> DirectLaunch:
+    """The one :class:`DirectLaunch` of ``kernel`` (its binaries are shared by every caller)."""
+    return DirectLaunch(kernel)

@@ -1,0 +1,60 @@
+"""The direct launch path (backends/triton/launch.py): its keys, and the Triton internals it relies on."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from inductor_attn.backends.triton import flash_kernel  # noqa: E402
+from inductor_attn.backends.triton.launch import _arg_key, launcher  # noqa: E402
+
+
+def test_keys_tell_apart_what_triton_specializes_on():
+    x = torch.zeros(64)
+    assert _arg_key(x, False) != _arg_key(x[1:], False)  # 16-byte aligned or not
+    assert _arg_key(x, False) != _arg_key(x.half(), False)
+    assert len({_arg_key(v, False) for v in (1, 16, 17, 2**31)}) == 4  # == 1, % 16, neither, 64-bit
+    assert _arg_key(32, False) == _arg_key(48, False)  # a runtime int: only its properties
+    assert _arg_key(32, True) != _arg_key(48, True)  # a constexpr: its value
+    assert _arg_key(None, False) is None and _arg_key(2.0, False) is float
+
+
+def test_descriptor_keys_hold_block_shape_and_layout():
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    x = torch.zeros(2, 4, 64, 32)
+    a = TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, 16, 32])
+    b = TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, 32, 32])
+    y = x[:, :, :63]
+    c = TensorDescriptor(y, list(y.shape), list(y.stride()), [1, 1, 16, 32])
+    assert len({_arg_key(d, False) for d in (a, b, c)}) == 3
+
+
+def test_unknown_argument_types_are_refused_not_keyed_loosely():
+    with pytest.raises(TypeError, match="no launch key"):
+        _arg_key(object(), False)
+
+
+def test_the_interpreter_launches_through_triton():
+    # conftest sets TRITON_INTERPRET=1 on machines without a GPU: kernels are InterpretedFunctions
+    if torch.cuda.is_available():
+        pytest.skip("a GPU machine compiles kernels; tests/test_triton_flash_gpu.py covers direct launches")
+    assert launcher(flash_kernel.flash_fwd_kernel).disabled
+    assert launcher(flash_kernel.flash_fwd_kernel) is launcher(flash_kernel.flash_fwd_kernel)
+
+
+def test_triton_internals_direct_launch_relies_on_are_where_it_expects():
+    """Fails loudly when Triton moves what DirectLaunch calls: the JIT's call of ``CompiledKernel.run``
+    (grid, stream, function, packed metadata, launch metadata, hooks, then every bound argument) and the
+    parameter list with constexpr flags."""
+    from triton.runtime.jit import JITFunction, KernelParam
+
+    src = inspect.getsource(JITFunction.run)
+    assert "kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata" in src
+    assert "*bound_args.values())" in src
+    assert hasattr(KernelParam, "is_constexpr") and hasattr(KernelParam, "name")
+    assert "self.params" in inspect.getsource(JITFunction)
