@@ -39,6 +39,20 @@ def test_unknown_argument_types_are_refused_not_keyed_loosely():
         _arg_key(object(), False)
 
 
+def test_launch_hooks_send_launches_through_triton(monkeypatch):
+    from triton import knobs
+
+    from inductor_attn.backends.triton.launch import _hooks_set
+
+    assert not _hooks_set(), "no profiler is attached in tests: direct launches must be possible"
+    chain = knobs.runtime.launch_enter_hook
+    if hasattr(chain, "add"):
+        monkeypatch.setattr(chain, "calls", [lambda *a: None])
+    else:
+        monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: None)
+    assert _hooks_set()
+
+
 def test_the_interpreter_launches_through_triton():
     # conftest sets TRITON_INTERPRET=1 on machines without a GPU: kernels are InterpretedFunctions
     if torch.cuda.is_available():

@@ -48,11 +48,14 @@ def _arg_key(v, is_constexpr: bool):
 
 
 def _hooks_set() -> bool:
+    """Whether a launch hook is installed (a profiler's): Triton >= 3.5 keeps them in an always-present
+    ``HookChain`` whose ``calls`` list is empty when none is, older ones in a plain None-or-callable."""
     try:
         from triton import knobs
     except ImportError:
         return True
-    return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(hook is not None and getattr(hook, "calls", True) for hook in hooks)
 
 
 class DirectLaunch:
