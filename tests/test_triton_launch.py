@@ -10,17 +10,34 @@ import torch
 triton = pytest.importorskip("triton")
 
 from inductor_attn.backends.triton import flash_kernel  # noqa: E402
-from inductor_attn.backends.triton.launch import _arg_key, launcher  # noqa: E402
+from inductor_attn.backends.triton.launch import DirectLaunch, _arg_key, launcher  # noqa: E402
 
 
 def test_keys_tell_apart_what_triton_specializes_on():
     x = torch.zeros(64)
-    assert _arg_key(x, False) != _arg_key(x[1:], False)  # 16-byte aligned or not
-    assert _arg_key(x, False) != _arg_key(x.half(), False)
-    assert len({_arg_key(v, False) for v in (1, 16, 17, 2**31)}) == 4  # == 1, % 16, neither, 64-bit
-    assert _arg_key(32, False) == _arg_key(48, False)  # a runtime int: only its properties
-    assert _arg_key(32, True) != _arg_key(48, True)  # a constexpr: its value
-    assert _arg_key(None, False) is None and _arg_key(2.0, False) is float
+    assert _arg_key(x) != _arg_key(x[1:])  # 16-byte aligned or not
+    assert _arg_key(x) != _arg_key(x.half())
+    assert len({_arg_key(v) for v in (1, 16, 17, 2**31)}) == 4  # == 1, % 16, neither, 64-bit
+    assert _arg_key(32) == _arg_key(48)  # a runtime int: only its properties
+    assert _arg_key(None) is None and _arg_key(2.0) is float and _arg_key(True) is True
+
+
+def test_the_launch_key_holds_constexpr_values_and_options(monkeypatch):
+    from types import SimpleNamespace
+
+    kernel = SimpleNamespace(params=[SimpleNamespace(name="X", is_constexpr=False),
+                                     SimpleNamespace(name="n", is_constexpr=False),
+                                     SimpleNamespace(name="BLOCK", is_constexpr=True)])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    direct = DirectLaunch(kernel)
+    x = torch.zeros(64)
+
+    def key(*values, **options):
+        return direct.key(list(values), {"BLOCK": values[-1], **options})
+
+    assert key(x, 32, 64, num_warps=4) == key(torch.ones(64), 48, 64, num_warps=4)
+    assert len({key(x, 32, 64, num_warps=4), key(x, 32, 128, num_warps=4), key(x, 32, 64, num_warps=8),
+                key(x, 1, 64, num_warps=4), key(x[1:], 32, 64, num_warps=4)}) == 5
 
 
 def test_descriptor_keys_hold_block_shape_and_layout():
@@ -31,12 +48,12 @@ def test_descriptor_keys_hold_block_shape_and_layout():
     b = TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, 32, 32])
     y = x[:, :, :63]
     c = TensorDescriptor(y, list(y.shape), list(y.stride()), [1, 1, 16, 32])
-    assert len({_arg_key(d, False) for d in (a, b, c)}) == 3
+    assert len({_arg_key(d) for d in (a, b, c)}) == 3
 
 
 def test_unknown_argument_types_are_refused_not_keyed_loosely():
     with pytest.raises(TypeError, match="no launch key"):
-        _arg_key(object(), False)
+        _arg_key(object())
 
 
 def test_launch_hooks_send_launches_through_triton(monkeypatch):
