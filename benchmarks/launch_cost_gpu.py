@@ -7,9 +7,9 @@ whose kernels take microseconds, so the time per call of calls launched back to 
 (``back_to_back_ms``). For each config: the whole ``BACKEND.run``, then its pieces on their own: the
 output allocations, the two TMA descriptors, the tile-list kernel (block-sparse ``tile_list`` configs),
 the forward kernel's launch through ``kernel[grid](...)`` (Triton's argument binding and specialization,
-then the launch), through our ``launcher(kernel)`` (backends/triton/launch.py: our key, then the kept
-binary's ``run``), and the compiled kernel's own ``CompiledKernel[grid](...)`` and ``run`` (no key at
-all: the floor of a launch from Python).
+then the launch), and the same compiled kernel launched through ``CompiledKernel[grid](...)`` and its
+``run`` with the arguments already bound (the floor of any launch from Python; a launch cache keyed in
+Python has to beat Triton's binding by more than its key costs).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from torch.nn.attention.flex_attention import create_block_mask
 from inductor_attn.backends import Config
 from inductor_attn.backends.base import AttnCall
 from inductor_attn.backends.triton import flash, flash_kernel
-from inductor_attn.backends.triton.launch import launcher
 from inductor_attn.bench.runner import git_commit
 from inductor_attn.ops.block_mask import BlockSparseMask
 from triton_flash_gpu import back_to_back_ms
@@ -79,7 +78,6 @@ def pieces(call: AttnCall, cfg: Config) -> dict[str, float]:
     if meta["TILE_LIST"]:
         times["tile-list kernel"] = back_to_back_ms(lambda: flash._tile_list(call.sparse, call.problem.len_q, meta))
     times["kernel[grid](...)"] = back_to_back_ms(lambda: kernel[grid](*args, **kwargs))
-    times["launcher(kernel)[grid](...)"] = back_to_back_ms(lambda: launcher(kernel)[grid](*args, **kwargs))
     compiled = kernel[grid](*args, **kwargs)
     # the compiled kernel takes every argument, constexpr ones included, in the signature's order
     full = list(args) + [kwargs[n] for n in list(kernel.arg_names)[len(args):]]
@@ -95,7 +93,6 @@ def pieces(call: AttnCall, cfg: Config) -> dict[str, float]:
             times[name] = back_to_back_ms(fn)
         except Exception as err:  # noqa: BLE001  (an API this Triton lacks is a finding, not a failure)
             times[name] = f"unavailable: {type(err).__name__}: {str(err)[:160]}"
-    times["torch.cuda.current_stream"] = back_to_back_ms(lambda: torch.cuda.current_stream().cuda_stream)
     return times
 
 

@@ -243,26 +243,6 @@ def test_block_sparse_matches_reference(case, dtype):
     check(call, first_of_each_schedule(cfgs) + pointer_loads + tile_lists)
 
 
-def test_direct_launches_reuse_binaries_and_follow_specialization():
-    """After a first launch through Triton, launches go to the kept binary (launch.py); a misaligned view
-    is another specialization, so it gets its own binary, and every output matches the reference."""
-    from inductor_attn.backends.triton.flash_kernel import flash_fwd_kernel
-    from inductor_attn.backends.triton.launch import launcher
-
-    torch.manual_seed(8)
-    cfg = Config.of(block_m=64, block_n=64, num_warps=4, num_stages=3, schedule="tile", tma=False)
-    direct = launcher(flash_fwd_kernel)
-    for _ in range(2):
-        check(dense(1, 2, 2, 200, 200, 64, causal=True), [cfg])
-    assert direct.disabled is None and direct.binaries
-    before = len(direct.binaries)
-    call = dense(1, 2, 2, 200, 200, 64, causal=True)
-    store = torch.empty(call.q.numel() + 8, device=DEV, dtype=call.q.dtype)[1:]  # 2 bytes off alignment
-    q = store[: call.q.numel()].view_as(call.q).copy_(call.q)
-    check(AttnCall("attention", q, call.k, call.v, call.scale, True), [cfg])
-    assert len(direct.binaries) == before + 1
-
-
 def test_persistent_launch_records_occupancy():
     torch.manual_seed(7)
     call = dense(2, 8, 8, 1024, 1024, 64)

@@ -55,7 +55,6 @@ except ImportError:  # without them the kernels launch plainly (USE_PDL off)
 from ...device import DeviceInfo, device_info
 from ...problem import Problem, next_power_of_two
 from ..base import AttnCall, Backend, Config
-from .launch import launcher
 
 MAX_LEN_Q = 16
 SPLITS = tuple(2 ** i for i in range(8))  # 1 .. 128
@@ -316,7 +315,7 @@ def launch(call: AttnCall, cfg: Config, out: torch.Tensor, lse: torch.Tensor, ws
     mask_strides = call.key_mask.stride() if call.key_mask is not None else (0, 0)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     pdl = not interpret and dev.arch >= 90 and gdc_wait is not None
-    launcher(_decode_partial)[(m_blocks * splits * b * hkv,)](
+    _decode_partial[(m_blocks * splits * b * hkv,)](
         q, k, v, seqlens, key_mask, target_o, target_lse, *q.stride(), *k.stride(), *v.stride(), *mask_strides,
         call.scale * _LOG2E, hkv, g, lq, lk, d, dv, splits, m_blocks, max(call.window_left, 0), max(right, 0),
         HAS_SEQLENS=call.kv_seqlens is not None, HAS_KEY_MASK=call.key_mask is not None,
@@ -329,7 +328,7 @@ def launch(call: AttnCall, cfg: Config, out: torch.Tensor, lse: torch.Tensor, ws
     if not single:
         # up to 128 splits x 64 columns (32 KiB of float32) per program, in one pass
         block_dc = min(64, _block_d(dv))
-        launcher(_decode_combine)[(b * hq * lq, triton.cdiv(dv, block_dc))](
+        _decode_combine[(b * hq * lq, triton.cdiv(dv, block_dc))](
             target_o, target_lse, out, lse, splits, dv, BLOCK_S=next_power_of_two(splits), BLOCK_DC=block_dc,
             USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
 

@@ -315,12 +315,11 @@ def _tile_list(sp, len_q: int, meta: dict) -> torch.Tensor:
     non-empty KV tiles to visit (layout in ``sparse_tile_list_kernel``). Built per call by one small
     kernel, so the tuner's timing of a ``tile_list`` config includes it."""
     from .flash_kernel import sparse_tile_list_kernel
-    from .launch import launcher
 
     tiles = torch.empty(_tile_list_shape(sp, len_q, meta), dtype=torch.int32, device=sp.kv_num_blocks.device)
     b, h, num_m = tiles.shape[:3]
     mask_tensors, mask_strides = _mask_tensors(sp, None, None)
-    launcher(sparse_tile_list_kernel)[(b * h * num_m,)](
+    sparse_tile_list_kernel[(b * h * num_m,)](
         tiles, *mask_tensors, *tiles.stride()[:3], *mask_strides, h, num_m,
         BLOCK_M=meta["BLOCK_M"], BLOCK_N=meta["BLOCK_N"], BLOCK_Q=meta["BLOCK_Q"], BLOCK_KV=meta["BLOCK_KV"],
         HAS_FULL=meta["HAS_FULL"], num_warps=1,
@@ -359,7 +358,6 @@ def kernel_constexprs(p: Problem, cfg: Config, has_full_blocks: bool = True) -> 
 
 def forward(call: AttnCall, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
     from .flash_kernel import LOG2E, flash_fwd_kernel
-    from .launch import launcher
 
     p, q, k, v = call.problem, call.q, call.k, call.v
     sparse, varlen = p.op == "block_sparse", p.op == "varlen"
@@ -385,7 +383,7 @@ def forward(call: AttnCall, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
     lpt_heads = _lpt_group(_device_limits(q.device)[2], p.len_k * (p.head_dim + p.head_dim_v) * k.element_size(),
                            p.gqa_ratio // meta["PACK"])
     lse_strides = (0, lse.stride(0), lse.stride(1)) if varlen else tuple(lse.stride())
-    compiled = launcher(flash_fwd_kernel)[(grid,)](
+    compiled = flash_fwd_kernel[(grid,)](
         q, k_arg, v_arg, out, lse,
         q if call.kv_seqlens is None else call.kv_seqlens,  # unused pointers get any tensor
         call.cu_seqlens_q if varlen else q, call.cu_seqlens_k if varlen else q, *mask_tensors,

@@ -23,7 +23,6 @@ import torch
 from ...device import DeviceInfo, device_info
 from ...problem import Problem
 from ..base import AttnCall, Config
-from .launch import launcher
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -180,11 +179,11 @@ def _preprocess(kern, shape: _Shape, out, lse, grad_out, grad_lse):
     block_m = max(1, min(64, 8192 // block_dv))
     dlse = grad_lse if grad_lse is not None else lse
     grid = (-(-rows // block_m), batch * heads)
-    launcher(kern.bwd_preprocess)[grid](out, grad_out, lse, dlse, delta, lse2,
-                                        *_layout(out, shape.varlen), *_layout(grad_out, shape.varlen),
-                                        *_row_layout(lse, shape.varlen), *_row_layout(dlse, shape.varlen),
-                                        heads, rows, out.shape[-1],
-                                        HAS_DLSE=grad_lse is not None, BLOCK_M=block_m, BLOCK_DV=block_dv)
+    kern.bwd_preprocess[grid](out, grad_out, lse, dlse, delta, lse2,
+                              *_layout(out, shape.varlen), *_layout(grad_out, shape.varlen),
+                              *_row_layout(lse, shape.varlen), *_row_layout(dlse, shape.varlen),
+                              heads, rows, out.shape[-1],
+                              HAS_DLSE=grad_lse is not None, BLOCK_M=block_m, BLOCK_DV=block_dv)
     strides = (0, rows, 1) if shape.varlen else (heads * rows, rows, 1)
     return delta, lse2, strides
 
@@ -348,23 +347,23 @@ def _launch_dkdv(kern, call, shape, plan, common, dq_acc, dk_out, dv_out, split,
     dv_s = (dv_out.stride(0), *_layout(dv_out[0], shape.varlen)) if split > 1 else (0, *_layout(dv_out, shape.varlen))
     group = shape.heads_q // shape.heads_kv
     grid = (-(-shape.len_k // bn), shape.batch * shape.heads_kv * split)
-    launcher(kern.bwd_dkdv)[grid](**common, DQ=dq_acc, GRAD_K=dk_out, GRAD_V=dv_out,
-                                  **dict(zip(("s_dqb", "s_dqh", "s_dqm", "s_dqd"), _layout(dq_acc, shape.varlen))),
-                                  **dict(zip(("s_dks", "s_dkb", "s_dkh", "s_dkn", "s_dkd"), dk_s)),
-                                  **dict(zip(("s_dvs", "s_dvb", "s_dvh", "s_dvn", "s_dvd"), dv_s)),
-                                  **_sparse_dkdv_args(call, shape, dummy),
-                                  HKV=shape.heads_kv, GROUP=group, GROUP_PER_SPLIT=-(-group // split), SPLIT=split,
-                                  ATOMIC_DQ=plan.atomic_dq, BLOCK_M=bm, BLOCK_N=bn, num_warps=plan.warps,
-                                  num_stages=plan.stages)
+    kern.bwd_dkdv[grid](**common, DQ=dq_acc, GRAD_K=dk_out, GRAD_V=dv_out,
+                        **dict(zip(("s_dqb", "s_dqh", "s_dqm", "s_dqd"), _layout(dq_acc, shape.varlen))),
+                        **dict(zip(("s_dks", "s_dkb", "s_dkh", "s_dkn", "s_dkd"), dk_s)),
+                        **dict(zip(("s_dvs", "s_dvb", "s_dvh", "s_dvn", "s_dvd"), dv_s)),
+                        **_sparse_dkdv_args(call, shape, dummy),
+                        HKV=shape.heads_kv, GROUP=group, GROUP_PER_SPLIT=-(-group // split), SPLIT=split,
+                        ATOMIC_DQ=plan.atomic_dq, BLOCK_M=bm, BLOCK_N=bn, num_warps=plan.warps,
+                        num_stages=plan.stages)
 
 
 def _launch_dq(kern, call, shape, plan, common, dq, dummy):
     bm, bn = _tiles(call, dataclasses.replace(plan, block_m=max(plan.block_m, _DQ_MIN_KEYS)))
     grid = (-(-shape.len_q // bn), shape.batch * shape.heads_q)
-    dq_strides = dict(zip(("s_dqb", "s_dqh", "s_dqm", "s_dqd"), _layout(dq, shape.varlen)))
-    launcher(kern.bwd_dq)[grid](**common, DQ=dq, **dq_strides, **_sparse_dq_args(call, shape, dummy),
-                                HQ=shape.heads_q, GROUP=shape.heads_q // shape.heads_kv, BLOCK_M=bn, BLOCK_N=bm,
-                                num_warps=plan.warps, num_stages=plan.stages)
+    kern.bwd_dq[grid](**common, DQ=dq, **dict(zip(("s_dqb", "s_dqh", "s_dqm", "s_dqd"), _layout(dq, shape.varlen))),
+                      **_sparse_dq_args(call, shape, dummy), HQ=shape.heads_q,
+                      GROUP=shape.heads_q // shape.heads_kv, BLOCK_M=bn, BLOCK_N=bm, num_warps=plan.warps,
+                      num_stages=plan.stages)
 
 
 def _grad_buffers(call: AttnCall, plan: BwdPlan, split: int):
