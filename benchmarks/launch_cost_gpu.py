@@ -74,7 +74,8 @@ def pieces(call: AttnCall, cfg: Config) -> dict[str, float]:
              "new_outputs": back_to_back_ms(lambda: flash.new_outputs(call))}
     if cfg.get("tma"):
         times["TMA descriptors"] = back_to_back_ms(lambda: flash._kv_descriptors(call, cfg))
-    meta = flash.kernel_constexprs(call.problem, cfg, call.op == "block_sparse")
+    meta = flash.kernel_constexprs(call.problem, cfg, call.op == "block_sparse"
+                                   and call.sparse.full_kv_num_blocks is not None)  # as forward() does
     if meta["TILE_LIST"]:
         times["tile-list kernel"] = back_to_back_ms(lambda: flash._tile_list(call.sparse, call.problem.len_q, meta))
     times["kernel[grid](...)"] = back_to_back_ms(lambda: kernel[grid](*args, **kwargs))

@@ -76,7 +76,7 @@ def _visible(r, c, lk, off, left, right, BITS, s_bi, s_bw, partial, q_blk0, k_bl
 def _bitmap_bits(BITS, rows, first_key, k_blk0, s_bi, s_bw, partial, q_blk0, KEYS: tl.constexpr):
     """int32 0/1 [rows, KEYS]: the bitmap of keys ``first_key + [0, KEYS)`` (KEYS and first_key - k_blk0
     multiples of 32) for each row; one load per 32-key word, expanded in registers like the forward's
-    _bitmap_tile, instead of _visible's gather of one word per element. All ones where not ``partial``."""
+    _expand_bits, instead of _visible's gather of one word per element. All ones where not ``partial``."""
     w0 = (first_key - k_blk0) // 32
     words = tl.load(BITS + (rows - q_blk0)[:, None] * s_bi + (w0 + tl.arange(0, KEYS // 32))[None, :] * s_bw,
                     mask=tl.where(partial, rows[:, None] >= 0, False), other=-1)

@@ -170,16 +170,23 @@ def _dense_rows(acc, m_i, l_i, q, k_base, v_base, kv_at, pos_first, pos_last, le
 
 
 @triton.jit
-def _bitmap_tile(row_words, s_w, BLOCK_N: tl.constexpr, is_partial=None):
-    """[rows, BLOCK_N] bool from each row's BLOCK_N // 32 bitmap words (``row_words``: [rows, 1] pointers):
-    one load per word, expanded in registers (column j = bit j % 32 of word j // 32), instead of a gather
-    of one word per column. Where a given ``is_partial`` is false nothing is read and every bit is set."""
-    ptrs = row_words + tl.arange(0, BLOCK_N // 32)[None, :] * s_w
+def _bitmap_words(bits_base, slot, sub, sbt_s, sbt_w, BLOCK_N: tl.constexpr, is_partial=None):
+    """Each row's BLOCK_N // 32 bitmap words of sub-tile ``sub`` of partial-list slot ``slot``
+    (``bits_base``: [rows, 1] pointers at the rows' first word): one load per word, not a gather per
+    column. Where a given ``is_partial`` is false nothing is read and every bit is set."""
+    ptrs = bits_base + slot * sbt_s + (sub * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32))[None, :] * sbt_w
     if is_partial is None:
         words = tl.load(ptrs)
     else:
         # the mask as a full [rows, words] tensor: Triton's interpreter rejects a broadcast scalar mask
         words = tl.load(ptrs, mask=tl.full(ptrs.shape, 1, tl.int1) & is_partial, other=-1)
+    return words
+
+
+@triton.jit
+def _expand_bits(words, BLOCK_N: tl.constexpr):
+    """[rows, BLOCK_N] bool from [rows, BLOCK_N // 32] words, in registers: column j = bit j % 32 of
+    word j // 32."""
     bits = (words[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1
     return tl.reshape(bits, (words.shape[0], BLOCK_N)) != 0
 
@@ -219,8 +226,7 @@ def _sparse_rows(acc, m_i, l_i, q, k_base, v_base, kv_at, len_k, b, hq, qb, rows
             start_n = tl.where(is_partial, block * BLOCK_KV + sub * BLOCK_N, entry * BLOCK_N)
             s = _scores(q, k_base, kv_at, start_n, len_k, sk_n, sk_d, qk_scale, BLOCK_N, BLOCK_D, D,
                         not EVEN_N, TMA, DOT_PREC)
-            visible = _bitmap_tile(bits_base + i * sbt_s + (sub * (BLOCK_N // 32)) * sbt_w, sbt_w, BLOCK_N,
-                                   is_partial)
+            visible = _expand_bits(_bitmap_words(bits_base, i, sub, sbt_s, sbt_w, BLOCK_N, is_partial), BLOCK_N)
             if not EVEN_N:
                 visible = visible & ((start_n + tl.arange(0, BLOCK_N))[None, :] < len_k)
             s = tl.where(visible, s, float("-inf"))
@@ -245,8 +251,8 @@ def _sparse_rows(acc, m_i, l_i, q, k_base, v_base, kv_at, len_k, b, hq, qb, rows
             start_n = tl.load(idx_base + i * spi_s) * BLOCK_KV + sub * BLOCK_N
             s = _scores(q, k_base, kv_at, start_n, len_k, sk_n, sk_d, qk_scale, BLOCK_N, BLOCK_D, D,
                         not EVEN_N, TMA, DOT_PREC)
-            words = bits_base + i * sbt_s + (sub * (BLOCK_N // 32)) * sbt_w
-            s = tl.where(_bitmap_tile(words, sbt_w, BLOCK_N), s, float("-inf"))
+            visible = _expand_bits(_bitmap_words(bits_base, i, sub, sbt_s, sbt_w, BLOCK_N), BLOCK_N)
+            s = tl.where(visible, s, float("-inf"))
             acc, m_i, l_i = _accumulate(acc, m_i, l_i, s, v_base, kv_at, start_n, len_k, sv_n, sv_d, BLOCK_N,
                                         BLOCK_DV, DV, not EVEN_N, True, TMA, DOT_PREC)
     return acc, m_i, l_i
@@ -265,7 +271,6 @@ def sparse_tile_list_kernel(TILES, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BITS,
     a tile to mask, ``-1 - n`` = slot * SUB + sub-tile of the q block's partial list. Tiles whose bits
     are all clear (outside a window's band inside a partial 128-block, say) are left out."""
     SUB: tl.constexpr = BLOCK_KV // BLOCK_N
-    WORDS: tl.constexpr = BLOCK_N // 32
     pid = tl.program_id(0)
     bh = pid // num_m
     m = pid - bh * num_m
@@ -284,7 +289,7 @@ def sparse_tile_list_kernel(TILES, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BITS,
     part_base = PART_IDX + b * spi_b + h * spi_h + qb * spi_m
     bits_base = BITS + b * sbt_b + h * sbt_h + qb * sbt_m + rows[:, None] * sbt_r
     for t in range(0, n_part * SUB):
-        words = tl.load(bits_base + (t // SUB) * sbt_s + ((t % SUB) * WORDS + tl.arange(0, WORDS))[None, :] * sbt_w)
+        words = _bitmap_words(bits_base, t // SUB, t % SUB, sbt_s, sbt_w, BLOCK_N)
         seen = tl.max(tl.max((words != 0).to(tl.int32), 1), 0)
         whole = tl.min(tl.min((words == -1).to(tl.int32), 1), 0)
         tile = tl.load(part_base + (t // SUB) * spi_s) * SUB + t % SUB
