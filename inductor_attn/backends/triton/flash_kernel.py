@@ -85,37 +85,17 @@ def _scores(q, k_base, kv_at, start_n, n_limit, sk_n, sk_d, qk_scale,
 @triton.jit
 def _accumulate(acc, m_i, l_i, s, v_base, kv_at, start_n, n_limit, sv_n, sv_d,
                 BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, DV: tl.constexpr,
-                CHECK_N: tl.constexpr, SAFE: tl.constexpr, LAZY: tl.constexpr, TMA: tl.constexpr,
-                DOT_PREC: tl.constexpr):
+                CHECK_N: tl.constexpr, SAFE: tl.constexpr, TMA: tl.constexpr, DOT_PREC: tl.constexpr):
     """One online-softmax step. ``SAFE`` handles rows whose scores are all -inf so far (masked tiles):
-    their max is taken as 0 so exp2 gives 0 instead of NaN (exp2(-inf - -inf)).
-
-    ``LAZY``: rescale ``acc`` and ``l`` only when some row's max grew by more than 8 (log2 units, a factor
-    of 256) since the last rescale, else keep the stale maxima: p <= 2^8, which fp32 sums and bf16/fp16
-    products hold as precisely as p <= 1. One branch for the whole tile. The rescale multiplies
-    BLOCK_M x BLOCK_DV accumulator values, 4x the scores of a 64x32 tile at d = 128. FlashAttention-4's
-    Blackwell forward skips its correction step the same way (a rescale threshold on the row max)."""
+    their max is taken as 0 so exp2 gives 0 instead of NaN (exp2(-inf - -inf))."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    if LAZY:
-        if tl.max((m_new > m_i + 8.0).to(tl.int32), 0) > 0:
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new) if SAFE else m_new
-            alpha = tl.math.exp2(m_i - m_ref)
-            acc = acc * alpha[:, None]
-            l_i = l_i * alpha
-            m_i = m_new
-        m_new = m_i
-        m_use = tl.where(m_i == float("-inf"), 0.0, m_i) if SAFE else m_i
-        p = tl.math.exp2(s - m_use[:, None])
-        l_i = l_i + tl.sum(p, 1)
+    if SAFE:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
-        if SAFE:
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_use = m_new
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        m_use = m_new
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if TMA:
         v = tl.reshape(v_base.load([kv_at[0], kv_at[1], kv_at[2] + start_n, 0]), (BLOCK_N, BLOCK_DV))
@@ -127,7 +107,7 @@ def _accumulate(acc, m_i, l_i, s, v_base, kv_at, start_n, n_limit, sv_n, sv_d,
         offs_dv = tl.arange(0, BLOCK_DV)
         v = _load_2d(v_base + offs_n[:, None] * sv_n + offs_dv[None, :] * sv_d, offs_n < n_limit, offs_dv < DV,
                      CHECK_N, BLOCK_DV != DV)
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
     return acc, m_new, l_i
 
 
@@ -136,7 +116,7 @@ def _dense_span(acc, m_i, l_i, q, k_base, v_base, kv_at, lo, hi, n_valid, diag, 
                 sk_n, sk_d, sv_n, sv_d, qk_scale,
                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, D: tl.constexpr,
                 DV: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                LAZY_RESCALE: tl.constexpr, TMA: tl.constexpr, DOT_PREC: tl.constexpr):
+                TMA: tl.constexpr, DOT_PREC: tl.constexpr):
     """KV tiles [lo, hi) of a dense/varlen row block. Unmasked spans are tiles every row sees entirely
     (no compare, no select); masked spans apply the key bound and the causal/window band per element.
     ``diag`` is each row's aligned diagonal: position + n_valid - len_q."""
@@ -152,7 +132,7 @@ def _dense_span(acc, m_i, l_i, q, k_base, v_base, kv_at, lo, hi, n_valid, diag, 
                 ok = ok & (cols[None, :] >= diag[:, None] - window_left)
             s = tl.where(ok, s, float("-inf"))
         acc, m_i, l_i = _accumulate(acc, m_i, l_i, s, v_base, kv_at, start_n, n_valid, sv_n, sv_d, BLOCK_N,
-                                    BLOCK_DV, DV, MASKED, MASKED, LAZY_RESCALE, TMA, DOT_PREC)
+                                    BLOCK_DV, DV, MASKED, MASKED, TMA, DOT_PREC)
     return acc, m_i, l_i
 
 
@@ -160,8 +140,8 @@ def _dense_span(acc, m_i, l_i, q, k_base, v_base, kv_at, lo, hi, n_valid, diag, 
 def _dense_rows(acc, m_i, l_i, q, k_base, v_base, kv_at, pos_first, pos_last, len_q, n_valid, diag,
                 window_left, window_right, sk_n, sk_d, sv_n, sv_d, qk_scale,
                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, D: tl.constexpr,
-                DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-                TMA: tl.constexpr, DOT_PREC: tl.constexpr):
+                DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, TMA: tl.constexpr,
+                DOT_PREC: tl.constexpr):
     """Visit only the KV tiles that some row of the block can see, split into masked edge spans and an
     unmasked middle: [lo, full_lo) masked, [full_lo, full_hi) unmasked, [full_hi, hi) masked."""
     off = n_valid - len_q
@@ -179,13 +159,13 @@ def _dense_rows(acc, m_i, l_i, q, k_base, v_base, kv_at, pos_first, pos_last, le
     full_hi = tl.maximum(tl.minimum(vis_end // BLOCK_N * BLOCK_N, hi), full_lo)
     acc, m_i, l_i = _dense_span(acc, m_i, l_i, q, k_base, v_base, kv_at, lo, full_lo, n_valid, diag,
                                 window_left, window_right, sk_n, sk_d, sv_n, sv_d, qk_scale, BLOCK_N, BLOCK_D,
-                                BLOCK_DV, D, DV, True, HAS_LEFT, HAS_RIGHT, LAZY_RESCALE, TMA, DOT_PREC)
+                                BLOCK_DV, D, DV, True, HAS_LEFT, HAS_RIGHT, TMA, DOT_PREC)
     acc, m_i, l_i = _dense_span(acc, m_i, l_i, q, k_base, v_base, kv_at, full_lo, full_hi, n_valid, diag,
                                 window_left, window_right, sk_n, sk_d, sv_n, sv_d, qk_scale, BLOCK_N, BLOCK_D,
-                                BLOCK_DV, D, DV, False, HAS_LEFT, HAS_RIGHT, LAZY_RESCALE, TMA, DOT_PREC)
+                                BLOCK_DV, D, DV, False, HAS_LEFT, HAS_RIGHT, TMA, DOT_PREC)
     acc, m_i, l_i = _dense_span(acc, m_i, l_i, q, k_base, v_base, kv_at, full_hi, hi, n_valid, diag,
                                 window_left, window_right, sk_n, sk_d, sv_n, sv_d, qk_scale, BLOCK_N, BLOCK_D,
-                                BLOCK_DV, D, DV, True, HAS_LEFT, HAS_RIGHT, LAZY_RESCALE, TMA, DOT_PREC)
+                                BLOCK_DV, D, DV, True, HAS_LEFT, HAS_RIGHT, TMA, DOT_PREC)
     return acc, m_i, l_i
 
 
@@ -220,8 +200,7 @@ def _sparse_rows(acc, m_i, l_i, q, k_base, v_base, kv_at, len_k, b, hq, qb, rows
                  sk_n, sk_d, sv_n, sv_d, qk_scale,
                  BLOCK_N: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_DV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, HAS_FULL: tl.constexpr,
-                 EVEN_N: tl.constexpr, TILE_LIST: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-                 MASK_BRANCH: tl.constexpr, TMA: tl.constexpr, DOT_PREC: tl.constexpr):
+                 EVEN_N: tl.constexpr, TILE_LIST: tl.constexpr, TMA: tl.constexpr, DOT_PREC: tl.constexpr):
     """Visit the listed KV blocks of q block ``qb`` only: full blocks without a mask (bar the sequence
     end), partial blocks through their bitmaps (bit j%32 of word j//32 per row). A mask block of
     BLOCK_KV keys is visited as SUB = BLOCK_KV // BLOCK_N tiles (a smaller tile than the mask's block can
@@ -250,13 +229,10 @@ def _sparse_rows(acc, m_i, l_i, q, k_base, v_base, kv_at, len_k, b, hq, qb, rows
             words = _bitmap_words(bits_base, i, sub, sbt_s, sbt_w, BLOCK_N, is_partial)
             if not EVEN_N:
                 s = tl.where((start_n + tl.arange(0, BLOCK_N))[None, :] < len_k, s, float("-inf"))
-            if MASK_BRANCH:
-                if is_partial:
-                    s = tl.where(_expand_bits(words, BLOCK_N), s, float("-inf"))
-            else:
+            if is_partial:  # whole tiles skip the expand and select (H100 window 256: 0.296 vs 0.306 ms)
                 s = tl.where(_expand_bits(words, BLOCK_N), s, float("-inf"))
             acc, m_i, l_i = _accumulate(acc, m_i, l_i, s, v_base, kv_at, start_n, len_k, sv_n, sv_d, BLOCK_N,
-                                        BLOCK_DV, DV, not EVEN_N, True, LAZY_RESCALE, TMA, DOT_PREC)
+                                        BLOCK_DV, DV, not EVEN_N, True, TMA, DOT_PREC)
     else:
         if HAS_FULL:
             n_full = tl.load(FULL_CNT + b * sfc_b + hq * sfc_h + qb * sfc_m)
@@ -268,8 +244,7 @@ def _sparse_rows(acc, m_i, l_i, q, k_base, v_base, kv_at, len_k, b, hq, qb, rows
                 if not EVEN_N:
                     s = tl.where((start_n + tl.arange(0, BLOCK_N))[None, :] < len_k, s, float("-inf"))
                 acc, m_i, l_i = _accumulate(acc, m_i, l_i, s, v_base, kv_at, start_n, len_k, sv_n, sv_d,
-                                            BLOCK_N, BLOCK_DV, DV, not EVEN_N, not EVEN_N, LAZY_RESCALE, TMA,
-                                            DOT_PREC)
+                                            BLOCK_N, BLOCK_DV, DV, not EVEN_N, not EVEN_N, TMA, DOT_PREC)
         n_part = tl.load(PART_CNT + b * spc_b + hq * spc_h + qb * spc_m)
         for t in range(0, n_part * SUB):
             i = t // SUB
@@ -280,7 +255,7 @@ def _sparse_rows(acc, m_i, l_i, q, k_base, v_base, kv_at, len_k, b, hq, qb, rows
             visible = _expand_bits(_bitmap_words(bits_base, i, sub, sbt_s, sbt_w, BLOCK_N), BLOCK_N)
             s = tl.where(visible, s, float("-inf"))
             acc, m_i, l_i = _accumulate(acc, m_i, l_i, s, v_base, kv_at, start_n, len_k, sv_n, sv_d, BLOCK_N,
-                                        BLOCK_DV, DV, not EVEN_N, True, LAZY_RESCALE, TMA, DOT_PREC)
+                                        BLOCK_DV, DV, not EVEN_N, True, TMA, DOT_PREC)
     return acc, m_i, l_i
 
 
@@ -338,8 +313,7 @@ def _tile(tile, Q, K, V, O, LSE, KV_LENS, CU_Q, CU_K,
           BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
           MODE: tl.constexpr, SCHEDULE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
           HAS_KV_LENS: tl.constexpr, HAS_FULL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
-          EVEN_N: tl.constexpr, TILE_LIST: tl.constexpr, LAZY_RESCALE: tl.constexpr, MASK_BRANCH: tl.constexpr,
-          TMA: tl.constexpr, DOT_PREC: tl.constexpr):
+          EVEN_N: tl.constexpr, TILE_LIST: tl.constexpr, TMA: tl.constexpr, DOT_PREC: tl.constexpr):
     bh, m = _tile_coords(tile, num_m, num_bh, lpt_heads, SCHEDULE)
     b = bh // heads_prog
     hp = bh - b * heads_prog
@@ -398,15 +372,13 @@ def _tile(tile, Q, K, V, O, LSE, KV_LENS, CU_Q, CU_K,
                 FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BITS, TILES,
                 sfc_b, sfc_h, sfc_m, sfi_b, sfi_h, sfi_m, sfi_s, spc_b, spc_h, spc_m, spi_b, spi_h, spi_m, spi_s,
                 sbt_b, sbt_h, sbt_m, sbt_s, sbt_r, sbt_w, st_b, st_h, st_m, sk_n, sk_d, sv_n, sv_d, qk_scale,
-                BLOCK_N, BLOCK_KV, BLOCK_D, BLOCK_DV, D, DV, HAS_FULL, EVEN_N, TILE_LIST, LAZY_RESCALE, MASK_BRANCH, TMA,
-                DOT_PREC)
+                BLOCK_N, BLOCK_KV, BLOCK_D, BLOCK_DV, D, DV, HAS_FULL, EVEN_N, TILE_LIST, TMA, DOT_PREC)
         else:
             pos_last = tl.minimum(row0 + BLOCK_M - 1, len_q_b * PACK - 1) // PACK
             acc, m_i, l_i = _dense_rows(
                 acc, m_i, l_i, q, k_base, v_base, kv_at, row0 // PACK, pos_last, len_q_b, n_valid,
                 pos + (n_valid - len_q_b), window_left, window_right, sk_n, sk_d, sv_n, sv_d, qk_scale,
-                BLOCK_N, BLOCK_D, BLOCK_DV, D, DV, HAS_LEFT, HAS_RIGHT, LAZY_RESCALE, TMA,
-                DOT_PREC)
+                BLOCK_N, BLOCK_D, BLOCK_DV, D, DV, HAS_LEFT, HAS_RIGHT, TMA, DOT_PREC)
         # rows that saw no key: out 0, lse -inf (never 0/0)
         empty = l_i == 0.0
         out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -432,8 +404,7 @@ def flash_fwd_kernel(Q, K, V, O, LSE, KV_LENS, CU_Q, CU_K,
                      MODE: tl.constexpr, SCHEDULE: tl.constexpr, HAS_LEFT: tl.constexpr,
                      HAS_RIGHT: tl.constexpr, HAS_KV_LENS: tl.constexpr, HAS_FULL: tl.constexpr,
                      BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, EVEN_N: tl.constexpr,
-                     TILE_LIST: tl.constexpr, LAZY_RESCALE: tl.constexpr, MASK_BRANCH: tl.constexpr,
-                     TMA: tl.constexpr, DOT_PREC: tl.constexpr):
+                     TILE_LIST: tl.constexpr, TMA: tl.constexpr, DOT_PREC: tl.constexpr):
     """Forward of every tile assigned to this program; see the module docstring for the layouts."""
     pid = tl.program_id(0)
     if SCHEDULE == 0:
@@ -443,7 +414,7 @@ def flash_fwd_kernel(Q, K, V, O, LSE, KV_LENS, CU_Q, CU_K,
               spi_b, spi_h, spi_m, spi_s, sbt_b, sbt_h, sbt_m, sbt_s, sbt_r, sbt_w, st_b, st_h, st_m,
               len_q, len_k, qk_scale, window_left, window_right, heads_prog, num_m, num_bh, lpt_heads,
               GROUP, PACK, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, D, DV, MODE, SCHEDULE, HAS_LEFT, HAS_RIGHT,
-              HAS_KV_LENS, HAS_FULL, BLOCK_Q, BLOCK_KV, EVEN_N, TILE_LIST, LAZY_RESCALE, MASK_BRANCH, TMA, DOT_PREC)
+              HAS_KV_LENS, HAS_FULL, BLOCK_Q, BLOCK_KV, EVEN_N, TILE_LIST, TMA, DOT_PREC)
     else:
         # static striding: program p takes tiles p, p + P, ...; with the LPT order each program's first
         # tile is among the heaviest, so the tail of the launch holds the light ones
@@ -454,5 +425,4 @@ def flash_fwd_kernel(Q, K, V, O, LSE, KV_LENS, CU_Q, CU_K,
                   spi_b, spi_h, spi_m, spi_s, sbt_b, sbt_h, sbt_m, sbt_s, sbt_r, sbt_w, st_b, st_h, st_m,
                   len_q, len_k, qk_scale, window_left, window_right, heads_prog, num_m, num_bh, lpt_heads,
                   GROUP, PACK, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, D, DV, MODE, SCHEDULE, HAS_LEFT,
-                  HAS_RIGHT, HAS_KV_LENS, HAS_FULL, BLOCK_Q, BLOCK_KV, EVEN_N, TILE_LIST, LAZY_RESCALE, MASK_BRANCH,
-                  TMA, DOT_PREC)
+                  HAS_RIGHT, HAS_KV_LENS, HAS_FULL, BLOCK_Q, BLOCK_KV, EVEN_N, TILE_LIST, TMA, DOT_PREC)
