@@ -180,6 +180,18 @@ def flex_rows(q, k, v, block_mask, flops, budget, profile=False) -> tuple[list[d
     return [row], (fn() if row["status"] == "ok" else None)
 
 
+def window_block_mask(seq: int):
+    """flex's BlockMask (128x128 blocks) of the causal window of WINDOW keys before each query, and our
+    BlockSparseMask of it."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def sliding_window(b_, h_, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= WINDOW)
+
+    block_mask = create_block_mask(sliding_window, None, None, seq, seq, device="cuda")
+    return block_mask, BlockSparseMask.from_block_mask(block_mask)
+
+
 def run_problem(name, b, h, seq, causal, op, budget, profile=False, extra=()) -> dict:
     torch.manual_seed(0)
     q, k, v = (torch.randn(b, h, seq, D, device="cuda", dtype=DTYPE) for _ in range(3))
@@ -192,13 +204,7 @@ def run_problem(name, b, h, seq, causal, op, budget, profile=False, extra=()) ->
         rows += ours_rows(call, ref, flops, budget, extra=extra)
         return {"problem": name, "flops": flops, "rows": rows}
 
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    def sliding_window(b_, h_, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (q_idx - kv_idx <= WINDOW)
-
-    block_mask = create_block_mask(sliding_window, None, None, seq, seq, device="cuda")
-    sparse = BlockSparseMask.from_block_mask(block_mask)
+    block_mask, sparse = window_block_mask(seq)
     flops = 4.0 * b * h * kept_pairs(seq, seq, True, WINDOW) * D
     rows, ref = flex_rows(q, k, v, block_mask, flops, budget, profile)
     dense_mask = sparse.dense_mask()  # (1, 1, L, L) bool: SDPA's memory-efficient kernel takes it

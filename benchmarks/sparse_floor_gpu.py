@@ -1,0 +1,141 @@
+"""Where the block-sparse window's time goes: ours and flex against kernels that only move the same bytes.
+
+    cd benchmarks && python sparse_floor_gpu.py --out DIR      (about two minutes on an H100, most of it
+                                                               flex's max-autotune)
+
+Problem of issue #4's block-sparse target (triton_flash_gpu.py): B4 H32 L4096 D128 bf16, causal window of
+256 keys, flex's 128x128 BlockMask. A program of BLOCK_M query rows must bring every K and V tile it
+visits from L2 into shared memory; which tiles depends on the granularity it skips at: the tile list
+visits the 32- or 64-key tiles that hold a visible key, flex visits whole 128-key mask blocks.
+
+Rows, each timed as device time per call from the profiler (triton_flash_gpu.kernel_ms: all kernels of
+a call summed, launch gaps and host time excluded):
+1. flex_attention compiled with mode max-autotune-no-cudagraphs (the issue's baseline);
+2. our listed block-sparse configs with 64-row tiles (tile list and block walk);
+3. read floors: one Triton kernel per (BLOCK_M, BLOCK_N, granularity) that loads the Q tile, TMA-loads
+   exactly the K and V tiles such a program visits, sums them (so the loads stay) and writes an O tile:
+   no dot, no softmax. Its time is what any kernel that moves these bytes this way can reach here.
+"Bytes" are the K and V bytes copied into shared memory plus Q read and O written; bytes / time is the
+L2-to-SM rate each row sustains.
+
+Writes DIR/sparse_floor_gpu.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from inductor_attn.backends.base import AttnCall, Config
+from inductor_attn.backends.triton.flash import BACKEND
+from inductor_attn.bench.runner import git_commit
+from inductor_attn.device import device_info
+from inductor_attn.tuning.correctness import rel_err
+from triton_flash_gpu import D, DTYPE, WINDOW, kernel_ms, window_block_mask
+
+B, H, L = 4, 32, 4096
+# (BLOCK_M, BLOCK_N, granularity): ours (tile list of 32- and 64-key tiles), flex's pattern (64-row
+# programs over whole 128-key blocks), and 128-row programs
+FLOORS = [(64, 32, 32), (64, 64, 64), (64, 64, 128), (128, 64, 64), (128, 128, 128)]
+
+
+@triton.jit
+def _window_read(Q, O, K, V, seq, window, num_m, heads,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GRAIN: tl.constexpr, D: tl.constexpr):
+    """Program (batch*head, m): Q rows [m * BLOCK_M, +BLOCK_M), the K/V tiles of the keys its window
+    reaches, widened to GRAIN-key boundaries (the first row's window start rounded down, the block
+    end rounded up), then one O tile. K and V are TMA descriptors over (batch, head, row, dim)."""
+    pid = tl.program_id(0)
+    bh = pid // num_m
+    m = pid - bh * num_m
+    b = bh // heads
+    h = bh - b * heads
+    q0 = m * BLOCK_M
+    lo = tl.maximum(q0 // GRAIN * GRAIN - window, 0) // GRAIN * GRAIN
+    hi = tl.minimum(tl.cdiv(q0 + BLOCK_M, GRAIN) * GRAIN, seq)
+    offs = (bh.to(tl.int64) * seq + q0 + tl.arange(0, BLOCK_M))[:, None] * D + tl.arange(0, D)[None, :]
+    q = tl.load(Q + offs)
+    acc = tl.zeros([BLOCK_N, D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        k = tl.reshape(K.load([b, h, start, 0]), (BLOCK_N, D))
+        v = tl.reshape(V.load([b, h, start, 0]), (BLOCK_N, D))
+        acc += k.to(tl.float32) + v.to(tl.float32)
+    tl.store(O + offs, (q.to(tl.float32) + tl.sum(acc, 0)[None, :]).to(O.dtype.element_ty))
+
+
+def floor_bytes(block_m: int, grain: int) -> int:
+    """K and V bytes all programs of a floor kernel load, plus Q and O (same bounds as _window_read)."""
+    q0 = torch.arange(0, L, block_m)
+    lo = ((q0 // grain * grain - WINDOW).clamp(min=0)) // grain * grain
+    hi = ((q0 + block_m + grain - 1) // grain * grain).clamp(max=L)
+    keys = int((hi - lo).sum())
+    return B * H * (2 * keys + 2 * L) * D * 2  # K + V per key, Q + O per row, bf16
+
+
+def device_ms(fn) -> tuple[float, dict]:
+    per_kernel = kernel_ms([fn])
+    return sum(per_kernel.values()), per_kernel
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    from torch.nn.attention.flex_attention import flex_attention
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=DTYPE) for _ in range(3))
+    block_mask, sparse = window_block_mask(L)
+    rows = []
+
+    compiled = torch.compile(flex_attention, mode="max-autotune-no-cudagraphs")
+    flex = lambda: compiled(q, k, v, block_mask=block_mask)  # noqa: E731
+    ref = flex()
+    ms, kernels = device_ms(flex)
+    rows.append(dict(name="flex max-autotune", ms=ms, kernels=kernels, bytes=floor_bytes(64, 128)))
+
+    call = AttnCall("block_sparse", q, k, v, D**-0.5, sparse=sparse)
+    p, dev = call.problem, device_info(q.device)
+    for cfg in BACKEND.configs(p, dev):
+        if cfg["block_m"] != 64 or BACKEND.prune(p, dev, cfg) or cfg["schedule"] != "tile" or not cfg.get("tma"):
+            continue
+        fn = lambda cfg=cfg: BACKEND.run(call, cfg)[0]  # noqa: E731
+        err = rel_err(fn(), ref)
+        ms, kernels = device_ms(fn)
+        grain = cfg["block_n"] if cfg.get("tile_list") else 128
+        rows.append(dict(name=f"ours {cfg}", ms=ms, kernels=kernels, rel_err=err,
+                         bytes=floor_bytes(64, grain)))
+
+    out = torch.empty_like(q)
+    for bm, bn, grain in FLOORS:
+        descs = [TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, bn, D]) for x in (k, v)]
+        fn = lambda bm=bm, bn=bn, grain=grain, descs=descs: _window_read[(B * H * (L // bm),)](  # noqa: E731
+            q, out, *descs, L, WINDOW, L // bm, H, BLOCK_M=bm, BLOCK_N=bn, GRAIN=grain, D=D, num_warps=4,
+            num_stages=3)
+        ms, kernels = device_ms(fn)
+        rows.append(dict(name=f"read floor {bm}x{bn} rows x keys, {grain}-key granularity", ms=ms,
+                         kernels=kernels, bytes=floor_bytes(bm, grain)))
+
+    flex_ms = rows[0]["ms"]
+    print(f"{'row':70} {'device ms':>9} {'GB':>6} {'TB/s':>6} {'flex / row':>10}")
+    for r in rows:
+        r["tb_per_s"] = r["bytes"] / (r["ms"] * 1e-3) / 1e12
+        r["flex_over_row"] = flex_ms / r["ms"]
+        print(f"{r['name'][:70]:70} {r['ms']:9.3f} {r['bytes'] / 1e9:6.2f} {r['tb_per_s']:6.2f} "
+              f"{r['flex_over_row']:10.2f}")
+    meta = dict(device=torch.cuda.get_device_name(), commit=git_commit(), torch=torch.__version__,
+                triton=triton.__version__, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                problem=f"B{B} H{H} L{L} D{D} bf16, causal window {WINDOW}, 128x128 BlockMask")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "sparse_floor_gpu.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
