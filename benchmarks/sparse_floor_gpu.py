@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from inductor_attn.backends.base import AttnCall, Config
+from inductor_attn.backends.base import AttnCall
 from inductor_attn.backends.triton.flash import BACKEND
 from inductor_attn.bench.runner import git_commit
 from inductor_attn.device import device_info
