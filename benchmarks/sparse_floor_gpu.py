@@ -12,7 +12,8 @@ Rows, each timed as device time per call from the profiler (triton_flash_gpu.ker
 a call summed, launch gaps and host time excluded):
 1. flex_attention compiled with mode max-autotune-no-cudagraphs (the issue's baseline);
 2. our listed block-sparse configs with 64-row tiles (tile list and block walk);
-3. read floors: one Triton kernel per (BLOCK_M, BLOCK_N, granularity) that loads the Q tile, TMA-loads
+3. FA4's listed configs (CuTe DSL; on sm_90 128-row tiles over the mask's blocks), where installed;
+4. read floors: one Triton kernel per (BLOCK_M, BLOCK_N, granularity) that loads the Q tile, TMA-loads
    exactly the K and V tiles such a program visits, sums them (so the loads stay) and writes an O tile:
    no dot, no softmax. Its time is what any kernel that moves these bytes this way can reach here.
 "Bytes" are the K and V bytes copied into shared memory plus Q read and O written; bytes / time is the
@@ -113,6 +114,24 @@ def main() -> None:
         rows.append(dict(name=f"ours {cfg}", ms=ms, kernels=kernels, rel_err=err,
                          bytes=floor_bytes(64, grain)))
 
+    from inductor_attn.backends import fa4
+
+    reason = fa4.BACKEND.supports(p, dev)
+    for cfg in [] if reason else fa4.BACKEND.configs(p, dev):
+        if fa4.BACKEND.prune(p, dev, cfg):
+            continue
+        fn = lambda cfg=cfg: fa4.BACKEND.run(call, cfg)[0]  # noqa: E731
+        try:
+            err = rel_err(fn(), ref)
+            ms, kernels = device_ms(fn)
+        except Exception as e:  # noqa: BLE001 - one failing FA4 config must not end the run
+            rows.append(dict(name=f"fa4 {cfg}", error=f"{type(e).__name__}: {str(e)[:200]}"))
+            continue
+        # FA4's sm_90 forward uses 128-row tiles over the mask's 128-key blocks
+        rows.append(dict(name=f"fa4 {cfg}", ms=ms, kernels=kernels, rel_err=err, bytes=floor_bytes(128, 128)))
+    if reason:
+        rows.append(dict(name="fa4", error=reason))
+
     out = torch.empty_like(q)
     for bm, bn, grain in FLOORS:
         descs = [TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, bn, D]) for x in (k, v)]
@@ -126,6 +145,9 @@ def main() -> None:
     flex_ms = rows[0]["ms"]
     print(f"{'row':70} {'device ms':>9} {'GB':>6} {'TB/s':>6} {'flex / row':>10}")
     for r in rows:
+        if "error" in r:
+            print(f"{r['name'][:70]:70} {r['error']}")
+            continue
         r["tb_per_s"] = r["bytes"] / (r["ms"] * 1e-3) / 1e12
         r["flex_over_row"] = flex_ms / r["ms"]
         print(f"{r['name'][:70]:70} {r['ms']:9.3f} {r['bytes'] / 1e9:6.2f} {r['tb_per_s']:6.2f} "
