@@ -351,7 +351,6 @@ def kernel_constexprs(p: Problem, cfg: Config, has_full_blocks: bool = True) -> 
         # dense/varlen ignore these three; constant values there avoid needless recompiles
         BLOCK_Q=p.block_q if sparse else bm, BLOCK_KV=p.block_kv if sparse else bn,
         EVEN_N=not sparse or p.len_k % p.block_kv == 0, TILE_LIST=sparse and bool(cfg.get("tile_list", False)),
-        WARP_SPEC=bool(cfg.get("warp_specialize", False)),
         TMA=bool(cfg.get("tma", False)), DOT_PREC="tf32x3" if p.dtype == "float32" else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

@@ -200,8 +200,7 @@ def _sparse_rows(acc, m_i, l_i, q, k_base, v_base, kv_at, len_k, b, hq, qb, rows
                  sk_n, sk_d, sv_n, sv_d, qk_scale,
                  BLOCK_N: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_DV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, HAS_FULL: tl.constexpr,
-                 EVEN_N: tl.constexpr, TILE_LIST: tl.constexpr, WARP_SPEC: tl.constexpr, TMA: tl.constexpr,
-                 DOT_PREC: tl.constexpr):
+                 EVEN_N: tl.constexpr, TILE_LIST: tl.constexpr, TMA: tl.constexpr, DOT_PREC: tl.constexpr):
     """Visit the listed KV blocks of q block ``qb`` only: full blocks without a mask (bar the sequence
     end), partial blocks through their bitmaps (bit j%32 of word j//32 per row). A mask block of
     BLOCK_KV keys is visited as SUB = BLOCK_KV // BLOCK_N tiles (a smaller tile than the mask's block can
@@ -217,7 +216,7 @@ def _sparse_rows(acc, m_i, l_i, q, k_base, v_base, kv_at, len_k, b, hq, qb, rows
     bits_base = BITS + b * sbt_b + hq * sbt_h + qb * sbt_m + rows_in_block[:, None] * sbt_r
     if TILE_LIST:
         list_base = TILES + b * st_b + hq * st_h + m * st_m
-        for t in tl.range(0, tl.load(list_base), warp_specialize=WARP_SPEC):
+        for t in range(0, tl.load(list_base)):
             entry = tl.load(list_base + 1 + t)
             is_partial = entry < 0
             slot_sub = -1 - entry  # partial: slot * SUB + sub-tile of the partial list
@@ -314,8 +313,7 @@ def _tile(tile, Q, K, V, O, LSE, KV_LENS, CU_Q, CU_K,
           BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
           MODE: tl.constexpr, SCHEDULE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
           HAS_KV_LENS: tl.constexpr, HAS_FULL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
-          EVEN_N: tl.constexpr, TILE_LIST: tl.constexpr, WARP_SPEC: tl.constexpr, TMA: tl.constexpr,
-          DOT_PREC: tl.constexpr):
+          EVEN_N: tl.constexpr, TILE_LIST: tl.constexpr, TMA: tl.constexpr, DOT_PREC: tl.constexpr):
     bh, m = _tile_coords(tile, num_m, num_bh, lpt_heads, SCHEDULE)
     b = bh // heads_prog
     hp = bh - b * heads_prog
@@ -374,7 +372,7 @@ def _tile(tile, Q, K, V, O, LSE, KV_LENS, CU_Q, CU_K,
                 FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BITS, TILES,
                 sfc_b, sfc_h, sfc_m, sfi_b, sfi_h, sfi_m, sfi_s, spc_b, spc_h, spc_m, spi_b, spi_h, spi_m, spi_s,
                 sbt_b, sbt_h, sbt_m, sbt_s, sbt_r, sbt_w, st_b, st_h, st_m, sk_n, sk_d, sv_n, sv_d, qk_scale,
-                BLOCK_N, BLOCK_KV, BLOCK_D, BLOCK_DV, D, DV, HAS_FULL, EVEN_N, TILE_LIST, WARP_SPEC, TMA, DOT_PREC)
+                BLOCK_N, BLOCK_KV, BLOCK_D, BLOCK_DV, D, DV, HAS_FULL, EVEN_N, TILE_LIST, TMA, DOT_PREC)
         else:
             pos_last = tl.minimum(row0 + BLOCK_M - 1, len_q_b * PACK - 1) // PACK
             acc, m_i, l_i = _dense_rows(
@@ -406,7 +404,7 @@ def flash_fwd_kernel(Q, K, V, O, LSE, KV_LENS, CU_Q, CU_K,
                      MODE: tl.constexpr, SCHEDULE: tl.constexpr, HAS_LEFT: tl.constexpr,
                      HAS_RIGHT: tl.constexpr, HAS_KV_LENS: tl.constexpr, HAS_FULL: tl.constexpr,
                      BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, EVEN_N: tl.constexpr,
-                     TILE_LIST: tl.constexpr, WARP_SPEC: tl.constexpr, TMA: tl.constexpr, DOT_PREC: tl.constexpr):
+                     TILE_LIST: tl.constexpr, TMA: tl.constexpr, DOT_PREC: tl.constexpr):
     """Forward of every tile assigned to this program; see the module docstring for the layouts."""
     pid = tl.program_id(0)
     if SCHEDULE == 0:
@@ -416,7 +414,7 @@ def flash_fwd_kernel(Q, K, V, O, LSE, KV_LENS, CU_Q, CU_K,
               spi_b, spi_h, spi_m, spi_s, sbt_b, sbt_h, sbt_m, sbt_s, sbt_r, sbt_w, st_b, st_h, st_m,
               len_q, len_k, qk_scale, window_left, window_right, heads_prog, num_m, num_bh, lpt_heads,
               GROUP, PACK, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, D, DV, MODE, SCHEDULE, HAS_LEFT, HAS_RIGHT,
-              HAS_KV_LENS, HAS_FULL, BLOCK_Q, BLOCK_KV, EVEN_N, TILE_LIST, WARP_SPEC, TMA, DOT_PREC)
+              HAS_KV_LENS, HAS_FULL, BLOCK_Q, BLOCK_KV, EVEN_N, TILE_LIST, TMA, DOT_PREC)
     else:
         # static striding: program p takes tiles p, p + P, ...; with the LPT order each program's first
         # tile is among the heaviest, so the tail of the launch holds the light ones
@@ -427,4 +425,4 @@ def flash_fwd_kernel(Q, K, V, O, LSE, KV_LENS, CU_Q, CU_K,
                   spi_b, spi_h, spi_m, spi_s, sbt_b, sbt_h, sbt_m, sbt_s, sbt_r, sbt_w, st_b, st_h, st_m,
                   len_q, len_k, qk_scale, window_left, window_right, heads_prog, num_m, num_bh, lpt_heads,
                   GROUP, PACK, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, D, DV, MODE, SCHEDULE, HAS_LEFT,
-                  HAS_RIGHT, HAS_KV_LENS, HAS_FULL, BLOCK_Q, BLOCK_KV, EVEN_N, TILE_LIST, WARP_SPEC, TMA, DOT_PREC)
+                  HAS_RIGHT, HAS_KV_LENS, HAS_FULL, BLOCK_Q, BLOCK_KV, EVEN_N, TILE_LIST, TMA, DOT_PREC)
