@@ -150,19 +150,23 @@ def fa4_row(call: AttnCall, ref, flops, budget) -> dict:
 
 def ours_rows(call: AttnCall, ref, flops, budget, impl="triton", limit=None, profile=False,
               extra=()) -> list[dict]:
-    """One row per listed config (the first ``limit``), then per ``extra`` config (not listed: trials)."""
+    """One row per listed config (the first ``limit``), then per ``extra`` config (not listed: trials,
+    timed even where ``prune`` would drop them, with its reason kept in the row)."""
     p, dev = call.problem, device_info(call.q.device)
     reason = BACKEND.supports(p, dev)
     if reason:
         return [{"impl": impl, "config": "-", "status": "unsupported", "error": reason}]
     rows = []
-    for cfg in BACKEND.configs(p, dev)[:limit] + list(extra):
+    listed = BACKEND.configs(p, dev)[:limit]
+    for cfg in listed + list(extra):
+        row = {"impl": impl, "config": str(cfg)}
         pruned = BACKEND.prune(p, dev, cfg)
-        if pruned:
-            rows.append({"impl": impl, "config": str(cfg), "status": "pruned", "error": pruned})
+        if pruned and cfg in listed:
+            rows.append({**row, "status": "pruned", "error": pruned})
             continue
-        rows.append(measure({"impl": impl, "config": str(cfg)}, lambda cfg=cfg: BACKEND.run(call, cfg)[0], ref,
-                            flops, budget, profile=profile))
+        if pruned:
+            row["prune_would_drop"] = pruned
+        rows.append(measure(row, lambda cfg=cfg: BACKEND.run(call, cfg)[0], ref, flops, budget, profile=profile))
     return rows
 
 
