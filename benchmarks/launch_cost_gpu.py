@@ -77,7 +77,8 @@ def pieces(call: AttnCall, cfg: Config) -> dict[str, float]:
     meta = flash.kernel_constexprs(call.problem, cfg, call.op == "block_sparse"
                                    and call.sparse.full_kv_num_blocks is not None)  # as forward() does
     if meta["TILE_LIST"]:
-        times["tile-list kernel"] = back_to_back_ms(lambda: flash._tile_list(call.sparse, call.problem.len_q, meta))
+        shape = flash._tile_list_shape(call.sparse, call.problem.len_q, meta)
+        times["tile-list kernel"] = back_to_back_ms(lambda: flash._tile_list(call.sparse, shape, meta))
     times["kernel[grid](...)"] = back_to_back_ms(lambda: kernel[grid](*args, **kwargs))
     compiled = kernel[grid](*args, **kwargs)
     # the compiled kernel takes every argument, constexpr ones included, in the signature's order

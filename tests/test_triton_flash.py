@@ -351,7 +351,7 @@ def test_tile_list_holds_exactly_the_non_empty_tiles_and_marks_the_whole_ones(ca
             "skips_first_tile": dict(mod=_skips_first_tile, b=1, hq=1, hkv=1, lq=130, lk=128, d=16)}[case]
     call = sparse_case(**spec, block=128)
     meta = flash.kernel_constexprs(call.problem, TILE_LIST, call.sparse.full_kv_num_blocks is not None)
-    tiles = flash._tile_list(call.sparse, call.problem.len_q, meta)
+    tiles = flash._tile_list(call.sparse, flash._tile_list_shape(call.sparse, call.problem.len_q, meta), meta)
     lq, lk = call.problem.len_q, call.problem.len_k
     dense = torch.nn.functional.pad(call.sparse.dense_mask(), (0, -lk % 32))  # whole 32-key tiles
     sub = 128 // 32

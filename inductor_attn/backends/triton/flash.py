@@ -298,25 +298,25 @@ def _mask_tensors(sp, batch: int, heads: int) -> tuple[list, list[int]]:
     return tensors, [st for t in tensors for st in t.stride()]
 
 
-def _sparse_args(call: AttnCall, cfg: Config, meta: dict) -> tuple[list, list[int]]:
-    """Mask tensors and strides for the forward kernel, followed by the tile list (``cfg["tile_list"]``)
-    or a placeholder that is never read."""
+def _sparse_args(call: AttnCall, list_shape: torch.Size | None, meta: dict) -> tuple[list, list[int]]:
+    """Mask tensors and strides for the forward kernel, followed by the tile list of ``list_shape`` or,
+    without one, a placeholder that is never read."""
     p, sp = call.problem, call.sparse
     tensors, strides = _mask_tensors(sp, p.batch, p.heads_q)
-    if not meta["TILE_LIST"]:
+    if list_shape is None:
         return [*tensors, tensors[2]], [*strides, 0, 0, 0]
-    tiles = _tile_list(sp, p.len_q, meta)
+    tiles = _tile_list(sp, list_shape, meta)
     wide = tiles.expand(p.batch, p.heads_q, *tiles.shape[2:])
     return [*tensors, wide], [*strides, *wide.stride()[:3]]
 
 
-def _tile_list(sp, len_q: int, meta: dict) -> torch.Tensor:
+def _tile_list(sp, shape: torch.Size, meta: dict) -> torch.Tensor:
     """int32 [B', H', row tiles, 1 + tiles]: per row tile of BLOCK_M queries, the count and the list of the
     non-empty KV tiles to visit (layout in ``sparse_tile_list_kernel``). Built per call by one small
     kernel, so the tuner's timing of a ``tile_list`` config includes it."""
     from .flash_kernel import sparse_tile_list_kernel
 
-    tiles = torch.empty(_tile_list_shape(sp, len_q, meta), dtype=torch.int32, device=sp.kv_num_blocks.device)
+    tiles = torch.empty(shape, dtype=torch.int32, device=sp.kv_num_blocks.device)
     b, h, num_m = tiles.shape[:3]
     mask_tensors, mask_strides = _mask_tensors(sp, None, None)
     sparse_tile_list_kernel[(b * h * num_m,)](
@@ -328,6 +328,7 @@ def _tile_list(sp, len_q: int, meta: dict) -> torch.Tensor:
 
 
 def _tile_list_shape(sp, len_q: int, meta: dict) -> torch.Size:
+    """Shape of :func:`_tile_list`'s int32 list: room for every listed block's tiles per row tile."""
     listed = sp.kv_indices.shape[-1] + (sp.full_kv_indices.shape[-1] if meta["HAS_FULL"] else 0)
     sub = meta["BLOCK_KV"] // meta["BLOCK_N"]
     return torch.Size((*sp.kv_num_blocks.shape[:2], math.ceil(len_q / meta["BLOCK_M"]), 1 + listed * sub))
@@ -367,8 +368,9 @@ def forward(call: AttnCall, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
     meta = kernel_constexprs(p, cfg, sparse and call.sparse.full_kv_num_blocks is not None)
     kv = _kv_descriptors(call, cfg) if meta["TMA"] else None
     meta["TMA"] = kv is not None
-    if meta["TILE_LIST"] and _tile_list_shape(call.sparse, p.len_q, meta).numel() * 4 > _TILE_LIST_MAX_BYTES:
-        meta["TILE_LIST"] = False  # walk the blocks instead: same results, no workspace
+    list_shape = _tile_list_shape(call.sparse, p.len_q, meta) if meta["TILE_LIST"] else None
+    if list_shape is not None and list_shape.numel() * 4 > _TILE_LIST_MAX_BYTES:
+        meta["TILE_LIST"], list_shape = False, None  # walk the blocks instead: same results, no workspace
     k_arg, v_arg = kv or (k, v)
     out, lse = new_outputs(call)
     heads_prog = p.heads_q // meta["PACK"]
@@ -377,7 +379,7 @@ def forward(call: AttnCall, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
     num_tiles = num_m * num_bh
     if num_tiles == 0:
         return out.zero_(), lse.fill_(float("-inf"))
-    mask_tensors, mask_strides = _sparse_args(call, cfg, meta) if sparse else ([q] * 6, [0] * 23)
+    mask_tensors, mask_strides = _sparse_args(call, list_shape, meta) if sparse else ([q] * 6, [0] * 23)
     key = (q.dtype, *meta.values())
     grid = num_tiles if meta["SCHEDULE"] == 0 else _persistent_grid(q.device, key, num_tiles)
     lpt_heads = _lpt_group(_device_limits(q.device)[2], p.len_k * (p.head_dim + p.head_dim_v) * k.element_size(),
