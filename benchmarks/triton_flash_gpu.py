@@ -185,8 +185,8 @@ def flex_rows(q, k, v, block_mask, flops, budget, profile=False) -> tuple[list[d
 
 
 def window_block_mask(seq: int):
-    """flex's BlockMask (128x128 blocks) of the causal window of WINDOW keys before each query, and our
-    BlockSparseMask of it."""
+    """flex's BlockMask (128x128 blocks) of the causal window (each query sees itself and the WINDOW keys
+    before it), and our BlockSparseMask of it."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def sliding_window(b_, h_, q_idx, kv_idx):
