@@ -76,9 +76,9 @@ def _visible(r, c, lk, off, left, right, BITS, s_bi, s_bw, partial, q_blk0, k_bl
 
 @triton.jit
 def _bitmap_bits(BITS, rows, first_key, k_blk0, s_bi, s_bw, partial, q_blk0, KEYS: tl.constexpr):
-    """bool [rows, KEYS]: the bitmap of keys ``first_key + [0, KEYS)`` (KEYS and first_key - k_blk0
+    """int32 0/1 [rows, KEYS]: the bitmap of keys ``first_key + [0, KEYS)`` (KEYS and first_key - k_blk0
     multiples of 32) for each row; one load per 32-key word, expanded in registers by the forward's
-    _expand_bits, instead of _visible's gather of one word per element. All set where not ``partial``."""
+    _expand_bits, instead of _visible's gather of one word per element. All ones where not ``partial``."""
     w0 = (first_key - k_blk0) // 32
     words = tl.load(BITS + (rows - q_blk0)[:, None] * s_bi + (w0 + tl.arange(0, KEYS // 32))[None, :] * s_bw,
                     mask=tl.where(partial, rows[:, None] >= 0, False), other=-1)
@@ -129,7 +129,7 @@ def _dkdv_rows(dk, dv, k, v, lo, hi, Qh, DOh, DQh, LSE2h, DELTAh,
         if MASK:
             if SPARSE and cols.shape[0] % 32 == 0:  # the resident keys start at k_blk0 (_dkdv_sparse_head)
                 bits = _bitmap_bits(BITSh, rows, k_blk0, k_blk0, s_bi, s_bw, partial, q_blk0, cols.shape[0])
-                ok = tl.trans(bits) & (cols[:, None] < lk)
+                ok = (tl.trans(bits) != 0) & (cols[:, None] < lk)
             else:
                 ok = _visible(rows[None, :], cols[:, None], lk, off, left, right, BITSh, s_bi, s_bw, partial,
                               q_blk0, k_blk0, SPARSE, HAS_LEFT, HAS_RIGHT)
@@ -305,7 +305,7 @@ def _dq_cols(dq, q, do, lse2, delta, rows, lo, hi, Kh, Vh, s_kn, s_kd, s_vn, s_v
         if MASK:
             if SPARSE and BLOCK_N % 32 == 0:  # key tiles step from the kv block's start (bwd_dq)
                 bits = _bitmap_bits(BITS, rows, n0, k_blk0, s_bi, s_bw, partial, q_blk0, BLOCK_N)
-                ok = bits & (cols[None, :] < lk)
+                ok = (bits != 0) & (cols[None, :] < lk)
             else:
                 ok = _visible(rows[:, None], cols[None, :], lk, off, left, right, BITS, s_bi, s_bw, partial,
                               q_blk0, k_blk0, SPARSE, HAS_LEFT, HAS_RIGHT)
