@@ -19,14 +19,12 @@ import json
 from pathlib import Path
 
 import torch
-from torch.nn.attention.flex_attention import create_block_mask
 
 from inductor_attn.backends import Config
 from inductor_attn.backends.base import AttnCall
 from inductor_attn.backends.triton import flash, flash_kernel
 from inductor_attn.bench.runner import git_commit
-from inductor_attn.ops.block_mask import BlockSparseMask
-from triton_flash_gpu import back_to_back_ms
+from triton_flash_gpu import back_to_back_ms, window_block_mask
 
 SPARSE = dict(block_m=64, block_n=32, num_stages=3, num_warps=4, schedule="tile", tma=True)
 WAYS = [  # name, op, config
@@ -43,8 +41,7 @@ def tiny_call(op: str) -> AttnCall:
     q, k, v = (torch.randn(1, 1, 256, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     if op == "attention":
         return AttnCall("attention", q, k, v, 128**-0.5, True)
-    mask = create_block_mask(lambda b, h, qi, kv: (qi >= kv) & (qi - kv <= 64), None, None, 256, 256, device="cuda")
-    return AttnCall("block_sparse", q, k, v, 128**-0.5, sparse=BlockSparseMask.from_block_mask(mask))
+    return AttnCall("block_sparse", q, k, v, 128**-0.5, sparse=window_block_mask(256, 64)[1])
 
 
 def captured_launch(call: AttnCall, cfg: Config):

@@ -13,22 +13,18 @@ problem with the same structure, B1 H1 L256, whose kernel takes a few microsecon
 from __future__ import annotations
 
 import torch
-from torch.nn.attention.flex_attention import create_block_mask
 
 import inductor_attn  # noqa: F401  (registers the ops)
 from inductor_attn.backends import Config
 from inductor_attn.backends.base import AttnCall
 from inductor_attn.backends.triton.flash import BACKEND
-from inductor_attn.ops.block_mask import BlockSparseMask
-from triton_flash_gpu import back_to_back_ms
+from triton_flash_gpu import back_to_back_ms, window_block_mask
 
 CFG = Config.of(block_m=64, block_n=32, num_stages=3, num_warps=4, schedule="tile", tma=True)
 
 
 def ways(b, h, length):
-    mask = create_block_mask(lambda b_, h_, q, kv: (q >= kv) & (q - kv <= 256), None, None, length, length,
-                             device="cuda")
-    sparse = BlockSparseMask.from_block_mask(mask)
+    sparse = window_block_mask(length)[1]
     q, k, v = (torch.randn(b, h, length, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     call = AttnCall("block_sparse", q, k, v, 128 ** -0.5, sparse=sparse)
     op = torch.ops.inductor_attn.block_sparse_attention.default

@@ -184,13 +184,13 @@ def flex_rows(q, k, v, block_mask, flops, budget, profile=False) -> tuple[list[d
     return [row], (fn() if row["status"] == "ok" else None)
 
 
-def window_block_mask(seq: int):
-    """flex's BlockMask (128x128 blocks) of the causal window (each query sees itself and the WINDOW keys
-    before it), and our BlockSparseMask of it."""
+def window_block_mask(seq: int, window: int = WINDOW):
+    """flex's BlockMask (128x128 blocks) of the causal window (each query sees itself and the ``window``
+    keys before it), and our BlockSparseMask of it."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def sliding_window(b_, h_, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (q_idx - kv_idx <= WINDOW)
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= window)
 
     block_mask = create_block_mask(sliding_window, None, None, seq, seq, device="cuda")
     return block_mask, BlockSparseMask.from_block_mask(block_mask)
