@@ -160,7 +160,8 @@ def main() -> None:
         print(f"{r['name'][:100]:100} {r['ms']:9.3f} {r['bytes'] / 1e9:6.2f} {r['tb_per_s']:6.2f} "
               f"{r['flex_over_row']:10.2f}")
     meta = dict(device=torch.cuda.get_device_name(), commit=git_commit(), torch=torch.__version__,
-                triton=triton.__version__, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                triton=triton.__version__,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 problem=f"B{B} H{H} L{L} D{D} bf16, causal window {WINDOW}, 128x128 BlockMask")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sparse_floor_gpu.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
