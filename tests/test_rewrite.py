@@ -287,37 +287,39 @@ def test_import_changes_no_inductor_config():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def test_enable_chains_the_users_pass_and_disable_restores_exactly_it(monkeypatch):
+def test_enable_chains_the_users_pass_and_disable_restores_exactly_it():
+    # config.patch, not monkeypatch.setattr: pytest >= 9.2's undo deletes attributes that torch's config
+    # module keeps outside its __dict__, so the setting would vanish for every later test
     config = _compat.inductor_config()
     user = UserPass("user-v1")
-    monkeypatch.setattr(config, "pre_grad_custom_pass", user)
-    inductor_attn.enable()
-    inductor_attn.enable()  # idempotent: one wrapper
-    installed = config.pre_grad_custom_pass
-    assert isinstance(installed, RewritePass) and installed.chained is user
-    graph = torch.fx.Graph()
-    graph.output(None)
-    installed(graph)
-    assert user.calls == 1
-    first = installed.uuid()
-    user.tag = "user-v2"
-    assert installed.uuid() != first  # a change of the user's pass changes the FX-graph-cache key
-    inductor_attn.disable()
-    assert config.pre_grad_custom_pass is user
+    with config.patch(pre_grad_custom_pass=user):
+        inductor_attn.enable()
+        inductor_attn.enable()  # idempotent: one wrapper
+        installed = config.pre_grad_custom_pass
+        assert isinstance(installed, RewritePass) and installed.chained is user
+        graph = torch.fx.Graph()
+        graph.output(None)
+        installed(graph)
+        assert user.calls == 1
+        first = installed.uuid()
+        user.tag = "user-v2"
+        assert installed.uuid() != first  # a change of the user's pass changes the FX-graph-cache key
+        inductor_attn.disable()
+        assert config.pre_grad_custom_pass is user
 
 
-def test_enabled_context_restores_and_keeps_an_enclosing_enable(monkeypatch):
+def test_enabled_context_restores_and_keeps_an_enclosing_enable():
     config = _compat.inductor_config()
-    monkeypatch.setattr(config, "pre_grad_custom_pass", None)
-    with inductor_attn.enabled():
+    with config.patch(pre_grad_custom_pass=None):
+        with inductor_attn.enabled():
+            assert inductor_attn.is_enabled()
+        assert config.pre_grad_custom_pass is None
+        inductor_attn.enable()
+        with inductor_attn.enabled():
+            pass
         assert inductor_attn.is_enabled()
-    assert config.pre_grad_custom_pass is None
-    inductor_attn.enable()
-    with inductor_attn.enabled():
-        pass
-    assert inductor_attn.is_enabled()
-    inductor_attn.disable()
-    assert config.pre_grad_custom_pass is None
+        inductor_attn.disable()
+        assert config.pre_grad_custom_pass is None
 
 
 def test_private_apis_the_rewrite_uses_are_where_compat_looks():
