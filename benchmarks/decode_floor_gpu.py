@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
 from decode_gpu import case_name, copy_bandwidth_gbps, input_copies, make_inputs, moved_bytes, time_ms
-from inductor_attn.bench.runner import git_commit
 from triton_flash_gpu import kernel_ms
+
+from inductor_attn.bench.runner import git_commit
 
 SHAPES = [(1, 32, 16, 256, 4096), (1, 32, 16, 256, 16384), (1, 16, 2, 256, 16384)]  # (B, Hq, Hkv, D, Lkv)
 READ_PROGRAMS = (128, 256, 512, 1024, 2048)
@@ -70,7 +70,7 @@ def read_floor_candidates(kv_copies: list[torch.Tensor]) -> dict[str, list]:
 
 def run_shape(shape, copy_gbps: float) -> dict:
     from inductor_attn.backends import AttnCall
-    from inductor_attn.backends.triton.decode import BACKEND
+    from inductor_attn.backends.triton_decode import BACKEND
     from inductor_attn.device import device_info
 
     inputs = make_inputs(shape, input_copies(shape))

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
 from inductor_attn.bench.runner import git_commit  # noqa: E402  (one helper for every script)
 
 SHAPES = [  # (B, Hq, Hkv, D, Lkv)
@@ -142,7 +143,7 @@ def stage_sweep(configs) -> list:
 
 def bench_ours(bench: Bench, shape, inputs, ref, stages: bool = False) -> None:
     from inductor_attn.backends import AttnCall
-    from inductor_attn.backends.triton.decode import BACKEND
+    from inductor_attn.backends.triton_decode import BACKEND
     from inductor_attn.device import device_info
 
     dev = device_info("cuda")

@@ -19,12 +19,12 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton_flash_compile_sm90 import ptxas_report  # the forward's report script, beside this one
 
 from inductor_attn.backends.base import AttnCall
-from inductor_attn.backends.triton import flash_bwd, flash_bwd_kernels
+from inductor_attn.backends.triton_flash import flash_bwd, flash_bwd_kernels
+from inductor_attn.block_mask import BlockSparseMask
 from inductor_attn.device import parse_device_override
-from inductor_attn.ops.block_mask import BlockSparseMask
-from triton_flash_compile_sm90 import ptxas_report  # the forward's report script, beside this one
 
 SM90 = parse_device_override("sm_90")
 ELEM = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",

@@ -28,14 +28,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from triton_flash_gpu import Budget, bench_ms, print_table  # the forward's benchmark script, beside this one
 
 from inductor_attn.backends.base import AttnCall, Config
-from inductor_attn.backends.triton import flash_bwd
+from inductor_attn.backends.triton_flash import flash_bwd
+from inductor_attn.bench.runner import git_commit  # noqa: E402  (one helper for every script)
 from inductor_attn.device import device_info
 from inductor_attn.problem import kept_pairs
 from inductor_attn.tuning.correctness import TOLERANCES, rel_err
-from inductor_attn.bench.runner import git_commit  # noqa: E402  (one helper for every script)
-from triton_flash_gpu import Budget, bench_ms, print_table  # the forward's benchmark script, beside this one
 
 DTYPE = torch.bfloat16
 D = 128

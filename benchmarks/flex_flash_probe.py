@@ -19,7 +19,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from inductor_attn.backends import flex
 from inductor_attn.backends.block_bitmap import bitmap_lookup, slot_table
-from inductor_attn.ops.block_mask import BlockSparseMask
+from inductor_attn.block_mask import BlockSparseMask
 
 L, D, H = 1024, 128, 4
 

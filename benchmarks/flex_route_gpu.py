@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
+from triton_flash_gpu import Budget, measure
 
 import inductor_attn
 from inductor_attn.bench.runner import git_commit
-from inductor_attn.lowering import flex_route
-from triton_flash_gpu import Budget, measure
+from inductor_attn.routing import flex_route
 
 D = 128
 DTYPE = torch.bfloat16
@@ -110,7 +110,7 @@ def run_problem(name, factory, batch, heads, length, budget, profile=False) -> d
 
 def tuner_records() -> list[dict]:
     """What our tuner measured for the routed calls (every candidate, its status and median)."""
-    from inductor_attn.cache.store import get_store
+    from inductor_attn.store.db import get_store
 
     keep = ("name", "status", "reason", "median_ms")
     return [{"op": row["op"], "problem": row["problem"], "winner": row["winner"],

@@ -19,12 +19,12 @@ import json
 from pathlib import Path
 
 import torch
+from triton_flash_gpu import back_to_back_ms, window_block_mask
 
 from inductor_attn.backends import Config
 from inductor_attn.backends.base import AttnCall
-from inductor_attn.backends.triton import flash, flash_kernel
+from inductor_attn.backends.triton_flash import flash, flash_kernel
 from inductor_attn.bench.runner import git_commit
-from triton_flash_gpu import back_to_back_ms, window_block_mask
 
 SPARSE = dict(block_m=64, block_n=32, num_stages=3, num_warps=4, schedule="tile", tma=True)
 WAYS = [  # name, op, config

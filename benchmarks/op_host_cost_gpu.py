@@ -13,12 +13,12 @@ problem with the same structure, B1 H1 L256, whose kernel takes a few microsecon
 from __future__ import annotations
 
 import torch
+from triton_flash_gpu import back_to_back_ms, window_block_mask
 
 import inductor_attn  # noqa: F401  (registers the ops)
 from inductor_attn.backends import Config
 from inductor_attn.backends.base import AttnCall
-from inductor_attn.backends.triton.flash import BACKEND
-from triton_flash_gpu import back_to_back_ms, window_block_mask
+from inductor_attn.backends.triton_flash.flash import BACKEND
 
 CFG = Config.of(block_m=64, block_n=32, num_stages=3, num_warps=4, schedule="tile", tma=True)
 

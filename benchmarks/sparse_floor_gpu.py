@@ -34,13 +34,13 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from triton_flash_gpu import DTYPE, WINDOW, D, kernel_ms, window_block_mask
 
 from inductor_attn.backends.base import AttnCall
-from inductor_attn.backends.triton.flash import BACKEND
+from inductor_attn.backends.triton_flash.flash import BACKEND
 from inductor_attn.bench.runner import git_commit
 from inductor_attn.device import device_info
 from inductor_attn.tuning.correctness import rel_err
-from triton_flash_gpu import D, DTYPE, WINDOW, kernel_ms, window_block_mask
 
 B, H, L = 4, 32, 4096
 # (BLOCK_M, BLOCK_N, granularity): ours (tile list of 32- and 64-key tiles), flex's pattern (64-row

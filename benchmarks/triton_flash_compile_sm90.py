@@ -3,7 +3,7 @@ report shared memory (Triton's allocation next to the prune estimate), registers
 
     PYTHONPATH=. python benchmarks/triton_flash_compile_sm90.py [problem ...]
 
-The shared-memory estimate and the register rule in inductor_attn/backends/triton/flash.py were
+The shared-memory estimate and the register rule in inductor_attn/backends/triton_flash/flash.py were
 calibrated with this script (triton 3.9, ptxas 13.4). Pointer and stride arguments are declared
 16-divisible and the head-dim strides 1, as Triton's JIT specializes real contiguous inputs; without
 those hints the loads are not pipelined. Run it without TRITON_INTERPRET.
@@ -21,8 +21,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from inductor_attn.backends.triton.flash import BACKEND, _acc_regs, _reg_limit, _smem_estimate, kernel_constexprs
-from inductor_attn.backends.triton.flash_kernel import flash_fwd_kernel
+from inductor_attn.backends.triton_flash.flash import BACKEND, _acc_regs, _reg_limit, _smem_estimate, kernel_constexprs
+from inductor_attn.backends.triton_flash.flash_kernel import flash_fwd_kernel
 from inductor_attn.device import parse_device_override
 from inductor_attn.problem import Problem
 

@@ -29,12 +29,12 @@ import torch
 import torch.nn.functional as F
 
 from inductor_attn.backends.base import AttnCall, Config
-from inductor_attn.backends.triton.flash import BACKEND
+from inductor_attn.backends.triton_flash.flash import BACKEND
+from inductor_attn.bench.runner import git_commit  # noqa: E402  (one helper for every script)
+from inductor_attn.block_mask import BlockSparseMask
 from inductor_attn.device import device_info
-from inductor_attn.ops.block_mask import BlockSparseMask
 from inductor_attn.problem import kept_pairs
 from inductor_attn.tuning.correctness import TOLERANCES, rel_err
-from inductor_attn.bench.runner import git_commit  # noqa: E402  (one helper for every script)
 
 DTYPE = torch.bfloat16
 D = 128

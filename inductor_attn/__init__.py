@@ -3,15 +3,14 @@
 Public API only; see README.md.
 """
 
-__version__ = "0.1.0"
-
 from . import cache, ops  # noqa: E402  (ops registers the custom ops)
+from ._version import __version__
 from .api import attention, candidates, run_candidate, varlen_attention  # noqa: E402
 from .backends import Candidate, Config, register_backend  # noqa: E402
-from .dispatch import reset_stats, stats  # noqa: E402
 from .enable import disable, enable, enabled, is_enabled  # noqa: E402
-from .lowering.rewrite import reset_routing_report, routing_report  # noqa: E402
 from .ops import BlockSparseMask  # noqa: E402
+from .routing.rewrite import reset_routing_report, routing_report  # noqa: E402
+from .runtime import reset_stats, stats  # noqa: E402
 from .tuning.modes import MODES, set_mode, tuning_mode  # noqa: E402
 
 __all__ = [

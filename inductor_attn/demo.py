@@ -7,7 +7,8 @@ import time
 import torch
 from torch import nn
 
-from . import api, dispatch
+from . import api
+from . import runtime as dispatch
 
 
 class Block(nn.Module):

@@ -1,6 +1,6 @@
 """Make plain ``torch.compile`` route attention through inductor_attn.
 
-Two ways, both installing the rewrite (lowering/rewrite.py) as Inductor's ``pre_grad_custom_pass`` and
+Two ways, both installing the rewrite (routing/rewrite.py) as Inductor's ``pre_grad_custom_pass`` and
 chaining whatever pass was there:
 
 - ``enable()`` / ``disable()`` / ``with enabled():`` patch ``torch._inductor.config`` for every
@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 
 from ._compat import compile_fx, inductor_compile_patches, inductor_config
-from .lowering.rewrite import RewritePass
+from .routing.rewrite import RewritePass
 
 __all__ = ["enable", "disable", "enabled", "is_enabled", "compile_backend"]
 

@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
+from fakes import FakeBackend
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
-from fakes import FakeBackend
 from inductor_attn import BlockSparseMask
 from inductor_attn.backends import REFERENCE, AttnCall, Candidate, Config, only_backends
 from inductor_attn.backends.reference import dense_mask_fn

@@ -11,7 +11,7 @@ from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
 import inductor_attn
 from inductor_attn import BlockSparseMask
-from inductor_attn.ops.block_mask import pack_bits, unpack_bits
+from inductor_attn.block_mask import pack_bits, unpack_bits
 
 RANDOM = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

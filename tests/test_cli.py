@@ -4,9 +4,9 @@ import json
 
 import pytest
 import torch
+from fakes import FakeBackend, FakeTimer
 
 import inductor_attn
-from fakes import FakeBackend, FakeTimer
 from inductor_attn.backends import only_backends
 from inductor_attn.cli import main
 

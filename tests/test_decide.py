@@ -2,13 +2,13 @@
 
 import pytest
 import torch
+from fakes import FakeBackend, FakeTimer
 
 import inductor_attn
-from fakes import FakeBackend, FakeTimer
 from inductor_attn.backends import AttnCall, only_backends
-from inductor_attn.cache import keys
-from inductor_attn.cache.store import get_store
 from inductor_attn.device import DeviceInfo
+from inductor_attn.store import keys
+from inductor_attn.store.db import get_store
 from inductor_attn.tuning.decisions import decide, forget_decisions
 
 DEV = DeviceInfo("cpu", (0, 0), 2)

@@ -12,8 +12,9 @@ def _worker(rank: int, world: int, init_file: str, cache_dir: str, results):
     os.environ["INDUCTOR_ATTN_CACHE_DIR"] = os.path.join(cache_dir, f"rank{rank}")  # separate stores
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        import inductor_attn
         from fakes import FakeBackend, FakeTimer
+
+        import inductor_attn
         from inductor_attn.backends import AttnCall, only_backends
         from inductor_attn.device import DeviceInfo
         from inductor_attn.tuning import tuner

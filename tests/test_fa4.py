@@ -19,15 +19,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from blocked_imports import run_without
 
-from inductor_attn.backends import Config, enumerate_candidates, only_backends
-from inductor_attn.backends import fa4
+from inductor_attn.backends import Config, enumerate_candidates, fa4, only_backends
 from inductor_attn.backends.base import AttnCall
 from inductor_attn.backends.block_bitmap import bitmap_lookup, slot_table
+from inductor_attn.block_mask import BlockSparseMask
 from inductor_attn.device import device_info, parse_device_override
-from inductor_attn.ops.block_mask import BlockSparseMask
 from inductor_attn.problem import Problem
-from blocked_imports import run_without
 
 SM90, SM100 = parse_device_override("sm_90"), parse_device_override("sm_100")
 UNPACKED = Path("/tmp/cutedsl-site/flash_attn/cute")

@@ -12,8 +12,8 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from inductor_attn.backends import Config, fa4, reference
 from inductor_attn.backends.base import AttnCall
+from inductor_attn.block_mask import BlockSparseMask
 from inductor_attn.device import device_info
-from inductor_attn.ops.block_mask import BlockSparseMask
 from inductor_attn.tuning.correctness import check_output, check_tensor
 
 pytestmark = pytest.mark.gpu

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from blocked_imports import run_without
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
 from inductor_attn.backends import Config, enumerate_candidates, flex, only_backends, reference
 from inductor_attn.backends.base import AttnCall
+from inductor_attn.block_mask import BlockSparseMask
 from inductor_attn.device import parse_device_override
-from inductor_attn.ops.block_mask import BlockSparseMask
 from inductor_attn.problem import Problem
-from blocked_imports import run_without
 
 SM90 = parse_device_override("sm_90")
 

@@ -11,13 +11,13 @@ import operator
 
 import pytest
 import torch
+from naive import attend
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
 
 import inductor_attn
-from inductor_attn.lowering import flex_route
-from inductor_attn.lowering.graph_edit import Skip
-from inductor_attn.lowering.rewrite import RewritePass, rewrite_graph
-from naive import attend
+from inductor_attn.routing import flex_route
+from inductor_attn.routing.graph_edit import Skip
+from inductor_attn.routing.rewrite import RewritePass, rewrite_graph
 
 SPARSE = torch.ops.inductor_attn.block_sparse_attention.default
 

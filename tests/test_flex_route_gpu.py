@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from naive import attend
 from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
 
 import inductor_attn
 from inductor_attn.tuning.correctness import TOLERANCES, rel_err
-from naive import attend
 
 pytestmark = pytest.mark.gpu
 

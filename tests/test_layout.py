@@ -3,7 +3,7 @@
 import torch
 
 import inductor_attn
-from inductor_attn.ops.layout import conform, stride_order
+from inductor_attn.layout import conform, stride_order
 
 
 def test_out_follows_the_stride_order_of_a_transposed_q_eager_and_compiled():

@@ -3,10 +3,10 @@ an FX graph cache that never replays code built from stale decisions. CPU, fake 
 
 import pytest
 import torch
+from fakes import FakeBackend, FakeTimer
 from torch._inductor.utils import run_and_get_code
 
 import inductor_attn
-from fakes import FakeBackend, FakeTimer
 from inductor_attn.backends import REFERENCE, only_backends
 from inductor_attn.lowering import cache_guard
 

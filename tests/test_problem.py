@@ -3,17 +3,17 @@ import doctest
 import pytest
 
 import inductor_attn.backends.base
+import inductor_attn.block_mask
 import inductor_attn.cache
 import inductor_attn.device
-import inductor_attn.ops.block_mask
-import inductor_attn.ops.layout
+import inductor_attn.layout
 import inductor_attn.problem
 import inductor_attn.tuning.stats
 from inductor_attn.problem import Problem, kept_pairs
 
 
 @pytest.mark.parametrize("module", [inductor_attn.problem, inductor_attn.device, inductor_attn.backends.base,
-                                    inductor_attn.ops.block_mask, inductor_attn.ops.layout, inductor_attn.tuning.stats])
+                                    inductor_attn.block_mask, inductor_attn.layout, inductor_attn.tuning.stats])
 def test_doctest_examples_hold(module):
     assert doctest.testmod(module).failed == 0
 

@@ -1,4 +1,4 @@
-"""The SDPA rewrite (lowering/rewrite.py, mask_proof.py) and its installation (enable.py).
+"""The SDPA rewrite (routing/rewrite.py, mask_proof.py) and its installation (enable.py).
 
 Most tests capture a Dynamo graph with a recording backend, run the rewrite on it and execute the graph
 eagerly (no Inductor, ~1 s each): the rewritten graph must compute what SDPA computed. A few compile
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import inductor_attn
 from inductor_attn import _compat
-from inductor_attn.lowering.rewrite import RewritePass, rewrite_graph
+from inductor_attn.routing.rewrite import RewritePass, rewrite_graph
 
 ATTENTION = torch.ops.inductor_attn.attention.default
 TOL = dict(rtol=1e-5, atol=1e-5)  # float32, reference kernel vs SDPA math

@@ -6,7 +6,7 @@ import sqlite3
 
 import pytest
 
-from inductor_attn.cache.store import DecisionStore
+from inductor_attn.store.db import DecisionStore
 
 
 def _row(i: int, winner: str = "b:x=1") -> dict:

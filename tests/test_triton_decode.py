@@ -12,17 +12,17 @@ import doctest
 import math
 import os
 
+import naive
 import pytest
 import torch
+from blocked_imports import run_without
 
-import naive
 from inductor_attn.backends import REFERENCE, AttnCall, Config, enumerate_candidates, only_backends
-from inductor_attn.backends.triton import decode
+from inductor_attn.backends import triton_decode as decode
 from inductor_attn.device import DeviceInfo, parse_device_override
 from inductor_attn.ops.attention import attention_op
 from inductor_attn.problem import Problem
 from inductor_attn.tuning.correctness import check_output
-from blocked_imports import run_without
 
 H100 = parse_device_override("sm_90")
 CPU = DeviceInfo("cpu", (0, 0), 2)
@@ -251,7 +251,7 @@ def test_module_imports_and_explains_itself_without_triton():
     """The registry imports this backend on every install; a missing Triton must give a reason, not an
     ImportError. Run in a fresh interpreter whose import of triton fails."""
     code = (
-        "from inductor_attn.backends.triton import decode\n"
+        "from inductor_attn.backends import triton_decode as decode\n"
         "from inductor_attn.device import parse_device_override\n"
         "from inductor_attn.problem import Problem\n"
         "p = Problem('attention', 'bfloat16', 'cuda', 1, 8, 2, 1, 4096, 128, 128)\n"
@@ -261,7 +261,7 @@ def test_module_imports_and_explains_itself_without_triton():
 
 
 def test_configs_sweep_num_splits_around_one_default_tile():
-    from inductor_attn.backends.triton.decode import BACKEND, SPLITS
+    from inductor_attn.backends.triton_decode import BACKEND, SPLITS
     from inductor_attn.device import DeviceInfo
     from inductor_attn.problem import Problem
 
@@ -272,7 +272,7 @@ def test_configs_sweep_num_splits_around_one_default_tile():
 
 
 def test_heuristic_is_the_split_k_hand_rule():
-    from inductor_attn.backends.triton.decode import BACKEND
+    from inductor_attn.backends.triton_decode import BACKEND
     from inductor_attn.device import DeviceInfo
     from inductor_attn.problem import Problem
 

@@ -14,12 +14,12 @@ import math
 
 import pytest
 import torch
+from test_triton_decode import float64_reference, run_poisoned
 
 from inductor_attn.backends import AttnCall, Config
-from inductor_attn.backends.triton import decode
+from inductor_attn.backends import triton_decode as decode
 from inductor_attn.device import device_info
 from inductor_attn.tuning.correctness import check_output
-from test_triton_decode import float64_reference, run_poisoned
 
 pytestmark = pytest.mark.gpu
 

@@ -8,20 +8,19 @@ import itertools
 import sys
 import types
 
+import naive
 import pytest
 import torch
+from blocked_imports import run_without
 
-from inductor_attn.backends import only_backends, enumerate_candidates
+from inductor_attn.backends import enumerate_candidates, only_backends
 from inductor_attn.backends.base import AttnCall, Config
-from inductor_attn.backends.triton import flash
+from inductor_attn.backends.triton_flash import flash
+from inductor_attn.block_mask import BlockSparseMask
 from inductor_attn.device import DeviceInfo, parse_device_override
-from inductor_attn.ops.block_mask import BlockSparseMask
-from inductor_attn.ops.layout import empty_like_layout
+from inductor_attn.layout import empty_like_layout
 from inductor_attn.problem import Problem
 from inductor_attn.tuning.correctness import check_output
-
-import naive
-from blocked_imports import run_without
 
 SM90 = parse_device_override("sm_90")
 SMALL = dict(block_m=16, block_n=16, num_warps=4, num_stages=1)
@@ -486,7 +485,7 @@ def test_without_triton_the_backend_imports_and_gives_a_reason():
     """The registry imports this module on every install: with triton's import refused, importing it
     and asking supports() must work (fresh interpreter, no TRITON_INTERPRET)."""
     code = (
-        "from inductor_attn.backends.triton import flash\n"
+        "from inductor_attn.backends.triton_flash import flash\n"
         "from inductor_attn.device import parse_device_override\n"
         "from inductor_attn.problem import Problem\n"
         "p = Problem('attention', 'bfloat16', 'cuda', 1, 8, 2, 512, 512, 128, 128)\n"
@@ -514,7 +513,7 @@ def test_source_hash_covers_the_forward_and_backward_kernel_modules(monkeypatch,
 
 def test_backward_is_delegated_lazily_to_flash_bwd(monkeypatch):
     seen = []
-    fake = types.ModuleType("inductor_attn.backends.triton.flash_bwd")
+    fake = types.ModuleType("inductor_attn.backends.triton_flash.flash_bwd")
     fake.backward = lambda *args: seen.append(args) or "grads"
     monkeypatch.setitem(sys.modules, fake.__name__, fake)
     call = dense_case(1, 1, 1, 4, 4, 16, 16)

@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import itertools
 
+import naive
 import pytest
 import torch
 
-import naive
 from inductor_attn.backends import reference
 from inductor_attn.backends.base import AttnCall, Config
+from inductor_attn.block_mask import BlockSparseMask, pack_bits
 from inductor_attn.device import DeviceInfo
-from inductor_attn.ops.block_mask import BlockSparseMask, pack_bits
 from inductor_attn.problem import Problem
 from inductor_attn.tuning.correctness import TOLERANCES, rel_err
 
-flash_bwd = pytest.importorskip("inductor_attn.backends.triton.flash_bwd")
+flash_bwd = pytest.importorskip("inductor_attn.backends.triton_flash.flash_bwd")
 pytest.importorskip("triton")
 
 # Small tiles make tiny shapes cross several tiles, so masked and mask-free tile ranges both run.

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_triton_flash_bwd import assert_close, dense_mask, flash_bwd, oracle_grads, random_block_mask, run_ours
 
 from inductor_attn.backends import reference
 from inductor_attn.backends.base import AttnCall, Config
+from inductor_attn.block_mask import BlockSparseMask
 from inductor_attn.device import device_info
-from inductor_attn.ops.block_mask import BlockSparseMask
 from inductor_attn.tuning.correctness import TOLERANCES
-from test_triton_flash_bwd import assert_close, dense_mask, flash_bwd, oracle_grads, random_block_mask, run_ours
 
 pytestmark = pytest.mark.gpu
 

@@ -13,10 +13,10 @@ import torch
 
 from inductor_attn.backends.base import AttnCall, Config
 from inductor_attn.backends.reference import BACKEND as REFERENCE
-from inductor_attn.backends.triton import flash
+from inductor_attn.backends.triton_flash import flash
+from inductor_attn.block_mask import BlockSparseMask
 from inductor_attn.device import device_info
-from inductor_attn.ops.block_mask import BlockSparseMask
-from inductor_attn.ops.layout import empty_like_layout
+from inductor_attn.layout import empty_like_layout
 from inductor_attn.tuning.correctness import check_output
 
 pytestmark = pytest.mark.gpu

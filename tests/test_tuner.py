@@ -4,10 +4,9 @@ import time
 
 import pytest
 import torch
-
 from fakes import FakeBackend, FakeTimer
-from inductor_attn.backends import AttnCall, only_backends
-from inductor_attn.backends import enumerate_candidates
+
+from inductor_attn.backends import AttnCall, enumerate_candidates, only_backends
 from inductor_attn.device import DeviceInfo
 from inductor_attn.tuning.tuner import tune
 

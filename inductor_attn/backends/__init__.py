@@ -16,8 +16,8 @@ from .fa4 import BACKEND as FA4
 from .flex import BACKEND as FLEX
 from .reference import BACKEND as REFERENCE
 from .sdpa import BACKEND as SDPA
-from .triton.decode import BACKEND as TRITON_DECODE
-from .triton.flash import BACKEND as TRITON_FLASH
+from .triton_decode import BACKEND as TRITON_DECODE
+from .triton_flash.flash import BACKEND as TRITON_FLASH
 
 _REGISTRY: dict[str, Backend] = {}
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..block_mask import BlockSparseMask
 from ..device import DeviceInfo
-from ..ops.block_mask import BlockSparseMask
 from ..problem import Problem
 
 ConfigValue = int | bool | str

@@ -3,14 +3,14 @@
 Shared by the fa4 and flex backends, which both evaluate the mask per (query, key) inside partial blocks
 and look the answer up instead of calling the user's mask_mod: ``slot_of[b, h, m, n]`` finds kv block
 n's place in q block m's partial list, and ``partial_bits`` holds that block's bits (layout in
-``ops/block_mask.py``). fa4 does the lookup in CuTe, flex in torch (:func:`bitmap_lookup`).
+``block_mask.py``). fa4 does the lookup in CuTe, flex in torch (:func:`bitmap_lookup`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..ops.block_mask import BlockSparseMask
+from ..block_mask import BlockSparseMask
 
 
 def slot_table(sparse: BlockSparseMask) -> torch.Tensor:

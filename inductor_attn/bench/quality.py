@@ -174,7 +174,7 @@ def _tune_worker(workloads: list[Workload], out: Path) -> None:
 def _compile_worker(workloads: list[Workload], out: Path) -> None:
     import inductor_attn
 
-    from ..cache.store import get_store
+    from ..store.db import get_store
     from . import suites
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

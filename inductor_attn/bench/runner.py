@@ -42,13 +42,12 @@ from pathlib import Path
 
 import torch
 
-from ..backends import AttnCall, Candidate, Config, backends
+from ..backends import AttnCall, Candidate, Config, backends, enumerate_candidates
 from ..backends.reference import BACKEND as REFERENCE
-from ..cache.keys import library_versions
-from ..cache.store import get_store
 from ..device import DeviceInfo, device_info
+from ..store.db import get_store
+from ..store.keys import library_versions
 from ..tuning.correctness import POISON, check_output, check_tensor, rel_err
-from ..backends import enumerate_candidates
 from ..tuning.decisions import decide, forget_decisions
 from ..tuning.modes import tuning_mode
 from ..tuning.stats import median, paired_bootstrap_speedup

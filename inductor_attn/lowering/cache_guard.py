@@ -28,10 +28,12 @@ class DecisionCacheGuard(_GuardBase):
             self.chained(graph)
 
     def uuid(self):
-        from .. import __version__, backends
-        from ..cache.store import get_store
+        from .. import backends
+        from .._version import __version__
         from ..device import ENV_VAR as DEVICE_ENV
-        from ..tuning.modes import ENV_VAR as MODE_ENV, current_mode
+        from ..store.db import get_store
+        from ..tuning.modes import ENV_VAR as MODE_ENV
+        from ..tuning.modes import current_mode
 
         store = get_store()
         generation = store.generation()

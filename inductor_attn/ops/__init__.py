@@ -1,5 +1,6 @@
 """Custom ops (torch-only): importing this registers schemas, fake impls and autograd."""
 
+from ..block_mask import BlockSparseMask
 from .attention import (
     BACKWARD_OPS,
     FORWARD_OPS,
@@ -10,7 +11,6 @@ from .attention import (
     varlen_attention_backward_op,
     varlen_attention_op,
 )
-from .block_mask import BlockSparseMask
 
 __all__ = [
     "BACKWARD_OPS", "FORWARD_OPS", "BlockSparseMask", "attention_op", "attention_backward_op",

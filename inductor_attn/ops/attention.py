@@ -5,7 +5,7 @@ argument, ``choice``, is empty for user calls (the kernel is chosen at run time 
 and is filled with ``"<backend>:<config>"`` by the Inductor lowering, which bakes the tuned kernel into
 the generated code. Backward ops have the same ``choice`` argument.
 
-This module imports only torch: kernels are reached through ``inductor_attn.dispatch`` at call time.
+This module imports only torch: kernels are reached through ``inductor_attn.runtime`` at call time.
 """
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..block_mask import BlockSparseMask
+from ..layout import empty_like_layout
 from . import checks
-from .block_mask import BlockSparseMask
-from .layout import empty_like_layout
 
 LIB = "inductor_attn"
 
 
 def _dispatch():
-    from .. import dispatch  # lazy: keeps ops importable without any backend's dependencies
+    from .. import runtime as dispatch  # lazy: keeps ops importable without any backend's dependencies
 
     return dispatch
 

@@ -12,10 +12,10 @@ import threading
 import torch
 
 from ..backends import AttnCall, Candidate, enumerate_candidates, get_backend
-from ..cache.keys import decision_fields
-from ..cache.store import get_store
 from ..device import DeviceInfo
 from ..problem import Problem
+from ..store.db import get_store
+from ..store.keys import decision_fields
 from .modes import current_mode
 from .progress import progress_ticker
 from .tuner import default_rounds, tune

@@ -227,7 +227,7 @@ def transpose_block_lists(sparse, num_kv_blocks: int):
     so the backward stays CUDA-graph capturable. flex builds its transposed lists the same way
     conceptually (q_num_blocks/q_indices), but through a dense block matrix.
 
-    >>> from inductor_attn.ops.block_mask import BlockSparseMask
+    >>> from inductor_attn.block_mask import BlockSparseMask
     >>> t = lambda x: torch.tensor(x, dtype=torch.int32)
     >>> m = BlockSparseMask((64, 64), 32, 32, t([[[1, 1]]]), t([[[[0], [1]]]]), t([[[0, 1]]]),
     ...                     t([[[[0], [0]]]]), torch.zeros(1, 1, 2, 1, 32, 1, dtype=torch.int32), 0.75, 0.67)

@@ -32,7 +32,7 @@ def _version(dist: str) -> str:
 def library_versions() -> dict[str, str]:
     import torch
 
-    from .. import __version__
+    from .._version import __version__
 
     return {
         "torch": torch.__version__,

@@ -52,9 +52,9 @@ try:  # Triton >= 3.4 (test_pdl_helpers_are_where_decode_imports_them fails if t
 except ImportError:  # without them the kernels launch plainly (USE_PDL off)
     gdc_launch_dependents = gdc_wait = None
 
-from ...device import DeviceInfo, device_info
-from ...problem import Problem, next_power_of_two
-from ..base import AttnCall, Backend, Config
+from ..device import DeviceInfo, device_info
+from ..problem import Problem, next_power_of_two
+from .base import AttnCall, Backend, Config
 
 MAX_LEN_Q = 16
 SPLITS = tuple(2 ** i for i in range(8))  # 1 .. 128

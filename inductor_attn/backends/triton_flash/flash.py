@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ...device import DeviceInfo, device_info
-from ...ops.layout import empty_like_layout
+from ...layout import empty_like_layout
 from ...problem import Problem, next_power_of_two
 from ..base import AttnCall, Backend, Config
 

@@ -210,7 +210,7 @@ def _inline(emit: Emitter, subgraph: torch.fx.GraphModule, inputs: list) -> torc
 
 
 def _partial_bits(emit: Emitter, plan: dict) -> torch.fx.Node:
-    """int32 ``[B', H', q_blocks, slots, block_q, block_kv // 32]`` (ops/block_mask.py's layout): the
+    """int32 ``[B', H', q_blocks, slots, block_q, block_kv // 32]`` (block_mask.py's layout): the
     mask_mod at every (query, key) of every listed slot, False past the sequence ends and in unlisted
     slots. Positions are clamped before the mask_mod sees them, as flex does (mods that index a length-L
     tensor would read out of range)."""

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..problem import Problem
-from .store import DecisionStore, get_store
+from .problem import Problem
+from .store.db import DecisionStore, get_store
 
 __all__ = ["DecisionStore", "get_store", "list_decisions", "show", "explain", "clear", "export",
            "import_decisions", "plot", "short_problem"]
@@ -99,7 +99,7 @@ def _fmt(x, spec: str) -> str:
 
 def clear(store: DecisionStore | None = None) -> int:
     """Delete every decision (returns how many); in-memory decisions of this process are dropped too."""
-    from ..tuning.decisions import forget_decisions
+    from .tuning.decisions import forget_decisions
 
     forget_decisions()
     return (store or get_store()).clear()
@@ -112,7 +112,7 @@ def export(path: str | Path, store: DecisionStore | None = None) -> int:
 
 def import_decisions(path: str | Path, store: DecisionStore | None = None) -> int:
     """Add the decisions of a JSON export (rows with the same key are replaced)."""
-    from ..tuning.decisions import forget_decisions
+    from .tuning.decisions import forget_decisions
 
     forget_decisions()
     return (store or get_store()).import_json(path)

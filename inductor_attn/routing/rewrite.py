@@ -392,7 +392,7 @@ class RewritePass(custom_graph_pass_base()):
     def uuid(self):
         """Changes with this rewrite's source and the chained passes' uuids; None (no FX graph caching)
         when a chained pass has no uuid, as Inductor requires."""
-        from .. import __version__
+        from .._version import __version__
 
         h = hashlib.sha256(__version__.encode())
         h.update(str(flex_route.routing_requested()).encode())  # the setting changes the rewritten graph

@@ -12,7 +12,7 @@ import functools
 
 from .backends import AttnCall, Candidate, get_backend
 from .device import device_info
-from .ops.layout import conform
+from .layout import conform
 
 __all__ = ["AttnCall", "forward", "backward", "stats", "reset_stats"]
 

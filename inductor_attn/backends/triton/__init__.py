@@ -1,1 +1,0 @@
-"""Our own Triton attention kernels, one module per kernel family (dense, split-K decode, ...)."""

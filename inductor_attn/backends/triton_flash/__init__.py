@@ -1,0 +1,1 @@
+"""Triton flash-attention forward and backward (one backend: ``triton``)."""

@@ -1,0 +1,1 @@
+"""The SQLite decision store and its keys."""
