@@ -13,6 +13,16 @@ from .routing.rewrite import reset_routing_report, routing_report  # noqa: E402
 from .runtime import reset_stats, stats  # noqa: E402
 from .tuning.modes import MODES, set_mode, tuning_mode  # noqa: E402
 
+
+
+def _install_inductor_pass() -> None:
+    from .lowering import install  # lazy: importing Inductor costs seconds
+
+    install()
+
+
+ops.attention.ON_FIRST_TRACE.append(_install_inductor_pass)
+
 __all__ = [
     "attention", "varlen_attention", "BlockSparseMask", "candidates", "run_candidate", "Candidate", "Config",
     "register_backend", "set_mode", "tuning_mode", "MODES", "stats", "reset_stats", "cache", "__version__",

@@ -97,3 +97,32 @@ def flex_flash_lse_scaled_by_ln2() -> bool:
         return "stats_are_log2" not in inspect.getsource(flex_module)
     except OSError:
         return TORCH_VERSION < (2, 13)
+
+
+def unset_fake_mode():
+    """A context in which no FakeTensorMode is active, so tuning can run real kernels in the middle of a
+    compile (torch/_subclasses/fake_tensor.py ``unset_fake_temporarily``, 2.11 and 2.13)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
+def fake_mode_of(values):
+    """The FakeTensorMode that made these fake tensors (torch/_guards.py ``detect_fake_mode``)."""
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode(values)
+
+
+def trace_functional(fn, args):
+    """``fn`` traced on fake ``args`` into a functional FX graph, with Inductor's decompositions (the way
+    Inductor's pattern matcher traces replacements: torch/_inductor/pattern_matcher.py ``fwd_only``).
+    ``torch.library.wrap_triton`` launches become ``triton_kernel_wrapper_functional`` nodes.
+    ``make_fx`` (torch/fx/experimental/proxy_tensor.py) and ``select_decomp_table``
+    (torch/_inductor/decomposition.py), 2.11 and 2.13."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    functional = torch.func.functionalize(fn, remove="mutations_and_views")
+    with fake_mode_of(args):
+        return make_fx(functional, select_decomp_table(), tracing_mode="real")(*args)

@@ -22,6 +22,21 @@ _TYPICAL = {
 }
 
 
+# Shared memory one block may use (the opt-in maximum), in KiB by compute capability: the CUDA C
+# programming guide's table. Unlisted parts get the smallest figure of the family (99 KiB).
+_SMEM_KIB = {80: 163, 86: 99, 87: 163, 89: 99, 90: 227, 100: 227}
+
+
+def smem_per_block(arch: int) -> int:
+    """Bytes of shared memory one block may use on ``sm_<arch>``; the CPU (arch 0, Triton's interpreter)
+    gets sm_90's figure, so CPU tests see the candidate lists of the GPUs this project measures on.
+
+    >>> smem_per_block(90) // 1024, smem_per_block(86) // 1024, smem_per_block(0) // 1024
+    (227, 99, 227)
+    """
+    return _SMEM_KIB.get(arch or 90, 99) * 1024
+
+
 @dataclass(frozen=True)
 class DeviceInfo:
     name: str

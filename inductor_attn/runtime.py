@@ -1,58 +1,68 @@
-"""Run one op call on a kernel: the one the Inductor lowering baked in, or the one decided now.
+"""Run one op call: resolve the choice (baked in, or decided now), fetch its plan, launch it.
 
-An empty ``choice`` means "decide at run time": eager calls and dynamic-shape compiled code land here,
-and the decision (store hit, tuning or heuristic, per the mode) is remembered per bucket in memory, so
-the steady state is one dict lookup.
+An empty ``choice`` means "decide at run time": eager calls and compiled code whose decision needs run-time
+data (dynamic shapes, varlen, block masks) land here. Decisions are remembered per bucket in memory and
+plans per exact problem, so the steady state is two dictionary lookups and the plan's launch.
 """
 
 from __future__ import annotations
 
 import collections
-import functools
 
-from .backends import AttnCall, Candidate, get_backend
-from .device import device_info
-from .layout import conform
+from .backends import AttnCall, plan_for
+from .device import DeviceInfo, device_info
 
-__all__ = ["AttnCall", "forward", "backward", "stats", "reset_stats"]
+# The ``choice`` of op calls that compiled code decides at run time: the fake impl checked their arguments
+# while tracing, so the op skips its checks (ops/attention.py).
+COMPILED = "*"
+__all__ = ["forward", "backward", "launch_planned", "plan_for", "stats", "reset_stats", "count_compiled"]
 
-_STATS: collections.Counter = collections.Counter()
-
-
-@functools.lru_cache(maxsize=256)
-def _parse(choice: str):
-    name, cfg = Candidate.split(choice)
-    return get_backend(name), cfg
+_STATS: collections.Counter = collections.Counter()  # op calls that ran through this module
+_IN_GRAPHS: collections.Counter = collections.Counter()  # kernels put into compiled graphs, per graph
 
 
-def _resolve(call: AttnCall, choice: str, direction: str):
-    if not choice:
+def _resolve(call: AttnCall, choice: str, direction: str) -> tuple[str, DeviceInfo]:
+    dev = device_info(call.q.device)
+    if not choice or choice == COMPILED:
         from .tuning import decide  # lazy: tuning pulls in the store and timers
 
-        choice = decide(call, device_info(call.q.device), direction)
-    backend, cfg = _parse(choice)
+        choice = decide(call, dev, direction)
     _STATS[(call.op, direction, choice)] += 1
-    return backend, cfg
+    return choice, dev
+
+
+def launch_planned(call: AttnCall, choice: str, direction: str, *extra):
+    """Launch a choice made at compile time (the ``inductor_attn::launch`` op): no decision, no checks."""
+    _STATS[(call.op, direction, choice)] += 1
+    return plan_for(call.problem, choice, device_info(call.q.device), direction).launch(call, *extra)
+
+
+def count_compiled(op: str, direction: str, choice: str) -> None:
+    """Note a plan that compiled code launches itself: its calls run none of our Python to count them."""
+    _IN_GRAPHS[(op, direction, choice)] += 1
 
 
 def forward(call: AttnCall, choice: str):
-    backend, cfg = _resolve(call, choice, "forward")
-    out, lse = backend.run(call, cfg)
-    return conform(out, call.q), lse.contiguous()
+    choice, dev = _resolve(call, choice, "forward")
+    return plan_for(call.problem, choice, dev, "forward").launch(call)
 
 
 def backward(call: AttnCall, choice: str, out, lse, grad_out, grad_lse):
-    backend, cfg = _resolve(call, choice, "backward")
-    dq, dk, dv = backend.backward(call, cfg, out, lse, grad_out, grad_lse)
-    return conform(dq, call.q), conform(dk, call.k), conform(dv, call.v)
+    choice, dev = _resolve(call, choice, "backward")
+    return plan_for(call.problem, choice, dev, "backward").launch(call, out, lse, grad_out, grad_lse)
 
 
 def stats() -> dict[str, int]:
     """How many op calls ran on which kernel since start (or the last ``reset_stats``), as
-    ``{"attention/forward -> reference:default": 3, ...}``. Calls replayed inside a CUDA graph run no
-    Python and are not counted."""
-    return {f"{op}/{direction} -> {choice}": n for (op, direction, choice), n in sorted(_STATS.items())}
+    ``{"attention/forward -> reference:default": 3, ...}``. Kernels that compiled code launches itself
+    run none of our Python per call: they are counted once per compiled graph, under keys ending in
+    ``(launched by compiled code, per graph)``. Calls replayed inside a CUDA graph are not counted."""
+    calls = {f"{op}/{direction} -> {choice}": n for (op, direction, choice), n in sorted(_STATS.items())}
+    compiled = {f"{op}/{direction} -> {choice} (launched by compiled code, per graph)": n
+                for (op, direction, choice), n in sorted(_IN_GRAPHS.items())}
+    return calls | compiled
 
 
 def reset_stats() -> None:
     _STATS.clear()
+    _IN_GRAPHS.clear()

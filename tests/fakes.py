@@ -6,48 +6,58 @@ each of its configs has a known time distribution that FakeTimer samples from a 
 
 from __future__ import annotations
 
+import functools
 import random
 
-from inductor_attn.backends import REFERENCE, Backend, Config
+from inductor_attn.backends import REFERENCE, Backend, Config, Plan
+from inductor_attn.backends.reference import run_backward, run_forward
 
 
 class FakeBackend(Backend):
-    """``times``: {config string: (mean ms, std ms)}; ``wrong``/``fail``: config strings that misbehave."""
+    """``times``: {config string: (mean ms, std ms)}; ``wrong``/``fail``: config strings that misbehave.
+    Its plans compute through the reference's torch code; with ``traceable=True`` they offer that code as
+    their traced form too, so compiled graphs hold it (a stand-in for Triton and aten plans on the CPU)."""
 
     has_backward = True
 
     def __init__(self, name: str, times: dict[str, tuple[float, float]], wrong=(), fail=(), prune=None,
-                 supports_reason=None, heuristic=None):
+                 supports_reason=None, heuristic=None, traceable=False):
         self.name = name
         self.times = times
         self.wrong, self.fail = set(wrong), set(fail)
         self.prune_reasons = prune or {}
         self.supports_reason = supports_reason
-        self.heuristic = heuristic
+        self.rule = heuristic
+        self.traceable = traceable
         self.calls = 0
+        self.knobs = {k: (int, str, bool) for c in times for k, _ in Config.parse(c).params}
 
-    def supports(self, p, dev):
+    def supports(self, p, dev, direction="forward"):
         return self.supports_reason
 
-    def configs(self, p, dev):
-        return [Config.parse(c) for c in self.times]
+    def configs(self, p, dev, direction="forward"):
+        return [self.candidate(Config.parse(c), self.prune_reasons.get(c)) for c in self.times]
 
-    def prune(self, p, dev, cfg):
-        return self.prune_reasons.get(str(cfg))
+    def heuristic(self, p, dev):
+        return None if self.rule is None else Config.parse(self.rule)
 
-    def heuristic_config(self, p, dev):
-        return None if self.heuristic is None else Config.parse(self.heuristic)
+    def plan(self, p, dev, cfg, direction):
+        if direction == "backward":
+            launch = functools.partial(self._backward, str(cfg))
+            return Plan(launch, traced=run_backward if self.traceable else None)
+        launch = functools.partial(self._forward, str(cfg))
+        return Plan(launch, traced=run_forward if self.traceable and str(cfg) not in self.wrong else None)
 
-    def run(self, call, cfg):
+    def _forward(self, cfg, call):
         self.calls += 1
-        FakeTimer.last = (self.name, str(cfg))
-        if str(cfg) in self.fail:
+        FakeTimer.last = (self.name, cfg)
+        if cfg in self.fail:
             raise RuntimeError("CUDA error: launch failed (simulated)")
-        out, lse = REFERENCE.run(call, None)
-        return (out + 1.0, lse) if str(cfg) in self.wrong else (out, lse)
+        out, lse = run_forward(call)
+        return (out + 1.0, lse) if cfg in self.wrong else (out, lse)
 
-    def backward(self, call, cfg, out, lse, grad_out, grad_lse):
-        FakeTimer.last = (self.name, str(cfg))
+    def _backward(self, cfg, call, out, lse, grad_out, grad_lse):
+        FakeTimer.last = (self.name, cfg)
         return REFERENCE.backward(call, None, out, lse, grad_out, grad_lse)
 
     def source_hash(self) -> str:

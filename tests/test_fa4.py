@@ -137,10 +137,10 @@ def test_sm100_prunes_clc_where_fa4_turns_it_off(installed, p, reason):
     (sparse_prob(block_q=256), False),
 ])
 def test_heuristic_reproduces_fa4_clc_rule(installed, p, clc):
-    assert fa4.BACKEND.heuristic_config(p, SM100) == Config.of(clc=clc, num_splits=1)
-    assert fa4.BACKEND.heuristic_config(p, SM90) is None  # no FA4 rule on sm_90: the default (SDPA) stands
+    assert fa4.BACKEND.heuristic(p, SM100) == Config.of(clc=clc, num_splits=1)
+    assert fa4.BACKEND.heuristic(p, SM90) is None  # no FA4 rule on sm_90: the default (SDPA) stands
     # the rule always names a runnable enumerated candidate
-    assert candidates(p, SM100)[f"fa4:{fa4.BACKEND.heuristic_config(p, SM100)}"] is None
+    assert candidates(p, SM100)[f"fa4:{fa4.BACKEND.heuristic(p, SM100)}"] is None
 
 
 def test_gqa_adds_pack_gqa_false_on_sm90(installed):
@@ -180,8 +180,8 @@ def test_supports_reasons(installed, p, dev, reason):
 
 
 def test_supports_backward_excludes_block_sparse(installed):
-    assert fa4.BACKEND.supports_backward(prob(causal=True), SM90) is None
-    assert "block-sparse backward" in fa4.BACKEND.supports_backward(sparse_prob(), SM90)
+    assert fa4.BACKEND.supports(prob(causal=True), SM90, "backward") is None
+    assert "block-sparse backward" in fa4.BACKEND.supports(sparse_prob(), SM90, "backward")
 
 
 def test_moved_private_kwarg_prunes_only_the_configs_that_use_it(installed):
@@ -236,7 +236,7 @@ def test_disk_cache_settings_of_the_user_are_kept(monkeypatch):
 def test_candidate_names_are_unique_and_parse_back(installed):
     for dev in (SM90, SM100):
         for p in (decode(), prob(heads_kv=4, causal=True), sparse_prob()):
-            for cfg in fa4.BACKEND.configs(p, dev):
+            for cfg in [c.config for c in fa4.BACKEND.configs(p, dev)]:
                 assert Config.parse(str(cfg)) == cfg
             candidates(p, dev)  # raises on duplicates
 
@@ -469,13 +469,6 @@ def test_dsl_errors_become_runtime_errors(monkeypatch):
     q = torch.randn(1, 1, 16, 16, dtype=torch.float16)
     with pytest.raises(RuntimeError, match=r"flash-attn-4 \[tile_mn=128x176\] DSLError: error\[CUDA_LAUNCH"):
         fa4.BACKEND.run(AttnCall("attention", q, q, q, 0.25), Config.of(tile_mn="128x176"))
-
-
-def test_warmup_is_the_first_call_and_returns_seconds(monkeypatch):
-    rec = _use_recorder(monkeypatch)
-    q = torch.randn(1, 1, 16, 16, dtype=torch.float16)
-    seconds = fa4.BACKEND.warmup(AttnCall("attention", q, q, q, 0.25), Config())
-    assert len(rec.calls) == 1 and seconds >= 0
 
 
 def test_backward_uses_views_and_returns_our_layout(monkeypatch):

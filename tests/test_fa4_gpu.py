@@ -112,8 +112,8 @@ def block_causal(b, h, q, kv):  # whole blocks only: no partial block, no mask_m
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_block_sparse_forward_matches_reference(dev, mask_mod, heads, d, dtype):
     call = _sparse_call(mask_mod, heads, d, dtype)
-    for cand in fa4.BACKEND.configs(call.problem, dev):
-        if FA4.prune(call.problem, dev, cand) is None:
+    for cand in [c.config for c in fa4.BACKEND.configs(call.problem, dev)]:
+        if FA4._pruned(call.problem, dev, cand) is None:
             assert_matches_reference(call, cand)
 
 
@@ -128,8 +128,8 @@ def test_every_runnable_config_matches_or_fails_softly(dev, case):
     never as another exception type."""
     call = dense_call(dtype=torch.bfloat16, **case)
     ran, failed = [], []
-    for cfg in FA4.configs(call.problem, dev):
-        if FA4.prune(call.problem, dev, cfg) is not None:
+    for cfg in [c.config for c in FA4.configs(call.problem, dev)]:
+        if FA4._pruned(call.problem, dev, cfg) is not None:
             continue
         try:
             assert_matches_reference(call, cfg)
@@ -142,7 +142,7 @@ def test_every_runnable_config_matches_or_fails_softly(dev, case):
 
 def test_heuristic_config_runs_where_fa4_has_a_hand_rule(dev):
     call = dense_call(2, 8, 2, 512, 512, 128, torch.bfloat16, causal=True)
-    cfg = FA4.heuristic_config(call.problem, dev)
+    cfg = FA4.heuristic(call.problem, dev)
     if dev.arch // 10 == 9:  # no FA4 hand rule on Hopper: the heuristic mode keeps the default candidate
         assert cfg is None
     else:
@@ -190,7 +190,7 @@ def _grads_match(call, out, lse, grad_out, grad_lse):
 @pytest.mark.parametrize("with_grad_lse", [False, True])
 def test_dense_backward_matches_reference(dev, case, dtype, with_grad_lse):
     call = dense_call(dtype=dtype, **case)
-    assert FA4.supports_backward(call.problem, dev) is None
+    assert FA4.supports(call.problem, dev, "backward") is None
     out, lse = FA4.run(call, Config())
     gen = torch.Generator(device="cuda").manual_seed(4)
     grad_out = torch.randn(out.shape, device="cuda", dtype=dtype, generator=gen)

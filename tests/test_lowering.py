@@ -1,5 +1,6 @@
-"""The Inductor lowering: baked choices for static shapes, per-bucket dispatch for dynamic shapes, and
-an FX graph cache that never replays code built from stale decisions. CPU, fake backends."""
+"""The compile-time pass: static shapes are decided while compiling and the call is replaced by its plan
+(traced kernels, or the thin launch op), dynamic shapes dispatch per bucket, and Inductor's FX graph cache
+never replays code built from stale decisions. CPU, fake backends."""
 
 import pytest
 import torch
@@ -7,35 +8,66 @@ from fakes import FakeBackend, FakeTimer
 from torch._inductor.utils import run_and_get_code
 
 import inductor_attn
+from inductor_attn import lowering
 from inductor_attn.backends import REFERENCE, only_backends
-from inductor_attn.lowering import cache_guard
+from inductor_attn.lowering.graph_pass import DecisionPass
+
+
+def _fakes(monkeypatch, traceable=False):
+    a = FakeBackend("a", {"default": (1.0, 0.01)}, traceable=traceable)
+    b = FakeBackend("b", {"x=1": (0.5, 0.01)}, traceable=traceable)
+    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b]))
+    return a, b
 
 
 @pytest.fixture
 def fakes(monkeypatch):
-    a = FakeBackend("a", {"default": (1.0, 0.01)})
-    b = FakeBackend("b", {"x=1": (0.5, 0.01)})
-    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b]))
+    a, b = _fakes(monkeypatch)
     torch._dynamo.reset()
     with only_backends(a, b, REFERENCE), inductor_attn.tuning_mode("autotune"):
         yield a, b
     torch._dynamo.reset()
 
 
-def _qkv(length, heads_kv=2):
-    return torch.randn(1, 4, length, 16), torch.randn(1, heads_kv, length, 16), torch.randn(1, heads_kv, length, 16)
+def _qkv(length, heads_kv=2, requires_grad=False):
+    return tuple(torch.randn(1, h, length, 16, requires_grad=requires_grad) for h in (4, heads_kv, heads_kv))
 
 
 def _attn(q, k, v):
     return inductor_attn.attention(q, k, v, causal=True)
 
 
-def test_static_shapes_bake_the_tuned_choice_into_the_generated_call(fakes):
+def test_static_shapes_decide_while_compiling_and_call_the_plan_through_the_launch_op(fakes):
     q, k, v = _qkv(24)
     out, (code,) = run_and_get_code(torch.compile(_attn, fullgraph=True), q, k, v)
-    assert "torch.ops.inductor_attn.attention.default(" in code and "'b:x=1'" in code
+    assert "torch.ops.inductor_attn.launch.default(" in code and "'forward|b:x=1|" in code
+    assert "inductor_attn.attention.default(" not in code  # no decision and no checks per call
     torch.testing.assert_close(out, _attn(q, k, v))
-    assert cache_guard.active()
+    assert lowering.active()
+
+
+def test_a_traceable_plan_is_put_into_the_graph_and_no_op_of_ours_runs(monkeypatch):
+    a, b = _fakes(monkeypatch, traceable=True)
+    torch._dynamo.reset()
+    with only_backends(a, b, REFERENCE), inductor_attn.tuning_mode("autotune"):
+        q, k, v = _qkv(24, requires_grad=True)
+
+        def step(q, k, v):
+            torch.compile(_attn, fullgraph=True)(q, k, v).sum().backward()
+
+        inductor_attn.reset_stats()
+        _, codes = run_and_get_code(step, q, k, v)
+        assert len(codes) == 2 and not any("inductor_attn" in code for code in codes)  # forward and backward
+        assert inductor_attn.stats() == {
+            "attention/backward -> b:x=1 (launched by compiled code, per graph)": 1,
+            "attention/forward -> b:x=1 (launched by compiled code, per graph)": 1}
+        grads = [x.grad for x in (q, k, v)]
+        for x in (q, k, v):
+            x.grad = None
+        _attn(q, k, v).sum().backward()
+        for got, x in zip(grads, (q, k, v)):
+            torch.testing.assert_close(got, x.grad)
+    torch._dynamo.reset()
 
 
 def test_dynamic_lengths_compile_once_and_tune_each_new_bucket_once(fakes, monkeypatch):
@@ -62,30 +94,26 @@ def test_fx_graph_cache_does_not_replay_a_choice_after_the_decisions_changed(fak
     q, k, v = _qkv(24)
     with torch._inductor.config.patch(fx_graph_cache=True, force_disable_caches=False):
         _, (code,) = run_and_get_code(torch.compile(_attn, fullgraph=True), q, k, v)
-        assert "'b:x=1'" in code
+        assert "|b:x=1|" in code
         # the decisions change (cleared, and now "a" is measured faster): recompiling must not replay 'b:x=1'
         inductor_attn.cache.clear()
         b.times["x=1"] = (2.0, 0.01)
         torch._dynamo.reset()
         _, (code,) = run_and_get_code(torch.compile(_attn, fullgraph=True), q, k, v)
-        assert "'a:default'" in code and "'b:x=1'" not in code
+        assert "|a:default|" in code and "|b:x=1|" not in code
 
 
-def test_without_the_guard_nothing_is_baked(fakes):
-    torch._inductor.config.post_grad_custom_post_pass = None
-    try:
-        q, k, v = _qkv(24)
-        torch._dynamo.reset()
-        with torch._inductor.config.patch(post_grad_custom_post_pass=None):
-            # our lowering is already registered, so the guard is not re-installed in this compile
-            out, (code,) = run_and_get_code(torch.compile(_attn, fullgraph=True), q, k, v)
-        assert "torch.ops.inductor_attn.attention.default(" in code and "'b:x=1'" not in code
-        torch.testing.assert_close(out, _attn(q, k, v))
-    finally:
-        cache_guard.install()
+def test_without_the_pass_nothing_is_decided_while_compiling(fakes):
+    q, k, v = _qkv(24)
+    torch._dynamo.reset()
+    # the pass is installed once per process; with the slot emptied the op decides at run time
+    with torch._inductor.config.patch(post_grad_custom_post_pass=None):
+        out, (code,) = run_and_get_code(torch.compile(_attn, fullgraph=True), q, k, v)
+    assert "torch.ops.inductor_attn.attention.default(" in code and "b:x=1" not in code
+    torch.testing.assert_close(out, _attn(q, k, v))
 
 
-def test_guard_chains_a_pass_the_user_already_set():
+def test_the_pass_chains_a_pass_the_user_already_set_and_uninstall_restores_it():
     from inductor_attn._compat import custom_graph_pass_base
 
     seen = []
@@ -97,10 +125,14 @@ def test_guard_chains_a_pass_the_user_already_set():
         def uuid(self):
             return "user-pass-v1"
 
-    with torch._inductor.config.patch(post_grad_custom_post_pass=UserPass()):
-        cache_guard.install()
-        guard = torch._inductor.config.post_grad_custom_post_pass
-        assert isinstance(guard, cache_guard.DecisionCacheGuard) and isinstance(guard.chained, UserPass)
-        guard("graph")
-        assert seen == ["graph"] and guard.uuid() is not None
-    cache_guard.install()
+    user = UserPass()
+    with torch._inductor.config.patch(post_grad_custom_post_pass=user):
+        lowering.install()
+        installed = torch._inductor.config.post_grad_custom_post_pass
+        assert isinstance(installed, DecisionPass) and installed.chained is user
+        graph = torch.fx.Graph()
+        graph.output(None)
+        installed(graph)
+        assert seen == [graph] and installed.uuid() is not None
+        lowering.uninstall()
+        assert torch._inductor.config.post_grad_custom_post_pass is user

@@ -19,7 +19,7 @@ from blocked_imports import run_without
 
 from inductor_attn.backends import REFERENCE, AttnCall, Config, enumerate_candidates, only_backends
 from inductor_attn.backends import triton_decode as decode
-from inductor_attn.device import DeviceInfo, parse_device_override
+from inductor_attn.device import DeviceInfo, device_info, parse_device_override
 from inductor_attn.ops.attention import attention_op
 from inductor_attn.problem import Problem
 from inductor_attn.tuning.correctness import check_output
@@ -89,7 +89,7 @@ def run_poisoned(call: AttnCall, cfg: Config):
         buf.fill_(float("nan"))
     out = torch.full((b, hq, lq, dv), float("nan"), dtype=call.q.dtype, device=call.q.device)
     lse = torch.full((b, hq, lq), float("nan"), dtype=torch.float32, device=call.q.device)
-    decode.launch(call, cfg, out, lse, ws)
+    decode.DecodePlan(call.problem, device_info(call.q.device), cfg).run(call, out, lse, ws)
     return out, lse
 
 
@@ -194,7 +194,7 @@ def test_cpu_problems_need_the_interpreter(monkeypatch):
 
 
 def test_configs_list_every_num_splits_with_unique_parseable_names():
-    cfgs = decode.BACKEND.configs(_problem(), H100)
+    cfgs = [c.config for c in decode.BACKEND.configs(_problem(), H100)]
     assert {c["num_splits"] for c in cfgs} == set(decode.SPLITS)
     names = [str(c) for c in cfgs]
     assert len(set(names)) == len(names) and all(Config.parse(n) == c for n, c in zip(names, cfgs))
@@ -203,18 +203,18 @@ def test_configs_list_every_num_splits_with_unique_parseable_names():
 def test_prune_drops_splits_that_would_get_no_kv_block():
     p = _problem(len_k=512, head_dim=128, head_dim_v=128)
     cfg = Config.of(block_n=64, num_splits=64, num_warps=4)
-    assert decode.BACKEND.prune(p, H100, cfg) == "num_splits 64 > kv blocks 8"
-    assert decode.BACKEND.prune(p, H100, Config.of(block_n=64, num_splits=8, num_warps=4)) is None
+    assert decode._pruned(p, H100, cfg) == "num_splits 64 > kv blocks 8"
+    assert decode._pruned(p, H100, Config.of(block_n=64, num_splits=8, num_warps=4)) is None
 
 
 def test_prune_counts_only_the_keys_a_window_can_see():
     p = _problem(len_k=16384, window_left=127, head_dim=128, head_dim_v=128)
-    assert decode.BACKEND.prune(p, H100, Config.of(block_n=32, num_splits=8, num_warps=4)) == \
+    assert decode._pruned(p, H100, Config.of(block_n=32, num_splits=8, num_warps=4)) == \
         "num_splits 8 > kv blocks 4"
 
 
 def test_prune_drops_tiles_that_exceed_shared_memory():
-    reason = decode.BACKEND.prune(_problem(dtype="float32"), H100, Config.of(block_n=64, num_splits=1,
+    reason = decode._pruned(_problem(dtype="float32"), H100, Config.of(block_n=64, num_splits=1,
                                                                                num_warps=4))
     assert reason is not None and reason.startswith("block_n 64 at D 256 (float32) needs ~")
 
@@ -229,8 +229,8 @@ def test_candidates_for_a_decode_problem_keep_their_reasons():
 
 def test_default_config_fills_the_gpu_with_splits_but_not_past_the_kv_blocks():
     # B1 Hkv2 leaves 2 programs without splitting; ~2 per SM on 132 SMs wants 128 splits
-    assert decode.BACKEND.default_config(_problem(heads_q=16, heads_kv=2, len_k=16384), H100)["num_splits"] == 128
-    assert decode.BACKEND.default_config(_problem(heads_q=16, heads_kv=2, len_k=256), H100)["num_splits"] == 8
+    assert decode._default_config(_problem(heads_q=16, heads_kv=2, len_k=16384), H100)["num_splits"] == 128
+    assert decode._default_config(_problem(heads_q=16, heads_kv=2, len_k=256), H100)["num_splits"] == 8
 
 
 def test_backend_is_inference_only():
@@ -266,7 +266,7 @@ def test_configs_sweep_num_splits_around_one_default_tile():
     from inductor_attn.problem import Problem
 
     p = Problem("attention", "bfloat16", "cuda", 1, 32, 16, 1, 16384, 256, 256)
-    cfgs = BACKEND.configs(p, DeviceInfo("NVIDIA H100", (9, 0), 132))
+    cfgs = [c.config for c in BACKEND.configs(p, DeviceInfo("NVIDIA H100", (9, 0), 132))]
     assert {int(c["num_splits"]) for c in cfgs} == set(SPLITS)
     assert len(cfgs) == len({str(c) for c in cfgs}) <= len(SPLITS) + 4
 
@@ -278,9 +278,9 @@ def test_heuristic_is_the_split_k_hand_rule():
 
     dev = DeviceInfo("NVIDIA H100", (9, 0), 132)
     short = Problem("attention", "bfloat16", "cuda", 1, 32, 16, 1, 255, 128, 128)
-    assert BACKEND.heuristic_config(short, dev) is None
+    assert BACKEND.heuristic(short, dev) is None
     long = Problem("attention", "bfloat16", "cuda", 1, 32, 16, 1, 4096, 128, 128)
-    assert int(BACKEND.heuristic_config(long, dev)["num_splits"]) == 16  # cdiv(4096, 256)
+    assert int(BACKEND.heuristic(long, dev)["num_splits"]) == 16  # cdiv(4096, 256)
 
 
 def test_pdl_helpers_are_where_decode_imports_them():

@@ -110,8 +110,8 @@ def test_every_config_and_num_splits_matches_reference(dtype, d):
     call = _call(case)
     ref = float64_reference(call)
     dev = device_info("cuda")
-    for cfg in decode.BACKEND.configs(call.problem, dev):
-        reason = decode.BACKEND.prune(call.problem, dev, cfg)
+    for cfg in [c.config for c in decode.BACKEND.configs(call.problem, dev)]:
+        reason = decode._pruned(call.problem, dev, cfg)
         if reason is None or reason.startswith("num_splits"):
             _assert_matches(call, cfg, ref)
 
@@ -127,7 +127,7 @@ def test_benchmark_shapes_every_runnable_config_compiles_and_matches(shape):
     call = _call(Case(b=b, hq=hq, hkv=hkv, lq=1, lk=lk, d=d))
     ref = float64_reference(call)
     dev = device_info("cuda")
-    runnable = [c for c in decode.BACKEND.configs(call.problem, dev) if decode.BACKEND.prune(call.problem, dev, c) is None]
+    runnable = [c for c in [c.config for c in decode.BACKEND.configs(call.problem, dev)] if decode._pruned(call.problem, dev, c) is None]
     assert runnable
     for cfg in runnable:
         _assert_matches(call, cfg, ref)

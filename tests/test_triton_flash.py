@@ -137,7 +137,7 @@ def test_half_precision_causal_gqa_matches_naive():
 def test_every_listed_config_matches_naive():
     torch.manual_seed(2)
     call = dense_case(1, 4, 2, 40, 40, 16, 16, causal=True, wl=20, dtype=torch.float16)
-    cfgs = flash.BACKEND.configs(call.problem, DeviceInfo("cpu", (0, 0), 2))
+    cfgs = [c.config for c in flash.BACKEND.configs(call.problem, DeviceInfo("cpu", (0, 0), 2))]
     assert {c["schedule"] for c in cfgs} == {"tile", "persistent", "lpt"}
     for cfg in cfgs:
         check_dense(call, cfg)
@@ -286,7 +286,7 @@ def check_sparse(call: AttnCall, cfg: Config):
 def test_block_sparse_matches_naive(case):
     torch.manual_seed(8)
     call = sparse_case(**SPARSE[case])
-    cfgs = [c for c in flash.BACKEND.configs(call.problem, SM90) if flash.BACKEND.prune(call.problem, SM90, c) is None]
+    cfgs = [c for c in [c.config for c in flash.BACKEND.configs(call.problem, SM90)] if flash.BACKEND._pruned(call.problem, SM90, c) is None]
     assert cfgs
     largest_tma = Config.of(**{**dict(cfgs[0].params), "tma": True})
     for cfg in (cfgs[0], cfgs[-1], largest_tma):  # largest row block, a persistent one, TMA loads
@@ -303,9 +303,9 @@ def test_block_sparse_with_several_tiles_per_mask_block_matches_naive(case):
             "per_batch_and_head_mask": dict(mod=_per_head_stripes, b=2, hq=2, hkv=1, lq=140, lk=170, d=16,
                                             mask_b=2, mask_h=2)}[case]
     call = sparse_case(**spec, block=128)
-    sub_tiled = [c for c in flash.BACKEND.configs(call.problem, SM90) if c["block_n"] < 128]
+    sub_tiled = [c for c in [c.config for c in flash.BACKEND.configs(call.problem, SM90)] if c["block_n"] < 128]
     assert {c["block_n"] for c in sub_tiled} == {32, 64}
-    assert all(flash.BACKEND.prune(call.problem, SM90, c) is None for c in sub_tiled)
+    assert all(flash.BACKEND._pruned(call.problem, SM90, c) is None for c in sub_tiled)
     for cfg in sub_tiled:
         check_sparse(call, cfg)
 
@@ -318,11 +318,11 @@ def test_block_sparse_half_precision():
 
 def test_tma_is_listed_only_where_the_device_has_it():
     p = problem(causal=True)
-    assert {c.get("tma") for c in flash.BACKEND.configs(p, SM90)} == {True, False}
+    assert {c.get("tma") for c in [c.config for c in flash.BACKEND.configs(p, SM90)]} == {True, False}
     a100 = DeviceInfo("NVIDIA A100-SXM4-80GB", (8, 0), 108)
-    assert {c.get("tma") for c in flash.BACKEND.configs(p, a100)} == {None}
+    assert {c.get("tma") for c in [c.config for c in flash.BACKEND.configs(p, a100)]} == {None}
     tma = Config.of(block_m=128, block_n=64, num_warps=8, num_stages=3, schedule="tile", tma=True)
-    assert "sm_90" in flash.BACKEND.prune(p, a100, tma)
+    assert "sm_90" in flash.BACKEND._pruned(p, a100, tma)
 
 
 def test_unlisted_sparse_blocks_are_never_read():
@@ -351,7 +351,8 @@ def test_tile_list_holds_exactly_the_non_empty_tiles_and_marks_the_whole_ones(ca
             "skips_first_tile": dict(mod=_skips_first_tile, b=1, hq=1, hkv=1, lq=130, lk=128, d=16)}[case]
     call = sparse_case(**spec, block=128)
     meta = flash.kernel_constexprs(call.problem, TILE_LIST, call.sparse.full_kv_num_blocks is not None)
-    tiles = flash._tile_list(call.sparse, flash._tile_list_shape(call.sparse, call.problem.len_q, meta), meta)
+    shape = flash._tile_list_shape(call.sparse, call.problem.len_q, meta)
+    tiles = flash._tile_list(call.sparse, shape, meta, flash.eager_launcher)
     lq, lk = call.problem.len_q, call.problem.len_k
     dense = torch.nn.functional.pad(call.sparse.dense_mask(), (0, -lk % 32))  # whole 32-key tiles
     sub = 128 // 32
@@ -408,29 +409,29 @@ TYPICAL = {
 def test_configs_are_a_short_unique_mostly_runnable_list(name):
     p = TYPICAL[name]
     assert flash.BACKEND.supports(p, SM90) is None
-    cfgs = flash.BACKEND.configs(p, SM90)
+    cfgs = [c.config for c in flash.BACKEND.configs(p, SM90)]
     names = [str(c) for c in cfgs]
     assert 5 <= len(cfgs) <= 12 and len(set(names)) == len(names)
     assert all(Config.parse(n) == c for n, c in zip(names, cfgs))
-    runnable = [c for c in cfgs if flash.BACKEND.prune(p, SM90, c) is None]
-    assert len(runnable) >= 4, {str(c): flash.BACKEND.prune(p, SM90, c) for c in cfgs}
+    runnable = [c for c in cfgs if flash.BACKEND._pruned(p, SM90, c) is None]
+    assert len(runnable) >= 4, {str(c): flash.BACKEND._pruned(p, SM90, c) for c in cfgs}
 
 
 @pytest.mark.parametrize("blocks", [(128, 128), (64, 64), (128, 64), (64, 32), (128, 32), (32, 128)])
 def test_block_sparse_configs_are_unique_and_list_tile_walks_of_small_tiles(blocks):
     p = problem(op="block_sparse", block_q=blocks[0], block_kv=blocks[1])
-    cfgs = flash.BACKEND.configs(p, SM90)
+    cfgs = [c.config for c in flash.BACKEND.configs(p, SM90)]
     assert len({str(c) for c in cfgs}) == len(cfgs) <= 12
     walks = [c for c in cfgs if c.get("tile_list")]
     assert walks and all(c["block_m"] * c["block_n"] < blocks[0] * blocks[1] for c in walks)
-    assert all(flash.BACKEND.prune(p, SM90, c) is None for c in walks)
+    assert all(flash.BACKEND._pruned(p, SM90, c) is None for c in walks)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_fp32_keeps_a_runnable_one_tile_config_and_prunes_big_tiles_for_shared_memory(d):
     p = problem(dtype="float32", head_dim=d, head_dim_v=d, causal=True)
-    cfgs = flash.BACKEND.configs(p, SM90)
-    reasons = [flash.BACKEND.prune(p, SM90, c) for c in cfgs]
+    cfgs = [c.config for c in flash.BACKEND.configs(p, SM90)]
+    reasons = [flash.BACKEND._pruned(p, SM90, c) for c in cfgs]
     assert None in reasons
     assert any(r and "shared memory" in r for r in reasons)
     assert {c["schedule"] for c in cfgs} == {"tile"}
@@ -439,33 +440,33 @@ def test_fp32_keeps_a_runnable_one_tile_config_and_prunes_big_tiles_for_shared_m
 def test_listed_bf16_configs_fit_the_register_and_shared_memory_rules():
     """The rules were calibrated by compiling for sm_90; a listed config that breaks them is a list bug."""
     for p in TYPICAL.values():
-        for cfg in flash.BACKEND.configs(p, SM90):
-            assert flash.BACKEND.prune(p, SM90, cfg) is None, (p, str(cfg))
+        for cfg in [c.config for c in flash.BACKEND.configs(p, SM90)]:
+            assert flash.BACKEND._pruned(p, SM90, cfg) is None, (p, str(cfg))
 
 
 def test_register_rule_prunes_shapes_that_spill():
     d128 = problem()
     spilling = Config.of(block_m=128, block_n=64, num_warps=4, num_stages=3, schedule="tile")
-    assert "spill" in flash.BACKEND.prune(d128, SM90, spilling)
+    assert "spill" in flash.BACKEND._pruned(d128, SM90, spilling)
     looping = Config.of(block_m=128, block_n=128, num_warps=8, num_stages=2, schedule="persistent")
-    assert "persistent programs spill" in flash.BACKEND.prune(d128, SM90, looping)
-    assert flash.BACKEND.prune(d128, SM90, Config.of(block_m=128, block_n=128, num_warps=8, num_stages=2,
+    assert "persistent programs spill" in flash.BACKEND._pruned(d128, SM90, looping)
+    assert flash.BACKEND._pruned(d128, SM90, Config.of(block_m=128, block_n=128, num_warps=8, num_stages=2,
                                                      schedule="tile")) is None
 
 
 def test_prune_gives_reasons():
     b = flash.BACKEND
     lpt = Config.of(block_m=128, block_n=64, num_warps=8, num_stages=3, schedule="lpt")
-    assert "lpt only helps causal/window" in b.prune(problem(), SM90, lpt)
-    assert b.prune(problem(causal=True), SM90, lpt) is None
+    assert "lpt only helps causal/window" in b._pruned(problem(), SM90, lpt)
+    assert b._pruned(problem(causal=True), SM90, lpt) is None
     sparse = problem(op="block_sparse", block_q=64, block_kv=128)
-    assert b.prune(sparse, SM90, Config.of(block_m=64, block_n=64, num_warps=4, num_stages=2, schedule="tile")) is None
-    assert "block_kv" in b.prune(sparse, SM90, Config.of(block_m=64, block_n=16, num_warps=4, num_stages=2,
+    assert b._pruned(sparse, SM90, Config.of(block_m=64, block_n=64, num_warps=4, num_stages=2, schedule="tile")) is None
+    assert "block_kv" in b._pruned(sparse, SM90, Config.of(block_m=64, block_n=16, num_warps=4, num_stages=2,
                                                         schedule="tile"))
-    assert "block_q" in b.prune(sparse, SM90, Config.of(block_m=128, block_n=128, num_warps=8, num_stages=2,
+    assert "block_q" in b._pruned(sparse, SM90, Config.of(block_m=128, block_n=128, num_warps=8, num_stages=2,
                                                        schedule="tile"))
     huge = Config.of(block_m=128, block_n=128, num_warps=4, num_stages=4, schedule="tile")
-    assert "shared memory" in b.prune(problem(head_dim=256, head_dim_v=256), SM90, huge)
+    assert "shared memory" in b._pruned(problem(head_dim=256, head_dim_v=256), SM90, huge)
 
 
 def test_supports_gives_reasons(monkeypatch):
@@ -503,11 +504,12 @@ def test_candidates_enumerate_without_duplicates():
 @pytest.mark.parametrize("index", [0, 1, 2])
 def test_source_hash_covers_the_forward_and_backward_kernel_modules(monkeypatch, tmp_path, index):
     before = flash.BACKEND.source_hash()
-    sources = list(flash.KERNEL_SOURCES)
-    edited = tmp_path / sources[index].name
-    edited.write_bytes(sources[index].read_bytes() + b"# edited\n")
-    sources[index] = edited
-    monkeypatch.setattr(flash, "KERNEL_SOURCES", sources)
+    sources = list(flash.BACKEND.sources)
+    at = sources.index(flash.KERNEL_SOURCES[index])
+    edited = tmp_path / sources[at].name
+    edited.write_bytes(sources[at].read_bytes() + b"# edited\n")
+    sources[at] = edited
+    monkeypatch.setattr(flash.BACKEND, "sources", tuple(sources))
     assert flash.BACKEND.source_hash() != before
 
 
@@ -519,4 +521,4 @@ def test_backward_is_delegated_lazily_to_flash_bwd(monkeypatch):
     call = dense_case(1, 1, 1, 4, 4, 16, 16)
     assert flash.BACKEND.has_backward
     assert flash.BACKEND.backward(call, small(), "out", "lse", "dout", None) == "grads"
-    assert seen == [(call, small(), "out", "lse", "dout", None)]
+    assert seen == [(small(), flash.eager_launcher, call, "out", "lse", "dout", None)]

@@ -1,4 +1,4 @@
-"""Triton backward (backends/triton/flash_bwd.py) in Triton's interpreter: tiny shapes, CPU.
+"""Triton backward (backends/triton_flash/flash_bwd.py) in Triton's interpreter: tiny shapes, CPU.
 
 The oracle is float64 autograd of a naive masked softmax (tests/naive.py masks) including the lse
 output, or the reference backend's backward where masks are easier to state there (varlen, block
@@ -16,6 +16,7 @@ import torch
 
 from inductor_attn.backends import reference
 from inductor_attn.backends.base import AttnCall, Config
+from inductor_attn.backends.triton_common import eager_launcher
 from inductor_attn.block_mask import BlockSparseMask, pack_bits
 from inductor_attn.device import DeviceInfo
 from inductor_attn.problem import Problem
@@ -65,7 +66,7 @@ def run_ours(call, cfg, out, lse, grad_out, grad_lse, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(torch, "empty", empty)
         m.setattr(torch, "empty_like", empty_like)
-        return flash_bwd.backward(call, cfg, out, lse, grad_out, grad_lse)
+        return flash_bwd.backward(cfg, eager_launcher, call, out, lse, grad_out, grad_lse)
 
 
 def assert_close(got, want, dtype, what=("dq", "dk", "dv")):
@@ -141,7 +142,8 @@ def test_window_edges_sweep_matches_reference():
         out, lse = reference.BACKEND.run(call, Config())
         go, gl = torch.randn(out.shape, generator=gen), torch.randn(lse.shape, generator=gen)
         want = reference.BACKEND.backward(call, Config(), out, lse, go, gl)
-        got = flash_bwd.backward(call, Config.of(bwd_block_m=16, bwd_block_n=16, bwd_dq=mode), out, lse, go, gl)
+        cfg = Config.of(bwd_block_m=16, bwd_block_n=16, bwd_dq=mode)
+        got = flash_bwd.backward(cfg, eager_launcher, call, out, lse, go, gl)
         floor = 1e-2 * want[2].norm()
         for name, a, b in zip(("dq", "dk", "dv"), got, want):
             err = ((a - b).norm() / torch.maximum(b.norm(), floor)).item()
@@ -314,7 +316,7 @@ def test_backward_configs_are_unique_and_fit_block_sizes():
     h100 = DeviceInfo("NVIDIA H100 80GB HBM3", (9, 0), 132)
     for p in (_problem(), _problem(head_dim=64, head_dim_v=64), _problem(head_dim=256, head_dim_v=256),
               _problem(op="block_sparse", causal=False, block_q=128, block_kv=64)):
-        cfgs = flash_bwd.backward_configs(p, h100)
+        cfgs = [c for c, _ in flash_bwd.backward_candidates(p, h100)]
         names = [str(c) for c in cfgs]
         assert cfgs and len(set(names)) == len(names)
         assert {c["bwd_dq"] for c in cfgs} == {"separate", "atomic"}
@@ -329,4 +331,4 @@ def test_unsupported_problems_say_why():
     assert flash_bwd.unsupported_reason(_problem()) is None
     with pytest.raises(TypeError, match="float64"):
         q = torch.randn(1, 1, 4, 16, dtype=torch.float64)
-        flash_bwd.backward(AttnCall("attention", q, q, q, 1.0), Config(), q, q[..., 0].float(), q, None)
+        flash_bwd.backward(Config(), eager_launcher, AttnCall("attention", q, q, q, 1.0), q, q[..., 0].float(), q, None)

@@ -14,6 +14,7 @@ from test_triton_flash_bwd import assert_close, dense_mask, flash_bwd, oracle_gr
 
 from inductor_attn.backends import reference
 from inductor_attn.backends.base import AttnCall, Config
+from inductor_attn.backends.triton_common import eager_launcher
 from inductor_attn.block_mask import BlockSparseMask
 from inductor_attn.device import device_info
 from inductor_attn.tuning.correctness import TOLERANCES
@@ -75,7 +76,7 @@ def test_every_listed_config_matches_float64(case, dtype, monkeypatch):
     c = DENSE[case]
     q, k, v, *_ = _inputs(c["b"], c["hq"], c["hkv"], c["lq"], c["lk"], c["d"], c["dv"], dtype, 0)
     call = AttnCall("attention", q, k, v, 1.0, c.get("causal", False), c.get("wl", -1), c.get("wr", -1))
-    cfgs = flash_bwd.backward_configs(call.problem, device_info(q.device))
+    cfgs = [cfg for cfg, reason in flash_bwd.backward_candidates(call.problem, device_info(q.device)) if not reason]
     assert cfgs
     for i, cfg in enumerate(cfgs):
         check_dense(monkeypatch, cfg, dtype, seed=i, **c)
@@ -169,7 +170,7 @@ def test_deterministic_mode_gives_bitwise_identical_grads(dtype):
                               (wanted, True)):
             torch.use_deterministic_algorithms(flag)
             try:
-                first, second = (flash_bwd.backward(call, det_cfg, *grads) for _ in range(2))
+                first, second = (flash_bwd.backward(det_cfg, eager_launcher, call, *grads) for _ in range(2))
             finally:
                 torch.use_deterministic_algorithms(False)
             for a, b in zip(first, second):
@@ -183,15 +184,15 @@ def test_backward_is_cuda_graph_capturable(monkeypatch):
                  AttnCall("block_sparse", q, k, v, 0.125, sparse=_flex_mask("doc_window", 700, 700, 8, 128))):
         out, lse = reference.BACKEND.run(call, Config())
         cfg = Config.of(bwd_dq="atomic", bwd_kv_split=2)
-        eager = flash_bwd.backward(call, cfg, out, lse, go, gl)
+        eager = flash_bwd.backward(cfg, eager_launcher, call, out, lse, go, gl)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            flash_bwd.backward(call, cfg, out, lse, go, gl)  # warm up (compiles) outside the capture
+            flash_bwd.backward(cfg, eager_launcher, call, out, lse, go, gl)  # warm up (compiles) outside the capture
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = flash_bwd.backward(call, cfg, out, lse, go, gl)
+            captured = flash_bwd.backward(cfg, eager_launcher, call, out, lse, go, gl)
         graph.replay()
         torch.cuda.synchronize()
         for a, b in zip(captured, eager):

@@ -48,7 +48,7 @@ def as_float64(call: AttnCall) -> AttnCall:
 def runnable_configs(call: AttnCall) -> list[Config]:
     p, dev = call.problem, device_info(call.q.device)
     assert flash.BACKEND.supports(p, dev) is None, flash.BACKEND.supports(p, dev)
-    return [c for c in flash.BACKEND.configs(p, dev) if flash.BACKEND.prune(p, dev, c) is None]
+    return [c for c in [c.config for c in flash.BACKEND.configs(p, dev)] if flash.BACKEND._pruned(p, dev, c) is None]
 
 
 def check(call: AttnCall, cfgs: list[Config]):

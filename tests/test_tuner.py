@@ -90,7 +90,7 @@ def test_pruned_and_unsupported_candidates_keep_their_reason():
 
 def test_programming_error_in_a_backend_raises_in_strict_mode_and_is_dropped_otherwise(monkeypatch):
     class Buggy(FakeBackend):
-        def run(self, call, cfg):
+        def _forward(self, cfg, call):
             raise TypeError("unexpected keyword argument 'tile'")
 
     a = FakeBackend("a", {"default": (1.0, 0.01)})
@@ -104,10 +104,10 @@ def test_programming_error_in_a_backend_raises_in_strict_mode_and_is_dropped_oth
 
 def test_first_call_time_is_recorded_apart_from_run_time():
     class SlowFirstCall(FakeBackend):
-        def run(self, call, cfg):
+        def _forward(self, cfg, call):
             if self.calls == 0:
                 time.sleep(0.2)  # a JIT compile
-            return super().run(call, cfg)
+            return super()._forward(cfg, call)
 
     a = FakeBackend("a", {"default": (1.0, 0.01)})
     slow = SlowFirstCall("b", {"default": (0.5, 0.01)})
@@ -136,13 +136,18 @@ def test_tune_result_survives_a_json_round_trip():
     assert again == result
 
 
-def test_kernel_library_errors_count_as_failed_candidates_even_in_strict_mode():
+def test_errors_a_backend_declares_count_as_failed_candidates_even_in_strict_mode():
     from inductor_attn.tuning.tuner import is_candidate_error
 
     class OutOfResources(Exception):  # what triton.runtime.errors raises for too much shared memory
         pass
 
-    OutOfResources.__module__ = "triton.runtime.errors"
-    assert is_candidate_error(OutOfResources("shared memory 300000 > 232448"))
-    assert is_candidate_error(RuntimeError("CUDA error"))
-    assert not is_candidate_error(TypeError("bad argument"))
+    class Kernels(FakeBackend):
+        def errors(self):
+            return (OutOfResources,)
+
+    backend = Kernels("k", {"default": (1.0, 0.01)})
+    assert is_candidate_error(OutOfResources("shared memory 300000 > 232448"), backend)
+    assert is_candidate_error(RuntimeError("CUDA error"), backend)
+    assert not is_candidate_error(TypeError("bad argument"), backend)
+    assert not is_candidate_error(OutOfResources("shared memory"), FakeBackend("other", {"default": (1.0, 0.01)}))

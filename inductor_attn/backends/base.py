@@ -1,21 +1,29 @@
-"""The backend protocol: what every kernel family implements to become a tuning candidate.
+"""The backend contract: what a kernel family implements to become a tuning candidate.
 
-A backend is a small object with a ``name`` and four methods (FlashInfer's TunableRunner and Inductor's
-ChoiceCaller have the same shape):
-- ``supports(p, dev) -> None | reason``: can it run this problem on this device at all; the reason is
-  shown to users ("CLC needs sm_100").
-- ``configs(p, dev) -> [Config]``: its knobs for this problem.
-- ``prune(p, dev, cfg) -> None | reason``: a single config that cannot run here, with why.
-- ``run(call, cfg) -> (out, lse)``; backends with ``has_backward`` also implement ``backward`` and
-  may narrow it with ``supports_backward(p, dev) -> None | reason``.
-Nothing here raises for an unsupported problem: reasons are returned, so enumeration never fails.
+A backend turns a problem into candidates, and a chosen candidate into a :class:`Plan`:
+
+- ``name``; ``requires``: distributions whose versions enter decision keys; ``sources``: files whose
+  bytes are hashed into decision keys (editing a kernel invalidates its old timings, like Inductor's
+  ``ExternKernelChoice.hash_key``); ``knobs``: the config keys it reads and their types;
+  ``takes_key_mask``: whether its plans apply ``AttnCall.key_mask``.
+- ``supports(p, dev, direction) -> None | reason``: whether it can run this problem here at all.
+- ``configs(p, dev, direction) -> [Candidate]``: its knob settings, pruned ones with their reason.
+- ``heuristic(p, dev) -> Config | None``: today's hand rule, if the backend has one.
+- ``errors() -> tuple of exception types`` that mean "this candidate cannot run here" (compile, launch
+  and resource failures of its library); anything else a candidate raises is a bug and is reported.
+- ``plan(p, dev, cfg, direction) -> Plan``: everything Python decides for (problem, config, device),
+  done once. ``Plan.launch`` only allocates outputs and launches kernels.
+
+Nothing in enumeration raises for an unsupported problem: reasons are returned.
 """
 
 from __future__ import annotations
 
 import hashlib
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -24,6 +32,7 @@ from ..device import DeviceInfo
 from ..problem import Problem
 
 ConfigValue = int | bool | str
+DIRECTIONS = ("forward", "backward")
 
 
 @dataclass(frozen=True, order=True)
@@ -56,7 +65,9 @@ class Config:
             return cls()
         params = {}
         for item in text.split(","):
-            k, v = item.split("=", 1)
+            k, sep, v = item.partition("=")
+            if not sep or not k:
+                raise ValueError(f"config {text!r}: expected comma-separated key=value items, got {item!r}")
             params[k] = True if v == "True" else False if v == "False" else int(v) if v.lstrip("-").isdigit() else v
         return cls.of(**params)
 
@@ -82,7 +93,7 @@ class Candidate:
 
 @dataclass
 class AttnCall:
-    """The tensors and arguments of one call of an op: what ``Backend.run`` receives.
+    """The tensors and arguments of one call of an op: what ``Plan.launch`` receives.
 
     Layouts: ``attention`` and ``block_sparse`` use (B, H, L, D) with any strides; ``varlen`` uses the
     packed (total_tokens, H, D) with ``cu_seqlens_*``.
@@ -129,36 +140,100 @@ def problem_of(call: AttnCall) -> Problem:
                    has_key_mask=call.key_mask is not None, **common, **extra)
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What a backend decided for one (problem, config, device, direction).
+
+    ``launch`` runs the call: ``launch(call) -> (out, lse)`` forward, ``launch(call, out, lse, grad_out,
+    grad_lse) -> (dq, dk, dv)`` backward, outputs in the ops' layout contract (layout.py). It allocates
+    outputs and launches kernels; no checks, no decisions. ``traced`` is the same computation written
+    with torch ops and ``torch.library.wrap_triton`` launches only, so ``make_fx`` can put it into a
+    compiled graph and Inductor's generated code launches the kernels itself; None where that is
+    impossible (CuTe DSL kernels, host-side TMA descriptors), and compiled code calls ``launch`` through
+    one thin op instead (lowering/). ``warm``: ``traced`` reads what one eager launch records (a
+    persistent grid's programs per SM), so the compile launches once before tracing.
+    """
+
+    launch: Callable[..., tuple[torch.Tensor, ...]]
+    traced: Callable[..., tuple[torch.Tensor, ...]] | None = None
+    warm: bool = False
+
+
 class Backend:
-    """Base class with the protocol's defaults; see the module docstring."""
+    """Base class with the contract's defaults; see the module docstring."""
 
     name: str = "?"
-    has_backward: bool = False
-    # whether run/backward apply AttnCall.key_mask; the registry prunes the others for such problems
+    requires: tuple[str, ...] = ()
+    sources: tuple[Path, ...] = ()
+    knobs: dict[str, type | tuple] = {}
     takes_key_mask: bool = False
+    has_backward: bool = False
 
-    def supports(self, p: Problem, dev: DeviceInfo) -> str | None:
+    def supports(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> str | None:
         raise NotImplementedError
 
-    def supports_backward(self, p: Problem, dev: DeviceInfo) -> str | None:
-        return None if self.has_backward else f"{self.name} has no backward"
+    def configs(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> list[Candidate]:
+        return [Candidate(self.name, Config())]
 
-    def configs(self, p: Problem, dev: DeviceInfo) -> list[Config]:
-        return [Config()]
-
-    def backward_configs(self, p: Problem, dev: DeviceInfo) -> list[Config]:
-        """Knobs of the backward kernel (default: the forward's)."""
-        return self.configs(p, dev)
-
-    def prune(self, p: Problem, dev: DeviceInfo, cfg: Config) -> str | None:
+    def heuristic(self, p: Problem, dev: DeviceInfo) -> Config | None:
         return None
 
-    def run(self, call: AttnCall, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    def errors(self) -> tuple[type[BaseException], ...]:
+        return ()
+
+    def plan(self, p: Problem, dev: DeviceInfo, cfg: Config, direction: str) -> Plan:
         raise NotImplementedError
 
-    def backward(self, call: AttnCall, cfg: Config, out, lse, grad_out, grad_lse):
-        raise NotImplementedError(f"backend {self.name} has no backward")
+    # conveniences for tests and benchmarks: plan and launch in one step (the runtime caches plans)
+    def run(self, call: AttnCall, cfg: Config | None):
+        return self.plan(call.problem, _device(call), cfg or Config(), "forward").launch(call)
+
+    def backward(self, call: AttnCall, cfg: Config | None, out, lse, grad_out, grad_lse):
+        if not self.has_backward:
+            raise NotImplementedError(f"backend {self.name} has no backward")
+        return self.plan(call.problem, _device(call), cfg or Config(), "backward").launch(
+            call, out, lse, grad_out, grad_lse)
+
+    def candidate(self, cfg: Config, pruned: str | None = None) -> Candidate:
+        return Candidate(self.name, cfg, pruned)
 
     def source_hash(self) -> str:
-        """Hash of this backend's module source: editing a kernel invalidates its old decisions."""
-        return hashlib.sha256(inspect.getsource(inspect.getmodule(type(self))).encode()).hexdigest()[:16]
+        """Hash of ``sources`` (default: this backend's module): editing a kernel invalidates its decisions."""
+        files = self.sources or (Path(inspect.getfile(type(self))),)
+        digest = hashlib.sha256()
+        for path in files:
+            digest.update(Path(path).read_bytes())
+        return digest.hexdigest()[:16]
+
+
+def _device(call: AttnCall) -> DeviceInfo:
+    from ..device import device_info
+
+    return device_info(call.q.device)
+
+
+def check_knobs(backend: Backend, cfg: Config) -> None:
+    """Raise ValueError unless every key of ``cfg`` is one of ``backend.knobs`` with an accepted value (a
+    type, a tuple of types, or a tuple of allowed values): a typo must not silently mean the default.
+
+    >>> class B(Backend):
+    ...     name, knobs = "b", {"block_m": int, "schedule": ("tile", "lpt")}
+    >>> check_knobs(B(), Config.of(block_m=64, schedule="lpt"))
+    >>> check_knobs(B(), Config.of(blok_m=64))
+    Traceback (most recent call last):
+    ValueError: backend 'b' has no knob 'blok_m' (config blok_m=64); its knobs: block_m, schedule
+    """
+    for key, value in cfg.params:
+        if key not in backend.knobs:
+            known = ", ".join(sorted(backend.knobs)) or "none"
+            raise ValueError(f"backend {backend.name!r} has no knob {key!r} (config {cfg}); its knobs: {known}")
+        allowed = backend.knobs[key]
+        types = allowed if isinstance(allowed, tuple) and all(isinstance(a, type) for a in allowed) else (
+            (allowed,) if isinstance(allowed, type) else None)
+        if types is not None:
+            ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+            accepted = " or ".join(t.__name__ for t in types)
+        else:
+            ok, accepted = value in allowed, ", ".join(map(repr, allowed))
+        if not ok:
+            raise ValueError(f"backend {backend.name!r}: knob {key}={value!r} in config {cfg}; accepted: {accepted}")

@@ -23,14 +23,14 @@ Block-sparse: our :class:`BlockSparseMask` maps onto ``BlockSparseTensorsTorch``
 CuTe function that reads our per-block bitmaps through ``aux_tensors`` (:func:`_bitmap_mask_mod`).
 
 Compilation: FA4 JIT-compiles each configuration on first use (1-3 s on an H200, anchors README). Its
-disk cache is switched on before the first import unless the user configured it (:func:`_load`), and
-:meth:`FA4Backend.warmup` is that first call, so the tuner books compile time apart from run time.
+disk cache is switched on before the first import unless the user configured it (:func:`_load`).
+
+Backward: ``_flash_attn_bwd`` on sm_90 picks its tiles itself, so ``deterministic`` is its only knob.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import importlib.metadata
 import inspect
@@ -38,7 +38,6 @@ import logging
 import os
 import sys
 import threading
-import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,8 +45,9 @@ from pathlib import Path
 import torch
 
 from ..device import DeviceInfo
+from ..layout import empty_like_layout
 from ..problem import Problem
-from .base import AttnCall, Backend, Config
+from .base import AttnCall, Backend, Candidate, Config, Plan
 from .block_bitmap import slot_table
 
 log = logging.getLogger(__name__)
@@ -227,6 +227,7 @@ def split_candidates(p: Problem, sm_count: int) -> list[int]:
     none when there are 4 kv blocks or fewer. Tiles are 128 x 128; FA4 packs GQA heads into the m
     dimension and runs two q tiles per CTA once the packed rows exceed 128.
 
+    >>> import dataclasses
     >>> dec = Problem("attention", "bfloat16", "cuda", 1, 32, 8, 1, 8192, 128, 128)
     >>> split_candidates(dec, 148), split_candidates(dataclasses.replace(dec, len_q=1024, len_k=1024), 148)
     ([1, 9, 18], [1])
@@ -260,9 +261,9 @@ def _head_dim_reason(p: Problem, arch: int) -> str | None:
     d, dv = p.head_dim, p.head_dim_v
     if d % 8 or dv % 8:
         return f"flash-attn-4 needs head dims that are multiples of 8, got ({d}, {dv})"
-    if arch // 10 == 9 and not (8 <= d <= 256 and 8 <= dv <= 256):
+    if family(arch) == "sm90" and not (8 <= d <= 256 and 8 <= dv <= 256):
         return f"flash-attn-4 on sm_90 takes head dims 8..256, got ({d}, {dv})"
-    if arch // 10 in (10, 11) and not (max(d, dv) <= 128 or (d, dv) in ((192, 128), (256, 256))):
+    if family(arch) == "sm100" and not (max(d, dv) <= 128 or (d, dv) in ((192, 128), (256, 256))):
         return f"flash-attn-4 on sm_100 takes head dims up to 128, (192, 128) or (256, 256), got ({d}, {dv})"
     return None
 
@@ -387,16 +388,23 @@ def _leading(t: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------ backend
 class FA4Backend(Backend):
+    """Not traced into compiled graphs (CuTe DSL kernels): compiled code calls the plan's launch through
+    one thin op, and on sm_90 that launch calls FA4's compiled kernel directly (:class:`_ForwardLaunch`)."""
+
     name = "fa4"
+    requires = ("flash-attn-4", "nvidia-cutlass-dsl")
+    sources = (Path(__file__), Path(__file__).with_name("block_bitmap.py"))
+    knobs = {"tile_mn": str, "mma_pv_is_rs": bool, "intra_wg_overlap": bool, "pack_gqa": bool, "clc": bool,
+             "num_splits": int, "deterministic": bool}
     has_backward = True
 
     # ---------------------------------------------------------------- enumeration (no FA4 needed)
-    def supports(self, p: Problem, dev: DeviceInfo) -> str | None:
+    def supports(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> str | None:
         if p.device_type != "cuda":
             return "needs a CUDA device"
         if p.dtype not in ("float16", "bfloat16"):
             return f"flash-attn-4 takes float16 and bfloat16 only, got {p.dtype}"
-        if dev.arch // 10 not in (9, 10, 11):
+        if family(dev.arch) is None:
             return f"flash-attn-4 backend covers sm_90 and sm_100/sm_110, got sm_{dev.arch}"
         reason = _head_dim_reason(p, dev.arch)
         if reason:
@@ -409,41 +417,48 @@ class FA4Backend(Backend):
             return f"flash-attn-4 {fa.version}: _flash_attn_fwd no longer takes {', '.join(lost)}"
         if p.op == "block_sparse" and not fa.has_sparse_block_size:
             return f"flash-attn-4 {fa.version}: BlockSparseTensorsTorch has no block_size field"
+        if direction == "backward":
+            # not block-sparse: FA4 wants q-direction block lists there, and its sm_90 block-sparse
+            # backward has known wrong gradients at head_dim 64 (flash-attention #2623)
+            if p.op == "block_sparse":
+                return "flash-attn-4 block-sparse backward is not wired (needs q-direction blocks; #2623)"
+            lost = missing_kwargs(fa.bwd_params, BWD_KWARGS)
+            if lost:
+                return f"flash-attn-4: _flash_attn_bwd no longer takes {', '.join(lost)}"
         return None
 
-    def supports_backward(self, p: Problem, dev: DeviceInfo) -> str | None:
-        """Backward runs dense, GQA, window, kv_seqlens and varlen problems on sm_90 (and, unmeasured,
-        sm_100); not block-sparse: FA4 wants q-direction block lists there, and its sm_90 block-sparse
-        backward has known wrong gradients at head_dim 64 (flash-attention #2623)."""
-        reason = self.supports(p, dev)
-        if reason:
-            return reason
-        if p.op == "block_sparse":
-            return "flash-attn-4 block-sparse backward is not wired (needs q-direction blocks; #2623)"
-        lost = missing_kwargs(_load().bwd_params, BWD_KWARGS)
-        return f"flash-attn-4: _flash_attn_bwd no longer takes {', '.join(lost)}" if lost else None
+    def configs(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> list[Candidate]:
+        if direction == "backward":
+            return self._backward_configs()
+        scheduler = [Config.of(clc=clc, num_splits=s) for clc in (False, True) for s in self._splits(p, dev)]
+        if family(dev.arch) == "sm100":
+            cfgs = scheduler
+        else:
+            cfgs = [Config()]
+            if p.head_dim <= 128 and not p.is_decode:  # the measured range; a decode tile is one m-block
+                cfgs += SM90_ALTERNATIVES
+            if p.gqa_ratio > 1:
+                cfgs.append(Config.of(pack_gqa=False))
+            # shown so users see why they are not tried here; the one equal to FA4's default is left out
+            cfgs += [c for c in scheduler if c != Config.of(clc=False, num_splits=1)]
+        return [self.candidate(c, self._pruned(p, dev, c)) for c in cfgs]
 
-    def configs(self, p: Problem, dev: DeviceInfo) -> list[Config]:
-        scheduler = [Config.of(clc=clc, num_splits=s)
-                     for clc in (False, True) for s in self._splits(p, dev)]
-        if dev.arch // 10 in (10, 11):
-            return scheduler
-        out = [Config()]
-        if p.head_dim <= 128 and not p.is_decode:  # the measured range; a decode tile is one m-block
-            out += SM90_ALTERNATIVES
-        if p.gqa_ratio > 1:
-            out.append(Config.of(pack_gqa=False))
-        # shown so users see why they are not tried here; the one equal to FA4's default is left out
-        return out + [c for c in scheduler if c != Config.of(clc=False, num_splits=1)]
+    def _backward_configs(self) -> list[Candidate]:
+        """The backward's one real knob. b36's ``_flash_attn_bwd`` replaces its tile arguments with its
+        own per-arch choice (``_tile_size_bwd_sm90`` on sm_90), so tiles are no candidates; only
+        ``deterministic`` (no atomics in dK/dV across GQA heads, fixed dQ order) changes the kernel. It is
+        the one config under ``torch.use_deterministic_algorithms(True)``, and otherwise left out: it
+        is the slower variant of the same kernel."""
+        return [self.candidate(Config.of(deterministic=torch.are_deterministic_algorithms_enabled()))]
 
     def _splits(self, p: Problem, dev: DeviceInfo) -> list[int]:
         return [1] if p.op == "block_sparse" else split_candidates(p, dev.sm_count)
 
-    def prune(self, p: Problem, dev: DeviceInfo, cfg: Config) -> str | None:
+    def _pruned(self, p: Problem, dev: DeviceInfo, cfg: Config) -> str | None:
         arch = dev.arch
         if cfg.get("clc") and arch < 100:
             return "CLC needs sm_100"
-        if cfg.get("num_splits", 1) > 1 and arch // 10 == 9:
+        if cfg.get("num_splits", 1) > 1 and family(arch) == "sm90":
             return "split-KV not supported on sm_90 by flash-attn-4"
         fa = _load()
         if isinstance(fa, str):
@@ -462,7 +477,7 @@ class FA4Backend(Backend):
         if launch:
             return launch
         if p.op == "block_sparse":
-            if arch // 10 != 9:
+            if family(arch) != "sm90":
                 return _sm100_sparse_reason(p)
             # FA4 runs masks with causal and local off, and fits only its default tile to the blocks
             tile = (_parse_tile(tile_text) if tile_text else
@@ -470,123 +485,264 @@ class FA4Backend(Backend):
             return _sm90_sparse_reason(p, tile)
         return None
 
-    def heuristic_config(self, p: Problem, dev: DeviceInfo) -> Config | None:
+    def heuristic(self, p: Problem, dev: DeviceInfo) -> Config | None:
         """FA4's hand rule without measuring: on sm_100 CLC on except where FA4 itself turns it off
         (varlen MHA, dense non-causal; from the CLC heuristic PR, flash-attention #2455) and no split.
         On sm_90 there is no FA4 rule to reproduce: today's rule there is SDPA's own priority (cuDNN
         first), so the heuristic mode keeps the default candidate."""
-        if dev.arch // 10 in (10, 11):
+        if family(dev.arch) == "sm100":
             return Config.of(clc=fa4_clc_off_reason(p) is None, num_splits=1)
         return None
 
-    # --------------------------------------------------------------------------------- execution
-    def _fa4(self) -> _FA4:
+    def errors(self) -> tuple[type[BaseException], ...]:
         fa = _load()
-        if isinstance(fa, str):
-            raise RuntimeError(fa)
-        return fa
+        return () if isinstance(fa, str) else fa.dsl_errors
 
-    def _knobs(self, cfg: Config) -> dict:
-        kw = {}
-        if cfg.get("tile_mn"):
-            kw["tile_mn"] = _parse_tile(cfg["tile_mn"])
-        for key in ("mma_pv_is_rs", "intra_wg_overlap", "pack_gqa", "num_splits"):
-            if cfg.get(key) is not None:
-                kw[key] = cfg[key]
-        return kw
+    # ------------------------------------------------------------------------------------ plans
+    def plan(self, p: Problem, dev: DeviceInfo, cfg: Config, direction: str) -> Plan:
+        if direction == "backward":
+            if p.op == "block_sparse":
+                raise NotImplementedError("flash-attn-4 block-sparse backward is not wired (see supports())")
+            return Plan(functools.partial(_backward, bool(cfg.get("deterministic", False)), str(cfg)))
+        thin = family(dev.arch) == "sm90" and p.op != "block_sparse"
+        return Plan(_ForwardLaunch(_knobs(cfg), cfg.get("clc"), str(cfg), thin))
 
-    def _sparse_kwargs(self, fa: _FA4, call: AttnCall) -> dict:
-        s = call.sparse
-        tensors = fa.block_sparsity.BlockSparseTensorsTorch(
-            mask_block_cnt=s.kv_num_blocks, mask_block_idx=s.kv_indices,
-            full_block_cnt=s.full_kv_num_blocks, full_block_idx=s.full_kv_indices,
-            block_size=(s.block_q, s.block_kv))
-        kw = {"block_sparse_tensors": tensors}
-        if s.partial_fraction != 0:  # exact (not bucketed; -1 unknown) here: no device sync to find partial blocks
-            b, h = s.kv_num_blocks.shape[:2]
-            kw["mask_mod"] = _bitmap_mask_mod(s.block_q, s.block_kv, int(b > 1), int(h > 1))
-            kw["aux_tensors"] = [_leading(slot_table(s)), _leading(s.partial_bits.contiguous())]
-        return kw
 
-    def run(self, call: AttnCall, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
-        fa = self._fa4()
-        q, k, v = call.q, call.k, call.v
-        dense = call.op != "varlen"
-        kw = dict(softmax_scale=call.scale, return_lse=True, **self._knobs(cfg))
-        if dense:
-            b, h, lq, _ = q.shape
-            out = q.new_empty(b, h, lq, v.shape[-1])
-            lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
-            kw.update(out=out.transpose(1, 2), lse=lse)
-        else:
-            out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
-            lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
-            kw.update(out=out, lse=lse, cu_seqlens_q=_int32(call.cu_seqlens_q),
-                      cu_seqlens_k=_int32(call.cu_seqlens_k), max_seqlen_q=call.max_seqlen_q,
-                      max_seqlen_k=call.max_seqlen_k)
-        if call.op == "block_sparse":
-            kw.update(self._sparse_kwargs(fa, call))
-        else:
-            kw["causal"] = call.causal
-            kw["window_size_left"], kw["window_size_right"] = _window(call)
-        if call.kv_seqlens is not None:
-            kw["seqused_k"] = _int32(call.kv_seqlens)
-        args = [_fa4_layout(x, name, dense) for x, name in ((q, "q"), (k, "k"), (v, "v"))]
-        with _clc_scheduler(fa.utils, cfg.get("clc")), self._dsl_errors(fa, cfg):
+def family(arch: int) -> str | None:
+    """FA4's kernel family for a compute capability (interface.py dispatches on ``arch // 10`` the same
+    way): "sm90", "sm100" (sm_100 and sm_110), or None where this backend does not run FA4.
+
+    >>> family(90), family(100), family(110), family(80)
+    ('sm90', 'sm100', 'sm100', None)
+    """
+    return {9: "sm90", 10: "sm100", 11: "sm100"}.get(arch // 10)
+
+
+def _fa4() -> _FA4:
+    fa = _load()
+    if isinstance(fa, str):
+        raise RuntimeError(fa)
+    return fa
+
+
+def _knobs(cfg: Config) -> dict:
+    kw = {}
+    if cfg.get("tile_mn"):
+        kw["tile_mn"] = _parse_tile(cfg["tile_mn"])
+    for key in ("mma_pv_is_rs", "intra_wg_overlap", "pack_gqa", "num_splits"):
+        if cfg.get(key) is not None:
+            kw[key] = cfg[key]
+    return kw
+
+
+def _sparse_kwargs(fa: _FA4, call: AttnCall) -> dict:
+    s = call.sparse
+    tensors = fa.block_sparsity.BlockSparseTensorsTorch(
+        mask_block_cnt=s.kv_num_blocks, mask_block_idx=s.kv_indices,
+        full_block_cnt=s.full_kv_num_blocks, full_block_idx=s.full_kv_indices,
+        block_size=(s.block_q, s.block_kv))
+    kw = {"block_sparse_tensors": tensors}
+    if s.partial_fraction != 0:  # exact (not bucketed; -1 unknown) here: no device sync to find partial blocks
+        b, h = s.kv_num_blocks.shape[:2]
+        kw["mask_mod"] = _bitmap_mask_mod(s.block_q, s.block_kv, int(b > 1), int(h > 1))
+        kw["aux_tensors"] = [_leading(slot_table(s)), _leading(s.partial_bits.contiguous())]
+    return kw
+
+
+def _forward_args(fa: _FA4, knobs: dict, call: AttnCall):
+    """(positional args, keyword args, out, lse) of one ``_flash_attn_fwd`` call. ``out`` follows q's
+    stride order (the ops' layout contract) and is handed to FA4 as its (B, L, H, D) view."""
+    q, k, v = call.q, call.k, call.v
+    dense = call.op != "varlen"
+    kw = dict(softmax_scale=call.scale, return_lse=True, **knobs)
+    if dense:
+        b, h, lq, _ = q.shape
+        out = empty_like_layout(q, (b, h, lq, v.shape[-1]))
+        lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
+        kw.update(out=out.transpose(1, 2), lse=lse)
+    else:
+        out = empty_like_layout(q, (q.shape[0], q.shape[1], v.shape[-1]))
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+        kw.update(out=out, lse=lse, cu_seqlens_q=_int32(call.cu_seqlens_q), cu_seqlens_k=_int32(call.cu_seqlens_k),
+                  max_seqlen_q=call.max_seqlen_q, max_seqlen_k=call.max_seqlen_k)
+    if call.op == "block_sparse":
+        kw.update(_sparse_kwargs(fa, call))
+    else:
+        kw["causal"] = call.causal
+        kw["window_size_left"], kw["window_size_right"] = _window(call)
+    if call.kv_seqlens is not None:
+        kw["seqused_k"] = _int32(call.kv_seqlens)
+    args = [_fa4_layout(x, name, dense) for x, name in ((q, "q"), (k, "k"), (v, "v"))]
+    return args, kw, out, lse
+
+
+class _ForwardLaunch:
+    """A forward plan's launch. The first call goes through FA4's ``_flash_attn_fwd`` (which compiles
+    the kernel, or loads it from the disk cache) while :class:`_Recording` notes the compiled object and
+    the arguments it was called with. Where every tensor among them is one of this call's (q, k, v, out,
+    lse, kv_seqlens) and the scale the only per-call scalar, later calls build those arguments directly
+    and call the compiled object: no key building, checks or heuristics per call (about 1,300 lines of
+    Python in b36, against about 2 us for a launch of a compiled CuTe kernel, tritonbench #1002).
+    Anything else (varlen and block-sparse scheduler tensors, split-KV's combine on sm_100) keeps
+    calling ``_flash_attn_fwd``."""
+
+    def __init__(self, knobs: dict, clc: bool | None, label: str, thin: bool):
+        self.knobs, self.clc, self.label, self.thin = knobs, clc, label, thin
+        self.compiled = None  # (compiled function, argument template) once recorded
+
+    def __call__(self, call: AttnCall):
+        fa = _fa4()
+        args, kw, out, lse = _forward_args(fa, self.knobs, call)
+        if self.compiled is not None:
+            fn, template = self.compiled
+            roles = _roles(args, kw, call)
+            fn(*[roles[r] if isinstance(r, _Role) else r for r in template])
+            return out, lse
+        recording = _Recording(fa) if self.thin else None
+        with _clc_scheduler(fa.utils, self.clc), _dsl_errors(fa, self.label), recording or contextlib.nullcontext():
             result = fa.interface._flash_attn_fwd(*args, **kw)
+        if recording is not None:
+            self.compiled = recording.template(_roles(args, kw, call))
         # b36 returns (out, lse, ...) and writes the buffers we passed; take FA4's lse if it made its own
         got_lse = result[1] if isinstance(result, tuple) and len(result) > 1 else None
         if got_lse is not None and got_lse.data_ptr() != lse.data_ptr():
             lse = got_lse
         return out, lse
 
-    @contextlib.contextmanager
-    def _dsl_errors(self, fa: _FA4, cfg: Config):
-        """CuTe DSL compile/launch errors (e.g. CUDA_LAUNCH_INVALID_CONFIG) do not derive from RuntimeError;
-        re-raise them as one so the tuner drops the candidate instead of treating it as our bug."""
-        try:
-            yield
-        except fa.dsl_errors as err:
-            first = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), "")
-            raise RuntimeError(f"flash-attn-4 [{cfg}] {type(err).__name__}: {first[:200]}") from err
 
-    def warmup(self, call: AttnCall, cfg: Config) -> float:
-        """First call of a config: FA4 compiles it (1-3 s on an H200) or loads it from the disk cache.
-        Returns the seconds it took, so the tuner counts compile time apart from run time."""
-        start = time.perf_counter()
-        self.run(call, cfg)
-        if call.q.device.type == "cuda":
-            torch.cuda.synchronize(call.q.device)
-        return time.perf_counter() - start
+@dataclass(frozen=True)
+class _Role:
+    name: str
 
-    def backward(self, call: AttnCall, cfg: Config, out, lse, grad_out, grad_lse):
-        if call.op == "block_sparse":
-            raise NotImplementedError("flash-attn-4 block-sparse backward is not wired (see supports_backward)")
-        fa = self._fa4()
-        dense = call.op != "varlen"
-        if grad_out is None:
-            grad_out = torch.zeros_like(out)
-        kw = dict(softmax_scale=call.scale, causal=call.causal, dlse=grad_lse)
-        kw["window_size_left"], kw["window_size_right"] = _window(call)
-        if not dense:
-            kw.update(cu_seqlens_q=_int32(call.cu_seqlens_q), cu_seqlens_k=_int32(call.cu_seqlens_k),
-                      max_seqlen_q=call.max_seqlen_q, max_seqlen_k=call.max_seqlen_k)
-        if call.kv_seqlens is not None:
-            kw["seqused_k"] = _int32(call.kv_seqlens)
-        tensors = ((call.q, "q"), (call.k, "k"), (call.v, "v"), (out, "out"), (grad_out, "grad_out"))
-        q, k, v, o, do = (_fa4_layout(x, name, dense) for x, name in tensors)
-        with self._dsl_errors(fa, cfg):
-            dq, dk, dv = fa.interface._flash_attn_bwd(q, k, v, o, do, lse.contiguous(), **kw)[:3]
-        if call.kv_seqlens is not None:
-            # FA4 leaves dk/dv of keys past seqused_k unwritten (garbage of order 1e19 on an H100, b36);
-            # those keys are masked, so their gradients are 0
-            unused = torch.arange(dk.shape[1], device=dk.device)[None, :] >= call.kv_seqlens[:, None]
-            dk.masked_fill_(unused[:, :, None, None], 0)
-            dv.masked_fill_(unused[:, :, None, None], 0)
-        return (dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)) if dense else (dq, dk, dv)
+
+def _roles(args, kw, call: AttnCall) -> dict:
+    roles = {"q": args[0], "k": args[1], "v": args[2], "out": kw["out"], "lse": kw["lse"],
+             "scale": call.scale}
+    if "seqused_k" in kw:
+        roles["seqused_k"] = kw["seqused_k"]
+    return {_Role(k): v for k, v in roles.items()}
+
+
+class _Recording:
+    """Swaps ``_flash_attn_fwd.compile_cache`` for one call (under a lock) to see which compiled object
+    runs and with which arguments. Reached through :func:`fwd_compile_cache_owner`, whose test fails
+    when the attribute moves."""
+
+    _LOCK = threading.Lock()
+
+    def __init__(self, fa: _FA4):
+        self.owner = fwd_compile_cache_owner(fa)
+        self.calls: list = []
+
+    def __enter__(self):
+        self._LOCK.acquire()
+        self.real = self.owner.compile_cache
+        recording = self
+
+        class Cache:
+            def __contains__(self, key):
+                return key in recording.real
+
+            def __setitem__(self, key, fn):
+                recording.real[key] = fn
+
+            def __getitem__(self, key):
+                fn = recording.real[key]
+                return lambda *a: recording.calls.append((fn, a)) or fn(*a)
+
+        self.owner.compile_cache = Cache()
+        return self
+
+    def __exit__(self, *exc):
+        self.owner.compile_cache = self.real
+        self._LOCK.release()
+
+    def template(self, roles: dict):
+        """(compiled function, arguments with this call's tensors and scale replaced by roles), or None
+        when the call was not one compiled-object call over known tensors."""
+        if len(self.calls) != 1:
+            return None
+        fn, args = self.calls[0]
+        by_identity = {}
+        for role, value in roles.items():
+            if isinstance(value, torch.Tensor):
+                by_identity[(value.data_ptr(), value.shape, value.stride(), value.dtype)] = role
+        template = []
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                role = by_identity.get((arg.data_ptr(), arg.shape, arg.stride(), arg.dtype))
+                if role is None:
+                    return None
+                template.append(role)
+            elif isinstance(arg, float) and arg == roles[_Role("scale")]:
+                template.append(_Role("scale"))
+            elif _holds_tensor(arg):
+                return None
+            else:
+                template.append(arg)
+        return fn, template
+
+
+def _holds_tensor(x) -> bool:
+    if isinstance(x, torch.Tensor):
+        return True
+    if isinstance(x, (tuple, list)):
+        return any(_holds_tensor(y) for y in x)
+    fields = getattr(x, "_fields", None) or getattr(x, "__dataclass_fields__", None)
+    return bool(fields) and any(_holds_tensor(getattr(x, f)) for f in fields)
+
+
+def fwd_compile_cache_owner(fa: _FA4):
+    """The object whose ``compile_cache`` holds FA4's compiled forward kernels (b36:
+    ``interface._flash_attn_fwd``)."""
+    return fa.interface._flash_attn_fwd
+
+
+@contextlib.contextmanager
+def _dsl_errors(fa: _FA4, label: str):
+    """CuTe DSL compile/launch errors (e.g. CUDA_LAUNCH_INVALID_CONFIG) do not derive from RuntimeError;
+    re-raise them as one so the tuner drops the candidate instead of treating it as our bug."""
+    try:
+        yield
+    except fa.dsl_errors as err:
+        first = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), "")
+        raise RuntimeError(f"flash-attn-4 [{label}] {type(err).__name__}: {first[:200]}") from err
+
+
+def _backward(deterministic: bool, label: str, call: AttnCall, out, lse, grad_out, grad_lse):
+    fa = _fa4()
+    dense = call.op != "varlen"
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    kw = dict(softmax_scale=call.scale, causal=call.causal, dlse=grad_lse, deterministic=deterministic)
+    kw["window_size_left"], kw["window_size_right"] = _window(call)
+    if not dense:
+        kw.update(cu_seqlens_q=_int32(call.cu_seqlens_q), cu_seqlens_k=_int32(call.cu_seqlens_k),
+                  max_seqlen_q=call.max_seqlen_q, max_seqlen_k=call.max_seqlen_k)
+    if call.kv_seqlens is not None:
+        kw["seqused_k"] = _int32(call.kv_seqlens)
+    grads = [empty_like_layout(x, x.shape) for x in (call.q, call.k, call.v)]
+    fa_grads = [_fa4_layout(g, "grad", dense) for g in grads]
+    if all(f.data_ptr() == g.data_ptr() for f, g in zip(fa_grads, grads)):
+        kw.update(dq=fa_grads[0], dk=fa_grads[1], dv=fa_grads[2])  # FA4 writes into ours: no copy back
+    tensors = ((call.q, "q"), (call.k, "k"), (call.v, "v"), (out, "out"), (grad_out, "grad_out"))
+    q, k, v, o, do = (_fa4_layout(x, name, dense) for x, name in tensors)
+    with _dsl_errors(fa, label):
+        got = fa.interface._flash_attn_bwd(q, k, v, o, do, lse.contiguous(), **kw)[:3]
+    for grad, fa_grad, result in zip(grads, fa_grads, got):
+        if result.data_ptr() != fa_grad.data_ptr():  # FA4 made its own buffer
+            grad.copy_(result.transpose(1, 2) if dense else result)
+    dq, dk, dv = grads
+    if call.kv_seqlens is not None:
+        # FA4 leaves dk/dv of keys past seqused_k unwritten (garbage of order 1e19 on an H100, b36);
+        # those keys are masked, so their gradients are 0
+        unused = torch.arange(dk.shape[2], device=dk.device)[None, :] >= call.kv_seqlens[:, None]
+        dk.masked_fill_(unused[:, None, :, None], 0)
+        dv.masked_fill_(unused[:, None, :, None], 0)
+    return dq, dk, dv
 
 
 BACKEND = FA4Backend()
 
 __all__ = ["FA4Backend", "BACKEND", "COPIES", "fa4_version", "fa4_clc_off_reason", "split_candidates",
-           "sm90_default_tile", "missing_kwargs"]
+           "sm90_default_tile", "missing_kwargs", "family", "fwd_compile_cache_owner"]

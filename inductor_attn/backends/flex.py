@@ -23,9 +23,11 @@ import torch
 
 from .._compat import flex_flash_lse_scaled_by_ln2
 from ..device import DeviceInfo
+from ..layout import conform
 from ..problem import Problem
-from .base import AttnCall, Backend, Config
+from .base import AttnCall, Backend, Candidate, Config, Plan
 from .block_bitmap import bitmap_lookup, slot_table
+from .masks import window_visible
 
 # Dense masks are cut into blocks of this size (flex's default sparse block).
 DENSE_BLOCK = 128
@@ -69,51 +71,61 @@ def _dense_mask_reason(p: Problem) -> str | None:
 
 
 class FlexBackend(Backend):
-    name = "flex"
+    """Not traced into compiled graphs: flex_attention is compiled here as its own graph, with our mask."""
 
-    def supports(self, p: Problem, dev: DeviceInfo) -> str | None:
+    name = "flex"
+    knobs = {"backend": ("TRITON", "FLASH"), "block_m": int, "block_n": int, "num_warps": int, "num_stages": int}
+
+    def supports(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> str | None:
         if p.device_type != "cuda":
             return "needs a CUDA device"
         if p.dtype not in ("float16", "bfloat16", "float32"):
             return f"flex takes float16, bfloat16 and float32, got {p.dtype}"
         return _dense_mask_reason(p)
 
-    def configs(self, p: Problem, dev: DeviceInfo) -> list[Config]:
+    def configs(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> list[Candidate]:
         if p.op == "attention":  # sliding windows: flex's own tile and FA4 through flex only
-            return [Config.of(backend="TRITON"), Config.of(backend="FLASH")]
-        return [Config.of(backend="TRITON"), *TRITON_TILES, Config.of(backend="FLASH")]
+            cfgs = [Config.of(backend="TRITON"), Config.of(backend="FLASH")]
+        else:
+            cfgs = [Config.of(backend="TRITON"), *TRITON_TILES, Config.of(backend="FLASH")]
+        return [self.candidate(c, _pruned(p, c)) for c in cfgs]
 
-    def prune(self, p: Problem, dev: DeviceInfo, cfg: Config) -> str | None:
-        if cfg["backend"] == "FLASH":
-            if not flash_attn_available():
-                return "flex FLASH needs flash-attn-4, not installed"
-            if p.dtype == "float32":
-                return "flex FLASH takes float16 and bfloat16 only"
-            if p.op == "block_sparse":
-                return _FLASH_BLOCK_MASK_REASON
-            return None
-        if min(p.head_dim, p.head_dim_v) < 16:
-            return f"flex Triton needs head dims >= 16, got ({p.head_dim}, {p.head_dim_v})"
-        block_q, block_kv = (p.block_q, p.block_kv) if p.op == "block_sparse" else (DENSE_BLOCK, DENSE_BLOCK)
-        bm, bn = cfg.get("block_m"), cfg.get("block_n")
-        if bm and block_q % bm:
-            return f"flex needs the q block size ({block_q}) to be a multiple of BLOCK_M ({bm})"
-        if bn and block_kv % bn:
-            return f"flex needs the kv block size ({block_kv}) to be a multiple of BLOCK_N ({bn})"
+    def plan(self, p: Problem, dev: DeviceInfo, cfg: Config, direction: str) -> Plan:
+        return Plan(functools.partial(_launch, kernel_options(cfg), cfg["backend"] == "FLASH"))
+
+
+def _pruned(p: Problem, cfg: Config) -> str | None:
+    if cfg["backend"] == "FLASH":
+        if not flash_attn_available():
+            return "flex FLASH needs flash-attn-4, not installed"
+        if p.dtype == "float32":
+            return "flex FLASH takes float16 and bfloat16 only"
+        if p.op == "block_sparse":
+            return _FLASH_BLOCK_MASK_REASON
         return None
+    if min(p.head_dim, p.head_dim_v) < 16:
+        return f"flex Triton needs head dims >= 16, got ({p.head_dim}, {p.head_dim_v})"
+    block_q, block_kv = (p.block_q, p.block_kv) if p.op == "block_sparse" else (DENSE_BLOCK, DENSE_BLOCK)
+    bm, bn = cfg.get("block_m"), cfg.get("block_n")
+    if bm and block_q % bm:
+        return f"flex needs the q block size ({block_q}) to be a multiple of BLOCK_M ({bm})"
+    if bn and block_kv % bn:
+        return f"flex needs the kv block size ({block_kv}) to be a multiple of BLOCK_N ({bn})"
+    return None
 
-    def run(self, call: AttnCall, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
-        block_mask = (to_flex_block_mask(call.sparse) if call.op == "block_sparse" else
-                      window_block_mask(call.q.shape[2], call.k.shape[2], call.causal, call.window_left,
-                                        call.window_right, call.q.device))
-        with _recompile_room():
-            out, aux = _compiled()(call.q, call.k, call.v, block_mask=block_mask, scale=call.scale,
-                                   enable_gqa=call.q.shape[1] != call.k.shape[1],
-                                   kernel_options=kernel_options(cfg), **_lse_request())
-        lse = getattr(aux, "lse", aux)
-        if cfg["backend"] == "FLASH" and flex_flash_lse_scaled_by_ln2():
-            lse = lse / math.log(2)
-        return out, lse
+
+def _launch(options: dict, flash: bool, call: AttnCall):
+    block_mask = (to_flex_block_mask(call.sparse) if call.op == "block_sparse" else
+                  window_block_mask(call.q.shape[2], call.k.shape[2], call.causal, call.window_left,
+                                    call.window_right, call.q.device))
+    with _recompile_room():
+        out, aux = _compiled()(call.q, call.k, call.v, block_mask=block_mask, scale=call.scale,
+                               enable_gqa=call.q.shape[1] != call.k.shape[1], kernel_options=options,
+                               **_lse_request())
+    lse = getattr(aux, "lse", aux)
+    if flash and flex_flash_lse_scaled_by_ln2():
+        lse = lse / math.log(2)
+    return conform(out, call.q), lse.contiguous()
 
 
 def kernel_options(cfg: Config) -> dict:
@@ -232,17 +244,9 @@ def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def window_block_mask(len_q: int, len_k: int, causal: bool, window_left: int, window_right: int, device):
     """The flex BlockMask of a dense causal/window problem (cached: it depends on sizes only)."""
     partial, full = window_blocks(len_q, len_k, causal, window_left, window_right, DENSE_BLOCK, device)
-    right = 0 if causal else window_right
-    off = len_k - len_q
 
     def window_mask_mod(b, h, q_idx, kv_idx):
-        d = q_idx + off
-        ok = kv_idx >= 0
-        if right >= 0:
-            ok = ok & (kv_idx <= d + right)
-        if window_left >= 0:
-            ok = ok & (kv_idx >= d - window_left)
-        return ok
+        return window_visible(q_idx, kv_idx, len_k - len_q, causal, window_left, window_right)
 
     return _from_kv_blocks(*_ordered(partial), *_ordered(full), (DENSE_BLOCK, DENSE_BLOCK), window_mask_mod,
                            (len_q, len_k))

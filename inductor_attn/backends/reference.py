@@ -8,18 +8,16 @@ forward and backward share one loop for dense, varlen and block-sparse problems.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from ..device import DeviceInfo
+from ..layout import conform
 from ..problem import Problem
-from .base import AttnCall, Backend, Config
+from .base import AttnCall, Backend, Config, Plan
+from .masks import MaskFn, dense_mask_fn
 
 # Bytes of float32 scores one chunk may hold (chunk x Lk x B x Hq x 4).
 _CHUNK_BYTES = 1 << 28
-
-MaskFn = Callable[[int, int], torch.Tensor | None]
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -30,35 +28,6 @@ def _chunk_rows(q: torch.Tensor, len_k: int, align: int = 1) -> int:
     per_row = 4 * q.shape[0] * q.shape[1] * max(len_k, 1)
     rows = max(align, (_CHUNK_BYTES // per_row) // align * align)
     return min(rows, -(-q.shape[2] // align) * align)
-
-
-def dense_mask_fn(len_q: int, len_k: int, causal: bool, window_left: int, window_right: int,
-                  kv_seqlens: torch.Tensor | None, device, key_mask: torch.Tensor | None = None) -> MaskFn | None:
-    """Lower-right aligned causal/window mask; with kv_seqlens the alignment uses each batch's length.
-
-    Query i sees key j iff j < n_b and (i + n_b - Lq) - window_left <= j <= (i + n_b - Lq) + right
-    and key_mask[b, j], where n_b = kv_seqlens[b] (or Lk), right = 0 if causal else window_right, and -1
-    means unbounded. Returns a bool mask of shape (B or 1, 1, 1, rows, Lk).
-    """
-    right = 0 if causal else window_right
-    if right < 0 and window_left < 0 and kv_seqlens is None and key_mask is None:
-        return None
-    n = (kv_seqlens.to(device=device, dtype=torch.int64) if kv_seqlens is not None
-         else torch.full((1,), len_k, device=device, dtype=torch.int64))
-    keys = torch.arange(len_k, device=device)
-
-    def rows(start: int, end: int) -> torch.Tensor:
-        diag = torch.arange(start, end, device=device)[None, :, None] + (n - len_q)[:, None, None]
-        ok = keys[None, None, :] < n[:, None, None]
-        if right >= 0:
-            ok = ok & (keys <= diag + right)
-        if window_left >= 0:
-            ok = ok & (keys >= diag - window_left)
-        if key_mask is not None:
-            ok = ok & key_mask.to(device)[:, None, :]
-        return ok[:, None, None]
-
-    return rows
 
 
 def block_sparse_mask_fn(call: AttnCall) -> MaskFn:
@@ -154,50 +123,63 @@ def _bhld(x: torch.Tensor, start: int, end: int) -> torch.Tensor:
     return x[start:end].transpose(0, 1).unsqueeze(0)
 
 
-class ReferenceBackend(Backend):
-    name = "reference"
-    has_backward = True
-    takes_key_mask = True
+def _mask(call: AttnCall):
+    if call.op == "block_sparse":
+        return block_sparse_mask_fn(call), call.sparse.block_q
+    return dense_mask_fn(call.q.shape[2], call.k.shape[2], call.causal, call.window_left, call.window_right,
+                         call.kv_seqlens, call.q.device, call.key_mask), 1
 
-    def supports(self, p: Problem, dev: DeviceInfo) -> str | None:
+
+def run_forward(call: AttnCall):
+    """(out, lse) of any call, out in q's stride order (the ops' layout contract)."""
+    if call.op != "varlen":
+        mask, align = _mask(call)
+        out, lse = forward(call.q, call.k, call.v, call.scale, mask, align)
+        return conform(out, call.q), lse
+    q, v = call.q, call.v
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    for (q0, q1), (k0, k1), mask in _varlen_sequences(call):
+        if q1 == q0 or k1 == k0:
+            continue
+        o, l = forward(_bhld(q, q0, q1), _bhld(call.k, k0, k1), _bhld(v, k0, k1), call.scale, mask)
+        out[q0:q1] = o[0].transpose(0, 1)
+        lse[:, q0:q1] = l[0]
+    return conform(out, q), lse
+
+
+def run_backward(call: AttnCall, out, lse, grad_out, grad_lse):
+    """(dq, dk, dv) of any call, each in its input's stride order."""
+    if call.op != "varlen":
+        mask, align = _mask(call)
+        grads = backward(call.q, call.k, call.v, out, lse, grad_out, grad_lse, call.scale, mask, align)
+        return tuple(conform(g, x) for g, x in zip(grads, (call.q, call.k, call.v)))
+    dq, dk, dv = (torch.zeros_like(x) for x in (call.q, call.k, call.v))
+    for (q0, q1), (k0, k1), mask in _varlen_sequences(call):
+        if q1 == q0 or k1 == k0:
+            continue
+        go = None if grad_out is None else _bhld(grad_out, q0, q1)
+        gl = None if grad_lse is None else grad_lse[None, :, q0:q1]
+        grads = backward(_bhld(call.q, q0, q1), _bhld(call.k, k0, k1), _bhld(call.v, k0, k1),
+                         _bhld(out, q0, q1), lse[None, :, q0:q1], go, gl, call.scale, mask)
+        for full, part, (a, z) in zip((dq, dk, dv), grads, ((q0, q1), (k0, k1), (k0, k1))):
+            full[a:z] = part[0].transpose(0, 1)
+    return dq, dk, dv
+
+
+class ReferenceBackend(Backend):
+    """Always runs. Not traced into compiled graphs: varlen reads cu_seqlens on the host, and compiled
+    code must give the same numbers as eager, which Inductor's fusion of this math would not."""
+
+    name = "reference"
+    takes_key_mask = True
+    has_backward = True
+
+    def supports(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> str | None:
         return None
 
-    def _mask(self, call: AttnCall):
-        if call.op == "block_sparse":
-            return block_sparse_mask_fn(call), call.sparse.block_q
-        return dense_mask_fn(call.q.shape[2], call.k.shape[2], call.causal, call.window_left,
-                             call.window_right, call.kv_seqlens, call.q.device, call.key_mask), 1
-
-    def run(self, call: AttnCall, cfg: Config):
-        if call.op != "varlen":
-            mask, align = self._mask(call)
-            return forward(call.q, call.k, call.v, call.scale, mask, align)
-        q, v = call.q, call.v
-        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
-        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
-        for (q0, q1), (k0, k1), mask in _varlen_sequences(call):
-            if q1 == q0 or k1 == k0:
-                continue
-            o, l = forward(_bhld(q, q0, q1), _bhld(call.k, k0, k1), _bhld(v, k0, k1), call.scale, mask)
-            out[q0:q1] = o[0].transpose(0, 1)
-            lse[:, q0:q1] = l[0]
-        return out, lse
-
-    def backward(self, call: AttnCall, cfg: Config, out, lse, grad_out, grad_lse):
-        if call.op != "varlen":
-            mask, align = self._mask(call)
-            return backward(call.q, call.k, call.v, out, lse, grad_out, grad_lse, call.scale, mask, align)
-        dq, dk, dv = (torch.zeros_like(x) for x in (call.q, call.k, call.v))
-        for (q0, q1), (k0, k1), mask in _varlen_sequences(call):
-            if q1 == q0 or k1 == k0:
-                continue
-            go = None if grad_out is None else _bhld(grad_out, q0, q1)
-            gl = None if grad_lse is None else grad_lse[None, :, q0:q1]
-            grads = backward(_bhld(call.q, q0, q1), _bhld(call.k, k0, k1), _bhld(call.v, k0, k1),
-                             _bhld(out, q0, q1), lse[None, :, q0:q1], go, gl, call.scale, mask)
-            for full, part, (a, z) in zip((dq, dk, dv), grads, ((q0, q1), (k0, k1), (k0, k1))):
-                full[a:z] = part[0].transpose(0, 1)
-        return dq, dk, dv
+    def plan(self, p: Problem, dev: DeviceInfo, cfg: Config, direction: str) -> Plan:
+        return Plan(run_forward if direction == "forward" else run_backward)
 
 
 BACKEND = ReferenceBackend()

@@ -19,8 +19,10 @@ import torch
 
 from .._compat import fused_sdp_choice
 from ..device import DeviceInfo
+from ..layout import conform
 from ..problem import Problem
-from .base import AttnCall, Backend, Config
+from .base import AttnCall, Backend, Candidate, Config, Plan
+from .masks import dense_mask_fn
 
 KERNELS = ("cudnn", "flash", "efficient")
 _SDP_CHOICE = {1: "flash", 2: "efficient", 3: "cudnn"}  # torch.nn.attention.SDPBackend values
@@ -49,8 +51,6 @@ def sdpa_default_kernel(p: Problem) -> str:
 def _bias(call: AttnCall) -> torch.Tensor:
     """Additive float mask (B or 1, 1, Lq, Lk) with -inf where the reference mask forbids; the last dim
     is padded to a multiple of 16 in memory (the efficient kernel wants aligned rows)."""
-    from .reference import dense_mask_fn
-
     lq, lk = call.q.shape[2], call.k.shape[2]
     allowed = dense_mask_fn(lq, lk, call.causal, call.window_left, call.window_right, call.kv_seqlens,
                             call.q.device, call.key_mask)(0, lq)[:, 0]  # (B or 1, 1, Lq, Lk)
@@ -60,11 +60,33 @@ def _bias(call: AttnCall) -> torch.Tensor:
     return bias.expand(call.q.shape[0], call.q.shape[1], lq, lk)
 
 
+def _launch(kernel: str, needs_bias: bool, call: AttnCall):
+    q, k, v = call.q, call.k, call.v
+    bias = _bias(call) if needs_bias else None
+    is_causal = call.causal and bias is None
+    aten = torch.ops.aten
+    if kernel == "flash":
+        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=call.scale)[:2]
+    elif kernel == "cudnn":
+        out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, bias, True, 0.0, is_causal, False,
+                                                            scale=call.scale)[:2]
+    else:
+        group = q.shape[1] // k.shape[1]
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, is_causal,
+                                                                scale=call.scale)[:2]
+    b, h, lq = q.shape[:3]
+    # lse layouts differ: flash (B, H, Lq), cuDNN (B, H, Lq, 1), efficient padded to 32 rows
+    return conform(out, q), lse.reshape(b, h, -1)[..., :lq].float().contiguous()
+
+
 class SdpaBackend(Backend):
     name = "sdpa"
+    knobs = {"kernel": KERNELS}
     takes_key_mask = True
 
-    def supports(self, p: Problem, dev: DeviceInfo) -> str | None:
+    def supports(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> str | None:
         if p.device_type != "cuda":
             return "needs a CUDA device"
         if p.op != "attention":
@@ -76,41 +98,24 @@ class SdpaBackend(Backend):
             return f"this mask needs an additive bias of {bias_bytes >> 20} MiB (cap {MAX_BIAS_BYTES >> 20} MiB)"
         return None
 
-    def configs(self, p: Problem, dev: DeviceInfo) -> list[Config]:
+    def configs(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> list[Candidate]:
         first = sdpa_default_kernel(p)
-        return [Config.of(kernel=k) for k in (first, *(k for k in KERNELS if k != first))]
+        cfgs = [Config.of(kernel=k) for k in (first, *(k for k in KERNELS if k != first))]
+        return [self.candidate(c, _pruned(p, c["kernel"])) for c in cfgs]
 
-    def prune(self, p: Problem, dev: DeviceInfo, cfg: Config) -> str | None:
-        kernel = cfg["kernel"]
-        if kernel in ("flash", "cudnn") and p.dtype == "float32":
-            return f"SDPA {kernel} needs fp16/bf16"
-        if kernel == "flash" and _needs_bias(p):
-            return "SDPA flash takes no mask: lower-right causal (Lq != Lk), windows, kv_seqlens and key_mask need one"
-        if kernel == "flash" and p.head_dim != p.head_dim_v:
-            return "SDPA flash needs the same head dim for q/k and v"
-        return None
+    def plan(self, p: Problem, dev: DeviceInfo, cfg: Config, direction: str) -> Plan:
+        launch = functools.partial(_launch, cfg["kernel"], _needs_bias(p))
+        return Plan(launch, traced=launch)  # aten ops and the bias's torch ops: the graph can hold them
 
-    def run(self, call: AttnCall, cfg: Config):
-        q, k, v = call.q, call.k, call.v
-        p = call.problem
-        bias = _bias(call) if _needs_bias(p) else None
-        is_causal = call.causal and bias is None
-        aten = torch.ops.aten
-        kernel = cfg["kernel"]
-        if kernel == "flash":
-            out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=call.scale)[:2]
-        elif kernel == "cudnn":
-            out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, bias, True, 0.0, is_causal, False,
-                                                                scale=call.scale)[:2]
-        else:
-            group = p.gqa_ratio
-            if group > 1:
-                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-            out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, is_causal,
-                                                                    scale=call.scale)[:2]
-        b, h, lq = q.shape[:3]
-        # lse layouts differ: flash (B, H, Lq), cuDNN (B, H, Lq, 1), efficient padded to 32 rows
-        return out, lse.reshape(b, h, -1)[..., :lq].float()
+
+def _pruned(p: Problem, kernel: str) -> str | None:
+    if kernel in ("flash", "cudnn") and p.dtype == "float32":
+        return f"SDPA {kernel} needs fp16/bf16"
+    if kernel == "flash" and _needs_bias(p):
+        return "SDPA flash takes no mask: lower-right causal (Lq != Lk), windows, kv_seqlens and key_mask need one"
+    if kernel == "flash" and p.head_dim != p.head_dim_v:
+        return "SDPA flash needs the same head dim for q/k and v"
+    return None
 
 
 BACKEND = SdpaBackend()

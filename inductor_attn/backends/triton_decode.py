@@ -52,9 +52,11 @@ try:  # Triton >= 3.4 (test_pdl_helpers_are_where_decode_imports_them fails if t
 except ImportError:  # without them the kernels launch plainly (USE_PDL off)
     gdc_launch_dependents = gdc_wait = None
 
-from ..device import DeviceInfo, device_info
+from ..device import DeviceInfo, smem_per_block
+from ..layout import empty_like_layout
 from ..problem import Problem, next_power_of_two
-from .base import AttnCall, Backend, Config
+from .base import AttnCall, Backend, Candidate, Config, Plan
+from .triton_common import eager_launcher, graph_launcher, traceable, triton_errors
 
 MAX_LEN_Q = 16
 SPLITS = tuple(2 ** i for i in range(8))  # 1 .. 128
@@ -64,9 +66,6 @@ _DTYPES = ("float16", "bfloat16", "float32")
 _ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 _HEAD_DIMS = (16, 256)
 _LOG2E = 1.4426950408889634
-# Shared memory per block (KiB) that Triton may use, by arch; the interpreter (arch 0) uses the sm_90
-# figure so that CPU tests see the candidate list of the GPUs here.
-_SMEM_KIB = {0: 227, 80: 163, 86: 99, 89: 99, 90: 227, 100: 227}
 # Leave room for Triton's layout-conversion scratch, which the estimate below does not count.
 _SMEM_HEADROOM = 0.85
 
@@ -82,7 +81,7 @@ def _jit(**options):
 @_jit(do_not_specialize=["LK", "NUM_SPLITS", "NUM_M_BLOCKS", "WINDOW_LEFT", "WINDOW_RIGHT", "smb", "smn"])
 def _decode_partial(
     Q, K, V, SEQLENS, KEY_MASK, OUT, LSE,
-    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, smn,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, smn, sob, soh, som, sod,
     qk_scale, HKV, G, LQ, LK, D, DV, NUM_SPLITS, NUM_M_BLOCKS, WINDOW_LEFT, WINDOW_RIGHT,
     HAS_SEQLENS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     SINGLE: tl.constexpr,
@@ -173,11 +172,12 @@ def _decode_partial(
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-    # (b, hkv, row) -> flat (b, h, i) row of out: (b * Hq + hkv * G + g) * Lq + i
+    # (b, hkv, row) -> flat (b, h, i) row of lse and the workspace: (b * Hq + hkv * G + g) * Lq + i
     out_row = (b * HKV + hkv) * G * LQ + rows.to(tl.int64)
     store_ok = row_ok[:, None] & dv_ok[None, :]
     if SINGLE:
-        tl.store(OUT + out_row[:, None] * DV + offs_dv[None, :], out.to(OUT.dtype.element_ty), mask=store_ok)
+        o_ptr = OUT + b * sob + h[:, None] * soh + i[:, None].to(tl.int64) * som + offs_dv[None, :] * sod
+        tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=store_ok)
         tl.store(LSE + out_row, lse2 * 0.6931471805599453, mask=row_ok)
     else:
         ws_row = out_row * NUM_SPLITS + split
@@ -186,8 +186,8 @@ def _decode_partial(
 
 
 @_jit()
-def _decode_combine(WS_O, WS_LSE, OUT, LSE, NUM_SPLITS: tl.constexpr, DV, BLOCK_S: tl.constexpr,
-                    BLOCK_DC: tl.constexpr, USE_PDL: tl.constexpr):
+def _decode_combine(WS_O, WS_LSE, OUT, LSE, sob, soh, som, sod, HQ, LQ, NUM_SPLITS: tl.constexpr, DV,
+                    BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr, USE_PDL: tl.constexpr):
     # Program (row, chunk) merges BLOCK_DC output columns of one row. Splitting Dv across programs keeps
     # this latency-bound step short: B1 Hq16 Lq1 is only 16 rows, and one program per row would read
     # all num_splits x Dv partials (64 KiB at 64 splits, D256) alone. Every chunk recomputes the row's
@@ -210,7 +210,8 @@ def _decode_combine(WS_O, WS_LSE, OUT, LSE, NUM_SPLITS: tl.constexpr, DV, BLOCK_
     total = tl.sum(w, 0)
     empty = total == 0.0
     out = tl.sum(w[:, None] * o, 0) / tl.where(empty, 1.0, total)
-    tl.store(OUT + row * DV + offs_d, out.to(OUT.dtype.element_ty), mask=d_ok)
+    o_ptr = OUT + (row // (HQ * LQ)) * sob + ((row // LQ) % HQ) * soh + (row % LQ) * som + offs_d * sod
+    tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=d_ok)
     if chunk == 0:
         lse = tl.where(empty, float("-inf"), (m + tl.log2(tl.where(empty, 1.0, total))) * 0.6931471805599453)
         tl.store(LSE + row, lse)
@@ -256,7 +257,7 @@ def _smem_bytes(p: Problem, block_n: int, stages: int) -> int:
 
 
 def _smem_limit(dev: DeviceInfo) -> int:
-    return int(_SMEM_KIB.get(dev.arch, 99) * 1024 * _SMEM_HEADROOM)
+    return int(smem_per_block(dev.arch) * _SMEM_HEADROOM)
 
 
 def _num_stages(p: Problem, block_n: int, dev: DeviceInfo) -> int:
@@ -284,7 +285,7 @@ def workspace(device: torch.device, b: int, hq: int, lq: int, dv: int, splits: i
 
 # ------------------------------------------------------------------------------------------- launch
 @functools.lru_cache(maxsize=1024)
-def _plan(p: Problem, dev: DeviceInfo, cfg: Config) -> tuple[int, int, int, int]:
+def _knobs(p: Problem, dev: DeviceInfo, cfg: Config) -> tuple[int, int, int, int]:
     """(num_splits, block_n, num_warps, num_stages) of a config; missing knobs come from the default.
     ``num_stages`` is not in the tuned configs (2 or 3 from shared memory), but a config may set it:
     benchmarks/decode_gpu.py --stages sweeps it."""
@@ -294,43 +295,71 @@ def _plan(p: Problem, dev: DeviceInfo, cfg: Config) -> tuple[int, int, int, int]
     return int(full["num_splits"]), block_n, int(full["num_warps"]), stages
 
 
-def launch(call: AttnCall, cfg: Config, out: torch.Tensor, lse: torch.Tensor, ws=None) -> None:
-    """Write attention of ``call`` into ``out`` (B, Hq, Lq, Dv; contiguous) and ``lse`` (B, Hq, Lq;
-    float32, contiguous). Split from ``run`` so tests can hand in outputs (and a workspace ``ws`` from
-    :func:`workspace`) poisoned with NaN."""
-    q, k, v = call.q, call.k, call.v
-    b, hq, lq, d = q.shape
-    hkv, lk, dv = k.shape[1], k.shape[2], v.shape[-1]
-    g = hq // hkv
-    dev = device_info(q.device)
-    splits, block_n, num_warps, stages = _plan(call.problem, dev, cfg)
-    block_m = _block_m(g * lq, d)
-    m_blocks = -(-g * lq // block_m)
-    right = 0 if call.causal else call.window_right
-    single = splits == 1
-    target_o, target_lse = (out, lse) if single else (ws or workspace(q.device, b, hq, lq, dv, splits))
-    seqlens = call.kv_seqlens if call.kv_seqlens is not None else lse  # unread when HAS_SEQLENS is off
-    # bool has no Triton pointer type: read the mask's bytes as uint8 (a view, no copy)
-    key_mask = call.key_mask.view(torch.uint8) if call.key_mask is not None else lse
-    mask_strides = call.key_mask.stride() if call.key_mask is not None else (0, 0)
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    pdl = not interpret and dev.arch >= 90 and gdc_wait is not None
-    _decode_partial[(m_blocks * splits * b * hkv,)](
-        q, k, v, seqlens, key_mask, target_o, target_lse, *q.stride(), *k.stride(), *v.stride(), *mask_strides,
-        call.scale * _LOG2E, hkv, g, lq, lk, d, dv, splits, m_blocks, max(call.window_left, 0), max(right, 0),
-        HAS_SEQLENS=call.kv_seqlens is not None, HAS_KEY_MASK=call.key_mask is not None,
-        HAS_LEFT=call.window_left >= 0, HAS_RIGHT=right >= 0,
-        SINGLE=single, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(d), BLOCK_DV=_block_d(dv),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_IN_F32=q.dtype == torch.bfloat16 and interpret,
-        USE_PDL=pdl, launch_pdl=pdl, num_warps=num_warps, num_stages=stages,
-    )
-    if not single:
-        # up to 128 splits x 64 columns (32 KiB of float32) per program, in one pass
-        block_dc = min(64, _block_d(dv))
-        _decode_combine[(b * hq * lq, triton.cdiv(dv, block_dc))](
-            target_o, target_lse, out, lse, splits, dv, BLOCK_S=next_power_of_two(splits), BLOCK_DC=block_dc,
-            USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
+class DecodePlan:
+    """Split count, tiles and grids of one (problem, config), fixed once; a launch reads strides and
+    allocates ``out`` (in q's stride order), ``lse`` and, with more than one split, the workspace."""
+
+    def __init__(self, p: Problem, dev: DeviceInfo, cfg: Config):
+        self.splits, self.block_n, self.num_warps, self.stages = _knobs(p, dev, cfg)
+        g = p.gqa_ratio
+        self.block_m = _block_m(g * p.len_q, p.head_dim)
+        self.m_blocks = -(-g * p.len_q // self.block_m)
+        self.interpret = os.environ.get("TRITON_INTERPRET") == "1"
+        self.pdl = not self.interpret and dev.arch >= 90 and gdc_wait is not None
+
+    def launch(self, call: AttnCall):
+        out, lse = self.outputs(call)
+        self.run(call, out, lse, launcher=eager_launcher, pdl=self.pdl)
+        return out, lse
+
+    def traced(self, call: AttnCall):
+        """As :meth:`launch`, without programmatic dependent launch: Inductor launches user kernels without
+        it (its ``launch_pdl`` is a compile option of its own kernels, off by default)."""
+        out, lse = self.outputs(call)
+        self.run(call, out, lse, launcher=graph_launcher, pdl=False)
+        return out, lse
+
+    @staticmethod
+    def outputs(call: AttnCall):
+        q = call.q
+        return (empty_like_layout(q, (*q.shape[:-1], call.v.shape[-1])),
+                torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device))
+
+    def run(self, call: AttnCall, out, lse, ws=None, *, launcher=None, pdl=None):
+        """Write the attention of ``call`` into ``out`` (B, Hq, Lq, Dv; any strides) and ``lse`` (B, Hq, Lq;
+        float32, contiguous). Tests hand in outputs (and a workspace ``ws`` from :func:`workspace`) poisoned
+        with NaN."""
+        launcher = launcher or eager_launcher
+        pdl = self.pdl if pdl is None else pdl
+        q, k, v = call.q, call.k, call.v
+        b, hq, lq, d = q.shape
+        hkv, lk, dv = k.shape[1], k.shape[2], v.shape[-1]
+        splits = self.splits
+        right = 0 if call.causal else call.window_right
+        single = splits == 1
+        target_o, target_lse = (out, lse) if single else (ws or workspace(q.device, b, hq, lq, dv, splits))
+        seqlens = call.kv_seqlens if call.kv_seqlens is not None else lse  # unread when HAS_SEQLENS is off
+        # bool has no Triton pointer type: read the mask's bytes as uint8 (a view, no copy)
+        key_mask = call.key_mask.view(torch.uint8) if call.key_mask is not None else lse
+        mask_strides = call.key_mask.stride() if call.key_mask is not None else (0, 0)
+        pdl_kw = {"launch_pdl": True} if pdl else {}
+        launcher(_decode_partial)[(self.m_blocks * splits * b * hkv,)](
+            q, k, v, seqlens, key_mask, target_o, target_lse, *q.stride(), *k.stride(), *v.stride(), *mask_strides,
+            *out.stride(), call.scale * _LOG2E, hkv, hq // hkv, lq, lk, d, dv, splits, self.m_blocks,
+            max(call.window_left, 0), max(right, 0),
+            HAS_SEQLENS=call.kv_seqlens is not None, HAS_KEY_MASK=call.key_mask is not None,
+            HAS_LEFT=call.window_left >= 0, HAS_RIGHT=right >= 0,
+            SINGLE=single, BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_D=_block_d(d), BLOCK_DV=_block_d(dv),
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            DOT_IN_F32=q.dtype == torch.bfloat16 and self.interpret,
+            USE_PDL=pdl, num_warps=self.num_warps, num_stages=self.stages, **pdl_kw,
+        )
+        if not single:
+            # up to 128 splits x 64 columns (32 KiB of float32) per program, in one pass
+            block_dc = min(64, _block_d(dv))
+            launcher(_decode_combine)[(b * hq * lq, -(-dv // block_dc))](
+                target_o, target_lse, out, lse, *out.stride(), hq, lq, splits, dv,
+                BLOCK_S=next_power_of_two(splits), BLOCK_DC=block_dc, USE_PDL=pdl, num_warps=4, **pdl_kw)
 
 
 # ------------------------------------------------------------------------------------------ backend
@@ -338,10 +367,11 @@ class TritonDecodeBackend(Backend):
     """Split-K flash-decoding for Lq <= 16; inference only (no backward)."""
 
     name = "triton_decode"
-    has_backward = False
+    requires = ("triton",)
+    knobs = {"block_n": int, "num_splits": int, "num_warps": int, "num_stages": int}
     takes_key_mask = True
 
-    def supports(self, p: Problem, dev: DeviceInfo) -> str | None:
+    def supports(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> str | None:
         if p.op != "attention":
             return f"split-K decode handles op 'attention' only, got {p.op!r}"
         if p.len_q > MAX_LEN_Q:
@@ -358,16 +388,17 @@ class TritonDecodeBackend(Backend):
                 return f"{name} must be in [{lo}, {hi}], got {size}"
         return None
 
-    def configs(self, p: Problem, dev: DeviceInfo) -> list[Config]:
-        """num_splits is searched; block_n and warps only around the default (each config is a Triton
-        compile of ~1 s in the gate, and the split count is the knob that moves decode time)."""
+    def configs(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> list[Candidate]:
+        """The untuned default first, then num_splits searched and block_n and warps only around the
+        default (each config is a Triton compile of ~1 s in the gate, and the split count is the knob that
+        moves decode time)."""
         base = _default_config(p, dev)
         sweep = [Config.of(block_n=base["block_n"], num_splits=s, num_warps=base["num_warps"]) for s in SPLITS]
         others = [Config.of(block_n=n, num_splits=base["num_splits"], num_warps=w)
                   for n in BLOCK_NS for w in NUM_WARPS]
-        return list(dict.fromkeys(sweep + others))
+        return [self.candidate(c, _pruned(p, dev, c)) for c in dict.fromkeys([base, *sweep, *others])]
 
-    def heuristic_config(self, p: Problem, dev: DeviceInfo) -> Config | None:
+    def heuristic(self, p: Problem, dev: DeviceInfo) -> Config | None:
         """Today's hand rule (ExecuTorch, seed 001): split-K iff L_kv >= 256, with
         num_splits = min(max(cdiv(L_kv, 256), 1), 128), here rounded down to a power of two."""
         if p.len_k < 256:
@@ -377,27 +408,24 @@ class TritonDecodeBackend(Backend):
         return Config.of(block_n=base["block_n"], num_splits=max(s for s in SPLITS if s <= want),
                          num_warps=base["num_warps"])
 
-    def prune(self, p: Problem, dev: DeviceInfo, cfg: Config) -> str | None:
-        block_n, splits = int(cfg["block_n"]), int(cfg["num_splits"])
-        blocks = -(-_visible_keys(p) // block_n)
-        if splits > blocks:
-            return f"num_splits {splits} > kv blocks {blocks}"
-        need, limit = _smem_bytes(p, block_n, 2), _smem_limit(dev)
-        if need > limit:
-            return (f"block_n {block_n} at D {p.head_dim} ({p.dtype}) needs ~{need // 1024} KiB shared memory, "
-                    f"{limit // 1024} KiB usable on sm_{dev.arch}")
-        return None
+    def errors(self) -> tuple[type[BaseException], ...]:
+        return triton_errors()
 
-    def default_config(self, p: Problem, dev: DeviceInfo) -> Config:
-        return _default_config(p, dev)
+    def plan(self, p: Problem, dev: DeviceInfo, cfg: Config, direction: str) -> Plan:
+        decode = DecodePlan(p, dev, cfg)
+        return Plan(decode.launch, traced=decode.traced if traceable() else None)
 
-    def run(self, call: AttnCall, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
-        q, v = call.q, call.v
-        b, hq, lq, _ = q.shape
-        out = torch.empty(b, hq, lq, v.shape[-1], dtype=q.dtype, device=q.device)
-        lse = torch.empty(b, hq, lq, dtype=torch.float32, device=q.device)
-        launch(call, cfg, out, lse)
-        return out, lse
+
+def _pruned(p: Problem, dev: DeviceInfo, cfg: Config) -> str | None:
+    block_n, splits = int(cfg["block_n"]), int(cfg["num_splits"])
+    blocks = -(-_visible_keys(p) // block_n)
+    if splits > blocks:
+        return f"num_splits {splits} > kv blocks {blocks}"
+    need, limit = _smem_bytes(p, block_n, 2), _smem_limit(dev)
+    if need > limit:
+        return (f"block_n {block_n} at D {p.head_dim} ({p.dtype}) needs ~{need // 1024} KiB shared memory, "
+                f"{limit // 1024} KiB usable on sm_{dev.arch}")
+    return None
 
 
 BACKEND = TritonDecodeBackend()

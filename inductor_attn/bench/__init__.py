@@ -13,7 +13,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-SUITE_CHOICES = ("dense", "decode", "varlen", "block_sparse", "all")
+KERNEL_SUITES = ("dense", "decode", "varlen", "block_sparse", "all")
+# suites that time whole calls as a user's wall clock sees them (wallclock.py), not kernels
+WALLCLOCK_SUITES = ("overhead",)
+SUITE_CHOICES = KERNEL_SUITES + WALLCLOCK_SUITES
 
 
 def _shard(text: str) -> tuple[int, int]:
@@ -68,6 +71,10 @@ def main(args: argparse.Namespace, command: str) -> int:
             path = report.write_results(result, args.out)[2]
         print(f"wrote {path} from {len(args.report)} result file(s)")
         return 0
+    if args.suite in WALLCLOCK_SUITES:
+        from .host_suites import run_wallclock_suite
+
+        return run_wallclock_suite(args.suite, smoke=args.smoke, out=args.out, command=command, commit=args.commit)
     from .runner import Options, run
 
     return run(Options(suite=args.suite, quick=args.quick, smoke=args.smoke, out=args.out, rounds=args.rounds,

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..backends import AttnCall, Candidate, backends
-from ..backends.reference import dense_mask_fn
+from ..backends import AttnCall, Candidate, plan_for
+from ..backends.masks import dense_mask_fn
+from ..device import device_info
 from .suites import Built, Workload
 
 # The baseline of each op, and its label in the report.
@@ -51,8 +52,11 @@ class Entry:
 def candidate_entry(c: Candidate) -> Entry:
     if c.pruned is not None:
         return Entry(c.name, "candidate", None, status="pruned", reason=c.pruned)
-    backend = {b.name: b for b in backends()}[c.backend]
-    return Entry(c.name, "candidate", lambda call: (lambda: backend.run(call, c.config)))
+    def make(call: AttnCall):
+        plan = plan_for(call.problem, c.name, device_info(call.q.device), "forward")
+        return lambda: plan.launch(call)
+
+    return Entry(c.name, "candidate", make)
 
 
 def user_entries(w: Workload, built: Built, flex_max_autotune: bool) -> list[Entry]:

@@ -282,12 +282,12 @@ def backend_defaults(cands: list[Candidate], p, dev: DeviceInfo) -> list[dict]:
 
 
 def _own_default(backend, mine: list[Candidate], p, dev) -> str | None:
+    """The backend's hand rule if it has one for ``p``, else its ``Config()``, else its first config (backends
+    list their untuned default first)."""
     names = {c.name for c in mine}
-    for rule in ("default_config", "heuristic_config"):
-        fn = getattr(backend, rule, None)
-        cfg = fn(p, dev) if fn else None
-        if cfg is not None and f"{backend.name}:{cfg}" in names:
-            return f"{backend.name}:{cfg}"
+    cfg = backend.heuristic(p, dev)
+    if cfg is not None and f"{backend.name}:{cfg}" in names:
+        return f"{backend.name}:{cfg}"
     if f"{backend.name}:{Config()}" in names:
         return f"{backend.name}:{Config()}"
     return mine[0].name if mine else None

@@ -1,4 +1,5 @@
-"""Custom ops (torch-only): importing this registers schemas, fake impls and autograd."""
+"""Custom ops (no optional dependencies): importing this registers schemas, fake impls and autograd, and
+the thin ``launch`` op that compiled code calls for plans it cannot hold as traced kernels."""
 
 from ..block_mask import BlockSparseMask
 from .attention import (
@@ -11,9 +12,10 @@ from .attention import (
     varlen_attention_backward_op,
     varlen_attention_op,
 )
+from .launch import launch_op
 
 __all__ = [
     "BACKWARD_OPS", "FORWARD_OPS", "BlockSparseMask", "attention_op", "attention_backward_op",
     "varlen_attention_op", "varlen_attention_backward_op", "block_sparse_attention_op",
-    "block_sparse_attention_backward_op",
+    "block_sparse_attention_backward_op", "launch_op",
 ]

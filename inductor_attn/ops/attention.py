@@ -1,29 +1,35 @@
 """The ``inductor_attn::*`` custom ops: schemas, fake impls, autograd.
 
 Each op returns ``(out, lse)``; ``lse`` is float32 (B, H, Lq), or (H, total_q) for varlen. The last
-argument, ``choice``, is empty for user calls (the kernel is chosen at run time from the decision store)
-and is filled with ``"<backend>:<config>"`` by the Inductor lowering, which bakes the tuned kernel into
-the generated code. Backward ops have the same ``choice`` argument.
-
-This module imports only torch: kernels are reached through ``inductor_attn.runtime`` at call time.
+argument, ``choice``, is
+- ``""`` for user calls: the arguments are checked and the kernel is decided at run time, per bucket;
+- ``COMPILED`` (``"*"``) in compiled code: decided at run time too, unchecked, because the fake impl
+  checked the arguments once while tracing (lowering/ sets it on the calls it leaves to run time);
+- a candidate (``"<backend>:<config>"``, from ``run_candidate``): checked, then run on that candidate.
+Backward ops take the same ``choice``. Compiled code does not call these ops at all where shapes decide:
+lowering/ replaces those calls by their plans.
 """
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import Tensor
 
+from .. import runtime
+from ..backends import AttnCall
 from ..block_mask import BlockSparseMask
 from ..layout import empty_like_layout
+from ..runtime import COMPILED
 from . import checks
 
 LIB = "inductor_attn"
 
-
-def _dispatch():
-    from .. import runtime as dispatch  # lazy: keeps ops importable without any backend's dependencies
-
-    return dispatch
+# Called once, the first time a fake impl runs (while tracing for torch.compile or export): the package
+# installs its Inductor pass there, so importing inductor_attn changes no Inductor config and stays cheap.
+ON_FIRST_TRACE: list = []
+_TRACED = threading.Event()
 
 
 def _lse_like(q: Tensor, heads: int, rows: int, batch: int | None) -> Tensor:
@@ -31,12 +37,11 @@ def _lse_like(q: Tensor, heads: int, rows: int, batch: int | None) -> Tensor:
     return q.new_empty(shape, dtype=torch.float32)
 
 
-def _ensure_lowering():
-    """Fake impls run only while tracing for torch.compile/export: register our Inductor lowerings
-    there, so ``import inductor_attn`` stays cheap (importing Inductor costs ~2.6 s on the CPU)."""
-    from ..lowering import register
-
-    register.ensure_registered()
+def _on_trace() -> None:
+    if not _TRACED.is_set():
+        for hook in ON_FIRST_TRACE:
+            hook()
+        _TRACED.set()
 
 
 # --------------------------------------------------------------------------------------------- dense
@@ -44,16 +49,17 @@ def _ensure_lowering():
 def attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, window_left: int,
                  window_right: int, kv_seqlens: Tensor | None, key_mask: Tensor | None,
                  choice: str) -> tuple[Tensor, Tensor]:
-    checks.check_attention(q, k, v, scale, window_left, window_right, kv_seqlens, key_mask)
-    call = _dispatch().AttnCall("attention", q, k, v, scale, causal, window_left, window_right, kv_seqlens,
+    if choice != COMPILED:
+        checks.check_attention(q, k, v, scale, window_left, window_right, kv_seqlens, key_mask)
+    call = AttnCall("attention", q, k, v, scale, causal, window_left, window_right, kv_seqlens,
                                 key_mask=key_mask)
-    return _dispatch().forward(call, choice)
+    return runtime.forward(call, choice)
 
 
 @attention_op.register_fake
 def _(q, k, v, scale, causal, window_left, window_right, kv_seqlens, key_mask, choice):
     checks.check_attention(q, k, v, scale, window_left, window_right, kv_seqlens, key_mask)
-    _ensure_lowering()
+    _on_trace()
     b, h, lq, _ = q.shape
     return empty_like_layout(q, (b, h, lq, v.shape[-1])), _lse_like(q, h, lq, b)
 
@@ -63,9 +69,9 @@ def attention_backward_op(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, 
                           out: Tensor, lse: Tensor, scale: float, causal: bool, window_left: int,
                           window_right: int, kv_seqlens: Tensor | None, key_mask: Tensor | None,
                           choice: str) -> tuple[Tensor, Tensor, Tensor]:
-    call = _dispatch().AttnCall("attention", q, k, v, scale, causal, window_left, window_right, kv_seqlens,
+    call = AttnCall("attention", q, k, v, scale, causal, window_left, window_right, kv_seqlens,
                                 key_mask=key_mask)
-    return _dispatch().backward(call, choice, out, lse, grad_out, grad_lse)
+    return runtime.backward(call, choice, out, lse, grad_out, grad_lse)
 
 
 @attention_backward_op.register_fake
@@ -95,12 +101,13 @@ attention_op.register_autograd(_attention_grad, setup_context=_attention_setup)
 def varlen_attention_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                         max_seqlen_q: int, max_seqlen_k: int, scale: float, causal: bool, window_left: int,
                         window_right: int, choice: str) -> tuple[Tensor, Tensor]:
-    checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
-                        window_right)
-    call = _dispatch().AttnCall("varlen", q, k, v, scale, causal, window_left, window_right,
+    if choice != COMPILED:
+        checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
+                            window_right)
+    call = AttnCall("varlen", q, k, v, scale, causal, window_left, window_right,
                                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-    return _dispatch().forward(call, choice)
+    return runtime.forward(call, choice)
 
 
 @varlen_attention_op.register_fake
@@ -108,7 +115,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, ca
       window_right, choice):
     checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
                         window_right)
-    _ensure_lowering()
+    _on_trace()
     return empty_like_layout(q, (q.shape[0], q.shape[1], v.shape[-1])), _lse_like(q, q.shape[1], q.shape[0], None)
 
 
@@ -118,10 +125,10 @@ def varlen_attention_backward_op(grad_out: Tensor, grad_lse: Tensor | None, q: T
                                  max_seqlen_q: int, max_seqlen_k: int, scale: float, causal: bool,
                                  window_left: int, window_right: int,
                                  choice: str) -> tuple[Tensor, Tensor, Tensor]:
-    call = _dispatch().AttnCall("varlen", q, k, v, scale, causal, window_left, window_right,
+    call = AttnCall("varlen", q, k, v, scale, causal, window_left, window_right,
                                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-    return _dispatch().backward(call, choice, out, lse, grad_out, grad_lse)
+    return runtime.backward(call, choice, out, lse, grad_out, grad_lse)
 
 
 @varlen_attention_backward_op.register_fake
@@ -159,9 +166,10 @@ def block_sparse_attention_op(q: Tensor, k: Tensor, v: Tensor, kv_num_blocks: Te
                               partial_fraction: float, choice: str) -> tuple[Tensor, Tensor]:
     sparse = _sparse_mask(q, k, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, partial_bits,
                           block_q, block_kv, density, partial_fraction)
-    checks.check_block_sparse(q, k, v, sparse, scale)
-    call = _dispatch().AttnCall("block_sparse", q, k, v, scale, sparse=sparse)
-    return _dispatch().forward(call, choice)
+    if choice != COMPILED:
+        checks.check_block_sparse(q, k, v, sparse, scale)
+    call = AttnCall("block_sparse", q, k, v, scale, sparse=sparse)
+    return runtime.forward(call, choice)
 
 
 @block_sparse_attention_op.register_fake
@@ -170,7 +178,7 @@ def _(q, k, v, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, p
     sparse = _sparse_mask(q, k, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, partial_bits,
                           block_q, block_kv, density, partial_fraction)
     checks.check_block_sparse(q, k, v, sparse, scale)
-    _ensure_lowering()
+    _on_trace()
     b, h, lq, _ = q.shape
     return empty_like_layout(q, (b, h, lq, v.shape[-1])), _lse_like(q, h, lq, b)
 
@@ -184,8 +192,8 @@ def block_sparse_attention_backward_op(grad_out: Tensor, grad_lse: Tensor | None
                                        choice: str) -> tuple[Tensor, Tensor, Tensor]:
     sparse = _sparse_mask(q, k, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, partial_bits,
                           block_q, block_kv, density, partial_fraction)
-    call = _dispatch().AttnCall("block_sparse", q, k, v, scale, sparse=sparse)
-    return _dispatch().backward(call, choice, out, lse, grad_out, grad_lse)
+    call = AttnCall("block_sparse", q, k, v, scale, sparse=sparse)
+    return runtime.backward(call, choice, out, lse, grad_out, grad_lse)
 
 
 @block_sparse_attention_backward_op.register_fake

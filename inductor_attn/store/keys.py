@@ -4,8 +4,8 @@ Fields (any change gives a new key, so an old decision is simply never found aga
 - op and direction ("attention/forward"): different ops, different kernels;
 - the bucketed Problem (problem.py decides what "the same shape" means);
 - device name, compute capability and SM count: a decision on an H100 says nothing about a B200;
-- versions of torch (SDPA/cuDNN dispatch, Inductor), triton (code generation), nvidia-cutlass-dsl and
-  flash-attn-4 (FA4 kernels) and this package;
+- versions of torch (SDPA/cuDNN dispatch, Inductor), this package, and the distributions each
+  registered backend ``requires`` (triton's code generation, FA4's nvidia-cutlass-dsl and flash-attn-4);
 - a hash of each candidate backend's module source (like Inductor's ExternKernelChoice.hash_key):
   editing a kernel invalidates the timings taken with the old one.
 """
@@ -28,19 +28,20 @@ def _version(dist: str) -> str:
         return "absent"
 
 
-@functools.cache
 def library_versions() -> dict[str, str]:
+    """torch, this package, and every distribution a registered backend ``requires``."""
+    from ..backends import backends
+
+    return _versions(tuple(sorted({d for b in backends() for d in b.requires})))
+
+
+@functools.cache
+def _versions(dists: tuple[str, ...]) -> dict[str, str]:
     import torch
 
     from .._version import __version__
 
-    return {
-        "torch": torch.__version__,
-        "triton": _version("triton"),
-        "nvidia-cutlass-dsl": _version("nvidia-cutlass-dsl"),
-        "flash-attn-4": _version("flash-attn-4"),
-        "inductor_attn": __version__,
-    }
+    return {"torch": torch.__version__, "inductor_attn": __version__, **{d: _version(d) for d in dists}}
 
 
 def decision_fields(op: str, direction: str, problem: Problem, dev: DeviceInfo, sources: dict[str, str]) -> dict:

@@ -42,8 +42,7 @@ def heuristic_choice(p: Problem, dev: DeviceInfo, cands: list[Candidate]) -> str
     runnable = {c.name for c in cands if c.pruned is None}
     for c in cands:
         backend = get_backend(c.backend)
-        rule = getattr(backend, "heuristic_config", None)
-        cfg = rule(p, dev) if rule else None
+        cfg = backend.heuristic(p, dev)
         if cfg is not None and f"{backend.name}:{cfg}" in runnable:
             return f"{backend.name}:{cfg}"
     return default_choice(cands)

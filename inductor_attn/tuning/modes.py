@@ -3,7 +3,7 @@
 - ``autotune``: stored decision, else measure now and store it (default for CUDA problems);
 - ``cache-only``: stored decision, else the default candidate; never measures;
 - ``heuristic``: no measurement and no store: today's hand rules decide (each backend's
-  ``heuristic_config``, e.g. FA4's CLC rule, split-K decode iff L_kv >= 256), else the default
+  ``heuristic``, e.g. FA4's CLC rule, split-K decode iff L_kv >= 256), else the default
   (default for CPU problems, where only the reference runs);
 - ``off``: always the default candidate (the first runnable one in prior order).
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..backends import AttnCall, Candidate, get_backend
-from ..backends.reference import BACKEND as REFERENCE
+from ..backends import REFERENCE, AttnCall, Candidate, Plan, get_backend, plan_for
+from ..device import device_info
 from ..problem import Problem
 from .correctness import POISON, check_output, check_tensor, rel_err
 from .stats import median, paired_bootstrap_speedup
@@ -34,16 +34,15 @@ log = logging.getLogger(__name__)
 
 TIE_MARGIN = 0.02
 DEFAULT_ROUNDS = 15
-# Exceptions that mean "this candidate cannot run this problem here": compile, launch, resource and
-# library assertion errors, and anything raised from inside a kernel library (Triton's CompilationError
-# and OutOfResources derive from Exception only; so do CuTe DSL's). Anything else is a bug in our code
-# and is re-raised in strict mode.
+# Exceptions that mean "this candidate cannot run this problem here": launch, resource and library
+# assertion errors (CUDA errors are RuntimeErrors), plus what each backend declares in ``errors()``
+# (Triton's CompilationError and OutOfResources, CuTe DSL's errors: they derive from Exception only).
+# Anything else is a bug in our code and is re-raised in strict mode.
 CANDIDATE_ERRORS = (RuntimeError, AssertionError, ValueError, NotImplementedError, MemoryError)
-KERNEL_LIBRARIES = ("triton", "cutlass", "flash_attn", "cuda", "nvidia", "tvm_ffi")
 
 
-def is_candidate_error(err: BaseException) -> bool:
-    return isinstance(err, CANDIDATE_ERRORS) or type(err).__module__.split(".")[0] in KERNEL_LIBRARIES
+def is_candidate_error(err: BaseException, backend) -> bool:
+    return isinstance(err, CANDIDATE_ERRORS + tuple(backend.errors()))
 
 
 @dataclass
@@ -118,10 +117,12 @@ def _sync(device: torch.device) -> None:
 
 
 class _Direction:
-    """What 'running a candidate' means for forward or backward tuning."""
+    """What 'running a candidate' means for forward or backward tuning: its plan's launch, the code that
+    ships (the plan is built once and cached, like at run time)."""
 
     def __init__(self, direction: str, call: AttnCall):
         self.direction = direction
+        self.dev = device_info(call.q.device)
         self.grads = None
         if direction == "backward":
             out, lse = REFERENCE.run(call, None)
@@ -129,10 +130,15 @@ class _Direction:
             grad_out = torch.empty_like(out).normal_(generator=gen)
             self.grads = (out, lse, grad_out, None)
 
-    def run(self, backend, call: AttnCall, cfg):
-        if self.grads is None:
-            return backend.run(call, cfg)
-        return backend.backward(call, cfg, *self.grads)
+    def plan(self, call: AttnCall, choice: str) -> Plan:
+        return plan_for(call.problem, choice, self.dev, self.direction)
+
+    def run(self, plan: Plan, call: AttnCall):
+        return plan.launch(call) if self.grads is None else plan.launch(call, *self.grads)
+
+    def reference(self, call: AttnCall):
+        plan = REFERENCE.plan(call.problem, self.dev, None, self.direction)
+        return self.run(plan, call)
 
     def check(self, got, want, dtype) -> tuple[str | None, float]:
         if self.grads is None:
@@ -148,11 +154,11 @@ def _gate(cand: Candidate, direction: _Direction, call: AttnCall, expected) -> C
     try:
         _poison_allocator(call.q.device, nbytes)
         start = time.perf_counter()
-        got = direction.run(backend, call, cand.config)
+        got = direction.run(direction.plan(call, cand.name), call)
         _sync(call.q.device)
         res.compile_s = time.perf_counter() - start
     except Exception as err:  # noqa: BLE001 - a failing candidate must not crash the user's compile
-        if is_candidate_error(err):
+        if is_candidate_error(err, backend):
             res.status, res.reason = "failed", _describe(err)
             return res
         if strict():
@@ -186,7 +192,7 @@ def tune(call: AttnCall, candidates: list[Candidate], *, direction: str = "forwa
     rounds = rounds or default_rounds()
     gate_call = fresh_inputs(call, seed=1)
     mode = _Direction(direction, gate_call)
-    expected = mode.run(REFERENCE, gate_call, None)
+    expected = mode.reference(gate_call)
     results = [CandidateResult(c.name, "pruned", c.pruned) for c in candidates]
     tick = progress or (lambda: None)
     for cand in (c for c in candidates if c.pruned is None):
@@ -209,8 +215,8 @@ def _time(passing, call: AttnCall, mode: _Direction, timer, rounds: int, tick) -
     copies = [fresh_inputs(call, seed=100 + i) for i in range(_copies(call))]
     runners = []
     for cand, res in passing:
-        backend = get_backend(cand.backend)
-        fns = [lambda c=c, b=backend, cfg=cand.config: mode.run(b, c, cfg) for c in copies]
+        plan = mode.plan(call, cand.name)
+        fns = [lambda c=c, p=plan: mode.run(p, c) for c in copies]
         runner = timer.prepare(fns)
         res.note = runner.note
         runners.append((runner, res))

@@ -8,28 +8,22 @@ and allocates only ``out`` and ``lse``. Backward is delegated to ``flash_bwd.py`
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.util
 import math
 import os
 from pathlib import Path
 
 import torch
 
-from ...device import DeviceInfo, device_info
+from ...device import DeviceInfo, device_info, smem_per_block
 from ...layout import empty_like_layout
 from ...problem import Problem, next_power_of_two
-from ..base import AttnCall, Backend, Config
+from ..base import AttnCall, Backend, Candidate, Config, Plan
+from ..triton_common import eager_launcher, graph_launcher, traceable, triton_available, triton_errors
 
 # kernel files read (not imported) for the decision key: forward kernel and the backward it delegates to
 KERNEL_SOURCES = [Path(__file__).with_name(n) for n in ("flash_kernel.py", "flash_bwd.py", "flash_bwd_kernels.py")]
 _DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # tl.dot needs K >= 16; beyond 256 the accumulator cannot stay in registers
-
-# Shared memory a block may use (opt-in maximum), by compute capability: the CUDA C programming guide's
-# table (sm_80: 163 KiB, sm_86/89: 99 KiB, sm_90/100: 227 KiB).
-_SMEM_BYTES = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024}
-_SMEM_DEFAULT = 99 * 1024
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim, most promising first. Starting points
 # from Triton's tutorial 06 autotune space (BLOCK_M 64/128, BLOCK_N 32-128, 4/8 warps, 2-4 stages) and
@@ -114,10 +108,25 @@ def _fits_registers(p: Problem, tile, schedule: str) -> bool:
 
 class TritonFlashBackend(Backend):
     name = "triton"
+    requires = ("triton",)
+    # kernel files are read, not imported, so computing a decision key never needs triton
+    sources = (Path(__file__), *KERNEL_SOURCES)
+    knobs = {"block_m": int, "block_n": int, "num_warps": int, "num_stages": int,
+             "schedule": ("tile", "persistent", "lpt"), "pack_gqa": bool, "tma": bool, "tile_list": bool,
+             "bwd_block_m": int, "bwd_block_n": int, "bwd_warps": int, "bwd_stages": int,
+             "bwd_dq": ("separate", "atomic"), "bwd_kv_split": int, "deterministic": bool}
     has_backward = True
 
-    def supports(self, p: Problem, dev: DeviceInfo) -> str | None:
-        if not _triton_available():
+    def supports(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> str | None:
+        reason = self._forward_unsupported(p, dev)
+        if reason is None and direction == "backward":
+            from .flash_bwd import unsupported_reason
+
+            reason = unsupported_reason(p)
+        return reason
+
+    def _forward_unsupported(self, p: Problem, dev: DeviceInfo) -> str | None:
+        if not triton_available():
             return "triton is not installed"
         if p.device_type != "cuda" and not (p.device_type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
             return "needs a CUDA device (CPU only under TRITON_INTERPRET=1)"
@@ -140,7 +149,14 @@ class TritonFlashBackend(Backend):
                 return f"block_q {p.block_q} is not a multiple of 16"
         return None
 
-    def configs(self, p: Problem, dev: DeviceInfo) -> list[Config]:
+    def configs(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> list[Candidate]:
+        if direction == "backward":
+            from .flash_bwd import backward_candidates
+
+            return [self.candidate(c, reason) for c, reason in backward_candidates(p, dev)]
+        return [self.candidate(c, self._pruned(p, dev, c)) for c in self._forward_configs(p, dev)]
+
+    def _forward_configs(self, p: Problem, dev: DeviceInfo) -> list[Config]:
         pack = None if p.op == "block_sparse" or p.gqa_ratio == 1 else True
         d = max(64, next_power_of_two(max(p.head_dim, p.head_dim_v)))
         if p.op == "block_sparse":
@@ -185,7 +201,7 @@ class TritonFlashBackend(Backend):
             out += [Config.of(**dict(_tile_cfg(t, "tile", None, tma).params), tile_list=True) for t in small]
         return out
 
-    def prune(self, p: Problem, dev: DeviceInfo, cfg: Config) -> str | None:
+    def _pruned(self, p: Problem, dev: DeviceInfo, cfg: Config) -> str | None:
         bm, bn, warps = cfg["block_m"], cfg["block_n"], cfg["num_warps"]
         if cfg["schedule"] not in ("tile", "persistent", "lpt"):
             return f"unknown schedule {cfg['schedule']!r}"
@@ -201,7 +217,7 @@ class TritonFlashBackend(Backend):
             return None  # the interpreter has no shared-memory or register limits (and emulates TMA)
         if cfg.get("tma") and dev.arch < 90:
             return f"TMA loads need sm_90 or newer, got sm_{dev.arch}"
-        smem, limit = _smem_estimate(p, cfg), _SMEM_BYTES.get(dev.arch, _SMEM_DEFAULT)
+        smem, limit = _smem_estimate(p, cfg), smem_per_block(dev.arch)
         if smem > limit:
             return f"needs ~{smem // 1024} KiB shared memory, sm_{dev.arch} has {limit // 1024} KiB"
         regs, limit = _acc_regs(p, bm, bn, warps), _reg_limit(p, cfg["schedule"])
@@ -210,32 +226,20 @@ class TritonFlashBackend(Backend):
                     f"{cfg['schedule']} programs spill registers")
         return None
 
-    def run(self, call: AttnCall, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
-        return forward(call, cfg)
+    def errors(self) -> tuple[type[BaseException], ...]:
+        return triton_errors()
 
-    def source_hash(self) -> str:
-        """Hash of this module and of the forward and backward kernel modules: editing any invalidates old
-        decisions. Kernel files are read, not imported, so computing a decision key never needs triton."""
-        kernel_src = b"".join(path.read_bytes() for path in KERNEL_SOURCES)
-        return hashlib.sha256(super().source_hash().encode() + kernel_src).hexdigest()[:16]
+    def plan(self, p: Problem, dev: DeviceInfo, cfg: Config, direction: str) -> Plan:
+        if direction == "backward":
+            from .flash_bwd import backward
 
-    def backward_configs(self, p: Problem, dev: DeviceInfo) -> list[Config]:
-        from .flash_bwd import backward_configs
-
-        return backward_configs(p, dev)
-
-    def backward(self, call: AttnCall, cfg: Config, out, lse, grad_out, grad_lse):
-        from .flash_bwd import backward as flash_backward
-
-        return flash_backward(call, cfg, out, lse, grad_out, grad_lse)
-
-
-@functools.cache
-def _triton_available() -> bool:
-    try:
-        return importlib.util.find_spec("triton") is not None
-    except (ImportError, ValueError):  # an import hook refusing it; a stub module without a spec
-        return False
+            return Plan(functools.partial(backward, cfg, eager_launcher),
+                        traced=functools.partial(backward, cfg, graph_launcher) if traceable() else None)
+        fwd = ForwardPlan(p, cfg)
+        # host-side TMA descriptors cannot be traced (torch 2.11's wrap_triton puts them in a side table
+        # of constants), so TMA configs run from compiled code through the thin op instead
+        can_trace = traceable() and not fwd.meta["TMA"]
+        return Plan(fwd.launch, traced=fwd.traced if can_trace else None, warm=fwd.meta["SCHEDULE"] != 0)
 
 
 def _sparse_block_ms(block_q: int) -> list[int]:
@@ -298,19 +302,19 @@ def _mask_tensors(sp, batch: int, heads: int) -> tuple[list, list[int]]:
     return tensors, [st for t in tensors for st in t.stride()]
 
 
-def _sparse_args(call: AttnCall, list_shape: torch.Size | None, meta: dict) -> tuple[list, list[int]]:
+def _sparse_args(call: AttnCall, list_shape: torch.Size | None, meta: dict, launcher) -> tuple[list, list[int]]:
     """Mask tensors and strides for the forward kernel, followed by the tile list of ``list_shape`` or,
     without one, a placeholder that is never read."""
     p, sp = call.problem, call.sparse
     tensors, strides = _mask_tensors(sp, p.batch, p.heads_q)
     if list_shape is None:
         return [*tensors, tensors[2]], [*strides, 0, 0, 0]
-    tiles = _tile_list(sp, list_shape, meta)
+    tiles = _tile_list(sp, list_shape, meta, launcher)
     wide = tiles.expand(p.batch, p.heads_q, *tiles.shape[2:])
     return [*tensors, wide], [*strides, *wide.stride()[:3]]
 
 
-def _tile_list(sp, shape: torch.Size, meta: dict) -> torch.Tensor:
+def _tile_list(sp, shape: torch.Size, meta: dict, launcher) -> torch.Tensor:
     """int32 [B', H', row tiles, 1 + tiles]: per row tile of BLOCK_M queries, the count and the list of the
     non-empty KV tiles to visit (layout in ``sparse_tile_list_kernel``). Built per call by one small
     kernel, so the tuner's timing of a ``tile_list`` config includes it."""
@@ -319,7 +323,7 @@ def _tile_list(sp, shape: torch.Size, meta: dict) -> torch.Tensor:
     tiles = torch.empty(shape, dtype=torch.int32, device=sp.kv_num_blocks.device)
     b, h, num_m = tiles.shape[:3]
     mask_tensors, mask_strides = _mask_tensors(sp, None, None)
-    sparse_tile_list_kernel[(b * h * num_m,)](
+    launcher(sparse_tile_list_kernel)[(b * h * num_m,)](
         tiles, *mask_tensors, *tiles.stride()[:3], *mask_strides, h, num_m,
         BLOCK_M=meta["BLOCK_M"], BLOCK_N=meta["BLOCK_N"], BLOCK_Q=meta["BLOCK_Q"], BLOCK_KV=meta["BLOCK_KV"],
         HAS_FULL=meta["HAS_FULL"], num_warps=1,
@@ -357,46 +361,60 @@ def kernel_constexprs(p: Problem, cfg: Config, has_full_blocks: bool = True) -> 
     )
 
 
-def forward(call: AttnCall, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
-    from .flash_kernel import LOG2E, flash_fwd_kernel
+class ForwardPlan:
+    """The forward of one (problem, config): constexprs, grid sizes and schedule are fixed here; a launch
+    only reads strides and allocates ``out``/``lse``."""
 
-    p, q, k, v = call.problem, call.q, call.k, call.v
-    sparse, varlen = p.op == "block_sparse", p.op == "varlen"
-    if sparse and (p.block_kv % cfg["block_n"] or cfg["block_n"] < 32 or p.block_q % cfg["block_m"]):
-        raise ValueError(f"config {cfg} does not fit block_q={p.block_q}, block_kv={p.block_kv} "
-                         "(block_n must divide block_kv and be >= 32, block_m divide block_q)")
-    meta = kernel_constexprs(p, cfg, sparse and call.sparse.full_kv_num_blocks is not None)
-    kv = _kv_descriptors(call, cfg) if meta["TMA"] else None
-    meta["TMA"] = kv is not None
-    list_shape = _tile_list_shape(call.sparse, p.len_q, meta) if meta["TILE_LIST"] else None
-    if list_shape is not None and list_shape.numel() * 4 > _TILE_LIST_MAX_BYTES:
-        meta["TILE_LIST"], list_shape = False, None  # walk the blocks instead: same results, no workspace
-    k_arg, v_arg = kv or (k, v)
-    out, lse = new_outputs(call)
-    heads_prog = p.heads_q // meta["PACK"]
-    num_m = math.ceil(p.len_q * meta["PACK"] / cfg["block_m"])
-    num_bh = p.batch * heads_prog
-    num_tiles = num_m * num_bh
-    if num_tiles == 0:
-        return out.zero_(), lse.fill_(float("-inf"))
-    mask_tensors, mask_strides = _sparse_args(call, list_shape, meta) if sparse else ([q] * 6, [0] * 23)
-    key = (q.dtype, *meta.values())
-    grid = num_tiles if meta["SCHEDULE"] == 0 else _persistent_grid(q.device, key, num_tiles)
-    lpt_heads = _lpt_group(_device_limits(q.device)[2], p.len_k * (p.head_dim + p.head_dim_v) * k.element_size(),
-                           p.gqa_ratio // meta["PACK"])
-    lse_strides = (0, lse.stride(0), lse.stride(1)) if varlen else tuple(lse.stride())
-    compiled = flash_fwd_kernel[(grid,)](
-        q, k_arg, v_arg, out, lse,
-        q if call.kv_seqlens is None else call.kv_seqlens,  # unused pointers get any tensor
-        call.cu_seqlens_q if varlen else q, call.cu_seqlens_k if varlen else q, *mask_tensors,
-        *_bhld_strides(q, varlen), *_bhld_strides(k, varlen), *_bhld_strides(v, varlen),
-        *_bhld_strides(out, varlen), *lse_strides, *mask_strides,
-        p.len_q, p.len_k, call.scale * LOG2E, call.window_left, 0 if call.causal else call.window_right,
-        heads_prog, num_m, num_bh, num_tiles, lpt_heads, **meta,
-    )
-    if meta["SCHEDULE"] != 0:
-        _record_occupancy(compiled, q.device, key, cfg["num_warps"])
-    return out, lse
+    def __init__(self, p: Problem, cfg: Config):
+        if p.op == "block_sparse" and (p.block_kv % cfg["block_n"] or cfg["block_n"] < 32 or p.block_q % cfg["block_m"]):
+            raise ValueError(f"config {cfg} does not fit block_q={p.block_q}, block_kv={p.block_kv} "
+                             "(block_n must divide block_kv and be >= 32, block_m divide block_q)")
+        self.p, self.cfg = p, cfg
+        self.meta = kernel_constexprs(p, cfg)
+        self.heads_prog = p.heads_q // self.meta["PACK"]
+        self.num_m = math.ceil(p.len_q * self.meta["PACK"] / cfg["block_m"])
+        self.num_bh = p.batch * self.heads_prog
+        self.num_tiles = self.num_m * self.num_bh
+
+    def launch(self, call: AttnCall):
+        return self._run(call, eager_launcher)
+
+    def traced(self, call: AttnCall):
+        return self._run(call, graph_launcher)
+
+    def _run(self, call: AttnCall, launcher):
+        from .flash_kernel import LOG2E, flash_fwd_kernel
+
+        p, cfg, q, k, v = self.p, self.cfg, call.q, call.k, call.v
+        sparse, varlen = p.op == "block_sparse", p.op == "varlen"
+        meta = dict(self.meta, HAS_FULL=sparse and call.sparse.full_kv_num_blocks is not None)
+        kv = _kv_descriptors(call, cfg) if meta["TMA"] else None
+        meta["TMA"] = kv is not None
+        list_shape = _tile_list_shape(call.sparse, p.len_q, meta) if meta["TILE_LIST"] else None
+        if list_shape is not None and list_shape.numel() * 4 > _TILE_LIST_MAX_BYTES:
+            meta["TILE_LIST"], list_shape = False, None  # walk the blocks instead: same results, no workspace
+        k_arg, v_arg = kv or (k, v)
+        out, lse = new_outputs(call)
+        if self.num_tiles == 0:
+            return out.zero_(), lse.fill_(float("-inf"))
+        mask_tensors, mask_strides = _sparse_args(call, list_shape, meta, launcher) if sparse else ([q] * 6, [0] * 23)
+        key = (q.dtype, *meta.values())
+        grid = self.num_tiles if meta["SCHEDULE"] == 0 else _persistent_grid(q.device, key, self.num_tiles)
+        lpt_heads = _lpt_group(_device_limits(q.device)[2], p.len_k * (p.head_dim + p.head_dim_v) * k.element_size(),
+                               p.gqa_ratio // meta["PACK"])
+        lse_strides = (0, lse.stride(0), lse.stride(1)) if varlen else tuple(lse.stride())
+        compiled = launcher(flash_fwd_kernel)[(grid,)](
+            q, k_arg, v_arg, out, lse,
+            q if call.kv_seqlens is None else call.kv_seqlens,  # unused pointers get any tensor
+            call.cu_seqlens_q if varlen else q, call.cu_seqlens_k if varlen else q, *mask_tensors,
+            *_bhld_strides(q, varlen), *_bhld_strides(k, varlen), *_bhld_strides(v, varlen),
+            *_bhld_strides(out, varlen), *lse_strides, *mask_strides,
+            p.len_q, p.len_k, call.scale * LOG2E, call.window_left, 0 if call.causal else call.window_right,
+            self.heads_prog, self.num_m, self.num_bh, self.num_tiles, lpt_heads, **meta,
+        )
+        if meta["SCHEDULE"] != 0 and compiled is not None:
+            _record_occupancy(compiled, q.device, key, cfg["num_warps"])
+        return out, lse
 
 
 def _lpt_group(l2_bytes: int, kv_bytes_per_head: int, heads_per_kv: int) -> int:

@@ -21,6 +21,7 @@ import os
 import torch
 
 from ...device import DeviceInfo, device_info
+from ...layout import empty_like_layout
 from ...problem import Problem
 from ..base import AttnCall, Config
 
@@ -111,23 +112,26 @@ def _tile_list(head_dim: int, dtype: str):
     return _TILES[64 if head_dim <= 64 else 128 if head_dim <= 128 else 256]
 
 
-def backward_configs(p: Problem, dev: DeviceInfo) -> list[Config]:
-    """A small list of backward configs for ``p``: each tile with the atomic-free dQ pass, and the marked
-    tiles with atomic dQ too (fewer FLOPs: no recomputation of QK^T and dO V^T for dQ)."""
+def backward_candidates(p: Problem, dev: DeviceInfo) -> list[tuple[Config, str | None]]:
+    """Backward configs for ``p`` with their pruned reasons: each tile with the atomic-free dQ pass, and the
+    marked tiles with atomic dQ too (fewer FLOPs: no recomputation of QK^T and dO V^T for dQ)."""
     tiles = _tile_list(max(p.head_dim, p.head_dim_v), p.dtype)
     if dev.arch == 0:  # the CPU interpreter runs tests, not timings: one config
         tiles = tiles[:1]
-    out: list[Config] = []
+    out: dict[Config, str | None] = {}
     for bm, bn, w, s, atomic in tiles:
+        reason = None
         if p.op == "block_sparse":
             g = math.gcd(p.block_q, p.block_kv)
             bm, bn = _fit_tile(bm, g), _fit_tile(bn, g)
-        modes = ("separate", "atomic") if atomic and dev.arch else ("separate",)
-        for mode in modes:
+            if not (bm and bn):
+                reason = f"no tile of >= {_MIN_TILE} divides the mask blocks ({p.block_q}, {p.block_kv})"
+        for mode in ("separate", "atomic") if atomic and dev.arch else ("separate",):
             cfg = Config.of(bwd_block_m=bm, bwd_block_n=bn, bwd_warps=w, bwd_stages=s, bwd_dq=mode)
-            if cfg not in out:
-                out.append(cfg)
-    return out
+            if mode == "atomic" and torch.are_deterministic_algorithms_enabled():
+                reason = reason or "atomic dQ adds in any order: not deterministic (torch.use_deterministic_algorithms)"
+            out.setdefault(cfg, reason)
+    return list(out.items())
 
 
 def _kernels():
@@ -169,7 +173,7 @@ class _Shape:
         return cls(False, q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[2])
 
 
-def _preprocess(kern, shape: _Shape, out, lse, grad_out, grad_lse):
+def _preprocess(launcher, kern, shape: _Shape, out, lse, grad_out, grad_lse):
     """delta and lse2 as contiguous float32 [B*H, L] (varlen: [H, T]) plus their (b, h, row) strides."""
     batch = 1 if shape.varlen else shape.batch
     rows, heads = shape.rows_total, shape.heads_q
@@ -179,7 +183,7 @@ def _preprocess(kern, shape: _Shape, out, lse, grad_out, grad_lse):
     block_m = max(1, min(64, 8192 // block_dv))
     dlse = grad_lse if grad_lse is not None else lse
     grid = (-(-rows // block_m), batch * heads)
-    kern.bwd_preprocess[grid](out, grad_out, lse, dlse, delta, lse2,
+    launcher(kern.bwd_preprocess)[grid](out, grad_out, lse, dlse, delta, lse2,
                               *_layout(out, shape.varlen), *_layout(grad_out, shape.varlen),
                               *_row_layout(lse, shape.varlen), *_row_layout(dlse, shape.varlen),
                               heads, rows, out.shape[-1],
@@ -341,13 +345,13 @@ def _common_args(call: AttnCall, shape: _Shape, grad_out, delta, lse2, row_strid
                 DOT_PREC="tf32x3" if q.dtype == torch.float32 else "tf32")
 
 
-def _launch_dkdv(kern, call, shape, plan, common, dq_acc, dk_out, dv_out, split, dummy):
+def _launch_dkdv(launcher, kern, call, shape, plan, common, dq_acc, dk_out, dv_out, split, dummy):
     bm, bn = _tiles(call, plan)
     dk_s = (dk_out.stride(0), *_layout(dk_out[0], shape.varlen)) if split > 1 else (0, *_layout(dk_out, shape.varlen))
     dv_s = (dv_out.stride(0), *_layout(dv_out[0], shape.varlen)) if split > 1 else (0, *_layout(dv_out, shape.varlen))
     group = shape.heads_q // shape.heads_kv
     grid = (-(-shape.len_k // bn), shape.batch * shape.heads_kv * split)
-    kern.bwd_dkdv[grid](**common, DQ=dq_acc, GRAD_K=dk_out, GRAD_V=dv_out,
+    launcher(kern.bwd_dkdv)[grid](**common, DQ=dq_acc, GRAD_K=dk_out, GRAD_V=dv_out,
                         **dict(zip(("s_dqb", "s_dqh", "s_dqm", "s_dqd"), _layout(dq_acc, shape.varlen))),
                         **dict(zip(("s_dks", "s_dkb", "s_dkh", "s_dkn", "s_dkd"), dk_s)),
                         **dict(zip(("s_dvs", "s_dvb", "s_dvh", "s_dvn", "s_dvd"), dv_s)),
@@ -357,21 +361,25 @@ def _launch_dkdv(kern, call, shape, plan, common, dq_acc, dk_out, dv_out, split,
                         num_stages=plan.stages)
 
 
-def _launch_dq(kern, call, shape, plan, common, dq, dummy):
+def _launch_dq(launcher, kern, call, shape, plan, common, dq, dummy):
     bm, bn = _tiles(call, dataclasses.replace(plan, block_m=max(plan.block_m, _DQ_MIN_KEYS)))
     grid = (-(-shape.len_q // bn), shape.batch * shape.heads_q)
-    kern.bwd_dq[grid](**common, DQ=dq, **dict(zip(("s_dqb", "s_dqh", "s_dqm", "s_dqd"), _layout(dq, shape.varlen))),
+    launcher(kern.bwd_dq)[grid](**common, DQ=dq, **dict(zip(("s_dqb", "s_dqh", "s_dqm", "s_dqd"), _layout(dq, shape.varlen))),
                       **_sparse_dq_args(call, shape, dummy), HQ=shape.heads_q,
                       GROUP=shape.heads_q // shape.heads_kv, BLOCK_M=bn, BLOCK_N=bm, num_warps=plan.warps,
                       num_stages=plan.stages)
 
 
 def _grad_buffers(call: AttnCall, plan: BwdPlan, split: int):
-    """(dq, dq accumulator for atomics, dk/dv outputs, dk/dv kernel targets). Outputs keep the inputs'
-    strides (``empty_like``); varlen outputs start at zero because tokens outside every sequence get no
-    gradient from the kernels."""
+    """(dq, dq accumulator for atomics, dk/dv outputs, dk/dv kernel targets). Outputs follow the inputs'
+    stride order (the ops' layout contract); varlen outputs start at zero because tokens outside every
+    sequence get no gradient from the kernels."""
     q, k, v = call.q, call.k, call.v
-    new = torch.zeros_like if call.op == "varlen" else torch.empty_like
+
+    def new(x: torch.Tensor) -> torch.Tensor:
+        grad = empty_like_layout(x, x.shape)
+        return grad.zero_() if call.op == "varlen" else grad
+
     dq, dk, dv = new(q), new(k), new(v)
     dq_acc = dq
     if plan.atomic_dq:
@@ -385,10 +393,11 @@ def _grad_buffers(call: AttnCall, plan: BwdPlan, split: int):
     return dq, dq_acc, dk, dv, dk_t, dv_t
 
 
-def backward(call: AttnCall, cfg: Config, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor | None,
-             grad_lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def backward(cfg: Config, launcher, call: AttnCall, out: torch.Tensor, lse: torch.Tensor,
+             grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of ``call`` given the forward's (out, lse) and the gradients of both (either may be
-    None). Outputs have the inputs' shapes, dtypes and (dense) strides; any input strides work."""
+    None). Outputs have the inputs' shapes, dtypes and (dense) strides; any input strides work.
+    ``launcher`` is triton_common's eager or graph launcher."""
     q, k, v = call.q, call.k, call.v
     if q.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"Triton backward supports q dtypes float16, bfloat16, float32; got {q.dtype}")
@@ -404,14 +413,14 @@ def backward(call: AttnCall, cfg: Config, out: torch.Tensor, lse: torch.Tensor, 
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     kern = _kernels()
-    delta, lse2, row_strides = _preprocess(kern, shape, out, lse, grad_out, grad_lse)
+    delta, lse2, row_strides = _preprocess(launcher, kern, shape, out, lse, grad_out, grad_lse)
     common = _common_args(call, shape, grad_out, delta, lse2, row_strides)
-    _launch_dkdv(kern, call, shape, plan, common, dq_acc, dk_t, dv_t, split, lse2)
+    _launch_dkdv(launcher, kern, call, shape, plan, common, dq_acc, dk_t, dv_t, split, lse2)
     if plan.atomic_dq:
         if dq is not dq_acc:
             dq.copy_(dq_acc)
     else:
-        _launch_dq(kern, call, shape, plan, common, dq, lse2)
+        _launch_dq(launcher, kern, call, shape, plan, common, dq, lse2)
     if split > 1:
         dk.copy_(dk_t.sum(0))
         dv.copy_(dv_t.sum(0))

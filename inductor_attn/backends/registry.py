@@ -1,0 +1,122 @@
+"""Backend registry. Order is the stable prior: ties between candidates go to the earlier backend, and
+the first runnable candidate is the "default" that others must beat with a confident speedup.
+
+Built-in order: ``sdpa`` first (what F.scaled_dot_product_attention gives users today is the baseline
+for dense problems), then ``flex`` (the baseline for block masks), the kernels that must beat them, and
+``reference`` last (always runs, slowest). Adding a backend is its module plus one line in
+:data:`BUILTIN`."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+from ..device import DeviceInfo
+from ..problem import Problem
+from .base import DIRECTIONS, Backend, Candidate, Plan, check_knobs
+from .fa4 import BACKEND as FA4
+from .flex import BACKEND as FLEX
+from .reference import BACKEND as REFERENCE
+from .sdpa import BACKEND as SDPA
+from .triton_decode import BACKEND as TRITON_DECODE
+from .triton_flash.flash import BACKEND as TRITON_FLASH
+
+BUILTIN = (SDPA, FLEX, FA4, TRITON_FLASH, TRITON_DECODE, REFERENCE)
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+def register_backend(backend: Backend, *, first: bool = False) -> None:
+    """Add (or replace) a backend; ``first=True`` puts it ahead in the prior order."""
+    _REGISTRY.pop(backend.name, None)
+    if first:
+        items = list(_REGISTRY.items())
+        _REGISTRY.clear()
+        _REGISTRY[backend.name] = backend
+        _REGISTRY.update(items)
+    else:
+        _REGISTRY[backend.name] = backend
+
+
+def unregister_backend(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+@contextlib.contextmanager
+def only_backends(*backends: Backend):
+    """Replace the whole registry inside a ``with`` block (tests, experiments)."""
+    saved = dict(_REGISTRY)
+    _REGISTRY.clear()
+    for b in backends:
+        _REGISTRY[b.name] = b
+    try:
+        yield
+    finally:
+        _REGISTRY.clear()
+        _REGISTRY.update(saved)
+
+
+def get_backend(name: str) -> Backend:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown backend {name!r}; registered: {', '.join(_REGISTRY)}") from None
+
+
+def backends() -> list[Backend]:
+    return list(_REGISTRY.values())
+
+
+def enumerate_candidates(p: Problem, dev: DeviceInfo, direction: str = "forward") -> list[Candidate]:
+    """Every (backend, config) for ``p`` in prior order, each with its pruned reason or None."""
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+    out: list[Candidate] = []
+    for backend in _REGISTRY.values():
+        reason = _unsupported(backend, p, dev, direction)
+        if reason is not None:
+            out.append(Candidate(backend.name, None, reason))
+            continue
+        for cand in backend.configs(p, dev, direction):
+            check_knobs(backend, cand.config)
+            out.append(cand)
+    names = [c.name for c in out]
+    duplicates = {n for n in names if names.count(n) > 1}
+    if duplicates:
+        raise RuntimeError(f"candidate names must be unique, duplicated: {sorted(duplicates)}")
+    return out
+
+
+def _unsupported(backend: Backend, p: Problem, dev: DeviceInfo, direction: str) -> str | None:
+    if direction == "backward" and not backend.has_backward:
+        return f"{backend.name} has no backward"
+    reason = backend.supports(p, dev, direction)
+    if reason is None and p.has_key_mask and not backend.takes_key_mask:
+        reason = f"{backend.name} does not take key_mask (per-batch key masks run on {_key_mask_backends()})"
+    return reason
+
+
+def plan_for(problem: Problem, choice: str, dev: DeviceInfo, direction: str) -> Plan:
+    """The plan of ``choice`` (``"backend:config"``) for this exact problem, built once per process."""
+    name, cfg = _parse(choice)
+    return _plan(get_backend(name), problem, cfg, dev, direction)
+
+
+@functools.lru_cache(maxsize=256)
+def _parse(choice: str):
+    return Candidate.split(choice)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(backend: Backend, problem: Problem, cfg, dev: DeviceInfo, direction: str) -> Plan:
+    # keyed by the backend object, not its name: a re-registered backend gets plans of its own
+    check_knobs(backend, cfg)
+    return backend.plan(problem, dev, cfg, direction)
+
+
+def _key_mask_backends() -> str:
+    return ", ".join(b.name for b in _REGISTRY.values() if b.takes_key_mask)
+
+
+for _backend in BUILTIN:
+    register_backend(_backend)

@@ -1,0 +1,46 @@
+"""What the two Triton backends (triton_flash/, triton_decode.py) share unchanged: how a plan launches a
+kernel eagerly or into a compiled graph, and which Triton errors mean "cannot run here"."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # an import hook refusing it; a stub module without a spec
+        return False
+
+
+def eager_launcher(kernel):
+    """Plain ``kernel[grid](...)`` launches: ``wrap_triton`` in eager mode goes through a higher-order op
+    dispatch that costs about 1 ms (torch/_library/triton.py, ``set_wrap_triton_enabled``)."""
+    return kernel
+
+
+def graph_launcher(kernel):
+    """Launches that ``make_fx`` records as ``triton_kernel_wrapper_*`` nodes, which Inductor's generated
+    code launches itself (``torch.library.wrap_triton``, torch 2.11 and 2.13)."""
+    return torch.library.wrap_triton(kernel)
+
+
+def traceable() -> bool:
+    """Whether plans may offer a traced form: not under ``TRITON_INTERPRET=1``, where kernels are Python
+    functions run on real tensors (the CPU tests), which ``make_fx`` cannot trace."""
+    return os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def triton_errors() -> tuple[type[BaseException], ...]:
+    """Triton's compile and resource errors (they derive from Exception only, not RuntimeError)."""
+    if not triton_available():
+        return ()
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    return CompilationError, OutOfResources

@@ -1,0 +1,44 @@
+"""Running the wall-clock suites (overhead.py, ...) and writing what they measured.
+
+Results go to ``--out`` (default: ``<decision store dir>/bench/<suite>-<device>-<time>.json``, never the
+source tree), with the device, date, commit, versions and command inside; the markdown table is printed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from ..store.db import default_path
+from ..store.keys import library_versions
+
+
+def run_wallclock_suite(suite: str, *, smoke: bool, out: Path | None, command: str, commit: str | None) -> int:
+    if not smoke and not torch.cuda.is_available():
+        print(f"error: bench --suite {suite} measures GPU calls and needs a CUDA GPU; add --smoke for a CPU run "
+              "of the harness (its numbers mean nothing)", file=sys.stderr)
+        return 2
+    from . import overhead
+    from .runner import git_commit
+
+    module = {"overhead": overhead}[suite]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    meta = {"suite": suite, "smoke": smoke, "command": command, "commit": commit or git_commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "versions": library_versions()}
+    result = {"meta": meta, **module.run(smoke, device)}
+    path = out or default_path().parent / "bench" / f"{suite}-{meta['device'].replace(' ', '_')}-{meta['date'][:16]}.json"
+    if path.suffix != ".json":
+        path = path / f"{suite}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=str))
+    label = "SMOKE (tiny shapes on this machine: not a measurement)" if smoke else meta["device"]
+    print(f"bench --suite {suite}: {label}, {meta['date']}, commit {meta['commit']}")
+    print(module.table(result))
+    print(f"wrote {path}")
+    return 0

@@ -1,0 +1,67 @@
+"""HF transformers Llama end to end: stock ``torch.compile`` against ``torch.compile(backend="inductor_attn")``.
+
+Random weights (no download), bf16, built from a LlamaConfig. Both variants compile the same model
+object; attention reaches our ops through the SDPA rewrite (routing/). Wall time per call with plain
+launches (``default``) and with CUDA graphs (``reduce-overhead``), after warm-up.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .wallclock import warm, wall_us
+
+# The zero-overhead issue's size: small enough that the host matters at prefill B4 L2048.
+SIZE = dict(layers=8, hidden=1024, heads=16, kv_heads=4, intermediate=2816)
+PREFILL = (4, 2048)
+BACKENDS = ("inductor", "inductor_attn")
+
+
+def build_llama(layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, max_len: int):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                                      num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=32000,
+                                      max_position_embeddings=max_len, attn_implementation="sdpa")
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(config)
+    return model.to(torch.bfloat16)
+
+
+def _compiled(model, backend: str, mode: str):
+    torch._dynamo.reset()
+    return torch.compile(model, backend=backend, fullgraph=True, mode=None if mode == "default" else mode)
+
+
+def llama_overhead() -> dict:
+    """Prefill and one static-cache decode step, per backend and mode: wall ms per call."""
+    import transformers
+
+    batch, length = PREFILL
+    model = build_llama(**SIZE, max_len=length + 64).eval()
+    ids = torch.randint(0, 32000, (batch, length), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    out = {"size": dict(SIZE, batch=batch, prefill=length)}
+    with torch.no_grad():
+        for mode in ("default", "reduce-overhead"):
+            times = {}
+            for backend in BACKENDS:
+                compiled = _compiled(model, backend, mode)
+                call = warm(lambda: compiled(input_ids=ids, logits_to_keep=1))
+                times[backend] = wall_us(call, calls=20) / 1e3
+            out[f"prefill {mode}"] = {"stock_ms": times["inductor"], "ours_ms": times["inductor_attn"]}
+        cache = transformers.StaticCache(config=model.config, max_cache_len=length + 64)
+        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        token = ids[:, -1:]
+        position = torch.tensor([length], device="cuda")
+        for mode in ("default", "reduce-overhead"):
+            times = {}
+            for backend in BACKENDS:
+                compiled = _compiled(model, backend, mode)
+
+                def step():
+                    return compiled(input_ids=token, past_key_values=cache, cache_position=position, use_cache=True)
+
+                times[backend] = wall_us(warm(step), calls=100) / 1e3
+            out[f"decode step {mode}"] = {"stock_ms": times["inductor"], "ours_ms": times["inductor_attn"]}
+    return out

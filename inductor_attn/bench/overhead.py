@@ -1,0 +1,138 @@
+"""``bench --suite overhead``: what a compiled attention call costs on the host, against what users have.
+
+Per case (decode with a KV cache, small prefill), in one process and on one device:
+- ``eager sdpa``: ``F.scaled_dot_product_attention`` called directly (for decode, the boolean mask a
+  model builds from its cache lengths, built in the call);
+- ``stock compile``: the same function under ``torch.compile``, default mode and ``reduce-overhead``;
+- ``ours``: ``inductor_attn.attention`` under ``torch.compile``, both modes (decode passes the lengths as
+  ``kv_seqlens``), and eagerly.
+Each gets host us per call, wall us per call with plain launches, and kernel us (wallclock.py). Every
+compiled result is checked against eager SDPA before it is timed.
+
+HF Llama (random init, the size of the zero-overhead issue: 8 layers, hidden 1024, 16/4 heads, bf16):
+prefill B4 L2048 and one static-cache decode step, stock ``torch.compile`` against
+``backend="inductor_attn"``, in both modes (models.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from .. import api
+from .wallclock import measure
+
+CASES = (
+    # name, batch, heads_q, heads_kv, len_q, len_k, head_dim, causal, decode (kv_seqlens)
+    ("decode B1 H32/8 Lkv2k D128", 1, 32, 8, 1, 2048, 128, False, True),
+    ("decode B8 H32/8 Lkv4k D128", 8, 32, 8, 1, 4096, 128, False, True),
+    ("decode B1 H16/2 Lkv8k D256", 1, 16, 2, 1, 8192, 256, False, True),
+    ("prefill B1 H16/4 L512 D64 causal", 1, 16, 4, 512, 512, 64, True, False),
+    ("prefill B4 H16/4 L1k D128 causal", 4, 16, 4, 1024, 1024, 128, True, False),
+)
+SMOKE = (("decode B1 H4/2 Lkv64 D16", 1, 4, 2, 1, 64, 16, False, True),
+         ("prefill B1 H4/2 L32 D16 causal", 1, 4, 2, 32, 32, 16, True, False))
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    batch: int
+    heads_q: int
+    heads_kv: int
+    len_q: int
+    len_k: int
+    head_dim: int
+    causal: bool
+    decode: bool
+
+    def inputs(self, device, dtype):
+        gen = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (torch.randn(self.batch, h, n, self.head_dim, device=device, dtype=dtype, generator=gen)
+                   for h, n in ((self.heads_q, self.len_q), (self.heads_kv, self.len_k), (self.heads_kv, self.len_k)))
+        # a KV cache filled to different lengths per sequence
+        lens = torch.linspace(self.len_k // 2, self.len_k, self.batch, device=device).to(torch.int32)
+        return q, k, v, lens
+
+
+def sdpa_user(case: Case):
+    """What a model does without inductor_attn: SDPA, with the cache mask built from lengths in the call."""
+    def fn(q, k, v, lens):
+        mask = None
+        if case.decode:
+            mask = (torch.arange(k.shape[2], device=q.device)[None, :] < lens[:, None])[:, None, None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=case.causal and mask is None,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    return fn
+
+
+def ours_user(case: Case):
+    def fn(q, k, v, lens):
+        return api.attention(q, k, v, causal=case.causal, kv_seqlens=lens if case.decode else None)
+    return fn
+
+
+def paths(case: Case) -> dict:
+    sdpa, ours = sdpa_user(case), ours_user(case)
+    return {
+        "eager sdpa": sdpa,
+        "stock compile": torch.compile(sdpa, fullgraph=True),
+        "stock compile reduce-overhead": torch.compile(sdpa, fullgraph=True, mode="reduce-overhead"),
+        "ours eager": ours,
+        "ours compile": torch.compile(ours, fullgraph=True),
+        "ours compile reduce-overhead": torch.compile(ours, fullgraph=True, mode="reduce-overhead"),
+    }
+
+
+def run_case(case: Case, device, dtype) -> dict:
+    torch._dynamo.reset()
+    q, k, v, lens = case.inputs(device, dtype)
+    expected = sdpa_user(case)(q, k, v, lens).float()
+    row = {"case": case.name, "paths": {}}
+    for name, fn in paths(case).items():
+        out = fn(q, k, v, lens)
+        err = ((out.float() - expected).norm() / expected.norm()).item()
+        result = {"rel_err_vs_eager_sdpa": err}
+        if not err < 2e-2:
+            result["status"] = "wrong"
+        else:
+            result.update(measure(lambda fn=fn: fn(q, k, v, lens)))
+        row["paths"][name] = result
+    return row
+
+
+def run(smoke: bool, device: torch.device) -> dict:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cases = [Case(*c) for c in (SMOKE if smoke else CASES)]
+    rows = [run_case(c, device, dtype) for c in cases]
+    out = {"rows": rows}
+    if not smoke and device.type == "cuda":
+        from .models import llama_overhead
+
+        out["llama"] = llama_overhead()
+    return out
+
+
+def table(result: dict) -> str:
+    """Markdown: per case, host and wall us of each path, and ours against stock compile."""
+    lines = ["| case | path | host us | wall us | kernel us | vs stock compile (wall) |", "|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        stock = row["paths"].get("stock compile", {}).get("wall_us")
+        for name, r in row["paths"].items():
+            if "wall_us" not in r:
+                lines.append(f"| {row['case']} | {name} | {r.get('status')} | | | |")
+                continue
+            ratio = f"{stock / r['wall_us']:.2f}x" if stock else ""
+            kernel = "" if r["kernel_us"] is None else f"{r['kernel_us']:.1f}"
+            lines.append(f"| {row['case']} | {name} | {r['host_us']:.1f} | {r['wall_us']:.1f} | {kernel} | {ratio} |")
+    if result.get("llama"):
+        lines += ["", "| HF Llama | stock ms | ours ms | speedup |", "|---|---|---|---|"]
+        for name, r in result["llama"].items():
+            if isinstance(r, dict) and "stock_ms" in r:
+                lines.append(f"| {name} | {r['stock_ms']:.3f} | {r['ours_ms']:.3f} | {r['stock_ms'] / r['ours_ms']:.2f}x |")
+    return "\n".join(lines)
+
+
+__all__ = ["CASES", "run", "table"]

@@ -1,0 +1,90 @@
+"""What a user's wall clock sees: host time per call, wall time per call and kernel time, for a function
+run eagerly or compiled. Shared by the overhead, training and model suites.
+
+- host_us: the CPU time one call takes to issue its work, measured over a burst of calls that fits in the
+  launch queue (so the CPU never waits for the GPU), best of several bursts;
+- wall_us: the time per call of a long run of plain launches, synchronized at the end: max(host, device)
+  in steady state, what a loop of such calls costs;
+- kernel_us: the summed duration of the GPU kernels one call launches (torch.profiler), the device time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+BURST = 50  # calls per host-time burst: under the launch queue depth even at ~10 kernels a call
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def host_us(fn: Callable[[], object], bursts: int = 5) -> float:
+    best = float("inf")
+    for _ in range(bursts):
+        _sync()
+        start = time.perf_counter()
+        for _ in range(BURST):
+            fn()
+        best = min(best, (time.perf_counter() - start) / BURST)
+        _sync()
+    return best * 1e6
+
+
+def wall_us(fn: Callable[[], object], calls: int = 200, repeats: int = 3) -> float:
+    runs = []
+    for _ in range(repeats):
+        _sync()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        _sync()
+        runs.append((time.perf_counter() - start) / calls)
+    return statistics.median(runs) * 1e6
+
+
+def kernel_us(fn: Callable[[], object], calls: int = 10) -> float | None:
+    """Summed GPU kernel time per call, or None without a GPU."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        _sync()
+    total = sum(e.device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA)
+    return total / calls
+
+
+def warm(fn: Callable[[], object], calls: int = 5) -> Callable[[], object]:
+    """Call ``fn`` a few times (compiles, tunes, records CUDA graphs) and return it."""
+    for _ in range(calls):
+        fn()
+    _sync()
+    return fn
+
+
+def measure(fn: Callable[[], object], kernels: bool = True) -> dict:
+    """The three numbers of ``fn``, after warm-up."""
+    warm(fn)
+    return {"host_us": host_us(fn), "wall_us": wall_us(fn), "kernel_us": kernel_us(fn) if kernels else None}
+
+
+def peak_memory(fn: Callable[[], object]) -> int | None:
+    """Peak GPU bytes allocated during one call, above what was allocated before it."""
+    if not torch.cuda.is_available():
+        return None
+    _sync()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    _sync()
+    return torch.cuda.max_memory_allocated() - before

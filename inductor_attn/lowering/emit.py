@@ -1,0 +1,184 @@
+"""Compile-time decisions and plan emission for the op calls whose choice shapes alone can make.
+
+Dense ``attention`` and ``attention_backward`` calls with static shapes are decided here, while the
+graph is compiled: a store hit, or tuning on fresh random inputs of the exact shapes and strides. A
+``kv_seqlens`` or ``key_mask`` argument gets representative values (random lengths over the whole cache,
+a mostly-open mask): the kernels' relative speed depends on the shapes, not on those values. The call is
+then replaced by its plan:
+
+- a plan with ``traced`` (Triton kernels through ``wrap_triton``, SDPA's aten ops): its kernels and torch
+  ops, traced with ``make_fx``, so Inductor's generated code launches them: no Python of ours per call;
+- otherwise one call of the thin ``inductor_attn::launch`` op (ops/launch.py), whose string argument
+  names the plan; the op runs the plan's launch (for FA4 on sm_90, the compiled kernel directly).
+
+Dynamic shapes, varlen and block-sparse calls keep their op call: their decision needs run-time values
+(lengths, index tensors, mask density) and costs one cached lookup per call (runtime.py).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from .._compat import fake_mode_of, trace_functional, unset_fake_mode
+from ..backends import AttnCall
+from ..device import device_info
+from ..ops import BACKWARD_OPS, FORWARD_OPS, attention_backward_op, attention_op
+from ..ops.launch import launch_op, plan_key
+from ..runtime import COMPILED, count_compiled, plan_for
+
+_DIRECTION = {attention_op._opoverload: "forward", attention_backward_op._opoverload: "backward"}
+_ALL_OPS = {op._opoverload for op in FORWARD_OPS + BACKWARD_OPS}
+_FORWARD_TENSORS = ("q", "k", "v", "kv_seqlens", "key_mask")
+_BACKWARD_TENSORS = _FORWARD_TENSORS + ("out", "lse", "grad_out", "grad_lse")
+
+
+def emit_plans(graph: torch.fx.Graph) -> None:
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _ALL_OPS:
+            continue
+        args = _bind(node)
+        vals = {name: a.meta.get("val") if isinstance(a, torch.fx.Node) else a for name, a in args.items()}
+        direction = _DIRECTION.get(node.target)
+        if direction is None or not _static(vals):
+            if not args["choice"]:  # decided at run time; the fake impl has checked the arguments
+                _set_choice(node, COMPILED)
+            continue
+        call = _concrete_call(vals)
+        choice = args["choice"] or _decide(call, direction)
+        plan = plan_for(call.problem, choice, device_info(call.q.device), direction)
+        names = _BACKWARD_TENSORS if direction == "backward" else _FORWARD_TENSORS
+        if plan.traced is not None:
+            if plan.warm:
+                _warm(plan, call, direction)
+            outputs = _inline_traced(graph, node, plan.traced, args, vals, names, direction)
+            count_compiled("attention", direction, choice)
+        else:
+            outputs = _emit_launch(graph, node, plan_key(direction, choice, call), args, vals, names)
+        _replace_outputs(graph, node, outputs)
+
+
+def _bind(node: torch.fx.Node) -> dict:
+    schema = node.target._schema
+    bound = dict(zip((a.name for a in schema.arguments), node.args)) | dict(node.kwargs)
+    for a in schema.arguments:
+        if a.name not in bound and a.has_default_value():
+            bound[a.name] = a.default_value
+    return bound
+
+
+def _set_choice(node: torch.fx.Node, choice: str) -> None:
+    index = [a.name for a in node.target._schema.arguments].index("choice")
+    if index < len(node.args):
+        node.update_arg(index, choice)
+    else:
+        node.update_kwarg("choice", choice)
+
+
+def _static(vals: dict) -> bool:
+    return all(isinstance(s, int) for name in ("q", "k", "v") for s in vals[name].shape)
+
+
+def _concrete_call(vals: dict) -> AttnCall:
+    """Real tensors with the call's shapes, strides and dtypes: fresh normal q/k/v (the tuner makes its own
+    copies), lengths drawn over the whole cache, a key mask with 90% of keys open."""
+    q = vals["q"]
+    with unset_fake_mode():
+        gen = torch.Generator(device=q.device).manual_seed(0)
+
+        def like(x):
+            if x is None:
+                return None
+            t = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+            if x.dtype == torch.bool:
+                return t.copy_(torch.rand(x.shape, generator=gen, device=x.device) < 0.9)
+            if not x.dtype.is_floating_point:
+                return t.copy_(torch.randint(1, vals["k"].shape[2] + 1, x.shape, generator=gen, device=x.device))
+            return t.normal_(generator=gen)
+
+        return AttnCall("attention", like(q), like(vals["k"]), like(vals["v"]), float(vals["scale"]),
+                        bool(vals["causal"]), int(vals["window_left"]), int(vals["window_right"]),
+                        like(vals["kv_seqlens"]), key_mask=like(vals["key_mask"]))
+
+
+def _decide(call: AttnCall, direction: str) -> str:
+    from ..tuning import decide
+
+    with unset_fake_mode():
+        return decide(call, device_info(call.q.device), direction)
+
+
+def _warm(plan, call: AttnCall, direction: str) -> None:
+    """One eager launch: what the traced launch reads from it (e.g. a persistent grid's programs per SM)."""
+    with unset_fake_mode():
+        if direction == "forward":
+            plan.launch(call)
+        else:
+            out, lse = torch.empty_like(call.q), torch.zeros(call.q.shape[:-1], device=call.q.device)
+            plan.launch(call, out, lse, torch.zeros_like(out), None)
+
+
+def _call_of(args: dict, tensors: dict) -> AttnCall:
+    return AttnCall("attention", tensors["q"], tensors["k"], tensors["v"], float(args["scale"]),
+                    bool(args["causal"]), int(args["window_left"]), int(args["window_right"]),
+                    tensors.get("kv_seqlens"), key_mask=tensors.get("key_mask"))
+
+
+def _inline_traced(graph, node, traced, args: dict, vals: dict, names, direction: str):
+    present = [n for n in names if args.get(n) is not None]
+
+    def launch(*tensors):
+        t = dict(zip(present, tensors))
+        call = _call_of(args, t)
+        if direction == "forward":
+            return tuple(traced(call))
+        return tuple(traced(call, t["out"], t["lse"], t.get("grad_out"), t.get("grad_lse")))
+
+    sub = trace_functional(launch, [vals[n] for n in present])
+    env = dict(zip((p for p in sub.graph.nodes if p.op == "placeholder"), (args[n] for n in present)))
+    with graph.inserting_before(node):
+        for sub_node in sub.graph.nodes:
+            if sub_node.op == "placeholder":
+                continue
+            if sub_node.op == "output":
+                return [env[o] for o in sub_node.args[0]]
+            if sub_node.op == "get_attr":  # a tensor constant of the launch: keep it on the graph's module
+                name = _unique_attr(graph.owning_module, sub_node.target)
+                setattr(graph.owning_module, name, getattr(sub, sub_node.target))
+                env[sub_node] = graph.get_attr(name)
+                env[sub_node].meta = dict(sub_node.meta)
+                continue
+            env[sub_node] = graph.node_copy(sub_node, lambda n: env[n])
+    raise AssertionError("traced launch has no output")
+
+
+def _unique_attr(module, base: str) -> str:
+    name, i = f"_inductor_attn_{base}", 0
+    while hasattr(module, f"{name}_{i}"):
+        i += 1
+    return f"{name}_{i}"
+
+
+def _emit_launch(graph, node, key: str, args: dict, vals: dict, names):
+    with fake_mode_of([v for v in vals.values() if isinstance(v, torch.Tensor)]):
+        fakes = launch_op([vals.get(n) for n in names], key)
+    with graph.inserting_before(node):
+        launch = graph.call_function(launch_op, ([args.get(n) for n in names], key))
+        launch.meta["val"] = list(fakes)
+        outputs = []
+        for i, fake in enumerate(fakes):
+            item = graph.call_function(operator.getitem, (launch, i))
+            item.meta["val"] = fake
+            outputs.append(item)
+    return outputs
+
+
+def _replace_outputs(graph, node, outputs) -> None:
+    for user in list(node.users):
+        if user.op == "call_function" and user.target is operator.getitem:
+            user.replace_all_uses_with(outputs[user.args[1]])
+            graph.erase_node(user)
+    if node.users:
+        raise AssertionError(f"{node.format_node()} has users other than getitem: {list(node.users)}")
+    graph.erase_node(node)

@@ -1,0 +1,79 @@
+"""The post-grad pass that decides at compile time and puts each plan into the graph.
+
+It sits in Inductor's ``post_grad_custom_post_pass`` (after AOTAutograd, before Inductor reinplaces
+mutations and lowers), once per compiled graph, forward and backward. Two jobs:
+
+1. Each ``inductor_attn`` op call whose choice can be made from shapes (emit.py) is replaced by its
+   plan: traced kernels and torch ops that Inductor's generated code launches itself, or one call of the
+   thin ``inductor_attn::launch`` op for kernels that cannot be traced.
+2. Keep Inductor's FX graph cache honest. On a cache hit no pass runs: the code built from earlier
+   decisions replays (notes/pytorch-internals.md). The cache key hashes every custom pass's ``uuid()``,
+   so ours hashes what the decisions depend on: the decision store's generation token (it changes on
+   every write), the backends' sources, the package version, the tuning mode and the simulated device.
+
+A pass the user had already put in that slot is kept, run first, and its uuid is part of ours.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+
+from .._compat import custom_graph_pass_base, inductor_config
+
+_Base = custom_graph_pass_base()
+
+
+class DecisionPass(_Base):
+    def __init__(self, chained=None):
+        self.chained = chained
+
+    def __call__(self, graph) -> None:
+        if self.chained is not None:
+            self.chained(graph)
+        from .emit import emit_plans
+
+        emit_plans(graph)
+
+    def uuid(self):
+        from .. import backends
+        from .._version import __version__
+        from ..device import ENV_VAR as DEVICE_ENV
+        from ..store.db import get_store
+        from ..tuning.modes import ENV_VAR as MODE_ENV
+        from ..tuning.modes import current_mode
+
+        store = get_store()
+        generation = store.generation()
+        if store.broken:  # decisions are not persisted: never let a cached graph stand in for a tune
+            return uuid.uuid4().hex
+        parts = [__version__, generation, current_mode("cuda"), os.environ.get(MODE_ENV, ""),
+                 os.environ.get(DEVICE_ENV, "")]
+        parts += [f"{b.name}={b.source_hash()}" for b in backends.backends()]
+        if self.chained is not None:
+            chained_uuid = getattr(self.chained, "uuid", lambda: None)()
+            if chained_uuid is None:
+                return None  # the user's pass cannot be cached: neither can the graph
+            parts.append(repr(chained_uuid))
+        return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()
+
+
+def install() -> None:
+    """Put the pass in ``post_grad_custom_post_pass`` (chaining what is there), once."""
+    config = inductor_config()
+    current = config.post_grad_custom_post_pass
+    if not isinstance(current, DecisionPass):
+        config.post_grad_custom_post_pass = DecisionPass(current)
+
+
+def uninstall() -> None:
+    """Put back the pass that :func:`install` found."""
+    config = inductor_config()
+    current = config.post_grad_custom_post_pass
+    if isinstance(current, DecisionPass):
+        config.post_grad_custom_post_pass = current.chained
+
+
+def active() -> bool:
+    return isinstance(inductor_config().post_grad_custom_post_pass, DecisionPass)

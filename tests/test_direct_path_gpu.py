@@ -1,0 +1,105 @@
+"""Compiled calls decided at compile time launch the chosen kernel from Inductor's generated code: Triton
+kernels and SDPA's aten ops inline, FA4 through the thin launch op; backward graphs too; CUDA graphs
+capture them without skips. Each candidate is forced by leaving only its backend and the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+
+import inductor_attn
+from inductor_attn.backends import REFERENCE, get_backend, only_backends
+from inductor_attn.tuning.correctness import TOLERANCES, rel_err
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    torch._dynamo.reset()
+    inductor_attn.reset_stats()
+    yield
+    torch._dynamo.reset()
+
+
+def _inputs(b, hq, hkv, lq, lk, d, requires_grad=False, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_(requires_grad)
+            for h, n in ((hq, lq), (hkv, lk), (hkv, lk))]
+
+
+def _reference(q, k, v, **kw):
+    exact = [x.detach().double() for x in (q, k, v)]
+    with only_backends(REFERENCE):
+        return inductor_attn.attention(*exact, **kw)
+
+
+def _only(name):
+    backend = get_backend(name)
+    if backend.supports(*_problem_and_device()) is not None:
+        pytest.skip(f"{name}: {backend.supports(*_problem_and_device())}")
+    return only_backends(backend, REFERENCE)
+
+
+def _problem_and_device():
+    from inductor_attn.api import make_call
+    from inductor_attn.device import device_info
+
+    q, k, v = _inputs(2, 8, 2, 256, 256, 64)
+    return make_call(q, k, v, causal=True).problem, device_info("cuda")
+
+
+@pytest.mark.parametrize("name, inlined", [("sdpa", True), ("triton", True), ("fa4", False)])
+def test_compiled_forward_launches_the_chosen_kernel_without_our_op(name, inlined):
+    q, k, v = _inputs(2, 8, 2, 256, 256, 64)
+    with _only(name), inductor_attn.tuning_mode("autotune"):
+        fn = torch.compile(lambda q, k, v: inductor_attn.attention(q, k, v, causal=True), fullgraph=True)
+        out, (code,) = run_and_get_code(fn, q, k, v)
+        again = fn(q, k, v)
+    assert "inductor_attn.attention.default" not in code  # no op impl, no checks, no decision per call
+    assert ("inductor_attn" not in code) if inlined else ("inductor_attn.launch.default" in code)
+    assert rel_err(out, _reference(q, k, v, causal=True)) < TOLERANCES[torch.bfloat16]
+    torch.testing.assert_close(again, out, rtol=0, atol=0)
+
+
+def test_compiled_decode_with_kv_seqlens_is_decided_while_compiling():
+    q, k, v = _inputs(4, 16, 2, 1, 4096, 128)
+    lens = torch.tensor([4096, 17, 1000, 2048], device="cuda", dtype=torch.int32)
+    with _only("triton_decode"), inductor_attn.tuning_mode("autotune"):
+        fn = torch.compile(lambda q, k, v, n: inductor_attn.attention(q, k, v, kv_seqlens=n), fullgraph=True)
+        out, (code,) = run_and_get_code(fn, q, k, v, lens)
+    assert "inductor_attn" not in code and "_decode_partial" in code
+    assert rel_err(out, _reference(q, k, v, kv_seqlens=lens)) < TOLERANCES[torch.bfloat16]
+
+
+@pytest.mark.parametrize("name", ["triton", "fa4"])
+def test_compiled_fwd_bwd_graphs_launch_the_chosen_kernels(name):
+    q, k, v = _inputs(2, 8, 2, 256, 256, 64, requires_grad=True)
+    with _only(name), inductor_attn.tuning_mode("autotune"):
+        fn = torch.compile(lambda q, k, v: inductor_attn.attention(q, k, v, causal=True), fullgraph=True)
+
+        def step(q, k, v):
+            fn(q, k, v).float().square().sum().backward()
+
+        _, codes = run_and_get_code(step, q, k, v)
+    assert len(codes) == 2 and not any("inductor_attn.attention" in c for c in codes)
+    exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    with only_backends(REFERENCE):
+        inductor_attn.attention(*exact, causal=True).square().sum().backward()
+    for got, want in zip((q.grad, k.grad, v.grad), exact):
+        assert rel_err(got, want.grad) < TOLERANCES[torch.bfloat16]
+
+
+def test_reduce_overhead_captures_our_calls_without_cudagraph_skips():
+    from torch._dynamo.utils import counters
+
+    q, k, v = _inputs(1, 16, 2, 1, 2048, 128)
+    lens = torch.tensor([2000], device="cuda", dtype=torch.int32)
+    counters.clear()
+    fn = torch.compile(lambda q, k, v, n: inductor_attn.attention(q, k, v, kv_seqlens=n), mode="reduce-overhead",
+                       fullgraph=True)
+    for _ in range(3):
+        out = fn(q, k, v, lens)
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    assert rel_err(out, _reference(q, k, v, kv_seqlens=lens)) < TOLERANCES[torch.bfloat16]
