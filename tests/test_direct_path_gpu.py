@@ -35,25 +35,22 @@ def _reference(q, k, v, **kw):
         return inductor_attn.attention(*exact, **kw)
 
 
-def _only(name):
-    backend = get_backend(name)
-    if backend.supports(*_problem_and_device()) is not None:
-        pytest.skip(f"{name}: {backend.supports(*_problem_and_device())}")
-    return only_backends(backend, REFERENCE)
-
-
-def _problem_and_device():
+def _only(name, q, k, v, **kw):
+    """Only ``name`` (and the reference) as candidates; skips where ``name`` cannot run this call."""
     from inductor_attn.api import make_call
     from inductor_attn.device import device_info
 
-    q, k, v = _inputs(2, 8, 2, 256, 256, 64)
-    return make_call(q, k, v, causal=True).problem, device_info("cuda")
+    backend = get_backend(name)
+    reason = backend.supports(make_call(q, k, v, **kw).problem, device_info("cuda"))
+    if reason is not None:
+        pytest.skip(f"{name}: {reason}")
+    return only_backends(backend, REFERENCE)
 
 
-@pytest.mark.parametrize("name, inlined", [("sdpa", True), ("triton", True), ("fa4", False)])
+@pytest.mark.parametrize("name, inlined", [("sdpa", True), ("fa4", False)])
 def test_compiled_forward_launches_the_chosen_kernel_without_our_op(name, inlined):
     q, k, v = _inputs(2, 8, 2, 256, 256, 64)
-    with _only(name), inductor_attn.tuning_mode("autotune"):
+    with _only(name, q, k, v, causal=True), inductor_attn.tuning_mode("autotune"):
         fn = torch.compile(lambda q, k, v: inductor_attn.attention(q, k, v, causal=True), fullgraph=True)
         out, (code,) = run_and_get_code(fn, q, k, v)
         again = fn(q, k, v)
@@ -63,20 +60,38 @@ def test_compiled_forward_launches_the_chosen_kernel_without_our_op(name, inline
     torch.testing.assert_close(again, out, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("tma", [False, True])
+def test_triton_configs_are_launched_by_generated_code_except_host_tma_ones(tma):
+    """Pointer-load configs are traced into the graph; host-side TMA descriptors cannot be (torch 2.11's
+    wrap_triton keeps them as side-table constants), so those configs go through the launch op."""
+    q, k, v = _inputs(2, 8, 2, 256, 256, 64)
+    choice = next(c.name for c in inductor_attn.candidates(q, k, v, causal=True)
+                  if c.backend == "triton" and c.pruned is None and bool(c.config.get("tma")) == tma)
+    op = torch.ops.inductor_attn.attention  # run_candidate's enumeration is eager-only: call the op
+
+    def fn(q, k, v):
+        return op(q, k, v, q.shape[-1] ** -0.5, True, -1, -1, None, None, choice)[0]
+
+    out, (code,) = run_and_get_code(torch.compile(fn, fullgraph=True), q, k, v)
+    assert "inductor_attn.attention.default" not in code
+    assert ("inductor_attn.launch.default" in code) if tma else ("inductor_attn" not in code and "flash_fwd_kernel" in code)
+    assert rel_err(out, _reference(q, k, v, causal=True)) < TOLERANCES[torch.bfloat16]
+
+
 def test_compiled_decode_with_kv_seqlens_is_decided_while_compiling():
     q, k, v = _inputs(4, 16, 2, 1, 4096, 128)
     lens = torch.tensor([4096, 17, 1000, 2048], device="cuda", dtype=torch.int32)
-    with _only("triton_decode"), inductor_attn.tuning_mode("autotune"):
+    with _only("triton_decode", q, k, v, kv_seqlens=lens), inductor_attn.tuning_mode("autotune"):
         fn = torch.compile(lambda q, k, v, n: inductor_attn.attention(q, k, v, kv_seqlens=n), fullgraph=True)
         out, (code,) = run_and_get_code(fn, q, k, v, lens)
     assert "inductor_attn" not in code and "_decode_partial" in code
     assert rel_err(out, _reference(q, k, v, kv_seqlens=lens)) < TOLERANCES[torch.bfloat16]
 
 
-@pytest.mark.parametrize("name", ["triton", "fa4"])
+@pytest.mark.parametrize("name", ["sdpa", "triton", "fa4"])
 def test_compiled_fwd_bwd_graphs_launch_the_chosen_kernels(name):
     q, k, v = _inputs(2, 8, 2, 256, 256, 64, requires_grad=True)
-    with _only(name), inductor_attn.tuning_mode("autotune"):
+    with _only(name, q, k, v, causal=True), inductor_attn.tuning_mode("autotune"):
         fn = torch.compile(lambda q, k, v: inductor_attn.attention(q, k, v, causal=True), fullgraph=True)
 
         def step(q, k, v):

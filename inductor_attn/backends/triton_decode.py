@@ -94,6 +94,8 @@ def _decode_partial(
         # kernel launch early (its programs wait for ours to finish, see _decode_combine).
         gdc_wait()
         gdc_launch_dependents()
+    # Inductor's launcher types a Python float argument as fp64 (eager Triton: fp32); keep the math fp32
+    qk_scale = tl.cast(qk_scale, tl.float32)
     # Row blocks of one (split, batch, kv head) are adjacent in launch order, so they run together and
     # share the K/V tiles in L2 when G * Lq needs more than one row block.
     pid = tl.program_id(0)

@@ -74,7 +74,8 @@ def main(args: argparse.Namespace, command: str) -> int:
     if args.suite in WALLCLOCK_SUITES:
         from .host_suites import run_wallclock_suite
 
-        return run_wallclock_suite(args.suite, smoke=args.smoke, out=args.out, command=command, commit=args.commit)
+        return run_wallclock_suite(args.suite, smoke=args.smoke, quick=args.quick, out=args.out, command=command,
+                                   commit=args.commit)
     from .runner import Options, run
 
     return run(Options(suite=args.suite, quick=args.quick, smoke=args.smoke, out=args.out, rounds=args.rounds,

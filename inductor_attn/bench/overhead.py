@@ -103,12 +103,13 @@ def run_case(case: Case, device, dtype) -> dict:
     return row
 
 
-def run(smoke: bool, device: torch.device) -> dict:
+def run(smoke: bool, quick: bool, device: torch.device) -> dict:
+    """The cases; and the HF Llama part unless ``quick`` (it compiles the model eight times)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cases = [Case(*c) for c in (SMOKE if smoke else CASES)]
     rows = [run_case(c, device, dtype) for c in cases]
     out = {"rows": rows}
-    if not smoke and device.type == "cuda":
+    if not smoke and not quick and device.type == "cuda":
         from .models import llama_overhead
 
         out["llama"] = llama_overhead()

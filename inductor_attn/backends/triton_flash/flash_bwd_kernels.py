@@ -191,6 +191,8 @@ def bwd_dkdv(Q, K, V, DO, DQ, GRAD_K, GRAD_V, LSE2, DELTA, CU_Q, CU_K, KV_LENS, 
     The sum over the group's heads happens in registers, so GQA needs neither atomics nor an
     expanded dK; ``SPLIT > 1`` gives each split its own partial output (summed by the launcher).
     """
+    # Inductor's launcher types a Python float argument as fp64 (eager Triton: fp32); keep the math fp32
+    qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)
     pid_n = tl.program_id(0)
     pid = tl.program_id(1)
     split = pid % SPLIT
@@ -356,6 +358,8 @@ def bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, CU_Q, CU_K, KV_LENS, CNT, IDX, FULL_CNT
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
            DOT_PREC: tl.constexpr):
     """dQ of one tile of BLOCK_M rows of one query head: the atomic-free pass."""
+    # Inductor's launcher types a Python float argument as fp64 (eager Triton: fp32); keep the math fp32
+    qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HQ

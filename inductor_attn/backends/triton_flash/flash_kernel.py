@@ -406,6 +406,8 @@ def flash_fwd_kernel(Q, K, V, O, LSE, KV_LENS, CU_Q, CU_K,
                      BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, EVEN_N: tl.constexpr,
                      TILE_LIST: tl.constexpr, TMA: tl.constexpr, DOT_PREC: tl.constexpr):
     """Forward of every tile assigned to this program; see the module docstring for the layouts."""
+    # Inductor's launcher types a Python float argument as fp64 (eager Triton: fp32); keep the math fp32
+    qk_scale = tl.cast(qk_scale, tl.float32)
     pid = tl.program_id(0)
     if SCHEDULE == 0:
         _tile(pid, Q, K, V, O, LSE, KV_LENS, CU_Q, CU_K, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BITS, TILES,
