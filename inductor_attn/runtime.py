@@ -15,7 +15,7 @@ from .device import DeviceInfo, device_info
 # The ``choice`` of op calls that compiled code decides at run time: the fake impl checked their arguments
 # while tracing, so the op skips its checks (ops/attention.py).
 COMPILED = "*"
-__all__ = ["forward", "backward", "launch_planned", "plan_for", "stats", "reset_stats", "count_compiled"]
+__all__ = ["forward", "backward", "count_call", "plan_for", "stats", "reset_stats", "count_compiled"]
 
 _STATS: collections.Counter = collections.Counter()  # op calls that ran through this module
 _IN_GRAPHS: collections.Counter = collections.Counter()  # kernels put into compiled graphs, per graph
@@ -31,10 +31,9 @@ def _resolve(call: AttnCall, choice: str, direction: str) -> tuple[str, DeviceIn
     return choice, dev
 
 
-def launch_planned(call: AttnCall, choice: str, direction: str, *extra):
-    """Launch a choice made at compile time (the ``inductor_attn::launch`` op): no decision, no checks."""
-    _STATS[(call.op, direction, choice)] += 1
-    return plan_for(call.problem, choice, device_info(call.q.device), direction).launch(call, *extra)
+def count_call(key: tuple[str, str, str]) -> None:
+    """Count one call of (op, direction, choice) made through the ``inductor_attn::launch`` op."""
+    _STATS[key] += 1
 
 
 def count_compiled(op: str, direction: str, choice: str) -> None:

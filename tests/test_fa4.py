@@ -471,6 +471,40 @@ def test_dsl_errors_become_runtime_errors(monkeypatch):
         fa4.BACKEND.run(AttnCall("attention", q, q, q, 0.25), Config.of(tile_mn="128x176"))
 
 
+def _compiling_interface(kernel_calls: list):
+    """A fake FA4 interface whose ``_flash_attn_fwd`` calls a "compiled kernel" from its compile cache with
+    positional arguments, as b36 does: tensors, the scale and a constant."""
+    def kernel(q, k, v, out, lse, scale, window, none):
+        kernel_calls.append(scale)
+        out.fill_(scale)
+        lse.fill_(1.0)
+
+    def _flash_attn_fwd(q, k, v, **kw):
+        cache = _flash_attn_fwd.compile_cache
+        if ("key",) not in cache:
+            cache[("key",)] = kernel
+        cache[("key",)](q, k, v, kw["out"], kw["lse"], kw["softmax_scale"], 7, None)
+        return kw["out"], kw["lse"]
+
+    _flash_attn_fwd.compile_cache = {}
+    return types.SimpleNamespace(_flash_attn_fwd=_flash_attn_fwd)
+
+
+def test_forward_plan_calls_the_compiled_kernel_directly_after_one_call_through_fa4(monkeypatch):
+    kernel_calls = []
+    interface = _compiling_interface(kernel_calls)
+    utils = types.SimpleNamespace(_get_use_clc_scheduler_default=lambda: False)
+    monkeypatch.setattr(fa4, "_load", lambda: fake_fa4(interface=interface, utils=utils))
+    q = torch.randn(1, 2, 16, 16, dtype=torch.float16)
+    plan = fa4.BACKEND.plan(AttnCall("attention", q, q, q, 0.25).problem, SM90, Config(), "forward")
+    plan.launch(AttnCall("attention", q, q, q, 0.25))
+    interface._flash_attn_fwd = lambda *a, **kw: pytest.fail("went through _flash_attn_fwd again")
+    out, lse = plan.launch(AttnCall("attention", q, q, q, 0.5))  # another call, another scale
+    assert kernel_calls == [0.25, 0.5] and bool((out == 0.5).all()) and bool((lse == 1.0).all())
+    assert out.stride() == q.stride()  # the ops' layout contract
+    assert fa4.fwd_compile_cache_owner(fake_fa4(interface=interface)) is not None
+
+
 def test_backward_uses_views_and_returns_our_layout(monkeypatch):
     rec = _use_recorder(monkeypatch)
     q = torch.randn(2, 4, 32, 16, dtype=torch.float16)

@@ -504,7 +504,7 @@ class FA4Backend(Backend):
             if p.op == "block_sparse":
                 raise NotImplementedError("flash-attn-4 block-sparse backward is not wired (see supports())")
             return Plan(functools.partial(_backward, bool(cfg.get("deterministic", False)), str(cfg)))
-        thin = family(dev.arch) == "sm90" and p.op != "block_sparse"
+        thin = family(dev.arch) == "sm90" and p.op == "attention"
         return Plan(_ForwardLaunch(_knobs(cfg), cfg.get("clc"), str(cfg), thin))
 
 
@@ -588,39 +588,37 @@ class _ForwardLaunch:
 
     def __init__(self, knobs: dict, clc: bool | None, label: str, thin: bool):
         self.knobs, self.clc, self.label, self.thin = knobs, clc, label, thin
-        self.compiled = None  # (compiled function, argument template) once recorded
+        self.compiled = None  # (compiled function, [(is_role, role index or constant)]) once recorded
 
     def __call__(self, call: AttnCall):
+        if self.compiled is not None:
+            q, k, v = call.q.transpose(1, 2), call.k.transpose(1, 2), call.v.transpose(1, 2)
+            if _aligned(q) and _aligned(k) and _aligned(v):
+                return self._direct(call, q, k, v)
+        return self._through_fa4(call)
+
+    def _direct(self, call: AttnCall, q, k, v):
+        fn, template = self.compiled
+        out = empty_like_layout(call.q, (*call.q.shape[:-1], call.v.shape[-1]))
+        lse = torch.empty(call.q.shape[:-1], dtype=torch.float32, device=call.q.device)
+        seqused = None if call.kv_seqlens is None else _int32(call.kv_seqlens)
+        values = (q, k, v, out.transpose(1, 2), lse, call.scale, seqused)
+        fn(*[values[x] if role else x for role, x in template])
+        return out, lse
+
+    def _through_fa4(self, call: AttnCall):
         fa = _fa4()
         args, kw, out, lse = _forward_args(fa, self.knobs, call)
-        if self.compiled is not None:
-            fn, template = self.compiled
-            roles = _roles(args, kw, call)
-            fn(*[roles[r] if isinstance(r, _Role) else r for r in template])
-            return out, lse
-        recording = _Recording(fa) if self.thin else None
+        recording = _Recording(fa) if self.thin and self.compiled is None else None
         with _clc_scheduler(fa.utils, self.clc), _dsl_errors(fa, self.label), recording or contextlib.nullcontext():
             result = fa.interface._flash_attn_fwd(*args, **kw)
         if recording is not None:
-            self.compiled = recording.template(_roles(args, kw, call))
+            self.compiled = recording.template((*args, kw["out"], kw["lse"], call.scale, kw.get("seqused_k")))
         # b36 returns (out, lse, ...) and writes the buffers we passed; take FA4's lse if it made its own
         got_lse = result[1] if isinstance(result, tuple) and len(result) > 1 else None
         if got_lse is not None and got_lse.data_ptr() != lse.data_ptr():
             lse = got_lse
         return out, lse
-
-
-@dataclass(frozen=True)
-class _Role:
-    name: str
-
-
-def _roles(args, kw, call: AttnCall) -> dict:
-    roles = {"q": args[0], "k": args[1], "v": args[2], "out": kw["out"], "lse": kw["lse"],
-             "scale": call.scale}
-    if "seqused_k" in kw:
-        roles["seqused_k"] = kw["seqused_k"]
-    return {_Role(k): v for k, v in roles.items()}
 
 
 class _Recording:
@@ -657,29 +655,28 @@ class _Recording:
         self.owner.compile_cache = self.real
         self._LOCK.release()
 
-    def template(self, roles: dict):
-        """(compiled function, arguments with this call's tensors and scale replaced by roles), or None
-        when the call was not one compiled-object call over known tensors."""
+    def template(self, values: tuple):
+        """(compiled function, [(is_role, index into ``values`` or a constant)]), or None when the call was
+        not one compiled-object call over known tensors. ``values``: q, k, v views, out view, lse, scale,
+        seqused_k (the order :meth:`_ForwardLaunch._direct` rebuilds them in)."""
         if len(self.calls) != 1:
             return None
         fn, args = self.calls[0]
-        by_identity = {}
-        for role, value in roles.items():
-            if isinstance(value, torch.Tensor):
-                by_identity[(value.data_ptr(), value.shape, value.stride(), value.dtype)] = role
+        by_identity = {(t.data_ptr(), t.shape, t.stride(), t.dtype): i
+                       for i, t in enumerate(values) if isinstance(t, torch.Tensor)}
         template = []
         for arg in args:
             if isinstance(arg, torch.Tensor):
                 role = by_identity.get((arg.data_ptr(), arg.shape, arg.stride(), arg.dtype))
                 if role is None:
                     return None
-                template.append(role)
-            elif isinstance(arg, float) and arg == roles[_Role("scale")]:
-                template.append(_Role("scale"))
+                template.append((True, role))
+            elif isinstance(arg, float) and arg == values[5]:
+                template.append((True, 5))
             elif _holds_tensor(arg):
                 return None
             else:
-                template.append(arg)
+                template.append((False, arg))
         return fn, template
 
 

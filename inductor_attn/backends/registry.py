@@ -24,10 +24,13 @@ from .triton_flash.flash import BACKEND as TRITON_FLASH
 BUILTIN = (SDPA, FLEX, FA4, TRITON_FLASH, TRITON_DECODE, REFERENCE)
 
 _REGISTRY: dict[str, Backend] = {}
+# bumped on every change of the registry, so caches keyed by backend name (ops/launch.py) notice it
+state = {"generation": 0}
 
 
 def register_backend(backend: Backend, *, first: bool = False) -> None:
     """Add (or replace) a backend; ``first=True`` puts it ahead in the prior order."""
+    state["generation"] += 1
     _REGISTRY.pop(backend.name, None)
     if first:
         items = list(_REGISTRY.items())
@@ -39,6 +42,7 @@ def register_backend(backend: Backend, *, first: bool = False) -> None:
 
 
 def unregister_backend(name: str) -> None:
+    state["generation"] += 1
     _REGISTRY.pop(name, None)
 
 
@@ -49,11 +53,13 @@ def only_backends(*backends: Backend):
     _REGISTRY.clear()
     for b in backends:
         _REGISTRY[b.name] = b
+    state["generation"] += 1
     try:
         yield
     finally:
         _REGISTRY.clear()
         _REGISTRY.update(saved)
+        state["generation"] += 1
 
 
 def get_backend(name: str) -> Backend:
