@@ -1,6 +1,7 @@
 """python -m inductor_attn cache ... on a store filled through the public API."""
 
 import json
+import sqlite3
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from fakes import FakeBackend, FakeTimer
 import inductor_attn
 from inductor_attn.backends import only_backends
 from inductor_attn.cli import main
+from inductor_attn.tuning.decisions import forget_decisions
 
 
 @pytest.fixture
@@ -46,3 +48,25 @@ def test_export_clear_import_plot(one_decision, tmp_path, capsys):
 def test_unknown_key_is_an_error_not_a_traceback(capsys):
     assert main(["cache", "explain", "nope"]) == 2
     assert "no decision with a key starting with 'nope'" in capsys.readouterr().err
+
+
+def _store_path():
+    return inductor_attn.cache.get_store().path
+
+
+# -- a bad row in the store never breaks list or attention() ----------------------------------------------
+def test_list_and_attention_survive_a_bad_row_and_the_next_tune_replaces_it(one_decision, monkeypatch, capsys):
+    with sqlite3.connect(_store_path()) as conn:
+        conn.execute("UPDATE decisions SET record = 'garbage' WHERE key = ?", (one_decision,))
+    with pytest.warns(RuntimeWarning, match="skipping unreadable decision") as record:
+        assert main(["cache", "list"]) == 0
+    assert capsys.readouterr().out.startswith("0 decisions") and len(record) == 1
+    a = FakeBackend("a", {"default": (1.0, 0.01)})
+    b = FakeBackend("b", {"x=1": (0.5, 0.01)})
+    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b]))
+    forget_decisions()
+    q = torch.randn(1, 2, 32, 16)
+    with only_backends(a, b), inductor_attn.tuning_mode("autotune"):
+        inductor_attn.attention(q, q, q, causal=True)
+    assert b.calls > 0  # re-tuned
+    assert [r["winner"] for r in inductor_attn.cache.list_decisions()] == ["b:x=1"]

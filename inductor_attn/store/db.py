@@ -8,6 +8,9 @@ per write, ``INSERT OR REPLACE`` per row. A corrupt, locked or unreadable file g
 which the store is skipped for the rest of the process (tuning still works, results are just not
 persisted); the file is never deleted or rewritten, so other rows are never lost.
 
+Rows: every row written or read is checked against the schema (schema.py). A bad row read is skipped
+with one warning per store, and the next tune of its problem replaces it.
+
 A new store starts with a random ``generation`` token and every write replaces it; the Inductor
 FX-graph-cache guard hashes it, so compiled code that baked decisions is not replayed after the
 decisions changed, nor against another (e.g. a fresh, empty) store.
@@ -26,8 +29,9 @@ import warnings
 from pathlib import Path
 
 from .._compat import inductor_cache_dir
+from . import transfer
+from .schema import COLUMNS, RowError, check_row
 
-SCHEMA_VERSION = 1
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS decisions (
     key TEXT PRIMARY KEY,       -- sha256 of everything that can change the answer (see keys.py)
@@ -41,7 +45,7 @@ CREATE TABLE IF NOT EXISTS decisions (
 );
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
-_COLUMNS = ("key", "op", "problem", "device", "versions", "winner", "record", "created")
+_SELECT = f"SELECT {', '.join(COLUMNS)} FROM decisions"
 
 
 def default_path() -> Path:
@@ -55,6 +59,7 @@ class DecisionStore:
         self.path = Path(path) if path is not None else default_path()
         self.timeout_s = timeout_s
         self._broken: str | None = None
+        self._warned_rows = False
         self._lock = threading.Lock()
 
     # -- connection ------------------------------------------------------------------------------
@@ -91,40 +96,67 @@ class DecisionStore:
         return self._broken
 
     # -- rows ------------------------------------------------------------------------------------
+    def _parse(self, values) -> dict:
+        """A stored row as a dict, checked against the schema (RowError if it does not match)."""
+        row = dict(zip(COLUMNS, values))
+        for column in ("versions", "record"):
+            try:
+                row[column] = json.loads(row[column])
+            except (TypeError, ValueError) as err:
+                raise RowError(column, f"is not JSON ({err})") from None
+        return check_row(row)
+
+    def _decode(self, values) -> dict | None:
+        """``_parse``, but a bad row is skipped (None) with one warning per store."""
+        try:
+            return self._parse(values)
+        except RowError as err:
+            if not self._warned_rows:
+                self._warned_rows = True
+                warnings.warn(f"inductor_attn: decision store {self.path}: skipping unreadable decision "
+                              f"{_short_key(values[0])} ({err}), and any other; the next tune of its problem "
+                              "replaces it", RuntimeWarning, stacklevel=4)
+            return None
+
     def get(self, key: str) -> dict | None:
         def read(conn):
-            row = conn.execute(f"SELECT {', '.join(_COLUMNS)} FROM decisions WHERE key = ?", (key,)).fetchone()
-            return None if row is None else _row(row)
+            row = conn.execute(f"{_SELECT} WHERE key = ?", (key,)).fetchone()
+            return None if row is None else self._decode(row)
 
         return self._guard("read", read)
 
-    def put(self, row: dict) -> None:
-        row = {**row, "created": row.get("created") or time.time()}
-        values = tuple(row[c] if c in ("created",) or isinstance(row[c], str) else json.dumps(row[c])
-                       for c in _COLUMNS)
-
-        def write(conn):
-            conn.execute("BEGIN IMMEDIATE")
-            conn.execute(f"INSERT OR REPLACE INTO decisions VALUES ({', '.join('?' * len(_COLUMNS))})", values)
-            _bump_generation(conn)
-            conn.execute("COMMIT")
-
-        self._guard("write", write)
-
     def rows(self) -> list[dict]:
-        return self._guard(
-            "list", lambda conn: [_row(r) for r in conn.execute(
-                f"SELECT {', '.join(_COLUMNS)} FROM decisions ORDER BY op, problem")], default=[])
+        def read(conn):
+            return [row for row in map(self._decode, conn.execute(f"{_SELECT} ORDER BY op, problem")) if row]
+
+        return self._guard("list", read, default=[])
 
     def find(self, prefix: str) -> list[dict]:
         """Rows whose key starts with ``prefix`` (keys are long hashes; a few characters suffice)."""
         return [r for r in self.rows() if r["key"].startswith(prefix)]
 
+    def put(self, row: dict) -> None:
+        self.put_many([{**row, "created": row.get("created") or time.time()}])
+
+    def put_many(self, rows: list[dict]) -> int:
+        """Write ``rows`` in one transaction, so all or none are written; returns how many were. Each row
+        is checked first: a bad one raises ValueError (RowError) and nothing is written."""
+        values = [_encode(check_row(row)) for row in rows]
+
+        def write(conn):
+            conn.execute("BEGIN IMMEDIATE")
+            conn.executemany(f"INSERT OR REPLACE INTO decisions VALUES ({', '.join('?' * len(COLUMNS))})", values)
+            _after_write(conn)
+            conn.execute("COMMIT")
+            return len(values)
+
+        return self._guard("write", write, default=0)
+
     def clear(self) -> int:
         def wipe(conn):
             conn.execute("BEGIN IMMEDIATE")
             n = conn.execute("DELETE FROM decisions").rowcount
-            _bump_generation(conn)
+            _after_write(conn)
             conn.execute("COMMIT")
             return n
 
@@ -143,32 +175,22 @@ class DecisionStore:
 
     # -- JSON ------------------------------------------------------------------------------------
     def export_json(self, path: str | Path) -> int:
-        rows = self.rows()
-        Path(path).write_text(json.dumps({"schema": SCHEMA_VERSION, "decisions": rows}, indent=1))
-        return len(rows)
+        return transfer.export_file(self, path)
 
     def import_json(self, path: str | Path) -> int:
-        data = json.loads(Path(path).read_text())
-        if not isinstance(data, dict) or data.get("schema") != SCHEMA_VERSION:
-            raise ValueError(f"{path}: not an inductor_attn decision export of schema {SCHEMA_VERSION}")
-        rows = data["decisions"]
-        for i, row in enumerate(rows):
-            missing = [c for c in _COLUMNS if c not in row]
-            if missing:
-                raise ValueError(f"{path}: decision {i} lacks {missing}")
-        for row in rows:
-            self.put(row)
-        return len(rows)
+        return transfer.import_file(self, path)
 
 
-def _row(values) -> dict:
-    row = dict(zip(_COLUMNS, values))
-    row["versions"] = json.loads(row["versions"])
-    row["record"] = json.loads(row["record"])
-    return row
+def _short_key(key) -> str:
+    return repr(key[:16] if isinstance(key, str) else key)
 
 
-def _bump_generation(conn) -> None:
+def _encode(row: dict) -> tuple:
+    return tuple(json.dumps(row[c]) if c in ("versions", "record") else row[c] for c in COLUMNS)
+
+
+def _after_write(conn) -> None:
+    """In the write's transaction: a new generation (the FX-graph-cache guard hashes it)."""
     conn.execute("INSERT OR REPLACE INTO meta VALUES ('generation', ?)", (uuid.uuid4().hex,))
 
 

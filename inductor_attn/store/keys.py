@@ -51,5 +51,10 @@ def decision_fields(op: str, direction: str, problem: Problem, dev: DeviceInfo, 
         "device": dev.key(),
         "versions": {**library_versions(), "sources": dict(sorted(sources.items()))},
     }
-    blob = json.dumps(fields, sort_keys=True).encode()
-    return {"key": hashlib.sha256(blob).hexdigest(), **fields}
+    return {"key": key_of(fields), **fields}
+
+
+def key_of(fields: dict) -> str:
+    """The key of a decision: sha256 of its op, problem, device and versions (as JSON, keys sorted)."""
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
