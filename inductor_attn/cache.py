@@ -1,5 +1,8 @@
 """Looking inside the decision store: the Python side of ``python -m inductor_attn cache ...``.
 
+Every function takes an optional ``store``: a DecisionStore (one file) or the process's layered store
+(``get_store()``, the default: a writable store, then read-only ones).
+
 >>> import inductor_attn
 >>> rows = inductor_attn.cache.list_decisions()      # one dict per decision
 >>> print(inductor_attn.cache.explain(rows[0]["key"][:8]))  # doctest: +SKIP
@@ -11,8 +14,10 @@ from pathlib import Path
 
 from .problem import Problem
 from .store.db import DecisionStore, get_store
+from .store.layers import LayeredStore
+from .store.schema import StoreError
 
-__all__ = ["DecisionStore", "get_store", "list_decisions", "show", "explain", "clear", "export",
+__all__ = ["DecisionStore", "StoreError", "get_store", "list_decisions", "show", "explain", "clear", "export",
            "import_decisions", "plot", "short_problem"]
 
 
@@ -36,16 +41,26 @@ def short_problem(problem_key: str) -> str:
     return label
 
 
-def list_decisions(store: DecisionStore | None = None) -> list[dict]:
-    """One summary per stored decision: key, op, problem label, device, winner, speedup vs default."""
-    out = []
-    for row in (store or get_store()).rows():
-        winner = _winner_result(row)
-        out.append({
-            "key": row["key"], "op": row["op"], "problem": short_problem(row["problem"]),
-            "device": row["device"], "winner": row["winner"], "default": row["record"]["default"],
-            "speedup": None if winner is None else winner.get("speedup"),
-        })
+def _layered(store) -> LayeredStore:
+    store = get_store() if store is None else store
+    return store if isinstance(store, LayeredStore) else LayeredStore(store)
+
+
+def list_decisions(store: DecisionStore | LayeredStore | None = None) -> list[dict]:
+    """One summary per decision: key, op, problem label, device, winner, speedup vs default and ``store``
+    (the layer it comes from)."""
+    out, seen = [], set()
+    for layer, rows in _layered(store).rows_by_layer():
+        for row in rows:
+            if row["key"] in seen:  # an earlier layer's row answers for this key
+                continue
+            seen.add(row["key"])
+            winner = _winner_result(row)
+            out.append({
+                "key": row["key"], "op": row["op"], "problem": short_problem(row["problem"]),
+                "device": row["device"], "winner": row["winner"], "default": row["record"]["default"],
+                "speedup": None if winner is None else winner.get("speedup"), "store": layer.describe(),
+            })
     return out
 
 
@@ -53,20 +68,24 @@ def _winner_result(row: dict) -> dict | None:
     return next((c for c in row["record"]["candidates"] if c["name"] == row["winner"]), None)
 
 
-def _one(key_prefix: str, store: DecisionStore | None) -> dict:
-    rows = (store or get_store()).find(key_prefix)
+def _one(key_prefix: str, store) -> dict:
+    store = _layered(store)
+    rows = store.find(key_prefix)
+    if not rows and store.broken:
+        raise StoreError(f"the decision store is unreadable ({store.broken}); whether it holds a decision with "
+                         f"a key starting with {key_prefix!r} is unknown")
     if len(rows) != 1:
         raise ValueError(f"key prefix {key_prefix!r} matches {len(rows)} decisions; give more characters"
                          if rows else f"no decision with a key starting with {key_prefix!r}")
     return rows[0]
 
 
-def show(key_prefix: str, store: DecisionStore | None = None) -> dict:
+def show(key_prefix: str, store: DecisionStore | LayeredStore | None = None) -> dict:
     """The whole stored row (versions, every candidate's samples) for one decision."""
     return _one(key_prefix, store)
 
 
-def explain(key_prefix: str, store: DecisionStore | None = None) -> str:
+def explain(key_prefix: str, store: DecisionStore | LayeredStore | None = None) -> str:
     """Why the winner won: every candidate with its median time, CI, correctness and reasons."""
     row = _one(key_prefix, store)
     rec = row["record"]
@@ -97,35 +116,41 @@ def _fmt(x, spec: str) -> str:
     return "" if x is None else format(x, spec)
 
 
-def clear(store: DecisionStore | None = None) -> int:
-    """Delete every decision (returns how many); in-memory decisions of this process are dropped too."""
+def clear(store: DecisionStore | LayeredStore | None = None) -> int:
+    """Delete every decision of the writable store (returns how many; read-only stores are never changed);
+    in-memory decisions of this process are dropped too."""
     from .tuning.decisions import forget_decisions
 
     forget_decisions()
-    return (store or get_store()).clear()
+    return _layered(store).clear()
 
 
-def export(path: str | Path, store: DecisionStore | None = None) -> int:
-    """Write every decision to a JSON file (to ship tuned decisions with a model)."""
-    return (store or get_store()).export_json(path)
+def export(path: str | Path, store: DecisionStore | LayeredStore | None = None) -> int:
+    """Write every decision to a JSON file (to ship tuned decisions with a model). The file is replaced
+    only once the new one is complete; an unreadable store raises StoreError and leaves it as it was."""
+    return _layered(store).export_json(path)
 
 
-def import_decisions(path: str | Path, store: DecisionStore | None = None) -> int:
-    """Add the decisions of a JSON export (rows with the same key are replaced)."""
+def import_decisions(path: str | Path, store: DecisionStore | LayeredStore | None = None) -> int:
+    """Add the decisions of a JSON export to the writable store, all or none (rows with the same key are
+    replaced); returns how many were written. A bad file raises ValueError naming the row and the field."""
     from .tuning.decisions import forget_decisions
 
     forget_decisions()
-    return (store or get_store()).import_json(path)
+    return _layered(store).import_json(path)
 
 
-def plot(path: str | Path, store: DecisionStore | None = None) -> int:
+def plot(path: str | Path, store: DecisionStore | LayeredStore | None = None) -> int:
     """Draw each decision's winner and its speedup over the default (with the 95% CI) to a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = (store or get_store()).rows()
+    store = _layered(store)
+    rows = store.rows()
+    if store.broken:
+        raise StoreError(f"the decision store is unreadable ({store.broken}); {path} was not drawn")
     if not rows:
         raise ValueError("the decision store is empty: nothing to plot")
     labels, speedups, lows, highs, winners = [], [], [], [], []

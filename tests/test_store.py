@@ -2,13 +2,20 @@
 
 import json
 import multiprocessing as mp
+import os
+import shutil
 import sqlite3
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from inductor_attn.problem import Problem
-from inductor_attn.store.db import DecisionStore
+from inductor_attn.store.db import DecisionStore, get_store, path_access
 from inductor_attn.store.keys import key_of
+from inductor_attn.store.schema import StoreError
 
 
 def decision_row(i: int, winner: str = "b:x=1") -> dict:
@@ -163,3 +170,117 @@ def test_put_refuses_a_row_that_breaks_the_schema(tmp_path):
     with pytest.raises(ValueError, match="field 'winner': must be a non-empty string, got int 5"):
         store.put({**decision_row(1), "winner": 5})
     assert store.rows() == []
+
+
+# -- read-only stores --------------------------------------------------------------------------------------
+def _filled(path, n: int = 3):
+    DecisionStore(path).put_many([decision_row(i) for i in range(n)])
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("access", ["read", "immutable"])
+def test_a_store_opened_read_only_serves_its_rows_and_is_never_written(tmp_path, access):
+    path = tmp_path / "d.sqlite"
+    before = _filled(path)
+    store = DecisionStore(path, access=access)
+    assert store.get(_key(1))["winner"] == "b:x=1"
+    assert len(store.rows()) == 3 and store.generation()
+    with pytest.raises(StoreError, match="read-only"):
+        store.put(decision_row(9))
+    with pytest.raises(StoreError, match="read-only"):
+        store.clear()
+    assert path.read_bytes() == before and store.broken is None
+
+
+def test_access_is_found_from_the_filesystem(tmp_path, monkeypatch):
+    path = tmp_path / "d.sqlite"
+    assert path_access(path) == "write"  # absent but creatable
+    _filled(path)
+    assert path_access(path) == "write"
+    # Simulated, so that it holds as root too (root may write where chmod says no)
+    read_only = {path, tmp_path}
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) not in read_only)
+    assert path_access(path) == "immutable"  # read-only directory, no log: WAL mode can only read immutable
+    assert path_access(tmp_path / "absent" / "d.sqlite") is None
+    read_only.discard(tmp_path)
+    assert path_access(path) == "read"  # read-only file in a writable directory
+
+
+def _simulate_read_only(monkeypatch, *paths) -> None:
+    """What os.access says on a read-only mount (and what chmod says to anyone but root)."""
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) in paths and mode & os.W_OK else real(p, mode))
+
+
+def test_get_store_on_a_read_only_path_reads_it_and_writes_to_the_overlay(tmp_path, monkeypatch, caplog):
+    shipped = tmp_path / "image" / "decisions.sqlite"
+    shipped.parent.mkdir()
+    before = _filled(shipped, n=2)
+    monkeypatch.setenv("INDUCTOR_ATTN_CACHE_DIR", str(shipped.parent))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    _simulate_read_only(monkeypatch, shipped, shipped.parent)
+    with caplog.at_level("WARNING", logger="inductor_attn.store.db"):
+        store = get_store()
+        assert store.get(_key(1))["winner"] == "b:x=1"
+        store.put(decision_row(5))
+        assert store.get(_key(5)) is not None and len(store.rows()) == 3
+    overlay = tmp_path / "inductor" / "inductor_attn" / "decisions.sqlite"
+    assert [r["key"] for r in DecisionStore(overlay).rows()] == [_key(5)]
+    assert shipped.read_bytes() == before and store.broken is None
+    (line,) = caplog.messages
+    assert f"{shipped} is read-only: its decisions are used; new decisions go to {overlay}" in line
+
+
+def test_new_decisions_stay_in_memory_when_no_store_can_be_written(tmp_path, monkeypatch, caplog):
+    shipped = tmp_path / "inductor" / "inductor_attn" / "decisions.sqlite"
+    shipped.parent.mkdir(parents=True)
+    before = _filled(shipped, n=1)
+    monkeypatch.delenv("INDUCTOR_ATTN_CACHE_DIR")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    _simulate_read_only(monkeypatch, shipped, shipped.parent)
+    with caplog.at_level("WARNING", logger="inductor_attn.store.db"):
+        store = get_store()
+        store.put(decision_row(7))
+        assert {r["key"] for r in store.rows()} == {_key(0), _key(7)}
+    assert "new decisions go to memory (this process only)" in caplog.messages[0] and len(caplog.messages) == 1
+    assert shipped.read_bytes() == before
+
+
+_UNPRIVILEGED_READ = """
+import os, sys
+from inductor_attn.store.db import get_store
+store = get_store()
+print(store.get(sys.argv[1])["winner"], len(store.rows()), store.describe(), store.broken)
+"""
+
+
+def test_a_wal_store_in_a_read_only_directory_is_readable_by_an_unprivileged_process(tmp_path):
+    """The real thing, not a simulation: the directory and file are read-only to the process reading them
+    (as root, the reader runs as nobody, since root writes wherever it likes)."""
+    prefix = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv: cannot make a directory read-only to the reader")
+        prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    root = Path(tempfile.mkdtemp(prefix="ia-ro-"))  # outside pytest's 0700 tmp dir, so nobody can reach it
+    try:
+        store_dir = root / "image"
+        store_dir.mkdir()
+        _filled(store_dir / "decisions.sqlite", n=2)
+        (store_dir / "decisions.sqlite").chmod(0o444)
+        store_dir.chmod(0o555)
+        scratch = root / "scratch"
+        scratch.mkdir(mode=0o777)
+        scratch.chmod(0o777)
+        root.chmod(0o755)
+        env = {**os.environ, "INDUCTOR_ATTN_CACHE_DIR": str(store_dir), "TORCHINDUCTOR_CACHE_DIR": str(scratch),
+               "HOME": str(scratch)}
+        done = subprocess.run([*prefix, sys.executable, "-c", _UNPRIVILEGED_READ, _key(1)], capture_output=True,
+                              text=True, env=env, cwd=str(scratch), timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split()[:2] == ["b:x=1", "2"]
+        assert "(read-only, immutable)" in done.stdout and done.stdout.strip().endswith("None")
+        assert "is read-only: its decisions are used" in done.stderr
+    finally:
+        store_dir.chmod(0o755)
+        shutil.rmtree(root)

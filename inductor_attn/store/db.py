@@ -1,7 +1,13 @@
-"""Decision store: one SQLite file of tuning decisions, shared by processes, never a reason to crash.
+"""Decision store: SQLite files of tuning decisions, shared by processes, never a reason to crash.
 
 Location: ``$INDUCTOR_ATTN_CACHE_DIR/decisions.sqlite`` if set, else ``inductor_attn/decisions.sqlite``
 under Inductor's cache dir (``TORCHINDUCTOR_CACHE_DIR``, default ``/tmp/torchinductor_<user>``).
+
+Read-only stores: a store on a read-only path (a shared image, a container layer, a read-only mount) is
+opened read-only (``mode=ro``, or ``immutable=1`` where the directory is read-only too, since WAL mode
+cannot even read there otherwise) and its decisions are used. New decisions then go to an overlay: the
+store in Inductor's cache dir when that is writable and another file, else memory (this process only).
+``get_store()`` returns the layers (layers.py) and logs one line saying where new decisions go.
 
 Concurrency: WAL journal (readers never block the writer), a 30 s busy timeout, one short transaction
 per write, ``INSERT OR REPLACE`` per row. A corrupt, locked or unreadable file gives one warning, after
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -30,7 +37,10 @@ from pathlib import Path
 
 from .._compat import inductor_cache_dir
 from . import transfer
-from .schema import COLUMNS, RowError, check_row
+from .layers import LayeredStore
+from .schema import COLUMNS, RowError, StoreError, check_row
+
+log = logging.getLogger(__name__)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS decisions (
@@ -47,6 +57,9 @@ CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 _SELECT = f"SELECT {', '.join(COLUMNS)} FROM decisions"
 
+# How a store file can be opened (path_access).
+WRITE, READ, IMMUTABLE = "write", "read", "immutable"
+
 
 def default_path() -> Path:
     env = os.environ.get("INDUCTOR_ATTN_CACHE_DIR")
@@ -54,26 +67,87 @@ def default_path() -> Path:
     return root / "decisions.sqlite"
 
 
+def path_access(path: Path) -> str | None:
+    """How a store at ``path`` can be opened by this process.
+
+    WRITE: the file and its directory are writable (or the file can be created). READ (``mode=ro``):
+    SQLite still needs the directory writable for the WAL index, or the log's ``-wal``/``-shm`` files there
+    to read. IMMUTABLE (``immutable=1``): a read-only directory and no log, so no lock or index file is
+    needed. None: no file, and none can be created.
+    """
+    try:
+        if not path.exists():
+            return WRITE if _creatable(path.parent) else None
+    except OSError:  # a directory on the way cannot be searched
+        return None
+    directory_writable = os.access(path.parent, os.W_OK)
+    if directory_writable and os.access(path, os.W_OK):
+        return WRITE
+    if directory_writable or _log_size(path) > 0:
+        return READ
+    return IMMUTABLE
+
+
+def _creatable(directory: Path) -> bool:
+    while not directory.exists():
+        directory = directory.parent
+    return directory.is_dir() and os.access(directory, os.W_OK | os.X_OK)
+
+
+def _log_size(path: Path) -> int:
+    try:
+        return os.path.getsize(f"{path}-wal")
+    except OSError:
+        return 0
+
+
 class DecisionStore:
-    def __init__(self, path: Path | str | None = None, timeout_s: float = 30.0):
+    """One SQLite file of decisions. ``access`` (WRITE, READ, IMMUTABLE) is found from the filesystem when
+    not given; passing READ or IMMUTABLE opens a writable file read-only all the same."""
+
+    def __init__(self, path: Path | str | None = None, timeout_s: float = 30.0, access: str | None = None):
         self.path = Path(path) if path is not None else default_path()
         self.timeout_s = timeout_s
+        if access not in (None, WRITE, READ, IMMUTABLE):
+            raise ValueError(f"access must be one of {WRITE!r}, {READ!r}, {IMMUTABLE!r} or None, got {access!r}")
+        self.access = access or path_access(self.path) or WRITE
         self._broken: str | None = None
         self._warned_rows = False
         self._lock = threading.Lock()
 
+    def describe(self) -> str:
+        return {WRITE: f"{self.path}", READ: f"{self.path} (read-only)",
+                IMMUTABLE: f"{self.path} (read-only, immutable)"}[self.access]
+
     # -- connection ------------------------------------------------------------------------------
     @contextlib.contextmanager
     def _connect(self):
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        conn = sqlite3.connect(self.path, timeout=self.timeout_s, isolation_level=None)
+        conn = self._open()
         try:
-            conn.execute(f"PRAGMA busy_timeout={int(self.timeout_s * 1000)}")
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.executescript(_SCHEMA)
             yield conn
         finally:
+            self._close(conn)
+
+    def _open(self) -> sqlite3.Connection:
+        if self.access == WRITE:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            conn = sqlite3.connect(self.path, timeout=self.timeout_s, isolation_level=None)
+        else:
+            flags = "mode=ro&immutable=1" if self.access == IMMUTABLE else "mode=ro"
+            conn = sqlite3.connect(f"{self.path.absolute().as_uri()}?{flags}", uri=True, timeout=self.timeout_s,
+                                   isolation_level=None)
+        try:
+            conn.execute(f"PRAGMA busy_timeout={int(self.timeout_s * 1000)}")
+            if self.access == WRITE:
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.executescript(_SCHEMA)
+        except BaseException:
             conn.close()
+            raise
+        return conn
+
+    def _close(self, conn: sqlite3.Connection) -> None:
+        conn.close()
 
     def _guard(self, action: str, fn, default=None):
         """Run ``fn(conn)``; on a store problem warn once, remember it and return ``default``."""
@@ -141,6 +215,7 @@ class DecisionStore:
     def put_many(self, rows: list[dict]) -> int:
         """Write ``rows`` in one transaction, so all or none are written; returns how many were. Each row
         is checked first: a bad one raises ValueError (RowError) and nothing is written."""
+        self._check_writable()
         values = [_encode(check_row(row)) for row in rows]
 
         def write(conn):
@@ -153,6 +228,8 @@ class DecisionStore:
         return self._guard("write", write, default=0)
 
     def clear(self) -> int:
+        self._check_writable()
+
         def wipe(conn):
             conn.execute("BEGIN IMMEDIATE")
             n = conn.execute("DELETE FROM decisions").rowcount
@@ -162,12 +239,16 @@ class DecisionStore:
 
         return self._guard("clear", wipe, default=0)
 
+    def _check_writable(self) -> None:
+        if self.access != WRITE:
+            raise StoreError(f"decision store {self.describe()} is opened read-only; writes go to a writable layer")
+
     def generation(self) -> str:
-        """Token that changes on every write; "" when the store is unusable."""
+        """Token that changes on every write; "" when the store is unusable (or a read-only one has none)."""
         def read_or_create(conn):
             row = conn.execute("SELECT value FROM meta WHERE name = 'generation'").fetchone()
-            if row:
-                return row[0]
+            if row or self.access != WRITE:
+                return row[0] if row else ""
             conn.execute("INSERT OR IGNORE INTO meta VALUES ('generation', ?)", (uuid.uuid4().hex,))
             return conn.execute("SELECT value FROM meta WHERE name = 'generation'").fetchone()[0]
 
@@ -179,6 +260,24 @@ class DecisionStore:
 
     def import_json(self, path: str | Path) -> int:
         return transfer.import_file(self, path)
+
+
+class MemoryStore(DecisionStore):
+    """A store that lives as long as this process: the writable layer when no file can be written."""
+
+    def __init__(self):
+        super().__init__(":memory:", access=WRITE)
+        self._conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+        self._conn.executescript(_SCHEMA)
+
+    def describe(self) -> str:
+        return "memory (this process only)"
+
+    def _open(self) -> sqlite3.Connection:
+        return self._conn
+
+    def _close(self, conn: sqlite3.Connection) -> None:
+        pass  # closing would drop every row
 
 
 def _short_key(key) -> str:
@@ -194,12 +293,36 @@ def _after_write(conn) -> None:
     conn.execute("INSERT OR REPLACE INTO meta VALUES ('generation', ?)", (uuid.uuid4().hex,))
 
 
-_DEFAULT: dict[Path, DecisionStore] = {}
+def open_layers(primary: Path) -> LayeredStore:
+    """The layers for a store at ``primary``: just it when writable; else it read-only (if it exists) under
+    a writable overlay, with one log line saying where new decisions go."""
+    access = path_access(primary)
+    if access == WRITE:
+        return LayeredStore(DecisionStore(primary, access=WRITE))
+    read_only = [] if access is None else [DecisionStore(primary, access=access)]
+    overlay = _overlay(primary)
+    what = "is read-only: its decisions are used" if read_only else "cannot be created here (read-only path)"
+    log.warning("inductor_attn: decision store %s %s; new decisions go to %s", primary, what, overlay.describe())
+    return LayeredStore(overlay, read_only)
 
 
-def get_store() -> DecisionStore:
+def _overlay(primary: Path) -> DecisionStore:
+    """The store in Inductor's cache dir if it is writable and not ``primary``, else memory."""
+    try:
+        path = Path(inductor_cache_dir()) / "inductor_attn" / "decisions.sqlite"
+    except OSError:  # cache_dir() creates the directory
+        return MemoryStore()
+    if path != primary and path_access(path) == WRITE:
+        return DecisionStore(path, access=WRITE)
+    return MemoryStore()
+
+
+_STORES: dict[Path, LayeredStore] = {}
+
+
+def get_store() -> LayeredStore:
     """The process-wide store for the current location (re-read from the environment on each call)."""
     path = default_path()
-    if path not in _DEFAULT:
-        _DEFAULT[path] = DecisionStore(path)
-    return _DEFAULT[path]
+    if path not in _STORES:
+        _STORES[path] = open_layers(path)
+    return _STORES[path]

@@ -1,5 +1,5 @@
 """Decision files: an import is checked whole before anything is written; an export replaces its target
-only once it is complete."""
+only once it is complete. ``store`` is a DecisionStore or a LayeredStore."""
 
 from __future__ import annotations
 
