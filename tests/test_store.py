@@ -1,5 +1,6 @@
 """The SQLite decision store: round trips, concurrency, and damage that must never crash or lose rows."""
 
+import doctest
 import json
 import multiprocessing as mp
 import os
@@ -8,11 +9,13 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
 
 from inductor_attn.problem import Problem
+from inductor_attn.store import keys, schema, wal
 from inductor_attn.store.db import DecisionStore, get_store, path_access
 from inductor_attn.store.keys import key_of
 from inductor_attn.store.schema import StoreError
@@ -284,3 +287,54 @@ def test_a_wal_store_in_a_read_only_directory_is_readable_by_an_unprivileged_pro
     finally:
         store_dir.chmod(0o755)
         shutil.rmtree(root)
+
+
+# -- damage found at open ----------------------------------------------------------------------------------
+def _crash_copy(path, n: int, dest):
+    """Write n rows while another connection keeps the log open, then copy the files as a crash would
+    leave them: the rows are committed, most of them only in the write-ahead log."""
+    store = DecisionStore(path)
+    store.put(decision_row(0))
+    holder = sqlite3.connect(path)  # the last connection to close would checkpoint and remove the log
+    holder.execute("SELECT count(*) FROM decisions").fetchone()
+    for i in range(1, n):
+        store.put(decision_row(i))
+    for suffix in ("", "-wal"):
+        shutil.copy(f"{path}{suffix}", f"{dest}{suffix}")
+    holder.close()
+
+
+def test_an_overwritten_wal_warns_once_naming_the_file_at_the_next_open(tmp_path):
+    _crash_copy(tmp_path / "live.sqlite", 100, tmp_path / "intact.sqlite")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an intact log warns about nothing
+        assert len(DecisionStore(tmp_path / "intact.sqlite").rows()) == 100
+    _crash_copy(tmp_path / "live2.sqlite", 100, tmp_path / "d.sqlite")
+    wal = tmp_path / "d.sqlite-wal"
+    with open(wal, "r+b") as f:
+        f.seek(wal.stat().st_size // 2)
+        f.write(os.urandom(4096))
+    store = DecisionStore(tmp_path / "d.sqlite")
+    with pytest.warns(RuntimeWarning, match=f"{tmp_path / 'd.sqlite'} is damaged: frame .* of its write-ahead log "
+                                            "d.sqlite-wal fails its checksum") as record:
+        survivors = len(store.rows())
+        store.put(decision_row(500))
+    assert len(record) == 1 and survivors < 100  # the loss is real, and now it is said
+    assert store.broken is None
+
+
+def test_a_store_with_fewer_rows_than_its_last_write_left_warns_at_open(tmp_path):
+    path = tmp_path / "d.sqlite"
+    DecisionStore(path).put_many([decision_row(i) for i in range(10)])
+    with sqlite3.connect(path) as conn:  # rows lost behind the store's back
+        conn.execute("DELETE FROM decisions WHERE rowid <= 3")
+    with pytest.warns(RuntimeWarning, match="its last write left 10 decisions, 7 are there now") as record:
+        store = DecisionStore(path)
+        assert len(store.rows()) == 7
+        store.get(_key(9))
+    assert len(record) == 1
+
+
+@pytest.mark.parametrize("module", [schema, wal, keys])
+def test_doctest_examples_hold(module):
+    assert doctest.testmod(module).failed == 0

@@ -14,8 +14,10 @@ per write, ``INSERT OR REPLACE`` per row. A corrupt, locked or unreadable file g
 which the store is skipped for the rest of the process (tuning still works, results are just not
 persisted); the file is never deleted or rewritten, so other rows are never lost.
 
-Rows: every row written or read is checked against the schema (schema.py). A bad row read is skipped
-with one warning per store, and the next tune of its problem replaces it.
+Damage: every row read is checked against the schema (schema.py); a bad row is skipped with one warning
+per store, and the next tune of its problem replaces it. At the first open in a process, a write-ahead
+log whose damage would drop committed transactions (wal.py), or fewer rows than the last write recorded
+in ``meta``, gives one warning naming the file.
 
 A new store starts with a random ``generation`` token and every write replaces it; the Inductor
 FX-graph-cache guard hashes it, so compiled code that baked decisions is not replayed after the
@@ -39,6 +41,7 @@ from .._compat import inductor_cache_dir
 from . import transfer
 from .layers import LayeredStore
 from .schema import COLUMNS, RowError, StoreError, check_row
+from .wal import wal_damage
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +114,9 @@ class DecisionStore:
         if access not in (None, WRITE, READ, IMMUTABLE):
             raise ValueError(f"access must be one of {WRITE!r}, {READ!r}, {IMMUTABLE!r} or None, got {access!r}")
         self.access = access or path_access(self.path) or WRITE
+        self.damage: list[str] = []
         self._broken: str | None = None
+        self._opened = False
         self._warned_rows = False
         self._lock = threading.Lock()
 
@@ -122,8 +127,14 @@ class DecisionStore:
     # -- connection ------------------------------------------------------------------------------
     @contextlib.contextmanager
     def _connect(self):
+        first = not self._opened
+        self._opened = True
+        if first and self.access != IMMUTABLE:  # before SQLite replays the log and drops what follows damage
+            self._report_damage(wal_damage(self.path))
         conn = self._open()
         try:
+            if first:
+                self._check_row_count(conn)
             yield conn
         finally:
             self._close(conn)
@@ -168,6 +179,21 @@ class DecisionStore:
     @property
     def broken(self) -> str | None:
         return self._broken
+
+    # -- damage ----------------------------------------------------------------------------------
+    def _report_damage(self, what: str | None) -> None:
+        if what is None:
+            return
+        self.damage.append(what)
+        warnings.warn(f"inductor_attn: decision store {self.path} is damaged: {what} "
+                      "(`python -m inductor_attn cache doctor` checks the rest)", RuntimeWarning, stacklevel=5)
+
+    def _check_row_count(self, conn) -> None:
+        # CAST: a garbled value reads as 0 (no claim) instead of raising
+        recorded = conn.execute("SELECT CAST(value AS INTEGER) FROM meta WHERE name = 'rows'").fetchone()
+        present = conn.execute("SELECT count(*) FROM decisions").fetchone()[0]
+        if recorded is not None and present < recorded[0]:
+            self._report_damage(f"its last write left {recorded[0]} decisions, {present} are there now")
 
     # -- rows ------------------------------------------------------------------------------------
     def _parse(self, values) -> dict:
@@ -267,6 +293,7 @@ class MemoryStore(DecisionStore):
 
     def __init__(self):
         super().__init__(":memory:", access=WRITE)
+        self._opened = True  # it starts empty: no log or row count to check
         self._conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
         self._conn.executescript(_SCHEMA)
 
@@ -289,8 +316,9 @@ def _encode(row: dict) -> tuple:
 
 
 def _after_write(conn) -> None:
-    """In the write's transaction: a new generation (the FX-graph-cache guard hashes it)."""
+    """In the write's transaction: a new generation, and the row count that the next open checks."""
     conn.execute("INSERT OR REPLACE INTO meta VALUES ('generation', ?)", (uuid.uuid4().hex,))
+    conn.execute("INSERT OR REPLACE INTO meta VALUES ('rows', (SELECT count(*) FROM decisions))")
 
 
 def open_layers(primary: Path) -> LayeredStore:
