@@ -10,15 +10,18 @@ Every function takes an optional ``store``: a DecisionStore (one file) or the pr
 
 from __future__ import annotations
 
+import collections
+import warnings
 from pathlib import Path
 
 from .problem import Problem
 from .store.db import DecisionStore, get_store
+from .store.keys import library_versions, stale_reason
 from .store.layers import LayeredStore
 from .store.schema import StoreError
 
 __all__ = ["DecisionStore", "StoreError", "get_store", "list_decisions", "show", "explain", "clear", "export",
-           "import_decisions", "plot", "short_problem"]
+           "import_decisions", "prune", "doctor", "plot", "short_problem"]
 
 
 def short_problem(problem_key: str) -> str:
@@ -46,9 +49,20 @@ def _layered(store) -> LayeredStore:
     return store if isinstance(store, LayeredStore) else LayeredStore(store)
 
 
+def _stale_check():
+    """``row -> reason or None``: does a row's versions still match this process's libraries and the
+    source of each registered backend? A stale row's key is never looked up again."""
+    from .backends import backends
+
+    current = library_versions()
+    sources = {b.name: b.source_hash() for b in backends()}
+    return lambda row: stale_reason(row["versions"], current, sources)
+
+
 def list_decisions(store: DecisionStore | LayeredStore | None = None) -> list[dict]:
-    """One summary per decision: key, op, problem label, device, winner, speedup vs default and ``store``
-    (the layer it comes from)."""
+    """One summary per decision: key, op, problem label, device, winner, speedup vs default, ``store`` (the
+    layer it comes from) and ``stale`` (why its versions no longer match, or None)."""
+    stale = _stale_check()
     out, seen = [], set()
     for layer, rows in _layered(store).rows_by_layer():
         for row in rows:
@@ -60,6 +74,7 @@ def list_decisions(store: DecisionStore | LayeredStore | None = None) -> list[di
                 "key": row["key"], "op": row["op"], "problem": short_problem(row["problem"]),
                 "device": row["device"], "winner": row["winner"], "default": row["record"]["default"],
                 "speedup": None if winner is None else winner.get("speedup"), "store": layer.describe(),
+                "stale": stale(row),
             })
     return out
 
@@ -125,6 +140,16 @@ def clear(store: DecisionStore | LayeredStore | None = None) -> int:
     return _layered(store).clear()
 
 
+def prune(store: DecisionStore | LayeredStore | None = None) -> tuple[int, int]:
+    """Delete the stale decisions (see ``list_decisions``) of the writable store. Returns (how many were
+    deleted, how many stale ones read-only stores keep)."""
+    store = _layered(store)
+    stale = _stale_check()
+    by_layer = {id(layer): [row["key"] for row in rows if stale(row)] for layer, rows in store.rows_by_layer()}
+    writable = by_layer.pop(id(store.writable))
+    return store.delete(writable) if writable else 0, sum(map(len, by_layer.values()))
+
+
 def export(path: str | Path, store: DecisionStore | LayeredStore | None = None) -> int:
     """Write every decision to a JSON file (to ship tuned decisions with a model). The file is replaced
     only once the new one is complete; an unreadable store raises StoreError and leaves it as it was."""
@@ -138,6 +163,42 @@ def import_decisions(path: str | Path, store: DecisionStore | LayeredStore | Non
 
     forget_decisions()
     return _layered(store).import_json(path)
+
+
+def doctor(store: DecisionStore | LayeredStore | None = None) -> tuple[str, bool]:
+    """Check every layer: SQLite's integrity_check, damage found at open, rows that fail the schema, and
+    the rows per library versions (stale or current). Returns (report, whether all is well)."""
+    stale = _stale_check()
+    lines, healthy = [], True
+    with warnings.catch_warnings():  # damage found at open is in the report
+        warnings.simplefilter("ignore", RuntimeWarning)
+        reports = [layer.health() for layer in _layered(store).layers]
+    for report in reports:
+        lines += _health_lines(report, stale)
+        healthy &= report.error is None and report.integrity == ["ok"] and not report.bad and not report.damage
+    return "\n".join(lines), healthy
+
+
+def _health_lines(report, stale) -> list[str]:
+    lines = [report.where]
+    if report.error:
+        return lines + [f"  unreadable: {report.error}"]
+    lines.append(f"  integrity_check: {'; '.join(report.integrity[:5])}")
+    lines += [f"  damage: {what}" for what in report.damage]
+    lines.append(f"  {len(report.rows)} decisions, {len(report.bad)} unreadable")
+    lines += [f"    unreadable {what}" for what in report.bad[:10]]
+    current = _library_label(library_versions())
+    per_version = collections.Counter(_library_label(row["versions"]) for row in report.rows)
+    for label, n in per_version.most_common():
+        lines.append(f"    {n:5d}  {label}{'  (current)' if label == current else ''}")
+    n_stale = sum(1 for row in report.rows if stale(row))
+    if n_stale:
+        lines.append(f"  {n_stale} stale (versions or backend sources changed): `cache prune` deletes them")
+    return lines
+
+
+def _library_label(versions: dict) -> str:
+    return ", ".join(f"{name} {value}" for name, value in versions.items() if name != "sources")
 
 
 def plot(path: str | Path, store: DecisionStore | LayeredStore | None = None) -> int:

@@ -15,10 +15,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     cache = sub.add_parser("cache", help="inspect the decision store")
     verbs = cache.add_subparsers(dest="verb", required=True)
-    verbs.add_parser("list", help="one line per decision")
+    verbs.add_parser("list", help="one line per decision; stale ones are marked")
     for verb, text in (("show", "the whole stored row as JSON"), ("explain", "why the winner won")):
         verbs.add_parser(verb, help=text).add_argument("key", help="a decision key (a unique prefix suffices)")
-    verbs.add_parser("clear", help="delete every decision")
+    verbs.add_parser("clear", help="delete every decision of the writable store")
+    verbs.add_parser("prune", help="delete stale decisions (versions or backend sources changed)")
+    verbs.add_parser("doctor", help="integrity check, damage, unreadable rows, rows per library versions")
     for verb, text in (("export", "write decisions to a JSON file"), ("import", "add decisions from a JSON file"),
                        ("plot", "draw winners and speedups to a PNG")):
         verbs.add_parser(verb, help=text).add_argument("file")
@@ -35,28 +37,78 @@ def run_cache(args) -> int:
     from . import cache
 
     store = cache.get_store()
-    if args.verb == "list":
-        rows = cache.list_decisions()
-        print(f"{len(rows)} decisions in {store.path}")
-        for r in rows:
-            speedup = "" if r["speedup"] is None else f"{r['speedup']:.2f}x vs {r['default']}"
-            print(f"  {r['key'][:12]}  {r['op']:24s} {r['problem']:56s} -> {r['winner']}  {speedup}")
-    elif args.verb == "show":
-        print(json.dumps(cache.show(args.key), indent=1))
-    elif args.verb == "explain":
-        print(cache.explain(args.key))
-    elif args.verb == "clear":
-        print(f"deleted {cache.clear()} decisions from {store.path}")
-    elif args.verb == "export":
-        print(f"exported {cache.export(args.file)} decisions to {args.file}")
-    elif args.verb == "import":
-        print(f"imported {cache.import_decisions(args.file)} decisions into {store.path}")
-    elif args.verb == "plot":
-        print(f"plotted {cache.plot(args.file)} decisions to {args.file}")
+    status = _CACHE_VERBS[args.verb](cache, store, args)
     if store.broken:
         print(f"warning: the store was unusable: {store.broken}", file=sys.stderr)
         return 1
+    return status
+
+
+def _list(cache, store, args) -> int:
+    rows = cache.list_decisions(store)
+    if store.broken and not rows:
+        raise cache.StoreError(f"the decision store is unreadable ({store.broken})")
+    print(f"{len(rows)} decisions in {store.describe()}")
+    for r in rows:
+        speedup = "" if r["speedup"] is None else f"{r['speedup']:.2f}x vs {r['default']}"
+        marks = (f"  [stale: {r['stale']}]" if r["stale"] else "") + \
+            ("  [read-only]" if r["store"] != store.writable.describe() else "")
+        print(f"  {r['key'][:12]}  {r['op']:24s} {r['problem']:56s} -> {r['winner']}  {speedup}{marks}")
+    stale = sum(1 for r in rows if r["stale"])
+    if stale:
+        print(f"{stale} stale: never looked up again, since versions or backend sources changed "
+              "(`python -m inductor_attn cache prune` deletes them)")
     return 0
+
+
+def _show(cache, store, args) -> int:
+    print(json.dumps(cache.show(args.key, store), indent=1))
+    return 0
+
+
+def _explain(cache, store, args) -> int:
+    print(cache.explain(args.key, store))
+    return 0
+
+
+def _clear(cache, store, args) -> int:
+    print(f"deleted {cache.clear(store)} decisions from {store.writable.describe()}")
+    for layer in store.read_only:
+        print(f"left {layer.describe()} as it is")
+    return 0
+
+
+def _prune(cache, store, args) -> int:
+    deleted, kept = cache.prune(store)
+    print(f"deleted {deleted} stale decisions from {store.writable.describe()}")
+    if kept:
+        print(f"kept {kept} stale decisions of read-only stores")
+    return 0
+
+
+def _doctor(cache, store, args) -> int:
+    report, healthy = cache.doctor(store)
+    print(report)
+    return 0 if healthy else 1
+
+
+def _export(cache, store, args) -> int:
+    print(f"exported {cache.export(args.file, store)} decisions to {args.file}")
+    return 0
+
+
+def _import(cache, store, args) -> int:
+    print(f"imported {cache.import_decisions(args.file, store)} decisions into {store.writable.describe()}")
+    return 0
+
+
+def _plot(cache, store, args) -> int:
+    print(f"plotted {cache.plot(args.file, store)} decisions to {args.file}")
+    return 0
+
+
+_CACHE_VERBS = {"list": _list, "show": _show, "explain": _explain, "clear": _clear, "prune": _prune,
+                "doctor": _doctor, "export": _export, "import": _import, "plot": _plot}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,7 @@ from fakes import FakeBackend, FakeTimer
 import inductor_attn
 from inductor_attn.backends import only_backends
 from inductor_attn.cli import main
+from inductor_attn.store.keys import key_of
 from inductor_attn.tuning.decisions import forget_decisions
 
 
@@ -54,6 +55,14 @@ def _store_path():
     return inductor_attn.cache.get_store().path
 
 
+def _rewrite(key: str, **changes) -> dict:
+    """The stored row of ``key`` with ``changes`` to its versions, under the key those versions give."""
+    row = inductor_attn.cache.show(key)
+    versions = {**row["versions"], **changes}
+    fields = {"op": row["op"], "problem": row["problem"], "device": row["device"], "versions": versions}
+    return {**row, **fields, "key": key_of(fields)}
+
+
 # -- a bad row in the store never breaks list or attention() ----------------------------------------------
 def test_list_and_attention_survive_a_bad_row_and_the_next_tune_replaces_it(one_decision, monkeypatch, capsys):
     with sqlite3.connect(_store_path()) as conn:
@@ -70,3 +79,35 @@ def test_list_and_attention_survive_a_bad_row_and_the_next_tune_replaces_it(one_
         inductor_attn.attention(q, q, q, causal=True)
     assert b.calls > 0  # re-tuned
     assert [r["winner"] for r in inductor_attn.cache.list_decisions()] == ["b:x=1"]
+
+
+# -- stale rows, prune, doctor ---------------------------------------------------------------------------
+def test_list_marks_stale_rows_and_prune_deletes_them(one_decision, capsys):
+    store = inductor_attn.cache.get_store()
+    store.put(_rewrite(one_decision, torch="1.0"))
+    sources = inductor_attn.cache.show(one_decision)["versions"]["sources"]
+    store.put(_rewrite(one_decision, sources={**sources, "sdpa": "an-older-hash"}))
+    assert main(["cache", "list"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("[stale: ") == 2 and f"torch 1.0 -> {torch.__version__}" in out
+    assert "sdpa source changed" in out and "2 stale" in out
+    assert main(["cache", "prune"]) == 0
+    assert capsys.readouterr().out == f"deleted 2 stale decisions from {_store_path()}\n"
+    assert [r["key"] for r in inductor_attn.cache.list_decisions()] == [one_decision]
+
+
+def test_doctor_checks_integrity_and_counts_rows_per_version(one_decision, capsys):
+    inductor_attn.cache.get_store().put(_rewrite(one_decision, torch="1.0"))
+    assert main(["cache", "doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "integrity_check: ok" in out and "2 decisions, 0 unreadable" in out
+    assert f"torch {torch.__version__}," in out and "(current)" in out and "torch 1.0," in out
+    assert "1 stale" in out
+
+
+def test_doctor_reports_an_unreadable_row_and_exits_1(one_decision, capsys):
+    with sqlite3.connect(_store_path()) as conn:
+        conn.execute("UPDATE decisions SET versions = '{' WHERE key = ?", (one_decision,))
+    assert main(["cache", "doctor"]) == 1
+    out = capsys.readouterr().out
+    assert "0 decisions, 1 unreadable" in out and "field 'versions': is not JSON" in out

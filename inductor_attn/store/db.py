@@ -17,7 +17,7 @@ persisted); the file is never deleted or rewritten, so other rows are never lost
 Damage: every row read is checked against the schema (schema.py); a bad row is skipped with one warning
 per store, and the next tune of its problem replaces it. At the first open in a process, a write-ahead
 log whose damage would drop committed transactions (wal.py), or fewer rows than the last write recorded
-in ``meta``, gives one warning naming the file.
+in ``meta``, gives one warning naming the file. ``health()`` is what ``cache doctor`` reports.
 
 A new store starts with a random ``generation`` token and every write replaces it; the Inductor
 FX-graph-cache guard hashes it, so compiled code that baked decisions is not replayed after the
@@ -35,6 +35,7 @@ import threading
 import time
 import uuid
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .._compat import inductor_cache_dir
@@ -102,6 +103,18 @@ def _log_size(path: Path) -> int:
         return os.path.getsize(f"{path}-wal")
     except OSError:
         return 0
+
+
+@dataclass
+class Health:
+    """What ``cache doctor`` reports for one store."""
+
+    where: str
+    error: str | None = None  # the store could not be opened or read
+    integrity: list[str] = field(default_factory=list)  # PRAGMA integrity_check; ["ok"] when sound
+    damage: list[str] = field(default_factory=list)  # found at open: a damaged WAL, lost rows
+    rows: list[dict] = field(default_factory=list)  # rows that match the schema
+    bad: list[str] = field(default_factory=list)  # "key: why" for rows that do not
 
 
 class DecisionStore:
@@ -253,6 +266,19 @@ class DecisionStore:
 
         return self._guard("write", write, default=0)
 
+    def delete(self, keys: list[str]) -> int:
+        """Delete the rows with these keys; returns how many there were."""
+        self._check_writable()
+
+        def remove(conn):
+            conn.execute("BEGIN IMMEDIATE")
+            n = sum(conn.execute("DELETE FROM decisions WHERE key = ?", (key,)).rowcount for key in keys)
+            _after_write(conn)
+            conn.execute("COMMIT")
+            return n
+
+        return self._guard("delete", remove, default=0)
+
     def clear(self) -> int:
         self._check_writable()
 
@@ -279,6 +305,22 @@ class DecisionStore:
             return conn.execute("SELECT value FROM meta WHERE name = 'generation'").fetchone()[0]
 
         return self._guard("read", read_or_create, default="")
+
+    def health(self) -> Health:
+        """Integrity check, damage found at open, and every row sorted into good and bad (``cache doctor``)."""
+        report = Health(self.describe())
+        try:
+            with self._lock, self._connect() as conn:
+                report.integrity = [line for (line,) in conn.execute("PRAGMA integrity_check")]
+                for values in conn.execute(f"{_SELECT} ORDER BY op, problem"):
+                    try:
+                        report.rows.append(self._parse(values))
+                    except RowError as err:
+                        report.bad.append(f"{_short_key(values[0])}: {err}")
+        except (sqlite3.Error, OSError) as err:
+            report.error = f"{type(err).__name__}: {err}"
+        report.damage = list(self.damage)
+        return report
 
     # -- JSON ------------------------------------------------------------------------------------
     def export_json(self, path: str | Path) -> int:

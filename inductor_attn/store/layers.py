@@ -1,8 +1,8 @@
 """What a process reads and writes: one writable store first, then read-only stores.
 
 ``get`` asks each layer in order and returns the first hit, so decisions measured on this machine win
-over those read from elsewhere. ``rows`` is the union (an earlier layer's row wins for a key). Writes
-and ``clear`` touch only the writable layer: a read-only layer is never changed.
+over those read from elsewhere. ``rows`` is the union (an earlier layer's row wins for a key). Writes,
+``clear`` and ``delete`` touch only the writable layer: a read-only layer is never changed.
 
 A read-only layer needs ``path``, ``describe()``, ``broken``, ``get``, ``rows`` and ``generation``. Today
 the layers are SQLite files on read-only paths (db.py opens them with ``mode=ro``); a decision table
@@ -64,6 +64,9 @@ class LayeredStore:
 
     def put_many(self, rows: list[dict]) -> int:
         return self.writable.put_many(rows)
+
+    def delete(self, keys: list[str]) -> int:
+        return self.writable.delete(keys)
 
     def clear(self) -> int:
         return self.writable.clear()
