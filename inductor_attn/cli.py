@@ -1,14 +1,24 @@
-"""Command line: ``python -m inductor_attn {demo,cache,bench}``."""
+"""Command line: ``python -m inductor_attn {demo,cache,bench}``.
+
+Building the parser imports only argparse, and each command imports what it needs when it runs: the
+bench package parses its own options (``bench_parser``), so ``--help`` and ``cache list`` never load it,
+Inductor or matplotlib.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+import warnings
+
+BENCH_HELP = ("benchmark suite: autotuned vs SDPA default, backend defaults, hand rules, oracle (needs a GPU; "
+              "--smoke runs tiny shapes anywhere)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m inductor_attn", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m inductor_attn", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="compile a small transformer block and show which kernels ran")
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -25,11 +35,15 @@ def build_parser() -> argparse.ArgumentParser:
                        ("plot", "draw winners and speedups to a PNG")):
         verbs.add_parser(verb, help=text).add_argument("file")
 
-    from .bench import add_arguments as add_bench_arguments
+    sub.add_parser("bench", help=BENCH_HELP, add_help=False)  # listed here; main() hands its options to bench_parser
+    return parser
 
-    bench = sub.add_parser("bench", help="benchmark suite: autotuned vs SDPA default, backend defaults, hand rules, "
-                                         "oracle (needs a GPU; --smoke runs tiny shapes anywhere)")
-    add_bench_arguments(bench)
+
+def bench_parser() -> argparse.ArgumentParser:
+    from .bench import add_arguments
+
+    parser = argparse.ArgumentParser(prog="python -m inductor_attn bench", description=BENCH_HELP)
+    add_arguments(parser)
     return parser
 
 
@@ -111,24 +125,47 @@ _CACHE_VERBS = {"list": _list, "show": _show, "explain": _explain, "clear": _cle
                 "doctor": _doctor, "export": _export, "import": _import, "plot": _plot}
 
 
+def _cache(args) -> int:
+    """``cache`` with one-line errors: exit 2 for bad input (a file, a key), 1 for an unusable store."""
+    from .store.schema import StoreError
+
+    try:
+        return run_cache(args)
+    except StoreError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:  # the file argument cannot be read or written
+        print(f"error: {getattr(args, 'file', None) or err.filename}: {err.strerror or err}", file=sys.stderr)
+        return 2
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+@contextlib.contextmanager
+def _one_line_warnings():
+    """Store warnings print as ``warning: ...`` instead of a source location and a code line."""
+    saved = warnings.formatwarning
+    warnings.formatwarning = lambda message, category, *args, **kwargs: f"warning: {message}\n"
+    try:
+        yield
+    finally:
+        warnings.formatwarning = saved
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        from .bench import main as run_bench
+
+        return run_bench(bench_parser().parse_args(argv[1:]), " ".join(["python -m inductor_attn", *argv]))
     args = build_parser().parse_args(argv)
     if args.command == "demo":
         from .demo import run_demo
 
         return run_demo(args.device)
-    if args.command == "cache":
-        try:
-            return run_cache(args)
-        except ValueError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-    if args.command == "bench":
-        from .bench import main as run_bench
-
-        command = " ".join(["python -m inductor_attn", *(sys.argv[1:] if argv is None else argv)])
-        return run_bench(args, command)
-    return 2
+    with _one_line_warnings():
+        return _cache(args)
 
 
 if __name__ == "__main__":
