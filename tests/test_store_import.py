@@ -44,10 +44,12 @@ BAD_FIELDS = [
     ("problem", "p1", "problem"), ("record.problem", "garbage", "record"),
     ("winner", 5, "winner"), ("winner", "no-colon", "winner"), ("versions", "2.13", "versions"),
     ("versions.torch", 2.13, "versions"), ("created", "yesterday", "created"), ("created", None, "created"),
-    ("created", float("nan"), "created"), ("op", "varlen/forward", "op"), ("key", "k0001", "key"),
+    ("created", float("nan"), "created"), ("created", 10**400, "created"), ("created", -1.0, "created"),
+    ("op", "varlen/forward", "op"), ("key", "k0001", "key"),
     ("device", "", "device"), ("record.candidates", {}, "record"),
     ("record.candidates.0.median_ms", "fast", "record.candidates[0].median_ms"),
     ("record.candidates.0.samples", [1.0, "x"], "record.candidates[0].samples"),
+    ("record.candidates.0.speedup", 10**400, "record.candidates[0].speedup"),
 ]
 
 
@@ -92,6 +94,12 @@ def test_a_file_that_is_not_json_is_refused_naming_it(tmp_path, store, content):
 def test_a_missing_file_raises_file_not_found_naming_it(tmp_path, store):
     with pytest.raises(FileNotFoundError, match="missing.json"):
         store.import_json(tmp_path / "missing.json")
+
+
+def test_an_empty_export_writes_nothing(tmp_path, store):
+    generation = store.generation()
+    assert store.import_json(_export_file(tmp_path / "in.json", [])) == 0
+    _unchanged(store, generation)
 
 
 def test_the_count_returned_is_the_count_written(tmp_path, store):

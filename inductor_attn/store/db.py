@@ -202,11 +202,13 @@ class DecisionStore:
                       "(`python -m inductor_attn cache doctor` checks the rest)", RuntimeWarning, stacklevel=5)
 
     def _check_row_count(self, conn) -> None:
-        # CAST: a garbled value reads as 0 (no claim) instead of raising
-        recorded = conn.execute("SELECT CAST(value AS INTEGER) FROM meta WHERE name = 'rows'").fetchone()
-        present = conn.execute("SELECT count(*) FROM decisions").fetchone()[0]
-        if recorded is not None and present < recorded[0]:
-            self._report_damage(f"its last write left {recorded[0]} decisions, {present} are there now")
+        # One statement, so both counts come from one snapshot even while another process prunes. CAST: a
+        # garbled value reads as 0 (no claim) instead of raising; NULL when no write recorded a count.
+        recorded, present = conn.execute(
+            "SELECT (SELECT CAST(value AS INTEGER) FROM meta WHERE name = 'rows'), (SELECT count(*) FROM decisions)"
+        ).fetchone()
+        if recorded is not None and present < recorded:
+            self._report_damage(f"its last write left {recorded} decisions, {present} are there now")
 
     # -- rows ------------------------------------------------------------------------------------
     def _parse(self, values) -> dict:
@@ -256,6 +258,8 @@ class DecisionStore:
         is checked first: a bad one raises ValueError (RowError) and nothing is written."""
         self._check_writable()
         values = [_encode(check_row(row)) for row in rows]
+        if not values:  # a write would change the generation, and with it every FX-graph-cache key
+            return 0
 
         def write(conn):
             conn.execute("BEGIN IMMEDIATE")

@@ -9,8 +9,6 @@ the field; the store skips such rows when reading, and an import refuses the who
 
 from __future__ import annotations
 
-import math
-
 from ..problem import Problem
 from .keys import key_of
 
@@ -105,6 +103,10 @@ def _number(value, field: str, optional: bool = False) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise RowError(field, f"must be a number{' or null' if optional else ''}, got {_kind(value)}")
+    try:
+        float(value)  # readers format it as a float
+    except OverflowError:
+        raise RowError(field, f"is out of range, got {value!r:.40}") from None
 
 
 def _problem(value: str, field: str) -> Problem:
@@ -158,5 +160,5 @@ def _check_candidate(cand, where: str) -> None:
 
 def _check_created(created) -> None:
     _number(created, "created")
-    if not math.isfinite(created) or created < 0:
-        raise RowError("created", f"must be a time in seconds since the epoch, got {created!r}")
+    if not 0 <= created < 1e12:  # also false for NaN; 1e12 s is 31,000 years away
+        raise RowError("created", f"must be a time in seconds since the epoch, got {created!r:.40}")
