@@ -1,17 +1,26 @@
 """inductor_attn: torch.compile picks the fastest correct attention kernel for each shape.
 
-Public API only; see README.md.
+Public API only; see README.md. Importing the package registers the custom ops; every other public name
+is loaded on first use, so the command line (``python -m inductor_attn --help``, ``cache list``) does not
+import Dynamo, which ``api`` needs: about 1 s of the 2.5 s that importing everything took on a CPU.
 """
 
-from . import cache, ops  # noqa: E402  (ops registers the custom ops)
+import importlib
+
+from . import ops  # noqa: F401  (registers torch.ops.inductor_attn.*: compiled graphs need them)
 from ._version import __version__
-from .api import attention, candidates, run_candidate, varlen_attention  # noqa: E402
-from .backends import Candidate, Config, register_backend  # noqa: E402
-from .enable import disable, enable, enabled, is_enabled  # noqa: E402
-from .ops import BlockSparseMask  # noqa: E402
-from .routing.rewrite import reset_routing_report, routing_report  # noqa: E402
-from .runtime import reset_stats, stats  # noqa: E402
-from .tuning.modes import MODES, set_mode, tuning_mode  # noqa: E402
+from .ops import BlockSparseMask
+
+# public name -> module that defines it (a module itself when the name is the module's)
+_LAZY = {
+    "attention": "api", "varlen_attention": "api", "candidates": "api", "run_candidate": "api",
+    "Candidate": "backends", "Config": "backends", "register_backend": "backends",
+    "disable": "enable", "enable": "enable", "enabled": "enable", "is_enabled": "enable",
+    "routing_report": "routing.rewrite", "reset_routing_report": "routing.rewrite",
+    "stats": "runtime", "reset_stats": "runtime",
+    "MODES": "tuning.modes", "set_mode": "tuning.modes", "tuning_mode": "tuning.modes",
+    "cache": None,
+}
 
 
 
@@ -28,3 +37,16 @@ __all__ = [
     "register_backend", "set_mode", "tuning_mode", "MODES", "stats", "reset_stats", "cache", "__version__",
     "enable", "disable", "enabled", "is_enabled", "routing_report", "reset_routing_report",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(f".{_LAZY[name] or name}", __name__)
+    value = module if _LAZY[name] is None else getattr(module, name)
+    globals()[name] = value  # later lookups are plain attribute reads (Dynamo traces those)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,5 +1,8 @@
 """Looking inside the decision store: the Python side of ``python -m inductor_attn cache ...``.
 
+Every function takes an optional ``store``: a DecisionStore (one file) or the process's layered store
+(``get_store()``, the default: a writable store, then read-only ones).
+
 >>> import inductor_attn
 >>> rows = inductor_attn.cache.list_decisions()      # one dict per decision
 >>> print(inductor_attn.cache.explain(rows[0]["key"][:8]))  # doctest: +SKIP
@@ -7,13 +10,18 @@
 
 from __future__ import annotations
 
+import collections
+import warnings
 from pathlib import Path
 
 from .problem import Problem
 from .store.db import DecisionStore, get_store
+from .store.keys import library_versions, stale_reason
+from .store.layers import LayeredStore
+from .store.schema import StoreError
 
-__all__ = ["DecisionStore", "get_store", "list_decisions", "show", "explain", "clear", "export",
-           "import_decisions", "plot", "short_problem"]
+__all__ = ["DecisionStore", "StoreError", "get_store", "list_decisions", "show", "explain", "clear", "export",
+           "import_decisions", "prune", "doctor", "plot", "short_problem"]
 
 
 def short_problem(problem_key: str) -> str:
@@ -36,16 +44,38 @@ def short_problem(problem_key: str) -> str:
     return label
 
 
-def list_decisions(store: DecisionStore | None = None) -> list[dict]:
-    """One summary per stored decision: key, op, problem label, device, winner, speedup vs default."""
-    out = []
-    for row in (store or get_store()).rows():
-        winner = _winner_result(row)
-        out.append({
-            "key": row["key"], "op": row["op"], "problem": short_problem(row["problem"]),
-            "device": row["device"], "winner": row["winner"], "default": row["record"]["default"],
-            "speedup": None if winner is None else winner.get("speedup"),
-        })
+def _layered(store) -> LayeredStore:
+    store = get_store() if store is None else store
+    return store if isinstance(store, LayeredStore) else LayeredStore(store)
+
+
+def _stale_check():
+    """``row -> reason or None``: does a row's versions still match this process's libraries and the
+    source of each registered backend? A stale row's key is never looked up again."""
+    from .backends import backends
+
+    current = library_versions()
+    sources = {b.name: b.source_hash() for b in backends()}
+    return lambda row: stale_reason(row["versions"], current, sources)
+
+
+def list_decisions(store: DecisionStore | LayeredStore | None = None) -> list[dict]:
+    """One summary per decision: key, op, problem label, device, winner, speedup vs default, ``store`` (the
+    layer it comes from) and ``stale`` (why its versions no longer match, or None)."""
+    stale = _stale_check()
+    out, seen = [], set()
+    for layer, rows in _layered(store).rows_by_layer():
+        for row in rows:
+            if row["key"] in seen:  # an earlier layer's row answers for this key
+                continue
+            seen.add(row["key"])
+            winner = _winner_result(row)
+            out.append({
+                "key": row["key"], "op": row["op"], "problem": short_problem(row["problem"]),
+                "device": row["device"], "winner": row["winner"], "default": row["record"]["default"],
+                "speedup": None if winner is None else winner.get("speedup"), "store": layer.describe(),
+                "stale": stale(row),
+            })
     return out
 
 
@@ -53,20 +83,24 @@ def _winner_result(row: dict) -> dict | None:
     return next((c for c in row["record"]["candidates"] if c["name"] == row["winner"]), None)
 
 
-def _one(key_prefix: str, store: DecisionStore | None) -> dict:
-    rows = (store or get_store()).find(key_prefix)
+def _one(key_prefix: str, store) -> dict:
+    store = _layered(store)
+    rows = store.find(key_prefix)
+    if not rows and store.broken:
+        raise StoreError(f"the decision store is unreadable ({store.broken}); whether it holds a decision with "
+                         f"a key starting with {key_prefix!r} is unknown")
     if len(rows) != 1:
         raise ValueError(f"key prefix {key_prefix!r} matches {len(rows)} decisions; give more characters"
                          if rows else f"no decision with a key starting with {key_prefix!r}")
     return rows[0]
 
 
-def show(key_prefix: str, store: DecisionStore | None = None) -> dict:
+def show(key_prefix: str, store: DecisionStore | LayeredStore | None = None) -> dict:
     """The whole stored row (versions, every candidate's samples) for one decision."""
     return _one(key_prefix, store)
 
 
-def explain(key_prefix: str, store: DecisionStore | None = None) -> str:
+def explain(key_prefix: str, store: DecisionStore | LayeredStore | None = None) -> str:
     """Why the winner won: every candidate with its median time, CI, correctness and reasons."""
     row = _one(key_prefix, store)
     rec = row["record"]
@@ -97,35 +131,87 @@ def _fmt(x, spec: str) -> str:
     return "" if x is None else format(x, spec)
 
 
-def clear(store: DecisionStore | None = None) -> int:
-    """Delete every decision (returns how many); in-memory decisions of this process are dropped too."""
+def clear(store: DecisionStore | LayeredStore | None = None) -> int:
+    """Delete every decision of the writable store (returns how many; read-only stores are never changed);
+    in-memory decisions of this process are dropped too."""
     from .tuning.decisions import forget_decisions
 
     forget_decisions()
-    return (store or get_store()).clear()
+    return _layered(store).clear()
 
 
-def export(path: str | Path, store: DecisionStore | None = None) -> int:
-    """Write every decision to a JSON file (to ship tuned decisions with a model)."""
-    return (store or get_store()).export_json(path)
+def prune(store: DecisionStore | LayeredStore | None = None) -> tuple[int, int]:
+    """Delete the stale decisions (see ``list_decisions``) of the writable store. Returns (how many were
+    deleted, how many stale ones read-only stores keep)."""
+    store = _layered(store)
+    stale = _stale_check()
+    by_layer = {id(layer): [row["key"] for row in rows if stale(row)] for layer, rows in store.rows_by_layer()}
+    writable = by_layer.pop(id(store.writable))
+    return store.delete(writable) if writable else 0, sum(map(len, by_layer.values()))
 
 
-def import_decisions(path: str | Path, store: DecisionStore | None = None) -> int:
-    """Add the decisions of a JSON export (rows with the same key are replaced)."""
+def export(path: str | Path, store: DecisionStore | LayeredStore | None = None) -> int:
+    """Write every decision to a JSON file (to ship tuned decisions with a model). The file is replaced
+    only once the new one is complete; an unreadable store raises StoreError and leaves it as it was."""
+    return _layered(store).export_json(path)
+
+
+def import_decisions(path: str | Path, store: DecisionStore | LayeredStore | None = None) -> int:
+    """Add the decisions of a JSON export to the writable store, all or none (rows with the same key are
+    replaced); returns how many were written. A bad file raises ValueError naming the row and the field."""
     from .tuning.decisions import forget_decisions
 
     forget_decisions()
-    return (store or get_store()).import_json(path)
+    return _layered(store).import_json(path)
 
 
-def plot(path: str | Path, store: DecisionStore | None = None) -> int:
+def doctor(store: DecisionStore | LayeredStore | None = None) -> tuple[str, bool]:
+    """Check every layer: SQLite's integrity_check, damage found at open, rows that fail the schema, and
+    the rows per library versions (stale or current). Returns (report, whether all is well)."""
+    stale = _stale_check()
+    lines, healthy = [], True
+    with warnings.catch_warnings():  # damage found at open is in the report
+        warnings.simplefilter("ignore", RuntimeWarning)
+        reports = [layer.health() for layer in _layered(store).layers]
+    for report in reports:
+        lines += _health_lines(report, stale)
+        healthy &= report.error is None and report.integrity == ["ok"] and not report.bad and not report.damage
+    return "\n".join(lines), healthy
+
+
+def _health_lines(report, stale) -> list[str]:
+    lines = [report.where]
+    if report.error:
+        return lines + [f"  unreadable: {report.error}"]
+    lines.append(f"  integrity_check: {'; '.join(report.integrity[:5])}")
+    lines += [f"  damage: {what}" for what in report.damage]
+    lines.append(f"  {len(report.rows)} decisions, {len(report.bad)} unreadable")
+    lines += [f"    unreadable {what}" for what in report.bad[:10]]
+    current = _library_label(library_versions())
+    per_version = collections.Counter(_library_label(row["versions"]) for row in report.rows)
+    for label, n in per_version.most_common():
+        lines.append(f"    {n:5d}  {label}{'  (current)' if label == current else ''}")
+    n_stale = sum(1 for row in report.rows if stale(row))
+    if n_stale:
+        lines.append(f"  {n_stale} stale (versions or backend sources changed): `cache prune` deletes them")
+    return lines
+
+
+def _library_label(versions: dict) -> str:
+    return ", ".join(f"{name} {value}" for name, value in versions.items() if name != "sources")
+
+
+def plot(path: str | Path, store: DecisionStore | LayeredStore | None = None) -> int:
     """Draw each decision's winner and its speedup over the default (with the 95% CI) to a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = (store or get_store()).rows()
+    store = _layered(store)
+    rows = store.rows()
+    if store.broken:
+        raise StoreError(f"the decision store is unreadable ({store.broken}); {path} was not drawn")
     if not rows:
         raise ValueError("the decision store is empty: nothing to plot")
     labels, speedups, lows, highs, winners = [], [], [], [], []

@@ -1,6 +1,10 @@
 """python -m inductor_attn cache ... on a store filled through the public API."""
 
 import json
+import os
+import sqlite3
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -9,6 +13,8 @@ from fakes import FakeBackend, FakeTimer
 import inductor_attn
 from inductor_attn.backends import only_backends
 from inductor_attn.cli import main
+from inductor_attn.store.keys import key_of
+from inductor_attn.tuning.decisions import forget_decisions
 
 
 @pytest.fixture
@@ -46,3 +52,152 @@ def test_export_clear_import_plot(one_decision, tmp_path, capsys):
 def test_unknown_key_is_an_error_not_a_traceback(capsys):
     assert main(["cache", "explain", "nope"]) == 2
     assert "no decision with a key starting with 'nope'" in capsys.readouterr().err
+
+
+def _store_path():
+    return inductor_attn.cache.get_store().path
+
+
+def _rewrite(key: str, **changes) -> dict:
+    """The stored row of ``key`` with ``changes`` to its versions, under the key those versions give."""
+    row = inductor_attn.cache.show(key)
+    versions = {**row["versions"], **changes}
+    fields = {"op": row["op"], "problem": row["problem"], "device": row["device"], "versions": versions}
+    return {**row, **fields, "key": key_of(fields)}
+
+
+# -- errors are one line, name the file, and exit 2 (bad input) or 1 (unusable store) ----------------------
+def test_import_of_a_missing_file_is_one_line_naming_it(tmp_path, capsys):
+    assert main(["cache", "import", str(tmp_path / "missing.json")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {tmp_path / 'missing.json'}: No such file or directory\n"
+
+
+def test_import_of_garbage_names_the_file(tmp_path, capsys):
+    (tmp_path / "garbage.json").write_text("garbage")
+    assert main(["cache", "import", str(tmp_path / "garbage.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'garbage.json'}: not a JSON file") and err.count("\n") == 1
+
+
+def test_import_of_a_bad_row_names_file_row_and_field_and_writes_nothing(one_decision, tmp_path, capsys):
+    assert main(["cache", "export", str(tmp_path / "d.json")]) == 0
+    data = json.loads((tmp_path / "d.json").read_text())
+    data["decisions"].append({**data["decisions"][0], "record": "garbage"})
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    capsys.readouterr()
+    assert main(["cache", "import", str(tmp_path / "bad.json")]) == 2
+    assert capsys.readouterr().err == (f"error: {tmp_path / 'bad.json'}: decision 1: field 'record': must be a JSON "
+                                       "object (the tuner's record), got str 'garbage'\n")
+    assert len(inductor_attn.cache.list_decisions()) == 1
+
+
+def test_import_prints_the_count_written(one_decision, tmp_path, capsys):
+    assert main(["cache", "export", str(tmp_path / "d.json")]) == 0
+    assert main(["cache", "clear"]) == 0
+    capsys.readouterr()
+    assert main(["cache", "import", str(tmp_path / "d.json")]) == 0
+    assert capsys.readouterr().out == f"imported 1 decisions into {_store_path()}\n"
+
+
+def test_export_of_a_corrupt_store_fails_and_keeps_the_target(tmp_path, capsys):
+    target = tmp_path / "d.json"
+    target.write_text("an earlier export")
+    _store_path().parent.mkdir(parents=True, exist_ok=True)
+    _store_path().write_bytes(b"not a database " * 300)
+    with pytest.warns(RuntimeWarning, match="unusable"):
+        assert main(["cache", "export", str(target)]) == 1
+    err = capsys.readouterr().err
+    assert "error: the decision store is unreadable" in err and f"{target} was left as it was" in err
+    assert target.read_text() == "an earlier export"
+
+
+def test_explain_on_an_unreadable_store_says_so_instead_of_no_decision(one_decision, capsys):
+    _store_path().write_bytes(b"not a database " * 300)  # damaged after the decision was written
+    with pytest.warns(RuntimeWarning, match="unusable"):
+        assert main(["cache", "explain", one_decision[:10]]) == 1
+    err = capsys.readouterr().err
+    assert "the decision store is unreadable" in err and "no decision with a key" not in err
+
+
+# -- a bad row in the store never breaks list or attention() ----------------------------------------------
+def test_list_and_attention_survive_a_bad_row_and_the_next_tune_replaces_it(one_decision, monkeypatch, capsys):
+    with sqlite3.connect(_store_path()) as conn:
+        conn.execute("UPDATE decisions SET record = 'garbage' WHERE key = ?", (one_decision,))
+    with pytest.warns(RuntimeWarning, match="skipping unreadable decision") as record:
+        assert main(["cache", "list"]) == 0
+    assert capsys.readouterr().out.startswith("0 decisions") and len(record) == 1
+    a = FakeBackend("a", {"default": (1.0, 0.01)})
+    b = FakeBackend("b", {"x=1": (0.5, 0.01)})
+    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b]))
+    forget_decisions()
+    q = torch.randn(1, 2, 32, 16)
+    with only_backends(a, b), inductor_attn.tuning_mode("autotune"):
+        inductor_attn.attention(q, q, q, causal=True)
+    assert b.calls > 0  # re-tuned
+    assert [r["winner"] for r in inductor_attn.cache.list_decisions()] == ["b:x=1"]
+
+
+# -- stale rows, prune, doctor ---------------------------------------------------------------------------
+def test_list_marks_stale_rows_and_prune_deletes_them(one_decision, capsys):
+    store = inductor_attn.cache.get_store()
+    store.put(_rewrite(one_decision, torch="1.0"))
+    sources = inductor_attn.cache.show(one_decision)["versions"]["sources"]
+    store.put(_rewrite(one_decision, sources={**sources, "sdpa": "an-older-hash"}))
+    assert main(["cache", "list"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("[stale: ") == 2 and f"torch 1.0 -> {torch.__version__}" in out
+    assert "sdpa source changed" in out and "2 stale" in out
+    assert main(["cache", "prune"]) == 0
+    assert capsys.readouterr().out == f"deleted 2 stale decisions from {_store_path()}\n"
+    assert [r["key"] for r in inductor_attn.cache.list_decisions()] == [one_decision]
+
+
+def test_doctor_checks_integrity_and_counts_rows_per_version(one_decision, capsys):
+    inductor_attn.cache.get_store().put(_rewrite(one_decision, torch="1.0"))
+    assert main(["cache", "doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "integrity_check: ok" in out and "2 decisions, 0 unreadable" in out
+    assert f"torch {torch.__version__}," in out and "(current)" in out and "torch 1.0," in out
+    assert "1 stale" in out
+
+
+def test_doctor_reports_an_unreadable_row_and_exits_1(one_decision, capsys):
+    with sqlite3.connect(_store_path()) as conn:
+        conn.execute("UPDATE decisions SET versions = '{' WHERE key = ?", (one_decision,))
+    assert main(["cache", "doctor"]) == 1
+    out = capsys.readouterr().out
+    assert "0 decisions, 1 unreadable" in out and "field 'versions': is not JSON" in out
+
+
+# -- each command imports only what it needs ------------------------------------------------------------
+HEAVY = ("torch._dynamo", "torch._inductor.compile_fx", "inductor_attn.bench", "inductor_attn.api", "matplotlib",
+         "transformers")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["cache", "list"]])
+def test_help_and_cache_list_import_neither_inductor_nor_bench(argv, tmp_path):
+    code = ("import sys\nfrom inductor_attn.cli import main\n"
+            f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+            f"print([m for m in {HEAVY!r} if m in sys.modules])")
+    env = {**os.environ, "INDUCTOR_ATTN_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_bench_options_are_still_parsed_and_listed(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--help"])
+    assert exit_.value.code == 0 and "--smoke" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["bench", "--shard", "3/2"])
+    assert "--shard K/N needs 1 <= K <= N" in capsys.readouterr().err
+
+
+def test_the_package_root_still_exports_every_public_name():
+    for name in inductor_attn.__all__:
+        assert getattr(inductor_attn, name) is not None
+    assert inductor_attn.attention is inductor_attn.api.attention and "attention" in dir(inductor_attn)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        inductor_attn.nope  # noqa: B018

@@ -1,12 +1,23 @@
-"""Decision store: one SQLite file of tuning decisions, shared by processes, never a reason to crash.
+"""Decision store: SQLite files of tuning decisions, shared by processes, never a reason to crash.
 
 Location: ``$INDUCTOR_ATTN_CACHE_DIR/decisions.sqlite`` if set, else ``inductor_attn/decisions.sqlite``
 under Inductor's cache dir (``TORCHINDUCTOR_CACHE_DIR``, default ``/tmp/torchinductor_<user>``).
+
+Read-only stores: a store on a read-only path (a shared image, a container layer, a read-only mount) is
+opened read-only (``mode=ro``, or ``immutable=1`` where the directory is read-only too, since WAL mode
+cannot even read there otherwise) and its decisions are used. New decisions then go to an overlay: the
+store in Inductor's cache dir when that is writable and another file, else memory (this process only).
+``get_store()`` returns the layers (layers.py) and logs one line saying where new decisions go.
 
 Concurrency: WAL journal (readers never block the writer), a 30 s busy timeout, one short transaction
 per write, ``INSERT OR REPLACE`` per row. A corrupt, locked or unreadable file gives one warning, after
 which the store is skipped for the rest of the process (tuning still works, results are just not
 persisted); the file is never deleted or rewritten, so other rows are never lost.
+
+Damage: every row read is checked against the schema (schema.py); a bad row is skipped with one warning
+per store, and the next tune of its problem replaces it. At the first open in a process, a write-ahead
+log whose damage would drop committed transactions (wal.py), or fewer rows than the last write recorded
+in ``meta``, gives one warning naming the file. ``health()`` is what ``cache doctor`` reports.
 
 A new store starts with a random ``generation`` token and every write replaces it; the Inductor
 FX-graph-cache guard hashes it, so compiled code that baked decisions is not replayed after the
@@ -17,17 +28,24 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import sqlite3
 import threading
 import time
 import uuid
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .._compat import inductor_cache_dir
+from . import transfer
+from .layers import LayeredStore
+from .schema import COLUMNS, RowError, StoreError, check_row
+from .wal import wal_damage
 
-SCHEMA_VERSION = 1
+log = logging.getLogger(__name__)
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS decisions (
     key TEXT PRIMARY KEY,       -- sha256 of everything that can change the answer (see keys.py)
@@ -41,7 +59,10 @@ CREATE TABLE IF NOT EXISTS decisions (
 );
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
-_COLUMNS = ("key", "op", "problem", "device", "versions", "winner", "record", "created")
+_SELECT = f"SELECT {', '.join(COLUMNS)} FROM decisions"
+
+# How a store file can be opened (path_access).
+WRITE, READ, IMMUTABLE = "write", "read", "immutable"
 
 
 def default_path() -> Path:
@@ -50,25 +71,107 @@ def default_path() -> Path:
     return root / "decisions.sqlite"
 
 
+def path_access(path: Path) -> str | None:
+    """How a store at ``path`` can be opened by this process.
+
+    WRITE: the file and its directory are writable (or the file can be created). READ (``mode=ro``):
+    SQLite still needs the directory writable for the WAL index, or the log's ``-wal``/``-shm`` files there
+    to read. IMMUTABLE (``immutable=1``): a read-only directory and no log, so no lock or index file is
+    needed. None: no file, and none can be created.
+    """
+    try:
+        if not path.exists():
+            return WRITE if _creatable(path.parent) else None
+    except OSError:  # a directory on the way cannot be searched
+        return None
+    directory_writable = os.access(path.parent, os.W_OK)
+    if directory_writable and os.access(path, os.W_OK):
+        return WRITE
+    if directory_writable or _log_size(path) > 0:
+        return READ
+    return IMMUTABLE
+
+
+def _creatable(directory: Path) -> bool:
+    while not directory.exists():
+        directory = directory.parent
+    return directory.is_dir() and os.access(directory, os.W_OK | os.X_OK)
+
+
+def _log_size(path: Path) -> int:
+    try:
+        return os.path.getsize(f"{path}-wal")
+    except OSError:
+        return 0
+
+
+@dataclass
+class Health:
+    """What ``cache doctor`` reports for one store."""
+
+    where: str
+    error: str | None = None  # the store could not be opened or read
+    integrity: list[str] = field(default_factory=list)  # PRAGMA integrity_check; ["ok"] when sound
+    damage: list[str] = field(default_factory=list)  # found at open: a damaged WAL, lost rows
+    rows: list[dict] = field(default_factory=list)  # rows that match the schema
+    bad: list[str] = field(default_factory=list)  # "key: why" for rows that do not
+
+
 class DecisionStore:
-    def __init__(self, path: Path | str | None = None, timeout_s: float = 30.0):
+    """One SQLite file of decisions. ``access`` (WRITE, READ, IMMUTABLE) is found from the filesystem when
+    not given; passing READ or IMMUTABLE opens a writable file read-only all the same."""
+
+    def __init__(self, path: Path | str | None = None, timeout_s: float = 30.0, access: str | None = None):
         self.path = Path(path) if path is not None else default_path()
         self.timeout_s = timeout_s
+        if access not in (None, WRITE, READ, IMMUTABLE):
+            raise ValueError(f"access must be one of {WRITE!r}, {READ!r}, {IMMUTABLE!r} or None, got {access!r}")
+        self.access = access or path_access(self.path) or WRITE
+        self.damage: list[str] = []
         self._broken: str | None = None
+        self._opened = False
+        self._warned_rows = False
         self._lock = threading.Lock()
+
+    def describe(self) -> str:
+        return {WRITE: f"{self.path}", READ: f"{self.path} (read-only)",
+                IMMUTABLE: f"{self.path} (read-only, immutable)"}[self.access]
 
     # -- connection ------------------------------------------------------------------------------
     @contextlib.contextmanager
     def _connect(self):
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        conn = sqlite3.connect(self.path, timeout=self.timeout_s, isolation_level=None)
+        first = not self._opened
+        self._opened = True
+        if first and self.access != IMMUTABLE:  # before SQLite replays the log and drops what follows damage
+            self._report_damage(wal_damage(self.path))
+        conn = self._open()
         try:
-            conn.execute(f"PRAGMA busy_timeout={int(self.timeout_s * 1000)}")
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.executescript(_SCHEMA)
+            if first:
+                self._check_row_count(conn)
             yield conn
         finally:
+            self._close(conn)
+
+    def _open(self) -> sqlite3.Connection:
+        if self.access == WRITE:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            conn = sqlite3.connect(self.path, timeout=self.timeout_s, isolation_level=None)
+        else:
+            flags = "mode=ro&immutable=1" if self.access == IMMUTABLE else "mode=ro"
+            conn = sqlite3.connect(f"{self.path.absolute().as_uri()}?{flags}", uri=True, timeout=self.timeout_s,
+                                   isolation_level=None)
+        try:
+            conn.execute(f"PRAGMA busy_timeout={int(self.timeout_s * 1000)}")
+            if self.access == WRITE:
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.executescript(_SCHEMA)
+        except BaseException:
             conn.close()
+            raise
+        return conn
+
+    def _close(self, conn: sqlite3.Connection) -> None:
+        conn.close()
 
     def _guard(self, action: str, fn, default=None):
         """Run ``fn(conn)``; on a store problem warn once, remember it and return ``default``."""
@@ -90,94 +193,210 @@ class DecisionStore:
     def broken(self) -> str | None:
         return self._broken
 
+    # -- damage ----------------------------------------------------------------------------------
+    def _report_damage(self, what: str | None) -> None:
+        if what is None:
+            return
+        self.damage.append(what)
+        warnings.warn(f"inductor_attn: decision store {self.path} is damaged: {what} "
+                      "(`python -m inductor_attn cache doctor` checks the rest)", RuntimeWarning, stacklevel=5)
+
+    def _check_row_count(self, conn) -> None:
+        # One statement, so both counts come from one snapshot even while another process prunes. CAST: a
+        # garbled value reads as 0 (no claim) instead of raising; NULL when no write recorded a count.
+        recorded, present = conn.execute(
+            "SELECT (SELECT CAST(value AS INTEGER) FROM meta WHERE name = 'rows'), (SELECT count(*) FROM decisions)"
+        ).fetchone()
+        if recorded is not None and present < recorded:
+            self._report_damage(f"its last write left {recorded} decisions, {present} are there now")
+
     # -- rows ------------------------------------------------------------------------------------
+    def _parse(self, values) -> dict:
+        """A stored row as a dict, checked against the schema (RowError if it does not match)."""
+        row = dict(zip(COLUMNS, values))
+        for column in ("versions", "record"):
+            try:
+                row[column] = json.loads(row[column])
+            except (TypeError, ValueError) as err:
+                raise RowError(column, f"is not JSON ({err})") from None
+        return check_row(row)
+
+    def _decode(self, values) -> dict | None:
+        """``_parse``, but a bad row is skipped (None) with one warning per store."""
+        try:
+            return self._parse(values)
+        except RowError as err:
+            if not self._warned_rows:
+                self._warned_rows = True
+                warnings.warn(f"inductor_attn: decision store {self.path}: skipping unreadable decision "
+                              f"{_short_key(values[0])} ({err}), and any other; the next tune of its problem "
+                              "replaces it", RuntimeWarning, stacklevel=4)
+            return None
+
     def get(self, key: str) -> dict | None:
         def read(conn):
-            row = conn.execute(f"SELECT {', '.join(_COLUMNS)} FROM decisions WHERE key = ?", (key,)).fetchone()
-            return None if row is None else _row(row)
+            row = conn.execute(f"{_SELECT} WHERE key = ?", (key,)).fetchone()
+            return None if row is None else self._decode(row)
 
         return self._guard("read", read)
 
-    def put(self, row: dict) -> None:
-        row = {**row, "created": row.get("created") or time.time()}
-        values = tuple(row[c] if c in ("created",) or isinstance(row[c], str) else json.dumps(row[c])
-                       for c in _COLUMNS)
-
-        def write(conn):
-            conn.execute("BEGIN IMMEDIATE")
-            conn.execute(f"INSERT OR REPLACE INTO decisions VALUES ({', '.join('?' * len(_COLUMNS))})", values)
-            _bump_generation(conn)
-            conn.execute("COMMIT")
-
-        self._guard("write", write)
-
     def rows(self) -> list[dict]:
-        return self._guard(
-            "list", lambda conn: [_row(r) for r in conn.execute(
-                f"SELECT {', '.join(_COLUMNS)} FROM decisions ORDER BY op, problem")], default=[])
+        def read(conn):
+            return [row for row in map(self._decode, conn.execute(f"{_SELECT} ORDER BY op, problem")) if row]
+
+        return self._guard("list", read, default=[])
 
     def find(self, prefix: str) -> list[dict]:
         """Rows whose key starts with ``prefix`` (keys are long hashes; a few characters suffice)."""
         return [r for r in self.rows() if r["key"].startswith(prefix)]
 
+    def put(self, row: dict) -> None:
+        self.put_many([{**row, "created": row.get("created") or time.time()}])
+
+    def put_many(self, rows: list[dict]) -> int:
+        """Write ``rows`` in one transaction, so all or none are written; returns how many were. Each row
+        is checked first: a bad one raises ValueError (RowError) and nothing is written."""
+        self._check_writable()
+        values = [_encode(check_row(row)) for row in rows]
+        if not values:  # a write would change the generation, and with it every FX-graph-cache key
+            return 0
+
+        def write(conn):
+            conn.execute("BEGIN IMMEDIATE")
+            conn.executemany(f"INSERT OR REPLACE INTO decisions VALUES ({', '.join('?' * len(COLUMNS))})", values)
+            _after_write(conn)
+            conn.execute("COMMIT")
+            return len(values)
+
+        return self._guard("write", write, default=0)
+
+    def delete(self, keys: list[str]) -> int:
+        """Delete the rows with these keys; returns how many there were."""
+        self._check_writable()
+
+        def remove(conn):
+            conn.execute("BEGIN IMMEDIATE")
+            n = sum(conn.execute("DELETE FROM decisions WHERE key = ?", (key,)).rowcount for key in keys)
+            _after_write(conn)
+            conn.execute("COMMIT")
+            return n
+
+        return self._guard("delete", remove, default=0)
+
     def clear(self) -> int:
+        self._check_writable()
+
         def wipe(conn):
             conn.execute("BEGIN IMMEDIATE")
             n = conn.execute("DELETE FROM decisions").rowcount
-            _bump_generation(conn)
+            _after_write(conn)
             conn.execute("COMMIT")
             return n
 
         return self._guard("clear", wipe, default=0)
 
+    def _check_writable(self) -> None:
+        if self.access != WRITE:
+            raise StoreError(f"decision store {self.describe()} is opened read-only; writes go to a writable layer")
+
     def generation(self) -> str:
-        """Token that changes on every write; "" when the store is unusable."""
+        """Token that changes on every write; "" when the store is unusable (or a read-only one has none)."""
         def read_or_create(conn):
             row = conn.execute("SELECT value FROM meta WHERE name = 'generation'").fetchone()
-            if row:
-                return row[0]
+            if row or self.access != WRITE:
+                return row[0] if row else ""
             conn.execute("INSERT OR IGNORE INTO meta VALUES ('generation', ?)", (uuid.uuid4().hex,))
             return conn.execute("SELECT value FROM meta WHERE name = 'generation'").fetchone()[0]
 
         return self._guard("read", read_or_create, default="")
 
+    def health(self) -> Health:
+        """Integrity check, damage found at open, and every row sorted into good and bad (``cache doctor``)."""
+        report = Health(self.describe())
+        try:
+            with self._lock, self._connect() as conn:
+                report.integrity = [line for (line,) in conn.execute("PRAGMA integrity_check")]
+                for values in conn.execute(f"{_SELECT} ORDER BY op, problem"):
+                    try:
+                        report.rows.append(self._parse(values))
+                    except RowError as err:
+                        report.bad.append(f"{_short_key(values[0])}: {err}")
+        except (sqlite3.Error, OSError) as err:
+            report.error = f"{type(err).__name__}: {err}"
+        report.damage = list(self.damage)
+        return report
+
     # -- JSON ------------------------------------------------------------------------------------
     def export_json(self, path: str | Path) -> int:
-        rows = self.rows()
-        Path(path).write_text(json.dumps({"schema": SCHEMA_VERSION, "decisions": rows}, indent=1))
-        return len(rows)
+        return transfer.export_file(self, path)
 
     def import_json(self, path: str | Path) -> int:
-        data = json.loads(Path(path).read_text())
-        if not isinstance(data, dict) or data.get("schema") != SCHEMA_VERSION:
-            raise ValueError(f"{path}: not an inductor_attn decision export of schema {SCHEMA_VERSION}")
-        rows = data["decisions"]
-        for i, row in enumerate(rows):
-            missing = [c for c in _COLUMNS if c not in row]
-            if missing:
-                raise ValueError(f"{path}: decision {i} lacks {missing}")
-        for row in rows:
-            self.put(row)
-        return len(rows)
+        return transfer.import_file(self, path)
 
 
-def _row(values) -> dict:
-    row = dict(zip(_COLUMNS, values))
-    row["versions"] = json.loads(row["versions"])
-    row["record"] = json.loads(row["record"])
-    return row
+class MemoryStore(DecisionStore):
+    """A store that lives as long as this process: the writable layer when no file can be written."""
+
+    def __init__(self):
+        super().__init__(":memory:", access=WRITE)
+        self._opened = True  # it starts empty: no log or row count to check
+        self._conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+        self._conn.executescript(_SCHEMA)
+
+    def describe(self) -> str:
+        return "memory (this process only)"
+
+    def _open(self) -> sqlite3.Connection:
+        return self._conn
+
+    def _close(self, conn: sqlite3.Connection) -> None:
+        pass  # closing would drop every row
 
 
-def _bump_generation(conn) -> None:
+def _short_key(key) -> str:
+    return repr(key[:16] if isinstance(key, str) else key)
+
+
+def _encode(row: dict) -> tuple:
+    return tuple(json.dumps(row[c]) if c in ("versions", "record") else row[c] for c in COLUMNS)
+
+
+def _after_write(conn) -> None:
+    """In the write's transaction: a new generation, and the row count that the next open checks."""
     conn.execute("INSERT OR REPLACE INTO meta VALUES ('generation', ?)", (uuid.uuid4().hex,))
+    conn.execute("INSERT OR REPLACE INTO meta VALUES ('rows', (SELECT count(*) FROM decisions))")
 
 
-_DEFAULT: dict[Path, DecisionStore] = {}
+def open_layers(primary: Path) -> LayeredStore:
+    """The layers for a store at ``primary``: just it when writable; else it read-only (if it exists) under
+    a writable overlay, with one log line saying where new decisions go."""
+    access = path_access(primary)
+    if access == WRITE:
+        return LayeredStore(DecisionStore(primary, access=WRITE))
+    read_only = [] if access is None else [DecisionStore(primary, access=access)]
+    overlay = _overlay(primary)
+    what = "is read-only: its decisions are used" if read_only else "cannot be created here (read-only path)"
+    log.warning("inductor_attn: decision store %s %s; new decisions go to %s", primary, what, overlay.describe())
+    return LayeredStore(overlay, read_only)
 
 
-def get_store() -> DecisionStore:
+def _overlay(primary: Path) -> DecisionStore:
+    """The store in Inductor's cache dir if it is writable and not ``primary``, else memory."""
+    try:
+        path = Path(inductor_cache_dir()) / "inductor_attn" / "decisions.sqlite"
+    except OSError:  # cache_dir() creates the directory
+        return MemoryStore()
+    if path != primary and path_access(path) == WRITE:
+        return DecisionStore(path, access=WRITE)
+    return MemoryStore()
+
+
+_STORES: dict[Path, LayeredStore] = {}
+
+
+def get_store() -> LayeredStore:
     """The process-wide store for the current location (re-read from the environment on each call)."""
     path = default_path()
-    if path not in _DEFAULT:
-        _DEFAULT[path] = DecisionStore(path)
-    return _DEFAULT[path]
+    if path not in _STORES:
+        _STORES[path] = open_layers(path)
+    return _STORES[path]

@@ -52,5 +52,26 @@ def decision_fields(op: str, direction: str, problem: Problem, dev: DeviceInfo, 
         "device": dev.key(),
         "versions": {**library_versions(), "sources": dict(sorted(sources.items()))},
     }
-    blob = json.dumps(fields, sort_keys=True).encode()
-    return {"key": hashlib.sha256(blob).hexdigest(), **fields}
+    return {"key": key_of(fields), **fields}
+
+
+def key_of(fields: dict) -> str:
+    """The key of a decision: sha256 of its op, problem, device and versions (as JSON, keys sorted)."""
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def stale_reason(versions: dict, current: dict[str, str], sources: dict[str, str]) -> str | None:
+    """Why a row's ``versions`` no longer match ``current`` library versions and the registered backends'
+    source hashes (``sources``), or None. A backend not registered here is not a reason: it may be a
+    user's backend that this process never loaded.
+
+    >>> stale_reason({"torch": "2.12", "sources": {"sdpa": "ab"}}, {"torch": "2.13"}, {"sdpa": "ab"})
+    'torch 2.12 -> 2.13'
+    >>> stale_reason({"torch": "2.13", "sources": {"sdpa": "ab", "mine": "cd"}}, {"torch": "2.13"}, {"sdpa": "ff"})
+    'sdpa source changed'
+    """
+    changed = [f"{name} {versions.get(name, 'absent')} -> {now}" for name, now in current.items()
+               if versions.get(name) != now]
+    changed += [f"{name} source changed" for name, digest in sorted(versions.get("sources", {}).items())
+                if name in sources and sources[name] != digest]
+    return ", ".join(changed) or None
