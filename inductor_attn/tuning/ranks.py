@@ -8,8 +8,8 @@ with another rank's collective for another bucket, or waits for a partner that n
   once. The first to miss the store claims the bucket's key in the store's ``claims`` table; the others
   wait for its decision to appear and use it, so tuning cost is not multiplied by the ranks per node.
   A claim is ignored when its process is dead (same host) or older than ``INDUCTOR_ATTN_CLAIM_TIMEOUT_S``
-  (default 300 s, above the 10-100 s that the slowest cold tunes took on an H200), and no rank waits
-  longer than that in total: then it tunes itself and says so.
+  (default 300 s; one cold tune took 10-55 s on an H200, issue 16), and no rank waits longer than that
+  for one claim: then it tunes itself and says so.
 - **One measurer per device**: ranks tune different buckets at once when they run on different GPUs,
   but ranks sharing one GPU (same CUDA device UUID) or measuring on the CPU of one host take turns
   through a second claim, ``device:<host>:<uuid>``: concurrent kernels would skew each other's timings.
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 TIMEOUT_ENV = "INDUCTOR_ATTN_CLAIM_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0
-POLL_S = 0.05  # one SQLite read per poll: negligible next to a tune (seconds on a GPU)
+POLL_S = 0.1  # a read and a short write transaction per poll: negligible next to a tune (seconds on a GPU)
 _HOST = socket.gethostname()
 
 
@@ -97,8 +97,10 @@ def device_token(device: torch.device) -> str:
         return f"{_HOST}:{device.type}"
     index = device.index if device.index is not None else torch.cuda.current_device()
     uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
-    # without a UUID every GPU of the host counts as one: slower (turns), never skewed
-    return f"{_HOST}:{uuid or 'cuda'}"
+    if uuid is None:  # every GPU of the host counts as one: slower (turns), never skewed
+        return f"{_HOST}:cuda"
+    # str() is nvidia-smi's UUID without "GPU-", the same in every process (torch 2.11, H100)
+    return f"{_HOST}:{uuid}"
 
 
 def tune_once(store, key: str, device: torch.device, lookup, tune):
