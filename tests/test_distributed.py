@@ -1,4 +1,4 @@
-"""Under torch.distributed (gloo on the CPU, 2-4 spawned ranks) ranks that meet different problems, in
+"""Under torch.distributed (gloo on the CPU, 3 and 4 spawned ranks) ranks that meet different problems, in
 different orders, in eager, compiled and dynamic-shape code, and that recompile at different times, never
 deadlock or pair up wrong: decisions issue no collective. Ranks sharing a store tune each bucket once and
 agree through it; ranks with their own stores (separate nodes) agree after sync_decisions().
@@ -90,7 +90,7 @@ def _attn_dynamic(q, k, v):
 
 
 class _Rank:
-    """One rank's fake backends (timings that depend on the rank), its compiled functions, and what it saw."""
+    """One rank's fake backends (with its node's timings), its compiled functions, and the tunes it ran."""
 
     def __init__(self, a_ms: float, b_ms: float, tune_s: float):
         from fakes import FakeBackend, FakeTimer
