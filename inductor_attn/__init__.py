@@ -19,9 +19,9 @@ _LAZY = {
     "routing_report": "routing.rewrite", "reset_routing_report": "routing.rewrite",
     "stats": "runtime", "reset_stats": "runtime",
     "MODES": "tuning.modes", "set_mode": "tuning.modes", "tuning_mode": "tuning.modes",
+    "sync_decisions": "tuning.ranks",
     "cache": None,
 }
-
 
 
 def _install_inductor_pass() -> None:
@@ -35,7 +35,7 @@ ops.attention.ON_FIRST_TRACE.append(_install_inductor_pass)
 __all__ = [
     "attention", "varlen_attention", "BlockSparseMask", "candidates", "run_candidate", "Candidate", "Config",
     "register_backend", "set_mode", "tuning_mode", "MODES", "stats", "reset_stats", "cache", "__version__",
-    "enable", "disable", "enabled", "is_enabled", "routing_report", "reset_routing_report",
+    "enable", "disable", "enabled", "is_enabled", "routing_report", "reset_routing_report", "sync_decisions",
 ]
 
 

@@ -63,6 +63,16 @@ _SELECT = f"SELECT {', '.join(COLUMNS)} FROM decisions"
 
 # How a store file can be opened (path_access).
 WRITE, READ, IMMUTABLE = "write", "read", "immutable"
+# Who is tuning what right now (tuning/ranks.py): a row lives only while its process tunes or measures,
+# so that other processes sharing this file wait for its decision instead of tuning the same bucket.
+_CLAIMS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS claims (
+    name TEXT PRIMARY KEY,      -- a decision key, or "device:..." for the right to measure on a device
+    host TEXT NOT NULL,
+    pid INTEGER NOT NULL,
+    created REAL NOT NULL       -- time.time() when taken
+);
+"""
 
 
 def default_path() -> Path:
@@ -325,6 +335,33 @@ class DecisionStore:
             report.error = f"{type(err).__name__}: {err}"
         report.damage = list(self.damage)
         return report
+
+    # -- claims ----------------------------------------------------------------------------------
+    def claim(self, name: str, host: str, pid: int, is_stale) -> dict | None:
+        """Take the claim ``name`` for process ``pid`` on ``host``, atomically, unless another process
+        holds it and ``is_stale(holder)`` is false: then return that holder (``host``, ``pid``,
+        ``created``). None means the claim is ours, or the store is unusable (nobody can be waited for)."""
+        def take(conn):
+            conn.executescript(_CLAIMS_SCHEMA)
+            conn.execute("BEGIN IMMEDIATE")
+            found = conn.execute("SELECT host, pid, created FROM claims WHERE name = ?", (name,)).fetchone()
+            holder = None if found is None else dict(zip(("host", "pid", "created"), found))
+            if holder is not None and (holder["host"], holder["pid"]) != (host, pid) and not is_stale(holder):
+                conn.execute("COMMIT")
+                return holder
+            conn.execute("INSERT OR REPLACE INTO claims VALUES (?, ?, ?, ?)", (name, host, pid, time.time()))
+            conn.execute("COMMIT")
+            return None
+
+        return self._guard("claim", take)
+
+    def release(self, name: str, host: str, pid: int) -> None:
+        """Drop the claim ``name`` if process ``pid`` on ``host`` still holds it."""
+        def drop(conn):
+            conn.executescript(_CLAIMS_SCHEMA)
+            conn.execute("DELETE FROM claims WHERE name = ? AND host = ? AND pid = ?", (name, host, pid))
+
+        self._guard("release a claim", drop)
 
     # -- JSON ------------------------------------------------------------------------------------
     def export_json(self, path: str | Path) -> int:

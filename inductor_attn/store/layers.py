@@ -72,6 +72,13 @@ class LayeredStore:
     def clear(self) -> int:
         return self.writable.clear()
 
+    def claim(self, name: str, host: str, pid: int, is_stale) -> dict | None:
+        """Claims (tuning/ranks.py) live in the writable layer, shared with the processes that write it."""
+        return self.writable.claim(name, host, pid, is_stale)
+
+    def release(self, name: str, host: str, pid: int) -> None:
+        self.writable.release(name, host, pid)
+
     def export_json(self, path: str | Path) -> int:
         return transfer.export_file(self, path)
 

@@ -1,13 +1,17 @@
 """Deciding which candidate runs a call: memo -> store -> tuning or heuristic, per mode.
 
-Decisions are kept per (direction, bucket, device) in memory, so once a bucket is decided a call costs
-one dict lookup. Under torch.distributed, rank 0 decides and broadcasts, so every rank runs the same
-kernel (independent tunes can disagree: FlashInfer RFC #3920 saw 86 of 191 keys differ).
+Decisions are kept per (direction, bucket, device, mode) in memory, so once a bucket is decided a call
+costs one dict lookup. Decisions are local to the process and never issue a collective: processes that
+share a store tune each bucket once (the others wait for it), and ranks agree where they all meet, in
+``sync_decisions()`` (see ranks.py; independent tunes can disagree: FlashInfer RFC #3920 saw 86 of 191
+keys differ).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 
 import torch
 
@@ -18,15 +22,26 @@ from ..store.db import get_store
 from ..store.keys import decision_fields
 from .modes import current_mode
 from .progress import progress_ticker
+from .ranks import tune_once
 from .tuner import default_rounds, tune
 
+log = logging.getLogger(__name__)
+
 _MEMO: dict[tuple, str] = {}
+# the store row (with its measurements) behind a memo entry, where a tune backs it: sync_decisions
+# prefers measured decisions and copies their rows into other ranks' stores
+_ROWS: dict[tuple, dict] = {}
+# choices adopted in sync_decisions, checked against this rank's candidates when the bucket is next met
+_AGREED: dict[tuple, tuple[str, dict | None]] = {}
 _LOCK = threading.RLock()
 
 
 def forget_decisions() -> None:
     """Drop the in-memory decisions (the store is untouched)."""
-    _MEMO.clear()
+    with _LOCK:
+        _MEMO.clear()
+        _ROWS.clear()
+        _AGREED.clear()
 
 
 def default_choice(cands: list[Candidate]) -> str:
@@ -64,28 +79,40 @@ def _variant(direction: str) -> str:
     return direction
 
 
-def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str) -> str:
+def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str) -> tuple[str, dict | None]:
+    """The choice for ``call``, and the store row behind it when a tune backs it (else None)."""
     p = call.problem
     cands = enumerate_candidates(p, dev, direction)
     mode = current_mode(p.device_type)
     if mode == "off":
-        return default_choice(cands)
+        return default_choice(cands), None
     if mode == "heuristic":
-        return heuristic_choice(p, dev, cands)
+        return heuristic_choice(p, dev, cands), None
     runnable = {c.name for c in cands if c.pruned is None}
     if len(runnable) == 1:
-        return default_choice(cands)
+        return default_choice(cands), None
     fields = decision_fields(p.op, _variant(direction), p, dev, _sources(cands))
     store = get_store()
-    row = store.get(fields["key"])
-    if row is not None and row["winner"] in runnable:
-        return row["winner"]
+
+    def stored() -> dict | None:
+        row = store.get(fields["key"])
+        return row if row is not None and row["winner"] in runnable else None
+
+    row = stored()
+    if row is not None:
+        return row["winner"], row
     if mode == "cache-only" or _capturing(call):  # never measure inside a CUDA-graph capture
-        return default_choice(cands)
-    with progress_ticker(f"tuning {p.op} {direction}", total=len(runnable) + default_rounds()) as tick:
-        result = tune(call, cands, direction=direction, progress=tick)
-    store.put({**fields, "winner": result.winner, "record": result.to_json()})
-    return result.winner
+        return default_choice(cands), None
+
+    def measure() -> dict:
+        with progress_ticker(f"tuning {p.op} {direction}", total=len(runnable) + default_rounds()) as tick:
+            result = tune(call, cands, direction=direction, progress=tick)
+        row = {**fields, "winner": result.winner, "record": result.to_json(), "created": time.time()}
+        store.put(row)
+        return row
+
+    row = tune_once(store, fields["key"], call.q.device, lookup=stored, tune=measure)
+    return row["winner"], row
 
 
 def decide(call: AttnCall, dev: DeviceInfo, direction: str) -> str:
@@ -96,15 +123,48 @@ def decide(call: AttnCall, dev: DeviceInfo, direction: str) -> str:
         return choice
     with _LOCK:
         if key not in _MEMO:
-            _MEMO[key] = _agree(lambda: decide_uncached(call, dev, direction))
+            choice, row = _adopted(call, dev, direction, key) or decide_uncached(call, dev, direction)
+            if row is not None:
+                _ROWS[key] = row
+            _MEMO[key] = choice
         return _MEMO[key]
 
 
-def _agree(decide_fn) -> str:
-    """Rank 0's decision on every rank when torch.distributed runs with more than one process."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return decide_fn()
-    box = [decide_fn() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+def _adopted(call: AttnCall, dev: DeviceInfo, direction: str, key: tuple) -> tuple[str, dict | None] | None:
+    """The choice sync_decisions agreed on for ``key``, if this rank can run it."""
+    agreed = _AGREED.pop(key, None)
+    if agreed is None:
+        return None
+    runnable = {c.name for c in enumerate_candidates(call.problem, dev, direction) if c.pruned is None}
+    if agreed[0] in runnable:
+        return agreed
+    log.warning("inductor_attn: the choice the ranks agreed on, %s, cannot run %s here; this rank decides "
+                "on its own", agreed[0], call.problem)
+    return None
+
+
+def decision_entries() -> list[tuple]:
+    """This process's decisions as ``(memo key, choice, row or None)``, for sync_decisions."""
+    with _LOCK:
+        entries = [(key, choice, _ROWS.get(key)) for key, choice in _MEMO.items()]
+        return entries + [(key, choice, row) for key, (choice, row) in _AGREED.items()]
+
+
+def adopt_decisions(agreed: dict[tuple, tuple[str, dict | None]]) -> int:
+    """Make ``agreed`` (memo key -> choice, row) this process's decisions, and write each row to the
+    store where the store holds another winner. Returns how many decisions of this process changed."""
+    store = get_store()
+    changed = 0
+    with _LOCK:
+        for key, (choice, row) in agreed.items():
+            if row is not None and (store.get(row["key"]) or {}).get("winner") != row["winner"]:
+                store.put(row)
+            if _MEMO.get(key) == choice:
+                if row is not None:
+                    _ROWS[key] = row
+                continue
+            changed += key in _MEMO
+            _MEMO.pop(key, None)
+            _ROWS.pop(key, None)
+            _AGREED[key] = (choice, row)
+    return changed

@@ -1,0 +1,175 @@
+"""Many processes, many ranks: tune each bucket once per store, and agree only where every rank meets.
+
+A decision never issues a collective. Ranks meet different problems (varlen lengths, kv_seqlens, block
+masks, dynamic shapes) and recompile at different times, so a collective on the decision path pairs
+with another rank's collective for another bucket, or waits for a partner that never comes. Instead:
+
+- **Claims** (``tune_once``): processes that share a store file (the ranks of one node) tune each bucket
+  once. The first to miss the store claims the bucket's key in the store's ``claims`` table; the others
+  wait for its decision to appear and use it, so tuning cost is not multiplied by the ranks per node.
+  A claim is ignored when its process is dead (same host) or older than ``INDUCTOR_ATTN_CLAIM_TIMEOUT_S``
+  (default 300 s; one cold tune took 10-55 s on an H200, issue 16), and no rank waits longer than that
+  for one claim: then it tunes itself and says so.
+- **One measurer per device**: ranks tune different buckets at once when they run on different GPUs,
+  but ranks sharing one GPU (same CUDA device UUID) or measuring on the CPU of one host take turns
+  through a second claim, ``device:<host>:<uuid>``: concurrent kernels would skew each other's timings.
+- **Tie-break**: within a tune, candidates whose CI does not exclude the default, or whose median is
+  within ``tuner.TIE_MARGIN`` of the fastest, go by prior order (``tuner._choose``), so independent
+  tunes on separate stores (separate nodes) mostly agree; they may still differ on near-ties.
+- **sync_decisions()**: an explicit collective that users call where every rank provably arrives;
+  afterwards every rank runs the same choice for every bucket that any rank had decided.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+import torch
+
+log = logging.getLogger(__name__)
+
+TIMEOUT_ENV = "INDUCTOR_ATTN_CLAIM_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 300.0
+POLL_S = 0.1  # a read and a short write transaction per poll: negligible next to a tune (seconds on a GPU)
+_HOST = socket.gethostname()
+
+
+def claim_timeout_s() -> float:
+    text = os.environ.get(TIMEOUT_ENV)
+    if not text:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
+
+
+def _stale(holder: dict, timeout_s: float) -> bool:
+    """A holder that can no longer deliver: past the timeout, or dead (checkable on this host only)."""
+    if time.time() - holder["created"] >= timeout_s:
+        return True
+    return holder["host"] == _HOST and not _alive(holder["pid"])
+
+
+def _acquire(store, name: str, what: str, found=lambda: None):
+    """Wait until the claim ``name`` is ours (returns None) or ``found()`` returns a decision while a live
+    process holds it (returns that decision). Never longer than the claim timeout in total."""
+    timeout_s = claim_timeout_s()
+    deadline = time.monotonic() + timeout_s
+    holder = store.claim(name, _HOST, os.getpid(), lambda h: _stale(h, timeout_s))
+    if holder is None:
+        return None
+    log.info("inductor_attn: waiting for %s, which pid %d on %s started %.1f s ago (at most %.0f s, %s)",
+             what, holder["pid"], holder["host"], time.time() - holder["created"], timeout_s, TIMEOUT_ENV)
+    while True:
+        decision = found()
+        if decision is not None:
+            return decision
+        time.sleep(POLL_S)
+        gave_up = time.monotonic() >= deadline
+        if store.claim(name, _HOST, os.getpid(), lambda h: gave_up or _stale(h, timeout_s)) is None:
+            if gave_up:
+                log.warning("inductor_attn: waited %.1f s (%s) for %s by pid %d on %s; going ahead here",
+                            timeout_s, TIMEOUT_ENV, what, holder["pid"], holder["host"])
+            return None
+
+
+def device_token(device: torch.device) -> str:
+    """Names the hardware that timings on ``device`` share: the GPU's UUID (the same under any
+    CUDA_VISIBLE_DEVICES numbering), or this host's CPU."""
+    if device.type != "cuda":
+        return f"{_HOST}:{device.type}"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    if uuid is None:  # every GPU of the host counts as one: slower (turns), never skewed
+        return f"{_HOST}:cuda"
+    # str() is nvidia-smi's UUID without "GPU-", the same in every process (torch 2.11, H100)
+    return f"{_HOST}:{uuid}"
+
+
+def tune_once(store, key: str, device: torch.device, lookup, tune):
+    """The decision for ``key``: ``lookup()``'s (the store's) when it has one or another process stores
+    one while we wait; else ``tune()``'s, measured while this process holds the claims on ``key`` and on
+    the device."""
+    decision = _acquire(store, key, f"the tune of decision {key[:12]}", found=lookup)
+    if decision is not None:
+        return decision
+    me = (_HOST, os.getpid())
+    try:
+        decision = lookup()  # the last tuner may have stored it between our last look and our claim
+        if decision is not None:
+            return decision
+        token = f"device:{device_token(device)}"
+        _acquire(store, token, f"measurements on {token}")
+        try:
+            return tune()
+        finally:
+            store.release(token, *me)
+    finally:
+        store.release(key, *me)
+
+
+def agree(per_rank: list[list[tuple]]) -> dict:
+    """One ``(choice, row)`` per memo key from every rank's ``(key, choice, row)`` entries (index = rank):
+    the lowest rank whose decision a stored measurement backs (``row`` not None), else the lowest rank.
+
+    Measured before unmeasured, so a default taken without a tune (cache-only miss, CUDA-graph capture)
+    never outvotes a tune. Among measured ones, rank order and not timings: each rank timed its own GPU
+    under its own load, and a record's speedups are relative to its own default, so comparing them
+    across ranks would pick on noise; any fixed order is as good and is visibly the same on every rank.
+
+    >>> agree([[("k", "b:x", None)], [("k", "a:y", {"winner": "a:y"}), ("j", "c:z", None)]])
+    {'k': ('a:y', {'winner': 'a:y'}), 'j': ('c:z', None)}
+    """
+    agreed: dict = {}
+    for entries in per_rank:
+        for key, choice, row in entries:
+            if key not in agreed or (agreed[key][1] is None and row is not None):
+                agreed[key] = (choice, row)
+    return agreed
+
+
+def sync_decisions(group=None) -> int:
+    """Make every rank of ``group`` (default: the world) run the same kernel for every bucket that any
+    rank has decided so far. A collective: call it at a point that every rank reaches, such as after a
+    warm-up step. Under NCCL, set each rank's CUDA device first, as for any object collective.
+
+    Each rank's in-memory decisions are all-gathered, and for each bucket every rank adopts the one of
+    the lowest rank whose decision a measurement backs (else of the lowest rank; see ``agree``). The
+    adopted row is written to this rank's store when the store holds another winner, so the next
+    process on this node starts from it.
+
+    Run-time decisions (eager calls, dynamic shapes, varlen, block masks, kv_seqlens) follow the agreed
+    choice from the next call, on ranks that meet the bucket only later too. Code already compiled with
+    another choice baked in keeps it until it is recompiled; the recompile bakes the agreed one, and the
+    FX-graph-cache guard, which hashes the store's generation, never replays the old code after the
+    store changed. A rank where the agreed kernel cannot run (another set of libraries installed)
+    keeps its own decision and logs a warning.
+
+    Returns how many of this rank's decisions changed. Without torch.distributed, or with one rank,
+    does nothing and returns 0.
+    """
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return 0
+    from .decisions import adopt_decisions, decision_entries
+
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, decision_entries(), group=group)
+    return adopt_decisions(agree(gathered))
