@@ -117,3 +117,9 @@ def dynamo_tracing() -> bool:
 
     return TracingContext.try_get() is not None
 
+
+def assert_async(cond, message: str) -> None:
+    """``torch._assert_async(cond, msg)``: traced by Dynamo (trace_rules), lowered by Inductor to a device
+    assert (``aten._assert_async.msg`` in torch/_inductor/lowering.py), kept by dead-code elimination
+    (torch/fx/node.py side-effectful functions); 2.11 and 2.13."""
+    torch._assert_async(cond, message)

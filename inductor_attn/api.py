@@ -32,10 +32,6 @@ def _scale(scale, q) -> float:
     return scale if isinstance(scale, torch.SymFloat) else float(scale)
 
 
-def _eager() -> bool:
-    return not torch.compiler.is_compiling()
-
-
 @torch.compiler.disable
 def _convert_block_mask(block_mask) -> BlockSparseMask:
     # A graph break under torch.compile: the bitmaps come from running the mask_mod. The result is kept
@@ -68,7 +64,7 @@ def _as_sparse(block_mask, q, k) -> BlockSparseMask:
 
 def make_call(q, k, v, *, causal: bool = False, scale: float | None = None, window=None,
               kv_seqlens: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
-              block_mask=None) -> AttnCall:
+              block_mask=None, check_indices: bool = True) -> AttnCall:
     """Check and normalise :func:`attention`'s arguments into the call that backends run."""
     if block_mask is not None:
         if causal or window is not None or kv_seqlens is not None or key_mask is not None:
@@ -82,14 +78,14 @@ def make_call(q, k, v, *, causal: bool = False, scale: float | None = None, wind
     left, right = _window(window, causal)
     checks.check_attention(q, k, v, scale, left, right, kv_seqlens, key_mask, allow_empty=True)
     scale = _scale(scale, q)
-    if _eager():
+    if check_indices:
         checks.check_attention_values(k, kv_seqlens)
     return AttnCall("attention", q, k, v, scale, causal, left, right, kv_seqlens, key_mask=key_mask)
 
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, window=None,
               kv_seqlens: torch.Tensor | None = None, key_mask: torch.Tensor | None = None, block_mask=None,
-              return_lse: bool = False):
+              return_lse: bool = False, check_indices: bool = True):
     """Scaled dot-product attention on the fastest correct kernel for this shape.
 
     Args:
@@ -107,12 +103,14 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, wind
         block_mask: a flex_attention ``BlockMask`` (or ``BlockSparseMask``); it carries the whole mask,
             so causal/window/kv_seqlens/key_mask must be left unset.
         return_lse: also return the float32 log-sum-exp (B, Hq, Lq).
+        check_indices: check the values of ``kv_seqlens`` (in [0, Lk]): eagerly with a device sync and a
+            ValueError, in compiled code with a device-side assert. False skips both.
 
     Fully masked query rows give zeros and lse = -inf. Zero sizes (B, Hq, Lq or Lk of 0) run no kernel:
     empty outputs, or with Lk = 0 zeros and lse = -inf.
     """
     call = make_call(q, k, v, causal=causal, scale=scale, window=window, kv_seqlens=kv_seqlens,
-                     key_mask=key_mask, block_mask=block_mask)
+                     key_mask=key_mask, block_mask=block_mask, check_indices=check_indices)
     out, lse = _zero_size_result(q, k, v) if _zero_size(q.shape[:3] + k.shape[2:3]) else _call_op(call)
     return (out, lse) if return_lse else out
 
@@ -167,7 +165,7 @@ def run_candidate(candidate: Candidate | str, q, k, v, *, return_lse: bool = Fal
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | None = None,
                      max_seqlen_k: int | None = None, *, causal: bool = False, scale: float | None = None,
-                     window=None, return_lse: bool = False):
+                     window=None, return_lse: bool = False, check_indices: bool = True):
     """Attention over packed variable-length sequences.
 
     Args:
@@ -177,6 +175,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
         max_seqlen_q, max_seqlen_k: longest sequence; computed from cu_seqlens (a device sync) if None.
         causal, scale, window: as in :func:`attention`, aligned per sequence (lower-right).
         return_lse: also return the float32 lse of shape (Hq, total_q).
+        check_indices: check cu_seqlens_q/k (start at 0, non-decreasing, end at the totals) and that
+            max_seqlen_q/k cover the longest sequence: eagerly with a device sync and a ValueError, in
+            compiled code with device-side asserts. False skips both.
 
     total_q, Hq or total_k of 0 run no kernel: empty outputs, or with no keys zeros and lse = -inf.
     """
@@ -187,7 +188,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
     if max_seqlen_q is None or max_seqlen_k is None:
         max_seqlen_q = max_seqlen_q or int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
         max_seqlen_k = max_seqlen_k or int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
-    if _eager():
+    if check_indices:
         checks.check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if _zero_size((q.shape[0], q.shape[1], k.shape[0])):
         out, lse = _zero_size_result(_bhld(q), _bhld(k), _bhld(v))

@@ -3,6 +3,7 @@ torch upgrade, fix _compat.py (one place), not the callers."""
 
 import inspect
 
+import pytest
 import torch
 
 from inductor_attn import _compat
@@ -72,3 +73,10 @@ def test_dynamo_tracing_is_true_inside_a_fake_impl_while_compiling_only():
     torch.compile(probe, fullgraph=True)(torch.ones(2))
     assert seen and seen[0] and not _compat.dynamo_tracing()
 
+
+def test_assert_async_is_traced_and_raises_when_compiled_cpu_code_runs():
+    fn = torch.compile(lambda x: (_compat.assert_async((x > 0).all(), "x must be positive"), x + 1)[1],
+                       fullgraph=True)
+    assert fn(torch.ones(2)).tolist() == [2.0, 2.0]
+    with pytest.raises(RuntimeError, match="x must be positive"):
+        fn(-torch.ones(2))

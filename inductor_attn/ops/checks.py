@@ -2,9 +2,10 @@
 
 Every message names the argument, what was given and what is accepted. Structural checks (types, shapes,
 dtypes, devices, sizes) work on fake tensors too: they run eagerly, in the ops, and while torch.compile
-traces (in the public API and in the ops' fake impls). Checks that read tensor *values* (kv_seqlens,
-cu_seqlens) sync the device, so they run in the public API in eager mode only (``check_*_values``), never
-inside compiled code.
+traces (in the public API and in the ops' fake impls). Checks on index *values* (``check_*_values``)
+read the tensors: eagerly they sync the device and raise ValueError; in compiled code they become
+device-side asserts, which stop the compiled call at run time without a host sync. Their messages hold
+no sizes: a symbolic size formatted into a string would be specialised (one compilation per length).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from .. import _compat
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 8, 256
 LAYOUTS = {4: "(batch, heads, seq_len, head_dim)", 3: "(total_tokens, heads, head_dim)"}
+# Appended to device-side assert messages: the values cannot be printed from inside a kernel.
+_DEVICE_CHECK = "(checked on the device in compiled code; call eagerly to see the values)"
 
 
 def fail(error: type[Exception], message: str) -> NoReturn:
@@ -56,6 +59,14 @@ def _traced_error(error: type[Exception]) -> type[Exception]:
 
     Traced.__name__ = Traced.__qualname__ = f"Traced{error.__name__}"
     return Traced
+
+
+def assert_on_device(cond: torch.Tensor, message: str) -> None:
+    """Compiled code only: stop at run time unless the 0-dim bool ``cond`` holds, with no host sync. On the
+    CPU, Inductor's kernel raises RuntimeError(message); on CUDA it is a Triton device assert (the kernel
+    traps, the message is printed by the device, and the host sees a device-side assert error). Inductor
+    pastes the message into C++ and Python string literals: it must hold no quotes or backslashes."""
+    _compat.assert_async(cond, f"{message} {_DEVICE_CHECK}")
 
 
 def _dtype_names(dtypes) -> str:
@@ -181,12 +192,19 @@ def check_attention(q, k, v, scale, window_left, window_right, kv_seqlens, key_m
 
 
 def check_attention_values(k, kv_seqlens) -> None:
-    """kv_seqlens[b] in [0, Lk]: reads values, so eager only."""
-    if kv_seqlens is None or kv_seqlens.numel() == 0:
+    """kv_seqlens[b] in [0, Lk]. Eagerly a device sync and a ValueError; compiled, a device-side assert."""
+    if kv_seqlens is None:
+        return
+    lk = k.shape[2]
+    if torch.compiler.is_compiling():
+        assert_on_device(((kv_seqlens >= 0) & (kv_seqlens <= lk)).all(),
+                         "kv_seqlens values must be in [0, k.shape[2]] (the k seq_len)")
+        return
+    if kv_seqlens.numel() == 0:
         return
     lo, hi = int(kv_seqlens.min()), int(kv_seqlens.max())
-    if lo < 0 or hi > k.shape[2]:
-        raise ValueError(f"kv_seqlens values must be in [0, {k.shape[2]}] (the k seq_len), got min {lo}, max {hi}")
+    if lo < 0 or hi > lk:
+        raise ValueError(f"kv_seqlens values must be in [0, {lk}] (the k seq_len), got min {lo}, max {hi}")
 
 
 def check_cu_seqlens(name: str, cu, device: torch.device) -> None:
@@ -228,9 +246,13 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 
 
 def check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
-    """cu_seqlens start at 0, never decrease, end at the total and respect max_seqlen: eager only."""
+    """cu_seqlens start at 0, never decrease, end at the total and respect max_seqlen. Eagerly a device sync
+    and a ValueError; compiled, device-side asserts."""
     for name, cu, x, max_len in (("cu_seqlens_q", cu_seqlens_q, q, max_seqlen_q),
                                  ("cu_seqlens_k", cu_seqlens_k, k, max_seqlen_k)):
+        if torch.compiler.is_compiling():
+            _assert_cu_seqlens(name, cu, x.shape[0], max_len)
+            continue
         values = cu.tolist()
         if values[0] != 0:
             raise ValueError(f"{name} must start at 0, got {values[0]}")
@@ -243,6 +265,15 @@ def check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             )
         if max(lengths) > max_len:
             raise ValueError(f"max_seqlen_{name[-1]} ({max_len}) is smaller than the longest sequence ({max(lengths)})")
+
+
+def _assert_cu_seqlens(name: str, cu: torch.Tensor, total, max_len) -> None:
+    side = name[-1]
+    lengths = cu[1:] - cu[:-1]
+    assert_on_device(cu[0] == 0, f"{name} must start at 0")
+    assert_on_device((lengths >= 0).all(), f"{name} must be non-decreasing (monotone)")
+    assert_on_device(cu[-1] == total, f"{name}[-1] must equal the total tokens of {side} ({side}.shape[0])")
+    assert_on_device(lengths.max() <= max_len, f"max_seqlen_{side} must be >= the longest sequence in {name}")
 
 
 def check_block_sparse(q, k, v, sparse, scale) -> None:
