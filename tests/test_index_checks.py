@@ -128,7 +128,8 @@ def test_compiled_call_with_valid_indices_matches_eager(op, compiled):
     torch.testing.assert_close(compiled[op](*inputs), CALLS[op](*inputs))
 
 
-# Unchecked bad indices reach the kernels: only the reference, which reads through no index, runs them here.
+# Unchecked bad indices reach the kernels: only the reference runs them here (it slices with Python ints, which
+# clamp; Triton's interpreter would read out of bounds).
 @pytest.mark.parametrize("row", [ROWS["kv_seqlens_above_lk"], ROWS["cu_seqlens_q_short_of_total"]],
                          ids=["dense", "varlen"])
 def test_check_indices_false_skips_the_eager_check(row, reference_only):
