@@ -126,3 +126,29 @@ def trace_functional(fn, args):
     functional = torch.func.functionalize(fn, remove="mutations_and_views")
     with fake_mode_of(args):
         return make_fx(functional, select_decomp_table(), tracing_mode="real")(*args)
+
+
+def dynamo_unsupported() -> type[Exception]:
+    """Dynamo's ``Unsupported`` (torch/_dynamo/exc.py, 2.11 and 2.13), taking ``(msg, gb_type=...)``: the one
+    exception that Dynamo re-raises unchanged when code it runs while tracing raises it (``run_node`` and
+    ``get_fake_value`` in _dynamo/utils.py, ``break_graph_if_unsupported`` in symbolic_convert.py,
+    ``_compile`` in convert_frame.py). Imported on use: importing torch._dynamo costs ~1.4 s on the CPU."""
+    from torch._dynamo.exc import Unsupported
+
+    return Unsupported
+
+
+def dynamo_tracing() -> bool:
+    """Whether a torch.compile trace is running, also inside an op's fake impl, which Dynamo runs instead of
+    tracing: there ``torch.compiler.is_compiling()`` is True on 2.13 but False on 2.11 (it reads a flag that
+    only export sets), while Dynamo's TracingContext is set on both (torch/_guards.py, ``try_get``)."""
+    from torch._guards import TracingContext
+
+    return TracingContext.try_get() is not None
+
+
+def assert_async(cond, message: str) -> None:
+    """``torch._assert_async(cond, msg)``: traced by Dynamo (trace_rules), lowered by Inductor to a device
+    assert (``aten._assert_async.msg`` in torch/_inductor/lowering.py), kept by dead-code elimination
+    (torch/fx/node.py side-effectful functions); 2.11 and 2.13."""
+    torch._assert_async(cond, message)

@@ -6,6 +6,7 @@ import torch
 
 from .backends import AttnCall, Candidate, enumerate_candidates
 from .device import device_info
+from .layout import conform
 from .ops import BlockSparseMask, attention_op, block_sparse_attention_op, checks, varlen_attention_op
 
 
@@ -15,24 +16,20 @@ def _window(window, causal: bool) -> tuple[int, int]:
         return -1, -1
     if isinstance(window, int) and not isinstance(window, bool):
         if window < 0:
-            raise ValueError(f"window must be >= 0 (or None for unbounded), got {window}")
+            checks.fail(ValueError, f"window must be >= 0 (or None for unbounded), got {window}")
         return (window, 0) if causal else (window, window)
     if isinstance(window, (tuple, list)) and len(window) == 2:
         left, right = window
         checks.check_window(left, right)
         return left, right
-    raise TypeError(f"window must be None, an int or a (left, right) pair of ints, got {window!r}")
+    checks.fail(TypeError, f"window must be None, an int or a (left, right) pair of ints, got {window!r}")
 
 
 def _scale(scale, q) -> float:
+    """The checked ``scale`` (checks.check_scale) as a float; None -> head_dim ** -0.5."""
     if scale is None:
         return q.shape[-1] ** -0.5
-    checks.check_scale(scale)
     return scale if isinstance(scale, torch.SymFloat) else float(scale)
-
-
-def _eager() -> bool:
-    return not torch.compiler.is_compiling()
 
 
 @torch.compiler.disable
@@ -51,13 +48,15 @@ def _as_sparse(block_mask, q, k) -> BlockSparseMask:
     from torch.nn.attention.flex_attention import BlockMask
 
     if not isinstance(block_mask, (BlockMask, BlockSparseMask)):
-        raise TypeError(
+        checks.fail(
+            TypeError,
             f"block_mask must be a torch.nn.attention.flex_attention.BlockMask or an inductor_attn.BlockSparseMask, "
             f"got {type(block_mask).__name__}"
         )
     lengths = tuple(int(x) for x in block_mask.seq_lengths)
     if lengths != (q.shape[2], k.shape[2]):
-        raise ValueError(
+        checks.fail(
+            ValueError,
             f"block_mask was built for (Q_LEN, KV_LEN) = {lengths}, but q/k have lengths ({q.shape[2]}, {k.shape[2]})"
         )
     return _convert_block_mask(block_mask) if isinstance(block_mask, BlockMask) else block_mask
@@ -65,27 +64,28 @@ def _as_sparse(block_mask, q, k) -> BlockSparseMask:
 
 def make_call(q, k, v, *, causal: bool = False, scale: float | None = None, window=None,
               kv_seqlens: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
-              block_mask=None) -> AttnCall:
+              block_mask=None, check_indices: bool = True) -> AttnCall:
     """Check and normalise :func:`attention`'s arguments into the call that backends run."""
-    scale = _scale(scale, q)
     if block_mask is not None:
         if causal or window is not None or kv_seqlens is not None or key_mask is not None:
-            raise ValueError("block_mask already encodes the mask: leave causal, window, kv_seqlens and key_mask "
-                             "unset")
+            checks.fail(ValueError, "block_mask already encodes the mask: leave causal, window, kv_seqlens and "
+                                    "key_mask unset")
         checks.check_attention(q, k, v, scale, -1, -1, None)
+        scale = _scale(scale, q)
         sparse = _as_sparse(block_mask, q, k)
         checks.check_block_sparse(q, k, v, sparse, scale)
         return AttnCall("block_sparse", q, k, v, scale, sparse=sparse)
     left, right = _window(window, causal)
-    checks.check_attention(q, k, v, scale, left, right, kv_seqlens, key_mask)
-    if _eager():
+    checks.check_attention(q, k, v, scale, left, right, kv_seqlens, key_mask, allow_empty=True)
+    scale = _scale(scale, q)
+    if check_indices:
         checks.check_attention_values(k, kv_seqlens)
     return AttnCall("attention", q, k, v, scale, causal, left, right, kv_seqlens, key_mask=key_mask)
 
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, window=None,
               kv_seqlens: torch.Tensor | None = None, key_mask: torch.Tensor | None = None, block_mask=None,
-              return_lse: bool = False):
+              return_lse: bool = False, check_indices: bool = True):
     """Scaled dot-product attention on the fastest correct kernel for this shape.
 
     Args:
@@ -93,7 +93,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, wind
             of Hkv (GQA/MQA). fp16, bf16, fp32 (fp64 runs on the reference only). 8 <= D, Dv <= 256.
         causal: lower-right aligned when Lq != Lk: query i sees keys j <= i + Lk - Lq (FlashAttention's
             convention; with ``kv_seqlens`` the alignment uses each batch's own length).
-        scale: softmax scale, default ``D ** -0.5``.
+        scale: softmax scale, default ``D ** -0.5``: a float, int or NumPy real scalar.
         window: sliding window. ``w`` keeps keys within w positions before the (aligned) diagonal, and
             after it too unless causal; ``(left, right)`` sets both sides, -1 = unbounded.
         kv_seqlens: int32 (B,): only the first ``kv_seqlens[b]`` keys of batch b are valid (KV cache).
@@ -103,13 +103,32 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, wind
         block_mask: a flex_attention ``BlockMask`` (or ``BlockSparseMask``); it carries the whole mask,
             so causal/window/kv_seqlens/key_mask must be left unset.
         return_lse: also return the float32 log-sum-exp (B, Hq, Lq).
+        check_indices: check the values of ``kv_seqlens`` (in [0, Lk]): eagerly with a device sync and a
+            ValueError, in compiled code with a device-side assert. False skips both.
 
-    Fully masked query rows give zeros and lse = -inf.
+    Fully masked query rows give zeros and lse = -inf. Zero sizes (B, Hq, Lq or Lk of 0) run no kernel:
+    empty outputs, or with Lk = 0 zeros and lse = -inf.
     """
     call = make_call(q, k, v, causal=causal, scale=scale, window=window, kv_seqlens=kv_seqlens,
-                     key_mask=key_mask, block_mask=block_mask)
-    out, lse = _call_op(call)
+                     key_mask=key_mask, block_mask=block_mask, check_indices=check_indices)
+    out, lse = _zero_size_result(q, k, v) if _zero_size(q.shape[:3] + k.shape[2:3]) else _call_op(call)
     return (out, lse) if return_lse else out
+
+
+def _zero_size(sizes) -> bool:
+    return any(size == 0 for size in sizes)
+
+
+def _zero_size_result(q, k, v):
+    """(out, lse) of a call with a zero size: the output is empty, or with no keys every row is fully masked
+    (zeros, lse = -inf). The two matmuls contract over a zero-size dim or produce an empty tensor, so they
+    cost nothing and keep autograd connected to q, k and v (whose gradients are zeros)."""
+    b, hq, lq, _ = q.shape
+    hkv = k.shape[1]
+    groups = hq // hkv if hkv else 1
+    scores = q.reshape(b, hkv, groups, lq, q.shape[-1]) @ k.unsqueeze(2).transpose(-1, -2)
+    out = conform((scores @ v.unsqueeze(2)).reshape(b, hq, lq, v.shape[-1]), q)
+    return out, torch.full((b, hq, lq), float("-inf"), dtype=torch.float32, device=q.device)
 
 
 def _call_op(call: AttnCall, choice: str = ""):
@@ -146,7 +165,7 @@ def run_candidate(candidate: Candidate | str, q, k, v, *, return_lse: bool = Fal
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | None = None,
                      max_seqlen_k: int | None = None, *, causal: bool = False, scale: float | None = None,
-                     window=None, return_lse: bool = False):
+                     window=None, return_lse: bool = False, check_indices: bool = True):
     """Attention over packed variable-length sequences.
 
     Args:
@@ -156,18 +175,30 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
         max_seqlen_q, max_seqlen_k: longest sequence; computed from cu_seqlens (a device sync) if None.
         causal, scale, window: as in :func:`attention`, aligned per sequence (lower-right).
         return_lse: also return the float32 lse of shape (Hq, total_q).
+        check_indices: check cu_seqlens_q/k (start at 0, non-decreasing, end at the totals) and that
+            max_seqlen_q/k cover the longest sequence: eagerly with a device sync and a ValueError, in
+            compiled code with device-side asserts. False skips both.
+
+    total_q, Hq or total_k of 0 run no kernel: empty outputs, or with no keys zeros and lse = -inf.
     """
-    scale = _scale(scale, q)
     left, right = _window(window, causal)
+    checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right,
+                        allow_empty=True)
+    scale = _scale(scale, q)
     if max_seqlen_q is None or max_seqlen_k is None:
-        # validated before reading them: a 2-D or 1-element cu_seqlens would fail inside max()
-        checks.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
-        checks.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
         max_seqlen_q = max_seqlen_q or int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
         max_seqlen_k = max_seqlen_k or int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
-    checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right)
-    if _eager():
+    if check_indices:
         checks.check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    out, lse = varlen_attention_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-                                   left, right, "")
+    if _zero_size((q.shape[0], q.shape[1], k.shape[0])):
+        out, lse = _zero_size_result(_bhld(q), _bhld(k), _bhld(v))
+        out, lse = out[0].transpose(0, 1), lse[0]
+    else:
+        out, lse = varlen_attention_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                                       causal, left, right, "")
     return (out, lse) if return_lse else out
+
+
+def _bhld(x: torch.Tensor) -> torch.Tensor:
+    """Packed (total, H, D) as one (1, H, total, D) sequence."""
+    return x.transpose(0, 1).unsqueeze(0)

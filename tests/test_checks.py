@@ -1,10 +1,14 @@
 """Bad inputs raise TypeError/ValueError naming the argument, what is accepted and what was given: through the
-public API, through the ops themselves, and on fake tensors while tracing."""
+public API, through the ops themselves, and on fake tensors while tracing; under torch.compile that message is
+the first line of the error. Zero sizes are answered by the public functions (empty outputs, as SDPA gives)
+and refused by the ops. Index values are tested in tests/test_index_checks.py."""
 
 from __future__ import annotations
 
 import dataclasses
+import fractions
 
+import numpy as np
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -86,6 +90,22 @@ DENSE_CASES = {
                       r"window must be None, an int or a \(left, right\) pair of ints, got \(1, 2, 3\)"),
     "scale_nan": (lambda: attention(Q, K, V, scale=float("nan")), ValueError, r"scale must be finite, got nan"),
     "scale_str": (lambda: attention(Q, K, V, scale="0.1"), TypeError, r"scale must be a float, got str"),
+    "scale_bool": (lambda: attention(Q, K, V, scale=True), TypeError, r"scale must be a float, got bool"),
+    "scale_tensor": (lambda: attention(Q, K, V, scale=torch.tensor(0.5)), TypeError,
+                     r"scale must be a float, got a Tensor of shape \(\); pass float\(scale\)"),
+    "scale_lossy": (lambda: attention(Q, K, V, scale=fractions.Fraction(1, 3)), ValueError,
+                    r"scale must convert to float without loss, got Fraction\(1, 3\)"),
+    "q_list": (lambda: attention([[0.0]], K, V), TypeError,
+               r"q must be a torch.Tensor of shape \(batch, heads, seq_len, head_dim\), got list"),
+    "q_none": (lambda: attention(None, K, V), TypeError, r"q must be a torch.Tensor .*, got NoneType"),
+    "v_none": (lambda: attention(Q, K, None), TypeError, r"v must be a torch.Tensor .*, got NoneType"),
+    "head_dim_0": (lambda: attention(t(2, 4, 8, 0), t(2, 2, 8, 0), t(2, 2, 8, 0)), ValueError,
+                   r"q head_dim must be in \[8, 256\], got 0"),
+    "k_heads_0_with_q_heads": (lambda: attention(Q, t(2, 0, 8, 16), t(2, 0, 8, 16)), ValueError,
+                               r"q heads \(4\) must be a multiple of k/v heads \(0\)"),
+    "block_mask_batch_0": (lambda: attention(t(0, 4, 8, 16), t(0, 2, 8, 16), t(0, 2, 8, 16),
+                                             block_mask=causal_block_mask(8, 8)),
+                           ValueError, r"batch must be >= 1 for the inductor_attn ops, got 0"),
     "block_mask_other_lengths": (lambda: attention(Q, K, V, block_mask=causal_block_mask(16, 8)), ValueError,
                                  r"block_mask was built for \(Q_LEN, KV_LEN\) = \(16, 8\), but q/k have lengths "
                                  r"\(8, 8\)"),
@@ -123,6 +143,10 @@ QV, KV, VV = t(10, 4, 16), t(12, 2, 16), t(12, 2, 16)
 CU_Q, CU_K = i32(0, 4, 10), i32(0, 5, 12)
 
 VARLEN_CASES = {
+    "q_none": (lambda: varlen_attention(None, KV, VV, CU_Q, CU_K), TypeError,
+               r"q must be a torch.Tensor of shape \(total_tokens, heads, head_dim\), got NoneType"),
+    "k_list": (lambda: varlen_attention(QV, [0.0], VV, CU_Q, CU_K, 6, 7), TypeError,
+               r"k must be a torch.Tensor of shape \(total_tokens, heads, head_dim\), got list"),
     "q_rank": (lambda: varlen_attention(QV[None], KV, VV, CU_Q, CU_K), ValueError,
                r"q must have 3 dims \(total_tokens, heads, head_dim\), got shape \(1, 10, 4, 16\)"),
     "kv_total_mismatch": (lambda: varlen_attention(QV, KV, VV[:11], CU_Q, CU_K, 6, 7), ValueError,
@@ -184,6 +208,16 @@ Q64 = t(1, 2, 64, 16)
 OP_CASES = {
     "attention_rank": (lambda: OPS.attention(t(4, 8, 16), K, V, 0.25, False, -1, -1, None, None, ""), ValueError,
                        r"q must have 4 dims"),
+    "attention_batch_0": (lambda: OPS.attention(t(0, 4, 8, 16), t(0, 2, 8, 16), t(0, 2, 8, 16), 0.25, False, -1, -1,
+                                                None, None, ""),
+                          ValueError, r"batch must be >= 1 for the inductor_attn ops, got 0 \(inductor_attn.attention "
+                                      r"and varlen_attention return empty outputs for zero sizes\)"),
+    "attention_k_seq_len_0": (lambda: OPS.attention(Q, t(2, 2, 0, 16), t(2, 2, 0, 16), 0.25, False, -1, -1, None,
+                                                    None, ""),
+                              ValueError, r"k seq_len must be >= 1 for the inductor_attn ops, got 0"),
+    "varlen_heads_0": (lambda: OPS.varlen_attention(t(10, 0, 16), t(12, 0, 16), t(12, 0, 16), CU_Q, CU_K, 6, 7, 0.25,
+                                                    False, -1, -1, ""),
+                       ValueError, r"q heads must be >= 1 for the inductor_attn ops, got 0"),
     "attention_window": (lambda: OPS.attention(Q, K, V, 0.25, False, -7, -1, None, None, ""), ValueError,
                          r"window_left must be -1 \(unbounded\) or >= 0, got -7"),
     "varlen_cu_dtype": (lambda: OPS.varlen_attention(QV, KV, VV, CU_Q.long(), CU_K, 6, 7, 0.25, False, -1, -1, ""),
@@ -219,3 +253,76 @@ def test_checks_run_on_fake_tensors_while_tracing():
     with FakeTensorMode(), pytest.raises(ValueError, match=r"q heads \(6\) must be a multiple of k/v heads \(4\)"):
         OPS.attention(torch.empty(2, 6, 8, 16), torch.empty(2, 4, 8, 16), torch.empty(2, 4, 8, 16), 0.25, True,
                       -1, -1, None, None, "")
+
+
+@pytest.mark.parametrize("scale", [np.float32(0.5), np.float64(0.5), np.int64(1), 1, fractions.Fraction(1, 2)],
+                         ids=["np_float32", "np_float64", "np_int64", "int", "exact_fraction"])
+def test_scale_takes_real_scalars_that_convert_to_float_exactly(scale):
+    torch.testing.assert_close(attention(Q, K, V, scale=scale), attention(Q, K, V, scale=float(scale)), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------- zero sizes: answered, not refused
+# (q shape, k shape): batch 0, q heads 0 (with and without k/v heads), Lq 0 -> empty outputs; Lk 0 -> no keys
+ZERO_SIZES = {
+    "batch_0": ((0, 4, 8, 16), (0, 2, 8, 16)),
+    "heads_0": ((2, 0, 8, 16), (2, 0, 8, 16)),
+    "q_heads_0": ((2, 0, 8, 16), (2, 2, 8, 16)),
+    "q_seq_len_0": ((2, 4, 0, 16), (2, 2, 8, 16)),
+    "k_seq_len_0": ((2, 4, 8, 16), (2, 2, 0, 16)),
+}
+
+
+@pytest.mark.parametrize("q_shape, k_shape", ZERO_SIZES.values(), ids=ZERO_SIZES.keys())
+def test_zero_sizes_give_sdpa_shaped_outputs_with_no_keys_as_fully_masked_rows(q_shape, k_shape):
+    q, k, v = t(*q_shape).requires_grad_(), t(*k_shape).requires_grad_(), t(*k_shape[:3], 8).requires_grad_()
+    out, lse = attention(q, k, v, causal=True, return_lse=True)
+    assert out.shape == (*q_shape[:3], 8) and lse.shape == q_shape[:3] and lse.dtype == torch.float32
+    assert torch.equal(out, torch.zeros_like(out)) and bool((lse == float("-inf")).all())
+    out.sum().backward()
+    for x in (q, k, v):
+        assert torch.equal(x.grad, torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("q_total, heads, k_total", [(0, 4, 12), (10, 0, 12), (10, 4, 0)],
+                         ids=["q_total_0", "heads_0", "k_total_0"])
+def test_varlen_zero_sizes_give_empty_outputs_or_fully_masked_rows(q_total, heads, k_total):
+    cu_q, cu_k = i32(0, q_total // 2, q_total), i32(0, k_total // 2, k_total)
+    q, k, v = t(q_total, heads, 16), t(k_total, heads // 2, 16), t(k_total, heads // 2, 8)
+    out, lse = varlen_attention(q, k, v, cu_q, cu_k, 5, 6, return_lse=True)
+    assert out.shape == (q_total, heads, 8) and lse.shape == (heads, q_total)
+    assert torch.equal(out, torch.zeros_like(out)) and bool((lse == float("-inf")).all())
+
+
+# ------------------------------------------------------------------ what a compiled (traced) call reports
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_compiled_call_reports_our_message_first_as_a_value_error(fullgraph, fresh_dynamo):
+    fn = torch.compile(lambda q, k, v: attention(q, k, v), fullgraph=fullgraph)
+    with pytest.raises(ValueError) as info:
+        fn(t(2, 3, 8, 16), K, V)
+    assert str(info.value).splitlines()[0] == "q heads (3) must be a multiple of k/v heads (2) for GQA/MQA"
+
+
+def test_compiled_call_reports_our_type_error_first(fresh_dynamo):
+    fn = torch.compile(lambda q, k, v: attention(q, k, v, window=(1, 2, 3)), fullgraph=True)
+    with pytest.raises(TypeError, match=r"^window must be None, an int or a \(left, right\) pair of ints"):
+        fn(Q, K, V)
+
+
+def test_fake_impl_of_an_op_called_in_compiled_code_reports_our_message_first(fresh_dynamo):
+    fn = torch.compile(lambda q, k, v: OPS.attention(q, k, v, 0.25, False, -7, -1, None, None, ""), fullgraph=True)
+    with pytest.raises(ValueError, match=r"^window_left must be -1 \(unbounded\) or >= 0, got -7"):
+        fn(Q, K, V)
+
+
+def test_compiled_call_with_a_zero_size_matches_eager(fresh_dynamo):
+    fn = torch.compile(lambda q, k, v: attention(q, k, v, return_lse=True), fullgraph=True)
+    k, v = t(2, 2, 0, 16), t(2, 2, 0, 16)
+    for compiled, eager in zip(fn(Q, k, v), attention(Q, k, v, return_lse=True)):
+        torch.testing.assert_close(compiled, eager)

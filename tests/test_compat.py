@@ -3,6 +3,7 @@ torch upgrade, fix _compat.py (one place), not the callers."""
 
 import inspect
 
+import pytest
 import torch
 
 from inductor_attn import _compat
@@ -50,3 +51,32 @@ def test_flex_lse_scaling_probe_reads_the_installed_flex_source():
     (the device machine) it says the opposite, checked there by tests/test_flex.py's FLASH lse tests."""
     expected = _compat.TORCH_VERSION < (2, 13)
     assert _compat.flex_flash_lse_scaled_by_ln2() is expected
+
+
+def test_dynamo_unsupported_takes_a_message_and_a_graph_break_type():
+    error = _compat.dynamo_unsupported()("q heads must be ...", gb_type="inductor_attn: ValueError")
+    assert str(error) == "q heads must be ..." and isinstance(error, RuntimeError)
+
+
+def test_dynamo_tracing_is_true_inside_a_fake_impl_while_compiling_only():
+    seen = []
+
+    @torch.library.custom_op("inductor_attn_test::probe", mutates_args=())
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @probe.register_fake
+    def _(x):
+        seen.append(_compat.dynamo_tracing())
+        return torch.empty_like(x)
+
+    torch.compile(probe, fullgraph=True)(torch.ones(2))
+    assert seen and seen[0] and not _compat.dynamo_tracing()
+
+
+def test_assert_async_is_traced_and_raises_when_compiled_cpu_code_runs():
+    fn = torch.compile(lambda x: (_compat.assert_async((x > 0).all(), "x must be positive"), x + 1)[1],
+                       fullgraph=True)
+    assert fn(torch.ones(2)).tolist() == [2.0, 2.0]
+    with pytest.raises(RuntimeError, match="x must be positive"):
+        fn(-torch.ones(2))

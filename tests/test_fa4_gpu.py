@@ -1,6 +1,6 @@
 """flash-attn-4 through the fa4 backend on a GPU, against the reference backend (fp16 and bf16).
 
-Run on the device machine with FA4 on the path: ``source .devdeps/unpack.sh && pytest -m gpu tests/test_fa4_gpu.py``.
+Run on a CUDA machine with FA4 installed (``pip install ".[fa4]"``): ``pytest -m gpu tests/test_fa4_gpu.py``.
 Skipped when flash-attn-4 cannot be imported there (the reason is shown).
 """
 
@@ -25,7 +25,7 @@ FA4, REF = fa4.BACKEND, reference.BACKEND
 def dev():
     loaded = fa4._load()
     if isinstance(loaded, str):
-        pytest.skip(loaded)
+        pytest.skip(f'{loaded} (pip install ".[fa4]" on a CUDA machine)')
     return device_info("cuda")
 
 

@@ -1,18 +1,72 @@
 """Input checks shared by the public API, the op implementations and the fake (meta) implementations.
 
-Every message names the argument, what was given and what is accepted. Shape/dtype/device checks work
-on fake tensors too; checks that read tensor *values* (kv_seqlens, cu_seqlens) sync the device, so they
-run in the public API in eager mode only (``check_*_values``), never inside compiled code.
+Every message names the argument, what was given and what is accepted. Structural checks (types, shapes,
+dtypes, devices, sizes) work on fake tensors too: they run eagerly, in the ops, and while torch.compile
+traces (in the public API and in the ops' fake impls). Checks on index *values* (``check_*_values``)
+read the tensors: eagerly they sync the device and raise ValueError; in compiled code they become
+device-side asserts, which stop the compiled call at run time without a host sync. Their messages hold
+no sizes: a symbolic size formatted into a string would be specialised (one compilation per length).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import numbers
+from typing import NoReturn
 
 import torch
 
+from .. import _compat
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 8, 256
+LAYOUTS = {4: "(batch, heads, seq_len, head_dim)", 3: "(total_tokens, heads, head_dim)"}
+# Appended to device-side assert messages: the values cannot be printed from inside a kernel.
+_DEVICE_CHECK = "(checked on the device in compiled code; call eagerly to see the values)"
+
+
+def fail(error: type[Exception], message: str) -> NoReturn:
+    """Raise ``error(message)``; while torch.compile traces, raise it so that it reaches the user as is.
+
+    Dynamo reports an exception raised in code it traces as ``Unsupported: Observed exception``, with our
+    text further down (torch 2.13: ``raised exception ValueError('...')``; torch 2.11:
+    ``ValueError([ConstantVariable(str: '...')])``). An exception raised in code that Dynamo runs instead
+    of tracing (an ``assume_constant_result`` function, or a fake impl) passes through unchanged if it is
+    an ``Unsupported``: raised as a subclass of both that and ``error``, the first line the user reads is
+    our message, and ``except ValueError`` still catches it. With ``fullgraph=False`` Dynamo breaks the
+    graph there instead and runs the raise eagerly: the same exception.
+    """
+    # traced code sees is_compiling() True; a fake impl that Dynamo runs sees it True only on torch 2.13
+    if torch.compiler.is_compiling() or _compat.dynamo_tracing():
+        _raise_while_tracing(error, message)
+    raise error(message)
+
+
+@torch.compiler.assume_constant_result  # Dynamo calls it with its constant arguments instead of tracing it
+def _raise_while_tracing(error: type[Exception], message: str) -> NoReturn:
+    raise _traced_error(error)(message)
+
+
+@functools.cache
+def _traced_error(error: type[Exception]) -> type[Exception]:
+    """``Traced<error>``, a subclass of ``error`` and of Dynamo's Unsupported."""
+    unsupported = _compat.dynamo_unsupported()
+
+    class Traced(unsupported, error):
+        def __init__(self, message: str):
+            super().__init__(message, gb_type=f"inductor_attn: {error.__name__} in the arguments")
+
+    Traced.__name__ = Traced.__qualname__ = f"Traced{error.__name__}"
+    return Traced
+
+
+def assert_on_device(cond: torch.Tensor, message: str) -> None:
+    """Compiled code only: stop at run time unless the 0-dim bool ``cond`` holds, with no host sync. On the
+    CPU, Inductor's kernel raises RuntimeError(message); on CUDA it is a Triton device assert (the kernel
+    traps, the message is printed by the device, and the host sees a device-side assert error). Inductor
+    pastes the message into C++ and Python string literals: it must hold no quotes or backslashes."""
+    _compat.assert_async(cond, f"{message} {_DEVICE_CHECK}")
 
 
 def _dtype_names(dtypes) -> str:
@@ -21,54 +75,83 @@ def _dtype_names(dtypes) -> str:
 
 def check_tensor(name: str, x, ndim: int, layout: str) -> None:
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(x).__name__}")
+        fail(TypeError, f"{name} must be a torch.Tensor of shape {layout}, got {type(x).__name__}")
     if x.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dims {layout}, got shape {tuple(x.shape)}")
+        fail(ValueError, f"{name} must have {ndim} dims {layout}, got shape {tuple(x.shape)}")
 
 
 def check_same_dtype_device(tensors: dict[str, torch.Tensor]) -> None:
     (first, ref), *rest = tensors.items()
     if ref.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{first} has dtype {ref.dtype}; supported dtypes are {_dtype_names(SUPPORTED_DTYPES)}")
+        fail(TypeError, f"{first} has dtype {ref.dtype}; supported dtypes are {_dtype_names(SUPPORTED_DTYPES)}")
     for name, t in rest:
         if t.dtype != ref.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but {first} has {ref.dtype}; q, k and v must share one dtype")
+            fail(TypeError, f"{name} has dtype {t.dtype} but {first} has {ref.dtype}; q, k and v must share one dtype")
         if t.device != ref.device:
-            raise ValueError(f"{name} is on {t.device} but {first} is on {ref.device}; all inputs must be on one device")
+            fail(ValueError, f"{name} is on {t.device} but {first} is on {ref.device}; all inputs must be on one "
+                             f"device")
 
 
 def check_head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     d, dk, dv = q.shape[-1], k.shape[-1], v.shape[-1]
     if dk != d:
-        raise ValueError(f"k head_dim must equal q head_dim ({d}), got {dk}")
+        fail(ValueError, f"k head_dim must equal q head_dim ({d}), got {dk}")
     for name, size in (("q head_dim", d), ("v head_dim", dv)):
         if not MIN_HEAD_DIM <= size <= MAX_HEAD_DIM:
-            raise ValueError(f"{name} must be in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {size}")
+            fail(ValueError, f"{name} must be in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {size}")
+
+
+def check_qkv(q, k, v, ndim: int) -> None:
+    """q, k, v are tensors of the op's rank, one supported dtype and device, with head dims in range."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, x, ndim, LAYOUTS[ndim])
+    check_same_dtype_device({"q": q, "k": k, "v": v})
+    check_head_dims(q, k, v)
 
 
 def check_heads(heads_q, heads_kv, v_heads) -> None:
     if v_heads != heads_kv:
-        raise ValueError(f"v must have as many heads as k ({heads_kv}), got {v_heads}")
-    if heads_kv < 1 or heads_q % heads_kv != 0:
-        raise ValueError(
-            f"q heads ({heads_q}) must be a multiple of k/v heads ({heads_kv}) for GQA/MQA"
-        )
+        fail(ValueError, f"v must have as many heads as k ({heads_kv}), got {v_heads}")
+    # 0 q heads go with any k/v heads (an empty output); 0 k/v heads only with 0 q heads
+    if heads_q % max(heads_kv, 1) != 0 or (heads_kv == 0 and heads_q > 0):
+        fail(ValueError, f"q heads ({heads_q}) must be a multiple of k/v heads ({heads_kv}) for GQA/MQA")
+
+
+def check_not_empty(sizes: dict[str, int]) -> None:
+    """The ops run kernels and need every size >= 1; the public functions answer zero-size calls themselves."""
+    for name, size in sizes.items():
+        if size < 1:
+            fail(ValueError, f"{name} must be >= 1 for the inductor_attn ops, got {size} (inductor_attn.attention and "
+                             f"varlen_attention return empty outputs for zero sizes)")
 
 
 def check_window(window_left: int, window_right: int) -> None:
     for name, w in (("window_left", window_left), ("window_right", window_right)):
         if not isinstance(w, int) or isinstance(w, bool):
-            raise TypeError(f"{name} must be an int (-1 = unbounded), got {type(w).__name__}")
+            fail(TypeError, f"{name} must be an int (-1 = unbounded), got {type(w).__name__}")
         if w < -1:
-            raise ValueError(f"{name} must be -1 (unbounded) or >= 0, got {w}")
+            fail(ValueError, f"{name} must be -1 (unbounded) or >= 0, got {w}")
 
 
 def check_scale(scale) -> None:
-    if not isinstance(scale, (int, float, torch.SymFloat)) or isinstance(scale, bool):
-        raise TypeError(f"scale must be a float, got {type(scale).__name__}")
-    # under dynamic shapes the default scale is symbolic: its value is checked when it runs
-    if not torch.compiler.is_compiling() and isinstance(scale, (int, float)) and not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
+    """None (the default, head_dim ** -0.5) or a real number that converts to float without loss: Python
+    and NumPy floats and ints, as F.scaled_dot_product_attention takes them; never bool or a tensor."""
+    if scale is None or isinstance(scale, torch.SymFloat):
+        return  # under dynamic shapes the default scale is symbolic: its value is checked when it runs
+    if isinstance(scale, torch.Tensor):
+        fail(TypeError, f"scale must be a float, got a Tensor of shape {tuple(scale.shape)}; pass float(scale) "
+                        f"(a host sync for a device tensor)")
+    if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
+        # torch.compile traces a NumPy scalar as an array (F.scaled_dot_product_attention refuses it there too)
+        traced_numpy = torch.compiler.is_compiling() and type(scale).__module__ == "numpy"
+        accepted = "; in compiled code pass float(scale)" if traced_numpy else " (an int or NumPy scalar works too)"
+        fail(TypeError, f"scale must be a float, got {type(scale).__name__}{accepted}")
+    if torch.compiler.is_compiling():
+        return  # Dynamo may trace a float argument as a symbol: its value is not known here
+    if not math.isfinite(scale):
+        fail(ValueError, f"scale must be finite, got {scale}")
+    if float(scale) != scale:
+        fail(ValueError, f"scale must convert to float without loss, got {scale!r}")
 
 
 def check_index_tensor(name: str, x, shape: tuple, device: torch.device, layout: str,
@@ -77,28 +160,28 @@ def check_index_tensor(name: str, x, shape: tuple, device: torch.device, layout:
     kind = str(dtype).removeprefix("torch.")
     article = "an" if kind[0] in "aeiou" else "a"
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be {article} {kind} torch.Tensor {layout}, got {type(x).__name__}")
+        fail(TypeError, f"{name} must be {article} {kind} torch.Tensor {layout}, got {type(x).__name__}")
     if x.dtype != dtype:
-        raise TypeError(f"{name} must have dtype {kind}, got {x.dtype}")
+        fail(TypeError, f"{name} must have dtype {kind}, got {x.dtype}")
     if tuple(x.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)} {layout}, got {tuple(x.shape)}")
+        fail(ValueError, f"{name} must have shape {tuple(shape)} {layout}, got {tuple(x.shape)}")
     if x.device != device:
-        raise ValueError(f"{name} is on {x.device} but q is on {device}")
+        fail(ValueError, f"{name} is on {x.device} but q is on {device}")
 
 
-def check_attention(q, k, v, scale, window_left, window_right, kv_seqlens, key_mask=None) -> None:
-    layout = "(batch, heads, seq_len, head_dim)"
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, x, 4, layout)
-    check_same_dtype_device({"q": q, "k": k, "v": v})
+def check_attention(q, k, v, scale, window_left, window_right, kv_seqlens, key_mask=None, *,
+                    allow_empty: bool = False) -> None:
+    """Everything the ops need that does not read tensor values. ``allow_empty``: batch, heads and lengths
+    may be 0 (the public API answers those calls without a kernel)."""
+    check_qkv(q, k, v, 4)
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
-        raise ValueError(f"q, k, v must share the batch size, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
+        fail(ValueError, f"q, k, v must share the batch size, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
     if k.shape[2] != v.shape[2]:
-        raise ValueError(f"k and v must share seq_len, got {k.shape[2]} and {v.shape[2]}")
-    if q.shape[2] < 1 or k.shape[2] < 1:
-        raise ValueError(f"seq_len must be >= 1 for q and k, got {q.shape[2]} and {k.shape[2]}")
+        fail(ValueError, f"k and v must share seq_len, got {k.shape[2]} and {v.shape[2]}")
     check_heads(q.shape[1], k.shape[1], v.shape[1])
-    check_head_dims(q, k, v)
+    if not allow_empty:
+        check_not_empty({"batch": q.shape[0], "q heads": q.shape[1], "q seq_len": q.shape[2],
+                         "k seq_len": k.shape[2]})
     check_scale(scale)
     check_window(window_left, window_right)
     if kv_seqlens is not None:
@@ -109,55 +192,67 @@ def check_attention(q, k, v, scale, window_left, window_right, kv_seqlens, key_m
 
 
 def check_attention_values(k, kv_seqlens) -> None:
-    """kv_seqlens[b] in [0, Lk]: reads values, so eager only."""
-    if kv_seqlens is None or kv_seqlens.numel() == 0:
+    """kv_seqlens[b] in [0, Lk]. Eagerly a device sync and a ValueError; compiled, a device-side assert."""
+    if kv_seqlens is None:
+        return
+    lk = k.shape[2]
+    if torch.compiler.is_compiling():
+        assert_on_device(((kv_seqlens >= 0) & (kv_seqlens <= lk)).all(),
+                         "kv_seqlens values must be in [0, k.shape[2]] (the k seq_len)")
+        return
+    if kv_seqlens.numel() == 0:
         return
     lo, hi = int(kv_seqlens.min()), int(kv_seqlens.max())
-    if lo < 0 or hi > k.shape[2]:
-        raise ValueError(f"kv_seqlens values must be in [0, {k.shape[2]}] (the k seq_len), got min {lo}, max {hi}")
+    if lo < 0 or hi > lk:
+        raise ValueError(f"kv_seqlens values must be in [0, {lk}] (the k seq_len), got min {lo}, max {hi}")
 
 
 def check_cu_seqlens(name: str, cu, device: torch.device) -> None:
     if not isinstance(cu, torch.Tensor):
-        raise TypeError(f"{name} must be an int32 torch.Tensor of shape (num_seqs + 1,), got {type(cu).__name__}")
+        fail(TypeError, f"{name} must be an int32 torch.Tensor of shape (num_seqs + 1,), got {type(cu).__name__}")
     if cu.dtype != torch.int32:
-        raise TypeError(f"{name} must have dtype int32, got {cu.dtype}")
+        fail(TypeError, f"{name} must have dtype int32, got {cu.dtype}")
     if cu.dim() != 1 or cu.shape[0] < 2:
-        raise ValueError(f"{name} must have shape (num_seqs + 1,) with num_seqs >= 1, got {tuple(cu.shape)}")
+        fail(ValueError, f"{name} must have shape (num_seqs + 1,) with num_seqs >= 1, got {tuple(cu.shape)}")
     if cu.device != device:
-        raise ValueError(f"{name} is on {cu.device} but q is on {device}")
+        fail(ValueError, f"{name} is on {cu.device} but q is on {device}")
 
 
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
-                 window_right) -> None:
-    layout = "(total_tokens, heads, head_dim)"
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, x, 3, layout)
-    check_same_dtype_device({"q": q, "k": k, "v": v})
+                 window_right, *, allow_empty: bool = False) -> None:
+    """Everything the varlen op needs that does not read tensor values. The public API also passes None for
+    max_seqlen_q/k (computed from cu_seqlens after this check) and for scale (the default), and allows 0
+    heads (``allow_empty``); 0 tokens are allowed either way."""
+    check_qkv(q, k, v, 3)
     if k.shape[0] != v.shape[0]:
-        raise ValueError(f"k and v must share total_tokens, got {k.shape[0]} and {v.shape[0]}")
+        fail(ValueError, f"k and v must share total_tokens, got {k.shape[0]} and {v.shape[0]}")
     check_heads(q.shape[1], k.shape[1], v.shape[1])
-    check_head_dims(q, k, v)
+    if not allow_empty:
+        check_not_empty({"q heads": q.shape[1]})
     check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
     check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
-        raise ValueError(
-            f"cu_seqlens_q and cu_seqlens_k must have the same length (num_seqs + 1), "
-            f"got {cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}"
-        )
+        fail(ValueError, f"cu_seqlens_q and cu_seqlens_k must have the same length (num_seqs + 1), "
+                         f"got {cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if m is None:
+            continue
         if not isinstance(m, (int, torch.SymInt)) or isinstance(m, bool):
-            raise TypeError(f"{name} must be an int, got {type(m).__name__}")
+            fail(TypeError, f"{name} must be an int, got {type(m).__name__}")
         if m < 1:
-            raise ValueError(f"{name} must be >= 1, got {m}")
+            fail(ValueError, f"{name} must be >= 1, got {m}")
     check_scale(scale)
     check_window(window_left, window_right)
 
 
 def check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
-    """cu_seqlens start at 0, never decrease, end at the total and respect max_seqlen: eager only."""
+    """cu_seqlens start at 0, never decrease, end at the total and respect max_seqlen. Eagerly a device sync
+    and a ValueError; compiled, device-side asserts."""
     for name, cu, x, max_len in (("cu_seqlens_q", cu_seqlens_q, q, max_seqlen_q),
                                  ("cu_seqlens_k", cu_seqlens_k, k, max_seqlen_k)):
+        if torch.compiler.is_compiling():
+            _assert_cu_seqlens(name, cu, x.shape[0], max_len)
+            continue
         values = cu.tolist()
         if values[0] != 0:
             raise ValueError(f"{name} must start at 0, got {values[0]}")
@@ -172,24 +267,34 @@ def check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             raise ValueError(f"max_seqlen_{name[-1]} ({max_len}) is smaller than the longest sequence ({max(lengths)})")
 
 
+def _assert_cu_seqlens(name: str, cu: torch.Tensor, total, max_len) -> None:
+    side = name[-1]
+    lengths = cu[1:] - cu[:-1]
+    assert_on_device(cu[0] == 0, f"{name} must start at 0")
+    assert_on_device((lengths >= 0).all(), f"{name} must be non-decreasing (monotone)")
+    assert_on_device(cu[-1] == total, f"{name}[-1] must equal the total tokens of {side} ({side}.shape[0])")
+    assert_on_device(lengths.max() <= max_len, f"max_seqlen_{side} must be >= the longest sequence in {name}")
+
+
 def check_block_sparse(q, k, v, sparse, scale) -> None:
     """Shapes of the block-mask tensors against q/k: a mask built for other lengths is refused."""
     check_attention(q, k, v, scale, -1, -1, None)
     bq, bk = sparse.block_q, sparse.block_kv
     for name, size in (("block_q", bq), ("block_kv", bk)):
         if not isinstance(size, int) or size < 1:
-            raise ValueError(f"{name} must be a positive int, got {size!r}")
+            fail(ValueError, f"{name} must be a positive int, got {size!r}")
     if bk % 32 != 0:
-        raise ValueError(f"block_kv must be a multiple of 32 (bitmaps pack 32 keys per word), got {bk}")
+        fail(ValueError, f"block_kv must be a multiple of 32 (bitmaps pack 32 keys per word), got {bk}")
     batch, heads = q.shape[0], q.shape[1]
     n_q = -(-q.shape[2] // bq)
     cnt = sparse.kv_num_blocks
     if not isinstance(cnt, torch.Tensor) or cnt.dim() != 3:
-        raise ValueError(f"kv_num_blocks must be an int32 tensor [batch or 1, heads or 1, q_blocks], got "
+        fail(ValueError, f"kv_num_blocks must be an int32 tensor [batch or 1, heads or 1, q_blocks], got "
                          f"{tuple(cnt.shape) if isinstance(cnt, torch.Tensor) else type(cnt).__name__}")
     b, h, m = cnt.shape
     if b not in (1, batch) or h not in (1, heads) or m != n_q:
-        raise ValueError(
+        fail(
+            ValueError,
             f"block mask was built for other lengths or sizes: kv_num_blocks has shape {(b, h, m)}, expected "
             f"({batch} or 1, {heads} or 1, {n_q}) for Lq={q.shape[2]}, block_q={bq}"
         )
@@ -199,7 +304,7 @@ def check_block_sparse(q, k, v, sparse, scale) -> None:
     check_index_tensor("partial_bits", sparse.partial_bits, (b, h, m, n_partial, bq, bk // 32), q.device,
                        "[B, H, q_blocks, n, block_q, block_kv // 32]")
     if (sparse.full_kv_num_blocks is None) != (sparse.full_kv_indices is None):
-        raise ValueError("full_kv_num_blocks and full_kv_indices must be given together or both be None")
+        fail(ValueError, "full_kv_num_blocks and full_kv_indices must be given together or both be None")
     if sparse.full_kv_num_blocks is not None:
         n_full = sparse.full_kv_indices.shape[-1]
         check_index_tensor("full_kv_num_blocks", sparse.full_kv_num_blocks, (b, h, m), q.device, "[B, H, q_blocks]")
