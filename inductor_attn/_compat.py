@@ -152,3 +152,11 @@ def assert_async(cond, message: str) -> None:
     assert (``aten._assert_async.msg`` in torch/_inductor/lowering.py), kept by dead-code elimination
     (torch/fx/node.py side-effectful functions); 2.11 and 2.13."""
     torch._assert_async(cond, message)
+
+
+def mark_constant_result(fn):
+    """What ``torch.compiler.assume_constant_result`` does (Dynamo calls ``fn`` instead of tracing it), without
+    importing Dynamo, which that function does first (~1 s on a CPU): it sets ``fn._dynamo_marked_constant``
+    (torch/_dynamo/decorators.py, 2.11 and 2.13; tests/test_compat.py checks the attribute)."""
+    fn._dynamo_marked_constant = True
+    return fn

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .problem import Problem
 from .store.db import DecisionStore, get_store
-from .store.keys import library_versions, stale_reason
+from .store.keys import library_versions, stale_reason, versions_like
 from .store.layers import LayeredStore
 from .store.schema import StoreError
 
@@ -54,9 +54,8 @@ def _stale_check():
     source of each registered backend? A stale row's key is never looked up again."""
     from .backends import backends
 
-    current = library_versions()
     sources = {b.name: b.source_hash() for b in backends()}
-    return lambda row: stale_reason(row["versions"], current, sources)
+    return lambda row: stale_reason(row["versions"], versions_like(row["versions"]), sources)
 
 
 def list_decisions(store: DecisionStore | LayeredStore | None = None) -> list[dict]:
@@ -112,9 +111,10 @@ def explain(key_prefix: str, store: DecisionStore | LayeredStore | None = None) 
         f"  versions:         " + ", ".join(f"{k} {v}" for k, v in row["versions"].items() if k != "sources"),
         f"  winner:           {row['winner']}  (default {rec['default']})",
         f"  why:              {rec['why']}",
+        f"  compiled code:    {rec.get('compiled_winner') or row['winner']}  ({rec.get('compiled_why') or 'the winner'})",
         "",
         f"  {'candidate':44s} {'status':8s} {'median ms':>10s} {'speedup':>8s} {'95% CI':>15s} "
-        f"{'rel.err':>8s} {'1st call s':>10s}  reason",
+        f"{'rel.err':>8s} {'1st call s':>10s} {'host ms':>8s}  reason",
     ]
     for c in rec["candidates"]:
         mark = "*" if c["name"] == row["winner"] else " "
@@ -122,7 +122,8 @@ def explain(key_prefix: str, store: DecisionStore | LayeredStore | None = None) 
         lines.append(
             f"{mark} {c['name'][:44]:44s} {c['status']:8s} {_fmt(c.get('median_ms'), '.4f'):>10s} "
             f"{_fmt(c.get('speedup'), '.3f'):>8s} {ci:>15s} {_fmt(c.get('error'), '.1e'):>8s} "
-            f"{_fmt(c.get('compile_s'), '.2f'):>10s}  {c.get('reason') or c.get('note') or ''}"
+            f"{_fmt(c.get('compile_s'), '.2f'):>10s} {_fmt(c.get('host_ms'), '.4f'):>8s}  "
+            f"{c.get('reason') or c.get('note') or ''}"
         )
     return "\n".join(lines)
 
@@ -187,10 +188,11 @@ def _health_lines(report, stale) -> list[str]:
     lines += [f"  damage: {what}" for what in report.damage]
     lines.append(f"  {len(report.rows)} decisions, {len(report.bad)} unreadable")
     lines += [f"    unreadable {what}" for what in report.bad[:10]]
-    current = _library_label(library_versions())
     per_version = collections.Counter(_library_label(row["versions"]) for row in report.rows)
+    current = {label for row in report.rows
+               if (label := _library_label(row["versions"])) == _library_label(versions_like(row["versions"]))}
     for label, n in per_version.most_common():
-        lines.append(f"    {n:5d}  {label}{'  (current)' if label == current else ''}")
+        lines.append(f"    {n:5d}  {label}{'  (current)' if label in current else ''}")
     n_stale = sum(1 for row in report.rows if stale(row))
     if n_stale:
         lines.append(f"  {n_stale} stale (versions or backend sources changed): `cache prune` deletes them")

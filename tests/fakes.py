@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import random
+import time
 
 from inductor_attn.backends import REFERENCE, Backend, Config, Plan
 from inductor_attn.backends.reference import run_backward, run_forward
@@ -21,7 +22,7 @@ class FakeBackend(Backend):
     has_backward = True
 
     def __init__(self, name: str, times: dict[str, tuple[float, float]], wrong=(), fail=(), prune=None,
-                 supports_reason=None, heuristic=None, traceable=False):
+                 supports_reason=None, heuristic=None, traceable=False, host_s=0.0):
         self.name = name
         self.times = times
         self.wrong, self.fail = set(wrong), set(fail)
@@ -29,6 +30,7 @@ class FakeBackend(Backend):
         self.supports_reason = supports_reason
         self.rule = heuristic
         self.traceable = traceable
+        self.host_s = host_s  # CPU time each eager launch spends (a Python launcher's)
         self.calls = 0
         self.knobs = {k: (int, str, bool) for c in times for k, _ in Config.parse(c).params}
 
@@ -50,6 +52,8 @@ class FakeBackend(Backend):
 
     def _forward(self, cfg, call):
         self.calls += 1
+        if self.host_s:
+            time.sleep(self.host_s)
         FakeTimer.last = (self.name, cfg)
         if cfg in self.fail:
             raise RuntimeError("CUDA error: launch failed (simulated)")

@@ -80,3 +80,14 @@ def test_assert_async_is_traced_and_raises_when_compiled_cpu_code_runs():
     assert fn(torch.ones(2)).tolist() == [2.0, 2.0]
     with pytest.raises(RuntimeError, match="x must be positive"):
         fn(-torch.ones(2))
+
+
+def test_mark_constant_result_sets_what_assume_constant_result_sets():
+    def f():
+        return 1
+
+    def g():
+        return 1
+
+    marked = torch.compiler.assume_constant_result(f)
+    assert set(vars(marked)) == set(vars(_compat.mark_constant_result(g))) == {"_dynamo_marked_constant"}

@@ -106,7 +106,7 @@ def _decide(call: AttnCall, direction: str) -> str:
     from ..tuning import decide
 
     with unset_fake_mode():
-        return decide(call, device_info(call.q.device), direction)
+        return decide(call, device_info(call.q.device), direction, compiled=True)
 
 
 def _warm(plan, call: AttnCall, direction: str) -> None:

@@ -43,7 +43,7 @@ def fail(error: type[Exception], message: str) -> NoReturn:
     raise error(message)
 
 
-@torch.compiler.assume_constant_result  # Dynamo calls it with its constant arguments instead of tracing it
+@_compat.mark_constant_result  # Dynamo calls it with its constant arguments instead of tracing it
 def _raise_while_tracing(error: type[Exception], message: str) -> NoReturn:
     raise _traced_error(error)(message)
 

@@ -35,6 +35,12 @@ def library_versions() -> dict[str, str]:
     return _versions(tuple(sorted({d for b in backends() for d in b.requires})))
 
 
+def versions_like(recorded: dict) -> dict[str, str]:
+    """This process's versions of what a row recorded: torch, this package and the row's distributions
+    (the backends registered when it was tuned, which need not be the ones registered now)."""
+    return _versions(tuple(sorted(k for k in recorded if k not in ("torch", "inductor_attn", "sources"))))
+
+
 @functools.cache
 def _versions(dists: tuple[str, ...]) -> dict[str, str]:
     import torch

@@ -17,7 +17,7 @@ from .keys import key_of
 FORMAT_VERSION = 1
 COLUMNS = ("key", "op", "problem", "device", "versions", "winner", "record", "created")
 RECORD_STRINGS = ("problem", "winner", "default", "why", "timer")
-CANDIDATE_NUMBERS = ("error", "compile_s", "median_ms", "speedup", "ci_low", "ci_high")
+CANDIDATE_NUMBERS = ("error", "compile_s", "median_ms", "speedup", "ci_low", "ci_high", "host_ms")
 
 
 class RowError(ValueError):

@@ -79,8 +79,15 @@ def _variant(direction: str) -> str:
     return direction
 
 
-def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str) -> tuple[str, dict | None]:
-    """The choice for ``call``, and the store row behind it when a tune backs it (else None)."""
+def _winner(row: dict, compiled: bool) -> str:
+    """The row's winner, or for compiled code the record's ``compiled_winner`` (tuner.py, step 4)."""
+    return (compiled and row["record"].get("compiled_winner")) or row["winner"]
+
+
+def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str,
+                    compiled: bool = False) -> tuple[str, dict | None]:
+    """The choice for ``call``, and the store row behind it when a tune backs it (else None). ``compiled``:
+    the choice for compiled code, which pays a plan's Python launch when it cannot be traced."""
     p = call.problem
     cands = enumerate_candidates(p, dev, direction)
     mode = current_mode(p.device_type)
@@ -96,11 +103,11 @@ def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str) -> tuple[st
 
     def stored() -> dict | None:
         row = store.get(fields["key"])
-        return row if row is not None and row["winner"] in runnable else None
+        return row if row is not None and _winner(row, compiled) in runnable else None
 
     row = stored()
     if row is not None:
-        return row["winner"], row
+        return _winner(row, compiled), row
     if mode == "cache-only" or _capturing(call):  # never measure inside a CUDA-graph capture
         return default_choice(cands), None
 
@@ -112,18 +119,19 @@ def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str) -> tuple[st
         return row
 
     row = tune_once(store, fields["key"], call.q.device, lookup=stored, tune=measure)
-    return row["winner"], row
+    return _winner(row, compiled), row
 
 
-def decide(call: AttnCall, dev: DeviceInfo, direction: str) -> str:
-    """The candidate (``backend:config``) that runs ``call``; see the module doc."""
-    key = (_variant(direction), call.problem.bucket(), dev.key(), current_mode(call.problem.device_type))
+def decide(call: AttnCall, dev: DeviceInfo, direction: str, compiled: bool = False) -> str:
+    """The candidate (``backend:config``) that runs ``call``; see the module doc. ``compiled=True`` asks for
+    the choice compiled code makes while compiling (lowering/)."""
+    key = (_variant(direction), call.problem.bucket(), dev.key(), current_mode(call.problem.device_type), compiled)
     choice = _MEMO.get(key)
     if choice is not None:
         return choice
     with _LOCK:
         if key not in _MEMO:
-            choice, row = _adopted(call, dev, direction, key) or decide_uncached(call, dev, direction)
+            choice, row = _adopted(call, dev, direction, key) or decide_uncached(call, dev, direction, compiled)
             if row is not None:
                 _ROWS[key] = row
             _MEMO[key] = choice

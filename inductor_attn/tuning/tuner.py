@@ -11,6 +11,11 @@ For one problem and its candidates (in prior order):
    only if the paired-bootstrap 95% CI of its speedup over the default lies above 1. Among those, the
    fastest wins, and candidates within ``TIE_MARGIN`` of the fastest median go by prior order, so two
    tunes of the same problem agree.
+4. Compiled code: the same winner, unless its plan cannot be traced into the graph (it then runs its
+   Python launch through the thin op, see lowering/) and a traced candidate is no slower than the
+   winner's device time plus that host time. Each candidate's host time is measured as the CPU time of
+   its eager launch (``host_ms``). A kernel win that the host eats is no win: in compiled code the
+   extra host time adds to every call whenever the host, not the GPU, sets the pace.
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ class CandidateResult:
     ci_high: float | None = None
     samples: list[float] = field(default_factory=list)
     note: str = ""
+    host_ms: float | None = None  # CPU time of one eager launch of its plan (best of several bursts)
+    traced: bool | None = None  # compiled code launches its kernels itself (else through the launch op)
 
 
 @dataclass
@@ -70,6 +77,8 @@ class TuneResult:
     timer: str
     candidates: list[CandidateResult]
     tuned_at: float = field(default_factory=time.time)
+    compiled_winner: str | None = None  # what compiled code runs (step 4 of the module doc); None: winner
+    compiled_why: str = ""
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -208,7 +217,9 @@ def tune(call: AttnCall, candidates: list[Candidate], *, direction: str = "forwa
                           "the only candidate that ran and matched the reference", timer.name, results)
     _time(passing, call, mode, timer, rounds, tick)
     winner, why = _choose(passing)
-    return TuneResult(call.problem, direction, winner.name, default.name, why, timer.name, results)
+    compiled, compiled_why = _choose_compiled(passing, winner)
+    return TuneResult(call.problem, direction, winner.name, default.name, why, timer.name, results,
+                      compiled_winner=compiled.name, compiled_why=compiled_why)
 
 
 def _time(passing, call: AttnCall, mode: _Direction, timer, rounds: int, tick) -> None:
@@ -224,10 +235,46 @@ def _time(passing, call: AttnCall, mode: _Direction, timer, rounds: int, tick) -
         for runner, res in runners:
             res.samples.append(runner.sample())
         tick()
+    runners.clear()  # drops the graphs and their memory pools
+    for cand, res in passing:
+        plan = mode.plan(call, cand.name)
+        res.traced = plan.traced is not None
+        if not res.traced:
+            res.host_ms = _host_ms(lambda p=plan: mode.run(p, copies[0]), call.q.device)
     base = passing[0][1]
     for _, res in passing:
         res.median_ms = median(res.samples)
         res.speedup, res.ci_low, res.ci_high = paired_bootstrap_speedup(base.samples, res.samples)
+
+
+def _host_ms(launch, device: torch.device, bursts: int = 3, calls: int = 5) -> float:
+    """CPU time of one launch: bursts short enough for the launch queue, so the CPU never waits."""
+    best = float("inf")
+    for _ in range(bursts):
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            launch()
+        best = min(best, (time.perf_counter() - start) / calls)
+        _sync(device)
+    return best * 1e3
+
+
+def _choose_compiled(passing, winner: CandidateResult) -> tuple[CandidateResult, str]:
+    """Step 4 of the module doc: the winner, or the fastest traced candidate where the winner's host time
+    in compiled code would eat its device-time lead."""
+    if winner.traced is not False:
+        return winner, "the winner is launched by compiled code itself"
+    traced = [r for _, r in passing if r.traced]
+    if not traced:
+        return winner, "no candidate can be traced into compiled code"
+    best = min(traced, key=lambda r: r.median_ms)
+    cost = winner.median_ms + winner.host_ms
+    if best.median_ms <= cost:
+        return best, (f"{best.name} ({best.median_ms:.4f} ms, launched by compiled code) is no slower than "
+                      f"{winner.name}'s {winner.median_ms:.4f} ms + {winner.host_ms:.4f} ms of host time per launch")
+    return winner, (f"its lead over the fastest traced candidate {best.name} ({best.median_ms:.4f} ms) exceeds "
+                    f"its {winner.host_ms:.4f} ms of host time per launch")
 
 
 def _choose(passing) -> tuple[CandidateResult, str]:
