@@ -15,7 +15,8 @@ from .ops import BlockSparseMask
 _LAZY = {
     "attention": "api", "varlen_attention": "api", "candidates": "api", "run_candidate": "api",
     "Candidate": "backends", "Config": "backends", "register_backend": "backends",
-    "disable": "enable", "enable": "enable", "enabled": "enable", "is_enabled": "enable",
+    "disable": "routing.enable", "enable": "routing.enable", "enabled": "routing.enable",
+    "is_enabled": "routing.enable",
     "routing_report": "routing.rewrite", "reset_routing_report": "routing.rewrite",
     "stats": "runtime", "reset_stats": "runtime",
     "MODES": "tuning.modes", "set_mode": "tuning.modes", "tuning_mode": "tuning.modes",

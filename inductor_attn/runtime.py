@@ -21,12 +21,12 @@ _STATS: collections.Counter = collections.Counter()  # op calls that ran through
 _IN_GRAPHS: collections.Counter = collections.Counter()  # kernels put into compiled graphs, per graph
 
 
-def _resolve(call: AttnCall, choice: str, direction: str) -> tuple[str, DeviceInfo]:
+def _resolve(call: AttnCall, choice: str, direction: str, grad_lse: bool = False) -> tuple[str, DeviceInfo]:
     dev = device_info(call.q.device)
     if not choice or choice == COMPILED:
         from .tuning import decide  # lazy: tuning pulls in the store and timers
 
-        choice = decide(call, dev, direction)
+        choice = decide(call, dev, direction, grad_lse=grad_lse)
     _STATS[(call.op, direction, choice)] += 1
     return choice, dev
 
@@ -47,7 +47,7 @@ def forward(call: AttnCall, choice: str):
 
 
 def backward(call: AttnCall, choice: str, out, lse, grad_out, grad_lse):
-    choice, dev = _resolve(call, choice, "backward")
+    choice, dev = _resolve(call, choice, "backward", grad_lse is not None)
     return plan_for(call.problem, choice, dev, "backward").launch(call, out, lse, grad_out, grad_lse)
 
 

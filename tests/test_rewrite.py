@@ -1,4 +1,4 @@
-"""The SDPA rewrite (routing/rewrite.py, mask_proof.py) and its installation (enable.py).
+"""The SDPA rewrite (routing/rewrite.py, mask_proof.py) and its installation (routing/enable.py).
 
 Most tests capture a Dynamo graph with a recording backend, run the rewrite on it and execute the graph
 eagerly (no Inductor, ~1 s each): the rewritten graph must compute what SDPA computed. A few compile

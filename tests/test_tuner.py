@@ -153,9 +153,9 @@ def test_errors_a_backend_declares_count_as_failed_candidates_even_in_strict_mod
     assert not is_candidate_error(OutOfResources("shared memory"), FakeBackend("other", {"default": (1.0, 0.01)}))
 
 
-@pytest.mark.parametrize("host_s, compiled", [(0.02, "a:default"), (0.0, "b:default")])
+@pytest.mark.parametrize("host_s, compiled", [(0.2, "a:default"), (0.0, "b:default")])
 def test_compiled_code_takes_a_traced_candidate_when_the_winners_host_time_eats_its_lead(host_s, compiled):
-    a = FakeBackend("a", {"default": (10.0, 0.01)}, traceable=True)
+    a = FakeBackend("a", {"default": (100.0, 0.01)}, traceable=True)
     b = FakeBackend("b", {"default": (5.0, 0.01)}, host_s=host_s)  # faster kernel, launched from Python
     result = _tune(a, b)
     assert result.winner == "b:default" and result.compiled_winner == compiled

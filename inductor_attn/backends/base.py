@@ -5,7 +5,8 @@ A backend turns a problem into candidates, and a chosen candidate into a :class:
 - ``name``; ``requires``: distributions whose versions enter decision keys; ``sources``: files whose
   bytes are hashed into decision keys (editing a kernel invalidates its old timings, like Inductor's
   ``ExternKernelChoice.hash_key``); ``knobs``: the config keys it reads and their types;
-  ``takes_key_mask``: whether its plans apply ``AttnCall.key_mask``.
+  ``takes_key_mask``: whether its plans apply ``AttnCall.key_mask``; ``takes_grad_lse``: whether its
+  backward takes a gradient of the lse (a loss that uses the lse, not only the output).
 - ``supports(p, dev, direction) -> None | reason``: whether it can run this problem here at all.
 - ``configs(p, dev, direction) -> [Candidate]``: its knob settings, pruned ones with their reason.
 - ``heuristic(p, dev) -> Config | None``: today's hand rule, if the backend has one.
@@ -167,6 +168,7 @@ class Backend:
     sources: tuple[Path, ...] = ()
     knobs: dict[str, type | tuple] = {}
     takes_key_mask: bool = False
+    takes_grad_lse: bool = True
     has_backward: bool = False
 
     def supports(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> str | None:

@@ -73,13 +73,17 @@ def backends() -> list[Backend]:
     return list(_REGISTRY.values())
 
 
-def enumerate_candidates(p: Problem, dev: DeviceInfo, direction: str = "forward") -> list[Candidate]:
-    """Every (backend, config) for ``p`` in prior order, each with its pruned reason or None."""
+def enumerate_candidates(p: Problem, dev: DeviceInfo, direction: str = "forward",
+                         grad_lse: bool = False) -> list[Candidate]:
+    """Every (backend, config) for ``p`` in prior order, each with its pruned reason or None. ``grad_lse``:
+    a backward whose loss uses the lse too."""
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
     out: list[Candidate] = []
     for backend in _REGISTRY.values():
         reason = _unsupported(backend, p, dev, direction)
+        if reason is None and grad_lse and not backend.takes_grad_lse:
+            reason = f"{backend.name}'s backward takes no gradient of the lse (the loss uses the lse here)"
         if reason is not None:
             out.append(Candidate(backend.name, None, reason))
             continue

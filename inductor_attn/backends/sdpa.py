@@ -81,10 +81,42 @@ def _launch(kernel: str, needs_bias: bool, call: AttnCall):
     return conform(out, q), lse.reshape(b, h, -1)[..., :lq].float().contiguous()
 
 
+def _launch_backward(kernel: str, needs_bias: bool, call: AttnCall, out, lse, grad_out, grad_lse):
+    """dq, dk, dv from SDPA's backward kernels, fed with whichever forward made ``out`` and ``lse`` (any
+    backend's: our lse contract is the natural-log float32 (B, H, Lq) these kernels take). Placeholders
+    are None, which the op call passes as undefined tensors (no dropout: no RNG state; dense: no
+    cumulative lengths). A gradient of the lse is not something these kernels take (``takes_grad_lse``)."""
+    q, k, v = call.q, call.k, call.v
+    bias = _bias(call) if needs_bias else None
+    is_causal = call.causal and bias is None
+    lq, lk = q.shape[2], k.shape[2]
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    aten = torch.ops.aten
+    group = q.shape[1] // k.shape[1]
+    if kernel == "flash":
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+            grad_out, q, k, v, out, lse, None, None, lq, lk, 0.0, is_causal, None, None, scale=call.scale)
+    elif kernel == "cudnn":
+        dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
+            grad_out, q, k, v, out, lse.unsqueeze(-1), None, None, bias, None, None, lq, lk, 0.0, is_causal,
+            scale=call.scale)
+    else:
+        kr, vr = (k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)) if group > 1 else (k, v)
+        dq, dk, dv = aten._scaled_dot_product_efficient_attention_backward(
+            grad_out, q, kr, vr, bias, out, lse, None, None, 0.0, [True, True, True, False], is_causal,
+            scale=call.scale)[:3]
+        if group > 1:  # gradients of the repeated heads, summed back onto each kv head
+            dk, dv = (g.unflatten(1, (k.shape[1], group)).sum(2) for g in (dk, dv))
+    return conform(dq, q), conform(dk, k), conform(dv, v)
+
+
 class SdpaBackend(Backend):
     name = "sdpa"
     knobs = {"kernel": KERNELS}
     takes_key_mask = True
+    takes_grad_lse = False
+    has_backward = True
 
     def supports(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> str | None:
         if p.device_type != "cuda":
@@ -101,14 +133,17 @@ class SdpaBackend(Backend):
     def configs(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> list[Candidate]:
         first = sdpa_default_kernel(p)
         cfgs = [Config.of(kernel=k) for k in (first, *(k for k in KERNELS if k != first))]
-        return [self.candidate(c, _pruned(p, c["kernel"])) for c in cfgs]
+        return [self.candidate(c, _pruned(p, c["kernel"], direction)) for c in cfgs]
 
     def plan(self, p: Problem, dev: DeviceInfo, cfg: Config, direction: str) -> Plan:
-        launch = functools.partial(_launch, cfg["kernel"], _needs_bias(p))
+        fn = _launch if direction == "forward" else _launch_backward
+        launch = functools.partial(fn, cfg["kernel"], _needs_bias(p))
         return Plan(launch, traced=launch)  # aten ops and the bias's torch ops: the graph can hold them
 
 
-def _pruned(p: Problem, kernel: str) -> str | None:
+def _pruned(p: Problem, kernel: str, direction: str = "forward") -> str | None:
+    if direction == "backward" and torch.are_deterministic_algorithms_enabled():
+        return f"SDPA {kernel} backward is not a deterministic algorithm in torch (atomic adds)"
     if kernel in ("flash", "cudnn") and p.dtype == "float32":
         return f"SDPA {kernel} needs fp16/bf16"
     if kernel == "flash" and _needs_bias(p):

@@ -30,8 +30,12 @@ def build_llama(layers: int, hidden: int, heads: int, kv_heads: int, intermediat
 
 
 def _compiled(model, backend: str, mode: str):
+    from ..routing.enable import compile_backend
+
     torch._dynamo.reset()
-    return torch.compile(model, backend=backend, fullgraph=True, mode=None if mode == "default" else mode)
+    # the function, not the "inductor_attn" name: the name needs the package installed (its entry point)
+    fn = compile_backend if backend == "inductor_attn" else backend
+    return torch.compile(model, backend=fn, fullgraph=True, mode=None if mode == "default" else mode)
 
 
 def llama_overhead() -> dict:

@@ -46,7 +46,7 @@ def emit_plans(graph: torch.fx.Graph) -> None:
                 _set_choice(node, COMPILED)
             continue
         call = _concrete_call(vals)
-        choice = args["choice"] or _decide(call, direction)
+        choice = args["choice"] or _decide(call, direction, args.get("grad_lse") is not None)
         plan = plan_for(call.problem, choice, device_info(call.q.device), direction)
         names = _BACKWARD_TENSORS if direction == "backward" else _FORWARD_TENSORS
         if plan.traced is not None:
@@ -102,11 +102,11 @@ def _concrete_call(vals: dict) -> AttnCall:
                         like(vals["kv_seqlens"]), key_mask=like(vals["key_mask"]))
 
 
-def _decide(call: AttnCall, direction: str) -> str:
+def _decide(call: AttnCall, direction: str, grad_lse: bool) -> str:
     from ..tuning import decide
 
     with unset_fake_mode():
-        return decide(call, device_info(call.q.device), direction, compiled=True)
+        return decide(call, device_info(call.q.device), direction, compiled=True, grad_lse=grad_lse)
 
 
 def _warm(plan, call: AttnCall, direction: str) -> None:

@@ -81,6 +81,7 @@ def _(grad_out, grad_lse, q, k, v, out, lse, scale, causal, window_left, window_
 
 
 def _attention_setup(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # an unused lse gets None, not zeros: kernels then skip d(lse) work
     q, k, v, scale, causal, wl, wr, kv_seqlens, key_mask, choice = inputs
     ctx.save_for_backward(q, k, v, *output, kv_seqlens, key_mask)
     ctx.args = (scale, causal, wl, wr)
@@ -138,6 +139,7 @@ def _(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
 
 
 def _varlen_setup(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # an unused lse gets None, not zeros: kernels then skip d(lse) work
     q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, wl, wr, choice = inputs
     ctx.save_for_backward(q, k, v, *output, cu_q, cu_k)
     ctx.args = (max_q, max_k, scale, causal, wl, wr)
@@ -203,6 +205,7 @@ def _(grad_out, grad_lse, q, k, v, out, lse, kv_num_blocks, kv_indices, full_kv_
 
 
 def _sparse_setup(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # an unused lse gets None, not zeros: kernels then skip d(lse) work
     q, k, v, cnt, idx, full_cnt, full_idx, bits, bq, bk, scale, density, partial, choice = inputs
     ctx.save_for_backward(q, k, v, *output, cnt, idx, full_cnt, full_idx, bits)
     ctx.args = (bq, bk, scale, density, partial)

@@ -71,12 +71,13 @@ def _capturing(call: AttnCall) -> bool:
     return call.q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _variant(direction: str) -> str:
-    """Backward kernels behave differently under torch.use_deterministic_algorithms (no atomic dQ), so
-    deterministic backward decisions are kept apart."""
-    if direction == "backward" and torch.are_deterministic_algorithms_enabled():
-        return "backward-deterministic"
-    return direction
+def _variant(direction: str, grad_lse: bool = False) -> str:
+    """Backward kernels behave differently under torch.use_deterministic_algorithms (no atomic dQ), and not
+    every backward takes a gradient of the lse, so those backward decisions are kept apart."""
+    if direction != "backward":
+        return direction
+    variant = "backward-deterministic" if torch.are_deterministic_algorithms_enabled() else direction
+    return variant + "+dlse" if grad_lse else variant
 
 
 def _winner(row: dict, compiled: bool) -> str:
@@ -84,12 +85,13 @@ def _winner(row: dict, compiled: bool) -> str:
     return (compiled and row["record"].get("compiled_winner")) or row["winner"]
 
 
-def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str,
-                    compiled: bool = False) -> tuple[str, dict | None]:
+def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str, compiled: bool = False,
+                    grad_lse: bool = False) -> tuple[str, dict | None]:
     """The choice for ``call``, and the store row behind it when a tune backs it (else None). ``compiled``:
-    the choice for compiled code, which pays a plan's Python launch when it cannot be traced."""
+    the choice for compiled code, which pays a plan's Python launch when it cannot be traced. ``grad_lse``:
+    a backward whose loss uses the lse too."""
     p = call.problem
-    cands = enumerate_candidates(p, dev, direction)
+    cands = enumerate_candidates(p, dev, direction, grad_lse)
     mode = current_mode(p.device_type)
     if mode == "off":
         return default_choice(cands), None
@@ -98,7 +100,7 @@ def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str,
     runnable = {c.name for c in cands if c.pruned is None}
     if len(runnable) == 1:
         return default_choice(cands), None
-    fields = decision_fields(p.op, _variant(direction), p, dev, _sources(cands))
+    fields = decision_fields(p.op, _variant(direction, grad_lse), p, dev, _sources(cands))
     store = get_store()
 
     def stored() -> dict | None:
@@ -113,7 +115,7 @@ def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str,
 
     def measure() -> dict:
         with progress_ticker(f"tuning {p.op} {direction}", total=len(runnable) + default_rounds()) as tick:
-            result = tune(call, cands, direction=direction, progress=tick)
+            result = tune(call, cands, direction=direction, progress=tick, grad_lse=grad_lse)
         row = {**fields, "winner": result.winner, "record": result.to_json(), "created": time.time()}
         store.put(row)
         return row
@@ -122,16 +124,19 @@ def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str,
     return _winner(row, compiled), row
 
 
-def decide(call: AttnCall, dev: DeviceInfo, direction: str, compiled: bool = False) -> str:
+def decide(call: AttnCall, dev: DeviceInfo, direction: str, compiled: bool = False, grad_lse: bool = False) -> str:
     """The candidate (``backend:config``) that runs ``call``; see the module doc. ``compiled=True`` asks for
-    the choice compiled code makes while compiling (lowering/)."""
-    key = (_variant(direction), call.problem.bucket(), dev.key(), current_mode(call.problem.device_type), compiled)
+    the choice compiled code makes while compiling (lowering/); ``grad_lse``: a backward whose loss uses the
+    lse too."""
+    key = (_variant(direction, grad_lse), call.problem.bucket(), dev.key(), current_mode(call.problem.device_type),
+           compiled)
     choice = _MEMO.get(key)
     if choice is not None:
         return choice
     with _LOCK:
         if key not in _MEMO:
-            choice, row = _adopted(call, dev, direction, key) or decide_uncached(call, dev, direction, compiled)
+            choice, row = (_adopted(call, dev, direction, key)
+                           or decide_uncached(call, dev, direction, compiled, grad_lse))
             if row is not None:
                 _ROWS[key] = row
             _MEMO[key] = choice

@@ -129,7 +129,7 @@ class _Direction:
     """What 'running a candidate' means for forward or backward tuning: its plan's launch, the code that
     ships (the plan is built once and cached, like at run time)."""
 
-    def __init__(self, direction: str, call: AttnCall):
+    def __init__(self, direction: str, call: AttnCall, grad_lse: bool = False):
         self.direction = direction
         self.dev = device_info(call.q.device)
         self.grads = None
@@ -137,7 +137,8 @@ class _Direction:
             out, lse = REFERENCE.run(call, None)
             gen = torch.Generator(device=call.q.device).manual_seed(7)
             grad_out = torch.empty_like(out).normal_(generator=gen)
-            self.grads = (out, lse, grad_out, None)
+            dlse = torch.empty_like(lse).normal_(generator=gen) if grad_lse else None
+            self.grads = (out, lse, grad_out, dlse)
 
     def plan(self, call: AttnCall, choice: str) -> Plan:
         return plan_for(call.problem, choice, self.dev, self.direction)
@@ -195,12 +196,13 @@ def _copies(call: AttnCall) -> int:
 
 
 def tune(call: AttnCall, candidates: list[Candidate], *, direction: str = "forward",
-         timer=None, rounds: int | None = None, progress=None) -> TuneResult:
-    """Measure ``candidates`` (prior order) on ``call``'s problem and pick one; see the module doc."""
+         timer=None, rounds: int | None = None, progress=None, grad_lse: bool = False) -> TuneResult:
+    """Measure ``candidates`` (prior order) on ``call``'s problem and pick one; see the module doc.
+    ``grad_lse``: a backward whose loss uses the lse too (the gate then checks that gradient's part)."""
     timer = timer or default_timer(call.q.device.type)
     rounds = rounds or default_rounds()
     gate_call = fresh_inputs(call, seed=1)
-    mode = _Direction(direction, gate_call)
+    mode = _Direction(direction, gate_call, grad_lse)
     expected = mode.reference(gate_call)
     results = [CandidateResult(c.name, "pruned", c.pruned) for c in candidates]
     tick = progress or (lambda: None)

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import contextlib
 
-from ._compat import compile_fx, inductor_compile_patches, inductor_config
-from .routing.rewrite import RewritePass
+from .._compat import compile_fx, inductor_compile_patches, inductor_config
+from .rewrite import RewritePass
 
 __all__ = ["enable", "disable", "enabled", "is_enabled", "compile_backend"]
 
