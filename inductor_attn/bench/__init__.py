@@ -15,7 +15,7 @@ from pathlib import Path
 
 KERNEL_SUITES = ("dense", "decode", "varlen", "block_sparse", "all")
 # suites that time whole calls as a user's wall clock sees them (wallclock.py), not kernels
-WALLCLOCK_SUITES = ("overhead",)
+WALLCLOCK_SUITES = ("overhead", "training")
 SUITE_CHOICES = KERNEL_SUITES + WALLCLOCK_SUITES
 
 
@@ -51,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip the second tune and the compile-time measurement")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny float32 shapes: checks the harness (on a CPU too); the numbers mean nothing")
+    parser.add_argument("--part", choices=("all", "ops", "models"), default="all",
+                        help="overhead/training suites: only the attention calls (ops) or only the HF Llama part")
     parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse --short HEAD)")
     parser.add_argument("--report", type=Path, nargs="+", default=None, metavar="RESULTS_JSON",
                         help="measure nothing: merge results.json files (several suite calls) into "
@@ -74,8 +76,8 @@ def main(args: argparse.Namespace, command: str) -> int:
     if args.suite in WALLCLOCK_SUITES:
         from .host_suites import run_wallclock_suite
 
-        return run_wallclock_suite(args.suite, smoke=args.smoke, quick=args.quick, out=args.out, command=command,
-                                   commit=args.commit)
+        return run_wallclock_suite(args.suite, smoke=args.smoke, quick=args.quick, part=args.part, out=args.out,
+                                   command=command, commit=args.commit)
     from .runner import Options, run
 
     return run(Options(suite=args.suite, quick=args.quick, smoke=args.smoke, out=args.out, rounds=args.rounds,

@@ -17,22 +17,22 @@ from ..store.db import default_path
 from ..store.keys import library_versions
 
 
-def run_wallclock_suite(suite: str, *, smoke: bool, quick: bool, out: Path | None, command: str,
+def run_wallclock_suite(suite: str, *, smoke: bool, quick: bool, part: str, out: Path | None, command: str,
                         commit: str | None) -> int:
     if not smoke and not torch.cuda.is_available():
         print(f"error: bench --suite {suite} measures GPU calls and needs a CUDA GPU; add --smoke for a CPU run "
               "of the harness (its numbers mean nothing)", file=sys.stderr)
         return 2
-    from . import overhead
+    from . import overhead, training
     from .runner import git_commit
 
-    module = {"overhead": overhead}[suite]
+    module = {"overhead": overhead, "training": training}[suite]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    meta = {"suite": suite, "smoke": smoke, "quick": quick, "command": command, "commit": commit or git_commit(),
+    meta = {"suite": suite, "smoke": smoke, "quick": quick, "part": part, "command": command, "commit": commit or git_commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "versions": library_versions()}
-    result = {"meta": meta, **module.run(smoke, quick, device)}
+    result = {"meta": meta, **module.run(smoke, quick, device, part)}
     path = out or default_path().parent / "bench" / f"{suite}-{meta['device'].replace(' ', '_')}-{meta['date'][:16]}.json"
     if path.suffix != ".json":
         path = path / f"{suite}.json"

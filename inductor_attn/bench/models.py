@@ -69,3 +69,56 @@ def llama_overhead() -> dict:
                 times[backend] = wall_us(warm(step), calls=100) / 1e3
             out[f"decode step {mode}"] = {"stock_ms": times["inductor"], "ours_ms": times["inductor_attn"]}
     return out
+
+
+TRAIN_SIZES = {"B4 L2048": (4, 2048), "B1 L512": (1, 512)}
+TRAIN_MODES = ("default", "max-autotune-no-cudagraphs")
+
+
+def _grads(model, step_loss) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    step_loss().backward()
+    return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+
+
+def _worst_rel(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    return max(((g.float() - w.float()).norm() / w.float().norm().clamp_min(1e-30)).item() for g, w in zip(got, want))
+
+
+def llama_training(sizes=TRAIN_SIZES, modes=TRAIN_MODES) -> dict:
+    """Per size and mode: wall ms of a training step (forward, backward, AdamW) and peak memory, stock
+    against ours, and each one's worst parameter-gradient error against eager on the same step."""
+    import copy
+
+    from .wallclock import peak_memory
+
+    out = {}
+    for label, (batch, length) in sizes.items():
+        base = build_llama(**SIZE, max_len=length).train()
+        ids = torch.randint(0, 32000, (batch, length), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        eager = _grads(base, lambda: base(input_ids=ids, labels=ids).loss)
+        for mode in modes:
+            row = {}
+            for backend in BACKENDS:
+                model = copy.deepcopy(base)
+                compiled = _compiled(model, backend, mode)
+
+                def loss():
+                    return compiled(input_ids=ids, labels=ids).loss
+
+                err = _worst_rel(_grads(model, loss), eager)
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+
+                def step():
+                    opt.zero_grad(set_to_none=True)
+                    loss().backward()
+                    opt.step()
+
+                name = "stock" if backend == "inductor" else "ours"
+                row[f"{name}_ms"] = wall_us(warm(step, 3), calls=10, repeats=2) / 1e3
+                row[f"{name}_grad_err"] = err
+                row[f"{name}_peak_bytes"] = peak_memory(step)
+                del model, compiled, opt
+                torch.cuda.empty_cache()
+            out[f"{label} {mode}"] = row
+    return out

@@ -103,13 +103,14 @@ def run_case(case: Case, device, dtype) -> dict:
     return row
 
 
-def run(smoke: bool, quick: bool, device: torch.device) -> dict:
-    """The cases; and the HF Llama part unless ``quick`` (it compiles the model eight times)."""
+def run(smoke: bool, quick: bool, device: torch.device, part: str = "all") -> dict:
+    """The cases (``part`` "ops"); and the HF Llama part (``part`` "models"), not with ``quick`` (it compiles
+    the model eight times)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cases = [Case(*c) for c in (SMOKE if smoke else CASES)]
+    cases = [Case(*c) for c in (SMOKE if smoke else CASES)] if part in ("all", "ops") else []
     rows = [run_case(c, device, dtype) for c in cases]
     out = {"rows": rows}
-    if not smoke and not quick and device.type == "cuda":
+    if part in ("all", "models") and not smoke and not quick and device.type == "cuda":
         from .models import llama_overhead
 
         try:

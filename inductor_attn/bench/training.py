@@ -1,0 +1,226 @@
+"""``bench --suite training``: forward + backward as a training step sees it, against what users have.
+
+Per shape, in one process and on one device, one step = ``attention`` forward and the gradients of q, k,
+v for a fixed random output gradient (``torch.autograd.grad``, so nothing accumulates between steps):
+- ``eager sdpa`` and ``stock compile`` (``torch.compile`` of the same function): SDPA with ``is_causal``,
+  or for masks the boolean mask a model would pass;
+- ``fa4 direct``: flash-attn-4's ``flash_attn_func`` (dense shapes; where installed);
+- ``compiled flex``: ``torch.compile(flex_attention)`` with the mask's BlockMask (mask shapes);
+- ``ours``: ``inductor_attn.attention`` under ``torch.compile``, and ours under
+  ``torch.use_deterministic_algorithms(True)`` (what determinism costs).
+Each gets kernel us (profiler), wall us with plain launches, host us and peak memory of a step
+(wallclock.py), and the gradients' relative error against float64 next to SDPA's own.
+
+HF Llama training steps (forward, backward, AdamW) at two sizes: models.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from .. import api
+from ..block_mask import BlockSparseMask
+from .wallclock import measure, peak_memory
+
+SHAPES = (
+    # name, batch, heads_q, heads_kv, length, head_dim, causal, mask ("", "window", "document")
+    ("B4 H16/4 L2k D64 causal", 4, 16, 4, 2048, 64, True, ""),
+    ("B2 H16 L4k D128", 2, 16, 16, 4096, 128, False, ""),
+    ("B1 H32/8 L8k D128 causal", 1, 32, 8, 8192, 128, True, ""),
+    ("B2 H16 L2k D256 causal", 2, 16, 16, 2048, 256, True, ""),
+    ("B4 H16 L1k D128 causal", 4, 16, 16, 1024, 128, True, ""),
+    ("window 1024 B2 H16 L8k D128", 2, 16, 16, 8192, 128, True, "window"),
+    ("document B1 H16 L8k D128", 1, 16, 16, 8192, 128, True, "document"),
+)
+QUICK = (0, 2, 6)
+SMOKE = (("B1 H4/2 L64 D16 causal", 1, 4, 2, 64, 16, True, ""), ("document B1 H2 L128 D16", 1, 2, 2, 128, 16, True,
+                                                                    "document"))
+WINDOW = 1024
+
+
+@dataclasses.dataclass
+class Shape:
+    name: str
+    batch: int
+    heads_q: int
+    heads_kv: int
+    length: int
+    head_dim: int
+    causal: bool
+    mask: str
+
+    def documents(self, device) -> torch.Tensor:
+        """Document id per token: documents of a seeded random length around length / 8."""
+        gen = torch.Generator().manual_seed(0)
+        cuts = sorted(torch.randint(1, self.length, (7,), generator=gen).tolist())
+        ids = torch.zeros(self.length, dtype=torch.int64)
+        for c in cuts:
+            ids[c:] += 1
+        return ids.to(device)
+
+    def mask_mod(self, device):
+        if self.mask == "window":
+            return lambda b, h, q, kv: (kv <= q) & (kv >= q - WINDOW)
+        docs = self.documents(device)
+        return lambda b, h, q, kv: (docs[q] == docs[kv]) & (kv <= q)
+
+    def block_mask(self, device):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        return create_block_mask(self.mask_mod(device), None, None, self.length, self.length, device=device)
+
+    def dense_mask(self, device) -> torch.Tensor:
+        i = torch.arange(self.length, device=device)
+        return self.mask_mod(device)(None, None, i[:, None], i[None, :])
+
+
+def _sdpa(shape: Shape, device):
+    mask = shape.dense_mask(device) if shape.mask else None
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=shape.causal and mask is None,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    return fn
+
+
+def _ours(shape: Shape, device):
+    if shape.mask == "window":
+        return lambda q, k, v: api.attention(q, k, v, causal=True, window=WINDOW)
+    if shape.mask == "document":
+        sparse = BlockSparseMask.from_block_mask(shape.block_mask(device))
+        return lambda q, k, v: api.attention(q, k, v, block_mask=sparse)
+    return lambda q, k, v: api.attention(q, k, v, causal=shape.causal)
+
+
+def _flex(shape: Shape, device):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    block_mask = shape.block_mask(device)
+    compiled = torch.compile(flex_attention, fullgraph=True, dynamic=False)
+    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _fa4_direct(shape: Shape):
+    try:
+        from flash_attn.cute import flash_attn_func
+    except ImportError:
+        return None
+
+    def fn(q, k, v):
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=shape.causal)
+        return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+    return fn
+
+
+def paths(shape: Shape, device) -> dict:
+    """name -> (function or None where unavailable, run under torch.use_deterministic_algorithms)."""
+    out = {"eager sdpa": (_sdpa(shape, device), False),
+           "stock compile": (torch.compile(_sdpa(shape, device), fullgraph=True), False)}
+    if shape.mask:
+        out["compiled flex"] = (_flex(shape, device) if device.type == "cuda" else None, False)
+    else:
+        out["fa4 direct"] = (_fa4_direct(shape) if device.type == "cuda" else None, False)
+    out["ours"] = (torch.compile(_ours(shape, device)), False)
+    out["ours deterministic"] = (torch.compile(_ours(shape, device)), True)
+    return out
+
+
+def _step(fn, q, k, v, g):
+    def step():
+        return torch.autograd.grad(fn(q, k, v), (q, k, v), g)
+    return step
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+def run_shape(shape: Shape, device, dtype) -> dict:
+    torch._dynamo.reset()
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(shape.batch, h, shape.length, shape.head_dim, device=device, dtype=dtype, generator=gen)
+               .requires_grad_() for h in (shape.heads_q, shape.heads_kv, shape.heads_kv))
+    g = torch.randn(shape.batch, shape.heads_q, shape.length, shape.head_dim, device=device, dtype=dtype,
+                    generator=gen)
+    exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    want = torch.autograd.grad(_sdpa(shape, device)(*exact), exact, g.double())
+    row = {"shape": shape.name, "paths": {}}
+    ours = None
+    for name, (fn, deterministic) in paths(shape, device).items():
+        if fn is None:
+            row["paths"][name] = {"status": "not available here"}
+            continue
+        if deterministic:
+            torch._dynamo.reset()  # a graph compiled under other settings must not be reused
+            torch.use_deterministic_algorithms(True)
+        try:
+            step = _step(fn, q, k, v, g)
+            grads = step()
+            result = {"grad_rel_err": max(_rel(x, w) for x, w in zip(grads, want))}
+            result.update(measure(step))
+            result["peak_bytes"] = peak_memory(step)
+        except Exception as err:  # noqa: BLE001 - one failing path must not lose the others
+            result = {"status": f"failed: {type(err).__name__}: {str(err)[:200]}"}
+        finally:
+            if deterministic:
+                torch.use_deterministic_algorithms(False)
+        if name == "ours":
+            ours = result
+        row["paths"][name] = result
+    if ours is not None:
+        from .. import runtime
+
+        row["ours_kernels"] = runtime.stats()
+    return row
+
+
+def run(smoke: bool, quick: bool, device: torch.device, part: str = "all") -> dict:
+    """The shapes (``part`` "ops") and the HF Llama steps (``part`` "models", not with ``quick``)."""
+    from .. import runtime
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shapes = SMOKE if smoke else [SHAPES[i] for i in QUICK] if quick else SHAPES
+    rows = []
+    for s in shapes if part in ("all", "ops") else ():
+        runtime.reset_stats()
+        rows.append(run_shape(Shape(*s), device, dtype))
+    out = {"rows": rows}
+    if part in ("all", "models") and not smoke and not quick and device.type == "cuda":
+        from .models import llama_training
+
+        try:
+            out["llama"] = llama_training()
+        except Exception as err:  # noqa: BLE001 - keep the shapes' numbers when the model part fails
+            out["llama"] = {"error": f"{type(err).__name__}: {err}"}
+    return out
+
+
+def table(result: dict) -> str:
+    lines = ["| shape | path | kernel us | wall us | host us | peak MiB | grad rel. err | wall vs best SDPA |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        walls = [row["paths"][p].get("wall_us") for p in ("eager sdpa", "stock compile")]
+        best = min((w for w in walls if w), default=None)
+        for name, r in row["paths"].items():
+            if "wall_us" not in r:
+                lines.append(f"| {row['shape']} | {name} | {r.get('status')} | | | | | |")
+                continue
+            kernel = "" if r["kernel_us"] is None else f"{r['kernel_us']:.0f}"
+            peak = "" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / 2**20:.0f}"
+            ratio = f"{best / r['wall_us']:.2f}x" if best else ""
+            lines.append(f"| {row['shape']} | {name} | {kernel} | {r['wall_us']:.0f} | {r['host_us']:.0f} | {peak} | "
+                         f"{r['grad_rel_err']:.1e} | {ratio} |")
+    llama = result.get("llama") or {}
+    if llama and "error" not in llama:
+        lines += ["", "| HF Llama training step | stock ms | ours ms | speedup | stock grad err | ours grad err |",
+                  "|---|---|---|---|---|---|"]
+        for name, r in llama.items():
+            if isinstance(r, dict) and "stock_ms" in r:
+                lines.append(f"| {name} | {r['stock_ms']:.2f} | {r['ours_ms']:.2f} | {r['stock_ms'] / r['ours_ms']:.2f}x "
+                             f"| {r.get('stock_grad_err', float('nan')):.1e} | {r.get('ours_grad_err', float('nan')):.1e} |")
+    elif llama:
+        lines.append(f"HF Llama: {llama['error']}")
+    return "\n".join(lines)
