@@ -156,7 +156,7 @@ def test_errors_a_backend_declares_count_as_failed_candidates_even_in_strict_mod
 @pytest.mark.parametrize("host_s, compiled", [(0.2, "a:default"), (0.0, "b:default")])
 def test_compiled_code_takes_a_traced_candidate_when_the_winners_host_time_eats_its_lead(host_s, compiled):
     a = FakeBackend("a", {"default": (100.0, 0.01)}, traceable=True)
-    b = FakeBackend("b", {"default": (5.0, 0.01)}, host_s=host_s)  # faster kernel, launched from Python
+    b = FakeBackend("b", {"default": (50.0, 0.01)}, host_s=host_s)  # faster kernel, launched from Python
     result = _tune(a, b)
     assert result.winner == "b:default" and result.compiled_winner == compiled
     host = next(c for c in result.candidates if c.name == "b:default").host_ms

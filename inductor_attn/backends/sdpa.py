@@ -103,8 +103,11 @@ def _launch_backward(kernel: str, needs_bias: bool, call: AttnCall, out, lse, gr
             scale=call.scale)
     else:
         kr, vr = (k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)) if group > 1 else (k, v)
+        # the efficient kernels keep the lse padded to whole 32-row blocks (its forward returns it so)
+        padded = lse.new_zeros(*lse.shape[:-1], -(-lq // 32) * 32)
+        padded[..., :lq] = lse
         dq, dk, dv = aten._scaled_dot_product_efficient_attention_backward(
-            grad_out, q, kr, vr, bias, out, lse, None, None, 0.0, [True, True, True, False], is_causal,
+            grad_out, q, kr, vr, bias, out, padded, None, None, 0.0, [True, True, True, False], is_causal,
             scale=call.scale)[:3]
         if group > 1:  # gradients of the repeated heads, summed back onto each kv head
             dk, dv = (g.unflatten(1, (k.shape[1], group)).sum(2) for g in (dk, dv))

@@ -6,7 +6,7 @@ v for a fixed random output gradient (``torch.autograd.grad``, so nothing accumu
   or for masks the boolean mask a model would pass;
 - ``fa4 direct``: flash-attn-4's ``flash_attn_func`` (dense shapes; where installed);
 - ``compiled flex``: ``torch.compile(flex_attention)`` with the mask's BlockMask (mask shapes);
-- ``ours``: ``inductor_attn.attention`` under ``torch.compile``, and ours under
+- ``ours``: ``inductor_attn.attention`` eagerly and under ``torch.compile``, and compiled under
   ``torch.use_deterministic_algorithms(True)`` (what determinism costs).
 Each gets kernel us (profiler), wall us with plain launches, host us and peak memory of a step
 (wallclock.py), and the gradients' relative error against float64 next to SDPA's own.
@@ -123,6 +123,7 @@ def paths(shape: Shape, device) -> dict:
         out["compiled flex"] = (_flex(shape, device) if device.type == "cuda" else None, False)
     else:
         out["fa4 direct"] = (_fa4_direct(shape) if device.type == "cuda" else None, False)
+    out["ours eager"] = (_ours(shape, device), False)
     out["ours"] = (torch.compile(_ours(shape, device)), False)
     out["ours deterministic"] = (torch.compile(_ours(shape, device)), True)
     return out
