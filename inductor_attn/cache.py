@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .problem import Problem
 from .store.db import DecisionStore, get_store
-from .store.keys import library_versions, stale_reason, versions_like
+from .store.keys import stale_reason, versions_like
 from .store.layers import LayeredStore
 from .store.schema import StoreError
 
@@ -108,10 +108,11 @@ def explain(key_prefix: str, store: DecisionStore | LayeredStore | None = None) 
         f"  problem (bucket): {short_problem(row['problem'])}",
         f"  measured on:      {short_problem(rec['problem'])}  ({rec['timer']} timer)",
         f"  device:           {row['device']}",
-        f"  versions:         " + ", ".join(f"{k} {v}" for k, v in row["versions"].items() if k != "sources"),
+        "  versions:         " + ", ".join(f"{k} {v}" for k, v in row["versions"].items() if k != "sources"),
         f"  winner:           {row['winner']}  (default {rec['default']})",
         f"  why:              {rec['why']}",
-        f"  compiled code:    {rec.get('compiled_winner') or row['winner']}  ({rec.get('compiled_why') or 'the winner'})",
+        f"  compiled code:    {rec.get('compiled_winner') or row['winner']}  "
+        f"({rec.get('compiled_why') or 'the winner'})",
         "",
         f"  {'candidate':44s} {'status':8s} {'median ms':>10s} {'speedup':>8s} {'95% CI':>15s} "
         f"{'rel.err':>8s} {'1st call s':>10s} {'host ms':>8s}  reason",

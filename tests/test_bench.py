@@ -10,7 +10,7 @@ from fakes import FakeBackend
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
 from inductor_attn import BlockSparseMask
-from inductor_attn.backends import REFERENCE, AttnCall, Candidate, Config, only_backends
+from inductor_attn.backends import REFERENCE, AttnCall, Candidate, only_backends
 from inductor_attn.backends.reference import dense_mask_fn
 from inductor_attn.bench import metrics, quality, report, runner, suites
 from inductor_attn.cli import main

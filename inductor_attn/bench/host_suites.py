@@ -28,12 +28,14 @@ def run_wallclock_suite(suite: str, *, smoke: bool, quick: bool, part: str, out:
 
     module = {"overhead": overhead, "training": training}[suite]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    meta = {"suite": suite, "smoke": smoke, "quick": quick, "part": part, "command": command, "commit": commit or git_commit(),
+    meta = {"suite": suite, "smoke": smoke, "quick": quick, "part": part, "command": command,
+            "commit": commit or git_commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "versions": library_versions()}
     result = {"meta": meta, **module.run(smoke, quick, device, part)}
-    path = out or default_path().parent / "bench" / f"{suite}-{meta['device'].replace(' ', '_')}-{meta['date'][:16]}.json"
+    name = f"{suite}-{meta['device'].replace(' ', '_')}-{meta['date'][:16]}.json"
+    path = out or default_path().parent / "bench" / name
     if path.suffix != ".json":
         path = path / f"{suite}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -118,7 +118,6 @@ def llama_training(sizes=TRAIN_SIZES, modes=TRAIN_MODES) -> dict:
                 row[f"{name}_ms"] = wall_us(warm(step, 3), calls=10, repeats=2) / 1e3
                 row[f"{name}_grad_err"] = err
                 row[f"{name}_peak_bytes"] = peak_memory(step)
-                del model, compiled, opt
                 torch.cuda.empty_cache()
             out[f"{label} {mode}"] = row
     return out

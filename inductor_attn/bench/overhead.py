@@ -136,7 +136,8 @@ def table(result: dict) -> str:
         lines += ["", "| HF Llama | stock ms | ours ms | speedup |", "|---|---|---|---|"]
         for name, r in result["llama"].items():
             if isinstance(r, dict) and "stock_ms" in r:
-                lines.append(f"| {name} | {r['stock_ms']:.3f} | {r['ours_ms']:.3f} | {r['stock_ms'] / r['ours_ms']:.2f}x |")
+                speedup = r["stock_ms"] / r["ours_ms"]
+                lines.append(f"| {name} | {r['stock_ms']:.3f} | {r['ours_ms']:.3f} | {speedup:.2f}x |")
     return "\n".join(lines)
 
 

@@ -220,8 +220,9 @@ def table(result: dict) -> str:
                   "|---|---|---|---|---|---|"]
         for name, r in llama.items():
             if isinstance(r, dict) and "stock_ms" in r:
-                lines.append(f"| {name} | {r['stock_ms']:.2f} | {r['ours_ms']:.2f} | {r['stock_ms'] / r['ours_ms']:.2f}x "
-                             f"| {r.get('stock_grad_err', float('nan')):.1e} | {r.get('ours_grad_err', float('nan')):.1e} |")
+                speedup = r["stock_ms"] / r["ours_ms"]
+                errors = f"{r.get('stock_grad_err', float('nan')):.1e} | {r.get('ours_grad_err', float('nan')):.1e}"
+                lines.append(f"| {name} | {r['stock_ms']:.2f} | {r['ours_ms']:.2f} | {speedup:.2f}x | {errors} |")
     elif llama:
         lines.append(f"HF Llama: {llama['error']}")
     return "\n".join(lines)

@@ -165,9 +165,10 @@ def decision_entries() -> list[tuple]:
 
 def adopt_decisions(agreed: dict[tuple, tuple[str, dict | None]]) -> int:
     """Make ``agreed`` (memo key -> choice, row) this process's decisions, and write each row to the
-    store where the store holds another winner. Returns how many decisions of this process changed."""
+    store where the store holds another winner. Returns how many decisions of this process changed (one per
+    bucket, also where both its run-time and its compiled-code choice changed)."""
     store = get_store()
-    changed = 0
+    changed = set()
     with _LOCK:
         for key, (choice, row) in agreed.items():
             if row is not None and (store.get(row["key"]) or {}).get("winner") != row["winner"]:
@@ -176,8 +177,9 @@ def adopt_decisions(agreed: dict[tuple, tuple[str, dict | None]]) -> int:
                 if row is not None:
                     _ROWS[key] = row
                 continue
-            changed += key in _MEMO
+            if key in _MEMO:
+                changed.add(key[:-1])  # the memo key without its compiled-code flag
             _MEMO.pop(key, None)
             _ROWS.pop(key, None)
             _AGREED[key] = (choice, row)
-    return changed
+    return len(changed)

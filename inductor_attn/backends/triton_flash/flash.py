@@ -366,7 +366,8 @@ class ForwardPlan:
     only reads strides and allocates ``out``/``lse``."""
 
     def __init__(self, p: Problem, cfg: Config):
-        if p.op == "block_sparse" and (p.block_kv % cfg["block_n"] or cfg["block_n"] < 32 or p.block_q % cfg["block_m"]):
+        bm, bn = cfg["block_m"], cfg["block_n"]
+        if p.op == "block_sparse" and (p.block_kv % bn or bn < 32 or p.block_q % bm):
             raise ValueError(f"config {cfg} does not fit block_q={p.block_q}, block_kv={p.block_kv} "
                              "(block_n must divide block_kv and be >= 32, block_m divide block_q)")
         self.p, self.cfg = p, cfg

@@ -364,7 +364,8 @@ def _launch_dkdv(launcher, kern, call, shape, plan, common, dq_acc, dk_out, dv_o
 def _launch_dq(launcher, kern, call, shape, plan, common, dq, dummy):
     bm, bn = _tiles(call, dataclasses.replace(plan, block_m=max(plan.block_m, _DQ_MIN_KEYS)))
     grid = (-(-shape.len_q // bn), shape.batch * shape.heads_q)
-    launcher(kern.bwd_dq)[grid](**common, DQ=dq, **dict(zip(("s_dqb", "s_dqh", "s_dqm", "s_dqd"), _layout(dq, shape.varlen))),
+    dq_strides = dict(zip(("s_dqb", "s_dqh", "s_dqm", "s_dqd"), _layout(dq, shape.varlen)))
+    launcher(kern.bwd_dq)[grid](**common, DQ=dq, **dq_strides,
                       **_sparse_dq_args(call, shape, dummy), HQ=shape.heads_q,
                       GROUP=shape.heads_q // shape.heads_kv, BLOCK_M=bn, BLOCK_N=bm, num_warps=plan.warps,
                       num_stages=plan.stages)
@@ -394,7 +395,7 @@ def _grad_buffers(call: AttnCall, plan: BwdPlan, split: int):
 
 
 def backward(cfg: Config, launcher, call: AttnCall, out: torch.Tensor, lse: torch.Tensor,
-             grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """dq, dk, dv of ``call`` given the forward's (out, lse) and the gradients of both (either may be
     None). Outputs have the inputs' shapes, dtypes and (dense) strides; any input strides work.
     ``launcher`` is triton_common's eager or graph launcher."""
