@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import api
-from .wallclock import measure
+from .wallclock import measure, model_part
 
 CASES = (
     # name, batch, heads_q, heads_kv, len_q, len_k, head_dim, causal, decode (kv_seqlens)
@@ -109,15 +109,10 @@ def run(smoke: bool, quick: bool, device: torch.device, part: str = "all") -> di
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cases = [Case(*c) for c in (SMOKE if smoke else CASES)] if part in ("all", "ops") else []
     rows = [run_case(c, device, dtype) for c in cases]
-    out = {"rows": rows}
-    if part in ("all", "models") and not smoke and not quick and device.type == "cuda":
-        from .models import llama_overhead
+    from .models import llama_overhead
 
-        try:
-            out["llama"] = llama_overhead()
-        except Exception as err:  # noqa: BLE001 - keep the cases' numbers when the model part fails
-            out["llama"] = {"error": f"{type(err).__name__}: {err}"}
-    return out
+    wanted = part in ("all", "models") and not smoke and not quick and device.type == "cuda"
+    return {"rows": rows, "llama": model_part(wanted, llama_overhead)}
 
 
 def table(result: dict) -> str:
@@ -132,9 +127,12 @@ def table(result: dict) -> str:
             ratio = f"{stock / r['wall_us']:.2f}x" if stock else ""
             kernel = "" if r["kernel_us"] is None else f"{r['kernel_us']:.1f}"
             lines.append(f"| {row['case']} | {name} | {r['host_us']:.1f} | {r['wall_us']:.1f} | {kernel} | {ratio} |")
-    if result.get("llama"):
+    llama = result.get("llama") or {}
+    if "error" in llama:
+        lines += ["", f"HF Llama: {llama['error']}"]
+    elif llama:
         lines += ["", "| HF Llama | stock ms | ours ms | speedup |", "|---|---|---|---|"]
-        for name, r in result["llama"].items():
+        for name, r in llama.items():
             if isinstance(r, dict) and "stock_ms" in r:
                 speedup = r["stock_ms"] / r["ours_ms"]
                 lines.append(f"| {name} | {r['stock_ms']:.3f} | {r['ours_ms']:.3f} | {speedup:.2f}x |")

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from .. import api
 from ..block_mask import BlockSparseMask
-from .wallclock import measure, peak_memory
+from .wallclock import measure, model_part, peak_memory
 
 SHAPES = (
     # name, batch, heads_q, heads_kv, length, head_dim, causal, mask ("", "window", "document")
@@ -188,15 +188,10 @@ def run(smoke: bool, quick: bool, device: torch.device, part: str = "all") -> di
     for s in shapes if part in ("all", "ops") else ():
         runtime.reset_stats()
         rows.append(run_shape(Shape(*s), device, dtype))
-    out = {"rows": rows}
-    if part in ("all", "models") and not smoke and not quick and device.type == "cuda":
-        from .models import llama_training
+    from .models import llama_training
 
-        try:
-            out["llama"] = llama_training()
-        except Exception as err:  # noqa: BLE001 - keep the shapes' numbers when the model part fails
-            out["llama"] = {"error": f"{type(err).__name__}: {err}"}
-    return out
+    wanted = part in ("all", "models") and not smoke and not quick and device.type == "cuda"
+    return {"rows": rows, "llama": model_part(wanted, llama_training)}
 
 
 def table(result: dict) -> str:

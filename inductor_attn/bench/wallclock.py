@@ -78,6 +78,17 @@ def measure(fn: Callable[[], object], kernels: bool = True) -> dict:
     return {"host_us": host_us(fn), "wall_us": wall_us(fn), "kernel_us": kernel_us(fn) if kernels else None}
 
 
+def model_part(wanted: bool, measure_model: Callable[[], dict]) -> dict | None:
+    """A suite's HF Llama part when ``wanted``: its result, or the error it stopped on (recorded, so the
+    suite's other numbers are kept)."""
+    if not wanted:
+        return None
+    try:
+        return measure_model()
+    except Exception as err:  # noqa: BLE001 - keep the other numbers when the model part fails
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
 def peak_memory(fn: Callable[[], object]) -> int | None:
     """Peak GPU bytes allocated during one call, above what was allocated before it."""
     if not torch.cuda.is_available():
