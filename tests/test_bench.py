@@ -1,6 +1,7 @@
 """The benchmark suite on the CPU: workload definitions, exact counting, writers, and smoke runs of the
 whole pipeline (tiny shapes; fake backends where several candidates are needed)."""
 
+import doctest
 import json
 import math
 
@@ -12,10 +13,12 @@ from torch.nn.attention.flex_attention import create_block_mask, create_mask
 from inductor_attn import BlockSparseMask
 from inductor_attn.backends import REFERENCE, AttnCall, Candidate, Config, only_backends
 from inductor_attn.backends.reference import dense_mask_fn
-from inductor_attn.bench import metrics, quality, report, runner, suites
+from inductor_attn.bench import flex_route, metrics, quality, report, runner, suites
 from inductor_attn.cli import main
 from inductor_attn.device import DeviceInfo
 from inductor_attn.problem import Problem
+from inductor_attn.store.db import default_path
+from inductor_attn.tuning import measure
 
 ALL = suites.select("all")
 
@@ -33,6 +36,11 @@ def _problem(w: suites.Workload) -> Problem:
 
 
 # -------------------------------------------------------------------------------------- definitions
+@pytest.mark.parametrize("module", [measure, suites, metrics], ids=lambda m: m.__name__)
+def test_doctest_examples_hold(module):
+    assert doctest.testmod(module).failed == 0
+
+
 @pytest.mark.parametrize("pattern", suites.PATTERNS)
 @pytest.mark.parametrize("count,total,seed", [(1, 7, 0), (4, 10, 0), (16, 32768, 3), (32, 16384, 32), (7, 7, 1)])
 def test_varlen_patterns_give_monotone_cu_seqlens_with_the_exact_total(pattern, count, total, seed):
@@ -104,6 +112,21 @@ def test_shards_split_a_suite_into_disjoint_parts_that_cover_it():
     assert max(map(len, parts)) - min(map(len, parts)) <= 1
     with pytest.raises(ValueError, match="shard"):
         suites.select("dense", shard=(4, 3))
+
+
+def test_smoke_workloads_are_named_for_their_own_shape_and_the_workload_they_stand_for():
+    for w, small in zip(suites.select("all"), suites.select("all", smoke=True)):
+        assert small.name.startswith("[smoke] ") and small.name.endswith(f" <- {w.name}")
+        assert f"L{small.len_q}" in small.name or f"T{small.len_q}" in small.name or f"Lq{small.len_q}" in small.name
+
+
+def test_backward_workloads_are_dense_outside_all_and_named_fwd_bwd():
+    backward = suites.select("backward")
+    assert backward and all(w.kind == "dense" and w.suite == "backward" for w in backward)
+    assert all(w.name.endswith(" fwd+bwd") for w in backward)
+    assert not {w.name for w in backward} & {w.name for w in ALL}
+    with pytest.raises(ValueError, match="backward workloads are dense"):
+        suites.Workload("decode", 1, 4, 4, 1, 64, 64, direction="backward")
 
 
 def test_every_workload_builds_a_valid_call_at_smoke_size():
@@ -259,6 +282,37 @@ def test_results_md_template_explains_the_method_and_holds_no_numbers():
         assert "TF/s |" not in text and "GB/s |" not in text
 
 
+def test_report_replaces_the_section_of_each_suite_and_device_and_keeps_the_rest(tmp_path):
+    path = tmp_path / "RESULTS.md"
+    path.write_text(f"# Results\n\nhand-written intro\n\n{report.SECTIONS_BEGIN}\n{report.SECTIONS_END}\n\n"
+                    "## Findings\n\n- kept\n")
+    first, second = _result(), _result("python -m inductor_attn bench --suite dense")
+    second["meta"].update(commit="def5678", date="2026-11-23 10:00 UTC")
+    other_device = _result()
+    other_device["meta"]["device"] = "NVIDIA H200"
+    for result in (first, other_device, second):
+        report.update_results_md(result, path)
+    text = path.read_text()
+    assert text.startswith("# Results\n\nhand-written intro") and text.endswith("## Findings\n\n- kept\n")
+    assert text.count("### Dense: NVIDIA H100 80GB HBM3") == 1 and text.count("### Dense: NVIDIA H200") == 1
+    assert text.count("### Decode: NVIDIA H100 80GB HBM3") == 1
+    assert "def5678: `python -m inductor_attn bench --suite dense`" in text  # the newest result replaced the first
+    assert "abc1234" in text.split("### Dense: NVIDIA H200")[1]  # the other device's section stays
+    assert text.index("### Dense: NVIDIA H100") < text.index("### Decode: NVIDIA H100")
+
+
+def test_smoke_results_never_go_into_results_md(tmp_path):
+    path = tmp_path / "RESULTS.md"
+    path.write_text(f"{report.SECTIONS_BEGIN}\n{report.SECTIONS_END}\n")
+    smoke = _result()
+    smoke["meta"]["smoke"] = True
+    with pytest.raises(ValueError, match="smoke results are not measurements"):
+        report.update_results_md(smoke, path)
+    path.write_text("# Results without the block\n")
+    with pytest.raises(ValueError, match="no bench sections block"):
+        report.update_results_md(_result(), path)
+
+
 def test_report_merges_several_suite_runs_into_one_results_md(tmp_path):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps(_result("python -m inductor_attn bench --suite dense")))
@@ -383,3 +437,91 @@ def test_a_workload_too_big_for_free_gpu_memory_is_skipped_with_the_estimate(mon
     assert reason.startswith("needs about 2.") and "1.0 GiB free" in reason
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 << 30, 80 << 30))
     assert runner.memory_reason(call, n_timed=20, device=torch.device("cuda")) is None
+
+
+def test_a_candidate_failing_with_an_error_its_backend_declares_is_reported_in_strict_mode_too(tmp_path):
+    class OutOfResources(Exception):  # Triton's resource error derives from Exception only
+        pass
+
+    class Kernels(FakeBackend):
+        def errors(self):
+            return (OutOfResources,)
+
+        def _forward(self, cfg, call):
+            if cfg == "tile=big":
+                raise OutOfResources("shared memory 300000 > 232448")
+            return super()._forward(cfg, call)
+
+    kernels = Kernels("k", {"tile=small": (1, 0), "tile=big": (1, 0)})
+    with only_backends(kernels, REFERENCE):  # INDUCTOR_ATTN_STRICT=1: a bug would raise, this must not
+        assert runner.run(runner.Options(suite="dense", quick=True, smoke=True, out=tmp_path, rounds=2,
+                                         quality=False, shard=(1, 3))) == 0
+    row = json.loads((tmp_path / "results.json").read_text())["rows"][0]
+    entries = {e["name"]: e for e in row["entries"]}
+    assert entries["k:tile=big"]["status"] == "failed" and "OutOfResources" in entries["k:tile=big"]["reason"]
+    assert entries["k:tile=small"]["status"] == "passed" and entries["k:tile=small"]["median_ms"] > 0
+
+
+def test_an_entry_that_fails_while_timing_is_marked_failed_and_the_others_are_timed():
+    class Timer:
+        def prepare(self, fns):
+            results = [fn() for fn in fns]
+            if results[0] == "cannot":
+                raise RuntimeError("CUDA out of memory while capturing")
+            return type("Runner", (), {"note": "", "sample": lambda self: 1.0})()
+
+    trials = [measure.Trial(name, lambda c, name=name: (lambda: name), lambda err: isinstance(err, RuntimeError))
+              for name in ("can", "cannot")]
+    call = AttnCall("attention", torch.zeros(1, 1, 4, 8), torch.zeros(1, 1, 4, 8), torch.zeros(1, 1, 4, 8), 1.0)
+    ok, failed = measure.time_trials(trials, call, Timer(), rounds=3)
+    assert ok.samples == [1.0] * 3 and ok.failed is None
+    assert failed.samples == [] and failed.failed == "while timing: RuntimeError: CUDA out of memory while capturing"
+
+
+def test_smoke_results_go_beside_the_decision_store_and_never_into_the_source_tree(capsys):
+    before = sorted(p.name for p in (runner.repo_root() / "benchmarks").iterdir())
+    with only_backends(REFERENCE):
+        assert main(["bench", "--suite", "decode", "--quick", "--smoke", "--no-quality", "--rounds", "2",
+                     "--shard", "1/3"]) == 0
+    assert sorted(p.name for p in (runner.repo_root() / "benchmarks").iterdir()) == before
+    (out,) = (default_path().parent / "bench").iterdir()
+    assert out.name.startswith("decode-cpu-") and out.name.endswith("-smoke")
+    printed = capsys.readouterr().out
+    assert printed.startswith("SMOKE RUN") and "[smoke] decode B1 H4/2 Lq1 Lkv256 D256 <- " in printed
+    assert "Smoke run" in (out / "results.md").read_text()
+
+
+def test_backward_suite_times_a_training_step_per_backward_candidate_against_sdpa(tmp_path):
+    fast = FakeBackend("fast", {"bwd=1": (1, 0)})
+    with only_backends(fast, REFERENCE):
+        assert main(["bench", "--suite", "backward", "--quick", "--smoke", "--no-quality", "--rounds", "2",
+                     "--out", str(tmp_path), "--shard", "1/2"]) == 0
+    (row,) = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert row["kind"] == "backward" and row["name"].endswith(" fwd+bwd")
+    assert row["forward_choice"] in ("fast:bwd=1", "reference:default")  # the forward tune's pick (wall clock)
+    assert row["decisions"]["off"]["choice"] == "fast:bwd=1"
+    entries = {e["name"]: e for e in row["entries"]}
+    assert {n for n, e in entries.items() if e["status"] == "passed"} == {"fast:bwd=1", "reference:default",
+                                                                           "user:sdpa"}
+    assert all(e["error"] < 1e-4 for e in entries.values() if e["status"] == "passed")  # dq, dk, dv checked
+    built = suites.build(suites.select("backward", quick=True, smoke=True)[0], "cpu")
+    assert row["flops"] == pytest.approx(metrics.TRAINING_FLOPS * metrics.call_flops(built.call))
+    assert row["baseline"] == {"name": "user:sdpa", "label": "SDPA default"}
+    assert f"ran after the autotuned forward `{row['forward_choice']}`" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.slow
+def test_flex_route_suite_gates_and_times_compiled_and_routed_flex(tmp_path):
+    with only_backends(REFERENCE):
+        assert main(["bench", "--suite", "flex_route", "--smoke", "--rounds", "2", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    forward = [r for r in result["rows"] if r["pass"] == "forward"]
+    assert [r["name"] for r in forward] == [spec[0] for spec in flex_route.SMOKE]
+    for row in forward:
+        entries = {e["name"]: e for e in row["entries"]}
+        assert set(entries) == {"flex default", "inductor_attn routed"}  # max-autotune: full GPU runs only
+        assert all(e["status"] == "passed" and e["median_ms"] > 0 and e["wall_us"] > 0 for e in entries.values())
+        assert entries["flex default"]["speedup"] == 1.0
+        assert list(row["kernels"]) == ["block_sparse/forward -> reference:default"]  # routed: our op ran
+    assert {r["status"] for r in result["rows"] if r["pass"] != "forward"} == {"skipped"}  # no CPU flex backward
+    assert "| inductor_attn routed |" in (tmp_path / "results.md").read_text()
