@@ -41,11 +41,16 @@ METHOD = """\
   dense and decode, `torch.nn.attention.varlen.varlen_attn` for varlen, `torch.compile(flex_attention)`
   with the workload's own BlockMask for block-sparse (max-autotune in full runs, default compile in
   `--quick`). Where the baseline cannot run, the `off` choice (first runnable candidate) stands in.
+- Backward rows time a training step's attention: each backward candidate after the forward the tuner
+  picked (autotune), against SDPA's forward and its backward through autograd, with one output gradient;
+  TF/s count the forward's FLOPs and 2.5 times them for the backward.
 - Correctness first: each candidate and baseline runs once on fresh inputs and is compared with the
-  float64-accumulated reference (tolerances of `tuning/correctness.py`); a wrong or failing one is listed
-  with its reason and never timed, so it can never be the oracle.
-- Timing: one timer for everything, CUDA-graph replay of the call on rotating input copies with L2 flushed
-  before each sample (`tuning/timing.py`), in interleaved rounds (one sample of each per round).
+  float64-accumulated reference by the tuner's own gate (`tuning/measure.py`, tolerances of
+  `tuning/correctness.py`); a wrong or failing one is listed with its reason and never timed, so it can
+  never be the oracle. Candidates run through their plans, the code that ships.
+- Timing: the tuner's timing loop and timer for everything, CUDA-graph replay of the call on rotating input
+  copies with L2 flushed before each sample (`tuning/measure.py`, `tuning/timing.py`), in interleaved
+  rounds (one sample of each per round).
 - Throughput: TFLOP/s = 4 x kept (query, key) pairs x head dim / median time, pairs counted exactly
   (causal lower-right; varlen per sequence; block-sparse from the mask's full blocks and partial-block
   bitmaps). Decode: GB/s = (valid K and V rows of the kv heads once + q + out) / median time, and its
