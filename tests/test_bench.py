@@ -12,7 +12,7 @@ from fakes import FakeBackend
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
 from inductor_attn import BlockSparseMask
-from inductor_attn.backends import REFERENCE, AttnCall, Candidate, Config, only_backends
+from inductor_attn.backends import REFERENCE, AttnCall, Candidate, only_backends
 from inductor_attn.backends.reference import dense_mask_fn
 from inductor_attn.bench import flex_route, metrics, quality, report, runner, suites
 from inductor_attn.cli import main
@@ -366,7 +366,8 @@ def test_backend_defaults_name_each_backends_own_default_or_say_why_not():
     triton = FakeBackend("triton", {"block_m=128": (1, 0), "block_m=64": (1, 0)})
     flex = FakeBackend("flex", {}, supports_reason="flex backend adds nothing for unmasked attention")
     p = Problem("attention", "float32", "cpu", 1, 2, 2, 8, 8, 16, 16)
-    cands = [c for b in (sdpa, fa4, triton) for c in b.configs(p, None)] + [Candidate("flex", None, flex.supports_reason)]
+    cands = [c for b in (sdpa, fa4, triton) for c in b.configs(p, None)]
+    cands.append(Candidate("flex", None, flex.supports_reason))
     with only_backends(sdpa, fa4, triton, flex, REFERENCE):
         got = {d["label"]: d for d in runner.backend_defaults(cands, p, DeviceInfo("cpu", (0, 0), 2))}
     assert got["sdpa cudnn"]["choice"] == "sdpa:kernel=cudnn" and got["sdpa flash"]["choice"] == "sdpa:kernel=flash"
