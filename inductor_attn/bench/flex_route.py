@@ -42,7 +42,6 @@ SMOKE = (("sliding window 48 B1 H2 L256 D16", "window", 1, 2, 256, 16, 48),
          ("document causal B2 H2 L256 D16", "document", 2, 2, 256, 16, 100))
 PASSES = ("forward", "forward+backward")
 BASELINE = "flex default"
-ROUNDS = {"full": 30, "quick": 20, "smoke": 3}
 
 
 def mask_mod(kind: str, batch: int, length: int, param: int, device):
@@ -159,10 +158,9 @@ def tuner_records() -> list[dict]:
     return out
 
 
-def run(size: str, device: torch.device, timer, rounds: int | None) -> dict:
+def run(size: str, device: torch.device, timer, rounds: int) -> dict:
     """Every mask of the suite (its smoke versions with ``size="smoke"``): rows and the tuner's records.
     Runs on the current decision store: the caller gives a fresh one, so the routed calls really tune."""
-    rounds = rounds or ROUNDS[size]
     with routing():
         rows = [row for spec in (SMOKE if size == "smoke" else MASKS)
                 for row in measure_mask(spec, size, device, timer, rounds)]

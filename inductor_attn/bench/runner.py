@@ -57,7 +57,7 @@ from ..tuning.measure import Direction, describe, fresh_inputs, gate, input_copi
 from ..tuning.modes import tuning_mode
 from ..tuning.stats import median, paired_bootstrap_speedup
 from ..tuning.timing import default_timer
-from . import metrics, report, suites
+from . import flex_route, metrics, report, suites
 from .entries import BASELINES, Entry, candidate_entry, user_entries
 from .suites import Workload
 
@@ -405,14 +405,12 @@ def run(opts: Options) -> int:
 
 def run_flex_route(opts: Options, ctx: Context) -> int:
     """``--suite flex_route`` (flex_route.py), on a fresh decision store so the routed calls really tune."""
-    from . import flex_route
-
     out_dir = opts.out or default_out_dir(opts.suite, ctx.dev.name, opts.smoke)
     started = time.perf_counter()
     result = {"schema": 1, "meta": run_meta(opts, ctx), "quality": None}
     print(f"inductor_attn bench --suite flex_route on {ctx.dev.name}, writing {out_dir}", flush=True)
     with fresh_store():
-        result.update(flex_route.run(opts.size, ctx.device, ctx.timer, opts.rounds))
+        result.update(flex_route.run(opts.size, ctx.device, ctx.timer, ctx.rounds))
     result["meta"]["elapsed_s"] = time.perf_counter() - started
     report.write_results(result, out_dir, plots=False)
     print(("SMOKE RUN, tiny shapes: these numbers mean nothing\n" if opts.smoke else "")
