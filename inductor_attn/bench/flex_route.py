@@ -29,7 +29,6 @@ from ..block_mask import BlockSparseMask
 from ..routing.flex_route import ROUTE_ENV
 from ..runtime import reset_stats, stats
 from ..store.db import get_store
-from ..tuning.correctness import check_tensor, rel_err
 from ..tuning.measure import CANDIDATE_ERRORS, Direction, Trial, fresh_inputs, gate, time_trials
 from ..tuning.stats import median, paired_bootstrap_speedup
 from .entries import autograd_step, recompile_room
@@ -117,15 +116,13 @@ def _trial(way: str, compiled, direction: Direction) -> Trial:
             return lambda: compiled(c.q, c.k, c.v)
     else:
         bind = autograd_step(compiled, direction.grads[2])
-    # the routed call runs our code: a bug there must raise in strict mode; flex's own code cannot run here
-    # for any reason it raises
+    # the routed call runs our code, where a bug must raise in strict mode; whatever flex's own compile or
+    # kernel raises means it cannot run here
     return Trial(way, bind, lambda err: not routed or isinstance(err, CANDIDATE_ERRORS), ours=routed)
 
 
 def _measure_pass(trials, call, gate_call, expected, direction: Direction, timer, rounds: int) -> dict:
     def check(got):
-        if direction.direction == "forward":
-            return check_tensor("output", got, expected[0], gate_call.q.dtype), rel_err(got, expected[0])
         return direction.check(got, expected, gate_call.q.dtype)
 
     results = {t.name: {"name": t.name, **dataclasses.asdict(gate(t, gate_call, expected, check))} for t in trials}

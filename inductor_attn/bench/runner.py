@@ -51,7 +51,6 @@ from ..backends import AttnCall, Candidate, Config, backends, enumerate_candidat
 from ..device import DeviceInfo, device_info
 from ..store.db import default_path, get_store
 from ..store.keys import library_versions
-from ..tuning.correctness import check_tensor, rel_err
 from ..tuning.decisions import decide, forget_decisions
 from ..tuning.measure import Direction, describe, fresh_inputs, gate, input_copies, strict, sync, time_trials
 from ..tuning.modes import tuning_mode
@@ -150,18 +149,10 @@ def _free(device: torch.device) -> None:
 
 def gate_entry(e: Entry, call: AttnCall, expected, direction: Direction) -> None:
     """The tuner's gate (tuning/measure.py): one run on ``call`` after the allocator was poisoned, checked
-    against the reference; sets status passed/wrong/failed, the error and the first call's seconds. A user's
-    forward baseline returns the output alone, so only the output is compared."""
+    against the reference; sets status passed/wrong/failed, the error and the first call's seconds."""
     if e.trial is None:
         return
-    dtype = call.q.dtype
-    if e.kind == "user" and direction.direction == "forward":
-        def check(got):
-            return check_tensor("output", got, expected[0], dtype), rel_err(got, expected[0])
-    else:
-        def check(got):
-            return direction.check(got, expected, dtype)
-    result = gate(e.trial, call, expected, check)
+    result = gate(e.trial, call, expected, lambda got: direction.check(got, expected, call.q.dtype))
     e.status, e.reason, e.error, e.first_call_s = result.status, result.reason, result.error, result.first_call_s
 
 
