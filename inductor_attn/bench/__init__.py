@@ -1,19 +1,28 @@
-"""Benchmark suite: ``python -m inductor_attn bench``.
+"""Benchmark suites: ``python -m inductor_attn bench``.
 
-What it measures and how: runner.py (steps), suites.py (workloads), metrics.py (FLOPs and bytes),
-quality.py (two fresh tunes, compile time), report.py (JSON, markdown, plots, RESULTS.md).
+- Kernel suites (runner.py; workloads in suites.py): dense, decode, varlen and block_sparse forward
+  kernels, and backward (forward + backward kernels of a training step), each against what users call
+  today, with the tuner's gate and timer (tuning/measure.py). metrics.py counts FLOPs and bytes,
+  quality.py runs the second tune and the compile-time measurement.
+- flex_route (flex_route.py): compiled ``flex_attention`` against the same call routed by inductor_attn.
+- Wall-clock suites (host_suites.py): overhead (host time per compiled call, end-to-end models).
 
-On a machine without a CUDA GPU, ``bench`` exits with status 2 and says so; ``--smoke`` runs the whole
+Results go to ``--out`` or to the decision store's directory, never into the source tree; report.py
+writes JSON, markdown and plots, and ``--report`` merges results or updates benchmarks/RESULTS.md. On a
+machine without a CUDA GPU, ``bench`` exits with status 2 and says so; ``--smoke`` runs the whole
 pipeline on tiny float32 shapes (on a CPU only the reference backend runs), which tests the harness and
-produces no number worth reading. This module imports nothing heavy: the CLI builds its parser here.
+produces no number worth reading; its output says so. This module imports nothing heavy: the CLI builds
+its parser here.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-KERNEL_SUITES = ("dense", "decode", "varlen", "block_sparse", "all")
+# "all" is the four forward suites; backward and flex_route run on their own
+KERNEL_SUITES = ("dense", "decode", "varlen", "block_sparse", "backward", "flex_route", "all")
 # suites that time whole calls as a user's wall clock sees them (wallclock.py), not kernels
 WALLCLOCK_SUITES = ("overhead", "training")
 SUITE_CHOICES = KERNEL_SUITES + WALLCLOCK_SUITES
@@ -35,12 +44,13 @@ def _shard(text: str) -> tuple[int, int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--suite", choices=SUITE_CHOICES, default="all", help="which workloads (default: all)")
+    parser.add_argument("--suite", choices=SUITE_CHOICES, default="all",
+                        help="which workloads (default: all, the four forward kernel suites)")
     parser.add_argument("--quick", action="store_true",
-                        help="the representative subset (3 dense, 3 decode, 2 varlen, 2 block-sparse; < 8 min)")
+                        help="the representative subset (3 dense, 3 decode, 2 varlen, 2 block-sparse, 2 backward; "
+                             "flex_route without max-autotune; < 8 min)")
     parser.add_argument("--out", type=Path, default=None,
-                        help="write results here (default: benchmarks/results/<device>-<date>/, and regenerate "
-                             "benchmarks/RESULTS.md)")
+                        help="write results here (default: bench/<suite>-<device>-<time>/ beside the decision store)")
     parser.add_argument("--shard", type=_shard, default=(1, 1), metavar="K/N",
                         help="every N-th workload from the K-th: split a suite over several calls")
     parser.add_argument("--rounds", type=int, default=None, help="timing rounds per workload (default 30; quick 20)")
@@ -55,8 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="overhead/training suites: only the attention calls (ops) or only the HF Llama part")
     parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse --short HEAD)")
     parser.add_argument("--report", type=Path, nargs="+", default=None, metavar="RESULTS_JSON",
-                        help="measure nothing: merge results.json files (several suite calls) into "
-                             "benchmarks/RESULTS.md, or with --out into results.json/.md, RESULTS.md and plots there")
+                        help="measure nothing: replace the sections of their suites and device in "
+                             "benchmarks/RESULTS.md by these results.json files, or with --out merge them into "
+                             "results.json/.md, RESULTS.md and plots there")
 
 
 def main(args: argparse.Namespace, command: str) -> int:
@@ -68,10 +79,15 @@ def main(args: argparse.Namespace, command: str) -> int:
         result = report.load(args.report)
         if args.out is None:
             path = repo_root() / "benchmarks" / "RESULTS.md"
-            report.write_results_md(result, path)
+            try:
+                written = report.update_results_md(result, path)
+            except ValueError as err:
+                print(f"error: {err}", file=sys.stderr)
+                return 2
+            print(f"updated {path}: " + "; ".join(written))
         else:
             path = report.write_results(result, args.out)[2]
-        print(f"wrote {path} from {len(args.report)} result file(s)")
+            print(f"wrote {path} from {len(args.report)} result file(s)")
         return 0
     if args.suite in WALLCLOCK_SUITES:
         from .host_suites import run_wallclock_suite

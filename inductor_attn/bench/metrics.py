@@ -8,6 +8,9 @@ Problem.flops(). The pairs are counted exactly per call, where Problem.flops() h
   blocks' bitmaps, not density x Lq x Lk.
 Decode is memory-bound, so it is reported as bytes moved / time: K and V of the kv heads read once (the
 valid ``kv_seqlens`` rows only), plus q read and out written once.
+
+A training step's attention (the backward suite) counts the forward's FLOPs and 2.5 times them for the
+backward (five matmuls against the forward's two), as FlashAttention's benchmarks count them.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import torch
 from ..backends import AttnCall
 from ..ops import BlockSparseMask
 from ..problem import kept_pairs
+
+TRAINING_FLOPS = 3.5  # forward + backward, in forward FLOPs
 
 
 def call_pairs(call: AttnCall) -> int:

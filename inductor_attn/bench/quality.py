@@ -159,11 +159,11 @@ def _tune_worker(workloads: list[Workload], out: Path) -> None:
         call = suites.build(w, device).call
         with tuning_mode("autotune"):
             start = time.perf_counter()
-            choice = decide(call, dev, "forward")
+            choice = decide(call, dev, w.direction)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         line = {"name": w.name, "choice": choice, "tune_s": time.perf_counter() - start,
-                "record": stored_record(call.problem)}
+                "record": stored_record(call.problem, w.direction)}
         with out.open("a") as f:
             f.write(json.dumps(line) + "\n")
         del call

@@ -1,23 +1,34 @@
 """Writing a benchmark result: results.json, results.md, up to three small plots, and RESULTS.md.
 
 The JSON (schema 1) holds everything: ``meta`` (device, date, commit, command, versions, timer, copy
-bandwidth), ``rows`` (one per workload: status, decisions, every candidate's gate result, samples,
-speedups with CIs, regret) and ``quality``. The markdown is a view of it; ``bench --report`` rebuilds
-the markdown and plots from one or more JSON files (several suite calls make one RESULTS.md).
+bandwidth), ``rows`` (one per workload, or per mask and pass for flex_route: status, decisions, every
+candidate's gate result, samples, speedups with CIs, regret) and ``quality``. The markdown is a view of
+it; ``bench --report`` rebuilds the markdown and plots from one or more JSON files (several suite calls
+make one report), or updates the repository's benchmarks/RESULTS.md: there, each suite and device has
+one section, replaced by the newest result (:func:`update_results_md`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
+
+from . import flex_route
 
 MAIN_COLUMNS = ("workload", "unit", "baseline", "autotuned", "autotuned / baseline (95% CI)", "tune s",
                 "heuristic", "heuristic / baseline (95% CI)", "oracle", "regret (95% CI)")
 SETUP_COLUMNS = ("workload", "density", "create_block_mask s", "compiled", "convert s", "kept pairs")
 TUNE_COLUMNS = ("workload", "first tune", "s", "second tune", "s", "same", "difference inside CIs")
 COMPILE_COLUMNS = ("workload", "autotune, warm store: s", "off: s", "added s", "new decisions")
-KIND_TITLES = {"dense": "Dense", "decode": "Decode", "varlen": "Varlen (packed)", "block_sparse": "Block-sparse"}
+KIND_TITLES = {"dense": "Dense", "decode": "Decode", "varlen": "Varlen (packed)", "block_sparse": "Block-sparse",
+               "backward": "Backward (forward + backward kernels)", "flex_route": "flex_attention routed"}
+SMOKE_BANNER = "**Smoke run: tiny shapes, possibly on a CPU. These numbers mean nothing.**"
+# benchmarks/RESULTS.md: `bench --report` rewrites the sections between these two lines
+SECTIONS_BEGIN = "<!-- bench sections: `python -m inductor_attn bench --report` replaces one per suite and device -->"
+SECTIONS_END = "<!-- end of bench sections -->"
+_SECTION = re.compile(r"<!-- bench (?P<suite>\w+) on (?P<device>[^>]+?) -->\n.*?<!-- /bench -->\n", re.S)
 MAX_NOTES = 25
 METHOD = """\
 ## How these numbers are made
@@ -30,11 +41,16 @@ METHOD = """\
   dense and decode, `torch.nn.attention.varlen.varlen_attn` for varlen, `torch.compile(flex_attention)`
   with the workload's own BlockMask for block-sparse (max-autotune in full runs, default compile in
   `--quick`). Where the baseline cannot run, the `off` choice (first runnable candidate) stands in.
+- Backward rows time a training step's attention: each backward candidate after the forward the tuner
+  picked (autotune), against SDPA's forward and its backward through autograd, with one output gradient;
+  TF/s count the forward's FLOPs and 2.5 times them for the backward.
 - Correctness first: each candidate and baseline runs once on fresh inputs and is compared with the
-  float64-accumulated reference (tolerances of `tuning/correctness.py`); a wrong or failing one is listed
-  with its reason and never timed, so it can never be the oracle.
-- Timing: one timer for everything, CUDA-graph replay of the call on rotating input copies with L2 flushed
-  before each sample (`tuning/timing.py`), in interleaved rounds (one sample of each per round).
+  float64-accumulated reference by the tuner's own gate (`tuning/measure.py`, tolerances of
+  `tuning/correctness.py`); a wrong or failing one is listed with its reason and never timed, so it can
+  never be the oracle. Candidates run through their plans, the code that ships.
+- Timing: the tuner's timing loop and timer for everything, CUDA-graph replay of the call on rotating input
+  copies with L2 flushed before each sample (`tuning/measure.py`, `tuning/timing.py`), in interleaved
+  rounds (one sample of each per round).
 - Throughput: TFLOP/s = 4 x kept (query, key) pairs x head dim / median time, pairs counted exactly
   (causal lower-right; varlen per sequence; block-sparse from the mask's full blocks and partial-block
   bitmaps). Decode: GB/s = (valid K and V rows of the kv heads once + q + out) / median time, and its
@@ -63,10 +79,6 @@ def write_results(result: dict, out_dir: Path, plots: bool = True) -> list[Path]
     return paths
 
 
-def write_results_md(result: dict, path: Path) -> None:
-    Path(path).write_text(render_results_md(result))
-
-
 def _jsonable(x):
     return str(x)
 
@@ -81,7 +93,7 @@ def load(paths: list[Path]) -> dict:
         if r.get("schema") != 1:
             raise ValueError(f"{p}: not a schema-1 inductor_attn bench result")
     merged = {"schema": 1, "meta": runs[0]["meta"], "runs": [r["meta"] for r in runs],
-              "rows": [row for r in runs for row in r["rows"]], "quality": None}
+              "rows": [{**row, "run": i} for i, r in enumerate(runs) for row in r["rows"]], "quality": None}
     qualities = [r["quality"] for r in runs if r.get("quality")]
     if qualities:
         merged["quality"] = _merge_quality(qualities)
@@ -100,22 +112,66 @@ def _merge_quality(qualities: list[dict]) -> dict:
 # ----------------------------------------------------------------------------------------- markdown
 def render_markdown(result: dict) -> str:
     rows = result["rows"]
-    parts = [_summary(rows)]
+    parts = [SMOKE_BANNER if _smoke(result) else "", _summary(rows)]
     for kind, title in KIND_TITLES.items():
         mine = [r for r in rows if r["kind"] == kind]
         if mine:
-            parts.append(_kind_section(title, mine))
+            parts.append(f"## {title}\n\n" + _suite_tables(kind, mine))
     parts.append(_quality_section(result.get("quality")))
     return "\n\n".join(p for p in parts if p) + "\n"
+
+
+def _smoke(result: dict) -> bool:
+    return any(m.get("smoke") for m in result.get("runs") or [result["meta"]])
+
+
+def _suite_tables(kind: str, rows: list[dict]) -> str:
+    return flex_route.table(rows) if kind == "flex_route" else _kind_section(rows)
+
+
+def update_results_md(result: dict, path: Path) -> list[str]:
+    """Replace (or add) the section of each suite and device in ``result`` in the RESULTS.md at ``path``:
+    its date, commit, command and versions, and its tables. Other sections and the hand-written text
+    around them stay. Returns the headings written."""
+    if _smoke(result):
+        raise ValueError("smoke results are not measurements: they never go into RESULTS.md")
+    path = Path(path)
+    text = path.read_text()
+    if SECTIONS_BEGIN not in text or SECTIONS_END not in text:
+        raise ValueError(f"{path} has no bench sections block: expected the lines {SECTIONS_BEGIN!r} and "
+                         f"{SECTIONS_END!r}")
+    head, rest = text.split(SECTIONS_BEGIN, 1)
+    body, tail = rest.split(SECTIONS_END, 1)
+    sections = {(m["suite"], m["device"]): m.group(0) for m in _SECTION.finditer(body)}
+    runs = result.get("runs") or [result["meta"]]
+    written = []
+    for kind in KIND_TITLES:
+        mine = [r for r in result["rows"] if r["kind"] == kind]
+        for device in sorted({runs[r.get("run", 0)]["device"] for r in mine}):
+            rows = [r for r in mine if runs[r.get("run", 0)]["device"] == device]
+            metas = [runs[i] for i in sorted({r.get("run", 0) for r in rows})]
+            sections[(kind, device)] = _results_section(kind, device, rows, metas)
+            written.append(f"{KIND_TITLES[kind]} on {device}")
+    order = list(KIND_TITLES)
+    ordered = sorted(sections.items(), key=lambda item: (order.index(item[0][0]) if item[0][0] in order else
+                                                           len(order), item[0][1]))
+    body = "\n" + "\n".join(section for _, section in ordered) + "\n"
+    path.write_text(head + SECTIONS_BEGIN + body + SECTIONS_END + tail)
+    return written
+
+
+def _results_section(kind: str, device: str, rows: list[dict], metas: list[dict]) -> str:
+    """One RESULTS.md section: heading, where every number comes from, the tables."""
+    provenance = [f"- {m['date']}, commit {m['commit']}: `{m['command']}`; "
+                  + ", ".join(f"{k} {v}" for k, v in m["versions"].items()) + f"; {m['timer']} timer" for m in metas]
+    return (f"<!-- bench {kind} on {device} -->\n### {KIND_TITLES[kind]}: {device}\n\n" + "\n".join(provenance)
+            + "\n\n" + _suite_tables(kind, rows) + "\n<!-- /bench -->\n")
 
 
 def render_results_md(result: dict) -> str:
     runs = result.get("runs") or [result["meta"]]
     meta = runs[0]
-    smoke = any(m.get("smoke") for m in runs)
-    head = ["# Benchmark results", ""]
-    if smoke:
-        head += ["**Smoke run: tiny shapes, possibly on a CPU. These numbers mean nothing.**", ""]
+    head = ["# Benchmark results" + (" (smoke run: these numbers mean nothing)" if _smoke(result) else ""), ""]
     head += [
         "Generated by `python -m inductor_attn bench`; do not edit by hand (rerun, see the commands below).", "",
         f"- device: {meta['device']} ({meta['capability']}, {meta['sm_count']} SMs)",
@@ -128,7 +184,9 @@ def render_results_md(result: dict) -> str:
         "- commands:",
         *[f"  - `{m['command']}` ({m.get('elapsed_s') or 0:.0f} s)" for m in runs],
     ]
-    return "\n".join(head) + "\n\n" + render_markdown(result) + "\n" + METHOD
+    kinds = {r["kind"] for r in result["rows"]}
+    methods = ([METHOD] if kinds - {"flex_route"} else []) + ([flex_route.METHOD] if "flex_route" in kinds else [])
+    return "\n".join(head) + "\n\n" + render_markdown(result) + "\n" + "\n".join(methods)
 
 
 def _gbps_text(x) -> str:
@@ -136,13 +194,10 @@ def _gbps_text(x) -> str:
 
 
 def _summary(rows: list[dict]) -> str:
-    lines = ["## Summary", "",
-             "| suite | workloads measured | not measured | autotuned / baseline (geomean) | oracle / baseline "
-             "(geomean) | median regret | worst regret | wrong candidates |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = []
     for kind in KIND_TITLES:
         mine = [r for r in rows if r["kind"] == kind]
-        if not mine:
+        if not mine or kind == "flex_route":  # no decision of ours to compare: its own table says all
             continue
         ok = [r for r in mine if r["status"] == "ok"]
         auto = [r["choices"]["autotune"].get("speedup") for r in ok]
@@ -152,7 +207,11 @@ def _summary(rows: list[dict]) -> str:
         lines.append(f"| {kind} | {len(ok)} | {len(mine) - len(ok)} | {_geomean(auto)} | {_geomean(best)} | "
                      f"{_pct(regrets[len(regrets) // 2]) if regrets else ''} | "
                      f"{_pct(regrets[-1]) if regrets else ''} | {wrong} |")
-    return "\n".join(lines)
+    if not lines:
+        return ""
+    return "\n".join(["## Summary", "", "| suite | workloads measured | not measured | autotuned / baseline (geomean) "
+                      "| oracle / baseline (geomean) | median regret | worst regret | wrong candidates |",
+                      "|---|---|---|---|---|---|---|---|", *lines])
 
 
 def _geomean(xs) -> str:
@@ -164,9 +223,9 @@ def _pct(x) -> str:
     return f"{100 * x:.1f}%"
 
 
-def _kind_section(title: str, rows: list[dict]) -> str:
+def _kind_section(rows: list[dict]) -> str:
     ok = [r for r in rows if r["status"] == "ok"]
-    parts = [f"## {title}"]
+    parts = []
     if ok:
         parts.append(_table(MAIN_COLUMNS, [_main_cells(r) for r in ok]))
         parts.append(_defaults_table(ok))
@@ -288,6 +347,9 @@ def _notes(rows: list[dict]) -> list[str]:
         if r["status"] != "ok":
             found.setdefault(f"{r['status']}: {r['reason']}", []).append(r["name"])
             continue
+        if r.get("forward_choice"):
+            found.setdefault(f"every candidate and the autotuned choice ran after the autotuned forward "
+                             f"`{r['forward_choice']}`", []).append(r["name"])
         owner = r["choices"]["autotune"].get("reused_from")
         if owner:
             found.setdefault(f"autotuned decision reused from the store: same decision bucket as {owner}",
@@ -354,7 +416,7 @@ def write_plots(result: dict, out_dir: Path) -> list[Path]:
     except ImportError:
         result["meta"]["plots"] = "skipped: matplotlib is not installed"
         return []
-    ok = [r for r in result["rows"] if r["status"] == "ok"]
+    ok = [r for r in result["rows"] if r["status"] == "ok" and r["kind"] != "flex_route"]
     paths = []
     for name, draw in (("speedups.png", _plot_speedups), ("decode_bandwidth.png", _plot_decode),
                        ("tuning.png", _plot_tuning)):

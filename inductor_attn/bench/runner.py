@@ -3,26 +3,31 @@
 Per workload (suites.py), in one process:
 1. Decisions. What inductor_attn picks in each tuning mode: ``autotune`` (a fresh decision store, so it
    really tunes; its wall time is the tuning time), ``heuristic`` (today's hand rules: FA4's CLC rule,
-   split-K iff L_kv >= 256) and ``off`` (the first runnable candidate in prior order).
+   split-K iff L_kv >= 256) and ``off`` (the first runnable candidate in prior order). Backward
+   workloads decide the backward, after the forward's autotuned choice.
 2. Gate. Every runnable candidate (every backend config) and every user baseline runs once on fresh
-   inputs and is checked against the reference with the tuner's tolerances (tuning/correctness.py); a
-   wrong or failing one is reported with its reason and never timed, so it can never be the oracle.
-3. Timing. Everything that passed is timed with one timer (CUDA-graph replay, L2 flushed, rotating
-   input copies; tuning/timing.py) in interleaved rounds: one sample of each per round, so all share the
-   same clock and thermal drift and paired statistics apply.
+   inputs and is checked against the reference: the tuner's own gate (tuning/measure.py) with its
+   tolerances (tuning/correctness.py); a wrong or failing one is reported with its reason and never
+   timed, so it can never be the oracle.
+3. Timing. Everything that passed is timed with the tuner's timing loop and timer (CUDA-graph replay,
+   L2 flushed, rotating input copies; tuning/measure.py, tuning/timing.py) in interleaved rounds: one
+   sample of each per round, so all share the same clock and thermal drift and paired statistics apply.
 4. Numbers. TFLOP/s from exact kept pairs (metrics.py) or, for decode, GB/s against the copy bandwidth
    measured at the start of the run; the speedup of each over the baseline with its paired bootstrap 95%
    CI (tuning/stats.py); the oracle (the fastest candidate that passed); regret = autotuned time /
    oracle time - 1.
 
-Baselines (``user:*``, entries.py) are called directly, not through our backends: SDPA for dense and
-decode, torch's ``varlen_attn`` for varlen, ``torch.compile(flex_attention)`` for block-sparse.
+Candidates run through their plans, the code that ships. Baselines (``user:*``, entries.py) are called
+directly, not through our backends: SDPA for dense and decode (forward and, in the backward suite,
+forward + backward), torch's ``varlen_attn`` for varlen, ``torch.compile(flex_attention)`` for
+block-sparse.
 
 Robustness: a failing candidate or baseline is recorded with its reason; a workload that would not fit
 in free GPU memory is skipped with the estimate; a workload that raises anything else is recorded as an
 error with its traceback and the run goes on (the run exits 1), except under INDUCTOR_ATTN_STRICT=1.
 Results are rewritten after every workload, so a run cut off at the device's time limit keeps what it
-measured, and no workload starts after the time budget is spent.
+measured, and no workload starts after the time budget is spent. They go to ``--out`` or beside the
+decision store (:func:`default_out_dir`), never into the source tree.
 """
 
 from __future__ import annotations
@@ -43,17 +48,15 @@ from pathlib import Path
 import torch
 
 from ..backends import AttnCall, Candidate, Config, backends, enumerate_candidates
-from ..backends.reference import BACKEND as REFERENCE
 from ..device import DeviceInfo, device_info
-from ..store.db import get_store
+from ..store.db import default_path, get_store
 from ..store.keys import library_versions
-from ..tuning.correctness import POISON, check_output, check_tensor, rel_err
 from ..tuning.decisions import decide, forget_decisions
+from ..tuning.measure import Direction, describe, fresh_inputs, gate, input_copies, strict, sync, time_trials
 from ..tuning.modes import tuning_mode
 from ..tuning.stats import median, paired_bootstrap_speedup
 from ..tuning.timing import default_timer
-from ..tuning.tuner import CANDIDATE_ERRORS, fresh_inputs, strict
-from . import metrics, report, suites
+from . import flex_route, metrics, report, suites
 from .entries import BASELINES, Entry, candidate_entry, user_entries
 from .suites import Workload
 
@@ -104,6 +107,7 @@ class Context:
     timer: object
     rounds: int
     deadline: float  # time.perf_counter() after which no workload starts
+    budget_s: float  # the whole call's, quality phase included
     flex_max_autotune: bool
     copy_gbps: float | None = None
     # (op, bucket key) -> the first workload tuned in it: a later workload of the same bucket reuses
@@ -115,24 +119,18 @@ class Context:
 
 
 # ------------------------------------------------------------------------------------- measurement
-def input_copies(call: AttnCall) -> int:
-    """Input copies to rotate through, the tuner's rule: enough that one graph replay reads > 2 x 60 MB
-    (an H200's L2) of inputs, at most 8, so a small problem is not timed out of a warm L2."""
-    if call.q.device.type != "cuda":
-        return 1
-    per_call = sum(t.numel() * t.element_size() for t in (call.q, call.k, call.v)) * 2
-    return int(min(8, max(1, -(-(2 * 60 << 20) // max(per_call, 1)))))
-
-
-def memory_reason(call: AttnCall, n_timed: int, device: torch.device) -> str | None:
+def memory_reason(call: AttnCall, n_timed: int, device: torch.device, direction: str = "forward") -> str | None:
     """Why this workload would not fit in free GPU memory (None if it fits). Counts the timed input
-    copies, the gate's inputs and outputs, one output per captured graph and input copy, two GQA
-    expansions of K/V (the SDPA baseline's math path and our sdpa backend's efficient kernel each copy
-    them inside their graphs) and 2 GiB of scratch (the reference's chunks, the L2 flush buffer, masks)."""
+    copies, the gate's inputs and outputs, one output per captured graph and input copy (backward: out,
+    lse and the three gradients), two GQA expansions of K/V (the SDPA baseline's math path and our sdpa
+    backend's efficient kernel each copy them inside their graphs) and 2 GiB of scratch (the reference's
+    chunks, the L2 flush buffer, masks)."""
     if device.type != "cuda":
         return None
     io = sum(t.numel() * t.element_size() for t in (call.q, call.k, call.v))
     out = call.q[..., :1].numel() * call.v.shape[-1] * call.q.element_size() * 2  # out + fp32 lse, roughly
+    if direction == "backward":
+        out += io
     kv = sum(t.numel() * t.element_size() for t in (call.k, call.v))
     group = call.q.shape[1] // call.k.shape[1]
     copies = input_copies(call)
@@ -143,97 +141,51 @@ def memory_reason(call: AttnCall, n_timed: int, device: torch.device) -> str | N
     return None
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
 
-def describe(err: BaseException) -> str:
-    first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
-    return f"{type(err).__name__}: {first[:200]}"
-
-
-def gate(entry: Entry, call: AttnCall, expected) -> None:
-    """Run once on ``call`` (NaN-poisoned allocator first, so unwritten outputs show) and compare with
-    the reference; sets status passed/wrong/failed, the error and the first call's seconds."""
-    if entry.make is None:
+def gate_entry(e: Entry, call: AttnCall, expected, direction: Direction) -> None:
+    """The tuner's gate (tuning/measure.py): one run on ``call`` after the allocator was poisoned, checked
+    against the reference; sets status passed/wrong/failed, the error and the first call's seconds."""
+    if e.trial is None:
         return
-    try:
-        if call.q.device.type == "cuda":
-            torch.full((max(expected[0].numel(), 1),), POISON, dtype=torch.float32, device=call.q.device)
-        start = time.perf_counter()
-        got = entry.make(call)()
-        _sync(call.q.device)
-        entry.first_call_s = time.perf_counter() - start
-    except CANDIDATE_ERRORS as err:
-        entry.status, entry.reason = "failed", describe(err)
-        return
-    except Exception as err:  # noqa: BLE001 - user baselines run torch's code; a candidate bug is reported
-        if strict() and entry.kind == "candidate":
-            raise
-        entry.status, entry.reason = "failed", describe(err)
-        return
-    dtype = call.q.dtype
-    if entry.kind == "user":
-        entry.reason = check_tensor("output", got, expected[0], dtype)
-        entry.error = rel_err(got, expected[0])
-    else:
-        entry.reason = check_output(got[0], got[1], expected[0], expected[1], dtype)
-        entry.error = rel_err(got[0], expected[0])
-    entry.status = "wrong" if entry.reason else "passed"
+    result = gate(e.trial, call, expected, lambda got: direction.check(got, expected, call.q.dtype))
+    e.status, e.reason, e.error, e.first_call_s = result.status, result.reason, result.error, result.first_call_s
 
 
 def time_entries(entries: list[Entry], call: AttnCall, ctx: Context) -> None:
-    """Interleaved rounds with one timer: prepare each (warm-up, graph capture), then one sample of each
-    per round. An entry that fails here is marked failed with the reason and dropped."""
-    copies = [fresh_inputs(call, seed=100 + i) for i in range(input_copies(call))]
-    runners = []
-    for e in entries:
-        try:
-            runner = ctx.timer.prepare([e.make(c) for c in copies])
-        except (*CANDIDATE_ERRORS, torch.OutOfMemoryError) as err:
-            e.status, e.reason = "failed", f"while timing: {describe(err)}"
-            _free(ctx.device)
-            continue
-        e.note = "; ".join(x for x in (e.note, runner.note) if x)
-        runners.append((e, runner))
-    for _ in range(ctx.rounds):
-        for e, runner in runners:
-            if e.status == "passed":
-                try:
-                    e.samples.append(runner.sample())
-                except CANDIDATE_ERRORS as err:
-                    e.status, e.reason, e.samples = "failed", f"while timing: {describe(err)}", []
-    runners.clear()  # drops the graphs and their memory pools
+    """The tuner's timing loop (tuning/measure.py): interleaved rounds with one timer; an entry that fails
+    while timing is marked failed with the reason."""
+    timed = time_trials([e.trial for e in entries], call, ctx.timer, ctx.rounds)
+    for e, t in zip(entries, timed):
+        e.samples = t.samples
+        e.note = "; ".join(x for x in (e.note, t.note) if x)
+        if t.failed:
+            e.status, e.reason = "failed", t.failed
 
 
-def measure_copy_gbps(ctx: Context) -> float:
-    """Device-to-device copy bandwidth (bytes read + written per second), with the benchmark's timer."""
-    n = COPY_BYTES.get(ctx.device.type, COPY_BYTES["cpu"])
-    src = torch.empty(n // 4, dtype=torch.float32, device=ctx.device).fill_(1.0)
+def measure_copy_gbps(device: torch.device, timer, samples: int = 10) -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second), median of ``samples`` of ``timer``."""
+    n = COPY_BYTES.get(device.type, COPY_BYTES["cpu"])
+    src = torch.empty(n // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
     # an elementwise kernel, not dst.copy_(src): captured in a CUDA graph a same-dtype copy becomes a
     # memcpy node run by the copy engine, which measured 2758 GB/s on an H200 against ~4230 GB/s for a
     # copy kernel (2026-11-22), and would overstate every "% of copy" figure
-    runner = ctx.timer.prepare([lambda: torch.neg(src, out=dst)])
-    ms = median([runner.sample() for _ in range(max(ctx.rounds, 10))])
-    del runner, src, dst
-    _free(ctx.device)
+    runner = timer.prepare([lambda: torch.neg(src, out=dst)])
+    ms = median([runner.sample() for _ in range(samples)])
     return 2 * n / (ms * 1e-3) / 1e9
 
 
 # ---------------------------------------------------------------------------------------- decisions
-def stored_record(problem) -> dict | None:
+def stored_record(problem, direction: str = "forward") -> dict | None:
     """The tuner's record of this problem's bucket in the current store, without its samples."""
     key = problem.bucket().key()
     for row in get_store().rows():
-        if row["op"] == f"{problem.op}/forward" and row["problem"] == key:
+        if row["op"] == f"{problem.op}/{direction}" and row["problem"] == key:
             rec = row["record"]
             cands = [{k: c.get(k) for k in ("name", "status", "reason", "median_ms", "speedup", "ci_low", "ci_high",
                                              "compile_s")} for c in rec["candidates"]]
@@ -242,21 +194,21 @@ def stored_record(problem) -> dict | None:
     return None
 
 
-def decisions(call: AttnCall, dev: DeviceInfo) -> dict:
+def decisions(call: AttnCall, dev: DeviceInfo, direction: str = "forward") -> dict:
     """The choice of each tuning mode; autotune with its wall time and the tuner's record."""
     out = {}
     for mode in ("off", "heuristic", "autotune"):
         with tuning_mode(mode):
             start = time.perf_counter()
             try:
-                choice, reason = decide(call, dev, "forward"), None
+                choice, reason = decide(call, dev, direction), None
             except RuntimeError as err:  # no candidate at all could run: decide says which and why
                 choice, reason = None, describe(err)
-            _sync(call.q.device)
+            sync(call.q.device)
             out[mode] = {"choice": choice, "reason": reason}
             if mode == "autotune":
                 out[mode]["tune_s"] = time.perf_counter() - start
-                out[mode]["record"] = stored_record(call.problem)
+                out[mode]["record"] = stored_record(call.problem, direction)
     return out
 
 
@@ -299,23 +251,29 @@ def measure_workload(w: Workload, ctx: Context) -> dict:
     built = suites.build(w, ctx.device)
     call = built.call
     p = call.problem
-    cands = enumerate_candidates(p, ctx.dev, "forward")
-    entries = [candidate_entry(c) for c in cands] + user_entries(w, built, ctx.flex_max_autotune)
+    cands = enumerate_candidates(p, ctx.dev, w.direction)
     row = _row_head(w, built, ctx)
-    runnable = sum(e.make is not None for e in entries)
-    reason = memory_reason(call, runnable, ctx.device)
+    # every runnable candidate and at most two user baselines get a graph per input copy
+    reason = memory_reason(call, sum(c.pruned is None for c in cands) + 2, ctx.device, w.direction)
     if reason:
         return {**row, "status": "skipped", "reason": reason}
-    row["decisions"] = decisions(call, ctx.dev)
-    owner = ctx.bucket_owner.setdefault((p.op, p.bucket().key()), w.name)
+    forward_choice = None
+    if w.direction == "backward":  # the forward a training step runs before each backward candidate
+        with tuning_mode("autotune"):
+            forward_choice = row["forward_choice"] = decide(call, ctx.dev, "forward")
+    row["decisions"] = decisions(call, ctx.dev, w.direction)
+    owner = ctx.bucket_owner.setdefault((w.direction, p.op, p.bucket().key()), w.name)
     if owner != w.name:
         row["decisions"]["autotune"]["reused_from"] = owner
     row["defaults"] = backend_defaults(cands, p, ctx.dev)
     _free(ctx.device)
     gate_call = fresh_inputs(call, seed=GATE_SEED)
-    expected = REFERENCE.run(gate_call, None)
+    direction = Direction(w.direction, gate_call)
+    expected = direction.reference(gate_call)
+    entries = [candidate_entry(c, direction, forward_choice) for c in cands]
+    entries += user_entries(w, built, direction, ctx.flex_max_autotune)
     for e in entries:
-        gate(e, gate_call, expected)
+        gate_entry(e, gate_call, expected, direction)
     del gate_call, expected
     _free(ctx.device)
     chosen = {d["choice"] for d in row["decisions"].values()}
@@ -324,7 +282,7 @@ def measure_workload(w: Workload, ctx: Context) -> dict:
         if e.status == "passed" and e not in to_time:
             e.status, e.reason = "untimed", "the reference: the oracle of correctness, never a contender on a GPU"
     time_entries(to_time, call, ctx)
-    _summarise(row, entries, call, ctx)
+    _summarise(row, entries, ctx)
     return row
 
 
@@ -337,8 +295,9 @@ def _worth_timing(e: Entry, entries: list[Entry], chosen: set, ctx: Context) -> 
 def _row_head(w: Workload, built: suites.Built, ctx: Context) -> dict:
     call = built.call
     decode = w.kind == "decode"
-    row = {"name": w.name, "kind": w.kind, "workload": w.to_json(), "status": "ok", "reason": None,
-           "problem": call.problem.key(), "pairs": metrics.call_pairs(call), "flops": metrics.call_flops(call),
+    flops = metrics.call_flops(call) * (metrics.TRAINING_FLOPS if w.direction == "backward" else 1)
+    row = {"name": w.name, "kind": w.suite, "workload": w.to_json(), "status": "ok", "reason": None,
+           "problem": call.problem.key(), "pairs": metrics.call_pairs(call), "flops": flops,
            "bytes": metrics.decode_bytes(call) if decode else None, "metric": "GB/s" if decode else "TF/s",
            "setup_s": built.setup_s}
     if built.lengths is not None:
@@ -354,9 +313,9 @@ def _value(row: dict, ms: float, copy_gbps: float | None) -> dict:
     return out
 
 
-def _summarise(row: dict, entries: list[Entry], call: AttnCall, ctx: Context) -> None:
+def _summarise(row: dict, entries: list[Entry], ctx: Context) -> None:
     by_name = {e.name: e for e in entries}
-    user_name, label = BASELINES[call.op]
+    user_name, label = BASELINES[row["kind"]]
     baseline = by_name.get(user_name)
     if baseline is None or not baseline.timed:
         off = row["decisions"]["off"]["choice"]
@@ -406,23 +365,19 @@ def _choice_json(name: str | None, results: dict) -> dict:
 # ----------------------------------------------------------------------------------------------- run
 def run(opts: Options) -> int:
     """The whole command; returns the exit status (0 ok, 1 some workload raised, 2 no GPU)."""
-    if not opts.smoke and not torch.cuda.is_available():
-        print("error: bench measures GPU kernels and needs a CUDA GPU; none is visible here "
-              f"(torch {torch.__version__}).\n       For a tiny CPU run of the whole pipeline (its numbers mean "
-              "nothing) add --smoke.", file=sys.stderr)
+    ctx = _context(opts)
+    if ctx is None:
         return 2
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if opts.suite == "flex_route":
+        return run_flex_route(opts, ctx)
     workloads = suites.select(opts.suite, opts.quick, opts.shard, opts.smoke)
     started = time.perf_counter()
-    budget = opts.budget_s or BUDGET_S[opts.size]
-    share = MEASURE_SHARE[opts.size] if opts.quality else 0.9
-    ctx = Context(device, device_info(device), default_timer(device.type), opts.rounds or ROUNDS[opts.size],
-                  started + share * budget, flex_max_autotune=opts.size == "full")
-    result = {"schema": 1, "meta": run_meta(opts, ctx, budget), "rows": [], "quality": None}
-    out_dir = opts.out or default_out_dir(ctx, opts.smoke)
+    result = {"schema": 1, "meta": run_meta(opts, ctx), "rows": [], "quality": None}
+    out_dir = opts.out or default_out_dir(opts.suite, ctx.dev.name, opts.smoke)
     print(f"inductor_attn bench: {len(workloads)} workloads on {ctx.dev.name}, writing {out_dir}", flush=True)
     with fresh_store() as store_dir:
-        ctx.copy_gbps = measure_copy_gbps(ctx)
+        ctx.copy_gbps = measure_copy_gbps(ctx.device, ctx.timer, max(ctx.rounds, 10))
+        _free(ctx.device)
         result["meta"]["copy_gbps"] = ctx.copy_gbps
         for w in workloads:
             result["rows"].append(measure_safely(w, ctx))
@@ -431,31 +386,61 @@ def run(opts: Options) -> int:
         if opts.quality:
             from .quality import run_quality
 
-            deadline = started + budget
+            deadline = started + ctx.budget_s
             result["quality"] = run_quality(workloads, result["rows"], ctx, store_dir, deadline)
     result["meta"]["elapsed_s"] = time.perf_counter() - started
     report.write_results(result, out_dir, plots=True)
-    if opts.out is None and not opts.smoke:
-        report.write_results_md(result, repo_root() / "benchmarks" / "RESULTS.md")
     print(f"wrote {out_dir}", flush=True)
     return 1 if any(r["status"] == "error" for r in result["rows"]) else 0
+
+
+def run_flex_route(opts: Options, ctx: Context) -> int:
+    """``--suite flex_route`` (flex_route.py), on a fresh decision store so the routed calls really tune."""
+    out_dir = opts.out or default_out_dir(opts.suite, ctx.dev.name, opts.smoke)
+    started = time.perf_counter()
+    result = {"schema": 1, "meta": run_meta(opts, ctx), "quality": None}
+    print(f"inductor_attn bench --suite flex_route on {ctx.dev.name}, writing {out_dir}", flush=True)
+    with fresh_store():
+        result.update(flex_route.run(opts.size, ctx.device, ctx.timer, ctx.rounds))
+    result["meta"]["elapsed_s"] = time.perf_counter() - started
+    report.write_results(result, out_dir, plots=False)
+    print(("SMOKE RUN, tiny shapes: these numbers mean nothing\n" if opts.smoke else "")
+          + flex_route.table(result["rows"]) + f"\nwrote {out_dir}", flush=True)
+    return 0
+
+
+def _context(opts: Options) -> Context | None:
+    """The run's device, timer, rounds and deadline; None (after saying why) when no GPU is visible and
+    this is not a smoke run."""
+    if not opts.smoke and not torch.cuda.is_available():
+        print("error: bench measures GPU kernels and needs a CUDA GPU; none is visible here "
+              f"(torch {torch.__version__}).\n       For a tiny CPU run of the whole pipeline (its numbers mean "
+              "nothing) add --smoke.", file=sys.stderr)
+        return None
+    if opts.smoke:
+        print("SMOKE RUN: tiny float32 shapes; it tests the harness, its numbers mean nothing", flush=True)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    budget = opts.budget_s or BUDGET_S[opts.size]
+    share = MEASURE_SHARE[opts.size] if opts.quality else 0.9
+    return Context(device, device_info(device), default_timer(device.type), opts.rounds or ROUNDS[opts.size],
+                   time.perf_counter() + share * budget, budget, flex_max_autotune=opts.size == "full")
 
 
 def measure_safely(w: Workload, ctx: Context) -> dict:
     """measure_workload, but a workload never ends the run: past the deadline it is not started, and
     anything it raises is recorded (re-raised under INDUCTOR_ATTN_STRICT=1)."""
     if ctx.device_lost or time.perf_counter() > ctx.deadline:
-        return {"name": w.name, "kind": w.kind, "workload": w.to_json(), "status": "not_run",
+        return {"name": w.name, "kind": w.suite, "workload": w.to_json(), "status": "not_run",
                 "reason": ctx.device_lost or "the time budget (--budget-s) was spent before it started"}
     try:
         return measure_workload(w, ctx)
     except torch.OutOfMemoryError as err:
-        return {"name": w.name, "kind": w.kind, "workload": w.to_json(), "status": "skipped",
+        return {"name": w.name, "kind": w.suite, "workload": w.to_json(), "status": "skipped",
                 "reason": f"out of GPU memory: {describe(err)}"}
     except Exception as err:  # noqa: BLE001 - one broken workload must not lose a 10-minute GPU run
         if strict():
             raise
-        return {"name": w.name, "kind": w.kind, "workload": w.to_json(), "status": "error",
+        return {"name": w.name, "kind": w.suite, "workload": w.to_json(), "status": "error",
                 "reason": describe(err), "traceback": traceback.format_exc(limit=8)}
     finally:
         forget_decisions()
@@ -535,13 +520,14 @@ def git_commit() -> str:
     return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
-def default_out_dir(ctx: Context, smoke: bool) -> Path:
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    slug = "".join(ch if ch.isalnum() else "-" for ch in ctx.dev.name.lower()).strip("-")
-    return repo_root() / "benchmarks" / "results" / f"{'cpu-smoke' if smoke else slug}-{date}"
+def default_out_dir(suite: str, device_name: str, smoke: bool) -> Path:
+    """``<decision store dir>/bench/<suite>-<device>-<UTC time>[-smoke]``: never the source tree."""
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M%S")
+    slug = "".join(ch if ch.isalnum() else "-" for ch in device_name.lower()).strip("-")
+    return default_path().parent / "bench" / f"{suite}-{slug}-{stamp}{'-smoke' if smoke else ''}"
 
 
-def run_meta(opts: Options, ctx: Context, budget: float) -> dict:
+def run_meta(opts: Options, ctx: Context) -> dict:
     versions = dict(library_versions())
     if ctx.device.type == "cuda":
         versions["cudnn"] = str(torch.backends.cudnn.version())
@@ -551,7 +537,7 @@ def run_meta(opts: Options, ctx: Context, budget: float) -> dict:
         "commit": opts.commit or git_commit(), "command": opts.command, "versions": versions,
         "python": sys.version.split()[0], "suite": opts.suite, "size": opts.size,
         "shard": f"{opts.shard[0]}/{opts.shard[1]}", "rounds": ctx.rounds, "timer": ctx.timer.name,
-        "budget_s": budget, "registry": [b.name for b in backends()], "smoke": opts.smoke,
+        "budget_s": ctx.budget_s, "registry": [b.name for b in backends()], "smoke": opts.smoke,
         "flex_baseline_compile": "max-autotune-no-cudagraphs" if ctx.flex_max_autotune else "default",
     }
 

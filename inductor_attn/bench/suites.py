@@ -13,6 +13,9 @@
   document (block-diagonal), prefix-LM and NSA-style top-k block selection, built as flex BlockMasks with
   ``create_block_mask`` and converted with ``BlockSparseMask.from_block_mask``; both times are kept,
   because mask construction can cost more than the attention (NSA thread).
+- backward: dense problems timed as a training step's attention, forward and backward (``direction``
+  "backward"); the shapes of the retired benchmarks/flash_bwd_gpu.py plus GQA and D64. Not part of
+  ``all``: ``all`` is the four forward suites.
 
 ``quick`` marks the representative subset that ``bench --quick`` runs (3 dense, 3 decode, 2 varlen, 2
 block-sparse). Every workload of a suite falls in its own decision bucket (problem.py), so each one's
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 KINDS = ("dense", "decode", "varlen", "block_sparse")
+DIRECTIONS = ("forward", "backward")
 PATTERNS = ("uniform", "staircase", "longtail", "bimodal", "spiky")
 MASKS = ("block_causal", "sliding_window", "document", "prefix_lm", "nsa_topk")
 # Above this many mask elements (B' x H' x Lq x Lk), create_block_mask's eager path, which materialises
@@ -43,7 +47,8 @@ class Workload:
     """One benchmark problem. Lengths: dense/decode/block_sparse per sequence; varlen ``len_q`` =
     ``len_k`` = total packed tokens and ``batch`` = number of sequences. ``pattern`` is the varlen
     length pattern or the block-sparse mask family; ``param`` is the mask's number (window, prefix
-    length, document count, top-k blocks); ``window`` is a dense causal sliding window."""
+    length, document count, top-k blocks); ``window`` is a dense causal sliding window; ``direction``
+    "backward" times forward + backward (the backward suite)."""
 
     kind: str
     batch: int
@@ -61,10 +66,15 @@ class Workload:
     quick: bool = False
     dtype: str = "bfloat16"
     label: str = ""  # overrides the generated name (smoke versions keep their full-size name)
+    direction: str = "forward"
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"Workload.kind must be one of {KINDS}, got {self.kind!r}")
+        if self.direction not in DIRECTIONS:
+            raise ValueError(f"Workload.direction must be one of {DIRECTIONS}, got {self.direction!r}")
+        if self.direction == "backward" and self.kind != "dense":
+            raise ValueError(f"backward workloads are dense, got kind {self.kind!r}")
         if self.kind == "varlen" and self.pattern not in PATTERNS:
             raise ValueError(f"varlen pattern must be one of {PATTERNS}, got {self.pattern!r}")
         if self.kind == "block_sparse" and self.pattern not in MASKS:
@@ -88,7 +98,12 @@ class Workload:
         else:
             family = self.pattern + (f"({self.param})" if self.param else "")
             text = f"{family} B{self.batch} {heads} L{_k(self.len_q)} D{self.head_dim}"
-        return text
+        return text + (" fwd+bwd" if self.direction == "backward" else "")
+
+    @property
+    def suite(self) -> str:
+        """The suite (and report section) it belongs to: its kind, or "backward"."""
+        return "backward" if self.direction == "backward" else self.kind
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -123,6 +138,10 @@ def _varlen(pattern, n, total, hq, hkv, d, causal, quick=False) -> Workload:
 
 def _sparse(mask, param, b, hq, hkv, l, d, quick=False, block=128) -> Workload:  # noqa: E741
     return Workload("block_sparse", b, hq, hkv, l, l, d, pattern=mask, param=param, block=block, quick=quick)
+
+
+def _backward(b, hq, hkv, l, d, causal, quick=False) -> Workload:  # noqa: E741
+    return Workload("dense", b, hq, hkv, l, l, d, causal=causal, quick=quick, direction="backward")
 
 
 SUITES: dict[str, tuple[Workload, ...]] = {
@@ -179,13 +198,20 @@ SUITES: dict[str, tuple[Workload, ...]] = {
         _sparse("nsa_topk", 16, 1, 16, 2, 32768, 128),
         _sparse("sliding_window", 512, 2, 16, 16, 8192, 64, block=64),
     ),
+    "backward": (
+        _backward(4, 32, 32, 4096, 128, True, quick=True),  # benchmarks/flash_bwd_gpu.py's two shapes
+        _backward(2, 32, 32, 8192, 128, False),
+        _backward(4, 32, 8, 4096, 128, True, quick=True),  # GQA: dK/dV sum over the query heads of a group
+        _backward(4, 16, 16, 4096, 64, True),
+    ),
 }
-SUITE_NAMES = (*KINDS, "all")
+SUITE_NAMES = (*KINDS, "backward", "all")
 
 
 def select(suite: str, quick: bool = False, shard: tuple[int, int] = (1, 1), smoke: bool = False) -> list[Workload]:
-    """The workloads one run measures: a suite (or all, its kinds in turns), its quick subset, one shard
-    of it (``(k, n)``: every n-th workload from the k-th, 1-based), each shrunk to a smoke size if asked."""
+    """The workloads one run measures: a suite (or all four forward suites, their kinds in turns), its quick
+    subset, one shard of it (``(k, n)``: every n-th workload from the k-th, 1-based), each shrunk to a smoke
+    size if asked."""
     if suite not in SUITE_NAMES:
         raise ValueError(f"suite must be one of {', '.join(SUITE_NAMES)}, got {suite!r}")
     k, n = shard
@@ -201,17 +227,19 @@ def select(suite: str, quick: bool = False, shard: tuple[int, int] = (1, 1), smo
 
 def smoke_size(w: Workload) -> Workload:
     """The same workload shrunk to a few hundred tokens and 4 query heads (keeping MHA/GQA/MQA), in
-    float32: runs the whole pipeline on a CPU in seconds. Its numbers mean nothing."""
+    float32: runs the whole pipeline on a CPU in seconds. Its numbers mean nothing, and its name says so:
+    ``[smoke] <its own shape> <- <the workload it stands for>``."""
     hkv = 4 if w.heads_kv == w.heads_q else (1 if w.heads_kv == 1 else 2)
     lq, lk = min(w.len_q, 128), min(w.len_k, 256 if w.kind != "dense" else 128)
     if w.kind in ("varlen", "block_sparse"):
         lq = lk = 256
     if w.kind == "dense" and w.len_q != w.len_k:
         lq = 64
-    return dataclasses.replace(
+    small = dataclasses.replace(
         w, batch=min(w.batch, 4 if w.kind == "varlen" else 2), heads_q=4, heads_kv=hkv, len_q=lq, len_k=lk,
         window=min(w.window, 32) if w.window else None, param=_smoke_param(w), block=min(w.block, 64),
-        dtype="float32", label=f"{w.name} [smoke]")
+        dtype="float32", label="")
+    return dataclasses.replace(small, label=f"[smoke] {small.name} <- {w.name}")
 
 
 def _smoke_param(w: Workload) -> int:

@@ -10,6 +10,9 @@ one call in milliseconds. The tuner interleaves samples of all candidates round 
   A kernel that cannot be captured is timed with plain launches and says so in ``note``.
 - ``WallClockTimer``: CPU problems (perf_counter around the call).
 - Tests use their own fake timers with known distributions (see tests/test_tuner.py).
+
+:func:`kernel_ms` is not a timer: it splits a call's device time by kernel (the calibration tools in
+benchmarks/tools/ compare it with a timer's figure to see launch gaps).
 """
 
 from __future__ import annotations
@@ -103,3 +106,22 @@ class CudaGraphTimer:
 
 def default_timer(device_type: str):
     return CudaGraphTimer() if device_type == "cuda" else WallClockTimer()
+
+
+def kernel_ms(fns: list[Callable[[], object]], calls: int = 20) -> dict[str, float]:
+    """Device time per call of each kernel that ``fns`` launch, from torch.profiler: plain launches cycling
+    through ``fns`` (give input copies larger than L2 together), after one warm-up call of each."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            fns[i % len(fns)]()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, float] = {}
+    for e in prof.events():
+        if str(e.device_type).endswith("CUDA"):
+            per_kernel[e.name] = per_kernel.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3 / calls
+    return per_kernel

@@ -1,6 +1,7 @@
 """The tuner: correctness gate, then timing, then a decision on statistics.
 
-For one problem and its candidates (in prior order):
+For one problem and its candidates (in prior order; steps 1 and 2 are measure.py's, which the benchmark
+shares):
 1. Gate: each runnable candidate runs once on fresh random inputs (same shapes, strides and index
    tensors as the call) after the allocator was poisoned with NaN, and must match the reference within
    the dtype's tolerance. That first call also pays for JIT compilation; its wall time is recorded as
@@ -22,33 +23,32 @@ For one problem and its candidates (in prior order):
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from ..backends import REFERENCE, AttnCall, Candidate, Plan, get_backend, plan_for
-from ..device import device_info
+from ..backends import AttnCall, Candidate
 from ..problem import Problem
-from .correctness import POISON, check_output, check_tensor, rel_err
+from .measure import (
+    CANDIDATE_ERRORS,
+    Direction,
+    candidate_trial,
+    fresh_inputs,
+    gate,
+    is_candidate_error,
+    strict,
+    sync,
+    time_trials,
+)
 from .stats import median, paired_bootstrap_speedup
 from .timing import default_timer
 
-log = logging.getLogger(__name__)
-
 TIE_MARGIN = 0.02
 DEFAULT_ROUNDS = 15
-# Exceptions that mean "this candidate cannot run this problem here": launch, resource and library
-# assertion errors (CUDA errors are RuntimeErrors), plus what each backend declares in ``errors()``
-# (Triton's CompilationError and OutOfResources, CuTe DSL's errors: they derive from Exception only).
-# Anything else is a bug in our code and is re-raised in strict mode.
-CANDIDATE_ERRORS = (RuntimeError, AssertionError, ValueError, NotImplementedError, MemoryError)
-
-
-def is_candidate_error(err: BaseException, backend) -> bool:
-    return isinstance(err, CANDIDATE_ERRORS + tuple(backend.errors()))
+__all__ = ["CANDIDATE_ERRORS", "CandidateResult", "TuneResult", "default_rounds", "fresh_inputs", "is_candidate_error",
+           "strict", "tune"]
 
 
 @dataclass
@@ -98,102 +98,10 @@ def default_rounds() -> int:
     return int(os.environ.get("INDUCTOR_ATTN_ROUNDS", DEFAULT_ROUNDS))
 
 
-def strict() -> bool:
-    """INDUCTOR_ATTN_STRICT=1 (the test suite sets it): programming errors in a candidate raise."""
-    return os.environ.get("INDUCTOR_ATTN_STRICT") == "1"
-
-
-def fresh_inputs(call: AttnCall, seed: int) -> AttnCall:
-    """Same shapes, strides, dtypes and index tensors as ``call``, new random q/k/v (never zeros)."""
-    gen = torch.Generator(device=call.q.device).manual_seed(seed)
-
-    def like(x: torch.Tensor) -> torch.Tensor:
-        y = torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=x.device)
-        return y.normal_(generator=gen)
-
-    return dataclasses.replace(call, q=like(call.q), k=like(call.k), v=like(call.v), _problem=call._problem)
-
-
-def _poison_allocator(device: torch.device, nbytes: int) -> None:
-    """Fill soon-to-be-reused allocator blocks with NaN, so an output the kernel never writes shows up
-    as NaN in the gate. The caching allocator hands freed blocks of the same size class back first."""
-    if device.type == "cuda":
-        torch.full((max(nbytes // 4, 1),), POISON, dtype=torch.float32, device=device)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class _Direction:
-    """What 'running a candidate' means for forward or backward tuning: its plan's launch, the code that
-    ships (the plan is built once and cached, like at run time)."""
-
-    def __init__(self, direction: str, call: AttnCall, grad_lse: bool = False):
-        self.direction = direction
-        self.dev = device_info(call.q.device)
-        self.grads = None
-        if direction == "backward":
-            out, lse = REFERENCE.run(call, None)
-            gen = torch.Generator(device=call.q.device).manual_seed(7)
-            grad_out = torch.empty_like(out).normal_(generator=gen)
-            dlse = torch.empty_like(lse).normal_(generator=gen) if grad_lse else None
-            self.grads = (out, lse, grad_out, dlse)
-
-    def plan(self, call: AttnCall, choice: str) -> Plan:
-        return plan_for(call.problem, choice, self.dev, self.direction)
-
-    def run(self, plan: Plan, call: AttnCall):
-        return plan.launch(call) if self.grads is None else plan.launch(call, *self.grads)
-
-    def reference(self, call: AttnCall):
-        plan = REFERENCE.plan(call.problem, self.dev, None, self.direction)
-        return self.run(plan, call)
-
-    def check(self, got, want, dtype) -> tuple[str | None, float]:
-        if self.grads is None:
-            return check_output(got[0], got[1], want[0], want[1], dtype), rel_err(got[0], want[0])
-        reasons = [check_tensor(name, g, w, dtype) for name, g, w in zip(("dq", "dk", "dv"), got, want)]
-        return next((r for r in reasons if r), None), max(rel_err(g, w) for g, w in zip(got, want))
-
-
-def _gate(cand: Candidate, direction: _Direction, call: AttnCall, expected) -> CandidateResult:
-    backend = get_backend(cand.backend)
-    res = CandidateResult(cand.name, "passed")
-    nbytes = sum(t.numel() * t.element_size() for t in expected)
-    try:
-        _poison_allocator(call.q.device, nbytes)
-        start = time.perf_counter()
-        got = direction.run(direction.plan(call, cand.name), call)
-        _sync(call.q.device)
-        res.compile_s = time.perf_counter() - start
-    except Exception as err:  # noqa: BLE001 - a failing candidate must not crash the user's compile
-        if is_candidate_error(err, backend):
-            res.status, res.reason = "failed", _describe(err)
-            return res
-        if strict():
-            raise
-        log.warning("candidate %s raised %s (a bug, please report): %s", cand.name, type(err).__name__, err)
-        res.status, res.reason = "failed", _describe(err)
-        return res
-    reason, res.error = direction.check(got, expected, call.q.dtype)
-    if reason is not None:
-        res.status, res.reason = "wrong", reason
-    return res
-
-
-def _describe(err: BaseException) -> str:
-    first = next((line for line in str(err).splitlines() if line.strip()), "")
-    return f"{type(err).__name__}: {first.strip()[:200]}"
-
-
-def _copies(call: AttnCall) -> int:
-    """Input copies to rotate through so each timed call starts with its data out of L2."""
-    if call.q.device.type != "cuda":
-        return 1
-    per_call = sum(t.numel() * t.element_size() for t in (call.q, call.k, call.v)) * 2
-    return int(min(8, max(1, -(-(2 * 60 << 20) // max(per_call, 1)))))
+def _gate(cand: Candidate, direction: Direction, call: AttnCall, expected) -> CandidateResult:
+    result = gate(candidate_trial(cand.name, direction), call, expected,
+                  lambda got: direction.check(got, expected, call.q.dtype))
+    return CandidateResult(cand.name, result.status, result.reason, result.error, result.first_call_s)
 
 
 def tune(call: AttnCall, candidates: list[Candidate], *, direction: str = "forward",
@@ -203,7 +111,7 @@ def tune(call: AttnCall, candidates: list[Candidate], *, direction: str = "forwa
     timer = timer or default_timer(call.q.device.type)
     rounds = rounds or default_rounds()
     gate_call = fresh_inputs(call, seed=1)
-    mode = _Direction(direction, gate_call, grad_lse)
+    mode = Direction(direction, gate_call, grad_lse)
     expected = mode.reference(gate_call)
     results = [CandidateResult(c.name, "pruned", c.pruned) for c in candidates]
     tick = progress or (lambda: None)
@@ -225,25 +133,17 @@ def tune(call: AttnCall, candidates: list[Candidate], *, direction: str = "forwa
                       compiled_winner=compiled.name, compiled_why=compiled_why)
 
 
-def _time(passing, call: AttnCall, mode: _Direction, timer, rounds: int, tick) -> None:
-    copies = [fresh_inputs(call, seed=100 + i) for i in range(_copies(call))]
-    runners = []
-    for cand, res in passing:
-        plan = mode.plan(call, cand.name)
-        fns = [lambda c=c, p=plan: mode.run(p, c) for c in copies]
-        runner = timer.prepare(fns)
-        res.note = runner.note
-        runners.append((runner, res))
-    for _ in range(rounds):
-        for runner, res in runners:
-            res.samples.append(runner.sample())
-        tick()
-    runners.clear()  # drops the graphs and their memory pools
+def _time(passing, call: AttnCall, mode: Direction, timer, rounds: int, tick) -> None:
+    timed = time_trials([candidate_trial(cand.name, mode) for cand, _ in passing], call, timer, rounds, tick)
+    for (cand, res), t in zip(passing, timed):
+        if t.failed:  # the rounds are paired: a candidate that stops running leaves no fair comparison
+            raise RuntimeError(f"{cand.name} passed the gate but failed {t.failed}")
+        res.note, res.samples = t.note, t.samples
     for cand, res in passing:
         plan = mode.plan(call, cand.name)
         res.traced = plan.traced is not None
         if not res.traced:
-            res.host_ms = _host_ms(lambda p=plan: mode.run(p, copies[0]), call.q.device)
+            res.host_ms = _host_ms(lambda p=plan: mode.run(p, call), call.q.device)
     base = passing[0][1]
     for _, res in passing:
         res.median_ms = median(res.samples)
@@ -254,12 +154,12 @@ def _host_ms(launch, device: torch.device, bursts: int = 3, calls: int = 5) -> f
     """CPU time of one launch: bursts short enough for the launch queue, so the CPU never waits."""
     best = float("inf")
     for _ in range(bursts):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         for _ in range(calls):
             launch()
         best = min(best, (time.perf_counter() - start) / calls)
-        _sync(device)
+        sync(device)
     return best * 1e3
 
 

@@ -1,7 +1,7 @@
 """Compile every listed config of the Triton flash forward for sm_90 on any machine (no GPU needed) and
 report shared memory (Triton's allocation next to the prune estimate), registers and spills (ptxas -v).
 
-    PYTHONPATH=. python benchmarks/triton_flash_compile_sm90.py [problem ...]
+    PYTHONPATH=. python benchmarks/tools/triton_flash_compile_sm90.py [problem ...]
 
 The shared-memory estimate and the register rule in inductor_attn/backends/triton_flash/flash.py were
 calibrated with this script (triton 3.9, ptxas 13.4). Pointer and stride arguments are declared
@@ -101,11 +101,11 @@ def main(names: list[str]) -> None:
         raise SystemExit("unset TRITON_INTERPRET: the interpreter compiles nothing")
     for name in names or PROBLEMS:
         p = PROBLEMS[name]
-        for cfg in BACKEND.configs(p, SM90):
-            reason = BACKEND.prune(p, SM90, cfg)
+        for cand in BACKEND.configs(p, SM90):
+            cfg = cand.config
             head = f"{name:<14} {str(cfg):<80}"
-            if reason:
-                print(f"{head} pruned: {reason}", flush=True)
+            if cand.pruned:
+                print(f"{head} pruned: {cand.pruned}", flush=True)
                 continue
             try:
                 kernel = compile_sm90(p, cfg)

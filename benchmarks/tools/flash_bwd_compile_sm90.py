@@ -1,7 +1,7 @@
 """Compile the Triton backward kernels for sm_90 on any machine (no GPU) and report shared memory,
-registers and spills (ptxas -v) for every config ``backward_configs`` lists.
+registers and spills (ptxas -v) for every config ``backward_candidates`` lists.
 
-    PYTHONPATH=. python benchmarks/flash_bwd_compile_sm90.py [problem ...]
+    PYTHONPATH=. python benchmarks/tools/flash_bwd_compile_sm90.py [problem ...]
 
 The launcher in flash_bwd.py runs for real on CPU tensors; its kernel launches are captured instead of
 run, and each captured argument list is compiled the way Triton's JIT would specialize it on a GPU
@@ -19,9 +19,10 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from triton_flash_compile_sm90 import ptxas_report  # the forward's report script, beside this one
+from triton_flash_compile_sm90 import ptxas_report  # the forward's probe, beside this one
 
 from inductor_attn.backends.base import AttnCall
+from inductor_attn.backends.triton_common import eager_launcher
 from inductor_attn.backends.triton_flash import flash_bwd, flash_bwd_kernels
 from inductor_attn.block_mask import BlockSparseMask
 from inductor_attn.device import parse_device_override
@@ -111,12 +112,15 @@ def main(names: list[str]) -> None:
     for name in names or PROBLEMS:
         call = PROBLEMS[name]()
         p = call.problem
-        for cfg in flash_bwd.backward_configs(p, SM90):
+        for cfg, reason in flash_bwd.backward_candidates(p, SM90):
+            if reason:
+                print(f"{name:<17} {str(cfg):<75} pruned: {reason}", flush=True)
+                continue
             capture.launches.clear()
             out_shape = (*call.q.shape[:-1], call.v.shape[-1])
             out = torch.zeros(out_shape, dtype=call.q.dtype)
             lse = torch.zeros(call.q.shape[1], call.q.shape[0]) if p.op == "varlen" else torch.zeros(out_shape[:-1])
-            flash_bwd.backward(call, cfg, out, lse, out, None)
+            flash_bwd.backward(cfg, eager_launcher, call, out, lse, out, None)
             for fn, kw in capture.launches:
                 if fn.__name__ == "bwd_preprocess":
                     continue

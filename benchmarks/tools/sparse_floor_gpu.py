@@ -1,18 +1,19 @@
 """Where the block-sparse window's time goes: ours and flex against kernels that only move the same bytes.
 
-    cd benchmarks && python sparse_floor_gpu.py --out DIR      (about two minutes on an H100, most of it
-                                                               flex's max-autotune)
+    PYTHONPATH=. python benchmarks/tools/sparse_floor_gpu.py --out DIR      (about two minutes on an H100,
+                                                                          most of it flex's max-autotune)
 
-Problem of issue #4's block-sparse target (triton_flash_gpu.py): B4 H32 L4096 D128 bf16, causal window of
-256 keys, flex's 128x128 BlockMask. A program of BLOCK_M query rows must bring every K and V tile it
-visits from L2 into shared memory; which tiles depends on the granularity it skips at: the tile list
-visits the 32- or 64-key tiles that hold a visible key, flex visits whole 128-key mask blocks.
+Problem of issue #4's block-sparse target: B4 H32 L4096 D128 bf16, causal window of 256 keys, flex's
+128x128 BlockMask. A program of BLOCK_M query rows must bring every K and V tile it visits from L2 into
+shared memory; which tiles depends on the granularity it skips at: the tile list visits the 32- or 64-key
+tiles that hold a visible key, flex visits whole 128-key mask blocks.
 
-Rows, each timed as device time per call from the profiler (triton_flash_gpu.kernel_ms: all kernels of
+Rows, each timed as device time per call from the profiler (``tuning.timing.kernel_ms``: all kernels of
 a call summed, launch gaps and host time excluded):
 1. flex_attention compiled with mode max-autotune-no-cudagraphs (the issue's baseline);
-2. our listed block-sparse configs with 64-row tiles (tile list and block walk);
-3. FA4's listed configs (CuTe DSL; on sm_90 128-row tiles over the mask's blocks), where installed;
+2. our runnable block-sparse Triton configs with 64-row tiles (tile list and block walk), through their
+   plans;
+3. FA4's runnable configs (CuTe DSL; on sm_90 128-row tiles over the mask's blocks), where installed;
 4. read floors: one Triton kernel per (BLOCK_M, BLOCK_N, granularity) that loads the Q tile, TMA-loads
    exactly the K and V tiles such a program visits, sums them (so the loads stay) and writes an O tile:
    no dot, no softmax; the fastest of six launch settings (warps, pipeline stages) counts. Its time is
@@ -34,14 +35,15 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
-from triton_flash_gpu import DTYPE, WINDOW, D, kernel_ms, window_block_mask
 
-from inductor_attn.backends.base import AttnCall
-from inductor_attn.backends.triton_flash.flash import BACKEND
+from inductor_attn.backends import AttnCall, Config, get_backend, plan_for
 from inductor_attn.bench.runner import git_commit
+from inductor_attn.block_mask import BlockSparseMask
 from inductor_attn.device import device_info
 from inductor_attn.tuning.correctness import rel_err
+from inductor_attn.tuning.timing import kernel_ms
 
+DTYPE, D, WINDOW = torch.bfloat16, 128, 256
 B, H, L = 4, 32, 4096
 # (BLOCK_M, BLOCK_N, granularity): ours (tile list of 32- and 64-key tiles), flex's pattern (64-row
 # programs over whole 128-key blocks), and 128-row programs
@@ -50,7 +52,7 @@ READ_LAUNCHES = [(4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (8, 4)]  # (num_warps, 
 
 
 @triton.jit
-def _window_read(Q, O, K, V, seq, window, num_m, heads,
+def _window_read(Q, O, K, V, seq, window, num_m, heads,  # noqa: E741 (O: the output, as in the kernels)
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GRAIN: tl.constexpr, D: tl.constexpr):
     """Program (batch*head, m): Q rows [m * BLOCK_M, +BLOCK_M), the K/V tiles of the keys its window
     reaches, widened to GRAIN-key boundaries (the first row's window start rounded down, the block
@@ -87,6 +89,23 @@ def device_ms(fn) -> tuple[float, dict]:
     return sum(per_kernel.values()), per_kernel
 
 
+def window_block_mask():
+    """flex's BlockMask (128x128 blocks) of the causal window (each query sees itself and the WINDOW keys
+    before it), and our BlockSparseMask of it."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    block_mask = create_block_mask(lambda b, h, q, kv: (q >= kv) & (q - kv <= WINDOW), None, None, L, L,
+                                   device="cuda")
+    return block_mask, BlockSparseMask.from_block_mask(block_mask)
+
+
+def listed(backend: str, call: AttnCall) -> dict[str, object]:
+    """Plans of ``backend``'s runnable configs for ``call``, by candidate name."""
+    dev = device_info(call.q.device)
+    return {c.name: plan_for(call.problem, c.name, dev, "forward")
+            for c in get_backend(backend).configs(call.problem, dev) if c.pruned is None}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -96,7 +115,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=DTYPE) for _ in range(3))
-    block_mask, sparse = window_block_mask(L)
+    block_mask, sparse = window_block_mask()
     rows = []
 
     compiled = torch.compile(flex_attention, mode="max-autotune-no-cudagraphs")
@@ -106,32 +125,28 @@ def main() -> None:
     rows.append(dict(name="flex max-autotune", ms=ms, kernels=kernels, bytes=floor_bytes(64, 128)))
 
     call = AttnCall("block_sparse", q, k, v, D**-0.5, sparse=sparse)
-    p, dev = call.problem, device_info(q.device)
-    for cfg in BACKEND.configs(p, dev):
-        if cfg["block_m"] != 64 or BACKEND.prune(p, dev, cfg) or cfg["schedule"] != "tile" or not cfg.get("tma"):
+    for name, plan in listed("triton", call).items():
+        cfg = Config.parse(name.partition(":")[2])
+        if cfg["block_m"] != 64 or cfg["schedule"] != "tile" or not cfg.get("tma"):
             continue
-        fn = lambda cfg=cfg: BACKEND.run(call, cfg)[0]  # noqa: E731
+        fn = lambda plan=plan: plan.launch(call)[0]  # noqa: E731
         err = rel_err(fn(), ref)
         ms, kernels = device_ms(fn)
         grain = cfg["block_n"] if cfg.get("tile_list") else 128
-        rows.append(dict(name=f"ours {cfg}", ms=ms, kernels=kernels, rel_err=err,
-                         bytes=floor_bytes(64, grain)))
+        rows.append(dict(name=f"ours {cfg}", ms=ms, kernels=kernels, rel_err=err, bytes=floor_bytes(64, grain)))
 
-    from inductor_attn.backends import fa4
-
-    reason = fa4.BACKEND.supports(p, dev)
-    for cfg in [] if reason else fa4.BACKEND.configs(p, dev):
-        if fa4.BACKEND.prune(p, dev, cfg):
-            continue
-        fn = lambda cfg=cfg: fa4.BACKEND.run(call, cfg)[0]  # noqa: E731
+    fa4 = get_backend("fa4")
+    reason = fa4.supports(call.problem, device_info(q.device))
+    for name, plan in ({} if reason else listed("fa4", call)).items():
+        fn = lambda plan=plan: plan.launch(call)[0]  # noqa: E731
         try:
             err = rel_err(fn(), ref)
             ms, kernels = device_ms(fn)
         except Exception as e:  # noqa: BLE001 - one failing FA4 config must not end the run
-            rows.append(dict(name=f"fa4 {cfg}", error=f"{type(e).__name__}: {str(e)[:200]}"))
+            rows.append(dict(name=name, error=f"{type(e).__name__}: {str(e)[:200]}"))
             continue
         # FA4's sm_90 forward uses 128-row tiles over the mask's 128-key blocks
-        rows.append(dict(name=f"fa4 {cfg}", ms=ms, kernels=kernels, rel_err=err, bytes=floor_bytes(128, 128)))
+        rows.append(dict(name=name, ms=ms, kernels=kernels, rel_err=err, bytes=floor_bytes(128, 128)))
     if reason:
         rows.append(dict(name="fa4", error=reason))
 

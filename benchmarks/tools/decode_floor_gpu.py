@@ -1,18 +1,18 @@
-"""Where split-K decode's time goes, for the issue's decode targets: ours vs a kernel that only reads.
+"""Where split-K decode's time goes: ``triton_decode`` against a kernel that only reads the same bytes.
 
-    PYTHONPATH=. python benchmarks/decode_floor_gpu.py --out DIR      (about a minute on an H100)
+    PYTHONPATH=. python benchmarks/tools/decode_floor_gpu.py --out DIR      (about a minute on an H100)
 
-For each target shape (bf16, Lq 1):
-1. every tuned ``triton_decode`` config, timed as decode_gpu.py times it (CUDA-graph replay over rotating
-   input copies, L2 flushed before each replay); the best one also gets each kernel's device time from
-   the profiler (partial and combine apart), which shows launch gaps and the combine's share;
+For each decode target of issue #4 (bf16, Lq 1, no kv_seqlens):
+1. every runnable ``triton_decode`` config through its plan, timed with the tuner's timer
+   (``CudaGraphTimer``: graph replay over rotating input copies, L2 flushed before each replay); the
+   best one also gets each kernel's device time from the profiler (partial and combine apart), which
+   shows launch gaps and the combine's share;
 2. the read floor: one Triton kernel that reads the same K and V bytes once (summing them) and nothing
    else, on 128..2048 programs, timed the same way: what any decode kernel moving these bytes can reach
    on this device under this timer;
 3. SDPA (enable_gqa) as users call it.
-Fractions are of the 1 GiB copy bandwidth measured in the same run (decode_gpu.copy_bandwidth_gbps).
-
-Writes DIR/decode_floor_gpu.json and prints a table.
+Fractions are of the copy bandwidth the benchmark measures (``bench.runner.measure_copy_gbps``), bytes
+as the benchmark counts them (``bench.metrics.decode_bytes``). Writes DIR/decode_floor_gpu.json.
 """
 
 from __future__ import annotations
@@ -20,20 +20,28 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
+import statistics
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from decode_gpu import case_name, copy_bandwidth_gbps, input_copies, make_inputs, moved_bytes, time_ms
-from triton_flash_gpu import kernel_ms
 
-from inductor_attn.bench.runner import git_commit
+from inductor_attn.backends import AttnCall, get_backend, plan_for
+from inductor_attn.bench.metrics import decode_bytes
+from inductor_attn.bench.runner import git_commit, measure_copy_gbps
+from inductor_attn.device import device_info
+from inductor_attn.tuning.timing import CudaGraphTimer, kernel_ms
 
 SHAPES = [(1, 32, 16, 256, 4096), (1, 32, 16, 256, 16384), (1, 16, 2, 256, 16384)]  # (B, Hq, Hkv, D, Lkv)
 READ_PROGRAMS = (128, 256, 512, 1024, 2048)
 READ_BLOCK = 4096
+SAMPLES = 40
+# At least two input copies per replay: one replay carries ~10-12 us of fixed cost (graph launch, events;
+# H100 and H200, 24a336e), which a single 268 MB copy at Lkv 16k would pay alone.
+ROTATE_BYTES, MIN_COPIES, MAX_COPIES = 256 << 20, 2, 32
 
 
 @triton.jit
@@ -46,10 +54,29 @@ def _read_sum(X, OUT, per_program, BLOCK: tl.constexpr):
     tl.store(OUT + tl.program_id(0), tl.sum(acc, 0))
 
 
+def case_name(shape) -> str:
+    b, hq, hkv, d, lk = shape
+    return f"B{b} Hq{hq} Hkv{hkv} D{d} Lkv{lk}"
+
+
+def calls_for(shape) -> list[AttnCall]:
+    b, hq, hkv, d, lk = shape
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    one = 2 * b * (hkv * lk + hq) * d * 2
+    copies = max(MIN_COPIES, min(MAX_COPIES, math.ceil(ROTATE_BYTES / one)))
+    make = lambda h, n: torch.randn(b, h, n, d, generator=gen, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    return [AttnCall("attention", make(hq, 1), make(hkv, lk), make(hkv, lk), d ** -0.5) for _ in range(copies)]
+
+
+def time_ms(fns) -> float:
+    runner = CudaGraphTimer().prepare(fns)
+    return statistics.median(runner.sample() for _ in range(SAMPLES))
+
+
 def fastest(candidates: dict[str, list]) -> tuple[list[dict], dict]:
     """Time each candidate (name -> one callable per input copy); the fastest also gets its kernels'
     device times. Returns every (name, ms) row and the fastest one."""
-    rows = [dict(name=name, ms=time_ms(fns)[0]) for name, fns in candidates.items()]
+    rows = [dict(name=name, ms=time_ms(fns)) for name, fns in candidates.items()]
     best = dict(min(rows, key=lambda r: r["ms"]))
     best["kernel_ms"] = kernel_ms(candidates[best["name"]])
     return rows, best
@@ -69,23 +96,18 @@ def read_floor_candidates(kv_copies: list[torch.Tensor]) -> dict[str, list]:
 
 
 def run_shape(shape, copy_gbps: float) -> dict:
-    from inductor_attn.backends import AttnCall
-    from inductor_attn.backends.triton_decode import BACKEND
-    from inductor_attn.device import device_info
-
-    inputs = make_inputs(shape, input_copies(shape))
-    frac_copy = lambda ms: moved_bytes(shape) / (ms * 1e-3) / 1e9 / copy_gbps  # noqa: E731
-    calls = [AttnCall("attention", q, k, v, shape[3] ** -0.5) for q, k, v in inputs]
-    dev = device_info("cuda")
-    ours, best = fastest({str(cfg): [lambda c=c, cfg=cfg: BACKEND.run(c, cfg) for c in calls]
-                          for cfg in BACKEND.configs(calls[0].problem, dev)
-                          if not BACKEND.prune(calls[0].problem, dev, cfg)})
-    sdpa_ms, _ = time_ms([lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-                          for q, k, v in inputs])
-    kv = [torch.stack([k, v]) for _, k, v in inputs]
-    del inputs, calls
+    calls = calls_for(shape)
+    moved = decode_bytes(calls[0])
+    frac_copy = lambda ms: moved / (ms * 1e-3) / 1e9 / copy_gbps  # noqa: E731
+    dev, problem = device_info("cuda"), calls[0].problem
+    runnable = [c.name for c in get_backend("triton_decode").configs(problem, dev) if c.pruned is None]
+    plans = {name: plan_for(problem, name, dev, "forward") for name in runnable}
+    ours, best = fastest({name: [lambda c=c, p=plan: p.launch(c) for c in calls] for name, plan in plans.items()})
+    sdpa_ms = time_ms([lambda c=c: F.scaled_dot_product_attention(c.q, c.k, c.v, enable_gqa=True) for c in calls])
+    kv = [torch.stack([c.k, c.v]) for c in calls]
+    del calls, plans
     floor, floor_best = fastest(read_floor_candidates(kv))
-    return dict(case=case_name(shape), bytes=moved_bytes(shape),
+    return dict(case=case_name(shape), bytes=moved,
                 ours=dict(config=best["name"], ms=best["ms"], frac_copy=frac_copy(best["ms"]),
                           kernel_ms=best["kernel_ms"]),
                 read_floor=dict(programs=int(floor_best["name"].split("=")[1]), ms=floor_best["ms"],
@@ -98,7 +120,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    copy_gbps = copy_bandwidth_gbps()
+    copy_gbps = measure_copy_gbps(torch.device("cuda"), CudaGraphTimer())
     results = [run_shape(shape, copy_gbps) for shape in SHAPES]
     print(f"copy bandwidth {copy_gbps:.0f} GB/s")
     print(f"{'case':30} {'ours us':>8} {'of copy':>8} {'read us':>8} {'of copy':>8} {'SDPA us':>8}  ours kernels (us)")

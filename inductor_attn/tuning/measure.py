@@ -1,0 +1,226 @@
+"""Running candidates to measure them: the correctness gate's first call and the interleaved timing loop.
+
+One implementation serves the tuner (tuner.py) and the benchmark (bench/), so what the benchmark reports
+is measured the way decisions are made:
+
+- a :class:`Trial` is anything that can run on a call: a candidate's plan (:func:`candidate_trial`, the
+  code that ships) or, in the benchmark, a user's baseline;
+- :func:`gate` runs a trial once on fresh inputs after poisoning the allocator with NaN, records the
+  first call's wall time (JIT compilation included) and compares the outputs with the reference;
+- :func:`time_trials` times trials that passed in interleaved rounds, one sample of each per round, on
+  rotating copies of the inputs (:func:`input_copies`), with one timer (timing.py), so paired statistics
+  apply (stats.py).
+
+A trial that raises one of its "cannot run here" errors is recorded as failed with the reason; anything
+else is a bug and raises under ``INDUCTOR_ATTN_STRICT=1`` (the test suite sets it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..backends import REFERENCE, AttnCall, Plan, get_backend, plan_for
+from ..device import device_info
+from .correctness import POISON, check_output, check_tensor, rel_err
+
+log = logging.getLogger(__name__)
+
+# Exceptions that mean "this candidate cannot run this problem here": launch, resource and library
+# assertion errors (CUDA errors are RuntimeErrors), plus what each backend declares in ``errors()``
+# (Triton's CompilationError and OutOfResources, CuTe DSL's errors: they derive from Exception only).
+# Anything else is a bug in our code and is re-raised in strict mode.
+CANDIDATE_ERRORS = (RuntimeError, AssertionError, ValueError, NotImplementedError, MemoryError)
+ROTATE_BYTES = 2 * 60 << 20  # input bytes one timed sample reads at least: twice an H200's 60 MB L2
+MAX_COPIES = 8
+
+
+def is_candidate_error(err: BaseException, backend) -> bool:
+    return isinstance(err, CANDIDATE_ERRORS + tuple(backend.errors()))
+
+
+def strict() -> bool:
+    """INDUCTOR_ATTN_STRICT=1 (the test suite sets it): programming errors in a candidate raise."""
+    return os.environ.get("INDUCTOR_ATTN_STRICT") == "1"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def describe(err: BaseException) -> str:
+    """``Type: first non-empty line`` (at most 200 characters): the reason a report shows."""
+    first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+    return f"{type(err).__name__}: {first[:200]}"
+
+
+def fresh_inputs(call: AttnCall, seed: int) -> AttnCall:
+    """Same shapes, strides, dtypes and index tensors as ``call``, new random q/k/v (never zeros)."""
+    gen = torch.Generator(device=call.q.device).manual_seed(seed)
+
+    def like(x: torch.Tensor) -> torch.Tensor:
+        y = torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=x.device)
+        return y.normal_(generator=gen)
+
+    return dataclasses.replace(call, q=like(call.q), k=like(call.k), v=like(call.v), _problem=call._problem)
+
+
+def input_copies(call: AttnCall) -> int:
+    """Input copies to rotate through, so each timed call starts with its data out of L2: enough that
+    one sample reads ``ROTATE_BYTES`` of inputs, at most ``MAX_COPIES``; one off the GPU.
+
+    >>> q = torch.empty(1, 1, 1024, 64, device="meta")
+    >>> input_copies(AttnCall("attention", q, q, q, 1.0))
+    1
+    """
+    if call.q.device.type != "cuda":
+        return 1
+    per_call = sum(t.numel() * t.element_size() for t in (call.q, call.k, call.v)) * 2
+    return int(min(MAX_COPIES, max(1, -(-ROTATE_BYTES // max(per_call, 1)))))
+
+
+# ------------------------------------------------------------------------------------------- trials
+@dataclass(frozen=True)
+class Trial:
+    """Something the gate runs and the timer samples. ``bind(call)`` prepares it for one call's tensors
+    (a plan is built here, so a config that cannot be planned fails like one that cannot launch) and
+    returns the zero-argument run; ``cannot_run(err)``: whether ``err`` means "cannot run here" rather
+    than a bug; ``ours``: a bug of ours raises in strict mode (a user's baseline is torch's code)."""
+
+    name: str
+    bind: Callable[[AttnCall], Callable[[], object]]
+    cannot_run: Callable[[BaseException], bool]
+    ours: bool = True
+
+
+class Direction:
+    """What running a candidate means for forward or backward: its plan's launch (``launch(call)``, or
+    ``launch(call, out, lse, grad_out, grad_lse)`` with the reference's out and lse, a seeded ``grad_out``
+    and, where the loss uses the lse too, a seeded ``grad_lse``), and how outputs are checked."""
+
+    def __init__(self, direction: str, call: AttnCall, grad_lse: bool = False):
+        self.direction = direction
+        self.dev = device_info(call.q.device)
+        self.grads = None
+        if direction == "backward":
+            out, lse = REFERENCE.run(call, None)
+            gen = torch.Generator(device=call.q.device).manual_seed(7)
+            grad_out = torch.empty_like(out).normal_(generator=gen)
+            dlse = torch.empty_like(lse).normal_(generator=gen) if grad_lse else None
+            self.grads = (out, lse, grad_out, dlse)
+
+    def plan(self, call: AttnCall, choice: str) -> Plan:
+        return plan_for(call.problem, choice, self.dev, self.direction)
+
+    def run(self, plan: Plan, call: AttnCall):
+        return plan.launch(call) if self.grads is None else plan.launch(call, *self.grads)
+
+    def reference(self, call: AttnCall):
+        plan = REFERENCE.plan(call.problem, self.dev, None, self.direction)
+        return self.run(plan, call)
+
+    def check(self, got, want, dtype) -> tuple[str | None, float]:
+        """(why ``got`` does not match ``want`` or None, its relative error). A forward that returns the
+        output alone (a user's baseline: no lse) is checked on it alone."""
+        if self.grads is None and isinstance(got, torch.Tensor):
+            return check_tensor("output", got, want[0], dtype), rel_err(got, want[0])
+        if self.grads is None:
+            return check_output(got[0], got[1], want[0], want[1], dtype), rel_err(got[0], want[0])
+        reasons = [check_tensor(name, g, w, dtype) for name, g, w in zip(("dq", "dk", "dv"), got, want)]
+        return next((r for r in reasons if r), None), max(rel_err(g, w) for g, w in zip(got, want))
+
+
+def candidate_trial(choice: str, direction: Direction) -> Trial:
+    """A candidate (``backend:config``) run through its cached plan, the code that ships."""
+    backend = get_backend(choice.partition(":")[0])
+
+    def bind(call: AttnCall):
+        plan = direction.plan(call, choice)
+        return lambda: direction.run(plan, call)
+
+    return Trial(choice, bind, lambda err: is_candidate_error(err, backend))
+
+
+# --------------------------------------------------------------------------------------------- gate
+@dataclass
+class GateResult:
+    status: str  # "passed" | "wrong" | "failed"
+    reason: str | None = None
+    error: float | None = None  # relative error against the reference
+    first_call_s: float | None = None  # wall time of the first call: JIT compilation + one run
+
+
+def gate(trial: Trial, call: AttnCall, expected, check: Callable[[object], tuple[str | None, float]]) -> GateResult:
+    """Run ``trial`` once on ``call`` and ``check`` its outputs (``check(got) -> (reason, rel. error)``).
+
+    The allocator is first filled with NaN where the outputs will likely land (the caching allocator hands
+    freed blocks of the same size class back first), so an output the kernel never writes shows as NaN."""
+    device = call.q.device
+    try:
+        if device.type == "cuda":
+            nbytes = sum(t.numel() * t.element_size() for t in expected)
+            torch.full((max(nbytes // 4, 1),), POISON, dtype=torch.float32, device=device)
+        start = time.perf_counter()
+        got = trial.bind(call)()
+        sync(device)
+        seconds = time.perf_counter() - start
+    except Exception as err:  # noqa: BLE001 - a failing candidate must not crash the user's compile
+        if not trial.cannot_run(err):
+            if strict() and trial.ours:
+                raise
+            log.warning("%s raised %s (a bug, please report): %s", trial.name, type(err).__name__, err)
+        return GateResult("failed", describe(err))
+    reason, error = check(got)
+    return GateResult("wrong" if reason else "passed", reason, error, seconds)
+
+
+# ------------------------------------------------------------------------------------------- timing
+@dataclass
+class Timed:
+    samples: list[float] = field(default_factory=list)  # ms per call, one per round
+    note: str = ""  # the timer's remark (e.g. timed without a CUDA graph)
+    failed: str | None = None  # why it stopped: an error while preparing or sampling it (samples dropped)
+
+
+def time_trials(trials: list[Trial], call: AttnCall, timer, rounds: int, tick=None) -> list[Timed]:
+    """Interleaved rounds with one timer: every trial is bound to each rotating input copy and prepared
+    (warm-up, graph capture), then each round takes one sample of each, so all share the same clock and
+    thermal drift. ``tick()`` is called once per round. A trial that raises one of its "cannot run"
+    errors is marked failed (its memory freed) and the others go on; any other error propagates."""
+    copies = [fresh_inputs(call, seed=100 + i) for i in range(input_copies(call))]
+    results = [Timed() for _ in trials]
+    runners = {}
+    for i, trial in enumerate(trials):
+        try:
+            runners[i] = timer.prepare([trial.bind(c) for c in copies])
+            results[i].note = runners[i].note
+        except Exception as err:
+            if not trial.cannot_run(err):
+                raise
+            _fail(results[i], err, call.q.device)
+    for _ in range(rounds):
+        for i, runner in list(runners.items()):
+            try:
+                results[i].samples.append(runner.sample())
+            except Exception as err:
+                if not trials[i].cannot_run(err):
+                    raise
+                del runners[i]
+                _fail(results[i], err, call.q.device)
+        if tick is not None:
+            tick()
+    runners.clear()  # drops the graphs and their memory pools
+    return results
+
+
+def _fail(timed: Timed, err: Exception, device: torch.device) -> None:
+    timed.failed, timed.samples = f"while timing: {describe(err)}", []
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
