@@ -1,7 +1,8 @@
 """Benchmark suite: ``python -m inductor_attn bench``.
 
 What it measures and how: runner.py (steps), suites.py (workloads), metrics.py (FLOPs and bytes),
-quality.py (two fresh tunes, compile time), report.py (JSON, markdown, plots, RESULTS.md).
+quality.py (two fresh tunes, compile time), report.py (JSON, markdown, plots, RESULTS.md); wall-clock
+suites: overhead.py (host cost of a call), tuning_cost.py (what tuning adds to a compile, cold and warm).
 
 On a machine without a CUDA GPU, ``bench`` exits with status 2 and says so; ``--smoke`` runs the whole
 pipeline on tiny float32 shapes (on a CPU only the reference backend runs), which tests the harness and
@@ -15,7 +16,7 @@ from pathlib import Path
 
 KERNEL_SUITES = ("dense", "decode", "varlen", "block_sparse", "all")
 # suites that time whole calls as a user's wall clock sees them (wallclock.py), not kernels
-WALLCLOCK_SUITES = ("overhead",)
+WALLCLOCK_SUITES = ("overhead", "tuning-cost")
 SUITE_CHOICES = KERNEL_SUITES + WALLCLOCK_SUITES
 
 
