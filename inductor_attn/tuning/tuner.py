@@ -453,9 +453,10 @@ class _Search:
         if gap > 1 + CLOSE:
             return None, f"the two fastest are {gap:.3f}x apart (> {1 + CLOSE:.2f}x): not timed again"
         default = finalists[0]
-        close = [first, second] + ([default] if self.results[default].median_ms <= self.results[first].median_ms
-                                   * (1 + CLOSE) else [])
-        group = [n for n in finalists if n in set(close) or n == default]
+        close = {first, second}
+        if self.results[default].median_ms <= self.results[first].median_ms * (1 + CLOSE):
+            close.add(default)
+        group = [n for n in finalists if n in close or n == default]  # the default pairs every sample
         medians = {n: [self.results[n].median_ms] for n in group}
         with self.phase("timing"):
             for _ in range(NOISE_SESSIONS):
@@ -463,7 +464,7 @@ class _Search:
                     self.results[name].samples += xs
                     medians[name].append(median(xs))
         self.statistics(finalists)
-        contenders = [n for n in group if n in set(close)]
+        contenders = [n for n in group if n in close]
         noise = max(_spread([a / b for a, b in zip(medians[x], medians[y])])
                     for x, y in itertools.combinations(contenders, 2))
         ratios = ", ".join(f"{a / b:.3f}" for a, b in zip(medians[second], medians[first]))

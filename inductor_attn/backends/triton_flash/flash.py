@@ -417,7 +417,8 @@ class ForwardPlan:
             p.len_q, p.len_k, call.scale * LOG2E, call.window_left, 0 if call.causal else call.window_right,
             self.heads_prog, self.num_m, self.num_bh, self.num_tiles, lpt_heads, **meta,
         )
-        if meta["SCHEDULE"] != 0 and compiled is not None:
+        # a warmup's kernel is compiled but not loaded: its register count is known from the first launch
+        if meta["SCHEDULE"] != 0 and compiled is not None and launcher is eager_launcher:
             _record_occupancy(compiled, q.device, key, cfg["num_warps"])
         return out, lse
 
