@@ -107,3 +107,37 @@ def test_a_worker_that_dies_says_why():
     worker.proc.stdin.flush()
     with pytest.raises(WorkerError, match="last stderr line: json.decoder.JSONDecodeError"):
         worker.request("compile", 60, call="/nonexistent", choice=TRITON_FORWARD, direction="forward")
+
+
+class FakeWorker:
+    alive, ready = True, False
+    started = 0
+
+    def __init__(self):
+        FakeWorker.started += 1
+        self.idle_since = time.monotonic()
+
+    def close(self):
+        self.alive = False
+
+
+def test_a_lone_worker_compile_waits_for_its_first_call_unless_a_worker_is_idle(monkeypatch):
+    monkeypatch.setattr(precompile, "Worker", FakeWorker)
+    monkeypatch.setattr(precompile, "_POOL", precompile._Pool())
+    FakeWorker.started = 0
+    assert precompile.compile_all({}, {"fa4:x": ("fa4:x", "forward")}, _call()) == {}
+    assert FakeWorker.started == 0
+
+
+def test_workers_for_a_later_stage_start_early_up_to_the_worker_count(monkeypatch):
+    monkeypatch.setattr(precompile, "Worker", FakeWorker)
+    monkeypatch.setattr(precompile, "_POOL", precompile._Pool())
+    monkeypatch.setenv("INDUCTOR_ATTN_COMPILE_WORKERS", "3")
+    FakeWorker.started = 0
+    precompile.prestart(1)  # one compile to come: not worth a worker
+    assert FakeWorker.started == 0
+    precompile.prestart(7)
+    precompile.prestart(7)  # already started: idle workers count
+    assert FakeWorker.started == 3 and len(precompile._POOL.idle) == 3
+    precompile._POOL.close_idle(older_than_s=0)
+    assert precompile._POOL.idle == []

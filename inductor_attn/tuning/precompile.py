@@ -4,15 +4,18 @@ JIT compilation was about 90% of tuning time (issue 16: seven problems took 140 
 caches and 14 s with warm ones, H200), and the gate used to compile candidates one after another at
 their first call. Now, before a stage's gate (tuner.py):
 
-- plans with ``Plan.compile`` (Triton: ``kernel.warmup``) compile in threads of this process. Triton
-  releases the GIL in its MLIR, LLVM and ptxas stages (triton_common.warmup_launcher), so threads share
-  the cores without another interpreter's start-up;
+- plans with ``Plan.compile`` (Triton: ``kernel.warmup``) compile in threads of this process, as
+  Inductor's max-autotune precompiles its template choices in threads (select_algorithm.py,
+  ``make_precompile_fn``). Triton releases the GIL in its MLIR, LLVM and ptxas stages
+  (triton_common.warmup_launcher), so threads share the cores without another interpreter's start-up;
 - plans without it, of backends with ``compiles_to_disk`` (FA4: its CuTe DSL front end is Python that
   holds the GIL, and fa4.py serializes compiles under a lock), compile in worker processes
-  (subproc.py), as Inductor's max-autotune precompiles in a process pool: each worker runs the
-  candidate's first launch, which leaves the kernels in the disk cache that this process's first launch
-  then loads. Workers stay for ``IDLE_S`` after their last compile, so a burst of problems pays their
-  start-up (a Python interpreter and a CUDA context each) once;
+  (subproc.py), as Inductor compiles its generated kernels in a pool of subprocesses
+  (async_compile.py): each worker runs the candidate's first launch, which leaves the kernels in the
+  disk cache that this process's first launch then loads. A worker's start (an interpreter, a CUDA
+  context, the imports) costs more than one compile, so a lone candidate compiles at its first call
+  unless a worker is idle; the staged search starts workers while its stage 1 runs (tuner.py), and
+  workers stay for ``IDLE_S`` after their last compile, so a burst of problems starts them once;
 - other plans (SDPA's aten ops, flex's torch.compile) compile at their first call in the gate, as before.
 
 ``INDUCTOR_ATTN_COMPILE_WORKERS`` caps the compiles at once per pool (default: the cores this process may
@@ -93,13 +96,15 @@ def timeout_s() -> float:
     return value
 
 
-def compile_all(threads: dict[str, Callable[[], object]], processes: dict[str, tuple[str, str]], call,
-                ) -> dict[str, Compiled]:
+def compile_all(threads: dict[str, Callable[[], object]], processes: dict[str, tuple[str, str]],
+                call) -> dict[str, Compiled]:
     """Run the ``threads`` jobs (name -> compile function) and the ``processes`` jobs (name -> (choice,
     direction), compiled by workers on inputs like ``call``'s) at once; one Compiled per name."""
     workers = max_workers()
     if workers == 0 or not (threads or processes):
         return {}
+    if len(processes) == 1 and not _POOL.idle:
+        processes = {}  # a worker's start (an interpreter, a CUDA context, imports) costs more than one compile
     limit = timeout_s()
     results: dict[str, Compiled] = {}
     side = None
@@ -179,6 +184,15 @@ class _Pool:
         self.idle: list[Worker] = []
         self.lock = threading.Lock()
 
+    def prestart(self, n: int) -> None:
+        """Start workers until ``n`` are idle, without waiting for them to be ready: a stage that will
+        compile in workers finds them started (tuner.py starts them while stage 1 runs)."""
+        with self.lock:
+            fresh = [Worker() for _ in range(n - len(self.idle))]
+            self.idle += fresh
+        if fresh:
+            self._reap_later()
+
     def take(self) -> Worker:
         with self.lock:
             while self.idle:
@@ -192,6 +206,9 @@ class _Pool:
             return
         with self.lock:
             self.idle.append(worker)
+        self._reap_later()
+
+    def _reap_later(self) -> None:
         timer = threading.Timer(IDLE_S + 1, self.close_idle)
         timer.daemon = True
         timer.start()
@@ -206,6 +223,13 @@ class _Pool:
 
 
 _POOL = _Pool()
+
+
+def prestart(candidates: int) -> None:
+    """Start workers for ``candidates`` compiles in worker processes to come (at most max_workers())."""
+    n = min(candidates, max_workers())
+    if n > 1:
+        _POOL.prestart(n)
 
 
 def _in_processes(jobs: dict[str, tuple[str, str]], call, limit: float, workers: int) -> dict[str, Compiled]:

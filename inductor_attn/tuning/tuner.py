@@ -298,6 +298,8 @@ class _Search:
                     res = _gate(self.cands[name], self.mode, self.gate_call, self.expected)
                     if ahead is not None and ahead.seconds is not None and res.compile_s is not None:
                         res.compile_s += ahead.seconds
+                    if ahead is not None and ahead.skipped:
+                        res.note = f"not compiled ahead ({ahead.skipped})"
                     self.results[name] = res
                 self.tick()
         return self.passed(names)
@@ -381,6 +383,9 @@ class _Search:
         """Step 1 of the module doc; returns (finalists, candidates timed in stage 1 only)."""
         groups = self._groups()
         default = self.runnable()[0]
+        # workers for stage 2, started while stage 1 runs: a backend compiling in processes is searched
+        # whenever it comes close, and on Hopper FA4 does
+        precompile.prestart(sum(len(names) - 1 for b, names in groups.items() if get_backend(b).compiles_to_disk))
         reps = self._representatives(groups, default)
         stage1 = self.passed([*reps.values(), default])
         if len(stage1) < 2:  # one backend runs here: its knobs are the whole search
