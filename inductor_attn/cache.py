@@ -200,8 +200,9 @@ def export_priors(path: str | Path | None = None, store: DecisionStore | Layered
                   device=None, commit: str | None = None, command: str = "") -> tuple[Path, int]:
     """Write the decisions measured for ``device`` (default: this machine's GPU) with this process's library
     versions and backend sources as a shipped table (store/priors.py), with the device, the versions, the
-    commit and ``command`` inside: to ``path``, default ``inductor_attn/priors/<device>.json``. Decisions
-    read from shipped tables are not exported again. Returns (path, how many decisions)."""
+    commit and ``command`` inside, and without the timing samples: to ``path``, default
+    ``inductor_attn/priors/<device>.json``. Decisions read from shipped tables are not exported again.
+    Returns (path, how many decisions)."""
     import torch
 
     from .bench.runner import git_commit
@@ -212,7 +213,7 @@ def export_priors(path: str | Path | None = None, store: DecisionStore | Layered
     dev = device or device_info("cuda" if torch.cuda.is_available() else "cpu")
     stale = _stale_check()
     store = _layered(store)
-    rows = [{c: row[c] for c in COLUMNS} for row in store.rows()
+    rows = [_without_samples({c: row[c] for c in COLUMNS}) for row in store.rows()
             if row["device"] == dev.key() and not is_shipped(row) and not stale(row)]
     if store.broken:
         raise StoreError(f"the decision store is unreadable ({store.broken}); no table was written")
@@ -224,6 +225,13 @@ def export_priors(path: str | Path | None = None, store: DecisionStore | Layered
             "commit": commit or git_commit(), "command": command}
     write_table(target, rows, meta)
     return target, len(rows)
+
+
+def _without_samples(row: dict) -> dict:
+    """A row whose candidates keep their statistics but not every timing sample: a table ships in the
+    package, and medians and CIs are what the shortlist and ``cache explain`` read."""
+    candidates = [{**c, "samples": []} for c in row["record"]["candidates"]]
+    return {**row, "record": {**row["record"], "candidates": candidates}}
 
 
 def import_decisions(path: str | Path, store: DecisionStore | LayeredStore | None = None) -> int:

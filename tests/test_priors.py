@@ -117,7 +117,7 @@ def test_the_package_reads_every_table_in_its_priors_directory_unless_turned_off
 
 def test_cache_explain_says_where_each_decision_came_from(fakes, shipped):
     table_row = get_store().rows()[0]
-    assert cache.origin(table_row) == "shipped: cpu.json (cpu, torch %s, commit abc1234)" % torch.__version__
+    assert cache.origin(table_row) == f"shipped: cpu.json (cpu, torch {torch.__version__}, commit abc1234)"
     with inductor_attn.tuning_mode("autotune"):
         decide(_call(), DEV, "forward")
     here = get_store().writable.rows()[0]
@@ -148,3 +148,9 @@ def test_export_priors_tune_measures_the_bench_workloads_and_writes_the_table(fa
     assert data["command"] == "python -m inductor_attn cache export-priors --tune dense --smoke"
     assert [row["winner"] for row in data["decisions"]] == ["b:x=1"]
     assert data["decisions"][0]["record"]["search"] == "exhaustive"
+
+
+def test_an_exported_table_keeps_each_candidates_statistics_but_not_its_samples(shipped):
+    (row,) = read_export(shipped)
+    winner = next(c for c in row["record"]["candidates"] if c["name"] == "b:x=1")
+    assert winner["samples"] == [] and winner["median_ms"] == pytest.approx(0.5, abs=0.05)

@@ -67,6 +67,7 @@ class PriorTable:
         self._rows: list[dict] | None = None
         self._meta: dict = {}
         self._broken: str | None = None
+        self._generation: str | None = None
 
     def _load(self) -> list[dict]:
         if self._rows is None:
@@ -112,10 +113,13 @@ class PriorTable:
         return max(found, key=lambda r: r["created"], default=None)
 
     def generation(self) -> str:
-        try:
-            return hashlib.sha256(self.path.read_bytes()).hexdigest()[:16]
-        except OSError:
-            return ""
+        """The table's content hash, read once: the FX-graph-cache guard asks at every compile."""
+        if self._generation is None:
+            try:
+                self._generation = hashlib.sha256(self.path.read_bytes()).hexdigest()[:16]
+            except OSError:
+                self._generation = ""
+        return self._generation
 
     def health(self):
         from .db import Health
