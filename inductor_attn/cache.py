@@ -200,7 +200,7 @@ def export_priors(path: str | Path | None = None, store: DecisionStore | Layered
                   device=None, commit: str | None = None, command: str = "") -> tuple[Path, int]:
     """Write the decisions measured for ``device`` (default: this machine's GPU) with this process's library
     versions and backend sources as a shipped table (store/priors.py), with the device, the versions, the
-    commit and ``command`` inside, and without the timing samples: to ``path``, default
+    commit and ``command`` inside, without timing samples and host names: to ``path``, default
     ``inductor_attn/priors/<device>.json``. Decisions read from shipped tables are not exported again.
     Returns (path, how many decisions)."""
     import torch
@@ -213,7 +213,7 @@ def export_priors(path: str | Path | None = None, store: DecisionStore | Layered
     dev = device or device_info("cuda" if torch.cuda.is_available() else "cpu")
     stale = _stale_check()
     store = _layered(store)
-    rows = [_without_samples({c: row[c] for c in COLUMNS}) for row in store.rows()
+    rows = [_shippable({c: row[c] for c in COLUMNS}) for row in store.rows()
             if row["device"] == dev.key() and not is_shipped(row) and not stale(row)]
     if store.broken:
         raise StoreError(f"the decision store is unreadable ({store.broken}); no table was written")
@@ -227,11 +227,12 @@ def export_priors(path: str | Path | None = None, store: DecisionStore | Layered
     return target, len(rows)
 
 
-def _without_samples(row: dict) -> dict:
-    """A row whose candidates keep their statistics but not every timing sample: a table ships in the
-    package, and medians and CIs are what the shortlist and ``cache explain`` read."""
+def _shippable(row: dict) -> dict:
+    """A row for a table that ships in the package: its candidates keep their statistics (what the
+    shortlist and ``cache explain`` read) but not every timing sample, and the measuring machine's host
+    name is left out (the table names the device)."""
     candidates = [{**c, "samples": []} for c in row["record"]["candidates"]]
-    return {**row, "record": {**row["record"], "candidates": candidates}}
+    return {**row, "record": {**row["record"], "candidates": candidates, "host": ""}}
 
 
 def import_decisions(path: str | Path, store: DecisionStore | LayeredStore | None = None) -> int:
