@@ -408,6 +408,8 @@ class _Search:
             return stage1, []
         self.gate(later)
         finalists = self.passed([default] + [n for n in self.order if self.cands[n].backend in expanded])
+        if len(finalists) < 2:  # stage 2 added nobody who passed: stage 1's timings decide
+            return stage1, []
         self.time(finalists)
         others = [n for n in stage1 if n not in finalists]
         for name in others:
