@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                         choices=("dense", "decode", "varlen", "block_sparse", "all"),
                         help="first tune every workload of these bench suites into the store (exhaustive search)")
     priors.add_argument("--quick", action="store_true", help="with --tune: the quick subset of each suite")
+    priors.add_argument("--shard", default="1/1", metavar="K/N",
+                        help="with --tune: every N-th workload from the K-th (split a long tune over several calls)")
     priors.add_argument("--smoke", action="store_true", help="with --tune: tiny float32 shapes (tests the command)")
 
     sub.add_parser("bench", help=BENCH_HELP, add_help=False)  # listed here; main() hands its options to bench_parser
@@ -126,12 +128,18 @@ def _import(cache, store, args) -> int:
 
 def _export_priors(cache, store, args) -> int:
     command = " ".join(["python -m inductor_attn cache export-priors", *(["--tune", *args.tune] if args.tune else []),
-                        *(["--quick"] if args.quick else []), *(["--smoke"] if args.smoke else [])])
+                        *(["--quick"] if args.quick else []), *(["--smoke"] if args.smoke else []),
+                        *([f"--shard {args.shard}"] if args.shard != "1/1" else [])])
     if args.tune:
+        from .bench import _shard
         from .bench.tuning_cost import tune_suites
 
+        try:
+            shard = _shard(args.shard)
+        except argparse.ArgumentTypeError as err:
+            raise ValueError(str(err)) from None
         print(f"tuning the workloads of {', '.join(args.tune)} into {store.writable.describe()}")
-        tune_suites(args.tune, args.quick, args.smoke)
+        tune_suites(args.tune, args.quick, args.smoke, shard)
     path, n = cache.export_priors(args.out, store, command=command)
     print(f"wrote {n} decisions to {path}")
     return 0

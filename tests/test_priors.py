@@ -140,7 +140,7 @@ def test_export_priors_tune_measures_the_bench_workloads_and_writes_the_table(fa
     from inductor_attn.bench import suites
 
     tiny = suites.smoke_size(suites.SUITES["dense"][0])
-    monkeypatch.setattr(suites, "select", lambda name, quick=False, smoke=False: [tiny])
+    monkeypatch.setattr(suites, "select", lambda name, **kwargs: [tiny])
     monkeypatch.setattr("inductor_attn.device._cpu_info", lambda: DEV)
     out = tmp_path / "t.json"
     assert main(["cache", "export-priors", "--tune", "dense", "--smoke", "--out", str(out)]) == 0
@@ -155,3 +155,8 @@ def test_an_exported_table_keeps_each_candidates_statistics_but_not_its_samples_
     winner = next(c for c in row["record"]["candidates"] if c["name"] == "b:x=1")
     assert winner["samples"] == [] and winner["median_ms"] == pytest.approx(0.5, abs=0.05)
     assert row["record"]["host"] == ""
+
+
+def test_export_priors_names_a_bad_shard_and_what_it_accepts(tmp_path, capsys):
+    assert main(["cache", "export-priors", "--tune", "dense", "--shard", "3/2", "--out", str(tmp_path / "t.json")]) == 2
+    assert "error: --shard K/N needs 1 <= K <= N, got '3/2'" in capsys.readouterr().err

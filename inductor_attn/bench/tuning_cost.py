@@ -327,13 +327,14 @@ def needed_margin(record, dev) -> float | None:
     return max(found)
 
 
-def tune_suites(suite_names: list[str], quick: bool, smoke: bool) -> int:
+def tune_suites(suite_names: list[str], quick: bool, smoke: bool, shard: tuple[int, int] = (1, 1)) -> int:
     """Tune every workload of ``suite_names`` (forward, exhaustive search, whatever the shipped tables
-    say) into the current store, for ``cache export-priors --tune``; returns how many were stored."""
+    say; one ``shard`` of them) into the current store, for ``cache export-priors --tune``; returns how
+    many were tuned."""
     from ..tuning.decisions import measure
 
     device = _device()
-    workloads = [w for name in suite_names for w in suites.select(name, quick=quick, smoke=smoke)]
+    workloads = [w for name in suite_names for w in suites.select(name, quick=quick, shard=shard, smoke=smoke)]
     for w in workloads:
         call = suites.build(w, device).call
         row = measure(call, "forward", search="exhaustive")
