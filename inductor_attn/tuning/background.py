@@ -62,11 +62,6 @@ def schedule(call, direction: str, key: str, deterministic: bool) -> bool:
     return True
 
 
-def pending() -> int:
-    """Tunes queued or running in this process."""
-    return _QUEUE.unfinished_tasks
-
-
 def _loop() -> None:
     while True:
         try:
