@@ -156,19 +156,8 @@ def test_errors_a_backend_declares_count_as_failed_candidates_even_in_strict_mod
     assert not is_candidate_error(OutOfResources("shared memory"), FakeBackend("other", {"default": (1.0, 0.01)}))
 
 
-@pytest.fixture
-def one_thread():
-    """Host times of real torch code: on a busy machine, each parallel op of a 2-thread pool can wait a
-    scheduler quantum (the reference's launch measured 15 ms instead of 0.2 ms with the cores shared)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("host_s, compiled", [(0.02, "a:default"), (0.0, "b:default")])
-def test_compiled_code_takes_a_traced_candidate_when_the_winners_host_time_eats_its_lead(host_s, compiled,
-                                                                                          one_thread):
+def test_compiled_code_takes_a_traced_candidate_when_the_winners_host_time_eats_its_lead(host_s, compiled):
     a = FakeBackend("a", {"default": (10.0, 0.01)}, traceable=True)
     b = FakeBackend("b", {"default": (5.0, 0.01)}, host_s=host_s)  # faster kernel, launched from Python
     result = _tune(a, b)
