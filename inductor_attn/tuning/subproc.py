@@ -105,7 +105,7 @@ class Worker:
             line = self.replies.get(timeout=timeout_s)
         except queue.Empty:
             self.kill()
-            raise TimeoutError(f"{what} took longer than {timeout_s:.0f} s") from None
+            raise TimeoutError(f"{what} took longer than {timeout_s:g} s") from None
         if line is None:
             raise WorkerError(self._death("it exited"))
         return json.loads(line)
