@@ -11,17 +11,20 @@ Every function takes an optional ``store``: a DecisionStore (one file) or the pr
 from __future__ import annotations
 
 import collections
+import socket
+import time
 import warnings
 from pathlib import Path
 
 from .problem import Problem
 from .store.db import DecisionStore, get_store
-from .store.keys import stale_reason, versions_like
+from .store.keys import library_versions, stale_reason, versions_like
 from .store.layers import LayeredStore
+from .store.priors import is_shipped
 from .store.schema import StoreError
 
-__all__ = ["DecisionStore", "StoreError", "get_store", "list_decisions", "show", "explain", "clear", "export",
-           "import_decisions", "prune", "doctor", "plot", "short_problem"]
+__all__ = ["DecisionStore", "StoreError", "get_store", "list_decisions", "show", "explain", "origin", "clear",
+           "export", "export_priors", "import_decisions", "prune", "doctor", "plot", "short_problem"]
 
 
 def short_problem(problem_key: str) -> str:
@@ -99,12 +102,33 @@ def show(key_prefix: str, store: DecisionStore | LayeredStore | None = None) -> 
     return _one(key_prefix, store)
 
 
+def origin(row: dict, store: DecisionStore | LayeredStore | None = None) -> str:
+    """Where a decision came from: tuned here (this host), a shipped table (store/priors.py), imported or
+    shared (tuned on another host, in the writable store), or a read-only store."""
+    rec = row["record"]
+    if is_shipped(row):
+        return rec["origin"]
+    host = rec.get("host")
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(rec["tuned_at"])) if rec.get("tuned_at") else "?"
+    tuned = f"tuned on host {host} ({when})" if host else f"tuned ({when}; the host was not recorded)"
+    store = _layered(store)
+    layer = next((layer for layer, rows in store.rows_by_layer() if any(r["key"] == row["key"] for r in rows)),
+                 store.writable)
+    if layer is not store.writable:
+        return f"read-only store {layer.describe()}: {tuned}"
+    if host == socket.gethostname():
+        return f"tuned here ({when})"
+    return f"imported or shared: {tuned}"
+
+
 def explain(key_prefix: str, store: DecisionStore | LayeredStore | None = None) -> str:
-    """Why the winner won: every candidate with its median time, CI, correctness and reasons."""
+    """Why the winner won: where the decision came from, how it was searched, and every candidate with its
+    median time, CI, correctness and reasons."""
     row = _one(key_prefix, store)
     rec = row["record"]
     lines = [
         f"decision {row['key'][:16]}  {row['op']}",
+        f"  came from:        {origin(row, store)}",
         f"  problem (bucket): {short_problem(row['problem'])}",
         f"  measured on:      {short_problem(rec['problem'])}  ({rec['timer']} timer)",
         f"  device:           {row['device']}",
@@ -113,6 +137,7 @@ def explain(key_prefix: str, store: DecisionStore | LayeredStore | None = None) 
         f"  why:              {rec['why']}",
         f"  compiled code:    {rec.get('compiled_winner') or row['winner']}  "
         f"({rec.get('compiled_why') or 'the winner'})",
+        *_search_lines(rec),
         "",
         f"  {'candidate':44s} {'status':8s} {'median ms':>10s} {'speedup':>8s} {'95% CI':>15s} "
         f"{'rel.err':>8s} {'1st call s':>10s} {'host ms':>8s}  reason",
@@ -127,6 +152,20 @@ def explain(key_prefix: str, store: DecisionStore | LayeredStore | None = None) 
             f"{c.get('reason') or c.get('note') or ''}"
         )
     return "\n".join(lines)
+
+
+def _search_lines(rec: dict) -> list[str]:
+    """How the tuner searched (tuner.py): staged, exhaustive or a shipped shortlist; the noise between
+    timing sessions; seconds per phase. Records from before these were kept have none of them."""
+    lines = []
+    if rec.get("search"):
+        lines.append(f"  search:           {rec['search']}")
+    if rec.get("noise") is not None or rec.get("noise_note"):
+        noise = "not measured" if rec.get("noise") is None else f"{rec['noise']:.1%}"
+        lines.append(f"  noise:            {noise}: {rec.get('noise_note', '')}")
+    if rec.get("seconds"):
+        lines.append("  seconds:          " + ", ".join(f"{k} {v:.2f}" for k, v in rec["seconds"].items()))
+    return lines
 
 
 def _fmt(x, spec: str) -> str:
@@ -156,6 +195,45 @@ def export(path: str | Path, store: DecisionStore | LayeredStore | None = None) 
     """Write every decision to a JSON file (to ship tuned decisions with a model). The file is replaced
     only once the new one is complete; an unreadable store raises StoreError and leaves it as it was."""
     return _layered(store).export_json(path)
+
+
+def export_priors(path: str | Path | None = None, store: DecisionStore | LayeredStore | None = None, *,
+                  device=None, commit: str | None = None, command: str = "") -> tuple[Path, int]:
+    """Write the decisions measured for ``device`` (default: this machine's GPU) with this process's library
+    versions and backend sources as a shipped table (store/priors.py), with the device, the versions, the
+    commit and ``command`` inside, without timing samples and host names: to ``path``, default
+    ``inductor_attn/priors/<device>.json``. Decisions read from shipped tables are not exported again.
+    Returns (path, how many decisions)."""
+    import torch
+
+    from .bench.runner import git_commit
+    from .device import device_info
+    from .store.priors import PACKAGE_DIR, device_slug, write_table
+    from .store.schema import COLUMNS
+
+    dev = device or device_info("cuda" if torch.cuda.is_available() else "cpu")
+    stale = _stale_check()
+    store = _layered(store)
+    rows = [_shippable({c: row[c] for c in COLUMNS}) for row in store.rows()
+            if row["device"] == dev.key() and not is_shipped(row) and not stale(row)]
+    if store.broken:
+        raise StoreError(f"the decision store is unreadable ({store.broken}); no table was written")
+    if not rows:
+        raise ValueError(f"no current decisions for {dev.key()} in {store.describe()}: tune first (`cache "
+                         "export-priors --tune all` tunes the bench suites' workloads)")
+    target = Path(path) if path is not None else PACKAGE_DIR / f"{device_slug(dev.name)}.json"
+    meta = {"device": dev.name, "device_key": dev.key(), "versions": library_versions(),
+            "commit": commit or git_commit(), "command": command}
+    write_table(target, rows, meta)
+    return target, len(rows)
+
+
+def _shippable(row: dict) -> dict:
+    """A row for a table that ships in the package: its candidates keep their statistics (what the
+    shortlist and ``cache explain`` read) but not every timing sample, and the measuring machine's host
+    name is left out (the table names the device)."""
+    candidates = [{**c, "samples": []} for c in row["record"]["candidates"]]
+    return {**row, "record": {**row["record"], "candidates": candidates, "host": ""}}
 
 
 def import_decisions(path: str | Path, store: DecisionStore | LayeredStore | None = None) -> int:

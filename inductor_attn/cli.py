@@ -34,6 +34,16 @@ def build_parser() -> argparse.ArgumentParser:
     for verb, text in (("export", "write decisions to a JSON file"), ("import", "add decisions from a JSON file"),
                        ("plot", "draw winners and speedups to a PNG")):
         verbs.add_parser(verb, help=text).add_argument("file")
+    priors = verbs.add_parser("export-priors", help="write this GPU's decisions as a shipped table "
+                                                    "(inductor_attn/priors/<device>.json)")
+    priors.add_argument("--out", default=None, help="where to write it (default: the package's priors directory)")
+    priors.add_argument("--tune", nargs="+", default=None, metavar="SUITE",
+                        choices=("dense", "decode", "varlen", "block_sparse", "all"),
+                        help="first tune every workload of these bench suites into the store (exhaustive search)")
+    priors.add_argument("--quick", action="store_true", help="with --tune: the quick subset of each suite")
+    priors.add_argument("--shard", default="1/1", metavar="K/N",
+                        help="with --tune: every N-th workload from the K-th (split a long tune over several calls)")
+    priors.add_argument("--smoke", action="store_true", help="with --tune: tiny float32 shapes (tests the command)")
 
     sub.add_parser("bench", help=BENCH_HELP, add_help=False)  # listed here; main() hands its options to bench_parser
     return parser
@@ -116,13 +126,32 @@ def _import(cache, store, args) -> int:
     return 0
 
 
+def _export_priors(cache, store, args) -> int:
+    command = " ".join(["python -m inductor_attn cache export-priors", *(["--tune", *args.tune] if args.tune else []),
+                        *(["--quick"] if args.quick else []), *(["--smoke"] if args.smoke else []),
+                        *([f"--shard {args.shard}"] if args.shard != "1/1" else [])])
+    if args.tune:
+        from .bench import _shard
+        from .bench.tuning_cost import tune_suites
+
+        try:
+            shard = _shard(args.shard)
+        except argparse.ArgumentTypeError as err:
+            raise ValueError(str(err)) from None
+        print(f"tuning the workloads of {', '.join(args.tune)} into {store.writable.describe()}")
+        tune_suites(args.tune, args.quick, args.smoke, shard)
+    path, n = cache.export_priors(args.out, store, command=command)
+    print(f"wrote {n} decisions to {path}")
+    return 0
+
+
 def _plot(cache, store, args) -> int:
     print(f"plotted {cache.plot(args.file, store)} decisions to {args.file}")
     return 0
 
 
 _CACHE_VERBS = {"list": _list, "show": _show, "explain": _explain, "clear": _clear, "prune": _prune,
-                "doctor": _doctor, "export": _export, "import": _import, "plot": _plot}
+                "doctor": _doctor, "export": _export, "import": _import, "plot": _plot, "export-priors": _export_priors}
 
 
 def _cache(args) -> int:

@@ -207,15 +207,20 @@ def forward(self, q_1, k_1, v_1):
         text = out.getvalue().replace(row["key"][:16], "<key>")
         text = re.sub(r"(?m)^(  device:\s+).*$", r"\1<this CPU>", text)
         text = re.sub(r"(?m)^(  versions:\s+).*$", r"\1<installed versions>", text)
+        text = re.sub(r"tuned here \(.*\)", "tuned here (<date>)", text)
         self.assertExpectedInline("\n".join(line.rstrip() for line in text.splitlines()), """\
 decision <key>  attention/forward
+  came from:        tuned here (<date>)
   problem (bucket): attention float32 B1 H4/2 L32x32 D16 causal
   measured on:      attention float32 B1 H4/2 L24x24 D16 causal  (fake timer)
   device:           <this CPU>
   versions:         <installed versions>
   winner:           b:x=1  (default a:default)
-  why:              2.000x faster than the default a:default (95% CI 2.000-2.000)
-  compiled code:    a:default  (a:default (1.0000 ms, launched by compiled code) is no slower than b:x=1's 0.5000 ms + 2.0000 ms of host time per launch)
+  why:              2.000x faster than the default a:default (95% CI 2.000-2.000; tie margin 2.0%)
+  compiled code:    a:default  (a:default (1.0000 ms, launched by compiled code) is no slower than b:x=1, whose launch takes 2.0000 ms of host time for 0.5000 ms on the device)
+  search:           staged (margin 1.25x)
+  noise:            not measured: the two fastest are 2.000x apart (> 1.10x): not timed again
+  seconds:          compile 0.02, gate 0.02, timing 0.02, total 0.19
 
   candidate                                    status    median ms  speedup          95% CI  rel.err 1st call s  host ms  reason
   a:default                                    passed       1.0000    1.000     1.000-1.000  0.0e+00       0.01

@@ -1,5 +1,8 @@
 """The tuner's decisions on fake backends with known time distributions (no kernels, CPU only)."""
 
+import dataclasses
+import functools
+import re
 import time
 
 import pytest
@@ -161,3 +164,188 @@ def test_compiled_code_takes_a_traced_candidate_when_the_winners_host_time_eats_
     assert result.winner == "b:default" and result.compiled_winner == compiled
     host = next(c for c in result.candidates if c.name == "b:default").host_ms
     assert host >= 1e3 * host_s and next(c for c in result.candidates if c.name == "a:default").traced
+
+
+# --- staged search -------------------------------------------------------------------------------
+def _staged_backends():
+    a = FakeBackend("a", {"default": (1.0, 0.01)})
+    b = FakeBackend("b", {"k=1": (0.95, 0.01), "k=2": (0.5, 0.01)})  # its default is close to the best: searched
+    c = FakeBackend("c", {"x=1": (2.0, 0.01), "x=2": (0.3, 0.01)})  # its default is 2.1x the best: not searched
+    return a, b, c
+
+
+def _tune_with(*backends, search, seed=0, timer=None):
+    call = _call()
+    with only_backends(*backends):
+        cands = enumerate_candidates(call.problem, DEV)
+        return tune(call, cands, timer=timer or FakeTimer(list(backends), seed=seed), rounds=20, search=search)
+
+
+def test_staged_search_expands_only_backends_whose_default_is_within_the_margin():
+    a, b, c = _staged_backends()
+    result = _tune_with(a, b, c, search="staged")
+    by_name = {r.name: r for r in result.candidates}
+    assert result.winner == "b:k=2"
+    assert by_name["b:k=2"].status == "passed"
+    assert by_name["c:x=2"].status == "pruned" and by_name["c:x=2"].compile_s is None  # never ran
+    assert re.fullmatch(r"stage 1: c default 2\.00\d ms, 2\.1\dx the best \(b:k=1 0\.95\d ms\); margin 1\.25x",
+                        by_name["c:x=2"].reason)
+    assert re.fullmatch(r"timed in stage 1 only \(2\.1\dx the best\)", by_name["c:x=1"].note)
+    assert result.search == "staged (margin 1.25x)"
+
+
+def test_exhaustive_search_measures_every_candidate():
+    result = _tune_with(*_staged_backends(), search="exhaustive")
+    assert result.winner == "c:x=2" and result.search == "exhaustive"
+    assert all(r.status == "passed" for r in result.candidates)
+
+
+def test_a_wider_stage_margin_from_the_environment_searches_more_backends(monkeypatch):
+    monkeypatch.setenv("INDUCTOR_ATTN_STAGE_MARGIN", "2.5")
+    assert _tune_with(*_staged_backends(), search=None).winner == "c:x=2"
+
+
+@pytest.mark.parametrize("env, value, message", [
+    ("INDUCTOR_ATTN_STAGE_MARGIN", "0.9", "INDUCTOR_ATTN_STAGE_MARGIN must be a factor >= 1 .*got '0.9'"),
+    ("INDUCTOR_ATTN_SEARCH", "greedy", "INDUCTOR_ATTN_SEARCH must be one of staged, exhaustive, got 'greedy'"),
+])
+def test_bad_search_settings_are_named_with_what_is_accepted(monkeypatch, env, value, message):
+    monkeypatch.setenv(env, value)
+    with pytest.raises(ValueError, match=message):
+        _tune_with(*_staged_backends(), search=None)
+
+
+def test_stage_one_times_a_backends_hand_rule_config_as_its_default():
+    a = FakeBackend("a", {"default": (1.0, 0.01)})
+    c = FakeBackend("c", {"x=1": (2.0, 0.01), "x=2": (0.3, 0.01)}, heuristic="x=2")
+    result = _tune_with(a, c, search="staged")
+    assert result.winner == "c:x=2" and c.calls >= 2  # x=2 represented c; x=1 was searched after
+
+
+def test_a_backend_whose_default_fails_is_represented_by_its_next_candidate():
+    a = FakeBackend("a", {"default": (1.0, 0.01)})
+    b = FakeBackend("b", {"k=1": (0.9, 0.01), "k=2": (0.5, 0.01)}, fail={"k=1"})
+    result = _tune_with(a, b, search="staged")
+    by_name = {r.name: r for r in result.candidates}
+    assert by_name["b:k=1"].status == "failed" and result.winner == "b:k=2"
+
+
+def test_tune_records_wall_seconds_per_phase():
+    result = _tune_with(*_staged_backends(), search="staged")
+    assert {"compile", "gate", "timing", "total"} <= set(result.seconds)
+    assert result.seconds["total"] >= result.seconds["timing"] > 0
+
+
+# --- agreement: between-session noise ---------------------------------------------------------------
+class SessionTimer(FakeTimer):
+    """Each prepared runner (a new timing session) scales its candidate's times by the next factor of
+    ``factors[backend]``: how a ratio moves between processes, which the spread inside one session misses."""
+
+    def __init__(self, backends, factors):
+        super().__init__(backends)
+        self.factors = {name: iter(f) for name, f in factors.items()}
+
+    def prepare(self, fns):
+        runner = super().prepare(fns)
+        factor = next(self.factors[FakeTimer.last[0]], 1.0)
+        inner = runner.sample
+        runner.sample = lambda: inner() * factor
+        return runner
+
+
+def test_close_top_two_are_timed_again_and_a_lead_inside_the_noise_goes_by_prior_order():
+    a = FakeBackend("a", {"default": (1.0, 0.002)})
+    b = FakeBackend("b", {"default": (0.96, 0.002)})  # 4% faster in the first session
+    timer = SessionTimer([a, b], {"a": [1.0, 0.98, 1.03], "b": [1.0, 1.06, 0.97]})
+    result = _tune_with(a, b, search="exhaustive", timer=timer)
+    # b over a per session: 0.960, 1.038, 0.904 -> the ratio moves by 14.8%
+    assert result.noise == pytest.approx(0.148, abs=0.01)
+    assert result.winner == "a:default" and "tie margin" in result.why
+    assert "a:default, b:default timed in 2 more sessions" in result.noise_note
+    assert len(next(r for r in result.candidates if r.name == "b:default").samples) == 60
+
+
+def test_a_lead_larger_than_the_measured_noise_wins():
+    a = FakeBackend("a", {"default": (1.0, 0.002)})
+    b = FakeBackend("b", {"default": (0.95, 0.002)})
+    timer = SessionTimer([a, b], {"a": [1.0, 1.0, 1.0], "b": [1.0, 1.01, 0.995]})
+    result = _tune_with(a, b, search="exhaustive", timer=timer)
+    assert result.winner == "b:default" and result.noise == pytest.approx(0.015, abs=0.005)
+
+
+def test_top_two_far_apart_are_not_timed_again():
+    a = FakeBackend("a", {"default": (1.0, 0.01)})
+    b = FakeBackend("b", {"default": (0.5, 0.01)})
+    result = _tune_with(a, b, search="exhaustive")
+    assert result.noise is None and "x apart (> 1.10x): not timed again" in result.noise_note
+    assert len(next(r for r in result.candidates if r.name == "b:default").samples) == 20
+
+
+# --- compiling ahead -------------------------------------------------------------------------------
+class Compiling(FakeBackend):
+    """Plans with ``compile``: each takes ``compile_s`` (sleeping, as a compiler that releases the GIL),
+    or raises ``compile_errors[cfg]``."""
+
+    def __init__(self, *args, compile_s=0.0, compile_errors=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.compile_s, self.compile_errors, self.compiled = compile_s, compile_errors or {}, []
+
+    def plan(self, p, dev, cfg, direction):
+        return dataclasses.replace(super().plan(p, dev, cfg, direction),
+                                   compile=functools.partial(self._compile, str(cfg)))
+
+    def _compile(self, cfg, call, *grads):
+        time.sleep(self.compile_s)
+        if cfg in self.compile_errors:
+            raise self.compile_errors[cfg]
+        self.compiled.append(cfg)
+
+
+def test_candidates_compile_at_once_before_their_gate(monkeypatch):
+    monkeypatch.setenv("INDUCTOR_ATTN_COMPILE_WORKERS", "4")
+    a = FakeBackend("a", {"default": (1.0, 0.01)})
+    b = Compiling("b", {f"k={i}": (0.9, 0.01) for i in range(4)}, compile_s=0.4)
+    result = _tune_with(a, b, search="exhaustive")
+    assert sorted(b.compiled) == [f"k={i}" for i in range(4)]
+    assert result.seconds["compile"] < 1.2  # four 0.4 s compiles side by side, not 1.6 s one after another
+    assert all(r.compile_s >= 0.4 for r in result.candidates if r.name.startswith("b:"))
+
+
+def test_a_compile_that_fails_drops_its_candidate_with_the_reason():
+    a = FakeBackend("a", {"default": (1.0, 0.01)})
+    b = Compiling("b", {"k=1": (0.5, 0.01)}, compile_errors={"k=1": RuntimeError("ptxas fatal: too many registers")})
+    result = _tune_with(a, b, search="exhaustive")
+    bad = next(r for r in result.candidates if r.name == "b:k=1")
+    assert result.winner == "a:default" and bad.status == "failed" and "ptxas fatal" in bad.reason
+
+
+def test_a_compile_past_its_timeout_drops_the_candidate_and_the_tune_goes_on(monkeypatch):
+    monkeypatch.setenv("INDUCTOR_ATTN_COMPILE_TIMEOUT_S", "0.2")
+    a = FakeBackend("a", {"default": (1.0, 0.01)})
+    b = Compiling("b", {"k=1": (0.5, 0.01)}, compile_s=3.0)
+    start = time.perf_counter()
+    result = _tune_with(a, b, search="exhaustive")
+    bad = next(r for r in result.candidates if r.name == "b:k=1")
+    assert bad.status == "failed" and bad.reason == "compile did not finish within 0.2 s (INDUCTOR_ATTN_COMPILE_TIMEOUT_S)"
+    assert result.winner == "a:default" and time.perf_counter() - start < 2.5
+
+
+def test_a_programming_error_in_a_compile_raises_in_strict_mode():
+    b = Compiling("b", {"k=1": (0.5, 0.01)}, compile_errors={"k=1": TypeError("warmup() got an unexpected keyword")})
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        _tune_with(FakeBackend("a", {"default": (1.0, 0.01)}), b, search="exhaustive")
+
+
+def test_no_compile_workers_means_every_candidate_compiles_at_its_first_call(monkeypatch):
+    monkeypatch.setenv("INDUCTOR_ATTN_COMPILE_WORKERS", "0")
+    b = Compiling("b", {"k=1": (0.5, 0.01)})
+    result = _tune_with(FakeBackend("a", {"default": (1.0, 0.01)}), b, search="exhaustive")
+    assert b.compiled == [] and result.winner == "b:k=1"
+
+
+def test_when_stage_two_adds_nobody_stage_one_decides():
+    a = FakeBackend("a", {"k=1": (1.0, 0.01), "k=2": (0.5, 0.01)}, fail={"k=2"})
+    c = FakeBackend("c", {"default": (3.0, 0.01)})
+    result = _tune_with(a, c, search="staged")
+    assert result.winner == "a:k=1" and "faster than the default" not in result.why
+    assert next(r for r in result.candidates if r.name == "c:default").median_ms == pytest.approx(3.0, abs=0.1)

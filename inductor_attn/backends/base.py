@@ -14,6 +14,10 @@ A backend turns a problem into candidates, and a chosen candidate into a :class:
   and resource failures of its library); anything else a candidate raises is a bug and is reported.
 - ``plan(p, dev, cfg, direction) -> Plan``: everything Python decides for (problem, config, device),
   done once. ``Plan.launch`` only allocates outputs and launches kernels.
+- Compiling ahead (optional, tuning/precompile.py): a plan whose kernels can be compiled without running
+  them, from any thread, offers ``Plan.compile``; a backend whose first launch leaves its compiled kernels
+  in a disk cache that other processes read sets ``compiles_to_disk``, and the tuner then compiles its
+  candidates in worker processes. Either way the tuner compiles every candidate at once before gating.
 
 Nothing in enumeration raises for an unsupported problem: reasons are returned.
 """
@@ -152,12 +156,17 @@ class Plan:
     compiled graph and Inductor's generated code launches the kernels itself; None where that is
     impossible (CuTe DSL kernels, host-side TMA descriptors), and compiled code calls ``launch`` through
     one thin op instead (lowering/). ``warm``: ``traced`` reads what one eager launch records (a
-    persistent grid's programs per SM), so the compile launches once before tracing.
+    persistent grid's programs per SM), so the compile launches once before tracing. ``compile`` takes
+    ``launch``'s arguments and compiles the kernels ``launch`` would run for them without running any
+    (Triton's ``kernel.warmup``); the tuner calls it from worker threads, several at once, so it must be
+    safe there and worth it: the compiler must release the GIL for its long parts. None: the first
+    launch compiles.
     """
 
     launch: Callable[..., tuple[torch.Tensor, ...]]
     traced: Callable[..., tuple[torch.Tensor, ...]] | None = None
     warm: bool = False
+    compile: Callable[..., object] | None = None
 
 
 class Backend:
@@ -170,6 +179,10 @@ class Backend:
     takes_key_mask: bool = False
     takes_grad_lse: bool = True
     has_backward: bool = False
+    # a first launch in another process on the same device leaves the compiled kernels in a disk cache
+    # that this process's first launch loads (FA4's CuTe DSL cache): tuning/precompile.py then compiles
+    # the candidates of plans without ``compile`` in worker processes
+    compiles_to_disk: bool = False
 
     def supports(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> str | None:
         raise NotImplementedError

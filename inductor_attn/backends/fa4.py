@@ -397,6 +397,7 @@ class FA4Backend(Backend):
     knobs = {"tile_mn": str, "mma_pv_is_rs": bool, "intra_wg_overlap": bool, "pack_gqa": bool, "clc": bool,
              "num_splits": int, "deterministic": bool}
     has_backward = True
+    compiles_to_disk = True  # _enable_disk_cache turns FA4's disk cache on unless the user set it either way
 
     # ---------------------------------------------------------------- enumeration (no FA4 needed)
     def supports(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> str | None:

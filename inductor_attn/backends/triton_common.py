@@ -1,5 +1,5 @@
 """What the two Triton backends (triton_flash/, triton_decode.py) share unchanged: how a plan launches a
-kernel eagerly or into a compiled graph, and which Triton errors mean "cannot run here"."""
+kernel eagerly, into a compiled graph or only compiles it, and which Triton errors mean "cannot run here"."""
 
 from __future__ import annotations
 
@@ -28,6 +28,23 @@ def graph_launcher(kernel):
     """Launches that ``make_fx`` records as ``triton_kernel_wrapper_*`` nodes, which Inductor's generated
     code launches itself (``torch.library.wrap_triton``, torch 2.11 and 2.13)."""
     return torch.library.wrap_triton(kernel)
+
+
+def warmup_launcher(kernel):
+    """Launches that only compile: ``kernel[grid](...)`` becomes ``kernel.warmup(..., grid=grid)``, which
+    compiles the kernel for these arguments (or loads it from Triton's disk cache) and returns the compiled
+    kernel without running it. Triton's compile releases the GIL in its MLIR, LLVM and ptxas stages (Triton
+    3.9, compiling for sm_90 on a CPU: another Python thread kept its full speed through every stage), so
+    plans compile in threads side by side (``Plan.compile``)."""
+    return _Warmup(kernel)
+
+
+class _Warmup:
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        return functools.partial(self.kernel.warmup, grid=grid)
 
 
 def traceable() -> bool:

@@ -56,7 +56,7 @@ from ..device import DeviceInfo, smem_per_block
 from ..layout import empty_like_layout
 from ..problem import Problem, next_power_of_two
 from .base import AttnCall, Backend, Candidate, Config, Plan
-from .triton_common import eager_launcher, graph_launcher, traceable, triton_errors
+from .triton_common import eager_launcher, graph_launcher, traceable, triton_errors, warmup_launcher
 
 MAX_LEN_Q = 16
 SPLITS = tuple(2 ** i for i in range(8))  # 1 .. 128
@@ -321,6 +321,10 @@ class DecodePlan:
         self.run(call, out, lse, launcher=graph_launcher, pdl=False)
         return out, lse
 
+    def compile(self, call: AttnCall):
+        out, lse = self.outputs(call)
+        self.run(call, out, lse, launcher=warmup_launcher, pdl=self.pdl)
+
     @staticmethod
     def outputs(call: AttnCall):
         q = call.q
@@ -415,7 +419,7 @@ class TritonDecodeBackend(Backend):
 
     def plan(self, p: Problem, dev: DeviceInfo, cfg: Config, direction: str) -> Plan:
         decode = DecodePlan(p, dev, cfg)
-        return Plan(decode.launch, traced=decode.traced if traceable() else None)
+        return Plan(decode.launch, traced=decode.traced if traceable() else None, compile=decode.compile)
 
 
 def _pruned(p: Problem, dev: DeviceInfo, cfg: Config) -> str | None:

@@ -1,4 +1,4 @@
-"""Running the wall-clock suites (overhead.py, ...) and writing what they measured.
+"""Running the wall-clock suites (overhead.py, tuning_cost.py) and writing what they measured.
 
 Results go to ``--out`` (default: ``<decision store dir>/bench/<suite>-<device>-<time>.json``, never the
 source tree), with the device, date, commit, versions and command inside; the markdown table is printed.
@@ -23,10 +23,10 @@ def run_wallclock_suite(suite: str, *, smoke: bool, quick: bool, part: str, out:
         print(f"error: bench --suite {suite} measures GPU calls and needs a CUDA GPU; add --smoke for a CPU run "
               "of the harness (its numbers mean nothing)", file=sys.stderr)
         return 2
-    from . import overhead, training
+    from . import overhead, training, tuning_cost
     from .runner import git_commit
 
-    module = {"overhead": overhead, "training": training}[suite]
+    module = {"overhead": overhead, "training": training, "tuning-cost": tuning_cost}[suite]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     meta = {"suite": suite, "smoke": smoke, "quick": quick, "part": part, "command": command,
             "commit": commit or git_commit(),

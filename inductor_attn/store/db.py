@@ -41,6 +41,7 @@ from pathlib import Path
 from .._compat import inductor_cache_dir
 from . import transfer
 from .layers import LayeredStore
+from .priors import shipped_layers
 from .schema import COLUMNS, RowError, StoreError, check_row
 from .wal import wal_damage
 
@@ -405,16 +406,18 @@ def _after_write(conn) -> None:
 
 
 def open_layers(primary: Path) -> LayeredStore:
-    """The layers for a store at ``primary``: just it when writable; else it read-only (if it exists) under
-    a writable overlay, with one log line saying where new decisions go."""
+    """The layers for a store at ``primary``: it when writable, else it read-only (if it exists) under a
+    writable overlay, with one log line saying where new decisions go; then the shipped decision tables
+    (priors.py), last, so any decision measured or imported here wins over them."""
+    shipped = shipped_layers()
     access = path_access(primary)
     if access == WRITE:
-        return LayeredStore(DecisionStore(primary, access=WRITE))
+        return LayeredStore(DecisionStore(primary, access=WRITE), shipped)
     read_only = [] if access is None else [DecisionStore(primary, access=access)]
     overlay = _overlay(primary)
     what = "is read-only: its decisions are used" if read_only else "cannot be created here (read-only path)"
     log.warning("inductor_attn: decision store %s %s; new decisions go to %s", primary, what, overlay.describe())
-    return LayeredStore(overlay, read_only)
+    return LayeredStore(overlay, read_only + shipped)
 
 
 def _overlay(primary: Path) -> DecisionStore:

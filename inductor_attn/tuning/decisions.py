@@ -1,14 +1,20 @@
-"""Deciding which candidate runs a call: memo -> store -> tuning or heuristic, per mode.
+"""Deciding which candidate runs a call: memo -> store -> shipped table -> tuning or heuristic, per mode.
 
 Decisions are kept per (direction, bucket, device, mode) in memory, so once a bucket is decided a call
 costs one dict lookup. Decisions are local to the process and never issue a collective: processes that
 share a store tune each bucket once (the others wait for it), and ranks agree where they all meet, in
 ``sync_decisions()`` (see ranks.py; independent tunes can disagree: FlashInfer RFC #3920 saw 86 of 191
 keys differ).
+
+A decision of the shipped tables (store/priors.py) for the bucket shortens an autotune to its top
+candidates and the default, is used as it is in cache-only mode, and runs until the tune lands in
+background mode (background.py). Background decisions made without a measurement are provisional: each
+checks the store at most once a second (``RECHECK_S``) until the tune's decision is there.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -16,13 +22,15 @@ import time
 import torch
 
 from ..backends import AttnCall, Candidate, enumerate_candidates, get_backend
-from ..device import DeviceInfo
+from ..device import DeviceInfo, device_info
 from ..problem import Problem
 from ..store.db import get_store
 from ..store.keys import decision_fields
+from ..store.priors import SHORTLIST, is_shipped, shipped_match, shortlist
+from . import background
 from .modes import current_mode
 from .progress import progress_ticker
-from .ranks import tune_once
+from .ranks import on_device, tune_once
 from .tuner import default_rounds, tune
 
 log = logging.getLogger(__name__)
@@ -33,7 +41,10 @@ _MEMO: dict[tuple, str] = {}
 _ROWS: dict[tuple, dict] = {}
 # choices adopted in sync_decisions, checked against this rank's candidates when the bucket is next met
 _AGREED: dict[tuple, tuple[str, dict | None]] = {}
+# background decisions made without a measurement: memo key -> [next store check (monotonic), decision key]
+_PROVISIONAL: dict[tuple, list] = {}
 _LOCK = threading.RLock()
+RECHECK_S = 1.0
 
 
 def forget_decisions() -> None:
@@ -42,6 +53,7 @@ def forget_decisions() -> None:
         _MEMO.clear()
         _ROWS.clear()
         _AGREED.clear()
+        _PROVISIONAL.clear()
 
 
 def default_choice(cands: list[Candidate]) -> str:
@@ -81,47 +93,111 @@ def _variant(direction: str, grad_lse: bool = False) -> str:
 
 
 def _winner(row: dict, compiled: bool) -> str:
-    """The row's winner, or for compiled code the record's ``compiled_winner`` (tuner.py, step 4)."""
+    """The row's winner, or for compiled code the record's ``compiled_winner`` (tuner.py, step 7)."""
     return (compiled and row["record"].get("compiled_winner")) or row["winner"]
 
 
 def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str, compiled: bool = False,
-                    grad_lse: bool = False) -> tuple[str, dict | None]:
-    """The choice for ``call``, and the store row behind it when a tune backs it (else None). ``compiled``:
-    the choice for compiled code, which pays a plan's Python launch when it cannot be traced. ``grad_lse``:
-    a backward whose loss uses the lse too."""
+                    grad_lse: bool = False) -> tuple[str, dict | None, str | None]:
+    """The choice for ``call``, the store row behind it when a measurement backs it (else None), and the
+    decision key when the choice is provisional (background mode, a tune is queued; else None).
+    ``compiled``: the choice for compiled code, which pays a plan's Python launch when it cannot be
+    traced. ``grad_lse``: a backward whose loss uses the lse too."""
     p = call.problem
     cands = enumerate_candidates(p, dev, direction, grad_lse)
     mode = current_mode(p.device_type)
     if mode == "off":
-        return default_choice(cands), None
+        return default_choice(cands), None, None
     if mode == "heuristic":
-        return heuristic_choice(p, dev, cands), None
+        return heuristic_choice(p, dev, cands), None, None
     runnable = {c.name for c in cands if c.pruned is None}
     if len(runnable) == 1:
-        return default_choice(cands), None
+        return default_choice(cands), None, None
     fields = decision_fields(p.op, _variant(direction, grad_lse), p, dev, _sources(cands))
     store = get_store()
 
     def stored() -> dict | None:
         row = store.get(fields["key"])
-        return row if row is not None and _winner(row, compiled) in runnable else None
+        usable = row is not None and not is_shipped(row) and _winner(row, compiled) in runnable
+        return row if usable else None
 
     row = stored()
     if row is not None:
-        return _winner(row, compiled), row
+        return _winner(row, compiled), row, None
+    prior = shipped_match(store, fields)
+    if prior is not None and _winner(prior, compiled) not in runnable:
+        prior = None
     if mode == "cache-only" or _capturing(call):  # never measure inside a CUDA-graph capture
-        return default_choice(cands), None
+        return (_winner(prior, compiled), prior, None) if prior is not None else (default_choice(cands), None, None)
+    if mode == "background" and not grad_lse:  # the worker tunes without a lse gradient: tune those here
+        background.schedule(call, direction, fields["key"], _variant(direction) != direction)
+        choice = _winner(prior, compiled) if prior is not None else heuristic_choice(p, dev, cands)
+        return choice, prior, fields["key"]
+    row = tune_once(store, fields["key"], call.q.device, lookup=stored,
+                    tune=lambda: _measure(call, cands, direction, fields, store, prior, grad_lse=grad_lse))
+    return _winner(row, compiled), row, None
 
-    def measure() -> dict:
-        with progress_ticker(f"tuning {p.op} {direction}", total=len(runnable) + default_rounds()) as tick:
-            result = tune(call, cands, direction=direction, progress=tick, grad_lse=grad_lse)
-        row = {**fields, "winner": result.winner, "record": result.to_json(), "created": time.time()}
-        store.put(row)
-        return row
 
-    row = tune_once(store, fields["key"], call.q.device, lookup=stored, tune=measure)
-    return _winner(row, compiled), row
+def _measure(call: AttnCall, cands: list[Candidate], direction: str, fields: dict, store, prior: dict | None,
+             search: str | None = None, grad_lse: bool = False) -> dict:
+    """Tune and store; with a shipped decision, only its top candidates and the default are measured."""
+    note = ""
+    if prior is not None:
+        cands, note = _shortlisted(cands, prior)
+    runnable = sum(c.pruned is None for c in cands)
+    with progress_ticker(f"tuning {call.problem.op} {direction}", total=runnable + default_rounds()) as tick:
+        result = tune(call, cands, direction=direction, progress=tick,
+                      search="exhaustive" if note else search, note=note, grad_lse=grad_lse)
+    row = {**fields, "winner": result.winner, "record": result.to_json(), "created": time.time()}
+    store.put(row)
+    return row
+
+
+def measure(call: AttnCall, direction: str = "forward", search: str | None = None) -> dict | None:
+    """Tune ``call``'s bucket now, whatever the store and the shipped tables hold, and store the decision
+    (``cache export-priors --tune`` measures the tables this way); None when only one candidate runs."""
+    p, dev = call.problem, device_info(call.q.device)
+    cands = enumerate_candidates(p, dev, direction)
+    if sum(c.pruned is None for c in cands) < 2:
+        return None
+    fields = decision_fields(p.op, _variant(direction), p, dev, _sources(cands))
+    store = get_store()
+    return on_device(store, call.q.device, lambda: _measure(call, cands, direction, fields, store, None, search))
+
+
+def _shortlisted(cands: list[Candidate], prior: dict) -> tuple[list[Candidate], str]:
+    """``cands`` with all but the default and the shipped decision's top ``SHORTLIST`` pruned, and what was
+    done; ``cands`` unchanged when the shortlist has nothing besides the default that runs here."""
+    origin = prior["record"].get("origin", "a shipped decision")
+    top = set(shortlist(prior, SHORTLIST))
+    default = default_choice(cands)
+    keep = {c.name for c in cands if c.pruned is None and (c.name in top or c.name == default)}
+    if len(keep) < 2:
+        return cands, ""
+    why = f"not timed again: outside the top {SHORTLIST} of the shipped decision ({origin})"
+    shortened = [c if c.name in keep or c.pruned else dataclasses.replace(c, pruned=why) for c in cands]
+    return shortened, f"the top {SHORTLIST} of the shipped decision ({origin}) and the default, timed here"
+
+
+def tune_in_worker(call: AttnCall, direction: str, key: str, deterministic: bool) -> str:
+    """Background mode's tune, in a worker process (subproc.py): measure the bucket under the device claim
+    (its parent holds the claim on ``key``) and store the decision; returns the winner. Raises
+    RuntimeError when this process computes another key than ``key``: its parent registered backends at
+    run time, or has other versions."""
+    p, dev = call.problem, device_info(call.q.device)
+    torch.use_deterministic_algorithms(deterministic)
+    cands = enumerate_candidates(p, dev, direction)
+    fields = decision_fields(p.op, _variant(direction), p, dev, _sources(cands))
+    if fields["key"] != key:
+        raise RuntimeError(f"the worker's decision key differs from the parent's ({fields['key'][:12]} vs "
+                           f"{key[:12]}): backends registered at run time, or other library versions, are not "
+                           f"seen here (registered: {', '.join(sorted(_sources(cands)))})")
+    store = get_store()
+    row = store.get(key)
+    if row is None or is_shipped(row):
+        prior = shipped_match(store, fields)
+        row = on_device(store, call.q.device, lambda: _measure(call, cands, direction, fields, store, prior))
+    return row["winner"]
 
 
 def decide(call: AttnCall, dev: DeviceInfo, direction: str, compiled: bool = False, grad_lse: bool = False) -> str:
@@ -131,16 +207,34 @@ def decide(call: AttnCall, dev: DeviceInfo, direction: str, compiled: bool = Fal
     key = (_variant(direction, grad_lse), call.problem.bucket(), dev.key(), current_mode(call.problem.device_type),
            compiled)
     choice = _MEMO.get(key)
-    if choice is not None:
+    if choice is not None and key not in _PROVISIONAL:
         return choice
     with _LOCK:
+        if key in _PROVISIONAL:
+            _recheck(key, compiled)
         if key not in _MEMO:
-            choice, row = (_adopted(call, dev, direction, key)
-                           or decide_uncached(call, dev, direction, compiled, grad_lse))
+            agreed = _adopted(call, dev, direction, key)
+            choice, row, pending = ((*agreed, None) if agreed
+                                    else decide_uncached(call, dev, direction, compiled, grad_lse))
             if row is not None:
                 _ROWS[key] = row
+            if pending is not None:
+                _PROVISIONAL[key] = [time.monotonic() + RECHECK_S, pending]
             _MEMO[key] = choice
         return _MEMO[key]
+
+
+def _recheck(key: tuple, compiled: bool) -> None:
+    """A provisional decision takes the stored one once its tune has landed."""
+    due, decision_key = _PROVISIONAL[key]
+    if time.monotonic() < due:
+        return
+    row = get_store().get(decision_key)
+    if row is None or is_shipped(row):
+        _PROVISIONAL[key][0] = time.monotonic() + RECHECK_S
+        return
+    del _PROVISIONAL[key]
+    _MEMO[key], _ROWS[key] = _winner(row, compiled), row
 
 
 def _adopted(call: AttnCall, dev: DeviceInfo, direction: str, key: tuple) -> tuple[str, dict | None] | None:
@@ -181,5 +275,6 @@ def adopt_decisions(agreed: dict[tuple, tuple[str, dict | None]]) -> int:
                 changed.add(key[:-1])  # the memo key without its compiled-code flag
             _MEMO.pop(key, None)
             _ROWS.pop(key, None)
+            _PROVISIONAL.pop(key, None)  # the agreed choice stands, not a background tune's later result
             _AGREED[key] = (choice, row)
     return len(changed)

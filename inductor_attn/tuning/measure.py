@@ -122,6 +122,10 @@ class Direction:
     def run(self, plan: Plan, call: AttnCall):
         return plan.launch(call) if self.grads is None else plan.launch(call, *self.grads)
 
+    def compile(self, plan: Plan, call: AttnCall):
+        """Compile ``plan``'s kernels for ``call`` without running them (plans that can, see precompile.py)."""
+        return plan.compile(call) if self.grads is None else plan.compile(call, *self.grads)
+
     def reference(self, call: AttnCall):
         plan = REFERENCE.plan(call.problem, self.dev, None, self.direction)
         return self.run(plan, call)
@@ -189,12 +193,13 @@ class Timed:
     failed: str | None = None  # why it stopped: an error while preparing or sampling it (samples dropped)
 
 
-def time_trials(trials: list[Trial], call: AttnCall, timer, rounds: int, tick=None) -> list[Timed]:
+def time_trials(trials: list[Trial], call: AttnCall, timer, rounds: int, tick=None, seed: int = 100) -> list[Timed]:
     """Interleaved rounds with one timer: every trial is bound to each rotating input copy and prepared
     (warm-up, graph capture), then each round takes one sample of each, so all share the same clock and
     thermal drift. ``tick()`` is called once per round. A trial that raises one of its "cannot run"
-    errors is marked failed (its memory freed) and the others go on; any other error propagates."""
-    copies = [fresh_inputs(call, seed=100 + i) for i in range(input_copies(call))]
+    errors is marked failed (its memory freed) and the others go on; any other error propagates.
+    ``seed``: of the first input copy; a new seed gives a new timing session fresh inputs."""
+    copies = [fresh_inputs(call, seed=seed + i) for i in range(input_copies(call))]
     results = [Timed() for _ in trials]
     runners = {}
     for i, trial in enumerate(trials):

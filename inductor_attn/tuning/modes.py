@@ -1,7 +1,11 @@
 """Tuning modes: how a decision is made when none is cached in memory.
 
-- ``autotune``: stored decision, else measure now and store it (default for CUDA problems);
-- ``cache-only``: stored decision, else the default candidate; never measures;
+- ``autotune``: stored decision, else measure now and store it (default for CUDA problems); a shipped
+  decision (store/priors.py) shortens the measurement to its top candidates;
+- ``background``: stored decision, else at once the shipped decision's winner or the hand rule (as in
+  ``heuristic``), while a worker process measures the bucket and stores the decision for the next
+  compile or process (background.py);
+- ``cache-only``: stored decision, else the shipped decision, else the default candidate; never measures;
 - ``heuristic``: no measurement and no store: today's hand rules decide (each backend's
   ``heuristic``, e.g. FA4's CLC rule, split-K decode iff L_kv >= 256), else the default
   (default for CPU problems, where only the reference runs);
@@ -16,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-MODES = ("autotune", "cache-only", "heuristic", "off")
+MODES = ("autotune", "background", "cache-only", "heuristic", "off")
 ENV_VAR = "INDUCTOR_ATTN_MODE"
 _override: str | None = None
 

@@ -14,8 +14,15 @@ with another rank's collective for another bucket, or waits for a partner that n
   but ranks sharing one GPU (same CUDA device UUID) or measuring on the CPU of one host take turns
   through a second claim, ``device:<host>:<uuid>``: concurrent kernels would skew each other's timings.
 - **Tie-break**: within a tune, candidates whose CI does not exclude the default, or whose median is
-  within ``tuner.TIE_MARGIN`` of the fastest, go by prior order (``tuner._choose``), so independent
-  tunes on separate stores (separate nodes) mostly agree; they may still differ on near-ties.
+  within the tie margin of the fastest, go by prior order (``tuner._choose``); the margin is the larger
+  of ``tuner.TIE_MARGIN`` and the noise measured between timing sessions when the top two are close
+  (tuner.py, step 5). So independent tunes on separate stores (separate nodes) mostly agree; they may
+  still differ where a lead is just above the noise one of them measured.
+- **Background mode** (background.py): a rank that misses the store runs the best known choice at
+  once and queues the bucket; the first rank to take the bucket's claim has its worker process tune it
+  (under the device claim), while the others skip it (``try_claim``) and read the decision from the
+  shared store once it lands, at their next run-time decision or compile. Until then ranks may run
+  different kernels for a bucket, all checked against the reference; ``sync_decisions()`` aligns them.
 - **sync_decisions()**: an explicit collective that users call where every rank provably arrives;
   afterwards every rank runs the same choice for every bucket that any rank had decided.
 """
@@ -110,19 +117,34 @@ def tune_once(store, key: str, device: torch.device, lookup, tune):
     decision = _acquire(store, key, f"the tune of decision {key[:12]}", found=lookup)
     if decision is not None:
         return decision
-    me = (_HOST, os.getpid())
     try:
         decision = lookup()  # the last tuner may have stored it between our last look and our claim
         if decision is not None:
             return decision
-        token = f"device:{device_token(device)}"
-        _acquire(store, token, f"measurements on {token}")
-        try:
-            return tune()
-        finally:
-            store.release(token, *me)
+        return on_device(store, device, tune)
     finally:
-        store.release(key, *me)
+        store.release(key, _HOST, os.getpid())
+
+
+def on_device(store, device: torch.device, measure):
+    """``measure()``'s result, called while this process holds the claim on ``device``'s hardware."""
+    token = f"device:{device_token(device)}"
+    _acquire(store, token, f"measurements on {token}")
+    try:
+        return measure()
+    finally:
+        store.release(token, _HOST, os.getpid())
+
+
+def try_claim(store, key: str) -> bool:
+    """Take the claim on ``key`` unless a live process holds it; never waits (background tuning: the
+    holder's decision will land in the store). Release it with ``release_claim``."""
+    timeout_s = claim_timeout_s()
+    return store.claim(key, _HOST, os.getpid(), lambda h: _stale(h, timeout_s)) is None
+
+
+def release_claim(store, key: str) -> None:
+    store.release(key, _HOST, os.getpid())
 
 
 def agree(per_rank: list[list[tuple]]) -> dict:

@@ -18,7 +18,7 @@ from ...device import DeviceInfo, device_info, smem_per_block
 from ...layout import empty_like_layout
 from ...problem import Problem, next_power_of_two
 from ..base import AttnCall, Backend, Candidate, Config, Plan
-from ..triton_common import eager_launcher, graph_launcher, traceable, triton_available, triton_errors
+from ..triton_common import eager_launcher, graph_launcher, traceable, triton_available, triton_errors, warmup_launcher
 
 # kernel files read (not imported) for the decision key: forward kernel and the backward it delegates to
 KERNEL_SOURCES = [Path(__file__).with_name(n) for n in ("flash_kernel.py", "flash_bwd.py", "flash_bwd_kernels.py")]
@@ -234,12 +234,14 @@ class TritonFlashBackend(Backend):
             from .flash_bwd import backward
 
             return Plan(functools.partial(backward, cfg, eager_launcher),
-                        traced=functools.partial(backward, cfg, graph_launcher) if traceable() else None)
+                        traced=functools.partial(backward, cfg, graph_launcher) if traceable() else None,
+                        compile=functools.partial(backward, cfg, warmup_launcher))
         fwd = ForwardPlan(p, cfg)
         # host-side TMA descriptors cannot be traced (torch 2.11's wrap_triton puts them in a side table
         # of constants), so TMA configs run from compiled code through the thin op instead
         can_trace = traceable() and not fwd.meta["TMA"]
-        return Plan(fwd.launch, traced=fwd.traced if can_trace else None, warm=fwd.meta["SCHEDULE"] != 0)
+        return Plan(fwd.launch, traced=fwd.traced if can_trace else None, warm=fwd.meta["SCHEDULE"] != 0,
+                    compile=fwd.compile)
 
 
 def _sparse_block_ms(block_q: int) -> list[int]:
@@ -383,6 +385,9 @@ class ForwardPlan:
     def traced(self, call: AttnCall):
         return self._run(call, graph_launcher)
 
+    def compile(self, call: AttnCall):
+        return self._run(call, warmup_launcher)
+
     def _run(self, call: AttnCall, launcher):
         from .flash_kernel import LOG2E, flash_fwd_kernel
 
@@ -413,7 +418,8 @@ class ForwardPlan:
             p.len_q, p.len_k, call.scale * LOG2E, call.window_left, 0 if call.causal else call.window_right,
             self.heads_prog, self.num_m, self.num_bh, self.num_tiles, lpt_heads, **meta,
         )
-        if meta["SCHEDULE"] != 0 and compiled is not None:
+        # a warmup's kernel is compiled but not loaded: its register count is known from the first launch
+        if meta["SCHEDULE"] != 0 and compiled is not None and launcher is eager_launcher:
             _record_occupancy(compiled, q.device, key, cfg["num_warps"])
         return out, lse
 

@@ -1,0 +1,181 @@
+"""Shipped decision tables ("priors"): decisions measured on the GPUs this project measures on (H100,
+H200), kept as JSON inside the package and read as the last read-only layers of the store.
+
+A table is ``inductor_attn/priors/<device>.json``: an export file (``schema``, ``decisions``; so
+``cache import`` reads it too) with what it was measured with: ``device``, ``versions``, ``commit``,
+``created`` and the ``command`` that produced it (``python -m inductor_attn cache export-priors``,
+README). ``INDUCTOR_ATTN_PRIORS`` names another directory or file, or ``off``.
+
+How decisions use them (tuning/decisions.py), for the same op, bucket and device:
+- autotune: the shipped decision shortens the search: only the top ``SHORTLIST`` candidates of its record
+  (by median time) and the default are measured here, and the result is stored as a decision of this
+  machine;
+- cache-only: the shipped winner is used as it is;
+- background: the shipped winner runs until the background tune's decision lands.
+
+A shipped row answers for its bucket whatever the library versions it was measured with (``match``):
+kernels rarely swap places between releases, and the shortlist is timed again here anyway. Its record
+carries ``origin`` ("shipped: <file> (...)"), which ``cache explain`` shows. A table that cannot be read
+gives one warning and is skipped.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import re
+import uuid
+import warnings
+from pathlib import Path
+
+from .schema import FORMAT_VERSION, check_export
+
+ENV_VAR = "INDUCTOR_ATTN_PRIORS"
+PACKAGE_DIR = Path(__file__).resolve().parents[1] / "priors"
+SHORTLIST = 3
+
+
+def device_slug(name: str) -> str:
+    """File name stem for a device's table.
+
+    >>> device_slug("NVIDIA H100 80GB HBM3"), device_slug("NVIDIA H200")
+    ('nvidia-h100-80gb-hbm3', 'nvidia-h200')
+    """
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def table_paths() -> list[Path]:
+    """The tables this process reads: every ``*.json`` in the package's priors directory, or in what
+    ``INDUCTOR_ATTN_PRIORS`` names (a directory or one file); none when it is ``off``."""
+    where = os.environ.get(ENV_VAR)
+    if where == "off":
+        return []
+    path = Path(where) if where else PACKAGE_DIR
+    if path.is_file():
+        return [path]
+    return sorted(path.glob("*.json")) if path.is_dir() else []
+
+
+class PriorTable:
+    """One shipped table as a read-only store layer (store/layers.py): ``get`` by exact key, ``rows``, and
+    ``match`` by op, bucket and device whatever the versions."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._rows: list[dict] | None = None
+        self._meta: dict = {}
+        self._broken: str | None = None
+        self._generation: str | None = None
+
+    def _load(self) -> list[dict]:
+        if self._rows is None:
+            self._rows = []
+            try:
+                data = json.loads(self.path.read_bytes())
+                rows = check_export(data, str(self.path))
+            except (OSError, ValueError) as err:
+                self._broken = f"{type(err).__name__}: {err}"
+                warnings.warn(f"inductor_attn: shipped decision table {self.path} is unusable ({self._broken}); "
+                              "continuing without it", RuntimeWarning, stacklevel=4)
+                return self._rows
+            self._meta = {k: v for k, v in data.items() if k != "decisions"}
+            origin = f"shipped: {self.path.name} ({self.summary()})"
+            self._rows = [{**row, "record": {**row["record"], "origin": origin}} for row in rows]
+        return self._rows
+
+    def summary(self) -> str:
+        """Where and with what the table was measured, e.g. ``NVIDIA H200, torch 2.11.0, commit abc1234``."""
+        meta = self._meta
+        torch_version = meta.get("versions", {}).get("torch", "?")
+        return f"{meta.get('device', '?')}, torch {torch_version}, commit {meta.get('commit', '?')}"
+
+    def describe(self) -> str:
+        self._load()
+        return f"{self.path} (shipped, read-only: {self.summary()})"
+
+    @property
+    def broken(self) -> str | None:
+        self._load()
+        return self._broken
+
+    def get(self, key: str) -> dict | None:
+        return next((row for row in self._load() if row["key"] == key), None)
+
+    def rows(self) -> list[dict]:
+        return list(self._load())
+
+    def match(self, op: str, problem: str, device: str) -> dict | None:
+        """The table's decision for this op (with direction), bucket key and device key, measured with any
+        versions; among several, the newest."""
+        found = [r for r in self._load() if (r["op"], r["problem"], r["device"]) == (op, problem, device)]
+        return max(found, key=lambda r: r["created"], default=None)
+
+    def generation(self) -> str:
+        """The table's content hash, read once: the FX-graph-cache guard asks at every compile."""
+        if self._generation is None:
+            try:
+                self._generation = hashlib.sha256(self.path.read_bytes()).hexdigest()[:16]
+            except OSError:
+                self._generation = ""
+        return self._generation
+
+    def health(self):
+        from .db import Health
+
+        report = Health(self.describe())
+        if self.broken:
+            report.error = self.broken
+        else:
+            report.integrity, report.rows = ["ok"], self.rows()
+        return report
+
+
+def shipped_layers() -> list[PriorTable]:
+    return [PriorTable(path) for path in table_paths()]
+
+
+def shipped_match(store, fields: dict) -> dict | None:
+    """The shipped decision for the op, bucket and device of ``fields`` (decision_fields), from the
+    store's shipped layers: one with the same key first, else any versions."""
+    tables = [layer for layer in getattr(store, "read_only", []) if isinstance(layer, PriorTable)]
+    for table in tables:
+        row = table.get(fields["key"])
+        if row is not None:
+            return row
+    matches = [row for t in tables if (row := t.match(fields["op"], fields["problem"], fields["device"]))]
+    return max(matches, key=lambda r: r["created"], default=None)
+
+
+def is_shipped(row: dict) -> bool:
+    return str(row["record"].get("origin", "")).startswith("shipped")
+
+
+def shortlist(row: dict, k: int = SHORTLIST) -> list[str]:
+    """The ``k`` fastest candidates that passed in a decision's record, fastest first.
+
+    >>> rec = {"candidates": [{"name": "a:x", "status": "passed", "median_ms": 2.0},
+    ...                       {"name": "b:y", "status": "passed", "median_ms": 1.0},
+    ...                       {"name": "c:z", "status": "failed", "median_ms": None}]}
+    >>> shortlist({"record": rec}, 3)
+    ['b:y', 'a:x']
+    """
+    timed = [c for c in row["record"]["candidates"] if c["status"] == "passed" and c.get("median_ms") is not None]
+    return [c["name"] for c in sorted(timed, key=lambda c: c["median_ms"])[:k]]
+
+
+def write_table(path: Path, rows: list[dict], meta: dict) -> None:
+    """Write a table: ``meta`` (device, versions, commit, created, command) and the rows. Written next to
+    the target and renamed over it when complete, so a failure leaves an existing table whole."""
+    target = Path(path).resolve()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.tmp")
+    created = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    body = {"schema": FORMAT_VERSION, "created": created, **meta, "decisions": rows}
+    try:
+        tmp.write_text(json.dumps(body, indent=1))
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -1,0 +1,128 @@
+"""Background tuning (``INDUCTOR_ATTN_MODE=background``): a compile never waits for a measurement.
+
+On a miss, decisions.py answers at once with the best choice known without measuring (the shipped
+decision's winner, else the hand rule, else the default) and queues the bucket here. One daemon thread
+per process works through the queue: it claims the bucket's key in the store (ranks.py) and has a worker
+process (subproc.py) tune the bucket under the device claim and store the decision; a bucket that a live
+process has claimed is left to it, since its decision lands in the same store.
+
+The tune runs in another process rather than a thread of this one, so that it holds none of the job's
+GIL and never allocates, synchronizes or captures a CUDA graph in it: while this process captures a
+graph (``mode="reduce-overhead"``), those calls from another thread would break the capture. Its timings
+are taken while the job runs on the same GPU, so they are noisier; the tuner measures that noise and
+decides ties by prior order inside it (tuner.py, step 5).
+
+When the decision lands: run-time decisions of this process switch at their next call after the store
+shows it (checked at most once a second, decisions.py); compiled code keeps the choice it baked until it
+is compiled again, and the FX-graph-cache guard hashes the store's generation, so the next compile bakes
+the new choice instead of replaying the old one; a new process reads it from the store.
+
+The worker sees the backends that importing inductor_attn registers. A decision whose candidates
+include a backend registered at run time (``register_backend``) gets another key in the worker, which
+then refuses it with a warning here; such buckets keep their first choice (use ``autotune`` for them).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+from ..store.db import get_store
+from ..store.priors import is_shipped
+from .ranks import claim_timeout_s, release_claim, try_claim
+from .subproc import Worker, WorkerError, save_call
+
+log = logging.getLogger(__name__)
+
+IDLE_S = 60.0  # the worker holds a CUDA context: it exits when no tune came for this long
+
+_QUEUE: queue.Queue = queue.Queue()
+_SCHEDULED: set[str] = set()  # decision keys queued by this process (each is tuned at most once)
+_LOCK = threading.Lock()
+_STATE: dict = {"thread": None, "worker": None}
+
+
+def schedule(call, direction: str, key: str, deterministic: bool) -> bool:
+    """Queue a background tune of ``call``'s bucket, stored under decision ``key``; False if this process
+    had queued it already. The call's index tensors are copied now: the caller may reuse them."""
+    with _LOCK:
+        if key in _SCHEDULED:
+            return False
+        _SCHEDULED.add(key)
+        if _STATE["thread"] is None:
+            _STATE["thread"] = threading.Thread(target=_loop, name="inductor_attn-background-tuning", daemon=True)
+            _STATE["thread"].start()
+    tmp = Path(tempfile.mkdtemp(prefix="inductor_attn_background_"))
+    save_call(call, tmp / "call.pt")
+    _QUEUE.put((key, direction, deterministic, tmp))
+    return True
+
+
+def _loop() -> None:
+    while True:
+        try:
+            item = _QUEUE.get(timeout=IDLE_S)
+        except queue.Empty:
+            _close_worker()
+            item = _QUEUE.get()
+        key, direction, deterministic, tmp = item
+        try:
+            _tune(key, direction, deterministic, tmp / "call.pt")
+        except (OSError, TimeoutError, WorkerError) as err:
+            log.warning("inductor_attn: background tune of decision %s failed: %s", key[:12], err)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+            _QUEUE.task_done()
+
+
+def _tune(key: str, direction: str, deterministic: bool, path: Path) -> None:
+    store = get_store()
+    if not try_claim(store, key):
+        log.info("inductor_attn: decision %s is being tuned by another process; its result will be used", key[:12])
+        return
+    try:
+        row = store.get(key)
+        if row is not None and not is_shipped(row):
+            return
+        reply = _worker().request("tune", claim_timeout_s(), call=str(path), direction=direction, key=key,
+                                  deterministic=deterministic)
+        if "error" in reply:
+            log.warning("inductor_attn: background tune of decision %s failed: %s", key[:12], reply["error"])
+        else:
+            log.info("inductor_attn: background tune of decision %s chose %s", key[:12], reply["winner"])
+    except (TimeoutError, WorkerError):
+        _STATE["worker"] = None  # killed or dead: the next tune starts another
+        raise
+    finally:
+        release_claim(store, key)
+
+
+def _worker():
+    worker = _STATE["worker"]
+    if worker is None or not worker.alive:
+        worker = _STATE["worker"] = Worker()
+    return worker
+
+
+def _close_worker() -> None:
+    worker, _STATE["worker"] = _STATE["worker"], None
+    if worker is not None:
+        worker.close()
+
+
+def wait(timeout_s: float | None = None) -> bool:
+    """Block until every queued tune of this process is done (tests, benchmarks, scripts that want the
+    decisions stored before they exit); False if ``timeout_s`` passed first."""
+    done = threading.Event()
+
+    def join():
+        _QUEUE.join()
+        done.set()
+
+    threading.Thread(target=join, daemon=True).start()
+    return done.wait(timeout_s)
+

@@ -1,0 +1,267 @@
+"""Compile every candidate at once before the gate, each with a timeout and, if it fails, its reason.
+
+JIT compilation was about 90% of tuning time (issue 16: seven problems took 140 s with cold kernel
+caches and 14 s with warm ones, H200), and the gate used to compile candidates one after another at
+their first call. Now, before a stage's gate (tuner.py):
+
+- plans with ``Plan.compile`` (Triton: ``kernel.warmup``) compile in threads of this process, as
+  Inductor's max-autotune precompiles its template choices in threads (select_algorithm.py,
+  ``make_precompile_fn``). Triton releases the GIL in its MLIR, LLVM and ptxas stages
+  (triton_common.warmup_launcher), so threads share the cores without another interpreter's start-up;
+- plans without it, of backends with ``compiles_to_disk`` (FA4: its CuTe DSL front end is Python that
+  holds the GIL, and fa4.py serializes compiles under a lock), compile in worker processes
+  (subproc.py), as Inductor compiles its generated kernels in a pool of subprocesses
+  (async_compile.py): each worker runs the candidate's first launch, which leaves the kernels in the
+  disk cache that this process's first launch then loads. A worker's start (an interpreter, a CUDA
+  context, the imports) costs more than one compile, so a lone candidate compiles at its first call
+  unless a worker is idle; the staged search starts workers while its stage 1 runs (tuner.py), and
+  workers stay for ``IDLE_S`` after their last compile, so a burst of problems starts them once;
+- other plans (SDPA's aten ops, flex's torch.compile) compile at their first call in the gate, as before.
+
+``INDUCTOR_ATTN_COMPILE_WORKERS`` caps the compiles at once per pool (default: the cores this process may
+use, split among the ranks of the node, at most 8; 0 compiles every candidate at its first call);
+``INDUCTOR_ATTN_COMPILE_TIMEOUT_S`` (default 60 s; a compile took 1-3 s on an H200) bounds each
+candidate's compile. A compile that times out drops its candidate with that reason: a thread cannot be
+stopped and finishes in the background (its result lands in the caches, unused), a worker process is
+killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .subproc import Worker, WorkerError, save_call
+
+log = logging.getLogger(__name__)
+
+WORKERS_ENV = "INDUCTOR_ATTN_COMPILE_WORKERS"
+TIMEOUT_ENV = "INDUCTOR_ATTN_COMPILE_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 60.0
+MAX_WORKERS = 8
+IDLE_S = 60.0  # a worker holds a CUDA context (about 0.5 GB): give it back soon after a burst of tunes
+
+
+@dataclass
+class Compiled:
+    """How one candidate's compile went: ``seconds`` it took; ``error`` the exception it raised (threads);
+    ``reason`` why it failed in a worker or timed out, with ``bug`` true when the worker met an error that
+    is not a candidate error (measure.is_candidate_error). ``skipped``: not compiled ahead (no worker could
+    start), so the gate's first call compiles it."""
+
+    seconds: float | None = None
+    error: BaseException | None = None
+    reason: str | None = None
+    bug: bool = False
+    skipped: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None or self.reason is not None
+
+
+def _positive(env: str, text: str, parse) -> float:
+    try:
+        value = parse(text)
+    except ValueError:
+        value = -1
+    if not value >= 0:
+        raise ValueError(f"{env} must be a non-negative number, got {text!r}")
+    return value
+
+
+def max_workers() -> int:
+    text = os.environ.get(WORKERS_ENV)
+    if text:
+        return int(_positive(WORKERS_ENV, text, int))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)  # torchrun's ranks on this node
+    return max(1, min(MAX_WORKERS, cores // max(ranks, 1)))
+
+
+def timeout_s() -> float:
+    text = os.environ.get(TIMEOUT_ENV)
+    value = _positive(TIMEOUT_ENV, text, float) if text else DEFAULT_TIMEOUT_S
+    if value == 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def compile_all(threads: dict[str, Callable[[], object]], processes: dict[str, tuple[str, str]],
+                call) -> dict[str, Compiled]:
+    """Run the ``threads`` jobs (name -> compile function) and the ``processes`` jobs (name -> (choice,
+    direction), compiled by workers on inputs like ``call``'s) at once; one Compiled per name."""
+    workers = max_workers()
+    if workers == 0 or not (threads or processes):
+        return {}
+    if len(processes) == 1 and not _POOL.idle:
+        processes = {}  # a worker's start (an interpreter, a CUDA context, imports) costs more than one compile
+    limit = timeout_s()
+    results: dict[str, Compiled] = {}
+    side = None
+    if processes:
+        side = threading.Thread(target=lambda: results.update(_in_processes(processes, call, limit, workers)),
+                                daemon=True)
+        side.start()
+    if threads:
+        results.update(_in_threads(threads, call.q.device, limit, workers))
+    if side is not None:
+        side.join()
+    return results
+
+
+def _in_threads(jobs: dict[str, Callable[[], object]], device: torch.device, limit: float,
+                workers: int) -> dict[str, Compiled]:
+    todo = list(jobs.items())
+    started: dict[str, float] = {}
+    results: dict[str, Compiled] = {}
+    cond = threading.Condition()
+
+    def work():
+        device_scope = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+        with device_scope:  # Triton compiles for the thread's current device
+            while True:
+                with cond:
+                    if not todo:
+                        return
+                    name, fn = todo.pop(0)
+                    started[name] = time.monotonic()
+                begin = time.perf_counter()
+                try:
+                    fn()
+                    outcome = Compiled(seconds=time.perf_counter() - begin)
+                except Exception as err:  # noqa: BLE001 - the tuner sorts candidate errors from bugs
+                    outcome = Compiled(seconds=time.perf_counter() - begin, error=err)
+                with cond:
+                    results.setdefault(name, outcome)  # a compile that timed out keeps that reason
+                    cond.notify_all()
+
+    def spawn():
+        threading.Thread(target=work, daemon=True).start()
+
+    for _ in range(min(workers, len(jobs))):
+        spawn()
+    with cond:
+        while len(results) < len(jobs):
+            cond.wait(timeout=0.1)
+            now = time.monotonic()
+            for name, begin in started.items():
+                if name not in results and now - begin > limit:
+                    results[name] = Compiled(seconds=now - begin, reason=_timeout_reason(limit))
+                    spawn()  # that thread is stuck in the compile; the rest still need a thread
+    return results
+
+
+def _lost(err: Exception, worker: Worker, limit: float, name: str) -> Compiled:
+    """A worker that timed out (it was killed) or died: while compiling ``name``, the candidate is dropped
+    (a crash there would have crashed this process in the gate); before it was ready, ``name`` compiles
+    at its first call instead."""
+    if not worker.ready:
+        log.warning("inductor_attn: no compile worker (%s); %s compiles at its first call", err, name)
+        return Compiled(skipped=str(err))
+    if isinstance(err, TimeoutError):
+        return Compiled(seconds=limit, reason=_timeout_reason(limit))
+    return Compiled(reason=f"the compile worker died compiling it: {err}")
+
+
+def _timeout_reason(limit: float) -> str:
+    return f"compile did not finish within {limit:g} s ({TIMEOUT_ENV})"
+
+
+class _Pool:
+    """Idle workers kept for ``IDLE_S``; a timer closes the ones idle longer."""
+
+    def __init__(self):
+        self.idle: list[Worker] = []
+        self.lock = threading.Lock()
+
+    def prestart(self, n: int) -> None:
+        """Start workers until ``n`` are idle, without waiting for them to be ready: a stage that will
+        compile in workers finds them started (tuner.py starts them while stage 1 runs)."""
+        with self.lock:
+            fresh = [Worker() for _ in range(n - len(self.idle))]
+            self.idle += fresh
+        if fresh:
+            self._reap_later()
+
+    def take(self) -> Worker:
+        with self.lock:
+            while self.idle:
+                worker = self.idle.pop()
+                if worker.alive:
+                    return worker
+        return Worker()
+
+    def give_back(self, worker: Worker) -> None:
+        if not worker.alive:
+            return
+        with self.lock:
+            self.idle.append(worker)
+        self._reap_later()
+
+    def _reap_later(self) -> None:
+        timer = threading.Timer(IDLE_S + 1, self.close_idle)
+        timer.daemon = True
+        timer.start()
+
+    def close_idle(self, older_than_s: float = IDLE_S) -> None:
+        now = time.monotonic()
+        with self.lock:
+            stale = [w for w in self.idle if now - w.idle_since >= older_than_s]
+            self.idle = [w for w in self.idle if w not in stale]
+        for worker in stale:
+            worker.close()
+
+
+_POOL = _Pool()
+
+
+def prestart(candidates: int) -> None:
+    """Start workers for ``candidates`` compiles in worker processes to come (at most max_workers())."""
+    n = min(candidates, max_workers())
+    if n > 1:
+        _POOL.prestart(n)
+
+
+def _in_processes(jobs: dict[str, tuple[str, str]], call, limit: float, workers: int) -> dict[str, Compiled]:
+    todo = list(jobs.items())
+    results: dict[str, Compiled] = {}
+    lock = threading.Lock()
+    with tempfile.TemporaryDirectory(prefix="inductor_attn_compile_") as tmp:
+        path = Path(tmp) / "call.pt"
+        save_call(call, path)
+
+        def drive():
+            worker = None
+            while True:
+                with lock:
+                    if not todo:
+                        break
+                    name, (choice, direction) = todo.pop(0)
+                worker = worker or _POOL.take()
+                try:
+                    reply = worker.request("compile", limit, call=str(path), choice=choice, direction=direction)
+                except (TimeoutError, WorkerError) as err:
+                    results[name] = _lost(err, worker, limit, name)
+                    worker = None
+                    continue
+                results[name] = (Compiled(reason=reply["error"], bug=reply["bug"]) if "error" in reply
+                                 else Compiled(seconds=reply["seconds"]))
+            if worker is not None:
+                _POOL.give_back(worker)
+
+        threads = [threading.Thread(target=drive, daemon=True) for _ in range(min(workers, len(jobs)))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return results

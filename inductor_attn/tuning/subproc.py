@@ -1,0 +1,197 @@
+"""Worker processes: compiling candidates whose compiler holds the GIL, and tuning in the background.
+
+A worker is ``python -m inductor_attn.tuning.subproc``: a fresh interpreter, not multiprocessing's spawn,
+which re-imports the user's ``__main__`` and would rerun a script that lacks a ``__main__`` guard. It
+inherits the parent's environment, so it opens the same decision store and the same kernel disk caches,
+and it never starts workers of its own (``INDUCTOR_ATTN_COMPILE_WORKERS=0``). It answers ``ready`` once
+its imports are done, then one JSON line on stdout per JSON request on stdin; what libraries print goes
+to stderr, whose last lines name the cause when a worker dies. It exits when its stdin closes, which
+happens when the parent exits.
+
+Requests (``call``: a file written by :func:`save_call`):
+
+- ``{"op": "compile", "call", "choice", "direction"}``: run the candidate's first launch (its
+  ``Plan.compile`` where it has one) on inputs like the call's, which leaves the compiled kernels in the
+  backend's disk cache; answers ``{"seconds"}``.
+- ``{"op": "tune", "call", "direction", "deterministic", "key"}``: tune the call's bucket (under
+  ``torch.use_deterministic_algorithms(deterministic)``) and store the decision under ``key``
+  (background mode, decisions.py); answers ``{"winner"}``.
+
+A request that fails answers ``{"error": "Type: message", "bug": bool}``: ``bug`` is false for the errors
+that mean "this candidate cannot run here" (measure.is_candidate_error).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+STARTUP_TIMEOUT_S = 180.0  # imports torch, triton, the CuTe DSL and a CUDA context: 5-20 s when disks are cold
+_ROOT = str(Path(__file__).resolve().parents[2])  # so a checkout that is not installed imports the same code
+
+
+class WorkerError(RuntimeError):
+    """A worker died, or did not start."""
+
+
+def save_call(call, path: Path) -> None:
+    """Write ``call`` for a worker: q, k, v by shape, strides and dtype (a worker fills them with random
+    values); lengths, index tensors and masks by value, on their device, since kernels read them."""
+    qkv = {name: (tuple(t.shape), tuple(t.stride()), t.dtype) for name, t in
+           (("q", call.q), ("k", call.k), ("v", call.v))}
+    rest = dataclasses.replace(call, q=None, k=None, v=None, _problem=call.problem)
+    torch.save({"call": rest, "qkv": qkv, "device": str(call.q.device)}, path)
+
+
+def load_call(path: Path):
+    """The call :func:`save_call` wrote, with fresh normal q, k, v of the same layouts."""
+    data = torch.load(path, weights_only=False)
+    device = torch.device(data["device"])
+    gen = torch.Generator(device=device).manual_seed(0)
+    qkv = {name: torch.empty_strided(shape, stride, dtype=dtype, device=device).normal_(generator=gen)
+           for name, (shape, stride, dtype) in data["qkv"].items()}
+    return dataclasses.replace(data["call"], **qkv, _problem=data["call"]._problem)
+
+
+class Worker:
+    """The parent's handle on one worker process."""
+
+    def __init__(self):
+        env = {**os.environ, "INDUCTOR_ATTN_COMPILE_WORKERS": "0",
+               "PYTHONPATH": os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))}
+        self.proc = subprocess.Popen([sys.executable, "-m", "inductor_attn.tuning.subproc"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self.replies: queue.Queue = queue.Queue()
+        self.stderr: collections.deque = collections.deque(maxlen=20)
+        self.ready = False
+        self.idle_since = time.monotonic()
+        self._next = 0
+        drains = ((self.proc.stdout, self.replies.put, True), (self.proc.stderr, self.stderr.append, False))
+        self._drains = [threading.Thread(target=_drain, args=args, daemon=True) for args in drains]
+        for thread in self._drains:
+            thread.start()
+
+    def request(self, op: str, timeout_s: float, **fields) -> dict:
+        """Send one request and wait for its answer. Raises TimeoutError after ``timeout_s`` (the worker is
+        then killed: it may be stuck in a compile) and WorkerError if the worker dies or never started."""
+        self._wait_ready()
+        self._next += 1
+        try:
+            self.proc.stdin.write(json.dumps({"id": self._next, "op": op, **fields}) + "\n")
+            self.proc.stdin.flush()
+        except OSError as err:
+            raise WorkerError(self._death(f"cannot write to it ({err})")) from None
+        reply = self._reply(timeout_s, f"{op} request")
+        self.idle_since = time.monotonic()
+        return reply
+
+    def _wait_ready(self) -> None:
+        if not self.ready:
+            self._reply(STARTUP_TIMEOUT_S, "start-up")
+            self.ready = True
+
+    def _reply(self, timeout_s: float, what: str) -> dict:
+        try:
+            line = self.replies.get(timeout=timeout_s)
+        except queue.Empty:
+            self.kill()
+            raise TimeoutError(f"{what} took longer than {timeout_s:g} s") from None
+        if line is None:
+            raise WorkerError(self._death("it exited"))
+        return json.loads(line)
+
+    def _death(self, what: str) -> str:
+        self.kill()
+        self._drains[1].join(timeout=5)  # the last lines of stderr name the cause
+        tail = next((ln for ln in reversed(self.stderr) if ln.strip()), "no output")
+        return f"tuning worker pid {self.proc.pid}: {what} (exit status {self.proc.poll()}; last stderr line: {tail})"
+
+    def close(self) -> None:
+        """Close its stdin (it exits after its current request); kill it if it has not within 10 s."""
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            self.kill()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+def _drain(stream, sink, mark_end: bool) -> None:
+    for line in stream:
+        sink(line.rstrip("\n"))
+    if mark_end:  # the reply queue learns that no answer will come
+        sink(None)
+
+
+# ------------------------------------------------------------------------------------ worker side
+def _compile(req: dict) -> dict:
+    from ..backends import plan_for
+    from ..device import device_info
+    from .measure import Direction, sync
+
+    call = load_call(Path(req["call"]))
+    mode = Direction(req["direction"], call)
+    plan = plan_for(call.problem, req["choice"], device_info(call.q.device), req["direction"])
+    start = time.perf_counter()
+    if plan.compile is not None:
+        mode.compile(plan, call)
+    else:
+        mode.run(plan, call)
+    sync(call.q.device)
+    return {"seconds": time.perf_counter() - start}
+
+
+def _tune(req: dict) -> dict:
+    from .decisions import tune_in_worker
+
+    call = load_call(Path(req["call"]))
+    return {"winner": tune_in_worker(call, req["direction"], req["key"], req["deterministic"])}
+
+
+def _error(err: Exception, req: dict) -> dict:
+    from ..backends import Candidate, backends
+    from .measure import describe, is_candidate_error
+
+    name = Candidate.split(req["choice"])[0] if req.get("choice") else None
+    backend = next((b for b in backends() if b.name == name), None)
+    return {"error": describe(err), "bug": backend is None or not is_candidate_error(err, backend)}
+
+
+def main() -> int:
+    protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # print() and C libraries write to stderr
+    sys.stdout = sys.stderr
+    import inductor_attn.backends  # noqa: F401 - the registry, before saying ready
+
+    protocol.write(json.dumps({"id": 0, "ready": True}) + "\n")
+    handlers = {"compile": _compile, "tune": _tune}
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            reply = handlers[req["op"]](req)
+        except Exception as err:  # noqa: BLE001 - reported to the parent, which decides what it means
+            reply = _error(err, req)
+        protocol.write(json.dumps({"id": req["id"], **reply}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

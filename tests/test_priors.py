@@ -1,0 +1,162 @@
+"""Shipped decision tables (store/priors.py): written by `cache export-priors`, read as the last store layer,
+used by decide() per mode, and named by `cache explain`."""
+
+import json
+import socket
+
+import pytest
+import torch
+from fakes import FakeBackend, FakeTimer
+
+import inductor_attn
+from inductor_attn import cache
+from inductor_attn.backends import AttnCall, only_backends
+from inductor_attn.cli import main
+from inductor_attn.device import DeviceInfo
+from inductor_attn.store import keys
+from inductor_attn.store.db import get_store
+from inductor_attn.store.priors import PACKAGE_DIR, table_paths
+from inductor_attn.store.transfer import read_export
+from inductor_attn.tuning.decisions import decide, forget_decisions
+
+DEV = DeviceInfo("cpu", (0, 0), 2)
+TIMES = {"x=1": (0.5, 0.01), "x=2": (0.6, 0.01), "x=3": (0.7, 0.01), "x=4": (0.8, 0.01), "x=5": (0.9, 0.01)}
+
+
+def _call():
+    q = torch.randn(1, 2, 20, 16)
+    return AttnCall("attention", q, torch.randn(1, 2, 20, 16), torch.randn(1, 2, 20, 16), 0.25)
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    a = FakeBackend("a", {"default": (1.0, 0.01)})
+    b = FakeBackend("b", dict(TIMES))
+    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b]))
+    monkeypatch.setenv("INDUCTOR_ATTN_SEARCH", "exhaustive")
+    with only_backends(a, b):
+        yield a, b
+
+
+@pytest.fixture
+def shipped(fakes, tmp_path, monkeypatch):
+    """A table measured in one store, then a fresh store that reads it: a new machine with the package."""
+    with inductor_attn.tuning_mode("autotune"):
+        decide(_call(), DEV, "forward")
+    path, n = cache.export_priors(tmp_path / "table" / "cpu.json", device=DEV, commit="abc1234", command="test")
+    assert n == 1
+    monkeypatch.setenv("INDUCTOR_ATTN_CACHE_DIR", str(tmp_path / "fresh"))
+    monkeypatch.setenv("INDUCTOR_ATTN_PRIORS", str(path))
+    forget_decisions()
+    a, b = fakes
+    a.calls = b.calls = 0
+    return path
+
+
+def test_an_exported_table_holds_device_versions_commit_command_and_reads_as_an_export(shipped):
+    data = json.loads(shipped.read_text())
+    assert data["device"] == "cpu" and data["commit"] == "abc1234" and data["command"] == "test"
+    assert data["versions"]["torch"] == torch.__version__ and data["created"].endswith("UTC")
+    assert [row["winner"] for row in read_export(shipped)] == ["b:x=1"]
+
+
+def test_a_shipped_decision_shortens_the_autotune_to_its_top_candidates_and_the_default(shipped):
+    with inductor_attn.tuning_mode("autotune"):
+        assert decide(_call(), DEV, "forward") == "b:x=1"
+    row = get_store().writable.rows()[0]  # measured here, stored in this machine's store
+    status = {c["name"]: (c["status"], c["reason"]) for c in row["record"]["candidates"]}
+    assert [n for n, (s, _) in status.items() if s == "passed"] == ["a:default", "b:x=1", "b:x=2", "b:x=3"]
+    assert status["b:x=5"][1].startswith("not timed again: outside the top 3 of the shipped decision (shipped: cpu.json")
+    assert row["record"]["search"].startswith("the top 3 of the shipped decision")
+
+
+def test_cache_only_uses_the_shipped_decision_as_it_is(fakes, shipped):
+    with inductor_attn.tuning_mode("cache-only"):
+        assert decide(_call(), DEV, "forward") == "b:x=1"
+    assert sum(f.calls for f in fakes) == 0 and get_store().writable.rows() == []
+
+
+def test_a_shipped_decision_measured_with_other_versions_still_answers_for_its_bucket(shipped, monkeypatch):
+    monkeypatch.setattr(keys, "library_versions", lambda: {"torch": "9.9.9"})
+    with inductor_attn.tuning_mode("cache-only"):
+        assert decide(_call(), DEV, "forward") == "b:x=1"
+
+
+def test_a_shipped_winner_that_cannot_run_here_is_not_used(fakes, shipped):
+    fakes[1].prune_reasons["x=1"] = "not on this device"
+    with inductor_attn.tuning_mode("cache-only"):
+        assert decide(_call(), DEV, "forward") == "a:default"
+
+
+def test_a_decision_measured_here_wins_over_the_shipped_one(fakes, shipped):
+    fakes[1].times["x=2"] = (0.1, 0.01)
+    with inductor_attn.tuning_mode("autotune"):
+        assert decide(_call(), DEV, "forward") == "b:x=2"
+    forget_decisions()
+    with inductor_attn.tuning_mode("cache-only"):
+        assert decide(_call(), DEV, "forward") == "b:x=2"
+
+
+def test_an_unreadable_table_warns_once_and_is_skipped(fakes, tmp_path, monkeypatch):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema": 1, "decisions": [{"key": "x"}]}')
+    monkeypatch.setenv("INDUCTOR_ATTN_PRIORS", str(bad))
+    with inductor_attn.tuning_mode("cache-only"), pytest.warns(RuntimeWarning, match="bad.json is unusable") as rec:
+        assert decide(_call(), DEV, "forward") == "a:default"
+        forget_decisions()
+        decide(_call(), DEV, "forward")
+    assert len(rec) == 1
+
+
+def test_the_package_reads_every_table_in_its_priors_directory_unless_turned_off(monkeypatch):
+    monkeypatch.delenv("INDUCTOR_ATTN_PRIORS", raising=False)
+    assert table_paths() == sorted(PACKAGE_DIR.glob("*.json"))
+    monkeypatch.setenv("INDUCTOR_ATTN_PRIORS", "off")
+    assert table_paths() == []
+
+
+def test_cache_explain_says_where_each_decision_came_from(fakes, shipped):
+    table_row = get_store().rows()[0]
+    assert cache.origin(table_row) == f"shipped: cpu.json (cpu, torch {torch.__version__}, commit abc1234)"
+    with inductor_attn.tuning_mode("autotune"):
+        decide(_call(), DEV, "forward")
+    here = get_store().writable.rows()[0]
+    assert cache.origin(here).startswith("tuned here (")
+    assert "came from:        tuned here" in cache.explain(here["key"][:12])
+    assert "search:           the top 3 of the shipped decision" in cache.explain(here["key"][:12])
+    elsewhere = {**here, "record": {**here["record"], "host": "node-7"}}
+    get_store().put(elsewhere)
+    assert cache.origin(elsewhere).startswith("imported or shared: tuned on host node-7 (")
+    assert socket.gethostname() != "node-7"
+
+
+def test_export_priors_without_decisions_for_this_device_says_how_to_tune_them(tmp_path, capsys):
+    assert main(["cache", "export-priors", "--out", str(tmp_path / "t.json")]) == 2
+    err = capsys.readouterr().err
+    assert "no current decisions for cpu|sm_0" in err and "`cache export-priors --tune all`" in err
+
+
+def test_export_priors_tune_measures_the_bench_workloads_and_writes_the_table(fakes, tmp_path, monkeypatch, capsys):
+    from inductor_attn.bench import suites
+
+    tiny = suites.smoke_size(suites.SUITES["dense"][0])
+    monkeypatch.setattr(suites, "select", lambda name, **kwargs: [tiny])
+    monkeypatch.setattr("inductor_attn.device._cpu_info", lambda: DEV)
+    out = tmp_path / "t.json"
+    assert main(["cache", "export-priors", "--tune", "dense", "--smoke", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["command"] == "python -m inductor_attn cache export-priors --tune dense --smoke"
+    assert [row["winner"] for row in data["decisions"]] == ["b:x=1"]
+    assert data["decisions"][0]["record"]["search"] == "exhaustive"
+
+
+def test_an_exported_table_keeps_each_candidates_statistics_but_not_its_samples_or_host(shipped):
+    (row,) = read_export(shipped)
+    winner = next(c for c in row["record"]["candidates"] if c["name"] == "b:x=1")
+    assert winner["samples"] == [] and winner["median_ms"] == pytest.approx(0.5, abs=0.05)
+    assert row["record"]["host"] == ""
+
+
+def test_export_priors_names_a_bad_shard_and_what_it_accepts(tmp_path, capsys):
+    assert main(["cache", "export-priors", "--tune", "dense", "--shard", "3/2", "--out", str(tmp_path / "t.json")]) == 2
+    assert "error: --shard K/N needs 1 <= K <= N, got '3/2'" in capsys.readouterr().err

@@ -1,0 +1,131 @@
+"""Background tuning (INDUCTOR_ATTN_MODE=background, tuning/background.py): the decision is made at once,
+the tune lands in the store later and is used from then on.
+
+Most tests replace the worker process with one that tunes in this process (so the fake backends are
+registered); one runs a real worker process on the CPU's Triton interpreter and reference."""
+
+import os
+
+import pytest
+import torch
+from fakes import FakeBackend, FakeTimer
+
+import inductor_attn
+from inductor_attn.backends import AttnCall, only_backends
+from inductor_attn.device import DeviceInfo, device_info
+from inductor_attn.store.db import get_store
+from inductor_attn.tuning import background, decisions
+from inductor_attn.tuning.decisions import decide, forget_decisions
+from inductor_attn.tuning.subproc import load_call
+
+DEV = DeviceInfo("cpu", (0, 0), 2)
+
+
+def _call(lq=20):
+    q = torch.randn(1, 2, lq, 16)
+    return AttnCall("attention", q, torch.randn(1, 2, lq, 16), torch.randn(1, 2, lq, 16), 0.25)
+
+
+class InProcessWorker:
+    """What the worker process does, in this process; counts its tunes."""
+
+    alive, tunes = True, 0
+
+    def request(self, op, timeout_s, call, direction, key, deterministic):
+        InProcessWorker.tunes += 1
+        return {"winner": decisions.tune_in_worker(load_call(call), direction, key, deterministic)}
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    a = FakeBackend("a", {"default": (1.0, 0.01)})
+    b = FakeBackend("b", {"x=1": (0.5, 0.01), "x=2": (0.8, 0.01)}, heuristic="x=2")
+    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b]))
+    monkeypatch.setattr(background, "_SCHEDULED", set())
+    monkeypatch.setattr(background, "_worker", InProcessWorker)
+    monkeypatch.setattr("inductor_attn.device._cpu_info", lambda: DEV)  # the worker side describes the device
+    monkeypatch.setattr(decisions, "RECHECK_S", 0.0)
+    InProcessWorker.tunes = 0
+    with only_backends(a, b):
+        yield a, b
+
+
+def test_background_mode_answers_with_the_hand_rule_at_once_and_takes_the_tune_once_it_lands(fakes):
+    with inductor_attn.tuning_mode("background"):
+        assert decide(_call(), DEV, "forward") == "b:x=2"  # the hand rule: nothing was measured yet
+        assert background.wait(timeout_s=60)
+        assert decide(_call(), DEV, "forward") == "b:x=1"  # the stored tune, from the next call
+    assert [row["winner"] for row in get_store().rows()] == ["b:x=1"] and InProcessWorker.tunes == 1
+
+
+def test_a_new_process_in_background_mode_starts_from_the_stored_decision(fakes):
+    with inductor_attn.tuning_mode("background"):
+        decide(_call(), DEV, "forward")
+        background.wait(timeout_s=60)
+        forget_decisions()
+        assert decide(_call(), DEV, "forward") == "b:x=1"
+    assert InProcessWorker.tunes == 1
+
+
+def test_a_bucket_is_queued_once_per_process(fakes):
+    with inductor_attn.tuning_mode("background"):
+        decide(_call(lq=20), DEV, "forward")
+        forget_decisions()
+        decide(_call(lq=30), DEV, "forward")  # same bucket
+        background.wait(timeout_s=60)
+    assert InProcessWorker.tunes == 1
+
+
+def test_a_bucket_another_live_process_has_claimed_is_left_to_it(fakes, monkeypatch):
+    from inductor_attn.tuning.ranks import _HOST
+
+    schedule = background.schedule
+
+    def schedule_after_a_claim(call, direction, key, deterministic):
+        get_store().claim(key, _HOST, os.getppid(), lambda holder: False)  # our parent: a live process
+        return schedule(call, direction, key, deterministic)
+
+    monkeypatch.setattr(background, "schedule", schedule_after_a_claim)
+    with inductor_attn.tuning_mode("background"):
+        assert decide(_call(), DEV, "forward") == "b:x=2"
+        background.wait(timeout_s=60)
+    assert InProcessWorker.tunes == 0 and get_store().rows() == []
+
+
+def test_a_worker_that_refuses_the_bucket_leaves_the_first_choice(fakes, caplog, monkeypatch):
+    class Refusing(InProcessWorker):
+        def request(self, op, timeout_s, **fields):
+            return {"error": "RuntimeError: the worker's decision key differs from the parent's", "bug": True}
+
+    monkeypatch.setattr(background, "_worker", Refusing)
+    with inductor_attn.tuning_mode("background"):
+        assert decide(_call(), DEV, "forward") == "b:x=2"
+        background.wait(timeout_s=60)
+        assert decide(_call(), DEV, "forward") == "b:x=2"
+    assert "decision key differs" in caplog.text
+
+
+def test_the_worker_refuses_a_key_it_computes_otherwise():
+    with pytest.raises(RuntimeError, match="the worker's decision key differs from the parent's"):
+        decisions.tune_in_worker(_call(), "forward", "0" * 64, False)
+
+
+@pytest.mark.slow
+def test_a_real_worker_process_tunes_the_bucket_and_the_decision_lands_in_the_store(monkeypatch):
+    monkeypatch.setattr(background, "_SCHEDULED", set())
+    monkeypatch.setattr(decisions, "RECHECK_S", 0.0)
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 16, 16), torch.randn(1, 2, 16, 16), torch.randn(1, 2, 16, 16)
+    call = AttnCall("attention", q, k, v, 0.25, causal=True)
+    dev = device_info("cpu")
+    with inductor_attn.tuning_mode("background"):
+        first = decide(call, dev, "forward")
+        assert background.wait(timeout_s=600)
+        rows = get_store().rows()
+        assert len(rows) == 1 and rows[0]["record"]["search"].startswith("staged")
+        assert decide(call, dev, "forward") == rows[0]["winner"]
+    assert first.startswith("triton:")  # no hand rule for this problem: the default, at once
+    background._close_worker()

@@ -1,0 +1,81 @@
+"""`bench --suite tuning-cost` (bench/tuning_cost.py): its comparisons on made-up records, and the whole
+harness at smoke size on the CPU."""
+
+import json
+
+import pytest
+from fakes import FakeBackend, FakeTimer
+
+from inductor_attn.backends import AttnCall, enumerate_candidates, only_backends
+from inductor_attn.bench import suites, tuning_cost
+from inductor_attn.device import DeviceInfo
+from inductor_attn.tuning.tuner import tune
+
+DEV = DeviceInfo("cpu", (0, 0), 2)
+
+
+def _record(medians: dict, noise=None) -> dict:
+    return {"noise": noise, "candidates": [{"name": n, "median_ms": ms} for n, ms in medians.items()]}
+
+
+def test_two_tunes_that_differ_inside_both_records_noise_count_as_inside():
+    first = {"w": {"choice": "a:x", "tune_s": 2.0, "record": _record({"a:x": 1.0, "b:y": 1.03}, noise=0.04)}}
+    second = {"w": {"choice": "b:y", "tune_s": 1.0, "record": _record({"a:x": 1.04, "b:y": 1.0}, noise=0.05)}}
+    (item,) = tuning_cost.compare_tunes(first, second)
+    assert not item["same"] and item["inside_noise"] and item["noise"] == [0.04, 0.05]
+
+
+def test_a_difference_beyond_one_records_noise_is_outside():
+    first = {"w": {"choice": "a:x", "tune_s": 2.0, "record": _record({"a:x": 1.0, "b:y": 1.10}, noise=0.04)}}
+    second = {"w": {"choice": "b:y", "tune_s": 1.0, "record": _record({"a:x": 1.04, "b:y": 1.0}, noise=0.05)}}
+    assert tuning_cost.compare_tunes(first, second)[0]["inside_noise"] is False
+
+
+def test_a_workload_with_one_runnable_candidate_has_no_record_and_agrees():
+    one = {"w": {"choice": "reference:default", "tune_s": 0.0, "record": None}}
+    assert tuning_cost.compare_tunes(one, one) == [{"name": "w", "first": "reference:default",
+                                                    "second": "reference:default", "same": True, "first_s": 0.0,
+                                                    "second_s": 0.0, "noise": [None, None]}]
+
+
+def test_the_summary_names_the_numbers_of_the_targets():
+    result = {
+        "workloads": ["d", "v"], "notes": ["regret: skipped"],
+        "cold": [{"name": "d", "kind": "dense", "cold_added_s": 4.0, "warm_added_s": 0.2},
+                 {"name": "v", "kind": "varlen", "cold_added_s": 9.0}],
+        "agreement": [{"name": "d", "same": True}, {"name": "v", "same": False, "inside_noise": True}],
+        "regret": [{"name": "d", "regret": 0.0, "needed_margin": 1.1}, {"name": "v", "regret": 0.02,
+                                                                         "needed_margin": 1.3}],
+    }
+    summary = tuning_cost.summarize(result)
+    assert summary == {"cold_added_s_max[dense]": 4.0, "warm_added_s_max[dense]": 0.2,
+                       "cold_added_s_max[varlen]": 9.0, "agreement": 0.5, "disagreements_inside_noise": 1,
+                       "disagreements": 1, "regret_median": 0.01, "regret_worst": 0.02, "needed_margin": 1.3}
+    result["summary"] = summary
+    text = tuning_cost.table(result)
+    assert "| d | 4.00 | 0.20 | agree | 0.00% |  |" in text
+    assert "| v | 9.00 |  | differ (inside the noise) | 2.00% |  |" in text and "- note: regret: skipped" in text
+
+
+def test_needed_margin_is_the_stage_one_ratio_that_finds_every_backend_within_one_percent_of_the_best():
+    a = FakeBackend("a", {"default": (1.0, 0.001)})
+    b = FakeBackend("b", {"k=1": (2.0, 0.001), "k=2": (0.9, 0.001)})  # default 2x the best default, best overall
+    q = __import__("torch").randn(1, 2, 16, 16)
+    call = AttnCall("attention", q, q, q, 0.25)
+    with only_backends(a, b):
+        record = tune(call, enumerate_candidates(call.problem, DEV), timer=FakeTimer([a, b]), rounds=10,
+                      search="exhaustive")
+        assert tuning_cost.needed_margin(record, DEV) == pytest.approx(2.0, rel=0.01)
+
+
+@pytest.mark.slow
+def test_smoke_run_measures_every_phase_for_each_workload(monkeypatch, tmp_path):
+    monkeypatch.delenv("TRITON_INTERPRET")  # workers run the reference only: the harness, quickly
+    tiny = [suites.smoke_size(suites.SUITES[kind][0]) for kind in ("dense", "varlen")]
+    monkeypatch.setattr(suites, "select", lambda suite, quick=False, smoke=False: tiny)
+    result = tuning_cost.run(smoke=True, quick=True, device=None)
+    assert [r["name"] for r in result["cold"]] == [w.name for w in tiny]
+    assert all({"cold_added_s", "warm_added_s"} <= set(r) for r in result["cold"])
+    assert [t["same"] for t in result["agreement"]] == [True, True]
+    assert [r["regret"] for r in result["regret"]] == [0.0, 0.0] and result["notes"] == []
+    json.dumps(result)

@@ -1,0 +1,143 @@
+"""Compiling ahead in threads and in worker processes (tuning/precompile.py, tuning/subproc.py), on the CPU.
+
+The worker-process tests start real workers (a fresh interpreter each) that compile real candidates: under
+TRITON_INTERPRET=1 a Triton warmup compiles nothing, so they test the protocol, the call's round trip and
+the handling of failures, timeouts and crashes, not a compiler.
+"""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from inductor_attn.backends import AttnCall
+from inductor_attn.block_mask import BlockSparseMask
+from inductor_attn.tuning import precompile
+from inductor_attn.tuning.subproc import Worker, WorkerError, load_call, save_call
+
+TRITON_FORWARD = "triton:block_m=64,block_n=32,num_stages=2,num_warps=4,schedule=tile"
+
+
+def _call():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 32, 16), torch.randn(1, 2, 32, 16), torch.randn(1, 2, 32, 16)
+    return AttnCall("attention", q, k, v, 0.25, causal=True)
+
+
+def test_a_saved_call_comes_back_with_its_layouts_and_its_index_tensors_by_value(tmp_path):
+    packed = torch.randn(40, 3, 2, 16)  # q, k, v as views of one packed buffer: strides with gaps
+    cu = torch.tensor([0, 15, 40], dtype=torch.int32)
+    call = AttnCall("varlen", packed[:, 0], packed[:, 1], packed[:, 2], 0.25, True, -1, -1, None, cu, cu, 25, 25)
+    save_call(call, tmp_path / "call.pt")
+    back = load_call(tmp_path / "call.pt")
+    for name in ("q", "k", "v"):
+        got, want = getattr(back, name), getattr(call, name)
+        assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype)
+    assert torch.equal(back.cu_seqlens_q, cu) and back.problem == call.problem and back.max_seqlen_k == 25
+
+
+def test_a_saved_block_sparse_call_keeps_its_mask(tmp_path):
+    counts = torch.ones(1, 1, 2, dtype=torch.int32)
+    sparse = BlockSparseMask((64, 64), 32, 32, counts, torch.zeros(1, 1, 2, 1, dtype=torch.int32), None, None,
+                             torch.full((1, 1, 2, 1, 32, 1), -1, dtype=torch.int32), 0.5, 1.0)
+    q = torch.randn(1, 2, 64, 16)
+    call = AttnCall("block_sparse", q, q, q, 0.25, sparse=sparse)
+    save_call(call, tmp_path / "call.pt")
+    back = load_call(tmp_path / "call.pt").sparse
+    assert torch.equal(back.partial_bits, sparse.partial_bits) and back.seq_lengths == (64, 64)
+
+
+def test_threads_run_jobs_side_by_side_and_report_each_outcome(monkeypatch):
+    monkeypatch.setenv("INDUCTOR_ATTN_COMPILE_WORKERS", "3")
+    names = []
+
+    def job(name, fail=False):
+        def run():
+            names.append(threading.current_thread().name)
+            time.sleep(0.3)
+            if fail:
+                raise RuntimeError(f"{name} does not compile")
+        return run
+
+    start = time.perf_counter()
+    got = precompile.compile_all({"a": job("a"), "b": job("b"), "c": job("c", fail=True)}, {}, _call())
+    assert time.perf_counter() - start < 0.8 and len(set(names)) == 3
+    assert got["a"].seconds >= 0.3 and not got["a"].failed
+    assert got["c"].failed and str(got["c"].error) == "c does not compile"
+
+
+@pytest.mark.parametrize("text", ["-1", "many"])
+def test_a_bad_worker_count_is_named_with_what_is_accepted(monkeypatch, text):
+    monkeypatch.setenv("INDUCTOR_ATTN_COMPILE_WORKERS", text)
+    with pytest.raises(ValueError, match=f"INDUCTOR_ATTN_COMPILE_WORKERS must be a non-negative number, got '{text}'"):
+        precompile.max_workers()
+
+
+def test_worker_count_defaults_to_this_ranks_share_of_the_cores(monkeypatch):
+    monkeypatch.delenv("INDUCTOR_ATTN_COMPILE_WORKERS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(32)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert precompile.max_workers() == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert precompile.max_workers() == precompile.MAX_WORKERS
+
+
+@pytest.mark.slow
+def test_worker_processes_compile_candidates_and_report_errors_and_timeouts(monkeypatch):
+    monkeypatch.setenv("INDUCTOR_ATTN_COMPILE_WORKERS", "2")
+    jobs = {TRITON_FORWARD: (TRITON_FORWARD, "forward"), "nope:default": ("nope:default", "forward")}
+    got = precompile._in_processes(jobs, _call(), limit=120, workers=2)
+    assert got[TRITON_FORWARD].seconds is not None and not got[TRITON_FORWARD].failed
+    assert got["nope:default"].bug and "unknown backend 'nope'" in got["nope:default"].reason
+    # workers go back to the pool and serve the next tune without starting again
+    assert len(precompile._POOL.idle) == 2
+    worker = precompile._POOL.take()
+    assert worker.ready
+    with pytest.raises(TimeoutError, match="compile request took longer than 0.2 s"):
+        worker._reply(0.2, "compile request")  # an answer that does not come in time
+    assert not worker.alive  # killed: it may have been stuck in a compile
+    precompile._POOL.close_idle(older_than_s=0)
+
+
+@pytest.mark.slow
+def test_a_worker_that_dies_says_why():
+    worker = Worker()
+    worker.proc.stdin.write("not json\n")
+    worker.proc.stdin.flush()
+    with pytest.raises(WorkerError, match="last stderr line: json.decoder.JSONDecodeError"):
+        worker.request("compile", 60, call="/nonexistent", choice=TRITON_FORWARD, direction="forward")
+
+
+class FakeWorker:
+    alive, ready = True, False
+    started = 0
+
+    def __init__(self):
+        FakeWorker.started += 1
+        self.idle_since = time.monotonic()
+
+    def close(self):
+        self.alive = False
+
+
+def test_a_lone_worker_compile_waits_for_its_first_call_unless_a_worker_is_idle(monkeypatch):
+    monkeypatch.setattr(precompile, "Worker", FakeWorker)
+    monkeypatch.setattr(precompile, "_POOL", precompile._Pool())
+    FakeWorker.started = 0
+    assert precompile.compile_all({}, {"fa4:x": ("fa4:x", "forward")}, _call()) == {}
+    assert FakeWorker.started == 0
+
+
+def test_workers_for_a_later_stage_start_early_up_to_the_worker_count(monkeypatch):
+    monkeypatch.setattr(precompile, "Worker", FakeWorker)
+    monkeypatch.setattr(precompile, "_POOL", precompile._Pool())
+    monkeypatch.setenv("INDUCTOR_ATTN_COMPILE_WORKERS", "3")
+    FakeWorker.started = 0
+    precompile.prestart(1)  # one compile to come: not worth a worker
+    assert FakeWorker.started == 0
+    precompile.prestart(7)
+    precompile.prestart(7)  # already started: idle workers count
+    assert FakeWorker.started == 3 and len(precompile._POOL.idle) == 3
+    precompile._POOL.close_idle(older_than_s=0)
+    assert precompile._POOL.idle == []
