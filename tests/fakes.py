@@ -10,7 +10,9 @@ import functools
 import random
 import time
 
-from inductor_attn.backends import REFERENCE, Backend, Config, Plan
+import torch
+
+from inductor_attn.backends import REFERENCE, AttnCall, Backend, Config, Plan
 from inductor_attn.backends.reference import run_backward, run_forward
 
 
@@ -91,3 +93,9 @@ class FakeTimer:
                 return max(1e-6, rng.gauss(mean, std))
 
         return Runner()
+
+
+def small_call(lq: int = 20) -> AttnCall:
+    """A small CPU attention call (B1 H2 D16) on fresh random inputs, for tests of tuning and the store."""
+    q = torch.randn(1, 2, lq, 16)
+    return AttnCall("attention", q, torch.randn(1, 2, lq, 16), torch.randn(1, 2, lq, 16), 0.25)

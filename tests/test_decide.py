@@ -2,21 +2,16 @@
 
 import pytest
 import torch
-from fakes import FakeBackend, FakeTimer
+from fakes import FakeBackend, FakeTimer, small_call
 
 import inductor_attn
-from inductor_attn.backends import AttnCall, only_backends
+from inductor_attn.backends import only_backends
 from inductor_attn.device import DeviceInfo
 from inductor_attn.store import keys
 from inductor_attn.store.db import get_store
 from inductor_attn.tuning.decisions import decide, forget_decisions
 
 DEV = DeviceInfo("cpu", (0, 0), 2)
-
-
-def _call(lq=20):
-    q = torch.randn(1, 2, lq, 16)
-    return AttnCall("attention", q, torch.randn(1, 2, lq, 16), torch.randn(1, 2, lq, 16), 0.25)
 
 
 @pytest.fixture
@@ -31,11 +26,11 @@ def fakes(monkeypatch):
 def test_autotune_stores_the_decision_and_a_new_process_reuses_it_without_measuring(fakes):
     a, b = fakes
     with inductor_attn.tuning_mode("autotune"):
-        assert decide(_call(), DEV, "forward") == "b:x=1"
+        assert decide(small_call(), DEV, "forward") == "b:x=1"
         runs = a.calls + b.calls
         assert runs > 0
         forget_decisions()  # what a new process starts with
-        assert decide(_call(), DEV, "forward") == "b:x=1"
+        assert decide(small_call(), DEV, "forward") == "b:x=1"
         assert a.calls + b.calls == runs  # zero benchmarks: the store answered
     assert len(get_store().rows()) == 1
 
@@ -43,11 +38,11 @@ def test_autotune_stores_the_decision_and_a_new_process_reuses_it_without_measur
 def test_same_bucket_is_decided_once_other_bucket_again(fakes):
     a, b = fakes
     with inductor_attn.tuning_mode("autotune"):
-        decide(_call(lq=20), DEV, "forward")
+        decide(small_call(lq=20), DEV, "forward")
         runs = a.calls + b.calls
-        decide(_call(lq=30), DEV, "forward")  # 20 and 30 share the bucket 32
+        decide(small_call(lq=30), DEV, "forward")  # 20 and 30 share the bucket 32
         assert a.calls + b.calls == runs
-        decide(_call(lq=40), DEV, "forward")  # bucket 64
+        decide(small_call(lq=40), DEV, "forward")  # bucket 64
         assert a.calls + b.calls > runs
     assert len(get_store().rows()) == 2
 
@@ -55,29 +50,29 @@ def test_same_bucket_is_decided_once_other_bucket_again(fakes):
 def test_cache_only_uses_the_store_and_never_measures(fakes):
     a, b = fakes
     with inductor_attn.tuning_mode("cache-only"):
-        assert decide(_call(), DEV, "forward") == "a:default"
+        assert decide(small_call(), DEV, "forward") == "a:default"
     assert a.calls + b.calls == 0
     with inductor_attn.tuning_mode("autotune"):
-        decide(_call(), DEV, "forward")
+        decide(small_call(), DEV, "forward")
     with inductor_attn.tuning_mode("cache-only"):
-        assert decide(_call(), DEV, "forward") == "b:x=1"
+        assert decide(small_call(), DEV, "forward") == "b:x=1"
 
 
 def test_heuristic_mode_follows_the_hand_rule_without_measuring(fakes):
     a, b = fakes
     with inductor_attn.tuning_mode("heuristic"):
-        assert decide(_call(), DEV, "forward") == "b:x=2"
+        assert decide(small_call(), DEV, "forward") == "b:x=2"
     assert a.calls + b.calls == 0 and get_store().rows() == []
 
 
 def test_off_mode_always_runs_the_default(fakes):
     with inductor_attn.tuning_mode("off"):
-        assert decide(_call(), DEV, "forward") == "a:default"
+        assert decide(small_call(), DEV, "forward") == "a:default"
 
 
 def test_mode_from_environment_and_bad_mode_named_in_error(fakes, monkeypatch):
     monkeypatch.setenv("INDUCTOR_ATTN_MODE", "off")
-    assert decide(_call(), DEV, "forward") == "a:default"
+    assert decide(small_call(), DEV, "forward") == "a:default"
     with pytest.raises(ValueError, match="tuning mode must be one of autotune"):
         inductor_attn.set_mode("fastest")
 
@@ -85,11 +80,11 @@ def test_mode_from_environment_and_bad_mode_named_in_error(fakes, monkeypatch):
 def test_a_new_library_version_invalidates_stored_decisions(fakes, monkeypatch):
     a, b = fakes
     with inductor_attn.tuning_mode("autotune"):
-        decide(_call(), DEV, "forward")
+        decide(small_call(), DEV, "forward")
         runs = a.calls + b.calls
         forget_decisions()
         monkeypatch.setattr(keys, "library_versions", lambda: {"torch": "9.9.9"})
-        decide(_call(), DEV, "forward")
+        decide(small_call(), DEV, "forward")
         assert a.calls + b.calls > runs
     assert len(get_store().rows()) == 2
 
@@ -97,27 +92,27 @@ def test_a_new_library_version_invalidates_stored_decisions(fakes, monkeypatch):
 def test_an_edited_kernel_source_invalidates_its_decisions(fakes, monkeypatch):
     a, b = fakes
     with inductor_attn.tuning_mode("autotune"):
-        decide(_call(), DEV, "forward")
+        decide(small_call(), DEV, "forward")
         runs = a.calls + b.calls
         forget_decisions()
         monkeypatch.setattr(b, "source_hash", lambda: "edited")
-        decide(_call(), DEV, "forward")
+        decide(small_call(), DEV, "forward")
         assert a.calls + b.calls > runs
 
 
 def test_a_stored_winner_that_is_no_longer_runnable_is_retuned(fakes, monkeypatch):
     a, b = fakes
     with inductor_attn.tuning_mode("autotune"):
-        decide(_call(), DEV, "forward")
+        decide(small_call(), DEV, "forward")
         forget_decisions()
         b.prune_reasons["x=1"] = "no longer supported"
-        assert decide(_call(), DEV, "forward") == "b:x=2"
+        assert decide(small_call(), DEV, "forward") == "b:x=2"
 
 
 def test_another_device_gets_its_own_decision(fakes):
     with inductor_attn.tuning_mode("autotune"):
-        decide(_call(), DEV, "forward")
-        decide(_call(), DeviceInfo("NVIDIA H100", (9, 0), 132), "forward")
+        decide(small_call(), DEV, "forward")
+        decide(small_call(), DeviceInfo("NVIDIA H100", (9, 0), 132), "forward")
     assert len(get_store().rows()) == 2
 
 
@@ -127,16 +122,16 @@ def test_broken_store_warns_once_and_tuning_still_works(fakes, tmp_path, monkeyp
     (bad / "decisions.sqlite").write_bytes(b"this is not a database" * 100)
     monkeypatch.setenv("INDUCTOR_ATTN_CACHE_DIR", str(bad))
     with inductor_attn.tuning_mode("autotune"), pytest.warns(RuntimeWarning, match="unusable") as record:
-        assert decide(_call(), DEV, "forward") == "b:x=1"
+        assert decide(small_call(), DEV, "forward") == "b:x=1"
         forget_decisions()
-        assert decide(_call(), DEV, "forward") == "b:x=1"
+        assert decide(small_call(), DEV, "forward") == "b:x=1"
     assert len([w for w in record if "unusable" in str(w.message)]) == 1
     assert (bad / "decisions.sqlite").read_bytes().startswith(b"this is not a database")
 
 
 def test_only_one_runnable_candidate_is_not_measured_or_stored():
     with only_backends(inductor_attn.backends.REFERENCE), inductor_attn.tuning_mode("autotune"):
-        assert decide(_call(), DEV, "forward") == "reference:default"
+        assert decide(small_call(), DEV, "forward") == "reference:default"
     assert get_store().rows() == []
 
 
@@ -160,10 +155,10 @@ def test_run_candidate_runs_exactly_that_one_and_refuses_pruned_ones():
 
 def test_deterministic_backward_decisions_are_kept_apart(fakes):
     with inductor_attn.tuning_mode("autotune"):
-        decide(_call(), DEV, "backward")
+        decide(small_call(), DEV, "backward")
         torch.use_deterministic_algorithms(True)
         try:
-            decide(_call(), DEV, "backward")
+            decide(small_call(), DEV, "backward")
         finally:
             torch.use_deterministic_algorithms(False)
     assert sorted(r["op"] for r in get_store().rows()) == ["attention/backward", "attention/backward-deterministic"]

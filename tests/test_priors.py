@@ -6,11 +6,11 @@ import socket
 
 import pytest
 import torch
-from fakes import FakeBackend, FakeTimer
+from fakes import FakeBackend, FakeTimer, small_call
 
 import inductor_attn
 from inductor_attn import cache
-from inductor_attn.backends import AttnCall, only_backends
+from inductor_attn.backends import only_backends
 from inductor_attn.cli import main
 from inductor_attn.device import DeviceInfo
 from inductor_attn.store import keys
@@ -21,11 +21,6 @@ from inductor_attn.tuning.decisions import decide, forget_decisions
 
 DEV = DeviceInfo("cpu", (0, 0), 2)
 TIMES = {"x=1": (0.5, 0.01), "x=2": (0.6, 0.01), "x=3": (0.7, 0.01), "x=4": (0.8, 0.01), "x=5": (0.9, 0.01)}
-
-
-def _call():
-    q = torch.randn(1, 2, 20, 16)
-    return AttnCall("attention", q, torch.randn(1, 2, 20, 16), torch.randn(1, 2, 20, 16), 0.25)
 
 
 @pytest.fixture
@@ -42,7 +37,7 @@ def fakes(monkeypatch):
 def shipped(fakes, tmp_path, monkeypatch):
     """A table measured in one store, then a fresh store that reads it: a new machine with the package."""
     with inductor_attn.tuning_mode("autotune"):
-        decide(_call(), DEV, "forward")
+        decide(small_call(), DEV, "forward")
     path, n = cache.export_priors(tmp_path / "table" / "cpu.json", device=DEV, commit="abc1234", command="test")
     assert n == 1
     monkeypatch.setenv("INDUCTOR_ATTN_CACHE_DIR", str(tmp_path / "fresh"))
@@ -62,7 +57,7 @@ def test_an_exported_table_holds_device_versions_commit_command_and_reads_as_an_
 
 def test_a_shipped_decision_shortens_the_autotune_to_its_top_candidates_and_the_default(shipped):
     with inductor_attn.tuning_mode("autotune"):
-        assert decide(_call(), DEV, "forward") == "b:x=1"
+        assert decide(small_call(), DEV, "forward") == "b:x=1"
     row = get_store().writable.rows()[0]  # measured here, stored in this machine's store
     status = {c["name"]: (c["status"], c["reason"]) for c in row["record"]["candidates"]}
     assert [n for n, (s, _) in status.items() if s == "passed"] == ["a:default", "b:x=1", "b:x=2", "b:x=3"]
@@ -72,29 +67,29 @@ def test_a_shipped_decision_shortens_the_autotune_to_its_top_candidates_and_the_
 
 def test_cache_only_uses_the_shipped_decision_as_it_is(fakes, shipped):
     with inductor_attn.tuning_mode("cache-only"):
-        assert decide(_call(), DEV, "forward") == "b:x=1"
+        assert decide(small_call(), DEV, "forward") == "b:x=1"
     assert sum(f.calls for f in fakes) == 0 and get_store().writable.rows() == []
 
 
 def test_a_shipped_decision_measured_with_other_versions_still_answers_for_its_bucket(shipped, monkeypatch):
     monkeypatch.setattr(keys, "library_versions", lambda: {"torch": "9.9.9"})
     with inductor_attn.tuning_mode("cache-only"):
-        assert decide(_call(), DEV, "forward") == "b:x=1"
+        assert decide(small_call(), DEV, "forward") == "b:x=1"
 
 
 def test_a_shipped_winner_that_cannot_run_here_is_not_used(fakes, shipped):
     fakes[1].prune_reasons["x=1"] = "not on this device"
     with inductor_attn.tuning_mode("cache-only"):
-        assert decide(_call(), DEV, "forward") == "a:default"
+        assert decide(small_call(), DEV, "forward") == "a:default"
 
 
 def test_a_decision_measured_here_wins_over_the_shipped_one(fakes, shipped):
     fakes[1].times["x=2"] = (0.1, 0.01)
     with inductor_attn.tuning_mode("autotune"):
-        assert decide(_call(), DEV, "forward") == "b:x=2"
+        assert decide(small_call(), DEV, "forward") == "b:x=2"
     forget_decisions()
     with inductor_attn.tuning_mode("cache-only"):
-        assert decide(_call(), DEV, "forward") == "b:x=2"
+        assert decide(small_call(), DEV, "forward") == "b:x=2"
 
 
 def test_an_unreadable_table_warns_once_and_is_skipped(fakes, tmp_path, monkeypatch):
@@ -102,9 +97,9 @@ def test_an_unreadable_table_warns_once_and_is_skipped(fakes, tmp_path, monkeypa
     bad.write_text('{"schema": 1, "decisions": [{"key": "x"}]}')
     monkeypatch.setenv("INDUCTOR_ATTN_PRIORS", str(bad))
     with inductor_attn.tuning_mode("cache-only"), pytest.warns(RuntimeWarning, match="bad.json is unusable") as rec:
-        assert decide(_call(), DEV, "forward") == "a:default"
+        assert decide(small_call(), DEV, "forward") == "a:default"
         forget_decisions()
-        decide(_call(), DEV, "forward")
+        decide(small_call(), DEV, "forward")
     assert len(rec) == 1
 
 
@@ -119,7 +114,7 @@ def test_cache_explain_says_where_each_decision_came_from(fakes, shipped):
     table_row = get_store().rows()[0]
     assert cache.origin(table_row) == f"shipped: cpu.json (cpu, torch {torch.__version__}, commit abc1234)"
     with inductor_attn.tuning_mode("autotune"):
-        decide(_call(), DEV, "forward")
+        decide(small_call(), DEV, "forward")
     here = get_store().writable.rows()[0]
     assert cache.origin(here).startswith("tuned here (")
     assert "came from:        tuned here" in cache.explain(here["key"][:12])

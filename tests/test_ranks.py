@@ -11,21 +11,21 @@ import time
 
 import pytest
 import torch
-from fakes import FakeBackend, FakeTimer
+from fakes import FakeBackend, FakeTimer, small_call
 
 import inductor_attn
-from inductor_attn.backends import AttnCall, only_backends
+from inductor_attn.backends import only_backends
 from inductor_attn.device import DeviceInfo
 from inductor_attn.store.db import get_store
 from inductor_attn.tuning import decisions, ranks
-from inductor_attn.tuning.decisions import adopt_decisions, decide, decision_entries, forget_decisions
+from inductor_attn.tuning.decisions import (
+    adopt_decisions,
+    decide,
+    decision_entries,
+    forget_decisions,
+)
 
 DEV = DeviceInfo("cpu", (0, 0), 2)
-
-
-def _call(lq=20):
-    q = torch.randn(1, 2, lq, 16)
-    return AttnCall("attention", q, torch.randn(1, 2, lq, 16), torch.randn(1, 2, lq, 16), 0.25)
 
 
 @pytest.fixture
@@ -66,14 +66,14 @@ def test_doctest_examples_hold():
 
 def test_a_rank_waits_for_a_live_claim_and_uses_the_decision_it_stores(fakes, other_process, caplog):
     a, b = fakes
-    row = _stored_row_of_a_tune(_call())
+    row = _stored_row_of_a_tune(small_call())
     runs = a.calls + b.calls
     store = get_store()
     assert store.claim(row["key"], ranks._HOST, other_process.pid, lambda h: False) is None
     threading.Timer(0.4, store.put, args=(row,)).start()
     start = time.monotonic()
     with caplog.at_level(logging.INFO, logger=ranks.__name__):
-        assert decide(_call(), DEV, "forward") == "b:x=1"
+        assert decide(small_call(), DEV, "forward") == "b:x=1"
     assert time.monotonic() - start >= 0.4
     assert a.calls + b.calls == runs  # it waited instead of tuning
     assert f"pid {other_process.pid}" in caplog.text and "waiting for the tune of decision" in caplog.text
@@ -81,13 +81,13 @@ def test_a_rank_waits_for_a_live_claim_and_uses_the_decision_it_stores(fakes, ot
 
 def test_a_claim_whose_process_died_is_ignored_at_once(fakes):
     a, b = fakes
-    row = _stored_row_of_a_tune(_call())
+    row = _stored_row_of_a_tune(small_call())
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     get_store().claim(row["key"], ranks._HOST, dead.pid, lambda h: False)
     runs = a.calls + b.calls
     start = time.monotonic()
-    assert decide(_call(), DEV, "forward") == "b:x=1"
+    assert decide(small_call(), DEV, "forward") == "b:x=1"
     assert time.monotonic() - start < 5 and a.calls + b.calls > runs
     assert _claims() == []  # taken over, then released
 
@@ -95,12 +95,12 @@ def test_a_claim_whose_process_died_is_ignored_at_once(fakes):
 def test_waiting_is_bounded_by_the_timeout_then_the_rank_tunes_and_says_so(fakes, other_process, monkeypatch,
                                                                            caplog):
     a, b = fakes
-    row = _stored_row_of_a_tune(_call())
+    row = _stored_row_of_a_tune(small_call())
     monkeypatch.setenv(ranks.TIMEOUT_ENV, "0.5")
     get_store().claim(row["key"], ranks._HOST, other_process.pid, lambda h: False)
     start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger=ranks.__name__):
-        assert decide(_call(), DEV, "forward") == "b:x=1"
+        assert decide(small_call(), DEV, "forward") == "b:x=1"
     assert 0.5 <= time.monotonic() - start < 5
     assert "waited 0.5 s (INDUCTOR_ATTN_CLAIM_TIMEOUT_S)" in caplog.text and "going ahead here" in caplog.text
     assert _claims() == []
@@ -124,7 +124,7 @@ def test_ranks_on_one_device_take_turns_measuring(fakes, other_process, monkeypa
     store.claim(token, ranks._HOST, other_process.pid, lambda h: False)
     threading.Timer(0.4, store.release, args=(token, ranks._HOST, other_process.pid)).start()
     start = time.monotonic()
-    assert decide(_call(), DEV, "forward") == "b:x=1"
+    assert decide(small_call(), DEV, "forward") == "b:x=1"
     assert time.monotonic() - start >= 0.4
     assert _claims() == []
 
@@ -134,7 +134,7 @@ def test_claims_are_released_when_the_tune_fails(fakes):
     a.fail.add("default")
     b.fail.add("x=1")
     with pytest.raises(RuntimeError, match="no candidate could run"):
-        decide(_call(), DEV, "forward")
+        decide(small_call(), DEV, "forward")
     assert _claims() == []
 
 
@@ -144,7 +144,7 @@ def test_a_broken_store_never_makes_a_rank_wait(fakes, tmp_path, monkeypatch):
     (bad / "decisions.sqlite").write_bytes(b"this is not a database" * 100)
     monkeypatch.setenv("INDUCTOR_ATTN_CACHE_DIR", str(bad))
     with pytest.warns(RuntimeWarning, match="unusable"):
-        assert decide(_call(), DEV, "forward") == "b:x=1"
+        assert decide(small_call(), DEV, "forward") == "b:x=1"
 
 
 def test_a_bad_timeout_is_named_in_the_error(monkeypatch):
@@ -164,7 +164,7 @@ def test_the_lowest_measured_rank_wins_else_the_lowest_rank():
 
 def test_an_adopted_decision_is_used_without_measuring_and_written_to_the_store(fakes):
     a, b = fakes
-    decide(_call(), DEV, "forward")
+    decide(small_call(), DEV, "forward")
     ((memo_key, choice, row),) = decision_entries()  # the memo key is private: take it from a decision
     assert choice == "b:x=1" and row["winner"] == "b:x=1"
     forget_decisions()
@@ -173,30 +173,30 @@ def test_an_adopted_decision_is_used_without_measuring_and_written_to_the_store(
     agreed_row = {**row, "winner": "a:default"}
     assert adopt_decisions({memo_key: ("a:default", agreed_row)}) == 0  # this rank had not decided it
     assert get_store().get(row["key"])["winner"] == "a:default"
-    assert decide(_call(lq=30), DEV, "forward") == "a:default"  # same bucket, another length
+    assert decide(small_call(lq=30), DEV, "forward") == "a:default"  # same bucket, another length
     assert a.calls + b.calls == runs
     assert decision_entries() == [(memo_key, "a:default", agreed_row)]
 
 
 def test_adopting_another_choice_changes_this_rank_and_counts_it(fakes):
-    decide(_call(), DEV, "forward")
+    decide(small_call(), DEV, "forward")
     ((memo_key, choice, row),) = decision_entries()
     assert choice == "b:x=1"
     assert adopt_decisions({memo_key: ("a:default", None)}) == 1
-    assert decide(_call(), DEV, "forward") == "a:default"
+    assert decide(small_call(), DEV, "forward") == "a:default"
     assert adopt_decisions({memo_key: ("a:default", None)}) == 0
 
 
 def test_an_agreed_choice_that_cannot_run_here_is_ignored_with_a_warning(fakes, caplog):
-    decide(_call(), DEV, "forward")
+    decide(small_call(), DEV, "forward")
     ((memo_key, _, _),) = decision_entries()
     adopt_decisions({memo_key: ("fa4:tile=128", None)})
     with caplog.at_level(logging.WARNING, logger=decisions.__name__):
-        assert decide(_call(), DEV, "forward") == "b:x=1"
+        assert decide(small_call(), DEV, "forward") == "b:x=1"
     assert "fa4:tile=128" in caplog.text and "cannot run" in caplog.text
 
 
 def test_sync_decisions_without_torch_distributed_does_nothing(fakes):
-    decide(_call(), DEV, "forward")
+    decide(small_call(), DEV, "forward")
     assert inductor_attn.sync_decisions() == 0
-    assert decide(_call(), DEV, "forward") == "b:x=1"
+    assert decide(small_call(), DEV, "forward") == "b:x=1"

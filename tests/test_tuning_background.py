@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from fakes import FakeBackend, FakeTimer
+from fakes import FakeBackend, FakeTimer, small_call
 
 import inductor_attn
 from inductor_attn.backends import AttnCall, only_backends
@@ -19,11 +19,6 @@ from inductor_attn.tuning.decisions import decide, forget_decisions
 from inductor_attn.tuning.subproc import load_call
 
 DEV = DeviceInfo("cpu", (0, 0), 2)
-
-
-def _call(lq=20):
-    q = torch.randn(1, 2, lq, 16)
-    return AttnCall("attention", q, torch.randn(1, 2, lq, 16), torch.randn(1, 2, lq, 16), 0.25)
 
 
 class InProcessWorker:
@@ -55,26 +50,26 @@ def fakes(monkeypatch):
 
 def test_background_mode_answers_with_the_hand_rule_at_once_and_takes_the_tune_once_it_lands(fakes):
     with inductor_attn.tuning_mode("background"):
-        assert decide(_call(), DEV, "forward") == "b:x=2"  # the hand rule: nothing was measured yet
+        assert decide(small_call(), DEV, "forward") == "b:x=2"  # the hand rule: nothing was measured yet
         assert background.wait(timeout_s=60)
-        assert decide(_call(), DEV, "forward") == "b:x=1"  # the stored tune, from the next call
+        assert decide(small_call(), DEV, "forward") == "b:x=1"  # the stored tune, from the next call
     assert [row["winner"] for row in get_store().rows()] == ["b:x=1"] and InProcessWorker.tunes == 1
 
 
 def test_a_new_process_in_background_mode_starts_from_the_stored_decision(fakes):
     with inductor_attn.tuning_mode("background"):
-        decide(_call(), DEV, "forward")
+        decide(small_call(), DEV, "forward")
         background.wait(timeout_s=60)
         forget_decisions()
-        assert decide(_call(), DEV, "forward") == "b:x=1"
+        assert decide(small_call(), DEV, "forward") == "b:x=1"
     assert InProcessWorker.tunes == 1
 
 
 def test_a_bucket_is_queued_once_per_process(fakes):
     with inductor_attn.tuning_mode("background"):
-        decide(_call(lq=20), DEV, "forward")
+        decide(small_call(lq=20), DEV, "forward")
         forget_decisions()
-        decide(_call(lq=30), DEV, "forward")  # same bucket
+        decide(small_call(lq=30), DEV, "forward")  # same bucket
         background.wait(timeout_s=60)
     assert InProcessWorker.tunes == 1
 
@@ -90,7 +85,7 @@ def test_a_bucket_another_live_process_has_claimed_is_left_to_it(fakes, monkeypa
 
     monkeypatch.setattr(background, "schedule", schedule_after_a_claim)
     with inductor_attn.tuning_mode("background"):
-        assert decide(_call(), DEV, "forward") == "b:x=2"
+        assert decide(small_call(), DEV, "forward") == "b:x=2"
         background.wait(timeout_s=60)
     assert InProcessWorker.tunes == 0 and get_store().rows() == []
 
@@ -102,15 +97,15 @@ def test_a_worker_that_refuses_the_bucket_leaves_the_first_choice(fakes, caplog,
 
     monkeypatch.setattr(background, "_worker", Refusing)
     with inductor_attn.tuning_mode("background"):
-        assert decide(_call(), DEV, "forward") == "b:x=2"
+        assert decide(small_call(), DEV, "forward") == "b:x=2"
         background.wait(timeout_s=60)
-        assert decide(_call(), DEV, "forward") == "b:x=2"
+        assert decide(small_call(), DEV, "forward") == "b:x=2"
     assert "decision key differs" in caplog.text
 
 
 def test_the_worker_refuses_a_key_it_computes_otherwise():
     with pytest.raises(RuntimeError, match="the worker's decision key differs from the parent's"):
-        decisions.tune_in_worker(_call(), "forward", "0" * 64, False)
+        decisions.tune_in_worker(small_call(), "forward", "0" * 64, False)
 
 
 @pytest.mark.slow

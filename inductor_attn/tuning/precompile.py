@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from .settings import env_number
 from .subproc import Worker, WorkerError, save_call
 
 log = logging.getLogger(__name__)
@@ -69,31 +70,18 @@ class Compiled:
         return self.error is not None or self.reason is not None
 
 
-def _positive(env: str, text: str, parse) -> float:
-    try:
-        value = parse(text)
-    except ValueError:
-        value = -1
-    if not value >= 0:
-        raise ValueError(f"{env} must be a non-negative number, got {text!r}")
-    return value
-
-
 def max_workers() -> int:
-    text = os.environ.get(WORKERS_ENV)
-    if text:
-        return int(_positive(WORKERS_ENV, text, int))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)  # torchrun's ranks on this node
-    return max(1, min(MAX_WORKERS, cores // max(ranks, 1)))
+    default = max(1, min(MAX_WORKERS, _cores() // max(int(os.environ.get("LOCAL_WORLD_SIZE") or 1), 1)))
+    return env_number(WORKERS_ENV, default, int, lambda n: n >= 0, "a non-negative number")
+
+
+def _cores() -> int:
+    """Cores this process may use; torchrun's ranks on this node (LOCAL_WORLD_SIZE) share them."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def timeout_s() -> float:
-    text = os.environ.get(TIMEOUT_ENV)
-    value = _positive(TIMEOUT_ENV, text, float) if text else DEFAULT_TIMEOUT_S
-    if value == 0:
-        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {text!r}")
-    return value
+    return env_number(TIMEOUT_ENV, DEFAULT_TIMEOUT_S, float, lambda x: x > 0, "a positive number of seconds")
 
 
 def compile_all(threads: dict[str, Callable[[], object]], processes: dict[str, tuple[str, str]],

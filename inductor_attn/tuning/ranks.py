@@ -36,6 +36,8 @@ import time
 
 import torch
 
+from .settings import env_number
+
 log = logging.getLogger(__name__)
 
 TIMEOUT_ENV = "INDUCTOR_ATTN_CLAIM_TIMEOUT_S"
@@ -45,16 +47,7 @@ _HOST = socket.gethostname()
 
 
 def claim_timeout_s() -> float:
-    text = os.environ.get(TIMEOUT_ENV)
-    if not text:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {text!r}")
-    return value
+    return env_number(TIMEOUT_ENV, DEFAULT_TIMEOUT_S, float, lambda x: x > 0, "a positive number of seconds")
 
 
 def _alive(pid: int) -> bool:

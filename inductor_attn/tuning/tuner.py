@@ -63,6 +63,7 @@ from .measure import (
     sync,
     time_trials,
 )
+from .settings import env_number
 from .stats import median, paired_bootstrap_speedup
 from .timing import default_timer
 
@@ -133,7 +134,7 @@ class TuneResult:
 
 
 def default_rounds() -> int:
-    return int(os.environ.get("INDUCTOR_ATTN_ROUNDS", DEFAULT_ROUNDS))
+    return env_number("INDUCTOR_ATTN_ROUNDS", DEFAULT_ROUNDS, int, lambda n: n >= 1, "a positive whole number of rounds")
 
 
 def default_search() -> str:
@@ -144,16 +145,7 @@ def default_search() -> str:
 
 
 def stage_margin() -> float:
-    text = os.environ.get(MARGIN_ENV)
-    if not text:
-        return DEFAULT_STAGE_MARGIN
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value >= 1.0:
-        raise ValueError(f"{MARGIN_ENV} must be a factor >= 1 (e.g. 1.25), got {text!r}")
-    return value
+    return env_number(MARGIN_ENV, DEFAULT_STAGE_MARGIN, float, lambda x: x >= 1.0, "a factor >= 1 (e.g. 1.25)")
 
 
 def _failure(name: str, backend, err: BaseException) -> CandidateResult:
