@@ -17,16 +17,17 @@ PREFILL = (4, 2048)
 BACKENDS = ("inductor", "inductor_attn")
 
 
-def build_llama(layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, max_len: int):
+def build_llama(layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, max_len: int,
+                device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16):
     import transformers
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                                       num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=32000,
                                       max_position_embeddings=max_len, attn_implementation="sdpa")
-    with torch.device("cuda"):
+    with torch.device(device):
         model = transformers.LlamaForCausalLM(config)
-    return model.to(torch.bfloat16)
+    return model.to(dtype)
 
 
 def _compiled(model, backend: str, mode: str):
@@ -81,7 +82,8 @@ def _grads(model, step_loss) -> list[torch.Tensor]:
     return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
 
 
-def _worst_rel(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+def worst_rel_err(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """The largest ||got - want|| / ||want|| over pairs of tensors (parameter gradients)."""
     return max(((g.float() - w.float()).norm() / w.float().norm().clamp_min(1e-30)).item() for g, w in zip(got, want))
 
 
@@ -106,7 +108,7 @@ def llama_training(sizes=TRAIN_SIZES, modes=TRAIN_MODES) -> dict:
                 def loss():
                     return compiled(input_ids=ids, labels=ids).loss
 
-                err = _worst_rel(_grads(model, loss), eager)
+                err = worst_rel_err(_grads(model, loss), eager)
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
 
                 def step():
