@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The GPU test suite on a device machine, logs and a JUnit file under $OUT (default: ./gpu-test-results).
+# Usage, from the repository root: bash benchmarks/tools/gpu_tests.sh [pytest args, e.g. test files]
+# With the FA4 bundle: `source .devdeps/unpack.sh && bash benchmarks/tools/gpu_tests.sh`.
+# Tests run in 8 worker processes (pytest-xdist): they check correctness, not speed, so they may share the GPU.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out="${OUT:-gpu-test-results}"
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+python -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__,
+      torch.cuda.get_device_name(), "x", torch.cuda.device_count())' | tee "$out/gpu_env.txt"
+python -c 'import flash_attn.cute, importlib.metadata as m; print("flash-attn-4", m.version("flash-attn-4"))' \
+  >> "$out/gpu_env.txt" 2>&1 || echo "flash-attn-4: not importable (FA4 tests skip)" >> "$out/gpu_env.txt"
+workers=()
+python -c 'import xdist' 2>/dev/null && workers=(-n "${GPU_TEST_WORKERS:-8}")
+args=("$@")
+[ ${#args[@]} -eq 0 ] && args=(tests)
+python -m pytest -q -m "gpu and not multigpu" "${workers[@]}" -p no:cacheprovider --junitxml "$out/gpu_tests.xml" \
+  "${args[@]}" 2>&1 | tee "$out/gpu_tests.log"
+exit "${PIPESTATUS[0]}"
