@@ -54,15 +54,20 @@ def documents(b, h, q, kv):
     return (q // 300 == kv // 300) & (kv <= q)
 
 
-# (name, batch, hq, hkv, length, block, mask_mod or a factory, per-head mask)
+def causal(b, h, q, kv):
+    return kv <= q
+
+
+# (name, batch, hq, hkv, length, block, mask_mod factory (called on the GPU), per-head mask)
 SEQUENCE = [
-    ("windows-per-head-128", 1, 8, 8, 1000, 128, per_head_windows(128), True),
-    ("gqa-topk-64", 1, 16, 2, 1024, 64, top_k_blocks(2, 8, 1024, 64, 4, seed=0), True),
-    ("documents-shared-128", 2, 8, 8, 2048, 128, documents, False),
-    ("gqa-causal-64-odd-length", 2, 8, 2, 777, 64, lambda b, h, q, kv: kv <= q, False),
-    ("windows-per-head-128-again-other-length", 1, 8, 8, 1536, 128, per_head_windows(128), True),
-    ("gqa-topk-128-other-selection", 1, 16, 2, 1024, 128, top_k_blocks(2, 8, 1024, 128, 3, seed=1), True),
-    ("gqa-topk-64-same-shape-other-selection", 1, 16, 2, 1024, 64, top_k_blocks(2, 8, 1024, 64, 4, seed=2), True),
+    ("windows-per-head-128", 1, 8, 8, 1000, 128, lambda: per_head_windows(128), True),
+    ("gqa-topk-64", 1, 16, 2, 1024, 64, lambda: top_k_blocks(2, 8, 1024, 64, 4, seed=0), True),
+    ("documents-shared-128", 2, 8, 8, 2048, 128, lambda: documents, False),
+    ("gqa-causal-64-odd-length", 2, 8, 2, 777, 64, lambda: causal, False),
+    ("windows-per-head-128-again-other-length", 1, 8, 8, 1536, 128, lambda: per_head_windows(128), True),
+    ("gqa-topk-128-other-selection", 1, 16, 2, 1024, 128, lambda: top_k_blocks(2, 8, 1024, 128, 3, seed=1), True),
+    ("gqa-topk-64-same-shape-other-selection", 1, 16, 2, 1024, 64, lambda: top_k_blocks(2, 8, 1024, 64, 4, seed=2),
+     True),
 ]
 
 
@@ -86,8 +91,8 @@ def test_every_candidate_stays_right_over_a_sequence_of_masks():
     dev = device_info("cuda")
     failures, checked = [], 0
     compiled = torch.compile(lambda q, k, v, m: inductor_attn.attention(q, k, v, block_mask=m), fullgraph=True)
-    for step, (name, batch, hq, hkv, length, block, mask_mod, per_head) in enumerate(SEQUENCE):
-        call = _call(batch, hq, hkv, length, block, mask_mod, per_head, seed=step)
+    for step, (name, batch, hq, hkv, length, block, make_mask_mod, per_head) in enumerate(SEQUENCE):
+        call = _call(batch, hq, hkv, length, block, make_mask_mod(), per_head, seed=step)
         for direction in ("forward", "backward"):
             fresh = fresh_inputs(call, seed=100 + step)
             runner = Direction(direction, fresh)
