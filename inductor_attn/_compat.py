@@ -160,3 +160,14 @@ def mark_constant_result(fn):
     (torch/_dynamo/decorators.py, 2.11 and 2.13; tests/test_compat.py checks the attribute)."""
     fn._dynamo_marked_constant = True
     return fn
+
+
+def flex_default_fwd_tiles(head_dim: int, dtype: torch.dtype) -> list[tuple[int, int]]:
+    """(BLOCK_M, BLOCK_N) of each forward config flex_attention's lowering tries on this process's CUDA device
+    when ``kernel_options`` name no tile: ``CUDAConfigHeuristic.get_flex_attn_fwd_configs``
+    (torch/_inductor/template_heuristics/triton.py, 2.11 and 2.13), which reads the current device's
+    capability and Inductor's ``max_autotune``. The lowering skips configs that do not divide the mask's
+    block sizes and raises when none is left (torch/_inductor/kernel/flex/flex_attention.py)."""
+    from torch._inductor.template_heuristics.triton import CUDAConfigHeuristic
+
+    return [(c.block_m, c.block_n) for c in CUDAConfigHeuristic().get_flex_attn_fwd_configs(head_dim, dtype)]

@@ -91,3 +91,13 @@ def test_mark_constant_result_sets_what_assume_constant_result_sets():
 
     marked = torch.compiler.assume_constant_result(f)
     assert set(vars(marked)) == set(vars(_compat.mark_constant_result(g))) == {"_dynamo_marked_constant"}
+
+
+def test_flex_forward_config_heuristic_is_where_we_read_it():
+    from torch._inductor.template_heuristics.triton import CUDAConfigHeuristic, FlexConfig
+
+    assert list(inspect.signature(CUDAConfigHeuristic.get_flex_attn_fwd_configs).parameters) == \
+        ["self", "head_dim", "dtype"]
+    assert {"block_m", "block_n"} <= set(inspect.signature(FlexConfig).parameters)
+    if torch.cuda.is_available():
+        assert all(m > 0 and n > 0 for m, n in _compat.flex_default_fwd_tiles(64, torch.bfloat16))

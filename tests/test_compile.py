@@ -93,3 +93,16 @@ def test_compiled_block_sparse_attention_matches_eager_forward_and_backward():
         return rand(gen, 2, 2, 100, 16), rand(gen, 2, 2, 100, 16), rand(gen, 2, 2, 100, 16), sparse
 
     assert_same(*eager_and_compiled(fn, make_inputs))
+
+
+def test_one_compiled_function_takes_block_masks_of_other_block_sizes_after_a_recompile():
+    """The third mask recompiles with Dynamo's automatic dynamic shapes, which makes the block sizes SymInts
+    (issue 17: a fullgraph compile failed only in a process that had compiled other masks)."""
+    compiled = torch.compile(lambda q, k, v, m: inductor_attn.attention(q, k, v, block_mask=m), fullgraph=True)
+    for length, block in ((256, 128), (192, 64), (320, 64)):
+        bm = create_block_mask(lambda b, h, q, kv: kv <= q, 1, None, length, length, device="cpu", BLOCK_SIZE=block)
+        gen = torch.Generator().manual_seed(length)
+        q, k, v = (torch.randn(1, 2, length, 16, generator=gen) for _ in range(3))
+        out = compiled(q, k, v, inductor_attn.BlockSparseMask.from_block_mask(bm))
+        torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+                                   rtol=1e-5, atol=1e-5)

@@ -149,13 +149,13 @@ def test_heuristic_config_runs_where_fa4_has_a_hand_rule(dev):
         assert_matches_reference(call, cfg)
 
 
-def test_native_fa4_layout_is_not_copied_and_warmup_reports_seconds(dev):
+def test_native_fa4_layout_is_not_copied(dev):
     gen = torch.Generator(device="cuda").manual_seed(3)
     q, k, v = (rand(2, 256, 8, 64, dtype=torch.bfloat16, gen=gen).transpose(1, 2) for _ in range(3))
     before = sum(fa4.COPIES.values())
     call = AttnCall("attention", q, k, v, 0.125, causal=True)
-    assert FA4.warmup(call, Config.of(intra_wg_overlap=False)) > 0
     assert_matches_reference(call)
+    assert_matches_reference(call, Config.of(intra_wg_overlap=False))
     assert sum(fa4.COPIES.values()) == before
 
 

@@ -4,6 +4,8 @@ torch.compile(flex_attention) against the reference backend."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from blocked_imports import run_without
@@ -72,6 +74,19 @@ def test_triton_tiles_must_divide_the_sparse_blocks():
     assert cands["flex:backend=TRITON,block_m=64,block_n=64,num_stages=2,num_warps=4"] is None
     assert candidates(prob(head_dim=8, head_dim_v=8))["flex:backend=TRITON"] == (
         "flex Triton needs head dims >= 16, got (8, 8)")
+
+
+def test_flex_own_tile_is_pruned_where_it_does_not_divide_the_blocks(monkeypatch):
+    """On a real device, the config that leaves the tile to flex is asked of torch's own heuristic first
+    (issue 17: flex's default tile was compiled, then failed on 64-blocks)."""
+    real_h100 = dataclasses.replace(SM90, simulated=False)
+    monkeypatch.setattr(flex, "flex_default_fwd_tiles", lambda head_dim, dtype: [(128, 64)])
+    with only_backends(flex.BACKEND):
+        on_64 = {c.name: c.pruned for c in enumerate_candidates(prob(block_q=64, block_kv=64), real_h100)}
+        on_128 = {c.name: c.pruned for c in enumerate_candidates(prob(), real_h100)}
+    assert on_64["flex:backend=TRITON"] == "flex's own tiles here (128x64) do not divide the 64x64 mask blocks"
+    assert on_128["flex:backend=TRITON"] is None
+    assert candidates(prob(block_q=64, block_kv=64))["flex:backend=TRITON"] is None  # simulated: not asked
 
 
 def test_kernel_options_round_trip_through_the_config_string():

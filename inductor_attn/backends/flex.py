@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from .._compat import flex_flash_lse_scaled_by_ln2
+from .._compat import flex_default_fwd_tiles, flex_flash_lse_scaled_by_ln2
 from ..device import DeviceInfo
 from ..layout import conform
 from ..problem import Problem
@@ -88,13 +88,13 @@ class FlexBackend(Backend):
             cfgs = [Config.of(backend="TRITON"), Config.of(backend="FLASH")]
         else:
             cfgs = [Config.of(backend="TRITON"), *TRITON_TILES, Config.of(backend="FLASH")]
-        return [self.candidate(c, _pruned(p, c)) for c in cfgs]
+        return [self.candidate(c, _pruned(p, dev, c)) for c in cfgs]
 
     def plan(self, p: Problem, dev: DeviceInfo, cfg: Config, direction: str) -> Plan:
         return Plan(functools.partial(_launch, kernel_options(cfg), cfg["backend"] == "FLASH"))
 
 
-def _pruned(p: Problem, cfg: Config) -> str | None:
+def _pruned(p: Problem, dev: DeviceInfo, cfg: Config) -> str | None:
     if cfg["backend"] == "FLASH":
         if not flash_attn_available():
             return "flex FLASH needs flash-attn-4, not installed"
@@ -111,6 +111,11 @@ def _pruned(p: Problem, cfg: Config) -> str | None:
         return f"flex needs the q block size ({block_q}) to be a multiple of BLOCK_M ({bm})"
     if bn and block_kv % bn:
         return f"flex needs the kv block size ({block_kv}) to be a multiple of BLOCK_N ({bn})"
+    if bm is None and not dev.simulated:
+        tiles = flex_default_fwd_tiles(p.head_dim, getattr(torch, p.dtype))
+        if not any(block_q % m == 0 and block_kv % n == 0 for m, n in tiles):
+            return (f"flex's own tiles here ({', '.join(f'{m}x{n}' for m, n in tiles)}) do not divide the "
+                    f"{block_q}x{block_kv} mask blocks")
     return None
 
 

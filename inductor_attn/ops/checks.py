@@ -281,7 +281,9 @@ def check_block_sparse(q, k, v, sparse, scale) -> None:
     check_attention(q, k, v, scale, -1, -1, None)
     bq, bk = sparse.block_q, sparse.block_kv
     for name, size in (("block_q", bq), ("block_kv", bk)):
-        if not isinstance(size, int) or size < 1:
+        # a SymInt where Dynamo's automatic dynamic shapes made a block size that changed between compiles
+        # dynamic: block-sparse calls are decided at run time, where the op gets the int
+        if not isinstance(size, (int, torch.SymInt)) or isinstance(size, bool) or size < 1:
             fail(ValueError, f"{name} must be a positive int, got {size!r}")
     if bk % 32 != 0:
         fail(ValueError, f"block_kv must be a multiple of 32 (bitmaps pack 32 keys per word), got {bk}")
