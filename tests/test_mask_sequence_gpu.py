@@ -103,6 +103,8 @@ def test_every_candidate_stays_right_over_a_sequence_of_masks():
                 result = gate(candidate_trial(cand.name, runner), fresh, want,
                               lambda got: runner.check(got, want, torch.bfloat16))
                 checked += 1
+                print(f"{name} {direction} {cand.name}: {result.status} {result.reason or ''} "
+                      f"({result.first_call_s or 0:.1f} s)", flush=True)  # progress, should a timeout stop it
                 if result.status != "passed":  # a failure a rule can predict must be pruned before it runs
                     failures.append(f"{name} {direction} {cand.name}: {result.status} {result.reason}")
         with inductor_attn.tuning_mode("heuristic"):
