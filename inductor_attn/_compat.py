@@ -171,3 +171,11 @@ def flex_default_fwd_tiles(head_dim: int, dtype: torch.dtype) -> list[tuple[int,
     from torch._inductor.template_heuristics.triton import CUDAConfigHeuristic
 
     return [(c.block_m, c.block_n) for c in CUDAConfigHeuristic().get_flex_attn_fwd_configs(head_dim, dtype)]
+
+
+def is_fake(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a FakeTensor, also inside a functional or other wrapper, as while a plan's launch
+    is traced into compiled code (torch/_subclasses/fake_tensor.py ``is_fake``, 2.11 and 2.13)."""
+    from torch._subclasses.fake_tensor import is_fake as fake
+
+    return fake(tensor)

@@ -101,3 +101,11 @@ def test_flex_forward_config_heuristic_is_where_we_read_it():
     assert {"block_m", "block_n"} <= set(inspect.signature(FlexConfig).parameters)
     if torch.cuda.is_available():
         assert all(m > 0 and n > 0 for m, n in _compat.flex_default_fwd_tiles(64, torch.bfloat16))
+
+
+def test_is_fake_sees_fake_tensors_and_not_real_ones():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    assert not _compat.is_fake(torch.zeros(2))
+    with FakeTensorMode() as mode:
+        assert _compat.is_fake(mode.from_tensor(torch.zeros(2, dtype=torch.bool)).to(torch.uint8))

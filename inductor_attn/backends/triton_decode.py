@@ -52,6 +52,7 @@ try:  # Triton >= 3.4 (test_pdl_helpers_are_where_decode_imports_them fails if t
 except ImportError:  # without them the kernels launch plainly (USE_PDL off)
     gdc_launch_dependents = gdc_wait = None
 
+from .._compat import is_fake
 from ..device import DeviceInfo, smem_per_block
 from ..layout import empty_like_layout
 from ..problem import Problem, next_power_of_two
@@ -345,8 +346,7 @@ class DecodePlan:
         single = splits == 1
         target_o, target_lse = (out, lse) if single else (ws or workspace(q.device, b, hq, lq, dv, splits))
         seqlens = call.kv_seqlens if call.kv_seqlens is not None else lse  # unread when HAS_SEQLENS is off
-        # bool has no Triton pointer type: read the mask's bytes as uint8 (a view, no copy)
-        key_mask = call.key_mask.view(torch.uint8) if call.key_mask is not None else lse
+        key_mask = _mask_bytes(call.key_mask) if call.key_mask is not None else lse
         mask_strides = call.key_mask.stride() if call.key_mask is not None else (0, 0)
         pdl_kw = {"launch_pdl": True} if pdl else {}
         launcher(_decode_partial)[(self.m_blocks * splits * b * hkv,)](
@@ -366,6 +366,13 @@ class DecodePlan:
             launcher(_decode_combine)[(b * hq * lq, -(-dv // block_dc))](
                 target_o, target_lse, out, lse, *out.stride(), hq, lq, splits, dv,
                 BLOCK_S=next_power_of_two(splits), BLOCK_DC=block_dc, USE_PDL=pdl, num_warps=4, **pdl_kw)
+
+
+def _mask_bytes(key_mask: torch.Tensor) -> torch.Tensor:
+    """The bool mask's bytes as uint8, which Triton can point to: a view eagerly; a conversion (fused into the
+    mask's producer) where the launch is traced into compiled code, since Inductor (torch 2.11) cannot lower
+    a dtype view of a bool tensor ("torch.bool is not supported by torch.iinfo")."""
+    return key_mask.to(torch.uint8) if is_fake(key_mask) else key_mask.view(torch.uint8)
 
 
 # ------------------------------------------------------------------------------------------ backend
