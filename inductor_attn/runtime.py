@@ -42,13 +42,36 @@ def count_compiled(op: str, direction: str, choice: str) -> None:
 
 
 def forward(call: AttnCall, choice: str):
-    choice, dev = _resolve(call, choice, "forward")
-    return plan_for(call.problem, choice, dev, "forward").launch(call)
+    resolved, dev = _resolve(call, choice, "forward")
+    try:
+        return plan_for(call.problem, resolved, dev, "forward").launch(call)
+    except Exception as err:
+        if not _gives_way(call, dev, "forward", choice, resolved, err):
+            raise
+    return forward(call, choice)
 
 
 def backward(call: AttnCall, choice: str, out, lse, grad_out, grad_lse):
-    choice, dev = _resolve(call, choice, "backward", grad_lse is not None)
-    return plan_for(call.problem, choice, dev, "backward").launch(call, out, lse, grad_out, grad_lse)
+    resolved, dev = _resolve(call, choice, "backward", grad_lse is not None)
+    try:
+        return plan_for(call.problem, resolved, dev, "backward").launch(call, out, lse, grad_out, grad_lse)
+    except Exception as err:
+        if not _gives_way(call, dev, "backward", choice, resolved, err, grad_lse is not None):
+            raise
+    return backward(call, choice, out, lse, grad_out, grad_lse)
+
+
+def _gives_way(call: AttnCall, dev: DeviceInfo, direction: str, choice: str, resolved: str, err: Exception,
+               grad_lse: bool = False) -> bool:
+    """Whether a choice decided here that cannot run here after all (a mode that does not measure ran an
+    ungated default; flex's own tile ran out of shared memory on a GPU) gives way to the next candidate,
+    instead of failing the user's call. A choice named by the caller (``run_candidate``, compiled code's
+    baked choice) is never replaced."""
+    if choice and choice != COMPILED:
+        return False
+    from .tuning.decisions import give_way
+
+    return give_way(call, dev, direction, resolved, err, grad_lse)
 
 
 def stats() -> dict[str, int]:

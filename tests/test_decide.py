@@ -162,3 +162,22 @@ def test_deterministic_backward_decisions_are_kept_apart(fakes):
         finally:
             torch.use_deterministic_algorithms(False)
     assert sorted(r["op"] for r in get_store().rows()) == ["attention/backward", "attention/backward-deterministic"]
+
+
+@pytest.mark.parametrize("mode", ["off", "heuristic", "cache-only"])
+def test_an_ungated_choice_that_cannot_run_gives_way_to_the_next_candidate(mode, caplog):
+    """A mode that does not measure runs the default ungated; when it fails at its launch (flex's own tile
+    ran out of shared memory on an H100 this way), the call runs the next candidate and the bucket keeps it."""
+    a = FakeBackend("a", {"default": (1.0, 0.01)}, fail={"default"})
+    b = FakeBackend("b", {"x=1": (0.5, 0.01)})
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    with only_backends(a, b), inductor_attn.tuning_mode(mode):
+        out = inductor_attn.attention(q, k, v, causal=True)
+        again = inductor_attn.attention(q, k, v, causal=True)
+        with pytest.raises(RuntimeError, match="simulated"):  # a choice the caller names is never replaced
+            inductor_attn.run_candidate("a:default", q, k, v, causal=True)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(again, want)
+    assert a.calls == 2 and b.calls == 2  # the failed default ran once per bucket, then the explicit call
+    assert sum("a:default failed at its launch" in r.getMessage() for r in caplog.records) == 1

@@ -31,6 +31,7 @@ from . import background
 from .modes import current_mode
 from .progress import progress_ticker
 from .ranks import on_device, tune_once
+from .measure import describe, is_candidate_error
 from .tuner import default_rounds, tune
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,10 @@ _ROWS: dict[tuple, dict] = {}
 _AGREED: dict[tuple, tuple[str, dict | None]] = {}
 # background decisions made without a measurement: memo key -> [next store check (monotonic), decision key]
 _PROVISIONAL: dict[tuple, list] = {}
+# choices decided here that raised a "cannot run here" error at a real launch (a mode that does not measure
+# ran an ungated default, or a winner met another shape of its bucket): memo key -> {choice: reason}. They
+# count as pruned for that bucket in this process, so the next runnable candidate takes over.
+_FAILED: dict[tuple, dict[str, str]] = {}
 _LOCK = threading.RLock()
 RECHECK_S = 1.0
 
@@ -54,6 +59,7 @@ def forget_decisions() -> None:
         _ROWS.clear()
         _AGREED.clear()
         _PROVISIONAL.clear()
+        _FAILED.clear()
 
 
 def default_choice(cands: list[Candidate]) -> str:
@@ -98,13 +104,17 @@ def _winner(row: dict, compiled: bool) -> str:
 
 
 def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str, compiled: bool = False,
-                    grad_lse: bool = False) -> tuple[str, dict | None, str | None]:
+                    grad_lse: bool = False, failed: dict[str, str] | None = None) -> tuple[str, dict | None, str | None]:
     """The choice for ``call``, the store row behind it when a measurement backs it (else None), and the
     decision key when the choice is provisional (background mode, a tune is queued; else None).
     ``compiled``: the choice for compiled code, which pays a plan's Python launch when it cannot be
-    traced. ``grad_lse``: a backward whose loss uses the lse too."""
+    traced. ``grad_lse``: a backward whose loss uses the lse too. ``failed``: choices that failed at a
+    launch here, with the reason, which count as pruned."""
     p = call.problem
     cands = enumerate_candidates(p, dev, direction, grad_lse)
+    if failed:
+        cands = [dataclasses.replace(c, pruned=f"failed at a launch here: {failed[c.name]}")
+                 if c.pruned is None and c.name in failed else c for c in cands]
     mode = current_mode(p.device_type)
     if mode == "off":
         return default_choice(cands), None, None
@@ -204,8 +214,7 @@ def decide(call: AttnCall, dev: DeviceInfo, direction: str, compiled: bool = Fal
     """The candidate (``backend:config``) that runs ``call``; see the module doc. ``compiled=True`` asks for
     the choice compiled code makes while compiling (lowering/); ``grad_lse``: a backward whose loss uses the
     lse too."""
-    key = (_variant(direction, grad_lse), call.problem.bucket(), dev.key(), current_mode(call.problem.device_type),
-           compiled)
+    key = _memo_key(call, dev, direction, compiled, grad_lse)
     choice = _MEMO.get(key)
     if choice is not None and key not in _PROVISIONAL:
         return choice
@@ -215,13 +224,39 @@ def decide(call: AttnCall, dev: DeviceInfo, direction: str, compiled: bool = Fal
         if key not in _MEMO:
             agreed = _adopted(call, dev, direction, key)
             choice, row, pending = ((*agreed, None) if agreed
-                                    else decide_uncached(call, dev, direction, compiled, grad_lse))
+                                    else decide_uncached(call, dev, direction, compiled, grad_lse, _FAILED.get(key)))
             if row is not None:
                 _ROWS[key] = row
             if pending is not None:
                 _PROVISIONAL[key] = [time.monotonic() + RECHECK_S, pending]
             _MEMO[key] = choice
         return _MEMO[key]
+
+
+def _memo_key(call: AttnCall, dev: DeviceInfo, direction: str, compiled: bool, grad_lse: bool) -> tuple:
+    return (_variant(direction, grad_lse), call.problem.bucket(), dev.key(), current_mode(call.problem.device_type),
+            compiled)
+
+
+def give_way(call: AttnCall, dev: DeviceInfo, direction: str, choice: str, err: Exception,
+             grad_lse: bool = False) -> bool:
+    """``choice``, decided here for ``call``, raised ``err`` at its launch. If ``err`` is one of the errors
+    that mean "cannot run here" for its backend, the choice is dropped for its bucket in this process (one
+    warning) and True is returned: the caller decides again and gets the next runnable candidate. False
+    for any other error (a bug, to raise) and for the reference, which has no successor."""
+    backend = get_backend(choice.partition(":")[0])
+    if backend.name == "reference" or not is_candidate_error(err, backend):
+        return False
+    key = _memo_key(call, dev, direction, False, grad_lse)
+    with _LOCK:
+        _FAILED.setdefault(key, {})[choice] = describe(err)
+        if _MEMO.get(key) == choice:
+            del _MEMO[key]
+            _ROWS.pop(key, None)
+            _PROVISIONAL.pop(key, None)
+    log.warning("inductor_attn: %s failed at its launch on %s (%s); the next candidate runs this bucket in this "
+                "process", choice, call.problem, describe(err))
+    return True
 
 
 def _recheck(key: tuple, compiled: bool) -> None:
