@@ -28,10 +28,10 @@ from ..store.db import get_store
 from ..store.keys import decision_fields
 from ..store.priors import SHORTLIST, is_shipped, shipped_match, shortlist
 from . import background
+from .measure import describe, is_candidate_error
 from .modes import current_mode
 from .progress import progress_ticker
 from .ranks import on_device, tune_once
-from .measure import describe, is_candidate_error
 from .tuner import default_rounds, tune
 
 log = logging.getLogger(__name__)
@@ -103,8 +103,8 @@ def _winner(row: dict, compiled: bool) -> str:
     return (compiled and row["record"].get("compiled_winner")) or row["winner"]
 
 
-def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str, compiled: bool = False,
-                    grad_lse: bool = False, failed: dict[str, str] | None = None) -> tuple[str, dict | None, str | None]:
+def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str, compiled: bool = False, grad_lse: bool = False,
+                    failed: dict[str, str] | None = None) -> tuple[str, dict | None, str | None]:
     """The choice for ``call``, the store row behind it when a measurement backs it (else None), and the
     decision key when the choice is provisional (background mode, a tune is queued; else None).
     ``compiled``: the choice for compiled code, which pays a plan's Python launch when it cannot be
