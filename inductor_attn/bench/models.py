@@ -2,10 +2,15 @@
 
 Random weights (no download), bf16, built from a LlamaConfig. Both variants compile the same model
 object; attention reaches our ops through the SDPA rewrite (routing/). Wall time per call with plain
-launches (``default``) and with CUDA graphs (``reduce-overhead``), after warm-up.
+launches (``default``) and with CUDA graphs (``reduce-overhead``), after warm-up; each entry (a phase or
+size, and a mode) in a fresh process.
 """
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
 
 import torch
 
@@ -15,6 +20,10 @@ from .wallclock import warm, wall_us
 SIZE = dict(layers=8, hidden=1024, heads=16, kv_heads=4, intermediate=2816)
 PREFILL = (4, 2048)
 BACKENDS = ("inductor", "inductor_attn")
+MODES = ("default", "reduce-overhead")
+DECODE_CALLS = 100  # per timed repeat; the warm-up's and three repeats' steps fit in DECODE_ROOM
+DECODE_ROOM = 512
+ENTRY_TIMEOUT_S = 300  # a fresh process, a model and two compiles
 
 
 def build_llama(layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, max_len: int,
@@ -40,36 +49,42 @@ def _compiled(model, backend: str, mode: str):
 
 
 def llama_overhead() -> dict:
-    """Prefill and one static-cache decode step, per backend and mode: wall ms per call."""
+    """Prefill and one static-cache decode step, per mode: wall ms per call, stock against ours, each pair in
+    its own process (``isolated``)."""
+    out = {"size": dict(SIZE, batch=PREFILL[0], prefill=PREFILL[1])}
+    for phase in ("prefill", "decode step"):
+        for mode in MODES:
+            out[f"{phase} {mode}"] = isolated("overhead", phase, mode)
+    return out
+
+
+def _overhead_entry(phase: str, mode: str) -> dict:
     import transformers
 
     batch, length = PREFILL
-    model = build_llama(**SIZE, max_len=length + 64).eval()
+    model = build_llama(**SIZE, max_len=length + DECODE_ROOM).eval()
     ids = torch.randint(0, 32000, (batch, length), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    out = {"size": dict(SIZE, batch=batch, prefill=length)}
+    times = {}
     with torch.no_grad():
-        for mode in ("default", "reduce-overhead"):
-            times = {}
+        if phase == "prefill":
             for backend in BACKENDS:
                 compiled = _compiled(model, backend, mode)
-                call = warm(lambda: compiled(input_ids=ids, logits_to_keep=1))
-                times[backend] = wall_us(call, calls=20) / 1e3
-            out[f"prefill {mode}"] = {"stock_ms": times["inductor"], "ours_ms": times["inductor_attn"]}
-        cache = transformers.StaticCache(config=model.config, max_cache_len=length + 64)
-        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        token = ids[:, -1:]
-        position = torch.tensor([length], device="cuda")
-        for mode in ("default", "reduce-overhead"):
-            times = {}
+                times[backend] = wall_us(warm(lambda: compiled(input_ids=ids, logits_to_keep=1)), calls=20) / 1e3
+        else:
+            token = ids[:, -1:]
+            position = torch.tensor([length], device="cuda")
             for backend in BACKENDS:
+                # a cache of its own per backend, with room for every step timed: with 64 free slots, stock's
+                # graph and ours both hit a device-side assert in the cache's index_copy_ within 305 steps
+                cache = transformers.StaticCache(config=model.config, max_cache_len=length + DECODE_ROOM)
+                model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
                 compiled = _compiled(model, backend, mode)
 
                 def step():
                     return compiled(input_ids=token, past_key_values=cache, cache_position=position, use_cache=True)
 
-                times[backend] = wall_us(warm(step), calls=100) / 1e3
-            out[f"decode step {mode}"] = {"stock_ms": times["inductor"], "ours_ms": times["inductor_attn"]}
-    return out
+                times[backend] = wall_us(warm(step), calls=DECODE_CALLS, repeats=3) / 1e3
+    return {"stock_ms": times["inductor"], "ours_ms": times["inductor_attn"]}
 
 
 TRAIN_SIZES = {"B4 L2048": (4, 2048), "B1 L512": (1, 512)}
@@ -88,38 +103,64 @@ def worst_rel_err(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
 
 
 def llama_training(sizes=TRAIN_SIZES, modes=TRAIN_MODES) -> dict:
-    """Per size and mode: wall ms of a training step (forward, backward, AdamW) and peak memory, stock
-    against ours, and each one's worst parameter-gradient error against eager on the same step."""
+    """Per size and mode, in its own process (``isolated``): wall ms of a training step (forward, backward,
+    AdamW) and peak memory, stock against ours, and each one's worst parameter-gradient error against
+    eager on the same step."""
+    return {f"{label} {mode}": isolated("training", label, mode) for label in sizes for mode in modes}
+
+
+def _training_entry(label: str, mode: str) -> dict:
     import copy
 
     from .wallclock import peak_memory
 
-    out = {}
-    for label, (batch, length) in sizes.items():
-        base = build_llama(**SIZE, max_len=length).train()
-        ids = torch.randint(0, 32000, (batch, length), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-        eager = _grads(base, lambda: base(input_ids=ids, labels=ids).loss)
-        for mode in modes:
-            row = {}
-            for backend in BACKENDS:
-                model = copy.deepcopy(base)
-                compiled = _compiled(model, backend, mode)
+    batch, length = TRAIN_SIZES[label]
+    base = build_llama(**SIZE, max_len=length).train()
+    ids = torch.randint(0, 32000, (batch, length), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    eager = _grads(base, lambda: base(input_ids=ids, labels=ids).loss)
+    row = {}
+    for backend in BACKENDS:
+        model = copy.deepcopy(base)
+        compiled = _compiled(model, backend, mode)
 
-                def loss():
-                    return compiled(input_ids=ids, labels=ids).loss
+        def loss():
+            return compiled(input_ids=ids, labels=ids).loss
 
-                err = worst_rel_err(_grads(model, loss), eager)
-                opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        err = worst_rel_err(_grads(model, loss), eager)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
 
-                def step():
-                    opt.zero_grad(set_to_none=True)
-                    loss().backward()
-                    opt.step()
+        def step():
+            opt.zero_grad(set_to_none=True)
+            loss().backward()
+            opt.step()
 
-                name = "stock" if backend == "inductor" else "ours"
-                row[f"{name}_ms"] = wall_us(warm(step, 3), calls=10, repeats=2) / 1e3
-                row[f"{name}_grad_err"] = err
-                row[f"{name}_peak_bytes"] = peak_memory(step)
-                torch.cuda.empty_cache()
-            out[f"{label} {mode}"] = row
-    return out
+        name = "stock" if backend == "inductor" else "ours"
+        row[f"{name}_ms"] = wall_us(warm(step, 3), calls=10, repeats=2) / 1e3
+        row[f"{name}_grad_err"] = err
+        row[f"{name}_peak_bytes"] = peak_memory(step)
+        torch.cuda.empty_cache()
+    return row
+
+
+_ENTRIES = {"overhead": _overhead_entry, "training": _training_entry}
+
+
+def isolated(kind: str, *args: str, timeout_s: float = ENTRY_TIMEOUT_S) -> dict:
+    """One model entry measured in a fresh process: a device-side assert (which leaves the CUDA context
+    unusable) then costs that entry only, and each entry compiles from a clean Dynamo state. The entry's
+    result is its process's last line of output (JSON); a failure is recorded with its last error lines."""
+    cmd = [sys.executable, "-m", "inductor_attn.bench.models", kind, *args]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f} s"}
+    lines = done.stdout.strip().splitlines()
+    if done.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    tail = [line.strip() for line in done.stderr.splitlines() if line.strip() and "Warning" not in line]
+    return {"error": f"exit {done.returncode}: " + " | ".join(tail[-3:])}
+
+
+if __name__ == "__main__":
+    kind, *entry_args = sys.argv[1:]
+    print(json.dumps(_ENTRIES[kind](*entry_args)))
