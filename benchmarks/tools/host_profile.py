@@ -1,10 +1,15 @@
 """Where the host time of one compiled attention call goes, per forced backend (a calibration tool).
 
     PYTHONPATH=. python benchmarks/tools/host_profile.py [--calls 500] [--backends sdpa fa4 triton]
+    PYTHONPATH=. python benchmarks/tools/host_profile.py --llama-decode [--calls 100]
 
 For each backend (only it and the reference are registered, so the tuner must pick it): host us per call
 of the compiled function, of the plan's launch called directly, and a cProfile of the compiled calls
 (top entries by own time), so a regression in the per-call path shows where it is.
+
+``--llama-decode``: the overhead suite's HF Llama static-cache decode step (bench/models.py), stock
+``torch.compile`` and ours in one process: host us per step, kernel launches per step by launcher (Inductor's
+static launcher, Triton's own launcher, aten matmuls) and each one's cProfile, side by side.
 """
 
 from __future__ import annotations
@@ -24,9 +29,16 @@ from inductor_attn.device import device_info
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=500)
+    parser.add_argument("--calls", type=int, default=None, help="profiled calls (default 500; 100 with --llama-decode)")
     parser.add_argument("--backends", nargs="+", default=["sdpa", "fa4", "triton", "triton_decode"])
+    parser.add_argument("--llama-decode", action="store_true", help="profile the HF Llama decode step instead")
     args = parser.parse_args()
+    if args.llama_decode:
+        if (args.calls or 100) > LLAMA_MAX_CALLS:
+            parser.error(f"--llama-decode profiles at most {LLAMA_MAX_CALLS} steps (the room bench/models.py gives the cache)")
+        llama_decode(args.calls or 100)
+        return
+    args.calls = args.calls or 500
     for name in args.backends:
         decode = name == "triton_decode"
         shape = (1, 32, 8, 1, 2048, 128) if decode else (1, 16, 4, 512, 512, 64)
@@ -58,6 +70,71 @@ def main() -> None:
         print(f"== {name}: {choice}\n   compiled call {compiled:.1f} us host; plan.launch alone {direct:.1f} us; "
               f"stats {stats}")
         print("\n".join(text.getvalue().splitlines()[6:30]))
+
+
+LLAMA_MAX_CALLS = 300  # bench/models.py's DECODE_ROOM (512) less the warm-up's and host bursts' steps
+
+
+def _launcher(key: tuple) -> str | None:
+    """Which launcher a cProfile entry is, for the entries that mark one kernel launch each."""
+    file, _, name = key
+    if file.endswith("static_triton_launcher.py") and name == "run":
+        return "Inductor's static launcher"
+    if name == "<built-in method __triton_launcher.launch>":
+        return "Triton's own launcher"
+    if name in ("<built-in method torch.mm>", "<built-in method torch.bmm>", "<built-in method torch.addmm>"):
+        return "aten matmuls"
+    if name.startswith("<built-in method torch._ops.aten."):
+        return "other aten ops"
+    return None
+
+
+def _profiled(fn, calls: int, stream: io.StringIO) -> pstats.Stats:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    return pstats.Stats(prof, stream=stream)
+
+
+def _launch_counts(stats: pstats.Stats, calls: int) -> dict[str, float]:
+    counts: dict[str, float] = {}
+    for key, (_, ncalls, *_rest) in stats.stats.items():
+        label = _launcher(key)
+        if label:
+            counts[label] = counts.get(label, 0.0) + ncalls / calls
+    return counts
+
+
+def llama_decode(calls: int) -> None:
+    import transformers
+
+    from inductor_attn.bench.models import BACKENDS, DECODE_ROOM, PREFILL, SIZE, _compiled, build_llama
+
+    batch, length = PREFILL
+    model = build_llama(**SIZE, max_len=length + DECODE_ROOM).eval()
+    ids = torch.randint(0, 32000, (batch, length), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    token, position = ids[:, -1:], torch.tensor([length], device="cuda")
+    with torch.no_grad():
+        for backend in BACKENDS:
+            # a cache with room for every step run here: a static cache run past its room fails with a
+            # device-side assert (bench/models.py)
+            cache = transformers.StaticCache(config=model.config, max_cache_len=length + DECODE_ROOM)
+            model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            compiled = _compiled(model, backend, "default")
+
+            def step():
+                return compiled(input_ids=token, past_key_values=cache, cache_position=position, use_cache=True)
+
+            host = host_us(warm(step), bursts=3)
+            text = io.StringIO()
+            stats = _profiled(step, calls, text)
+            stats.sort_stats("tottime").print_stats(15)
+            counts = ", ".join(f"{label} {n:.0f}" for label, n in _launch_counts(stats, calls).items())
+            print(f"== {backend}: {host:.0f} us of host per step; per step: {counts}; stats {inductor_attn.stats()}")
+            print("\n".join(text.getvalue().splitlines()[6:26]))
 
 
 if __name__ == "__main__":
