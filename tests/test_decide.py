@@ -181,3 +181,46 @@ def test_an_ungated_choice_that_cannot_run_gives_way_to_the_next_candidate(mode,
     torch.testing.assert_close(again, want)
     assert a.calls == 2 and b.calls == 2  # the failed default ran once per bucket, then the explicit call
     assert sum("a:default failed at its launch" in r.getMessage() for r in caplog.records) == 1
+
+
+class _CostlyImport(FakeBackend):
+    """A backend whose enumeration would import a large library (as FA4's imports flash_attn.cute)."""
+
+    costly_import = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.enumerated = 0
+
+    def supports(self, p, dev, direction="forward"):
+        self.enumerated += 1
+        return super().supports(p, dev, direction)
+
+
+@pytest.mark.parametrize("mode", ["autotune", "cache-only", "background"])
+def test_a_store_hit_for_another_backend_never_enumerates_a_backend_with_a_costly_import(monkeypatch, mode):
+    a = FakeBackend("a", {"default": (1.0, 0.01)})
+    b = FakeBackend("b", {"x=1": (0.5, 0.01)})
+    costly = _CostlyImport("costly", {"default": (0.9, 0.01)})
+    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, costly, b]))
+    with only_backends(a, costly, b):
+        with inductor_attn.tuning_mode("autotune"):
+            assert decide(small_call(), DEV, "forward") == "b:x=1"
+        forget_decisions()  # a new process
+        costly.enumerated = 0
+        with inductor_attn.tuning_mode(mode):
+            assert decide(small_call(), DEV, "forward") == "b:x=1"
+        assert costly.enumerated == 0
+
+
+def test_a_stored_winner_of_a_backend_with_a_costly_import_is_found_the_full_way(monkeypatch):
+    a = FakeBackend("a", {"default": (1.0, 0.01)})
+    costly = _CostlyImport("costly", {"default": (0.5, 0.01)})
+    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, costly]))
+    with only_backends(a, costly), inductor_attn.tuning_mode("autotune"):
+        assert decide(small_call(), DEV, "forward") == "costly:default"
+        runs = a.calls + costly.calls
+        forget_decisions()
+        costly.enumerated = 0
+        assert decide(small_call(), DEV, "forward") == "costly:default"
+        assert costly.enumerated > 0 and a.calls + costly.calls == runs  # enumerated, not measured again

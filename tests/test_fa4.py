@@ -220,6 +220,20 @@ def test_not_installed_is_pruned_cleanly(monkeypatch):
         fa4._load.cache_clear()
 
 
+def test_a_store_lookup_lists_fa4_by_name_without_importing_it(monkeypatch):
+    """FA4's enumeration imports flash_attn.cute (the CuTe DSL): a lookup leaves it out; the full way runs it."""
+    from inductor_attn.backends.registry import LOOKUP_ONLY
+
+    loads = []
+    monkeypatch.setattr(fa4, "_load", lambda: loads.append(1) or fake_fa4())
+    with only_backends(fa4.BACKEND):
+        for dev in (SM90, SM100):
+            assert [(c.name, c.pruned) for c in enumerate_candidates(prob(), dev, lookup_only=True)] == \
+                [("fa4:-", LOOKUP_ONLY)]
+        assert loads == []
+        assert len(enumerate_candidates(prob(), SM90)) > 1 and loads
+
+
 def test_disk_cache_settings_of_the_user_are_kept(monkeypatch):
     _hide_flash_attn(monkeypatch)
     monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "0")

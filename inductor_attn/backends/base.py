@@ -183,6 +183,10 @@ class Backend:
     # that this process's first launch loads (FA4's CuTe DSL cache): tuning/precompile.py then compiles
     # the candidates of plans without ``compile`` in worker processes
     compiles_to_disk: bool = False
+    # enumerating this backend imports a large library (FA4's CuTe DSL stack): a store lookup leaves it out
+    # (registry.enumerate_candidates ``lookup_only``), so a process whose decisions name other backends
+    # never imports it
+    costly_import: bool = False
 
     def supports(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> str | None:
         raise NotImplementedError

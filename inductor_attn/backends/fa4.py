@@ -398,8 +398,9 @@ class FA4Backend(Backend):
              "num_splits": int, "deterministic": bool}
     has_backward = True
     compiles_to_disk = True  # _enable_disk_cache turns FA4's disk cache on unless the user set it either way
+    costly_import = True  # supports() imports flash_attn.cute, and with it the CuTe DSL
 
-    # ---------------------------------------------------------------- enumeration (no FA4 needed)
+    # ---------------------------------------------------------------- enumeration (imports FA4 once)
     def supports(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> str | None:
         if p.device_type != "cuda":
             return "needs a CUDA device"

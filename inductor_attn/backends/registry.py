@@ -73,14 +73,21 @@ def backends() -> list[Backend]:
     return list(_REGISTRY.values())
 
 
+LOOKUP_ONLY = "not enumerated for a store lookup (its enumeration imports a large library)"
+
+
 def enumerate_candidates(p: Problem, dev: DeviceInfo, direction: str = "forward",
-                         grad_lse: bool = False) -> list[Candidate]:
+                         grad_lse: bool = False, lookup_only: bool = False) -> list[Candidate]:
     """Every (backend, config) for ``p`` in prior order, each with its pruned reason or None. ``grad_lse``:
-    a backward whose loss uses the lse too."""
+    a backward whose loss uses the lse too. ``lookup_only``: backends with ``costly_import`` are listed by
+    name only, pruned with ``LOOKUP_ONLY`` (the decision key names backends, not their configs)."""
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
     out: list[Candidate] = []
     for backend in _REGISTRY.values():
+        if lookup_only and backend.costly_import:
+            out.append(Candidate(backend.name, None, LOOKUP_ONLY))
+            continue
         reason = _unsupported(backend, p, dev, direction)
         if reason is None and grad_lse and not backend.takes_grad_lse:
             reason = f"{backend.name}'s backward takes no gradient of the lse (the loss uses the lse here)"

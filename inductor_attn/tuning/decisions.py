@@ -22,6 +22,7 @@ import time
 import torch
 
 from ..backends import AttnCall, Candidate, enumerate_candidates, get_backend
+from ..backends.registry import LOOKUP_ONLY
 from ..device import DeviceInfo, device_info
 from ..problem import Problem
 from ..store.db import get_store
@@ -111,11 +112,15 @@ def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str, compiled: b
     traced. ``grad_lse``: a backward whose loss uses the lse too. ``failed``: choices that failed at a
     launch here, with the reason, which count as pruned."""
     p = call.problem
+    mode = current_mode(p.device_type)
+    if mode not in ("off", "heuristic") and not failed:
+        hit = _stored_without_costly_imports(p, dev, direction, compiled, grad_lse)
+        if hit is not None:
+            return hit
     cands = enumerate_candidates(p, dev, direction, grad_lse)
     if failed:
         cands = [dataclasses.replace(c, pruned=f"failed at a launch here: {failed[c.name]}")
                  if c.pruned is None and c.name in failed else c for c in cands]
-    mode = current_mode(p.device_type)
     if mode == "off":
         return default_choice(cands), None, None
     if mode == "heuristic":
@@ -145,6 +150,24 @@ def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str, compiled: b
         return choice, prior, fields["key"]
     row = tune_once(store, fields["key"], call.q.device, lookup=stored,
                     tune=lambda: _measure(call, cands, direction, fields, store, prior, grad_lse=grad_lse))
+    return _winner(row, compiled), row, None
+
+
+def _stored_without_costly_imports(p: Problem, dev: DeviceInfo, direction: str, compiled: bool,
+                                   grad_lse: bool) -> tuple[str, dict, None] | None:
+    """The stored decision, found without enumerating the backends whose enumeration imports a large
+    library (FA4), when its winner is another backend's; else None (the full way follows). The key is the
+    same either way (it names backends, not configs; their versions are in it), and no other backend's
+    pruning depends on theirs, so the answer is the one the full way gives, less an import that a process
+    which never runs FA4 does not need. A winner of theirs goes the full way: running it imports it."""
+    cands = enumerate_candidates(p, dev, direction, grad_lse, lookup_only=True)
+    if not any(c.pruned == LOOKUP_ONLY for c in cands):
+        return None  # nothing was left out: the full way does the same work
+    runnable = {c.name for c in cands if c.pruned is None}
+    fields = decision_fields(p.op, _variant(direction, grad_lse), p, dev, _sources(cands))
+    row = get_store().get(fields["key"])
+    if row is None or is_shipped(row) or _winner(row, compiled) not in runnable:
+        return None
     return _winner(row, compiled), row, None
 
 
