@@ -132,9 +132,7 @@ def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str, compiled: b
     store = get_store()
 
     def stored() -> dict | None:
-        row = store.get(fields["key"])
-        usable = row is not None and not is_shipped(row) and _winner(row, compiled) in runnable
-        return row if usable else None
+        return _usable(store.get(fields["key"]), compiled, runnable)
 
     row = stored()
     if row is not None:
@@ -165,10 +163,13 @@ def _stored_without_costly_imports(p: Problem, dev: DeviceInfo, direction: str, 
         return None  # nothing was left out: the full way does the same work
     runnable = {c.name for c in cands if c.pruned is None}
     fields = decision_fields(p.op, _variant(direction, grad_lse), p, dev, _sources(cands))
-    row = get_store().get(fields["key"])
-    if row is None or is_shipped(row) or _winner(row, compiled) not in runnable:
-        return None
-    return _winner(row, compiled), row, None
+    row = _usable(get_store().get(fields["key"]), compiled, runnable)
+    return None if row is None else (_winner(row, compiled), row, None)
+
+
+def _usable(row: dict | None, compiled: bool, runnable: set[str]) -> dict | None:
+    """``row`` if it is a measured decision (not a shipped one) whose winner can run here, else None."""
+    return row if row is not None and not is_shipped(row) and _winner(row, compiled) in runnable else None
 
 
 def _measure(call: AttnCall, cands: list[Candidate], direction: str, fields: dict, store, prior: dict | None,
