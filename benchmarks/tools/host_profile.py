@@ -72,7 +72,7 @@ def main() -> None:
         print("\n".join(text.getvalue().splitlines()[6:30]))
 
 
-LLAMA_MAX_CALLS = 300  # bench/models.py's DECODE_ROOM (512) less the warm-up's and host bursts' steps
+LLAMA_MAX_CALLS = 300  # within bench/models.py's DECODE_ROOM (512) less the warm-up's and host bursts' steps
 
 
 def _launcher(key: tuple) -> str | None:
@@ -109,25 +109,12 @@ def _launch_counts(stats: pstats.Stats, calls: int) -> dict[str, float]:
 
 
 def llama_decode(calls: int) -> None:
-    import transformers
+    from inductor_attn.bench.models import BACKENDS, decode_step, prefill_model
 
-    from inductor_attn.bench.models import BACKENDS, DECODE_ROOM, PREFILL, SIZE, _compiled, build_llama
-
-    batch, length = PREFILL
-    model = build_llama(**SIZE, max_len=length + DECODE_ROOM).eval()
-    ids = torch.randint(0, 32000, (batch, length), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    token, position = ids[:, -1:], torch.tensor([length], device="cuda")
+    model, ids = prefill_model()
     with torch.no_grad():
         for backend in BACKENDS:
-            # a cache with room for every step run here: a static cache run past its room fails with a
-            # device-side assert (bench/models.py)
-            cache = transformers.StaticCache(config=model.config, max_cache_len=length + DECODE_ROOM)
-            model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            compiled = _compiled(model, backend, "default")
-
-            def step():
-                return compiled(input_ids=token, past_key_values=cache, cache_position=position, use_cache=True)
-
+            step = decode_step(model, ids, backend, "default")
             host = host_us(warm(step), bursts=3)
             text = io.StringIO()
             stats = _profiled(step, calls, text)
@@ -135,7 +122,6 @@ def llama_decode(calls: int) -> None:
             counts = ", ".join(f"{label} {n:.0f}" for label, n in _launch_counts(stats, calls).items())
             print(f"== {backend}: {host:.0f} us of host per step; per step: {counts}; stats {inductor_attn.stats()}")
             print("\n".join(text.getvalue().splitlines()[6:26]))
-
 
 if __name__ == "__main__":
     main()

@@ -58,31 +58,43 @@ def llama_overhead() -> dict:
     return out
 
 
-def _overhead_entry(phase: str, mode: str) -> dict:
-    import transformers
-
+def prefill_model() -> tuple[torch.nn.Module, torch.Tensor]:
+    """The overhead entries' model (room for ``DECODE_ROOM`` decode steps after the prefill) and prefill ids."""
     batch, length = PREFILL
     model = build_llama(**SIZE, max_len=length + DECODE_ROOM).eval()
     ids = torch.randint(0, 32000, (batch, length), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    return model, ids
+
+
+def decode_step(model, ids: torch.Tensor, backend: str, mode: str):
+    """One static-cache decode step after a prefill of ``ids``, compiled with ``backend`` in ``mode``, as a
+    function of no arguments. Its steps write into a cache of its own with room for ``DECODE_ROOM`` of them:
+    with 64 free slots, stock's graph and ours both hit a device-side assert in the cache's index_copy_
+    within 305 steps. Call it under ``torch.no_grad()``."""
+    import transformers
+
+    length = ids.shape[1]
+    cache = transformers.StaticCache(config=model.config, max_cache_len=length + DECODE_ROOM)
+    model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    compiled = _compiled(model, backend, mode)
+    token, position = ids[:, -1:], torch.tensor([length], device=ids.device)
+
+    def step():
+        return compiled(input_ids=token, past_key_values=cache, cache_position=position, use_cache=True)
+
+    return step
+
+
+def _overhead_entry(phase: str, mode: str) -> dict:
+    model, ids = prefill_model()
     times = {}
     with torch.no_grad():
-        if phase == "prefill":
-            for backend in BACKENDS:
+        for backend in BACKENDS:
+            if phase == "prefill":
                 compiled = _compiled(model, backend, mode)
                 times[backend] = wall_us(warm(lambda: compiled(input_ids=ids, logits_to_keep=1)), calls=20) / 1e3
-        else:
-            token = ids[:, -1:]
-            position = torch.tensor([length], device="cuda")
-            for backend in BACKENDS:
-                # a cache of its own per backend, with room for every step timed: with 64 free slots, stock's
-                # graph and ours both hit a device-side assert in the cache's index_copy_ within 305 steps
-                cache = transformers.StaticCache(config=model.config, max_cache_len=length + DECODE_ROOM)
-                model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                compiled = _compiled(model, backend, mode)
-
-                def step():
-                    return compiled(input_ids=token, past_key_values=cache, cache_position=position, use_cache=True)
-
+            else:
+                step = decode_step(model, ids, backend, mode)
                 times[backend] = wall_us(warm(step), calls=DECODE_CALLS, repeats=3) / 1e3
     return {"stock_ms": times["inductor"], "ours_ms": times["inductor_attn"]}
 
