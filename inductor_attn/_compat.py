@@ -41,6 +41,27 @@ def inductor_config():
     return config
 
 
+STATIC_LAUNCH_ENV = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
+
+
+def launch_user_triton_kernels_statically() -> None:
+    """Have Inductor launch user-defined Triton kernels (ours, traced through ``wrap_triton``) with its own
+    static launcher, as it does its generated kernels, instead of Triton's Python launcher: config
+    ``static_launch_user_defined_triton_kernels`` (torch/_inductor/config.py, 2.11 and 2.13, default False).
+    Inductor decides per kernel while compiling it, in its compile worker processes
+    (runtime/triton_heuristics.py ``can_statically_launch``), which read this setting from the environment
+    variable (``env_name_force``), so the variable is set too: workers started from now on see it, and a
+    pool already running keeps Triton's launcher for our kernels (correct, a few microseconds slower). A
+    kernel Inductor can't launch statically keeps Triton's launcher, with a logged reason. A value the user
+    set for the variable is left alone (it overrides the config anyway)."""
+    import os
+
+    if os.environ.get(STATIC_LAUNCH_ENV) is not None:
+        return
+    os.environ[STATIC_LAUNCH_ENV] = "1"
+    inductor_config().static_launch_user_defined_triton_kernels = True
+
+
 def fused_sdp_choice(q, k, v, *, is_causal: bool, enable_gqa: bool) -> int:
     """``torch._fused_sdp_choice``: the SDPBackend value F.scaled_dot_product_attention would use."""
     return torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=None, enable_gqa=enable_gqa)

@@ -109,3 +109,34 @@ def test_is_fake_sees_fake_tensors_and_not_real_ones():
     assert not _compat.is_fake(torch.zeros(2))
     with FakeTensorMode() as mode:
         assert _compat.is_fake(mode.from_tensor(torch.zeros(2, dtype=torch.bool)).to(torch.uint8))
+
+
+def test_static_launch_of_user_triton_kernels_is_the_setting_inductor_reads(monkeypatch):
+    """The config exists, a new process (a compile worker) reads it from the variable we set, and
+    Inductor's launcher choice still reads the config."""
+    import os
+    import subprocess
+    import sys
+
+    import torch._inductor.config as config
+    from torch._inductor.runtime import triton_heuristics
+
+    worker = subprocess.run([sys.executable, "-c", "import torch._inductor.config as c; "
+                             "print(c.static_launch_user_defined_triton_kernels)"],
+                            env={**os.environ, _compat.STATIC_LAUNCH_ENV: "1"}, capture_output=True, text=True)
+    assert worker.stdout.strip() == "True", worker.stderr[-500:]
+    assert "static_launch_user_defined_triton_kernels" in inspect.getsource(triton_heuristics.StaticTritonCompileResult.can_statically_launch)
+    monkeypatch.delenv(_compat.STATIC_LAUNCH_ENV, raising=False)
+    with config.patch(static_launch_user_defined_triton_kernels=False):
+        _compat.launch_user_triton_kernels_statically()
+        assert config.static_launch_user_defined_triton_kernels is True
+    assert os.environ[_compat.STATIC_LAUNCH_ENV] == "1"
+
+
+def test_static_launch_leaves_a_value_the_user_set(monkeypatch):
+    import torch._inductor.config as config
+
+    monkeypatch.setenv(_compat.STATIC_LAUNCH_ENV, "0")
+    with config.patch(static_launch_user_defined_triton_kernels=False):
+        _compat.launch_user_triton_kernels_statically()
+        assert config.static_launch_user_defined_triton_kernels is False

@@ -20,7 +20,7 @@ import hashlib
 import os
 import uuid
 
-from .._compat import custom_graph_pass_base, inductor_config
+from .._compat import custom_graph_pass_base, inductor_config, launch_user_triton_kernels_statically
 
 _Base = custom_graph_pass_base()
 
@@ -60,7 +60,9 @@ class DecisionPass(_Base):
 
 
 def install() -> None:
-    """Put the pass in ``post_grad_custom_post_pass`` (chaining what is there), once."""
+    """Put the pass in ``post_grad_custom_post_pass`` (chaining what is there), once, and have Inductor
+    launch the Triton kernels that plans trace in with its static launcher."""
+    launch_user_triton_kernels_statically()
     config = inductor_config()
     current = config.post_grad_custom_post_pass
     if not isinstance(current, DecisionPass):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 
-from .._compat import compile_fx, inductor_compile_patches, inductor_config
+from .._compat import compile_fx, inductor_compile_patches, inductor_config, launch_user_triton_kernels_statically
 from .rewrite import RewritePass
 
 __all__ = ["enable", "disable", "enabled", "is_enabled", "compile_backend"]
@@ -28,7 +28,10 @@ def is_enabled() -> bool:
 
 
 def enable() -> None:
-    """Install the rewrite for all later Inductor compilations (idempotent)."""
+    """Install the rewrite for all later Inductor compilations (idempotent). Also has Inductor launch
+    user-defined Triton kernels with its static launcher (``launch_user_triton_kernels_statically``: ours
+    are traced into the generated code), a process-wide setting that ``disable()`` leaves on."""
+    launch_user_triton_kernels_statically()
     config = inductor_config()
     if not isinstance(config.pre_grad_custom_pass, RewritePass):
         config.pre_grad_custom_pass = RewritePass(chained=config.pre_grad_custom_pass)
@@ -57,6 +60,7 @@ def enabled():
 def compile_backend(gm, example_inputs, mode: str | None = None, options: dict | None = None):
     """The ``"inductor_attn"`` dynamo backend: Inductor (same ``mode``/``options`` handling as
     ``backend="inductor"``) with the rewrite installed for this compilation."""
+    launch_user_triton_kernels_statically()
     patches = inductor_compile_patches(mode, options)
     current = patches.get("pre_grad_custom_pass", inductor_config().pre_grad_custom_pass)
     if not isinstance(current, RewritePass):
