@@ -567,3 +567,15 @@ def test_a_model_entry_that_fails_in_its_process_is_recorded_and_the_caller_goes
         pytest.skip("the entry would run: this checks the failure path")
     result = models.isolated("overhead", "prefill", "default", timeout_s=120)
     assert set(result) == {"error"} and result["error"].startswith("exit 1: ")
+
+
+def test_interleaved_wall_times_take_turns_and_report_each_function():
+    """Rounds alternate between the functions (rotating who goes first), each run is calls long, and the
+    result is the median per function."""
+    from inductor_attn.bench.wallclock import interleaved_wall_us
+
+    order = []
+    fns = {name: (lambda name=name: order.append(name)) for name in ("a", "b")}
+    times = interleaved_wall_us(fns, calls=3, rounds=4)
+    assert set(times) == {"a", "b"} and all(t > 0 for t in times.values())
+    assert order == ["a"] * 3 + ["b"] * 3 + ["b"] * 3 + ["a"] * 3 + ["a"] * 3 + ["b"] * 3 + ["b"] * 3 + ["a"] * 3

@@ -9,7 +9,8 @@ of the compiled function, of the plan's launch called directly, and a cProfile o
 
 ``--llama-decode``: the overhead suite's HF Llama static-cache decode step (bench/models.py), stock
 ``torch.compile`` and ours in one process: host us per step, kernel launches per step by launcher (Inductor's
-static launcher, Triton's own launcher, aten matmuls) and each one's cProfile, side by side.
+static launcher, Triton's own launcher, aten matmuls), wall and kernel us per step, each one's cProfile, and
+the GPU kernels (by name, per step) whose counts differ between the two.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def main() -> None:
         print("\n".join(text.getvalue().splitlines()[6:30]))
 
 
-LLAMA_MAX_CALLS = 300  # within bench/models.py's DECODE_ROOM (512) less the warm-up's and host bursts' steps
+LLAMA_MAX_CALLS = 250  # within bench/models.py's DECODE_ROOM (512) less the warm-up's, host bursts', wall run's
+# and kernel profile's steps
 
 
 def _launcher(key: tuple) -> str | None:
@@ -108,20 +110,51 @@ def _launch_counts(stats: pstats.Stats, calls: int) -> dict[str, float]:
     return counts
 
 
+def _kernels_per_step(step, steps: int = 10) -> tuple[dict[str, float], float]:
+    """GPU kernels one step launches (torch.profiler), name -> count per step, and their summed us per step."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    counts: dict[str, float] = {}
+    total = 0.0
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            counts[e.name[:90]] = counts.get(e.name[:90], 0) + 1 / steps
+            total += e.device_time_total / steps
+    return counts, total
+
+
 def llama_decode(calls: int) -> None:
     from inductor_attn.bench.models import BACKENDS, decode_step, prefill_model
+    from inductor_attn.bench.wallclock import wall_us
 
     model, ids = prefill_model()
+    kernels = {}
     with torch.no_grad():
         for backend in BACKENDS:
             step = decode_step(model, ids, backend, "default")
             host = host_us(warm(step), bursts=3)
+            wall = wall_us(step, calls=50, repeats=1)
+            kernels[backend], device = _kernels_per_step(step)
             text = io.StringIO()
             stats = _profiled(step, calls, text)
             stats.sort_stats("tottime").print_stats(15)
             counts = ", ".join(f"{label} {n:.0f}" for label, n in _launch_counts(stats, calls).items())
-            print(f"== {backend}: {host:.0f} us of host per step; per step: {counts}; stats {inductor_attn.stats()}")
+            print(f"== {backend}: {host:.0f} us of host, {wall:.0f} us of wall, {device:.0f} us of kernels per step "
+                  f"({sum(kernels[backend].values()):.0f} kernels); per step: {counts}; stats {inductor_attn.stats()}")
             print("\n".join(text.getvalue().splitlines()[6:26]))
+    print("== kernels per step, where the backends differ (stock / ours):")
+    names = sorted(set().union(*kernels.values()))
+    for name in names:
+        per = [kernels[b].get(name, 0) for b in BACKENDS]
+        if abs(per[0] - per[1]) > 0.01:
+            print(f"   {per[0]:5.1f} / {per[1]:5.1f}  {name}")
+
 
 if __name__ == "__main__":
     main()

@@ -14,14 +14,16 @@ import sys
 
 import torch
 
-from .wallclock import warm, wall_us
+from .wallclock import interleaved_wall_us, wall_us, warm
 
 # The zero-overhead issue's size: small enough that the host matters at prefill B4 L2048.
 SIZE = dict(layers=8, hidden=1024, heads=16, kv_heads=4, intermediate=2816)
 PREFILL = (4, 2048)
 BACKENDS = ("inductor", "inductor_attn")
 MODES = ("default", "reduce-overhead")
-DECODE_CALLS = 100  # per timed repeat; the warm-up's and three repeats' steps fit in DECODE_ROOM
+ROUNDS = 5  # timed runs per backend, the backends taking turns
+PREFILL_CALLS = 20
+DECODE_CALLS = 80  # per round; the warm-up's and all rounds' steps fit in DECODE_ROOM
 DECODE_ROOM = 512
 ENTRY_TIMEOUT_S = 300  # a fresh process, a model and two compiles
 
@@ -39,10 +41,11 @@ def build_llama(layers: int, hidden: int, heads: int, kv_heads: int, intermediat
     return model.to(dtype)
 
 
-def _compiled(model, backend: str, mode: str):
+def _compiled(model, backend: str, mode: str, reset: bool = True):
     from ..routing.enable import compile_backend
 
-    torch._dynamo.reset()
+    if reset:
+        torch._dynamo.reset()
     # the function, not the "inductor_attn" name: the name needs the package installed (its entry point)
     fn = compile_backend if backend == "inductor_attn" else backend
     return torch.compile(model, backend=fn, fullgraph=True, mode=None if mode == "default" else mode)
@@ -66,7 +69,7 @@ def prefill_model() -> tuple[torch.nn.Module, torch.Tensor]:
     return model, ids
 
 
-def decode_step(model, ids: torch.Tensor, backend: str, mode: str):
+def decode_step(model, ids: torch.Tensor, backend: str, mode: str, reset: bool = True):
     """One static-cache decode step after a prefill of ``ids``, compiled with ``backend`` in ``mode``, as a
     function of no arguments. Its steps write into a cache of its own with room for ``DECODE_ROOM`` of them:
     with 64 free slots, stock's graph and ours both hit a device-side assert in the cache's index_copy_
@@ -76,7 +79,7 @@ def decode_step(model, ids: torch.Tensor, backend: str, mode: str):
     length = ids.shape[1]
     cache = transformers.StaticCache(config=model.config, max_cache_len=length + DECODE_ROOM)
     model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    compiled = _compiled(model, backend, mode)
+    compiled = _compiled(model, backend, mode, reset)
     token, position = ids[:, -1:], torch.tensor([length], device=ids.device)
 
     def step():
@@ -86,17 +89,26 @@ def decode_step(model, ids: torch.Tensor, backend: str, mode: str):
 
 
 def _overhead_entry(phase: str, mode: str) -> dict:
+    """Stock and ours compiled side by side (Dynamo keeps one graph per backend of the same forward), then
+    timed in alternating rounds (``interleaved_wall_us``): two processes of the same code differed by 20%
+    on the device machine, more than the ratio measured. A recompilation while timing is an error."""
+    from torch._dynamo.utils import counters
+
     model, ids = prefill_model()
-    times = {}
+    torch._dynamo.reset()
     with torch.no_grad():
-        for backend in BACKENDS:
-            if phase == "prefill":
-                compiled = _compiled(model, backend, mode)
-                times[backend] = wall_us(warm(lambda: compiled(input_ids=ids, logits_to_keep=1)), calls=20) / 1e3
-            else:
-                step = decode_step(model, ids, backend, mode)
-                times[backend] = wall_us(warm(step), calls=DECODE_CALLS, repeats=3) / 1e3
-    return {"stock_ms": times["inductor"], "ours_ms": times["inductor_attn"]}
+        if phase == "prefill":
+            compiled = {b: _compiled(model, b, mode, reset=False) for b in BACKENDS}
+            fns = {b: warm(lambda c=c: c(input_ids=ids, logits_to_keep=1)) for b, c in compiled.items()}
+            calls = PREFILL_CALLS
+        else:
+            fns = {b: warm(decode_step(model, ids, b, mode, reset=False)) for b in BACKENDS}
+            calls = DECODE_CALLS
+        graphs = counters["stats"]["unique_graphs"]
+        times = interleaved_wall_us(fns, calls=calls, rounds=ROUNDS)
+        if counters["stats"]["unique_graphs"] != graphs:
+            raise RuntimeError("a compiled step recompiled while it was timed")
+    return {"stock_ms": times["inductor"] / 1e3, "ours_ms": times["inductor_attn"] / 1e3, "rounds": ROUNDS}
 
 
 TRAIN_SIZES = {"B4 L2048": (4, 2048), "B1 L512": (1, 512)}

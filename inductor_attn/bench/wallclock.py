@@ -4,7 +4,9 @@ run eagerly or compiled. Shared by the overhead, training and model suites.
 - host_us: the CPU time one call takes to issue its work, measured over a burst of calls that fits in the
   launch queue (so the CPU never waits for the GPU), best of several bursts;
 - wall_us: the time per call of a long run of plain launches, synchronized at the end: max(host, device)
-  in steady state, what a loop of such calls costs;
+  in steady state, what a loop of such calls costs; ``interleaved_wall_us`` times several functions in
+  alternating rounds, so that a slow spell of the host (another process, a clock change) falls on all
+  of them rather than on whichever ran then;
 - kernel_us: the summed duration of the GPU kernels one call launches (torch.profiler), the device time.
 """
 
@@ -46,6 +48,17 @@ def wall_us(fn: Callable[[], object], calls: int = 200, repeats: int = 3) -> flo
         _sync()
         runs.append((time.perf_counter() - start) / calls)
     return statistics.median(runs) * 1e6
+
+
+def interleaved_wall_us(fns: dict[str, Callable[[], object]], calls: int, rounds: int = 5) -> dict[str, float]:
+    """``wall_us`` of each function, one run of ``calls`` calls each per round, the functions taking turns
+    (their order rotating), the median over ``rounds``."""
+    names = list(fns)
+    runs: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            runs[name].append(wall_us(fns[name], calls=calls, repeats=1))
+    return {name: statistics.median(times) for name, times in runs.items()}
 
 
 def kernel_us(fn: Callable[[], object], calls: int = 10) -> float | None:
