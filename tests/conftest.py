@@ -28,10 +28,12 @@ os.environ["INDUCTOR_ATTN_STRICT"] = "1"
 
 @pytest.fixture(autouse=True)
 def _isolated_store(tmp_path, monkeypatch):
-    """Each test gets its own decision store and no remembered decisions: no state leaks between tests."""
+    """Each test gets its own decision store, no remembered decisions and no shipped tables (a test that
+    reads tables names its own): no state leaks between tests, and the package's tables decide nothing."""
     from inductor_attn.tuning.decisions import forget_decisions
 
     monkeypatch.setenv("INDUCTOR_ATTN_CACHE_DIR", str(tmp_path / "inductor_attn"))
+    monkeypatch.setenv("INDUCTOR_ATTN_PRIORS", "off")
     forget_decisions()
     yield
     forget_decisions()

@@ -15,7 +15,7 @@ from inductor_attn.cli import main
 from inductor_attn.device import DeviceInfo
 from inductor_attn.store import keys
 from inductor_attn.store.db import get_store
-from inductor_attn.store.priors import PACKAGE_DIR, table_paths
+from inductor_attn.store.priors import PACKAGE_DIR, PriorTable, device_slug, shortlist, table_paths
 from inductor_attn.store.transfer import read_export
 from inductor_attn.tuning.decisions import decide, forget_decisions
 
@@ -108,6 +108,19 @@ def test_the_package_reads_every_table_in_its_priors_directory_unless_turned_off
     assert table_paths() == sorted(PACKAGE_DIR.glob("*.json"))
     monkeypatch.setenv("INDUCTOR_ATTN_PRIORS", "off")
     assert table_paths() == []
+
+
+def test_every_table_the_package_ships_reads_whole_and_says_what_measured_it():
+    """A shipped table is measured, never made up: it names its GPU, versions, commit and command, and every
+    decision in it is for that GPU and has a timed winner."""
+    for path in sorted(PACKAGE_DIR.glob("*.json")):
+        table = PriorTable(path)
+        assert table.broken is None, path
+        meta = json.loads(path.read_text())
+        assert meta["command"].startswith("python -m inductor_attn cache export-priors") and meta["commit"]
+        assert path.stem == device_slug(meta["device"]) and meta["versions"]["torch"]
+        for row in table.rows():
+            assert row["device"] == meta["device_key"] and row["winner"] in shortlist(row, 100), row["key"]
 
 
 def test_cache_explain_says_where_each_decision_came_from(fakes, shipped):
