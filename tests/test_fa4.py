@@ -634,7 +634,7 @@ def test_a_scratch_buffer_filled_outside_a_kernel_is_caught_and_the_plan_keeps_c
     kernel_calls = []
     _, plan = _bwd_plan(monkeypatch, kernel_calls, dpsum_in_python=True)
     _bwd_launch(plan, 0, 0.25)
-    assert plan.launch.replay is None and "did not reproduce" in caplog.text
+    assert not any(plan.launch.replays.by_layout.values()) and "did not reproduce" in caplog.text
     got, want = _bwd_launch(plan, 1, 0.5)  # FA4's interface again: right
     assert all(torch.allclose(g.float(), w.float(), rtol=1e-2, atol=1e-2) for g, w in zip(got, want))
 
@@ -657,3 +657,20 @@ def test_backward_uses_views_and_returns_our_layout(monkeypatch):
 def test_importing_the_fa4_backend_needs_no_optional_dependency():
     """STYLE pattern 2: backends import optional deps lazily (triton, cutlass, flash_attn blocked here)."""
     run_without(("triton", "cutlass", "flash_attn", "quack"), "import inductor_attn.backends.fa4\n")
+
+
+def test_a_call_laid_out_differently_is_recorded_for_itself(monkeypatch):
+    """FA4 compiles a kernel per broadcast pattern: a grad_out with zero strides (as ``out.sum()`` gives)
+    must not reuse the replay recorded for a dense one."""
+    kernel_calls = []
+    interface, plan = _bwd_plan(monkeypatch, kernel_calls)
+    _bwd_launch(plan, 0, 0.25)
+    q, k, v = _qkv(1)
+    out = _qkv(2)[0]
+    dout = torch.ones(1, 1, 1, 1, dtype=torch.float16).expand(1, 2, 16, 16)
+    kernel_calls.clear()
+    got = plan.launch(AttnCall("attention", q, k, v, 0.5), out, torch.zeros(1, 2, 16), dout, None)
+    assert kernel_calls.count(("main", 0.5)) == 2  # through FA4 and recorded, then checked: no old replay
+    assert len(plan.launch.replays.by_layout) == 2
+    want = _expected_grads(q, k, v, out, dout, 0.5)
+    assert all(torch.allclose(g.float(), w.float(), rtol=1e-2, atol=1e-2) for g, w in zip(got, want))

@@ -590,16 +590,18 @@ class _ForwardLaunch:
 
     def __init__(self, knobs: dict, clc: bool | None, label: str, thin: bool):
         self.knobs, self.clc, self.label, self.thin = knobs, clc, label, thin
-        self.replay: _Replay | None = None
-        self.recorded = False
+        self.replays = _Replays()
 
     def __call__(self, call: AttnCall):
-        if self.replay is not None:
+        if self.replays.by_layout:
             q, k, v = call.q.transpose(1, 2), call.k.transpose(1, 2), call.v.transpose(1, 2)
             if _aligned(q) and _aligned(k) and _aligned(v):
                 out, lse = self._buffers(call)
-                self.replay(self._values(call, q, k, v, out, lse))
-                return out, lse
+                values = self._values(call, q, k, v, out, lse)
+                replay = self.replays.get(values)
+                if replay is not None:
+                    replay(values)
+                    return out, lse
         return self._through_fa4(call)
 
     @staticmethod
@@ -616,7 +618,9 @@ class _ForwardLaunch:
     def _through_fa4(self, call: AttnCall):
         fa = _fa4()
         args, kw, out, lse = _forward_args(fa, self.knobs, call)
-        recording = _Recording(fwd_compile_cache_owners(fa)) if self.thin and not self.recorded else None
+        values = (*args, kw["out"], kw["lse"], kw.get("seqused_k"), call.scale)
+        wanted = self.thin and self.replays.wants(values)
+        recording = _Recording(fwd_compile_cache_owners(fa)) if wanted else None
         with _clc_scheduler(fa.utils, self.clc), _dsl_errors(fa, self.label), recording or contextlib.nullcontext():
             result = fa.interface._flash_attn_fwd(*args, **kw)
         # b36 returns (out, lse, ...) and writes the buffers we passed; take FA4's lse if it made its own
@@ -624,12 +628,10 @@ class _ForwardLaunch:
         if got_lse is not None and got_lse.data_ptr() != lse.data_ptr():
             lse = got_lse
         if recording is not None:
-            self.recorded = True
-            values = (*args, kw["out"], kw["lse"], kw.get("seqused_k"), call.scale)
             fresh_out, fresh_lse = self._buffers(call)
             fresh = (*values[:3], fresh_out.transpose(1, 2), fresh_lse, *values[5:])
-            self.replay = _checked_replay(recording.replay(values), fresh, (out, lse), (fresh_out, fresh_lse),
-                                          self.label)
+            self.replays.add(values, _checked_replay(recording.replay(values, own_buffers=False), fresh, (out, lse),
+                                                     (fresh_out, fresh_lse), self.label))
         return out, lse
 
 
@@ -641,8 +643,7 @@ class _BackwardLaunch:
 
     def __init__(self, deterministic: bool, label: str, thin: bool):
         self.deterministic, self.label, self.thin = deterministic, label, thin
-        self.replay: _Replay | None = None
-        self.recorded = False
+        self.replays = _Replays()
 
     def __call__(self, call: AttnCall, out, lse, grad_out, grad_lse):
         fa = _fa4()
@@ -658,8 +659,9 @@ class _BackwardLaunch:
         grad_lse = None if grad_lse is None else grad_lse.contiguous()
         seqused = None if call.kv_seqlens is None else _int32(call.kv_seqlens)
         values = (q, k, v, o, do, lse, grad_lse, seqused, *fa_grads, call.scale)
-        if self.replay is not None and into_ours:
-            self.replay(values)
+        replay = self.replays.get(values) if into_ours else None
+        if replay is not None:
+            replay(values)
             _zero_unused_keys(call, grads)
         else:
             self._through_fa4(fa, call, values, grads, fa_grads, into_ours, dense)
@@ -676,7 +678,8 @@ class _BackwardLaunch:
             kw["seqused_k"] = seqused
         if into_ours:
             kw.update(dq=fa_grads[0], dk=fa_grads[1], dv=fa_grads[2])  # FA4 writes into ours: no copy back
-        recording = _Recording(bwd_compile_cache_owners(fa)) if self.thin and into_ours and not self.recorded else None
+        wanted = self.thin and into_ours and self.replays.wants(values)
+        recording = _Recording(bwd_compile_cache_owners(fa)) if wanted else None
         with _dsl_errors(fa, self.label), recording or contextlib.nullcontext():
             got = fa.interface._flash_attn_bwd(q, k, v, o, do, lse, **kw)[:3]
         for grad, fa_grad, result in zip(grads, fa_grads, got):
@@ -684,12 +687,12 @@ class _BackwardLaunch:
                 grad.copy_(result.transpose(1, 2) if dense else result)
         _zero_unused_keys(call, grads)
         if recording is not None:
-            self.recorded = True
             fresh = [empty_like_layout(x, x.shape) for x in (call.q, call.k, call.v)]
             fresh_views = [_fa4_layout(g, "grad", dense) for g in fresh]
-            replay = recording.replay(values)
-            self.replay = _checked_replay(replay, (*values[:8], *fresh_views, call.scale), grads, fresh, self.label,
-                                          after=lambda: _zero_unused_keys(call, fresh))
+            fresh_values = (*values[:8], *fresh_views, call.scale)
+            replay = _checked_replay(recording.replay(values, own_buffers=True), fresh_values, grads, fresh,
+                                     self.label, after=lambda: _zero_unused_keys(call, fresh))
+            self.replays.add(values, replay)
 
 
 def _zero_unused_keys(call: AttnCall, grads) -> None:
@@ -700,6 +703,35 @@ def _zero_unused_keys(call: AttnCall, grads) -> None:
         unused = torch.arange(dk.shape[2], device=dk.device)[None, :] >= call.kv_seqlens[:, None]
         dk.masked_fill_(unused[:, None, :, None], 0)
         dv.masked_fill_(unused[:, None, :, None], 0)
+
+
+class _Replays:
+    """A plan's recorded replays, one per layout of the values (each tensor's shape, strides, dtype and
+    16-byte alignment): FA4 compiles a kernel per broadcast pattern (zero strides, cute_dsl_utils
+    ``get_broadcast_dims``) and alignment, so a replay serves only values laid out as the call it
+    recorded. A layout is recorded at its first call, never while a CUDA graph is being captured (the
+    recording reads the buffers back), and at most ``LIMIT`` of them; a layout whose recording was
+    refused keeps going through FA4's interface."""
+
+    LIMIT = 8
+
+    def __init__(self):
+        self.by_layout: dict[tuple, _Replay | None] = {}
+
+    def get(self, values: tuple) -> _Replay | None:
+        return self.by_layout.get(_layout(values))
+
+    def wants(self, values: tuple) -> bool:
+        capturing = values[0].is_cuda and torch.cuda.is_current_stream_capturing()
+        return not capturing and len(self.by_layout) < self.LIMIT and _layout(values) not in self.by_layout
+
+    def add(self, values: tuple, replay: _Replay | None) -> None:
+        self.by_layout[_layout(values)] = replay
+
+
+def _layout(values: tuple) -> tuple:
+    return tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.data_ptr() % 16 == 0)
+                 if isinstance(t, torch.Tensor) else None for t in values[:-1])
 
 
 class _Replay:
@@ -715,8 +747,7 @@ class _Replay:
         buffers = []
         for shape, stride, dtype, zeroed in self.scratch:
             buf = torch.empty_strided(shape, stride, dtype=dtype, device=device)
-            buffers.append(buf.zero_() if zeroed else buf.fill_(float("nan") if dtype.is_floating_point else -1)
-                           if poison else buf)
+            buffers.append(buf.zero_() if zeroed else buf.fill_(float("nan")) if poison else buf)
         pick = {"role": values.__getitem__, "scratch": buffers.__getitem__, "const": lambda x: x}
         for fn, specs in self.steps:
             fn(*[pick[kind](x) for kind, x in specs])
@@ -725,7 +756,8 @@ class _Replay:
 def _checked_replay(replay: _Replay | None, fresh_values: tuple, expected, got, label: str,
                     after=None) -> _Replay | None:
     """``replay`` if, run on ``fresh_values`` (the recorded call's inputs, new outputs ``got``; then
-    ``after()``) with every scratch buffer it does not zero filled with NaN (or -1), it reproduced FA4's
+    ``after()``) with every scratch buffer it does not zero (all floating point) filled with NaN, it
+    reproduced FA4's
     ``expected`` outputs (the same non-finite entries, the rest within 1%: FA4's backward accumulates dq
     with atomics, in no fixed order); else None, logged. A buffer that FA4 filled from an input rather
     than by a kernel would show here."""
@@ -779,15 +811,16 @@ class _Recording:
                 self.zeroed[a.data_ptr()] = not bool(a.any()) if a.numel() else True
         self.calls.append((fn, args))
 
-    def replay(self, values: tuple) -> _Replay | None:
+    def replay(self, values: tuple, own_buffers: bool) -> _Replay | None:
         """The recorded calls as a :class:`_Replay` over ``values`` (tensors, then the scale last), or None
-        when a call's arguments cannot be rebuilt from them: two values alias each other, a tensor
-        overlaps a value without being it, a scratch buffer has the inputs' dtype (a copy of an input, not
-        a buffer of FA4's own), one buffer is passed with two layouts, or a tensor is hidden in a
-        container. A float equal to the scale is the scale, so a scale of 1.0 (which FA4 also passes as a
-        constant) records nothing."""
+        when they cannot be rebuilt from them. Without ``own_buffers``: one call whose every tensor is a
+        value. With it, any number of calls and FA4's own buffers between them, unless one has the inputs'
+        dtype (a copy of an input, not a buffer of FA4's own), is an integer buffer handed over non-zero,
+        or is passed with two layouts. Always None when two values alias each other, a tensor overlaps a
+        value without being it, or a tensor is hidden in a container. A float equal to the scale is the
+        scale, so a scale of 1.0 (which FA4 also passes as a constant) records nothing."""
         scale = values[-1]
-        if not self.calls or scale == 1.0:
+        if not self.calls or scale == 1.0 or (not own_buffers and len(self.calls) != 1):
             return None
         roles: dict[tuple, int] = {}
         for i, t in enumerate(values[:-1]):
@@ -809,8 +842,11 @@ class _Recording:
                         specs.append(("role", role))
                         continue
                     lo, hi = _span(a)
-                    if a.dtype == input_dtype or any(lo < end and start < hi for start, end in spans):
+                    overlaps = any(lo < end and start < hi for start, end in spans)
+                    if not own_buffers or a.dtype == input_dtype or overlaps:
                         return None
+                    if not a.dtype.is_floating_point and not self.zeroed[a.data_ptr()]:
+                        return None  # an index or counter FA4 filled: nothing to poison it with safely
                     layout = (tuple(a.shape), tuple(a.stride()), a.dtype)
                     j = scratch_at.setdefault(a.data_ptr(), len(scratch))
                     if j == len(scratch):
