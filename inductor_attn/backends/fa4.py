@@ -389,8 +389,7 @@ def _leading(t: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------ backend
 class FA4Backend(Backend):
     """Not traced into compiled graphs (CuTe DSL kernels): compiled code calls the plan's launch through
-    one thin op, and on sm_90 that launch calls FA4's compiled kernels directly (:class:`_ForwardLaunch`,
-    :class:`_BackwardLaunch`)."""
+    one thin op, and on sm_90 that launch calls FA4's compiled kernel directly (:class:`_ForwardLaunch`)."""
 
     name = "fa4"
     requires = ("flash-attn-4", "nvidia-cutlass-dsl")
@@ -503,11 +502,11 @@ class FA4Backend(Backend):
 
     # ------------------------------------------------------------------------------------ plans
     def plan(self, p: Problem, dev: DeviceInfo, cfg: Config, direction: str) -> Plan:
-        thin = family(dev.arch) == "sm90" and p.op == "attention"
         if direction == "backward":
             if p.op == "block_sparse":
                 raise NotImplementedError("flash-attn-4 block-sparse backward is not wired (see supports())")
-            return Plan(_BackwardLaunch(bool(cfg.get("deterministic", False)), str(cfg), thin))
+            return Plan(functools.partial(_backward, bool(cfg.get("deterministic", False)), str(cfg)))
+        thin = family(dev.arch) == "sm90" and p.op == "attention"
         return Plan(_ForwardLaunch(_knobs(cfg), cfg.get("clc"), str(cfg), thin))
 
 
@@ -580,13 +579,13 @@ def _forward_args(fa: _FA4, knobs: dict, call: AttnCall):
 
 
 class _ForwardLaunch:
-    """A forward plan's launch. The first call goes through FA4's ``_flash_attn_fwd`` (which compiles
-    the kernel, or loads it from the disk cache) while :class:`_Recording` notes the compiled objects and
-    the arguments they were called with; the recorded :class:`_Replay`, once it has reproduced that call
-    (:func:`_checked_replay`), makes later calls: no key building, checks or heuristics per call (about
-    1,300 lines of Python in b36, against about 2 us for a launch of a compiled CuTe kernel, tritonbench
-    #1002). Anything else (varlen and block-sparse scheduler tensors, split-KV's combine on sm_100) keeps
-    calling ``_flash_attn_fwd``."""
+    """A forward plan's launch. The first call of each layout goes through FA4's ``_flash_attn_fwd``
+    (which compiles the kernel, or loads it from the disk cache) while :class:`_Recording` notes the
+    compiled object and the arguments it was called with; once that :class:`_Replay` has reproduced the
+    call (:func:`_checked_replay`), it makes later calls: no key building, checks or heuristics per call
+    (about 1,300 lines of Python in b36, against about 2 us for a launch of a compiled CuTe kernel,
+    tritonbench #1002). Anything else (varlen and block-sparse scheduler tensors, split-KV's combine on
+    sm_100) keeps calling ``_flash_attn_fwd``."""
 
     def __init__(self, knobs: dict, clc: bool | None, label: str, thin: bool):
         self.knobs, self.clc, self.label, self.thin = knobs, clc, label, thin
@@ -611,7 +610,7 @@ class _ForwardLaunch:
 
     @staticmethod
     def _values(call: AttnCall, q, k, v, out, lse) -> tuple:
-        """The roles a replay's arguments are built from (:meth:`_Recording.replay`): FA4's views."""
+        """What a replay's arguments are built from (:meth:`_Recording.replay`): FA4's views, the scale last."""
         seqused = None if call.kv_seqlens is None else _int32(call.kv_seqlens)
         return (q, k, v, out.transpose(1, 2), lse, seqused, call.scale)
 
@@ -620,7 +619,7 @@ class _ForwardLaunch:
         args, kw, out, lse = _forward_args(fa, self.knobs, call)
         values = (*args, kw["out"], kw["lse"], kw.get("seqused_k"), call.scale)
         wanted = self.thin and self.replays.wants(values)
-        recording = _Recording(fwd_compile_cache_owners(fa)) if wanted else None
+        recording = _Recording(fwd_compile_cache_owner(fa)) if wanted else None
         with _clc_scheduler(fa.utils, self.clc), _dsl_errors(fa, self.label), recording or contextlib.nullcontext():
             result = fa.interface._flash_attn_fwd(*args, **kw)
         # b36 returns (out, lse, ...) and writes the buffers we passed; take FA4's lse if it made its own
@@ -630,79 +629,9 @@ class _ForwardLaunch:
         if recording is not None:
             fresh_out, fresh_lse = self._buffers(call)
             fresh = (*values[:3], fresh_out.transpose(1, 2), fresh_lse, *values[5:])
-            self.replays.add(values, _checked_replay(recording.replay(values, own_buffers=False), fresh, (out, lse),
+            self.replays.add(values, _checked_replay(recording.replay(values), fresh, (out, lse),
                                                      (fresh_out, fresh_lse), self.label))
         return out, lse
-
-
-class _BackwardLaunch:
-    """A backward plan's launch, the way :class:`_ForwardLaunch` goes: through ``_flash_attn_bwd`` once,
-    recording its compiled kernels (preprocess, main, postprocess) and their scratch buffers (dq/dk/dv
-    accumulators, dpsum, lse in log2, semaphores), then :class:`_Replay` (dense attention on sm_90, where
-    FA4 writes into our dq/dk/dv)."""
-
-    def __init__(self, deterministic: bool, label: str, thin: bool):
-        self.deterministic, self.label, self.thin = deterministic, label, thin
-        self.replays = _Replays()
-
-    def __call__(self, call: AttnCall, out, lse, grad_out, grad_lse):
-        fa = _fa4()
-        dense = call.op != "varlen"
-        if grad_out is None:
-            grad_out = torch.zeros_like(out)
-        grads = [empty_like_layout(x, x.shape) for x in (call.q, call.k, call.v)]
-        fa_grads = [_fa4_layout(g, "grad", dense) for g in grads]
-        into_ours = all(f.data_ptr() == g.data_ptr() for f, g in zip(fa_grads, grads))
-        tensors = ((call.q, "q"), (call.k, "k"), (call.v, "v"), (out, "out"), (grad_out, "grad_out"))
-        q, k, v, o, do = (_fa4_layout(x, name, dense) for x, name in tensors)
-        lse = lse.contiguous()
-        grad_lse = None if grad_lse is None else grad_lse.contiguous()
-        seqused = None if call.kv_seqlens is None else _int32(call.kv_seqlens)
-        values = (q, k, v, o, do, lse, grad_lse, seqused, *fa_grads, call.scale)
-        replay = self.replays.get(values) if into_ours else None
-        if replay is not None:
-            replay(values)
-            _zero_unused_keys(call, grads)
-        else:
-            self._through_fa4(fa, call, values, grads, fa_grads, into_ours, dense)
-        return tuple(grads)
-
-    def _through_fa4(self, fa: _FA4, call: AttnCall, values: tuple, grads, fa_grads, into_ours: bool, dense: bool):
-        q, k, v, o, do, lse, grad_lse, seqused = values[:8]
-        kw = dict(softmax_scale=call.scale, causal=call.causal, dlse=grad_lse, deterministic=self.deterministic)
-        kw["window_size_left"], kw["window_size_right"] = _window(call)
-        if not dense:
-            kw.update(cu_seqlens_q=_int32(call.cu_seqlens_q), cu_seqlens_k=_int32(call.cu_seqlens_k),
-                      max_seqlen_q=call.max_seqlen_q, max_seqlen_k=call.max_seqlen_k)
-        if seqused is not None:
-            kw["seqused_k"] = seqused
-        if into_ours:
-            kw.update(dq=fa_grads[0], dk=fa_grads[1], dv=fa_grads[2])  # FA4 writes into ours: no copy back
-        wanted = self.thin and into_ours and self.replays.wants(values)
-        recording = _Recording(bwd_compile_cache_owners(fa)) if wanted else None
-        with _dsl_errors(fa, self.label), recording or contextlib.nullcontext():
-            got = fa.interface._flash_attn_bwd(q, k, v, o, do, lse, **kw)[:3]
-        for grad, fa_grad, result in zip(grads, fa_grads, got):
-            if result.data_ptr() != fa_grad.data_ptr():  # FA4 made its own buffer
-                grad.copy_(result.transpose(1, 2) if dense else result)
-        _zero_unused_keys(call, grads)
-        if recording is not None:
-            fresh = [empty_like_layout(x, x.shape) for x in (call.q, call.k, call.v)]
-            fresh_views = [_fa4_layout(g, "grad", dense) for g in fresh]
-            fresh_values = (*values[:8], *fresh_views, call.scale)
-            replay = _checked_replay(recording.replay(values, own_buffers=True), fresh_values, grads, fresh,
-                                     self.label, after=lambda: _zero_unused_keys(call, fresh))
-            self.replays.add(values, replay)
-
-
-def _zero_unused_keys(call: AttnCall, grads) -> None:
-    """FA4 leaves dk/dv of keys past seqused_k unwritten (garbage of order 1e19 on an H100, b36); those
-    keys are masked, so their gradients are 0."""
-    if call.kv_seqlens is not None:
-        _, dk, dv = grads
-        unused = torch.arange(dk.shape[2], device=dk.device)[None, :] >= call.kv_seqlens[:, None]
-        dk.masked_fill_(unused[:, None, :, None], 0)
-        dv.masked_fill_(unused[:, None, :, None], 0)
 
 
 class _Replays:
@@ -710,8 +639,8 @@ class _Replays:
     16-byte alignment): FA4 compiles a kernel per broadcast pattern (zero strides, cute_dsl_utils
     ``get_broadcast_dims``) and alignment, so a replay serves only values laid out as the call it
     recorded. A layout is recorded at its first call, never while a CUDA graph is being captured (the
-    recording reads the buffers back), and at most ``LIMIT`` of them; a layout whose recording was
-    refused keeps going through FA4's interface."""
+    check reads results back), and at most ``LIMIT`` of them; a layout whose recording was refused keeps
+    going through FA4's interface."""
 
     LIMIT = 8
 
@@ -735,37 +664,23 @@ def _layout(values: tuple) -> tuple:
 
 
 class _Replay:
-    """FA4's compiled kernels called in a recorded order, each argument a role (an index into the values a
-    launch builds: views of q, k, v, ..., the scale last), a scratch buffer (allocated per call with the
-    recorded shape, strides and dtype, zeroed where FA4 handed it over zeroed) or a recorded constant."""
+    """FA4's compiled kernel called with the recorded arguments, each one a role (an index into the values
+    a launch builds) or a recorded constant."""
 
-    def __init__(self, steps: list, scratch: list):
-        self.steps, self.scratch = steps, scratch
+    def __init__(self, fn, specs: list):
+        self.fn, self.specs = fn, specs
 
-    def __call__(self, values: tuple, poison: bool = False):
-        device = values[0].device
-        buffers = []
-        for shape, stride, dtype, zeroed in self.scratch:
-            buf = torch.empty_strided(shape, stride, dtype=dtype, device=device)
-            buffers.append(buf.zero_() if zeroed else buf.fill_(float("nan")) if poison else buf)
-        pick = {"role": values.__getitem__, "scratch": buffers.__getitem__, "const": lambda x: x}
-        for fn, specs in self.steps:
-            fn(*[pick[kind](x) for kind, x in specs])
+    def __call__(self, values: tuple):
+        self.fn(*[values[x] if role else x for role, x in self.specs])
 
 
-def _checked_replay(replay: _Replay | None, fresh_values: tuple, expected, got, label: str,
-                    after=None) -> _Replay | None:
-    """``replay`` if, run on ``fresh_values`` (the recorded call's inputs, new outputs ``got``; then
-    ``after()``) with every scratch buffer it does not zero (all floating point) filled with NaN, it
-    reproduced FA4's
-    ``expected`` outputs (the same non-finite entries, the rest within 1%: FA4's backward accumulates dq
-    with atomics, in no fixed order); else None, logged. A buffer that FA4 filled from an input rather
-    than by a kernel would show here."""
+def _checked_replay(replay: _Replay | None, fresh_values: tuple, expected, got, label: str) -> _Replay | None:
+    """``replay`` if, run on ``fresh_values`` (the recorded call's inputs, new outputs ``got``), it
+    reproduced FA4's ``expected`` outputs (the same non-finite entries, the rest within 1%); else None,
+    logged."""
     if replay is None:
         return None
-    replay(fresh_values, poison=True)
-    if after is not None:
-        after()
+    replay(fresh_values)
     for want, have in zip(expected, got):
         finite = want.isfinite()
         if not torch.equal(finite, have.isfinite()):
@@ -774,53 +689,53 @@ def _checked_replay(replay: _Replay | None, fresh_values: tuple, expected, got, 
             want, have = want[finite].float(), have[finite].float()
             err = ((have - want).norm() / want.norm().clamp_min(1e-30)).item()
         if not err <= 1e-2:  # NaN fails too
-            log.warning("flash-attn-4 [%s]: the recorded kernel calls did not reproduce the call (relative "
+            log.warning("flash-attn-4 [%s]: the recorded kernel call did not reproduce the call (relative "
                         "error %.3g); this plan keeps calling flash-attn-4's interface", label, err)
             return None
     return replay
 
 
 class _Recording:
-    """Swaps the ``compile_cache`` of FA4's kernel owners for one call (under a lock) to see which compiled
-    objects run, in which order, with which arguments, and which of those tensors were all zeros when
-    first handed over. Reached through :func:`fwd_compile_cache_owners` / :func:`bwd_compile_cache_owners`,
-    whose tests fail when the attributes move."""
+    """Swaps ``_flash_attn_fwd.compile_cache`` for one call (under a lock) to see which compiled object runs
+    and with which arguments. Reached through :func:`fwd_compile_cache_owner`, whose test fails when the
+    attribute moves."""
 
     _LOCK = threading.Lock()
 
-    def __init__(self, owners: list):
-        self.owners = owners
+    def __init__(self, owner):
+        self.owner = owner
         self.calls: list = []
-        self.zeroed: dict[int, bool] = {}  # data_ptr -> all zeros when first passed
 
     def __enter__(self):
         self._LOCK.acquire()
-        self.real = [owner.compile_cache for owner in self.owners]
-        for owner, real in zip(self.owners, self.real):
-            owner.compile_cache = _RecordingCache(real, self)
+        self.real = self.owner.compile_cache
+        recording = self
+
+        class Cache:
+            def __contains__(self, key):
+                return key in recording.real
+
+            def __setitem__(self, key, fn):
+                recording.real[key] = fn
+
+            def __getitem__(self, key):
+                fn = recording.real[key]
+                return lambda *a: recording.calls.append((fn, a)) or fn(*a)
+
+        self.owner.compile_cache = Cache()
         return self
 
     def __exit__(self, *exc):
-        for owner, real in zip(self.owners, self.real):
-            owner.compile_cache = real
+        self.owner.compile_cache = self.real
         self._LOCK.release()
 
-    def note(self, fn, args: tuple) -> None:
-        for a in args:
-            if isinstance(a, torch.Tensor) and a.data_ptr() not in self.zeroed:
-                self.zeroed[a.data_ptr()] = not bool(a.any()) if a.numel() else True
-        self.calls.append((fn, args))
-
-    def replay(self, values: tuple, own_buffers: bool) -> _Replay | None:
-        """The recorded calls as a :class:`_Replay` over ``values`` (tensors, then the scale last), or None
-        when they cannot be rebuilt from them. Without ``own_buffers``: one call whose every tensor is a
-        value. With it, any number of calls and FA4's own buffers between them, unless one has the inputs'
-        dtype (a copy of an input, not a buffer of FA4's own), is an integer buffer handed over non-zero,
-        or is passed with two layouts. Always None when two values alias each other, a tensor overlaps a
-        value without being it, or a tensor is hidden in a container. A float equal to the scale is the
-        scale, so a scale of 1.0 (which FA4 also passes as a constant) records nothing."""
+    def replay(self, values: tuple) -> _Replay | None:
+        """The recorded call as a :class:`_Replay` over ``values`` (tensors, then the scale last), or None
+        unless it was one call whose every tensor is one of ``values``, no two of which alias, with no
+        tensor hidden in a container. A float equal to the scale is the scale, so a scale of 1.0 (a value
+        FA4 might pass as a constant) records nothing."""
         scale = values[-1]
-        if not self.calls or scale == 1.0 or (not own_buffers and len(self.calls) != 1):
+        if len(self.calls) != 1 or scale == 1.0:
             return None
         roles: dict[tuple, int] = {}
         for i, t in enumerate(values[:-1]):
@@ -828,68 +743,25 @@ class _Recording:
                 if _identity(t) in roles:
                     return None
                 roles[_identity(t)] = i
-        spans = [_span(t) for t in values[:-1] if t is not None]
-        input_dtype = values[0].dtype
-        scratch: list = []
-        scratch_at: dict[int, int] = {}
-        steps = []
-        for fn, args in self.calls:
-            specs = []
-            for a in args:
-                if isinstance(a, torch.Tensor):
-                    role = roles.get(_identity(a))
-                    if role is not None:
-                        specs.append(("role", role))
-                        continue
-                    lo, hi = _span(a)
-                    overlaps = any(lo < end and start < hi for start, end in spans)
-                    if not own_buffers or a.dtype == input_dtype or overlaps:
-                        return None
-                    if not a.dtype.is_floating_point and not self.zeroed[a.data_ptr()]:
-                        return None  # an index or counter FA4 filled: nothing to poison it with safely
-                    layout = (tuple(a.shape), tuple(a.stride()), a.dtype)
-                    j = scratch_at.setdefault(a.data_ptr(), len(scratch))
-                    if j == len(scratch):
-                        scratch.append((*layout, self.zeroed[a.data_ptr()]))
-                    elif scratch[j][:3] != layout:
-                        return None
-                    specs.append(("scratch", j))
-                elif isinstance(a, float) and a == scale:
-                    specs.append(("role", len(values) - 1))
-                elif _holds_tensor(a):
+        fn, args = self.calls[0]
+        specs = []
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                role = roles.get(_identity(arg))
+                if role is None:
                     return None
-                else:
-                    specs.append(("const", a))
-            steps.append((fn, specs))
-        return _Replay(steps, scratch)
-
-
-class _RecordingCache:
-    """A stand-in for one FA4 compile cache: lookups and inserts go to the real one; the compiled objects it
-    hands out note each call with the recording before running."""
-
-    def __init__(self, real, recording: _Recording):
-        self.real, self.recording = real, recording
-
-    def __contains__(self, key):
-        return key in self.real
-
-    def __setitem__(self, key, fn):
-        self.real[key] = fn
-
-    def __getitem__(self, key):
-        fn = self.real[key]
-        return lambda *a: self.recording.note(fn, a) or fn(*a)
+                specs.append((True, role))
+            elif isinstance(arg, float) and arg == scale:
+                specs.append((True, len(values) - 1))
+            elif _holds_tensor(arg):
+                return None
+            else:
+                specs.append((False, arg))
+        return _Replay(fn, specs)
 
 
 def _identity(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
-
-
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes ``t`` can touch, [first, last + 1)."""
-    extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0) + 1 if t.numel() else 0
-    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
 
 
 def _holds_tensor(x) -> bool:
@@ -901,17 +773,43 @@ def _holds_tensor(x) -> bool:
     return bool(fields) and any(_holds_tensor(getattr(x, f)) for f in fields)
 
 
-def fwd_compile_cache_owners(fa: _FA4) -> list:
-    """The objects whose ``compile_cache`` holds FA4's compiled forward kernels (b36:
+def fwd_compile_cache_owner(fa: _FA4):
+    """The object whose ``compile_cache`` holds FA4's compiled forward kernels (b36:
     ``interface._flash_attn_fwd``)."""
-    return [fa.interface._flash_attn_fwd]
+    return fa.interface._flash_attn_fwd
 
 
-def bwd_compile_cache_owners(fa: _FA4) -> list:
-    """The objects whose ``compile_cache`` holds FA4's compiled backward kernels (b36, interface.py:
-    ``_bwd_preprocess``, ``_flash_attn_bwd``, ``_bwd_postprocess_convert``)."""
-    i = fa.interface
-    return [i._bwd_preprocess, i._flash_attn_bwd, i._bwd_postprocess_convert]
+def _backward(deterministic: bool, label: str, call: AttnCall, out, lse, grad_out, grad_lse):
+    fa = _fa4()
+    dense = call.op != "varlen"
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    kw = dict(softmax_scale=call.scale, causal=call.causal, dlse=grad_lse, deterministic=deterministic)
+    kw["window_size_left"], kw["window_size_right"] = _window(call)
+    if not dense:
+        kw.update(cu_seqlens_q=_int32(call.cu_seqlens_q), cu_seqlens_k=_int32(call.cu_seqlens_k),
+                  max_seqlen_q=call.max_seqlen_q, max_seqlen_k=call.max_seqlen_k)
+    if call.kv_seqlens is not None:
+        kw["seqused_k"] = _int32(call.kv_seqlens)
+    grads = [empty_like_layout(x, x.shape) for x in (call.q, call.k, call.v)]
+    fa_grads = [_fa4_layout(g, "grad", dense) for g in grads]
+    if all(f.data_ptr() == g.data_ptr() for f, g in zip(fa_grads, grads)):
+        kw.update(dq=fa_grads[0], dk=fa_grads[1], dv=fa_grads[2])  # FA4 writes into ours: no copy back
+    tensors = ((call.q, "q"), (call.k, "k"), (call.v, "v"), (out, "out"), (grad_out, "grad_out"))
+    q, k, v, o, do = (_fa4_layout(x, name, dense) for x, name in tensors)
+    with _dsl_errors(fa, label):
+        got = fa.interface._flash_attn_bwd(q, k, v, o, do, lse.contiguous(), **kw)[:3]
+    for grad, fa_grad, result in zip(grads, fa_grads, got):
+        if result.data_ptr() != fa_grad.data_ptr():  # FA4 made its own buffer
+            grad.copy_(result.transpose(1, 2) if dense else result)
+    dq, dk, dv = grads
+    if call.kv_seqlens is not None:
+        # FA4 leaves dk/dv of keys past seqused_k unwritten (garbage of order 1e19 on an H100, b36);
+        # those keys are masked, so their gradients are 0
+        unused = torch.arange(dk.shape[2], device=dk.device)[None, :] >= call.kv_seqlens[:, None]
+        dk.masked_fill_(unused[:, None, :, None], 0)
+        dv.masked_fill_(unused[:, None, :, None], 0)
+    return dq, dk, dv
 
 
 @contextlib.contextmanager
@@ -928,5 +826,4 @@ def _dsl_errors(fa: _FA4, label: str):
 BACKEND = FA4Backend()
 
 __all__ = ["FA4Backend", "BACKEND", "COPIES", "fa4_version", "fa4_clc_off_reason", "split_candidates",
-           "sm90_default_tile", "missing_kwargs", "family", "fwd_compile_cache_owners",
-           "bwd_compile_cache_owners"]
+           "sm90_default_tile", "missing_kwargs", "family", "fwd_compile_cache_owner"]
