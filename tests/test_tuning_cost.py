@@ -2,6 +2,8 @@
 harness at smoke size on the CPU."""
 
 import json
+import time
+import types
 
 import pytest
 from fakes import FakeBackend, FakeTimer
@@ -97,3 +99,35 @@ def test_smoke_run_measures_every_phase_for_each_workload(monkeypatch, tmp_path)
     assert [t["same"] for t in result["agreement"]] == [True, True]
     assert [r["regret"] for r in result["regret"]] == [0.0, 0.0] and result["notes"] == []
     json.dumps(result)
+
+
+def test_part_shipped_measures_cold_and_warm_first_calls_with_the_shipped_tables(monkeypatch):
+    """``--part shipped``: what a user of the package gets (its decision tables on), cold and warm only."""
+    tiny = [suites.smoke_size(suites.SUITES["dense"][0])]
+    monkeypatch.setattr(suites, "select", lambda suite, quick=False, smoke=False: tiny)
+    calls = []
+
+    def worker(verb, workloads, env, deadline, smoke, notes, shipped=False):
+        calls.append((verb, shipped))
+        return {w.name: {"autotune_s": 2.0, "off_s": 0.5} for w in workloads}
+
+    monkeypatch.setattr(tuning_cost, "_worker", worker)
+    result = tuning_cost.run(smoke=True, quick=True, device=None, part="shipped")
+    assert calls == [("first-call", True), ("warm-call", True)]
+    assert result["agreement"] == [] and result["regret"] == [] and result["cold"][0]["cold_added_s"] == 1.5
+    assert "shipped decision tables: on" in tuning_cost.table(result)
+
+
+def test_workers_turn_the_shipped_tables_off_unless_asked(monkeypatch, tmp_path):
+    seen = []
+
+    def fake_run(cmd, env, **kw):
+        seen.append(env.get("INDUCTOR_ATTN_PRIORS"))
+        return types.SimpleNamespace(returncode=0, stderr="")
+
+    monkeypatch.setattr(tuning_cost.subprocess, "run", fake_run)
+    w = suites.smoke_size(suites.SUITES["dense"][0])
+    monkeypatch.delenv("INDUCTOR_ATTN_PRIORS")
+    for shipped in (False, True):
+        tuning_cost._worker("first-call", [w], {}, time.monotonic() + 60, True, [], shipped)
+    assert seen == ["off", None]

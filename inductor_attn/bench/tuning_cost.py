@@ -5,7 +5,7 @@ Workloads: the kernel suites' (suites.py) quick subset with ``--quick``, all of 
 taking turns, each shrunk to a float32 smoke size with ``--smoke``; no phase starts a workload after its
 share of ``BUDGET_S``. Every measurement runs in a fresh process (``python -m
 inductor_attn.bench.tuning_cost VERB``) with the shipped decision tables off, so the search itself is
-measured:
+measured (``--part shipped``: only cold and warm, with the package's tables on, what a user gets):
 
 - cold: per workload, a process whose Triton, FA4 and Inductor caches (``TRITON_CACHE_DIR``,
   ``FLASH_ATTENTION_CUTE_DSL_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR``) and decision store are empty
@@ -60,15 +60,21 @@ WORKER_MIN_S = 120  # imports, a CUDA context and one cold tune (10-55 s on an H
 
 
 def run(smoke: bool, quick: bool, device: torch.device, part: str = "all") -> dict:
-    """The phases of the module doc over the selected workloads; results as one dict."""
+    """The phases of the module doc over the selected workloads; results as one dict. ``part`` "shipped":
+    the cold and warm phase only, with the package's shipped decision tables on (what a user gets)."""
     workloads = suites.select("all", quick=quick, smoke=smoke)
     deadline = time.monotonic() + BUDGET_S
-    out: dict = {"workloads": [w.name for w in workloads], "notes": []}
+    shipped = part == "shipped"
+    out: dict = {"workloads": [w.name for w in workloads], "notes": [], "shipped_tables": shipped}
     with tempfile.TemporaryDirectory(prefix="inductor_attn_tuning_cost_") as tmp:
         root = Path(tmp)
-        share = _phase_deadline(deadline, "cold")
+        share = deadline if shipped else _phase_deadline(deadline, "cold")
         out["cold"] = [row for i, w in enumerate(workloads)
-                       if (row := _cold_and_warm(w, root / f"w{i}", share, smoke, out["notes"]))]
+                       if (row := _cold_and_warm(w, root / f"w{i}", share, smoke, out["notes"], shipped))]
+        if shipped:
+            out["agreement"], out["regret"] = [], []
+            out["summary"] = summarize(out)
+            return out
         shared = _cache_env(root / "agreement")
         tunes = [_worker("tune", workloads, {**shared, "INDUCTOR_ATTN_CACHE_DIR": str(root / f"store{i}")},
                          _phase_deadline(deadline, "agreement", part=(i, 2)), smoke, out["notes"]) for i in (1, 2)]
@@ -91,8 +97,10 @@ def _cache_env(directory: Path) -> dict[str, str]:
     return {env: str(directory / env.lower()) for env in CACHE_ENV}
 
 
-def _cold_and_warm(w: Workload, directory: Path, deadline: float, smoke: bool, notes: list) -> dict | None:
-    """Two processes on ``directory``'s empty caches: the cold one, then the warm one."""
+def _cold_and_warm(w: Workload, directory: Path, deadline: float, smoke: bool, notes: list,
+                   shipped: bool = False) -> dict | None:
+    """Two processes on ``directory``'s empty caches: the cold one, then the warm one (with the shipped
+    decision tables when ``shipped``)."""
     if time.monotonic() > deadline:
         notes.append(f"cold/warm: {w.name} skipped (time budget)")
         return None
@@ -100,7 +108,8 @@ def _cold_and_warm(w: Workload, directory: Path, deadline: float, smoke: bool, n
     row = {"name": w.name, "kind": w.kind}
     for phase, verb in (("cold", "first-call"), ("warm", "warm-call")):
         # a started workload gets the time a cold tune needs, even past the phase's share
-        got = _worker(verb, [w], env, max(deadline, time.monotonic() + WORKER_MIN_S), smoke, notes).get(w.name)
+        got = _worker(verb, [w], env, max(deadline, time.monotonic() + WORKER_MIN_S), smoke, notes,
+                      shipped).get(w.name)
         if got is None:
             return row if phase == "warm" else None
         row[phase] = got
@@ -109,8 +118,9 @@ def _cold_and_warm(w: Workload, directory: Path, deadline: float, smoke: bool, n
 
 
 def _worker(verb: str, workloads: list[Workload], env: dict, deadline: float, smoke: bool,
-            notes: list) -> dict[str, dict]:
-    """Run one worker process until ``deadline``; {workload name: its JSON line}."""
+            notes: list, shipped: bool = False) -> dict[str, dict]:
+    """Run one worker process until ``deadline``; {workload name: its JSON line}. The shipped decision
+    tables are off unless ``shipped``."""
     budget = deadline - time.monotonic()
     if budget < 5:
         notes.append(f"{verb}: skipped ({max(budget, 0):.0f} s of the time budget left)")
@@ -119,7 +129,7 @@ def _worker(verb: str, workloads: list[Workload], env: dict, deadline: float, sm
         spec, out = Path(tmp) / "workloads.json", Path(tmp) / "out.jsonl"
         spec.write_text(json.dumps([w.to_json() for w in workloads]))
         root = str(Path(__file__).resolve().parents[2])
-        full_env = {**os.environ, **env, "INDUCTOR_ATTN_PRIORS": "off",
+        full_env = {**os.environ, **env, **({} if shipped else {"INDUCTOR_ATTN_PRIORS": "off"}),
                     "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         cmd = [sys.executable, "-m", "inductor_attn.bench.tuning_cost", verb, "--workloads", str(spec),
                "--out", str(out)] + (["--smoke"] if smoke else [])
@@ -207,6 +217,8 @@ def table(result: dict) -> str:
         lines.append(f"| {name} | {_fmt(cold.get('cold_added_s'))} | {_fmt(cold.get('warm_added_s'))} | {_fmt(first)} | {agree} | "
                      f"{_fmt(r.get('regret'), '.2%')} | {seconds} |")
     lines += ["", *(f"- {k}: {_fmt(v, '.3f')}" for k, v in result["summary"].items())]
+    if result.get("shipped_tables"):
+        lines.append("- shipped decision tables: on (cold and warm only)")
     lines += [f"- note: {n}" for n in result["notes"]]
     return "\n".join(lines)
 
