@@ -579,3 +579,15 @@ def test_interleaved_wall_times_take_turns_and_report_each_function():
     times = interleaved_wall_us(fns, calls=3, rounds=4)
     assert set(times) == {"a", "b"} and all(t > 0 for t in times.values())
     assert order == ["a"] * 3 + ["b"] * 3 + ["b"] * 3 + ["a"] * 3 + ["a"] * 3 + ["b"] * 3 + ["b"] * 3 + ["a"] * 3
+
+
+@pytest.mark.slow
+def test_overhead_smoke_times_every_right_path_of_a_case_in_alternating_rounds(reference_only):
+    from inductor_attn.bench import overhead
+
+    result = overhead.run(smoke=True, quick=True, device=torch.device("cpu"), part="ops")
+    for row in result["rows"]:
+        assert set(row["paths"]) == set(overhead.paths(overhead.Case(*overhead.SMOKE[0])))
+        for numbers in row["paths"].values():
+            assert numbers["rel_err_vs_eager_sdpa"] < 2e-2 and numbers["host_us"] > 0 and numbers["wall_us"] > 0
+    assert "| ours compile |" in overhead.table(result)

@@ -4,9 +4,9 @@ run eagerly or compiled. Shared by the overhead, training and model suites.
 - host_us: the CPU time one call takes to issue its work, measured over a burst of calls that fits in the
   launch queue (so the CPU never waits for the GPU), best of several bursts;
 - wall_us: the time per call of a long run of plain launches, synchronized at the end: max(host, device)
-  in steady state, what a loop of such calls costs; ``interleaved_wall_us`` times several functions in
-  alternating rounds, so that a slow spell of the host (another process, a clock change) falls on all
-  of them rather than on whichever ran then;
+  in steady state, what a loop of such calls costs; ``interleaved_wall_us`` and ``interleaved_measure``
+  time several functions in alternating rounds, so that a slow spell of the host (another process, a
+  clock change) falls on all of them rather than on whichever ran then;
 - kernel_us: the summed duration of the GPU kernels one call launches (torch.profiler), the device time.
 """
 
@@ -50,15 +50,35 @@ def wall_us(fn: Callable[[], object], calls: int = 200, repeats: int = 3) -> flo
     return statistics.median(runs) * 1e6
 
 
-def interleaved_wall_us(fns: dict[str, Callable[[], object]], calls: int, rounds: int = 5) -> dict[str, float]:
-    """``wall_us`` of each function, one run of ``calls`` calls each per round, the functions taking turns
-    (their order rotating), the median over ``rounds``."""
-    names = list(fns)
-    runs: dict[str, list[float]] = {name: [] for name in names}
+def _turns(names: list[str], rounds: int):
+    """(round, name) in alternating order, who goes first rotating from round to round."""
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            runs[name].append(wall_us(fns[name], calls=calls, repeats=1))
+            yield r, name
+
+
+def interleaved_wall_us(fns: dict[str, Callable[[], object]], calls: int, rounds: int = 5) -> dict[str, float]:
+    """``wall_us`` of each function, one run of ``calls`` calls each per round, the functions taking turns,
+    the median over ``rounds``."""
+    runs: dict[str, list[float]] = {name: [] for name in fns}
+    for _, name in _turns(list(fns), rounds):
+        runs[name].append(wall_us(fns[name], calls=calls, repeats=1))
     return {name: statistics.median(times) for name, times in runs.items()}
+
+
+def interleaved_measure(fns: dict[str, Callable[[], object]], rounds: int = 5,
+                        kernels: bool = True) -> dict[str, dict]:
+    """``measure`` of each function, after warm-up, with their host bursts and wall runs taking turns as in
+    ``interleaved_wall_us``: host us the best burst, wall us the median run of 200 calls."""
+    for fn in fns.values():
+        warm(fn)
+    host: dict[str, list[float]] = {name: [] for name in fns}
+    wall: dict[str, list[float]] = {name: [] for name in fns}
+    for _, name in _turns(list(fns), rounds):
+        host[name].append(host_us(fns[name], bursts=1))
+        wall[name].append(wall_us(fns[name], repeats=1))
+    return {name: {"host_us": min(host[name]), "wall_us": statistics.median(wall[name]),
+                   "kernel_us": kernel_us(fn) if kernels else None} for name, fn in fns.items()}
 
 
 def kernel_us(fn: Callable[[], object], calls: int = 10) -> float | None:
