@@ -530,12 +530,16 @@ def test_forward_plan_calls_the_compiled_kernel_directly_after_one_call_through_
     kernel_calls = []
     interface, plan = _fwd_plan(monkeypatch, kernel_calls)
     plan.launch(AttnCall("attention", *_qkv(0), 0.25))  # through FA4, recorded, replayed once to check it
+    real = interface._flash_attn_fwd
     interface._flash_attn_fwd = lambda *a, **kw: pytest.fail("went through _flash_attn_fwd again")
     q, k, v = _qkv(1)
-    out, lse = plan.launch(AttnCall("attention", q, k, v, 0.5))  # other tensors, another scale
-    assert kernel_calls == [0.25, 0.25, 0.5]
-    assert torch.equal(out, q * 0.5 + v) and bool((lse == 1.0).all())
+    out, lse = plan.launch(AttnCall("attention", q, k, v, 0.25))  # other tensors, the same layout and scale
+    assert kernel_calls == [0.25, 0.25, 0.25]
+    assert torch.equal(out, q * 0.25 + v) and bool((lse == 1.0).all())
     assert out.stride() == q.stride()  # the ops' layout contract
+    interface._flash_attn_fwd = real
+    out, _ = plan.launch(AttnCall("attention", q, k, v, 0.5))  # another scale: recorded for itself
+    assert kernel_calls[3:] == [0.5, 0.5] and torch.equal(out, q * 0.5 + v)
     assert fa4.fwd_compile_cache_owner(fake_fa4(interface=interface)) is not None
 
 
@@ -547,8 +551,8 @@ def test_a_first_call_whose_tensors_alias_records_nothing(monkeypatch):
     q = _qkv(0)[0]
     plan.launch(AttnCall("attention", q, q, q, 0.25))
     q, k, v = _qkv(1)
-    out, _ = plan.launch(AttnCall("attention", q, k, v, 0.5))
-    assert kernel_calls == [0.25, 0.5] and torch.equal(out, q * 0.5 + v)
+    out, _ = plan.launch(AttnCall("attention", q, k, v, 0.25))
+    assert kernel_calls == [0.25, 0.25] and torch.equal(out, q * 0.25 + v)
 
 
 def test_backward_uses_views_and_returns_our_layout(monkeypatch):
@@ -581,6 +585,6 @@ def test_a_call_laid_out_differently_is_recorded_for_itself(monkeypatch):
     q, _, v = _qkv(1)
     k = torch.ones(1, 1, 1, 16, dtype=torch.float16).expand(1, 2, 16, 16)
     kernel_calls.clear()
-    out, _ = plan.launch(AttnCall("attention", q, k, v, 0.5))
-    assert kernel_calls == [0.5, 0.5]  # through FA4 and recorded, then checked: not the dense replay
-    assert len(plan.launch.replays.by_layout) == 2 and torch.equal(out, q * 0.5 + v)
+    out, _ = plan.launch(AttnCall("attention", q, k, v, 0.25))
+    assert kernel_calls == [0.25, 0.25]  # through FA4 and recorded, then checked: not the dense replay
+    assert len(plan.launch.replays.by_layout) == 2 and torch.equal(out, q * 0.25 + v)

@@ -636,9 +636,9 @@ class _ForwardLaunch:
 
 class _Replays:
     """A plan's recorded replays, one per layout of the values (each tensor's shape, strides, dtype and
-    16-byte alignment): FA4 compiles a kernel per broadcast pattern (zero strides, cute_dsl_utils
-    ``get_broadcast_dims``) and alignment, so a replay serves only values laid out as the call it
-    recorded. A layout is recorded at its first call, never while a CUDA graph is being captured (the
+    16-byte alignment, and the scale): FA4 compiles a kernel per broadcast pattern (zero strides,
+    cute_dsl_utils ``get_broadcast_dims``) and alignment, so a replay serves only values laid out as the
+    call it recorded; and with the scale in the key, every float it passes is replayed as recorded. A layout is recorded at its first call, never while a CUDA graph is being captured (the
     check reads results back), and at most ``LIMIT`` of them; a layout whose recording was refused keeps
     going through FA4's interface."""
 
@@ -659,8 +659,9 @@ class _Replays:
 
 
 def _layout(values: tuple) -> tuple:
-    return tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.data_ptr() % 16 == 0)
-                 if isinstance(t, torch.Tensor) else None for t in values[:-1])
+    tensors = tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.data_ptr() % 16 == 0)
+                    if isinstance(t, torch.Tensor) else None for t in values[:-1])
+    return (*tensors, values[-1])
 
 
 class _Replay:
@@ -732,10 +733,9 @@ class _Recording:
     def replay(self, values: tuple) -> _Replay | None:
         """The recorded call as a :class:`_Replay` over ``values`` (tensors, then the scale last), or None
         unless it was one call whose every tensor is one of ``values``, no two of which alias, with no
-        tensor hidden in a container. A float equal to the scale is the scale, so a scale of 1.0 (a value
-        FA4 might pass as a constant) records nothing."""
-        scale = values[-1]
-        if len(self.calls) != 1 or scale == 1.0:
+        tensor hidden in a container. Other arguments (the scale among them: :func:`_layout` keys on it)
+        are constants."""
+        if len(self.calls) != 1:
             return None
         roles: dict[tuple, int] = {}
         for i, t in enumerate(values[:-1]):
@@ -751,8 +751,6 @@ class _Recording:
                 if role is None:
                     return None
                 specs.append((True, role))
-            elif isinstance(arg, float) and arg == scale:
-                specs.append((True, len(values) - 1))
             elif _holds_tensor(arg):
                 return None
             else:
