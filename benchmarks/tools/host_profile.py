@@ -24,7 +24,7 @@ import torch
 
 import inductor_attn
 from inductor_attn.backends import REFERENCE, get_backend, only_backends, plan_for
-from inductor_attn.bench.wallclock import host_us, warm
+from inductor_attn.bench.wallclock import host_us, kernel_events, wall_us, warm
 from inductor_attn.device import device_info
 
 
@@ -60,14 +60,8 @@ def main() -> None:
             choice = inductor_attn.tuning.decide(c, device_info(q.device), "forward")
             plan = plan_for(c.problem, choice, device_info(q.device), "forward")
             direct = host_us(warm(lambda: plan.launch(c)))
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(args.calls):
-                call()
-            prof.disable()
-        torch.cuda.synchronize()
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+            text = io.StringIO()
+            _profiled(call, args.calls, text).sort_stats("tottime").print_stats(18)
         print(f"== {name}: {choice}\n   compiled call {compiled:.1f} us host; plan.launch alone {direct:.1f} us; "
               f"stats {stats}")
         print("\n".join(text.getvalue().splitlines()[6:30]))
@@ -111,27 +105,17 @@ def _launch_counts(stats: pstats.Stats, calls: int) -> dict[str, float]:
 
 
 def _kernels_per_step(step, steps: int = 10) -> tuple[dict[str, float], float]:
-    """GPU kernels one step launches (torch.profiler), name -> count per step, and their summed us per step."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
+    """GPU kernels one step launches, name -> count per step, and their summed us per step."""
     counts: dict[str, float] = {}
     total = 0.0
-    for e in prof.events():
-        if e.device_type == DeviceType.CUDA:
-            counts[e.name[:90]] = counts.get(e.name[:90], 0) + 1 / steps
-            total += e.device_time_total / steps
+    for e in kernel_events(step, steps):
+        counts[e.name[:90]] = counts.get(e.name[:90], 0) + 1 / steps
+        total += e.device_time_total / steps
     return counts, total
 
 
 def llama_decode(calls: int) -> None:
     from inductor_attn.bench.models import BACKENDS, decode_step, prefill_model
-    from inductor_attn.bench.wallclock import wall_us
 
     model, ids = prefill_model()
     kernels = {}

@@ -638,9 +638,10 @@ class _Replays:
     """A plan's recorded replays, one per layout of the values (each tensor's shape, strides, dtype and
     16-byte alignment, and the scale): FA4 compiles a kernel per broadcast pattern (zero strides,
     cute_dsl_utils ``get_broadcast_dims``) and alignment, so a replay serves only values laid out as the
-    call it recorded; and with the scale in the key, every float it passes is replayed as recorded. A layout is recorded at its first call, never while a CUDA graph is being captured (the
-    check reads results back), and at most ``LIMIT`` of them; a layout whose recording was refused keeps
-    going through FA4's interface."""
+    call it recorded; and with the scale in the key, every float it passes is replayed as recorded. A
+    layout is recorded at its first call, never while a CUDA graph is being captured (the check reads
+    results back), and at most ``LIMIT`` of them; a layout whose recording was refused keeps going through
+    FA4's interface."""
 
     LIMIT = 8
 

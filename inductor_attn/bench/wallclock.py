@@ -81,10 +81,8 @@ def interleaved_measure(fns: dict[str, Callable[[], object]], rounds: int = 5,
                    "kernel_us": kernel_us(fn) if kernels else None} for name, fn in fns.items()}
 
 
-def kernel_us(fn: Callable[[], object], calls: int = 10) -> float | None:
-    """Summed GPU kernel time per call, or None without a GPU."""
-    if not torch.cuda.is_available():
-        return None
+def kernel_events(fn: Callable[[], object], calls: int = 10) -> list:
+    """The GPU kernel events (torch.profiler) of ``calls`` calls of ``fn``."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -93,8 +91,14 @@ def kernel_us(fn: Callable[[], object], calls: int = 10) -> float | None:
         for _ in range(calls):
             fn()
         _sync()
-    total = sum(e.device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA)
-    return total / calls
+    return [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+
+
+def kernel_us(fn: Callable[[], object], calls: int = 10) -> float | None:
+    """Summed GPU kernel time per call, or None without a GPU."""
+    if not torch.cuda.is_available():
+        return None
+    return sum(e.device_time_total for e in kernel_events(fn, calls)) / calls
 
 
 def warm(fn: Callable[[], object], calls: int = 5) -> Callable[[], object]:
