@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/tools/host_profile.py [--calls 500] [--backends sdpa fa4 triton]
     PYTHONPATH=. python benchmarks/tools/host_profile.py --llama-decode [--calls 100]
+    PYTHONPATH=. python benchmarks/tools/host_profile.py --training "document B1 H16 L8k D128" [--calls 100]
 
 For each backend (only it and the reference are registered, so the tuner must pick it): host us per call
 of the compiled function, of the plan's launch called directly, and a cProfile of the compiled calls
@@ -11,6 +12,9 @@ of the compiled function, of the plan's launch called directly, and a cProfile o
 ``torch.compile`` and ours in one process: host us per step, kernel launches per step by launcher (Inductor's
 static launcher, Triton's own launcher, aten matmuls), wall and kernel us per step, each one's cProfile, and
 the GPU kernels (by name, per step) whose counts differ between the two.
+
+``--training SHAPE``: the same for one fwd+bwd step of a training-suite shape (bench/training.py): eager SDPA,
+stock compiled SDPA and ours compiled, the kernel counts compared between stock compiled and ours.
 """
 
 from __future__ import annotations
@@ -33,7 +37,11 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=None, help="profiled calls (default 500; 100 with --llama-decode)")
     parser.add_argument("--backends", nargs="+", default=["sdpa", "fa4", "triton", "triton_decode"])
     parser.add_argument("--llama-decode", action="store_true", help="profile the HF Llama decode step instead")
+    parser.add_argument("--training", metavar="SHAPE", help="profile a fwd+bwd step of this training-suite shape")
     args = parser.parse_args()
+    if args.training:
+        training(args.training, args.calls or 100)
+        return
     if args.llama_decode:
         if (args.calls or 100) > LLAMA_MAX_CALLS:
             parser.error(f"--llama-decode profiles at most {LLAMA_MAX_CALLS} steps (the room bench/models.py gives the cache)")
@@ -118,26 +126,56 @@ def llama_decode(calls: int) -> None:
     from inductor_attn.bench.models import BACKENDS, decode_step, prefill_model
 
     model, ids = prefill_model()
-    kernels = {}
     with torch.no_grad():
-        for backend in BACKENDS:
-            step = decode_step(model, ids, backend, "default")
-            host = host_us(warm(step), bursts=3)
-            wall = wall_us(step, calls=50, repeats=1)
-            kernels[backend], device = _kernels_per_step(step)
-            text = io.StringIO()
-            stats = _profiled(step, calls, text)
-            stats.sort_stats("tottime").print_stats(15)
-            counts = ", ".join(f"{label} {n:.0f}" for label, n in _launch_counts(stats, calls).items())
-            print(f"== {backend}: {host:.0f} us of host, {wall:.0f} us of wall, {device:.0f} us of kernels per step "
-                  f"({sum(kernels[backend].values()):.0f} kernels); per step: {counts}; stats {inductor_attn.stats()}")
-            print("\n".join(text.getvalue().splitlines()[6:26]))
-    print("== kernels per step, where the backends differ (stock / ours):")
-    names = sorted(set().union(*kernels.values()))
-    for name in names:
-        per = [kernels[b].get(name, 0) for b in BACKENDS]
+        compare({b: decode_step(model, ids, b, "default") for b in BACKENDS}, calls)
+
+
+TRAINING_PATHS = ("stock compile", "ours", "eager sdpa")  # the first two have their kernels compared
+
+
+def training(shape_name: str, calls: int) -> None:
+    """One fwd+bwd step of a training-suite shape (bench/training.py), its paths side by side."""
+    from inductor_attn.bench import training as suite
+
+    by_name = {s[0]: s for s in suite.SHAPES}
+    if shape_name not in by_name:
+        raise SystemExit(f"--training takes one of {sorted(by_name)}, got {shape_name!r}")
+    shape = suite.Shape(*by_name[shape_name])
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(shape.batch, h, shape.length, shape.head_dim, device=device, dtype=torch.bfloat16,
+                           generator=gen).requires_grad_() for h in (shape.heads_q, shape.heads_kv, shape.heads_kv))
+    g = torch.randn(shape.batch, shape.heads_q, shape.length, shape.head_dim, device=device, dtype=torch.bfloat16,
+                    generator=gen)
+    fns = suite.paths(shape, device)
+    compare({name: suite._step(fns[name][0], q, k, v, g) for name in TRAINING_PATHS}, calls)
+
+
+def compare(steps: dict, calls: int) -> None:
+    """Per step function: host, wall and kernel us, launches by launcher, its cProfile; then the GPU kernels
+    (by name, per step) whose counts differ between the first two."""
+    kernels = {}
+    for name, step in steps.items():
+        host = host_us(warm(step), bursts=3)
+        wall = wall_us(step, calls=50, repeats=1)
+        kernels[name], device = _kernels_per_step(step)
+        text = io.StringIO()
+        stats = _profiled(step, calls, text)
+        stats.sort_stats("tottime").print_stats(15)
+        counts = ", ".join(f"{label} {n:.0f}" for label, n in _launch_counts(stats, calls).items())
+        print(f"== {name}: {host:.0f} us of host, {wall:.0f} us of wall, {device:.0f} us of kernels per step "
+              f"({sum(kernels[name].values()):.0f} kernels); per step: {counts}; stats {inductor_attn.stats()}")
+        print("\n".join(text.getvalue().splitlines()[6:26]))
+        text = io.StringIO()
+        stats.stream = text
+        stats.sort_stats("cumulative").print_stats(25)
+        print("   by cumulative time:\n" + "\n".join(text.getvalue().splitlines()[6:34]))
+    first, second = list(steps)[:2]
+    print(f"== kernels per step, where {first} and {second} differ:")
+    for kernel in sorted(set(kernels[first]) | set(kernels[second])):
+        per = [kernels[n].get(kernel, 0) for n in (first, second)]
         if abs(per[0] - per[1]) > 0.01:
-            print(f"   {per[0]:5.1f} / {per[1]:5.1f}  {name}")
+            print(f"   {per[0]:5.1f} / {per[1]:5.1f}  {kernel}")
 
 
 if __name__ == "__main__":
