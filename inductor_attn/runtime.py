@@ -8,6 +8,7 @@ plans per exact problem, so the steady state is two dictionary lookups and the p
 from __future__ import annotations
 
 import collections
+import contextlib
 
 from .backends import AttnCall, plan_for
 from .device import DeviceInfo, device_info
@@ -34,6 +35,17 @@ def _resolve(call: AttnCall, choice: str, direction: str, grad_lse: bool = False
 def count_call(key: tuple[str, str, str]) -> None:
     """Count one call of (op, direction, choice) made through the ``inductor_attn::launch`` op."""
     _STATS[key] += 1
+
+
+@contextlib.contextmanager
+def uncounted():
+    """Op calls made inside are left out of ``stats`` (the tuner's timing of the compiled-code path)."""
+    saved = _STATS.copy()
+    try:
+        yield
+    finally:
+        _STATS.clear()
+        _STATS.update(saved)
 
 
 def count_compiled(op: str, direction: str, choice: str) -> None:

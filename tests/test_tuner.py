@@ -166,6 +166,18 @@ def test_compiled_code_takes_a_traced_candidate_when_the_winners_host_time_eats_
     assert host >= 1e3 * host_s and next(c for c in result.candidates if c.name == "a:default").traced
 
 
+def test_host_time_of_an_untraced_candidate_goes_through_the_launch_op_and_is_not_counted(monkeypatch):
+    from inductor_attn import runtime
+
+    seen = []
+    count = runtime.count_call
+    monkeypatch.setattr(runtime, "count_call", lambda key: seen.append(key) or count(key))  # the op's impl counts
+    runtime.reset_stats()
+    _tune(FakeBackend("a", {"default": (100.0, 0.01)}, traceable=True), FakeBackend("b", {"default": (50.0, 0.01)}))
+    assert seen and set(seen) == {("attention", "forward", "b:default")}
+    assert runtime.stats() == {}
+
+
 # --- staged search -------------------------------------------------------------------------------
 def _staged_backends():
     a = FakeBackend("a", {"default": (1.0, 0.01)})

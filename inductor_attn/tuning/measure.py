@@ -122,6 +122,25 @@ class Direction:
     def run(self, plan: Plan, call: AttnCall):
         return plan.launch(call) if self.grads is None else plan.launch(call, *self.grads)
 
+    def as_compiled_code_runs(self, plan: Plan, call: AttnCall, choice: str) -> Callable[[], object]:
+        """``plan`` launched as compiled code launches a plan without a traced form: for an attention call
+        decided at compile time, through the ``inductor_attn::launch`` op (its dispatch and the op's
+        lookup cost host time that the plan's own launch does not show); other calls go through the op
+        impl at run time, approximated by the plan's launch."""
+        if call.op != "attention":
+            return lambda: self.run(plan, call)
+        from ..ops.launch import launch_op, plan_key
+
+        from ..runtime import uncounted
+
+        tensors = [call.q, call.k, call.v, call.kv_seqlens, call.key_mask, *(self.grads or ())]
+        key = plan_key(self.direction, choice, call)
+
+        def launch():
+            with uncounted():
+                return launch_op(tensors, key)
+        return launch
+
     def compile(self, plan: Plan, call: AttnCall):
         """Compile ``plan``'s kernels for ``call`` without running them (plans that can, see precompile.py)."""
         return plan.compile(call) if self.grads is None else plan.compile(call, *self.grads)

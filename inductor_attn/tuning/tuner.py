@@ -272,7 +272,7 @@ class _Search:
             res = self.results[name]
             res.traced = plan.traced is not None
             if not res.traced:
-                res.host_ms = _host_ms(lambda p=plan: self.mode.run(p, self.call), self.call.q.device)
+                res.host_ms = _host_ms(self.mode.as_compiled_code_runs(plan, self.call, name), self.call.q.device)
 
     # -- searches -----------------------------------------------------------------------------------
     def exhaustive(self) -> tuple[list[str], list[str]]:
@@ -391,6 +391,10 @@ def _spread(ratios: list[float]) -> float:
     return max(ratios) / min(ratios) - 1
 
 
+class NoCandidateRan(RuntimeError):
+    """Every candidate given to ``tune`` failed or was pruned."""
+
+
 def tune(call: AttnCall, candidates: list[Candidate], *, direction: str = "forward", timer=None,
          rounds: int | None = None, progress=None, search: str | None = None, note: str = "",
          grad_lse: bool = False) -> TuneResult:
@@ -408,7 +412,7 @@ def tune(call: AttnCall, candidates: list[Candidate], *, direction: str = "forwa
     described = note or (f"staged (margin {margin:.2f}x)" if search == "staged" else "exhaustive")
     if not finalists:
         reasons = "; ".join(f"{r.name}: {r.reason}" for r in results)
-        raise RuntimeError(f"no candidate could run {call.problem}: {reasons}")
+        raise NoCandidateRan(f"no candidate could run {call.problem}: {reasons}")
     default = state.results[finalists[0]]
     if len(finalists) == 1:
         return TuneResult(call.problem, direction, default.name, default.name,
