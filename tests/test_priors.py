@@ -20,7 +20,8 @@ from inductor_attn.store.transfer import read_export
 from inductor_attn.tuning.decisions import decide, forget_decisions
 
 DEV = DeviceInfo("cpu", (0, 0), 2)
-TIMES = {"x=1": (0.5, 0.01), "x=2": (0.6, 0.01), "x=3": (0.7, 0.01), "x=4": (0.8, 0.01), "x=5": (0.9, 0.01)}
+# x=1..3 within the shortlist margin (3%) of each other, x=4 too but past the shortlist length, x=5 past the margin
+TIMES = {"x=1": (0.5, 1e-4), "x=2": (0.503, 1e-4), "x=3": (0.506, 1e-4), "x=4": (0.509, 1e-4), "x=5": (0.6, 1e-4)}
 
 
 @pytest.fixture
@@ -55,14 +56,25 @@ def test_an_exported_table_holds_device_versions_commit_command_and_reads_as_an_
     assert [row["winner"] for row in read_export(shipped)] == ["b:x=1"]
 
 
-def test_a_shipped_decision_shortens_the_autotune_to_its_top_candidates_and_the_default(shipped):
+def test_a_shipped_decision_shortens_the_autotune_to_the_candidates_close_to_its_winner(shipped):
     with inductor_attn.tuning_mode("autotune"):
         assert decide(small_call(), DEV, "forward") == "b:x=1"
     row = get_store().writable.rows()[0]  # measured here, stored in this machine's store
     status = {c["name"]: (c["status"], c["reason"]) for c in row["record"]["candidates"]}
-    assert [n for n, (s, _) in status.items() if s == "passed"] == ["a:default", "b:x=1", "b:x=2", "b:x=3"]
-    assert status["b:x=5"][1].startswith("not timed again: outside the top 3 of the shipped decision (shipped: cpu.json")
-    assert row["record"]["search"].startswith("the top 3 of the shipped decision")
+    assert [n for n, (s, _) in status.items() if s == "passed"] == ["b:x=1", "b:x=2", "b:x=3"]
+    for name in ("a:default", "b:x=4", "b:x=5"):
+        assert status[name][1].startswith("not timed again: not within 3% of the winner of the shipped decision "
+                                          "(at most 3; shipped: cpu.json"), name
+    assert row["record"]["search"].startswith("the candidates within 3% of the winner of the shipped decision")
+
+
+def test_when_none_of_the_shortlist_runs_here_the_whole_search_runs(fakes, shipped):
+    for cfg in ("x=1", "x=2", "x=3"):
+        fakes[1].prune_reasons[cfg] = "not on this device"
+    with inductor_attn.tuning_mode("autotune"):
+        assert decide(small_call(), DEV, "forward") == "b:x=4"
+    row = get_store().writable.rows()[0]
+    assert not row["record"]["search"].startswith("the candidates within")
 
 
 def test_cache_only_uses_the_shipped_decision_as_it_is(fakes, shipped):
@@ -131,7 +143,8 @@ def test_cache_explain_says_where_each_decision_came_from(fakes, shipped):
     here = get_store().writable.rows()[0]
     assert cache.origin(here).startswith("tuned here (")
     assert "came from:        tuned here" in cache.explain(here["key"][:12])
-    assert "search:           the top 3 of the shipped decision" in cache.explain(here["key"][:12])
+    assert "search:           the candidates within 3% of the winner of the shipped decision" in cache.explain(
+        here["key"][:12])
     elsewhere = {**here, "record": {**here["record"], "host": "node-7"}}
     get_store().put(elsewhere)
     assert cache.origin(elsewhere).startswith("imported or shared: tuned on host node-7 (")

@@ -7,9 +7,11 @@ A table is ``inductor_attn/priors/<device>.json``: an export file (``schema``, `
 README). ``INDUCTOR_ATTN_PRIORS`` names another directory or file, or ``off``.
 
 How decisions use them (tuning/decisions.py), for the same op, bucket and device:
-- autotune: the shipped decision shortens the search: only the top ``SHORTLIST`` candidates of its record
-  (by median time) and the default are measured here, and the result is stored as a decision of this
-  machine;
+- autotune: the shipped decision shortens the search: only the candidates of its record within
+  ``SHORTLIST_MARGIN`` of its winner (by median time, at most ``SHORTLIST``) are measured here, and the
+  result is stored as a decision of this machine. A candidate further behind would have to gain more than
+  that on a machine of the same model to matter, and each one costs a JIT compile (FA4: 3-13 s on an H100
+  host, the shipped H100 table's records); when none of them runs here, the whole search runs;
 - cache-only: the shipped winner is used as it is;
 - background: the shipped winner runs until the background tune's decision lands.
 
@@ -35,6 +37,7 @@ from .schema import FORMAT_VERSION, check_export
 ENV_VAR = "INDUCTOR_ATTN_PRIORS"
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "priors"
 SHORTLIST = 3
+SHORTLIST_MARGIN = 0.03  # the cold-tuning issue's worst-case regret bound
 
 
 def device_slug(name: str) -> str:
@@ -152,17 +155,22 @@ def is_shipped(row: dict) -> bool:
     return str(row["record"].get("origin", "")).startswith("shipped")
 
 
-def shortlist(row: dict, k: int = SHORTLIST) -> list[str]:
-    """The ``k`` fastest candidates that passed in a decision's record, fastest first.
+def shortlist(row: dict, k: int = SHORTLIST, margin: float | None = None) -> list[str]:
+    """The ``k`` fastest candidates that passed in a decision's record, fastest first; with ``margin``, only
+    those within that fraction of the fastest.
 
     >>> rec = {"candidates": [{"name": "a:x", "status": "passed", "median_ms": 2.0},
     ...                       {"name": "b:y", "status": "passed", "median_ms": 1.0},
+    ...                       {"name": "d:w", "status": "passed", "median_ms": 1.02},
     ...                       {"name": "c:z", "status": "failed", "median_ms": None}]}
-    >>> shortlist({"record": rec}, 3)
-    ['b:y', 'a:x']
+    >>> shortlist({"record": rec}, 3), shortlist({"record": rec}, 3, margin=0.03)
+    (['b:y', 'd:w', 'a:x'], ['b:y', 'd:w'])
     """
     timed = [c for c in row["record"]["candidates"] if c["status"] == "passed" and c.get("median_ms") is not None]
-    return [c["name"] for c in sorted(timed, key=lambda c: c["median_ms"])[:k]]
+    timed.sort(key=lambda c: c["median_ms"])
+    if margin is not None and timed:
+        timed = [c for c in timed if c["median_ms"] <= timed[0]["median_ms"] * (1 + margin)]
+    return [c["name"] for c in timed[:k]]
 
 
 def write_table(path: Path, rows: list[dict], meta: dict) -> None:

@@ -27,13 +27,13 @@ from ..device import DeviceInfo, device_info
 from ..problem import Problem
 from ..store.db import get_store
 from ..store.keys import decision_fields
-from ..store.priors import SHORTLIST, is_shipped, shipped_match, shortlist
+from ..store.priors import SHORTLIST, SHORTLIST_MARGIN, is_shipped, shipped_match, shortlist
 from . import background
 from .measure import describe, is_candidate_error
 from .modes import current_mode
 from .progress import progress_ticker
 from .ranks import on_device, tune_once
-from .tuner import default_rounds, tune
+from .tuner import NoCandidateRan, default_rounds, tune
 
 log = logging.getLogger(__name__)
 
@@ -174,14 +174,23 @@ def _usable(row: dict | None, compiled: bool, runnable: set[str]) -> dict | None
 
 def _measure(call: AttnCall, cands: list[Candidate], direction: str, fields: dict, store, prior: dict | None,
              search: str | None = None, grad_lse: bool = False) -> dict:
-    """Tune and store; with a shipped decision, only its top candidates and the default are measured."""
-    note = ""
+    """Tune and store; with a shipped decision, only its shortlist is measured (the whole search when none of
+    the shortlist runs here)."""
+    note, every = "", cands
     if prior is not None:
         cands, note = _shortlisted(cands, prior)
     runnable = sum(c.pruned is None for c in cands)
     with progress_ticker(f"tuning {call.problem.op} {direction}", total=runnable + default_rounds()) as tick:
-        result = tune(call, cands, direction=direction, progress=tick,
-                      search="exhaustive" if note else search, note=note, grad_lse=grad_lse)
+        try:
+            result = tune(call, cands, direction=direction, progress=tick,
+                          search="exhaustive" if note else search, note=note, grad_lse=grad_lse)
+        except NoCandidateRan:
+            if not note:
+                raise
+            result = None
+    if result is None:
+        log.warning("none of the shipped decision's shortlist ran here; searching every candidate")
+        return _measure(call, every, direction, fields, store, None, search, grad_lse)
     row = {**fields, "winner": result.winner, "record": result.to_json(), "created": time.time()}
     store.put(row)
     return row
@@ -200,17 +209,17 @@ def measure(call: AttnCall, direction: str = "forward", search: str | None = Non
 
 
 def _shortlisted(cands: list[Candidate], prior: dict) -> tuple[list[Candidate], str]:
-    """``cands`` with all but the default and the shipped decision's top ``SHORTLIST`` pruned, and what was
-    done; ``cands`` unchanged when the shortlist has nothing besides the default that runs here."""
+    """``cands`` with all but the shipped decision's shortlist (priors.py) pruned, and what was done;
+    ``cands`` unchanged when none of the shortlist runs here."""
     origin = prior["record"].get("origin", "a shipped decision")
-    top = set(shortlist(prior, SHORTLIST))
-    default = default_choice(cands)
-    keep = {c.name for c in cands if c.pruned is None and (c.name in top or c.name == default)}
-    if len(keep) < 2:
+    top = set(shortlist(prior, SHORTLIST, SHORTLIST_MARGIN))
+    keep = {c.name for c in cands if c.pruned is None and c.name in top}
+    if not keep:
         return cands, ""
-    why = f"not timed again: outside the top {SHORTLIST} of the shipped decision ({origin})"
+    scope = f"within {SHORTLIST_MARGIN:.0%} of the winner of the shipped decision (at most {SHORTLIST}; {origin})"
+    why = f"not timed again: not {scope}"
     shortened = [c if c.name in keep or c.pruned else dataclasses.replace(c, pruned=why) for c in cands]
-    return shortened, f"the top {SHORTLIST} of the shipped decision ({origin}) and the default, timed here"
+    return shortened, f"the candidates {scope}, timed here"
 
 
 def tune_in_worker(call: AttnCall, direction: str, key: str, deterministic: bool) -> str:
