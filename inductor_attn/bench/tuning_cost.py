@@ -15,10 +15,12 @@ measured (``--part shipped``: only cold and warm, with the package's tables on, 
   warm). Added cold seconds = autotune - off: an upper bound, since the default kernel's own first
   compile counts as tuning. Targets: <= 5 s per dense problem, <= 10 s per varlen or block-sparse one.
 - warm: per workload, a new process on the directories the cold one left (a store hit, kernels on disk),
-  which calls in ``off`` mode first and then in autotune mode: autotune - off is what a store hit adds per
-  problem (target: <= 0.5 s). The ``off`` call goes first so that it, not the problem, pays the process's
-  one-time costs (Inductor's start-up, the imports every enumeration of candidates makes, flash-attn-4's
-  among them); its seconds are reported too ("warm first call s"), since a user pays them once per process.
+  which imports every backend (what enumerating candidates imports: flash-attn-4's CuTe DSL among them),
+  calls in ``off`` mode, then in autotune mode: autotune - off is what a store hit adds per problem (target:
+  <= 0.5 s). The imports and the ``off`` call go first so that they, not the problem, pay the process's
+  one-time costs (Inductor's start-up is paid before any timing); both are reported ("warm imports s",
+  "warm first call s"), since a user pays them once per process. At df8d04d the off call came first but
+  did not import FA4 where its default is SDPA, so a store hit on an FA4 winner carried FA4's import.
 - agreement: two processes with separate empty stores (sharing one kernel cache, so only the first
   compiles) tune every workload. A differing pair is inside the noise when, in both records, the two
   choices' medians differ by no more than that record's tie margin (the larger of tuner.TIE_MARGIN and
@@ -205,16 +207,17 @@ def table(result: dict) -> str:
     """Markdown: per workload the cold and warm added seconds, agreement and regret; then the summary."""
     tunes = {t["name"]: t for t in result["agreement"]}
     regret = {r["name"]: r for r in result["regret"]}
-    lines = [("| workload | cold added s | warm added s | warm first call s | fresh tunes | regret staged vs "
-              "exhaustive | staged / exhaustive tune s |"), "|---|---|---|---|---|---|---|"]
+    lines = [("| workload | cold added s | warm added s | warm imports s | warm first call s | fresh tunes | "
+              "regret staged vs exhaustive | staged / exhaustive tune s |"), "|---|---|---|---|---|---|---|---|"]
     for name in result["workloads"]:
         cold = next((r for r in result["cold"] if r["name"] == name), {})
         t, r = tunes.get(name), regret.get(name, {})
         agree = "" if t is None else "agree" if t["same"] else \
             f"differ ({'inside' if t.get('inside_noise') else 'OUTSIDE'} the noise)"
         seconds = f"{r['staged_s']:.1f} / {r['exhaustive_s']:.1f}" if "staged_s" in r else ""
-        first = cold.get("warm", {}).get("off_s")
-        lines.append(f"| {name} | {_fmt(cold.get('cold_added_s'))} | {_fmt(cold.get('warm_added_s'))} | {_fmt(first)} | {agree} | "
+        warm = cold.get("warm", {})
+        lines.append(f"| {name} | {_fmt(cold.get('cold_added_s'))} | {_fmt(cold.get('warm_added_s'))} | "
+                     f"{_fmt(warm.get('imports_s'))} | {_fmt(warm.get('off_s'))} | {agree} | "
                      f"{_fmt(r.get('regret'), '.2%')} | {seconds} |")
     lines += ["", *(f"- {k}: {_fmt(v, '.3f')}" for k, v in result["summary"].items())]
     if result.get("shipped_tables"):
@@ -263,12 +266,15 @@ def _timed(fn, device: torch.device) -> float:
 
 
 def _first_call_worker(w: Workload, device: torch.device, smoke: bool,
-                       modes: tuple[str, str] = ("autotune", "off")) -> dict:
-    """The first call's seconds in each of ``modes``, in that order, in this process."""
+                       modes: tuple[str, str] = ("autotune", "off"), imports_first: bool = False) -> dict:
+    """The first call's seconds in each of ``modes``, in that order, in this process; with ``imports_first``,
+    first the seconds that importing every backend takes (``imports_s``)."""
     from ..tuning.decisions import forget_decisions
     from ..tuning.modes import tuning_mode
 
     out = {}
+    if imports_first:
+        out["imports_s"] = _timed(lambda: import_backends(w, device), device)
     compiled = not smoke and w.kind in ("dense", "decode")
     for mode in modes:
         torch._dynamo.reset()  # compile afresh: the second mode must not replay the first one's graph
@@ -276,6 +282,15 @@ def _first_call_worker(w: Workload, device: torch.device, smoke: bool,
         with tuning_mode(mode):
             out[f"{mode}_s"] = _timed(first_call(w, device, compiled), device)
     return out
+
+
+def import_backends(w: Workload, device: torch.device) -> None:
+    """What enumerating ``w``'s candidates imports (every backend's module; FA4's import brings the CuTe DSL,
+    about 2.6 s on the H100 host): a cost of the process, paid once whatever it runs, not of a problem."""
+    from ..backends import enumerate_candidates
+    from ..device import device_info
+
+    enumerate_candidates(suites.build(w, device).call.problem, device_info(device), "forward")
 
 
 def _tune_worker(w: Workload, device: torch.device, smoke: bool) -> dict:
@@ -364,7 +379,8 @@ def tune_suites(suite_names: list[str], quick: bool, smoke: bool, shard: tuple[i
     return len(workloads)
 
 
-_WORKERS = {"first-call": _first_call_worker, "warm-call": functools.partial(_first_call_worker, modes=("off", "autotune")),
+_WORKERS = {"first-call": _first_call_worker,
+            "warm-call": functools.partial(_first_call_worker, modes=("off", "autotune"), imports_first=True),
             "tune": _tune_worker, "regret": _regret_worker}
 
 
