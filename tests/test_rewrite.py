@@ -112,6 +112,22 @@ def test_per_batch_length_mask_becomes_kv_seqlens():
     assert only_outcome() == "sdpa: routed (kv_seqlens from a proven prefix mask)"
 
 
+def test_layers_that_take_one_mask_share_its_kv_seqlens():
+    # HF's layers each slice the model's one mask to their keys: the same ops on the same inputs
+    def fn(q, k, v, lengths):
+        mask = torch.arange(k.shape[2])[None, None, None, :] < lengths[:, None, None, None]
+        out = q
+        for _ in range(3):
+            out = F.scaled_dot_product_attention(out, k, v, attn_mask=mask[:, :, :, : k.shape[2]])
+        return out
+
+    q, k, v = qkv(hk=4, lq=5, lk=9)
+    eager, rewritten, gm = rewrite_and_run(fn, q, k, v, torch.tensor([9, 4]))
+    torch.testing.assert_close(rewritten, eager, **TOL)
+    calls = routed_calls(gm)
+    assert len(calls) == 3 and len({c.args[7] for c in calls}) == 1  # one kv_seqlens node for the three
+
+
 def test_tril_mask_on_square_scores_is_routed_as_plain_causal():
     def fn(q, k, v):
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()

@@ -323,9 +323,55 @@ def _kv_seqlens(emit: Emitter, plan: _Plan) -> torch.fx.Node | None:
     return emit("call_method", "contiguous", row)
 
 
-def _emit(graph: torch.fx.Graph, node: torch.fx.Node, plan: _Plan) -> None:
+class _Ref(str):
+    def __repr__(self) -> str:
+        return f"<{str.__str__(self)}>"
+
+
+def structure(node, seen: dict) -> str | None:
+    """A key that two nodes share when they compute the same value: the same ops on the same arguments, down
+    to the graph's inputs; None when an op on the way may have side effects (then no two nodes share it).
+    ``seen`` memoizes per node.
+
+    >>> g = torch.fx.Graph()
+    >>> x = g.placeholder("x")
+    >>> a, b = (g.call_function(operator.getitem, (x, (slice(None), slice(None, 4)))) for _ in range(2))
+    >>> c = g.call_function(operator.getitem, (x, (slice(None), slice(None, 5))))
+    >>> seen = {}
+    >>> structure(a, seen) == structure(b, seen) != structure(c, seen)
+    True
+    """
+    if not isinstance(node, torch.fx.Node):
+        return repr(node)
+    if node not in seen:
+        seen[node] = None  # a cycle cannot occur in a graph; this only guards the recursion
+        if node.op in ("placeholder", "get_attr"):
+            seen[node] = f"{node.op}:{node.name}"
+        elif node.op in ("call_function", "call_method") and not node.is_impure() and not (
+                node.op == "call_method" and node.target.endswith("_")):
+            refs = []
+            args = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: refs.append(structure(n, seen)) or
+                                         _Ref(refs[-1]))
+            if None not in refs:
+                seen[node] = f"{node.op}:{getattr(node.target, '__qualname__', node.target)}{args!r}"
+    return seen[node]
+
+
+def _emit(graph: torch.fx.Graph, node: torch.fx.Node, plan: _Plan, emitted: dict, seen: dict) -> None:
+    """``emitted``: the key masks and kv_seqlens emitted so far in this graph, by what they are computed from
+    (``structure``, memoized in ``seen``): the calls of a model's layers take one mask, and each would
+    otherwise reduce it again (a kernel per layer: HF Llama's static-cache decode step ran 8 of them)."""
     emit = Emitter(graph, node, getattr(ev(plan.q), "fake_mode", None))
-    key_mask, kv = _key_mask(emit, plan) if plan.key_mask is not None else (None, _kv_seqlens(emit, plan))
+    source = plan.key_mask if plan.key_mask is not None else plan.kv_from_mask
+    key = None
+    if source is not None or plan.kv_constant is not None:
+        key = (plan.key_mask is not None, structure(source, seen), plan.kv_constant, str(ev(plan.q).shape[0]),
+               str(ev(plan.k).shape[2]), str(ev(plan.q).device))
+    reused = key is not None and key[1] is not None and key in emitted
+    if reused:
+        key_mask, kv = emitted[key]
+    else:
+        key_mask, kv = _key_mask(emit, plan) if plan.key_mask is not None else (None, _kv_seqlens(emit, plan))
     scale = plan.scale
     if scale is None:
         head_dim = ev(plan.q).shape[3]
@@ -338,6 +384,8 @@ def _emit(graph: torch.fx.Graph, node: torch.fx.Node, plan: _Plan) -> None:
     out = emit("call_function", operator.getitem, result, 0)
     node.replace_all_uses_with(out)
     graph.erase_node(node)
+    if key is not None and key[1] is not None and not reused:
+        emitted[key] = (key_mask, kv)
 
 
 # ------------------------------------------------------------------------------------------ the pass
@@ -347,13 +395,15 @@ def rewrite_graph(graph: torch.fx.Graph) -> int:
 
     analysis = mask_proof.MaskAnalysis()
     bits_memo: dict = {}  # flex calls sharing a block mask share its bitmaps
+    emitted, seen = {}, {}  # SDPA calls sharing a mask share its kv_seqlens (_emit)
     rewritten = 0
     for node in list(graph.nodes):
         if flex_route.is_flex(node):
             kind, plan_fn = "flex_attention", flex_route.plan_flex
             emit_fn = functools.partial(flex_route.emit_flex, bits_memo=bits_memo)
         elif node.op == "call_function" and node.target in SDPA_TARGETS:
-            kind, plan_fn, emit_fn = "sdpa", lambda n: plan_sdpa(n, analysis), _emit
+            kind, plan_fn = "sdpa", lambda n: plan_sdpa(n, analysis)
+            emit_fn = functools.partial(_emit, emitted=emitted, seen=seen)
         else:
             continue
         try:
