@@ -305,6 +305,23 @@ def test_transposed_block_lists_are_compact_and_ordered():
                 assert set(seen) <= set(q_blocks)  # every q block with a visible pair is listed
 
 
+def test_transposed_lists_are_computed_once_per_mask_and_again_when_it_changes(monkeypatch):
+    made = []
+    real = flash_bwd.transpose_block_lists
+    monkeypatch.setattr(flash_bwd, "transpose_block_lists", lambda sp, n: made.append(n) or real(sp, n))
+    sparse = random_block_mask(2, 3, 100, 130, 16, 32, seed=5)
+    first = flash_bwd.transposed_block_lists(sparse, 5)
+    again = flash_bwd.transposed_block_lists(sparse, 5)
+    assert len(made) == 1 and all(a is b for a, b in zip(first[:2], again[:2]))
+    sparse.kv_indices.add_(0)  # written in place: its version counter moves, and the lists are made again
+    changed = flash_bwd.transposed_block_lists(sparse, 5)
+    assert len(made) == 2 and torch.equal(changed[1], first[1])
+    other = random_block_mask(2, 3, 100, 130, 16, 32, seed=6)
+    want = real(other, 5)
+    got = flash_bwd.transposed_block_lists(other, 5)
+    assert len(made) == 3 and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 # ------------------------------------------------------------------------------- configs, problems
 def _problem(**kw) -> Problem:
     base = dict(op="attention", dtype="float16", device_type="cuda", batch=4, heads_q=32, heads_kv=32,

@@ -14,6 +14,7 @@ Triton is imported at the first launch.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import os
@@ -264,6 +265,32 @@ def transpose_block_lists(sparse, num_kv_blocks: int):
     return row_start, codes, slots1
 
 
+_TRANSPOSED: collections.OrderedDict = collections.OrderedDict()  # mask tensors' identity -> transpose_block_lists
+_TRANSPOSED_KEPT = 8  # masks; a model has one or a few
+
+
+def transposed_block_lists(sparse, num_kv_blocks: int):
+    """``transpose_block_lists``, computed once per mask: it is about 35 small kernel launches, which cost a
+    block-sparse backward more host time than its own three kernels (host_profile --training "document
+    ...", H100). Keyed by the mask tensors' storage, layout and version counter; an entry holds the tensors
+    themselves, so their memory cannot be reused by another mask while it is kept. Not cached for fake
+    tensors, nor during CUDA-graph capture (a graph must not read a tensor the cache may free)."""
+    tensors = [t for t in (sparse.kv_num_blocks, sparse.kv_indices, sparse.full_kv_num_blocks,
+                           sparse.full_kv_indices) if t is not None]
+    if any(type(t) is not torch.Tensor for t in tensors) or (
+            tensors[0].is_cuda and torch.cuda.is_current_stream_capturing()):
+        return transpose_block_lists(sparse, num_kv_blocks)
+    key = (num_kv_blocks, sparse.full_kv_num_blocks is None,
+           *((t.data_ptr(), t.device, t.shape, t.stride(), t.dtype, t._version) for t in tensors))
+    found = _TRANSPOSED.get(key)
+    if found is None:
+        found = _TRANSPOSED[key] = (transpose_block_lists(sparse, num_kv_blocks), tensors)
+        while len(_TRANSPOSED) > _TRANSPOSED_KEPT:
+            _TRANSPOSED.popitem(last=False)
+    _TRANSPOSED.move_to_end(key)
+    return found[0]
+
+
 def _expanded(x: torch.Tensor, batch: int, heads: int) -> tuple[int, ...]:
     """Strides of a mask tensor whose batch/head dims may be 1 (broadcast: stride 0)."""
     return x.expand(batch, heads, *x.shape[2:]).stride()
@@ -275,7 +302,7 @@ def _sparse_dkdv_args(call: AttnCall, shape: _Shape, dummy):
         return dict(ROW_START=dummy, CODES=dummy, BITS=dummy, s_csb=0, s_csh=0, s_cdb=0, s_cdh=0, s_bb=0,
                     s_bh=0, s_bm=0, s_bs=0, s_bi=0, s_bw=0, block_q=1, block_kv=1, slots1=1)
     sp = call.sparse
-    row_start, codes, slots1 = transpose_block_lists(sp, -(-shape.len_k // sp.block_kv))
+    row_start, codes, slots1 = transposed_block_lists(sp, -(-shape.len_k // sp.block_kv))
     b, h = shape.batch, shape.heads_q
     s_bb, s_bh, s_bm, s_bs, s_bi, s_bw = _expanded(sp.partial_bits, b, h)
     return dict(ROW_START=row_start, CODES=codes, BITS=sp.partial_bits,
