@@ -163,6 +163,8 @@ def run_shape(shape: Shape, device, dtype) -> dict:
             result = {"grad_rel_err": max(_rel(x, w) for x, w in zip(grads, want))}
             result.update(measure(step))
             result["peak_bytes"] = peak_memory(step)
+            if device.type == "cuda":
+                torch.cuda.synchronize()  # an asynchronous CUDA error belongs to this path, not the next
         except Exception as err:  # noqa: BLE001 - one failing path must not lose the others
             result = {"status": f"failed: {type(err).__name__}: {str(err)[:200]}"}
         finally:
@@ -188,6 +190,10 @@ def run(smoke: bool, quick: bool, device: torch.device, part: str = "all") -> di
     for s in shapes if part in ("all", "ops") else ():
         runtime.reset_stats()
         rows.append(run_shape(Shape(*s), device, dtype))
+        failed = [f"{name}: {r['status']}" for name, r in rows[-1]["paths"].items() if "CUDA error" in r.get("status", "")]
+        if failed:  # a CUDA error leaves the context unusable: keep what was measured and stop
+            rows[-1]["stopped"] = "; ".join(failed)
+            break
     from .models import llama_training
 
     wanted = part in ("all", "models") and not smoke and not quick and device.type == "cuda"
@@ -198,6 +204,8 @@ def table(result: dict) -> str:
     lines = ["| shape | path | kernel us | wall us | host us | peak MiB | grad rel. err | wall vs best SDPA |",
              "|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
+        if row.get("stopped"):
+            lines.append(f"| {row['shape']} | suite stopped after a CUDA error | {row['stopped'][:300]} | | | | | |")
         walls = [row["paths"][p].get("wall_us") for p in ("eager sdpa", "stock compile")]
         best = min((w for w in walls if w), default=None)
         for name, r in row["paths"].items():
