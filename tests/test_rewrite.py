@@ -128,6 +128,21 @@ def test_layers_that_take_one_mask_share_its_kv_seqlens():
     assert len(calls) == 3 and len({c.args[7] for c in calls}) == 1  # one kv_seqlens node for the three
 
 
+def test_a_key_mask_is_not_shared_across_an_in_place_write():
+    def fn(q, k, v, mask, buf):
+        first = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        buf.add_(1)  # any in-place write between the calls: the second reads its key mask afresh
+        return F.scaled_dot_product_attention(first, k, v, attn_mask=mask)
+
+    q, k, v = qkv(hk=4, lq=1, lk=9)
+    mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    mask[1, ..., 6:] = False
+    gm = capture(fn, q, k, v, mask, torch.zeros(3))
+    rewrite_graph(gm.graph)
+    calls = routed_calls(gm)
+    assert len(calls) == 2 and calls[0].args[8] is not calls[1].args[8]
+
+
 def test_tril_mask_on_square_scores_is_routed_as_plain_causal():
     def fn(q, k, v):
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()

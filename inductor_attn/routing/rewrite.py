@@ -367,7 +367,10 @@ def _emit(graph: torch.fx.Graph, node: torch.fx.Node, plan: _Plan, emitted: dict
     if source is not None or plan.kv_constant is not None:
         key = (plan.key_mask is not None, structure(source, seen), plan.kv_constant, str(ev(plan.q).shape[0]),
                str(ev(plan.k).shape[2]), str(ev(plan.q).device))
-    reused = key is not None and key[1] is not None and key in emitted
+    # a proven mask's cone is mutation-free (_mask_plan); a key mask is read where it is used, so its reuse
+    # needs nothing to write in place between the two calls (HF's static cache does, once per layer)
+    reused = key is not None and key[1] is not None and key in emitted and not (
+        plan.key_mask is not None and mask_proof.mutation_between(emitted[key][1], node))
     if reused:
         key_mask, kv = emitted[key]
     else:
