@@ -329,9 +329,9 @@ class _Ref(str):
 
 
 def structure(node, seen: dict) -> str | None:
-    """A key that two nodes share when they compute the same value: the same ops on the same arguments, down
-    to the graph's inputs; None when an op on the way may have side effects (then no two nodes share it).
-    ``seen`` memoizes per node.
+    """A key (a hash) that two nodes share when they compute the same value: the same ops on the same
+    arguments, down to the graph's inputs; None when an op on the way may have side effects (then no two
+    nodes share it). ``seen`` memoizes per node.
 
     >>> g = torch.fx.Graph()
     >>> x = g.placeholder("x")
@@ -352,8 +352,9 @@ def structure(node, seen: dict) -> str | None:
             refs = []
             args = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: refs.append(structure(n, seen)) or
                                          _Ref(refs[-1]))
-            if None not in refs:
-                seen[node] = f"{node.op}:{getattr(node.target, '__qualname__', node.target)}{args!r}"
+            if None not in refs:  # hashed: a shared subexpression would otherwise be spelled out per use
+                spelled = f"{node.op}:{getattr(node.target, '__qualname__', node.target)}{args!r}"
+                seen[node] = hashlib.sha256(spelled.encode()).hexdigest()
     return seen[node]
 
 
