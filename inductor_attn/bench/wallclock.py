@@ -51,17 +51,16 @@ def wall_us(fn: Callable[[], object], calls: int = 200, repeats: int = 3) -> flo
 
 
 def _turns(names: list[str], rounds: int):
-    """(round, name) in alternating order, who goes first rotating from round to round."""
+    """``names`` ``rounds`` times over, who goes first rotating from round to round."""
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            yield r, name
+        yield from names[r % len(names):] + names[:r % len(names)]
 
 
 def interleaved_wall_us(fns: dict[str, Callable[[], object]], calls: int, rounds: int = 5) -> dict[str, float]:
     """``wall_us`` of each function, one run of ``calls`` calls each per round, the functions taking turns,
     the median over ``rounds``."""
     runs: dict[str, list[float]] = {name: [] for name in fns}
-    for _, name in _turns(list(fns), rounds):
+    for name in _turns(list(fns), rounds):
         runs[name].append(wall_us(fns[name], calls=calls, repeats=1))
     return {name: statistics.median(times) for name, times in runs.items()}
 
@@ -74,7 +73,7 @@ def interleaved_measure(fns: dict[str, Callable[[], object]], rounds: int = 5,
         warm(fn)
     host: dict[str, list[float]] = {name: [] for name in fns}
     wall: dict[str, list[float]] = {name: [] for name in fns}
-    for _, name in _turns(list(fns), rounds):
+    for name in _turns(list(fns), rounds):
         host[name].append(host_us(fns[name], bursts=1))
         wall[name].append(wall_us(fns[name], repeats=1))
     return {name: {"host_us": min(host[name]), "wall_us": statistics.median(wall[name]),

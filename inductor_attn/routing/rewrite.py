@@ -363,15 +363,10 @@ def _emit(graph: torch.fx.Graph, node: torch.fx.Node, plan: _Plan, emitted: dict
     (``structure``, memoized in ``seen``): the calls of a model's layers take one mask, and each would
     otherwise reduce it again (a kernel per layer: HF Llama's static-cache decode step ran 8 of them)."""
     emit = Emitter(graph, node, getattr(ev(plan.q), "fake_mode", None))
-    source = plan.key_mask if plan.key_mask is not None else plan.kv_from_mask
-    key = None
-    if source is not None or plan.kv_constant is not None:
-        key = (plan.key_mask is not None, structure(source, seen), plan.kv_constant, str(ev(plan.q).shape[0]),
-               str(ev(plan.k).shape[2]), str(ev(plan.q).device))
+    key = _shared_key(plan, seen)
     # a proven mask's cone is mutation-free (_mask_plan); a key mask is read where it is used, so its reuse
     # needs nothing to write in place between the two calls (HF's static cache does, once per layer)
-    reused = key is not None and key[1] is not None and key in emitted and not (
-        plan.key_mask is not None and mask_proof.mutation_between(emitted[key][1], node))
+    reused = key in emitted and not (plan.key_mask is not None and mask_proof.mutation_between(emitted[key][1], node))
     if reused:
         key_mask, kv = emitted[key]
     else:
@@ -388,8 +383,21 @@ def _emit(graph: torch.fx.Graph, node: torch.fx.Node, plan: _Plan, emitted: dict
     out = emit("call_function", operator.getitem, result, 0)
     node.replace_all_uses_with(out)
     graph.erase_node(node)
-    if key is not None and key[1] is not None and not reused:
+    if key is not None and not reused:
         emitted[key] = (key_mask, kv)
+
+
+def _shared_key(plan: _Plan, seen: dict) -> tuple | None:
+    """What the call's key mask / kv_seqlens are computed from, for ``_emit``; None when nothing is computed or
+    its source has no ``structure``."""
+    source = plan.key_mask if plan.key_mask is not None else plan.kv_from_mask
+    if source is None and plan.kv_constant is None:
+        return None
+    built_from = structure(source, seen)
+    if built_from is None:
+        return None
+    return (plan.key_mask is not None, built_from, plan.kv_constant, str(ev(plan.q).shape[0]), str(ev(plan.k).shape[2]),
+            str(ev(plan.q).device))
 
 
 # ------------------------------------------------------------------------------------------ the pass
