@@ -142,13 +142,9 @@ def training(shape_name: str, calls: int) -> None:
         raise SystemExit(f"--training takes one of {sorted(by_name)}, got {shape_name!r}")
     shape = suite.Shape(*by_name[shape_name])
     device = torch.device("cuda")
-    gen = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(shape.batch, h, shape.length, shape.head_dim, device=device, dtype=torch.bfloat16,
-                           generator=gen).requires_grad_() for h in (shape.heads_q, shape.heads_kv, shape.heads_kv))
-    g = torch.randn(shape.batch, shape.heads_q, shape.length, shape.head_dim, device=device, dtype=torch.bfloat16,
-                    generator=gen)
+    q, k, v, g = shape.inputs(device, torch.bfloat16)
     fns = suite.paths(shape, device)
-    compare({name: suite._step(fns[name][0], q, k, v, g) for name in TRAINING_PATHS}, calls)
+    compare({name: suite.training_step(fns[name][0], q, k, v, g) for name in TRAINING_PATHS}, calls)
 
 
 def compare(steps: dict, calls: int) -> None:

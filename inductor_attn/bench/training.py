@@ -61,6 +61,15 @@ class Shape:
             ids[c:] += 1
         return ids.to(device)
 
+    def inputs(self, device, dtype) -> tuple[torch.Tensor, ...]:
+        """Seeded q, k, v (requiring grad) and the output gradient g of one step."""
+        gen = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (torch.randn(self.batch, h, self.length, self.head_dim, device=device, dtype=dtype, generator=gen)
+                   .requires_grad_() for h in (self.heads_q, self.heads_kv, self.heads_kv))
+        g = torch.randn(self.batch, self.heads_q, self.length, self.head_dim, device=device, dtype=dtype,
+                        generator=gen)
+        return q, k, v, g
+
     def mask_mod(self, device):
         if self.mask == "window":
             return lambda b, h, q, kv: (kv <= q) & (kv >= q - WINDOW)
@@ -129,7 +138,8 @@ def paths(shape: Shape, device) -> dict:
     return out
 
 
-def _step(fn, q, k, v, g):
+def training_step(fn, q, k, v, g):
+    """One step: ``fn``'s forward and the gradients of q, k, v for the output gradient ``g``."""
     def step():
         return torch.autograd.grad(fn(q, k, v), (q, k, v), g)
     return step
@@ -141,11 +151,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def run_shape(shape: Shape, device, dtype) -> dict:
     torch._dynamo.reset()
-    gen = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(shape.batch, h, shape.length, shape.head_dim, device=device, dtype=dtype, generator=gen)
-               .requires_grad_() for h in (shape.heads_q, shape.heads_kv, shape.heads_kv))
-    g = torch.randn(shape.batch, shape.heads_q, shape.length, shape.head_dim, device=device, dtype=dtype,
-                    generator=gen)
+    q, k, v, g = shape.inputs(device, dtype)
     exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
     want = torch.autograd.grad(_sdpa(shape, device)(*exact), exact, g.double())
     row = {"shape": shape.name, "paths": {}}
@@ -158,7 +164,7 @@ def run_shape(shape: Shape, device, dtype) -> dict:
             torch._dynamo.reset()  # a graph compiled under other settings must not be reused
             torch.use_deterministic_algorithms(True)
         try:
-            step = _step(fn, q, k, v, g)
+            step = training_step(fn, q, k, v, g)
             grads = step()
             result = {"grad_rel_err": max(_rel(x, w) for x, w in zip(grads, want))}
             result.update(measure(step))

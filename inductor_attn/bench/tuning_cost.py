@@ -19,8 +19,8 @@ measured (``--part shipped``: only cold and warm, with the package's tables on, 
   calls in ``off`` mode, then in autotune mode: autotune - off is what a store hit adds per problem (target:
   <= 0.5 s). The imports and the ``off`` call go first so that they, not the problem, pay the process's
   one-time costs (Inductor's start-up is paid before any timing); both are reported ("warm imports s",
-  "warm first call s"), since a user pays them once per process. At df8d04d the off call came first but
-  did not import FA4 where its default is SDPA, so a store hit on an FA4 winner carried FA4's import.
+  "warm first call s"), since a user pays them once per process. The imports come first because an off
+  call whose default is SDPA imports no FA4, which a store hit on an FA4 winner would then pay.
 - agreement: two processes with separate empty stores (sharing one kernel cache, so only the first
   compiles) tune every workload. A differing pair is inside the noise when, in both records, the two
   choices' medians differ by no more than that record's tie margin (the larger of tuner.TIE_MARGIN and
@@ -285,8 +285,8 @@ def _first_call_worker(w: Workload, device: torch.device, smoke: bool,
 
 
 def import_backends(w: Workload, device: torch.device) -> None:
-    """What enumerating ``w``'s candidates imports (every backend's module; FA4's import brings the CuTe DSL,
-    about 2.6 s on the H100 host): a cost of the process, paid once whatever it runs, not of a problem."""
+    """What enumerating ``w``'s candidates imports (every backend's module; FA4's brings the CuTe DSL, the
+    largest): a cost of the process, paid once whatever it runs, not of a problem."""
     from ..backends import enumerate_candidates
     from ..device import device_info
 

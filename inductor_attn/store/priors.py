@@ -10,8 +10,8 @@ How decisions use them (tuning/decisions.py), for the same op, bucket and device
 - autotune: the shipped decision shortens the search: only the candidates of its record within
   ``SHORTLIST_MARGIN`` of its winner (by median time, at most ``SHORTLIST``) are measured here, and the
   result is stored as a decision of this machine. A candidate further behind would have to gain more than
-  that on a machine of the same model to matter, and each one costs a JIT compile (FA4: 3-13 s on an H100
-  host, the shipped H100 table's records); when none of them runs here, the whole search runs;
+  that on a machine of the same model to matter, and each one costs a JIT compile (seconds for each FA4
+  config, benchmarks/RESULTS.md); when none of them runs here, the whole search runs;
 - cache-only: the shipped winner is used as it is;
 - background: the shipped winner runs until the background tune's decision lands.
 
