@@ -103,6 +103,20 @@ def test_fx_graph_cache_does_not_replay_a_choice_after_the_decisions_changed(fak
         assert "|a:default|" in code and "|b:x=1|" not in code
 
 
+def test_the_compile_after_a_cold_tune_finds_the_code_that_tune_compiled(fakes, tmp_path, monkeypatch):
+    # the cold compile's key is taken before its tune writes the store: a new decision must not change it
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    counters = torch._dynamo.utils.counters
+    q, k, v = _qkv(24)
+    with torch._inductor.config.patch(fx_graph_cache=True, force_disable_caches=False):
+        counters.clear()
+        torch.compile(_attn, fullgraph=True)(q, k, v)
+        assert len(inductor_attn.cache.list_decisions()) == 1
+        torch._dynamo.reset()
+        torch.compile(_attn, fullgraph=True)(q, k, v)
+    assert counters["inductor"]["fxgraph_cache_hit"] == 1
+
+
 def test_without_the_pass_nothing_is_decided_while_compiling(fakes):
     q, k, v = _qkv(24)
     torch._dynamo.reset()

@@ -58,6 +58,36 @@ def test_every_write_and_clear_changes_the_generation(tmp_path):
     assert store.clear() == 1 and store.generation() not in (first, second)
 
 
+def test_the_revision_changes_only_where_an_answer_changes(tmp_path):
+    store = DecisionStore(tmp_path / "d.sqlite")
+    first = store.revision()
+    store.put(decision_row(1))
+    store.put(decision_row(1))  # the same winner again
+    assert store.revision() == first  # a new decision changes no answer the store gave
+    store.put(decision_row(1, winner="a:default"))
+    second = store.revision()
+    assert second != first
+    store.put(decision_row(2))
+    assert store.delete(["no such key"]) == 0 and store.revision() == second
+    assert store.delete([_key(2)]) == 1 and store.revision() != second
+    third = store.revision()
+    assert store.clear() == 1 and store.revision() != third
+
+
+def test_a_row_that_overrides_a_read_only_store_changes_the_revision(tmp_path):
+    from inductor_attn.store.layers import LayeredStore
+
+    below = DecisionStore(tmp_path / "below.sqlite")
+    below.put(decision_row(1))
+    layered = LayeredStore(DecisionStore(tmp_path / "top.sqlite"), [DecisionStore(below.path, access="read")])
+    first = layered.revision()
+    layered.put(decision_row(2))
+    layered.put(decision_row(1))  # what the read-only store answers already
+    assert layered.revision() == first
+    layered.put(decision_row(1, winner="a:default"))
+    assert layered.revision() != first
+
+
 def test_two_fresh_stores_have_different_generations(tmp_path):
     assert DecisionStore(tmp_path / "a.sqlite").generation() != DecisionStore(tmp_path / "b.sqlite").generation()
 

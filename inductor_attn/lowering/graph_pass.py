@@ -8,8 +8,14 @@ mutations and lowers), once per compiled graph, forward and backward. Two jobs:
    thin ``inductor_attn::launch`` op for kernels that cannot be traced.
 2. Keep Inductor's FX graph cache honest. On a cache hit no pass runs: the code built from earlier
    decisions replays (notes/pytorch-internals.md). The cache key hashes every custom pass's ``uuid()``,
-   so ours hashes what the decisions depend on: the decision store's generation token (it changes on
-   every write), the backends' sources, the package version, the tuning mode and the simulated device.
+   so ours hashes what the decisions depend on: a token of the decision store (store/db.py), the
+   backends' sources, the package version, the tuning mode and the simulated device.
+
+   Under ``autotune`` the token is the store's revision, which a new decision leaves alone: a compile
+   that meets a problem with no decision measures it and bakes what it stores, so code cached before the
+   store grew stays right, and the process after a cold tune finds the code that tune compiled (its key
+   was taken before the tune wrote). In the other modes a compile bakes a guess where no decision is, so
+   the token is the generation, which every write changes.
 
 A pass the user had already put in that slot is kept, run first, and its uuid is part of ours.
 """
@@ -45,11 +51,11 @@ class DecisionPass(_Base):
         from ..tuning.modes import current_mode
 
         store = get_store()
-        generation = store.generation()
+        mode = current_mode("cuda")
+        token = store.revision() if mode == "autotune" else store.generation()
         if store.broken:  # decisions are not persisted: never let a cached graph stand in for a tune
             return uuid.uuid4().hex
-        parts = [__version__, generation, current_mode("cuda"), os.environ.get(MODE_ENV, ""),
-                 os.environ.get(DEVICE_ENV, "")]
+        parts = [__version__, token, mode, os.environ.get(MODE_ENV, ""), os.environ.get(DEVICE_ENV, "")]
         parts += [f"{b.name}={b.source_hash()}" for b in backends.backends()]
         if self.chained is not None:
             chained_uuid = getattr(self.chained, "uuid", lambda: None)()

@@ -19,9 +19,10 @@ per store, and the next tune of its problem replaces it. At the first open in a 
 log whose damage would drop committed transactions (wal.py), or fewer rows than the last write recorded
 in ``meta``, gives one warning naming the file. ``health()`` is what ``cache doctor`` reports.
 
-A new store starts with a random ``generation`` token and every write replaces it; the Inductor
-FX-graph-cache guard hashes it, so compiled code that baked decisions is not replayed after the
-decisions changed, nor against another (e.g. a fresh, empty) store.
+A new store starts with two random tokens. ``generation`` changes on every write; ``revision`` only on a
+write that changes an answer the store gave: a row replaced with another winner, a delete, a clear. The
+Inductor FX-graph-cache guard (lowering/graph_pass.py) hashes one of them, so compiled code that baked
+decisions is not replayed after the decisions changed, nor against another (e.g. a fresh, empty) store.
 """
 
 from __future__ import annotations
@@ -264,18 +265,24 @@ class DecisionStore:
     def put(self, row: dict) -> None:
         self.put_many([{**row, "created": row.get("created") or time.time()}])
 
-    def put_many(self, rows: list[dict]) -> int:
+    def put_many(self, rows: list[dict], supersedes: bool = False) -> int:
         """Write ``rows`` in one transaction, so all or none are written; returns how many were. Each row
-        is checked first: a bad one raises ValueError (RowError) and nothing is written."""
+        is checked first: a bad one raises ValueError (RowError) and nothing is written. The revision
+        changes when a row replaces one with another winner, or when ``supersedes`` says a row changes the
+        answer another layer gave (layers.py)."""
         self._check_writable()
         values = [_encode(check_row(row)) for row in rows]
         if not values:  # a write would change the generation, and with it every FX-graph-cache key
             return 0
+        key_at, winner_at = COLUMNS.index("key"), COLUMNS.index("winner")
 
         def write(conn):
             conn.execute("BEGIN IMMEDIATE")
+            changed = supersedes or any(
+                (old := conn.execute("SELECT winner FROM decisions WHERE key = ?", (v[key_at],)).fetchone())
+                and old[0] != v[winner_at] for v in values)
             conn.executemany(f"INSERT OR REPLACE INTO decisions VALUES ({', '.join('?' * len(COLUMNS))})", values)
-            _after_write(conn)
+            _after_write(conn, changed)
             conn.execute("COMMIT")
             return len(values)
 
@@ -288,7 +295,7 @@ class DecisionStore:
         def remove(conn):
             conn.execute("BEGIN IMMEDIATE")
             n = sum(conn.execute("DELETE FROM decisions WHERE key = ?", (key,)).rowcount for key in keys)
-            _after_write(conn)
+            _after_write(conn, n > 0)
             conn.execute("COMMIT")
             return n
 
@@ -300,7 +307,7 @@ class DecisionStore:
         def wipe(conn):
             conn.execute("BEGIN IMMEDIATE")
             n = conn.execute("DELETE FROM decisions").rowcount
-            _after_write(conn)
+            _after_write(conn, n > 0)
             conn.execute("COMMIT")
             return n
 
@@ -312,12 +319,20 @@ class DecisionStore:
 
     def generation(self) -> str:
         """Token that changes on every write; "" when the store is unusable (or a read-only one has none)."""
+        return self._token("generation")
+
+    def revision(self) -> str:
+        """Token that changes only when a write changes an answer (module doc); a store written before
+        revisions existed gets one at its first read, a read-only one answers with its generation."""
+        return self._token("revision") or self.generation()
+
+    def _token(self, name: str) -> str:
         def read_or_create(conn):
-            row = conn.execute("SELECT value FROM meta WHERE name = 'generation'").fetchone()
+            row = conn.execute("SELECT value FROM meta WHERE name = ?", (name,)).fetchone()
             if row or self.access != WRITE:
                 return row[0] if row else ""
-            conn.execute("INSERT OR IGNORE INTO meta VALUES ('generation', ?)", (uuid.uuid4().hex,))
-            return conn.execute("SELECT value FROM meta WHERE name = 'generation'").fetchone()[0]
+            conn.execute("INSERT OR IGNORE INTO meta VALUES (?, ?)", (name, uuid.uuid4().hex))
+            return conn.execute("SELECT value FROM meta WHERE name = ?", (name,)).fetchone()[0]
 
         return self._guard("read", read_or_create, default="")
 
@@ -399,9 +414,12 @@ def _encode(row: dict) -> tuple:
     return tuple(json.dumps(row[c]) if c in ("versions", "record") else row[c] for c in COLUMNS)
 
 
-def _after_write(conn) -> None:
-    """In the write's transaction: a new generation, and the row count that the next open checks."""
+def _after_write(conn, changed: bool) -> None:
+    """In the write's transaction: a new generation (and revision, where ``changed``), and the row count
+    that the next open checks."""
     conn.execute("INSERT OR REPLACE INTO meta VALUES ('generation', ?)", (uuid.uuid4().hex,))
+    if changed:
+        conn.execute("INSERT OR REPLACE INTO meta VALUES ('revision', ?)", (uuid.uuid4().hex,))
     conn.execute("INSERT OR REPLACE INTO meta VALUES ('rows', (SELECT count(*) FROM decisions))")
 
 

@@ -4,7 +4,7 @@
 over those read from elsewhere. ``rows`` is the union (an earlier layer's row wins for a key). Writes,
 ``clear`` and ``delete`` touch only the writable layer: a read-only layer is never changed.
 
-A read-only layer needs ``path``, ``describe()``, ``broken``, ``get``, ``rows``, ``generation`` and, for
+A read-only layer needs ``path``, ``describe()``, ``broken``, ``get``, ``rows``, ``generation``, ``revision`` and, for
 ``cache doctor``, ``health()``. Today the layers are SQLite files on read-only paths (db.py opens them
 with ``mode=ro``); a decision table shipped inside the package becomes one more read-only layer after
 them, in ``db.open_layers``.
@@ -12,6 +12,7 @@ them, in ``db.open_layers``.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from . import transfer
@@ -60,11 +61,21 @@ class LayeredStore:
         """Changes whenever any layer's decisions change (the FX-graph-cache guard hashes it)."""
         return "+".join(layer.generation() for layer in self.layers)
 
+    def revision(self) -> str:
+        """Changes whenever any layer's answers change (db.py's module doc says which writes do)."""
+        return "+".join(layer.revision() for layer in self.layers)
+
     def put(self, row: dict) -> None:
-        self.writable.put(row)
+        self.put_many([{**row, "created": row.get("created") or time.time()}])
 
     def put_many(self, rows: list[dict]) -> int:
-        return self.writable.put_many(rows)
+        # a row that changes what a read-only store answered changes an answer too (a shipped decision is
+        # never used as is where the revision is what counts: autotune re-measures it)
+        from .priors import is_shipped
+
+        supersedes = any((old := layer.get(row["key"])) is not None and not is_shipped(old)
+                         and old["winner"] != row["winner"] for row in rows for layer in self.read_only)
+        return self.writable.put_many(rows, supersedes=supersedes)
 
     def delete(self, keys: list[str]) -> int:
         return self.writable.delete(keys)

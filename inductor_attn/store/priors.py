@@ -124,6 +124,9 @@ class PriorTable:
                 self._generation = ""
         return self._generation
 
+    def revision(self) -> str:
+        return self.generation()
+
     def health(self):
         from .db import Health
 

@@ -1,0 +1,51 @@
+"""Run training-suite paths of one shape step by step, synchronizing after each: where a CUDA error starts.
+
+    PYTHONPATH=. python benchmarks/tools/training_path.py "B4 H16/4 L2k D64 causal" [--paths ours] [--steps 3]
+    compute-sanitizer --tool memcheck python benchmarks/tools/training_path.py "B4 H16/4 L2k D64 causal"
+
+The paths (bench/training.py's ``paths``, in the suite's order unless ``--paths`` names some) run on a fresh
+decision store, so ``ours`` tunes as it does in the suite. Each step is followed by a synchronize and a line
+naming the path and step, so an asynchronous error is charged to the step that launched it; under
+compute-sanitizer the first report names the kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from inductor_attn.bench import training as suite
+from inductor_attn.bench.runner import fresh_store
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("shape", help="a training-suite shape name (bench/training.py SHAPES)")
+    parser.add_argument("--paths", nargs="+", help="path names (default: all, in the suite's order)")
+    parser.add_argument("--steps", type=int, default=3, help="steps per path")
+    args = parser.parse_args()
+    by_name = {s[0]: s for s in suite.SHAPES}
+    if args.shape not in by_name:
+        raise SystemExit(f"shape takes one of {sorted(by_name)}, got {args.shape!r}")
+    shape = suite.Shape(*by_name[args.shape])
+    device = torch.device("cuda")
+    with fresh_store():
+        q, k, v, g = shape.inputs(device, torch.bfloat16)
+        fns = suite.paths(shape, device)
+        for name in args.paths or list(fns):
+            fn, deterministic = fns[name]
+            if fn is None:
+                print(f"{name}: not available here", flush=True)
+                continue
+            torch.use_deterministic_algorithms(deterministic)
+            step = suite.training_step(fn, q, k, v, g)
+            for i in range(args.steps):
+                step()
+                torch.cuda.synchronize()
+                print(f"{name}: step {i} ok", flush=True)
+            torch.use_deterministic_algorithms(False)
+
+
+if __name__ == "__main__":
+    main()
