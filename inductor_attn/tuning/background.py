@@ -14,8 +14,9 @@ decides ties by prior order inside it (tuner.py, step 5).
 
 When the decision lands: run-time decisions of this process switch at their next call after the store
 shows it (checked at most once a second, decisions.py); compiled code keeps the choice it baked until it
-is compiled again, and the FX-graph-cache guard hashes the store's generation, so the next compile bakes
-the new choice instead of replaying the old one; a new process reads it from the store.
+is compiled again, and under this mode the FX-graph-cache guard hashes the store's generation (every
+write changes it), so the next compile bakes the new choice instead of replaying the old one; a new
+process reads it from the store.
 
 The worker sees the backends that importing inductor_attn registers. A decision whose candidates
 include a backend registered at run time (``register_backend``) gets another key in the worker, which

@@ -173,7 +173,7 @@ def sync_decisions(group=None) -> int:
     Run-time decisions (eager calls, dynamic shapes, varlen, block masks, kv_seqlens) follow the agreed
     choice from the next call, on ranks that meet the bucket only later too. Code already compiled with
     another choice baked in keeps it until it is recompiled; the recompile bakes the agreed one, and the
-    FX-graph-cache guard, which hashes the store's generation, never replays the old code after the
+    FX-graph-cache guard, which hashes the store's revision, never replays the old code after the
     store changed. A rank where the agreed kernel cannot run (another set of libraries installed)
     keeps its own decision and logs a warning.
 
