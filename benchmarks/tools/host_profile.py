@@ -3,6 +3,7 @@
     PYTHONPATH=. python benchmarks/tools/host_profile.py [--calls 500] [--backends sdpa fa4 triton]
     PYTHONPATH=. python benchmarks/tools/host_profile.py --llama-decode [--calls 100]
     PYTHONPATH=. python benchmarks/tools/host_profile.py --training "document B1 H16 L8k D128" [--calls 100]
+    PYTHONPATH=. python benchmarks/tools/host_profile.py --llama-training "B4 L2048" [--calls 20]
 
 For each backend (only it and the reference are registered, so the tuner must pick it): host us per call
 of the compiled function, of the plan's launch called directly, and a cProfile of the compiled calls
@@ -15,6 +16,12 @@ the GPU kernels (by name, per step) whose counts differ between the two.
 
 ``--training SHAPE``: the same for one fwd+bwd step of a training-suite shape (bench/training.py): eager SDPA,
 stock compiled SDPA and ours compiled, the kernel counts compared between stock compiled and ours.
+
+``--llama-training SIZE``: the training suite's HF Llama step (forward, backward, AdamW; bench/models.py) at
+that size, stock ``torch.compile`` and ours, the same way.
+
+Each step function also gets the GPU's idle time inside a step, summed by the kernel it waited to start:
+where a host-bound step loses its time.
 """
 
 from __future__ import annotations
@@ -34,13 +41,22 @@ from inductor_attn.device import device_info
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=None, help="profiled calls (default 500; 100 with --llama-decode)")
+    parser.add_argument("--calls", type=int, default=None,
+                        help="profiled calls (default 500; 100 with --llama-decode or --training, 20 with --llama-training)")
     parser.add_argument("--backends", nargs="+", default=["sdpa", "fa4", "triton", "triton_decode"])
     parser.add_argument("--llama-decode", action="store_true", help="profile the HF Llama decode step instead")
     parser.add_argument("--training", metavar="SHAPE", help="profile a fwd+bwd step of this training-suite shape")
+    parser.add_argument("--llama-training", metavar="SIZE", help="profile the HF Llama training step of this size")
     args = parser.parse_args()
     if args.training:
         training(args.training, args.calls or 100)
+        return
+    if args.llama_training:
+        from inductor_attn.bench.models import TRAIN_SIZES, training_steps
+
+        if args.llama_training not in TRAIN_SIZES:
+            parser.error(f"--llama-training takes one of {sorted(TRAIN_SIZES)}, got {args.llama_training!r}")
+        compare(training_steps(args.llama_training, "default")[0], args.calls or 20)
         return
     if args.llama_decode:
         if (args.calls or 100) > LLAMA_MAX_CALLS:
@@ -112,14 +128,25 @@ def _launch_counts(stats: pstats.Stats, calls: int) -> dict[str, float]:
     return counts
 
 
-def _kernels_per_step(step, steps: int = 10) -> tuple[dict[str, float], float]:
-    """GPU kernels one step launches, name -> count per step, and their summed us per step."""
+def _kernels_per_step(step, steps: int = 10) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """GPU kernels one step launches by name: count per step, us per step, and the GPU's idle us per step
+    before them (gaps between steps left out): where the GPU waited."""
     counts: dict[str, float] = {}
-    total = 0.0
-    for e in kernel_events(step, steps):
-        counts[e.name[:90]] = counts.get(e.name[:90], 0) + 1 / steps
-        total += e.device_time_total / steps
-    return counts, total
+    busy: dict[str, float] = {}
+    idle: dict[str, float] = {}
+    events = sorted(kernel_events(step, steps), key=lambda e: e.time_range.start)
+    per_step = max(1, len(events) // steps)  # every step launches the same kernels
+    busy_until = 0.0
+    for i, e in enumerate(events):
+        name = e.name[:90]
+        counts[name] = counts.get(name, 0) + 1 / steps
+        busy[name] = busy.get(name, 0.0) + e.device_time_total / steps
+        if i % per_step:  # not a step's first kernel
+            idle[name] = idle.get(name, 0.0) + max(0.0, e.time_range.start - busy_until) / steps
+            busy_until = max(busy_until, e.time_range.end)
+        else:
+            busy_until = e.time_range.end
+    return counts, busy, idle
 
 
 def llama_decode(calls: int) -> None:
@@ -150,11 +177,12 @@ def training(shape_name: str, calls: int) -> None:
 def compare(steps: dict, calls: int) -> None:
     """Per step function: host, wall and kernel us, launches by launcher, its cProfile; then the GPU kernels
     (by name, per step) whose counts differ between the first two."""
-    kernels = {}
+    kernels, kernel_us = {}, {}
     for name, step in steps.items():
         host = host_us(warm(step), bursts=3)
         wall = wall_us(step, calls=50, repeats=1)
-        kernels[name], device = _kernels_per_step(step)
+        kernels[name], kernel_us[name], idle = _kernels_per_step(step)
+        device = sum(kernel_us[name].values())
         text = io.StringIO()
         stats = _profiled(step, calls, text)
         stats.sort_stats("tottime").print_stats(15)
@@ -166,12 +194,20 @@ def compare(steps: dict, calls: int) -> None:
         stats.stream = text
         stats.sort_stats("cumulative").print_stats(25)
         print("   by cumulative time:\n" + "\n".join(text.getvalue().splitlines()[6:34]))
+        waits = sorted(idle.items(), key=lambda kv: -kv[1])[:12]
+        print(f"   GPU idle inside a step: {sum(idle.values()):.0f} us; most before:\n"
+              + "\n".join(f"   {us:8.1f} us  {kernel}" for kernel, us in waits))
     first, second = list(steps)[:2]
     print(f"== kernels per step, where {first} and {second} differ:")
     for kernel in sorted(set(kernels[first]) | set(kernels[second])):
         per = [kernels[n].get(kernel, 0) for n in (first, second)]
         if abs(per[0] - per[1]) > 0.01:
             print(f"   {per[0]:5.1f} / {per[1]:5.1f}  {kernel}")
+    names = set(kernel_us[first]) | set(kernel_us[second])
+    gaps = sorted(names, key=lambda k: -abs(kernel_us[first].get(k, 0) - kernel_us[second].get(k, 0)))[:15]
+    print(f"== kernel us per step, {first} / {second}, the largest differences:")
+    for kernel in gaps:
+        print(f"   {kernel_us[first].get(kernel, 0):8.1f} / {kernel_us[second].get(kernel, 0):8.1f}  {kernel}")
 
 
 if __name__ == "__main__":

@@ -138,9 +138,21 @@ def _training_entry(label: str, mode: str) -> dict:
     """Stock and ours, each on its own copy of one model with its own AdamW, compiled side by side and timed
     in alternating rounds (``interleaved_wall_us``) as the overhead entries are: stock's step moved by 14%
     between machines, which one-after-the-other timing would fold into the ratio."""
-    import copy
-
     from .wallclock import peak_memory
+
+    steps, row = training_steps(label, mode)
+    for name, step in steps.items():
+        row[f"{name}_peak_bytes"] = peak_memory(step)
+    times = interleaved_wall_us(steps, calls=TRAIN_CALLS, rounds=ROUNDS)
+    row.update({f"{name}_ms": us / 1e3 for name, us in times.items()}, rounds=ROUNDS)
+    return row
+
+
+def training_steps(label: str, mode: str) -> tuple[dict, dict]:
+    """{"stock": step, "ours": step}, warmed up: each a training step (forward, backward, AdamW) of its own
+    copy of one HF Llama of size ``label``, compiled in ``mode``; and each one's worst parameter-gradient
+    error against eager on the same step."""
+    import copy
 
     batch, length = TRAIN_SIZES[label]
     base = build_llama(**SIZE, max_len=length).train()
@@ -165,11 +177,7 @@ def _training_entry(label: str, mode: str) -> dict:
             opt.step()
 
         steps[name] = warm(step, 3)
-    for name, step in steps.items():
-        row[f"{name}_peak_bytes"] = peak_memory(step)
-    times = interleaved_wall_us(steps, calls=TRAIN_CALLS, rounds=ROUNDS)
-    row.update({f"{name}_ms": us / 1e3 for name, us in times.items()}, rounds=ROUNDS)
-    return row
+    return steps, row
 
 
 _ENTRIES = {"overhead": _overhead_entry, "training": _training_entry}
