@@ -156,7 +156,11 @@ def test_errors_a_backend_declares_count_as_failed_candidates_even_in_strict_mod
     assert not is_candidate_error(OutOfResources("shared memory"), FakeBackend("other", {"default": (1.0, 0.01)}))
 
 
-@pytest.mark.parametrize("host_s, compiled", [(0.2, "a:default"), (0.0, "b:default")])
+@pytest.mark.parametrize("host_s, compiled", [
+    (0.2, "a:default"), (0.0, "b:default"),
+    (0.06, "a:default"),  # launch-bound (60 ms of host for 50 on the device): 110 ms against 100
+    (0.04, "b:default"),  # its 50 ms kernel hides a 40 ms launch
+])
 def test_compiled_code_takes_a_traced_candidate_when_the_winners_host_time_eats_its_lead(host_s, compiled):
     a = FakeBackend("a", {"default": (100.0, 0.01)}, traceable=True)
     b = FakeBackend("b", {"default": (50.0, 0.01)}, host_s=host_s)  # faster kernel, launched from Python
