@@ -120,6 +120,20 @@ def test_part_shipped_measures_cold_and_warm_first_calls_with_the_shipped_tables
     assert "shipped decision tables: on" in tuning_cost.table(result)
 
 
+def test_a_shard_runs_every_nth_workload_and_no_worker_outlives_the_budget(monkeypatch):
+    deadlines = []
+
+    def worker(verb, workloads, env, deadline, smoke, notes, shipped=False):
+        deadlines.append(deadline - time.monotonic())
+        return {w.name: {"autotune_s": 2.0, "off_s": 0.5} for w in workloads}
+
+    monkeypatch.setattr(tuning_cost, "_worker", worker)
+    every = suites.select("all", quick=True, smoke=True)
+    result = tuning_cost.run(smoke=True, quick=True, device=None, part="shipped", budget_s=30, shard=(2, 3))
+    assert result["workloads"] == [w.name for w in every[1::3]] and len(result["cold"]) == len(every[1::3])
+    assert max(deadlines) <= 30  # a started workload used to get WORKER_MIN_S (120 s) past the budget
+
+
 def test_workers_turn_the_shipped_tables_off_unless_asked(monkeypatch, tmp_path):
     seen = []
 

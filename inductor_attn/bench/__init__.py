@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=None, help="timing rounds per workload (default 30; quick 20)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="seconds the call may take; no workload starts after 60%% of it (70%% with --quick), the "
-                             "rest is for the quality phase (default 480; quick 450)")
+                             "rest is for the quality phase (default 480; quick 450); tuning-cost: the whole run, no "
+                             "worker past it (default 540)")
     parser.add_argument("--no-quality", action="store_true",
                         help="skip the second tune and the compile-time measurement")
     parser.add_argument("--smoke", action="store_true",
@@ -95,7 +96,7 @@ def main(args: argparse.Namespace, command: str) -> int:
         from .host_suites import run_wallclock_suite
 
         return run_wallclock_suite(args.suite, smoke=args.smoke, quick=args.quick, part=args.part, out=args.out,
-                                   command=command, commit=args.commit)
+                                   command=command, commit=args.commit, budget_s=args.budget_s, shard=args.shard)
     from .runner import Options, run
 
     return run(Options(suite=args.suite, quick=args.quick, smoke=args.smoke, out=args.out, rounds=args.rounds,

@@ -18,7 +18,7 @@ from ..store.keys import library_versions
 
 
 def run_wallclock_suite(suite: str, *, smoke: bool, quick: bool, part: str, out: Path | None, command: str,
-                        commit: str | None) -> int:
+                        commit: str | None, budget_s: float | None = None, shard: tuple[int, int] = (1, 1)) -> int:
     if not smoke and not torch.cuda.is_available():
         print(f"error: bench --suite {suite} measures GPU calls and needs a CUDA GPU; add --smoke for a CPU run "
               "of the harness (its numbers mean nothing)", file=sys.stderr)
@@ -33,7 +33,11 @@ def run_wallclock_suite(suite: str, *, smoke: bool, quick: bool, part: str, out:
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "versions": library_versions()}
-    result = {"meta": meta, **module.run(smoke, quick, device, part)}
+    if suite != "tuning-cost" and (budget_s is not None or shard != (1, 1)):
+        print(f"error: --budget-s and --shard apply to bench --suite tuning-cost, not {suite}", file=sys.stderr)
+        return 2
+    extra = {"budget_s": budget_s, "shard": shard} if suite == "tuning-cost" else {}
+    result = {"meta": meta, **module.run(smoke, quick, device, part, **extra)}
     name = f"{suite}-{meta['device'].replace(' ', '_')}-{meta['date'][:16]}.json"
     path = out or default_path().parent / "bench" / name
     if path.suffix != ".json":

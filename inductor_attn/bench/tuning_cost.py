@@ -61,18 +61,22 @@ CACHE_ENV = ("TRITON_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "TORCHIND
 WORKER_MIN_S = 120  # imports, a CUDA context and one cold tune (10-55 s on an H200 before issue 16)
 
 
-def run(smoke: bool, quick: bool, device: torch.device, part: str = "all") -> dict:
-    """The phases of the module doc over the selected workloads; results as one dict. ``part`` "shipped":
-    the cold and warm phase only, with the package's shipped decision tables on (what a user gets)."""
-    workloads = suites.select("all", quick=quick, smoke=smoke)
-    deadline = time.monotonic() + BUDGET_S
+def run(smoke: bool, quick: bool, device: torch.device, part: str = "all", budget_s: float | None = None,
+        shard: tuple[int, int] = (1, 1)) -> dict:
+    """The phases of the module doc over the selected workloads (every ``n``-th from the ``k``-th, for
+    ``shard`` (k, n)), within ``budget_s`` (default ``BUDGET_S``); results as one dict. ``part``
+    "shipped": the cold and warm phase only, with the package's shipped decision tables on (what a user
+    gets)."""
+    k, n = shard
+    workloads = suites.select("all", quick=quick, smoke=smoke)[k - 1::n]
+    deadline = time.monotonic() + (budget_s or BUDGET_S)
     shipped = part == "shipped"
     out: dict = {"workloads": [w.name for w in workloads], "notes": [], "shipped_tables": shipped}
     with tempfile.TemporaryDirectory(prefix="inductor_attn_tuning_cost_") as tmp:
         root = Path(tmp)
         share = deadline if shipped else _phase_deadline(deadline, "cold")
         out["cold"] = [row for i, w in enumerate(workloads)
-                       if (row := _cold_and_warm(w, root / f"w{i}", share, smoke, out["notes"], shipped))]
+                       if (row := _cold_and_warm(w, root / f"w{i}", share, deadline, smoke, out["notes"], shipped))]
         if shipped:
             out["agreement"], out["regret"] = [], []
             out["summary"] = summarize(out)
@@ -99,10 +103,11 @@ def _cache_env(directory: Path) -> dict[str, str]:
     return {env: str(directory / env.lower()) for env in CACHE_ENV}
 
 
-def _cold_and_warm(w: Workload, directory: Path, deadline: float, smoke: bool, notes: list,
+def _cold_and_warm(w: Workload, directory: Path, deadline: float, end: float, smoke: bool, notes: list,
                    shipped: bool = False) -> dict | None:
     """Two processes on ``directory``'s empty caches: the cold one, then the warm one (with the shipped
-    decision tables when ``shipped``)."""
+    decision tables when ``shipped``). None starts after the phase's ``deadline``; none runs past the
+    run's ``end``."""
     if time.monotonic() > deadline:
         notes.append(f"cold/warm: {w.name} skipped (time budget)")
         return None
@@ -110,7 +115,7 @@ def _cold_and_warm(w: Workload, directory: Path, deadline: float, smoke: bool, n
     row = {"name": w.name, "kind": w.kind}
     for phase, verb in (("cold", "first-call"), ("warm", "warm-call")):
         # a started workload gets the time a cold tune needs, even past the phase's share
-        got = _worker(verb, [w], env, max(deadline, time.monotonic() + WORKER_MIN_S), smoke, notes,
+        got = _worker(verb, [w], env, min(end, max(deadline, time.monotonic() + WORKER_MIN_S)), smoke, notes,
                       shipped).get(w.name)
         if got is None:
             return row if phase == "warm" else None
