@@ -138,13 +138,15 @@ def fake_mode_of(values):
 def trace_functional(fn, args):
     """``fn`` traced on fake ``args`` into a functional FX graph, with Inductor's decompositions (the way
     Inductor's pattern matcher traces replacements: torch/_inductor/pattern_matcher.py ``fwd_only``).
-    ``torch.library.wrap_triton`` launches become ``triton_kernel_wrapper_functional`` nodes.
+    ``torch.library.wrap_triton`` launches become ``triton_kernel_wrapper_functional`` nodes. Views stay
+    views, as in ``fwd_only``'s graphs: functionalized away, each became a copy kernel in the compiled
+    code (the lse of SDPA's plans, once in the forward and once in the backward of every call).
     ``make_fx`` (torch/fx/experimental/proxy_tensor.py) and ``select_decomp_table``
     (torch/_inductor/decomposition.py), 2.11 and 2.13."""
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    functional = torch.func.functionalize(fn, remove="mutations_and_views")
+    functional = torch.func.functionalize(fn, remove="mutations")
     with fake_mode_of(args):
         return make_fx(functional, select_decomp_table(), tracing_mode="real")(*args)
 

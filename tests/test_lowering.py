@@ -150,3 +150,31 @@ def test_the_pass_chains_a_pass_the_user_already_set_and_uninstall_restores_it()
         assert seen == [graph] and installed.uuid() is not None
         lowering.uninstall()
         assert torch._inductor.config.post_grad_custom_post_pass is user
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_a_traced_sdpa_plan_keeps_views_and_copies_nothing(direction):
+    # functionalizing views away made a copy kernel of the lse per call in compiled code (HF Llama, H100)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from inductor_attn._compat import trace_functional
+    from inductor_attn.backends import sdpa
+    from inductor_attn.ops.attention import AttnCall
+
+    with FakeTensorMode():  # meta tensors: the cuDNN ops' shape functions run on this CPU-only machine
+        def blhd(heads):
+            return torch.empty(2, 256, heads, 64, dtype=torch.bfloat16, device="meta").transpose(1, 2)
+
+        q, k, v, out, grad = blhd(8), blhd(2), blhd(2), blhd(8), blhd(8)
+        lse = torch.empty(2, 8, 256, device="meta")
+
+    def launch(q, k, v, out, lse, grad):
+        call = AttnCall("attention", q, k, v, 0.125, True, -1, -1, None)
+        if direction == "forward":
+            return tuple(sdpa._launch("cudnn", False, call))
+        return tuple(sdpa._launch_backward("cudnn", False, call, out, lse, grad, None))
+
+    graph = trace_functional(launch, [q, k, v, out, lse, grad]).graph
+    targets = {str(n.target) for n in graph.nodes if n.op == "call_function"}
+    assert not {t for t in targets if "clone" in t or "copy" in t}, targets
+
