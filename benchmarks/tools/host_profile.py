@@ -41,12 +41,13 @@ from inductor_attn.device import device_info
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=None,
-                        help="profiled calls (default 500; 100 with --llama-decode or --training, 20 with --llama-training)")
+    parser.add_argument("--calls", type=int, default=None, help="profiled calls (default 500; 100 with "
+                        "--llama-decode or --training, 20 with --llama-training)")
     parser.add_argument("--backends", nargs="+", default=["sdpa", "fa4", "triton", "triton_decode"])
     parser.add_argument("--llama-decode", action="store_true", help="profile the HF Llama decode step instead")
     parser.add_argument("--training", metavar="SHAPE", help="profile a fwd+bwd step of this training-suite shape")
-    parser.add_argument("--llama-training", metavar="SIZE", help="profile the HF Llama training step of this size")
+    parser.add_argument("--llama-training", metavar="SIZE",
+                        help="profile the HF Llama training step of this size")
     args = parser.parse_args()
     if args.training:
         training(args.training, args.calls or 100)

@@ -4,10 +4,10 @@
 over those read from elsewhere. ``rows`` is the union (an earlier layer's row wins for a key). Writes,
 ``clear`` and ``delete`` touch only the writable layer: a read-only layer is never changed.
 
-A read-only layer needs ``path``, ``describe()``, ``broken``, ``get``, ``rows``, ``generation``, ``revision`` and, for
-``cache doctor``, ``health()``. Today the layers are SQLite files on read-only paths (db.py opens them
-with ``mode=ro``); a decision table shipped inside the package becomes one more read-only layer after
-them, in ``db.open_layers``.
+A read-only layer needs ``path``, ``describe()``, ``broken``, ``get``, ``rows``, ``generation``,
+``revision`` and, for ``cache doctor``, ``health()``. Today the layers are SQLite files on read-only
+paths (db.py opens them with ``mode=ro``); a decision table shipped inside the package becomes one more
+read-only layer after them, in ``db.open_layers``.
 """
 
 from __future__ import annotations

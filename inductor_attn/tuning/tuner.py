@@ -31,9 +31,9 @@ which the benchmark shares):
    winner costs a step: its device time where that outlasts its launch (a long kernel hides its
    launch, and keeps its win), else device time plus launch time. A launch-bound call puts its host
    time on the step's critical path, and a compiled model keeps the host about as busy as the GPU, so
-   that time adds up (HF Llama training, H100: FA4's backward, 16% less kernel time than cuDNN's but
-   launch-bound, made the step 19% slower). Each candidate's host time is measured as the CPU time of
-   its launch as compiled code makes it (``host_ms``). A traced candidate costs Inductor's launcher only.
+   that time adds up (benchmarks/RESULTS.md, Training: the HF Llama step with FA4's backward). Each
+   candidate's host time is measured as the CPU time of its launch as compiled code makes it
+   (``host_ms``). A traced candidate costs Inductor's launcher only.
 """
 
 from __future__ import annotations
