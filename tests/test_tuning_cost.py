@@ -56,8 +56,8 @@ def test_the_summary_names_the_numbers_of_the_targets():
                        "disagreements": 1, "regret_median": 0.01, "regret_worst": 0.02, "needed_margin": 1.3}
     result["summary"] = summary
     text = tuning_cost.table(result)
-    assert "| d | 4.00 | 0.20 | 2.50 | 1.50 | agree | 0.00% |  |" in text
-    assert "| v | 9.00 |  |  |  | differ (inside the noise) | 2.00% |  |" in text and "- note: regret: skipped" in text
+    assert "| d | 4.00 |  | 0.20 | 2.50 | 1.50 | agree | 0.00% |  |" in text
+    assert "| v | 9.00 |  |  |  |  | differ (inside the noise) | 2.00% |  |" in text and "- note: regret: skipped" in text
 
 
 def test_the_warm_process_calls_in_off_mode_first_so_its_one_time_costs_stay_out_of_the_problems(monkeypatch):
@@ -111,13 +111,16 @@ def test_part_shipped_measures_cold_and_warm_first_calls_with_the_shipped_tables
 
     def worker(verb, workloads, env, deadline, smoke, notes, shipped=False):
         calls.append((verb, shipped))
-        return {w.name: {"autotune_s": 2.0, "off_s": 0.5} for w in workloads}
+        tune = {"tune_seconds": {"compile": 0.5, "gate": 0.1, "timing": 0.2, "total": 0.9}, "timed": 2}
+        return {w.name: {"autotune_s": 2.0, "off_s": 0.5, **(tune if verb == "first-call" else {})}
+                for w in workloads}
 
     monkeypatch.setattr(tuning_cost, "_worker", worker)
     result = tuning_cost.run(smoke=True, quick=True, device=None, part="shipped")
     assert calls == [("first-call", True), ("warm-call", True)]
     assert result["agreement"] == [] and result["regret"] == [] and result["cold"][0]["cold_added_s"] == 1.5
-    assert "shipped decision tables: on" in tuning_cost.table(result)
+    text = tuning_cost.table(result)
+    assert "shipped decision tables: on" in text and "| 0.9 (0.5 / 0.1 / 0.2; 2) |" in text
 
 
 def test_a_shard_runs_every_nth_workload_and_no_worker_outlives_the_budget(monkeypatch):

@@ -212,8 +212,9 @@ def table(result: dict) -> str:
     """Markdown: per workload the cold and warm added seconds, agreement and regret; then the summary."""
     tunes = {t["name"]: t for t in result["agreement"]}
     regret = {r["name"]: r for r in result["regret"]}
-    lines = [("| workload | cold added s | warm added s | warm imports s | warm first call s | fresh tunes | "
-              "regret staged vs exhaustive | staged / exhaustive tune s |"), "|---|---|---|---|---|---|---|---|"]
+    lines = [("| workload | cold added s | cold tune s (compile / gate / timing; timed) | warm added s | "
+              "warm imports s | warm first call s | fresh tunes | regret staged vs exhaustive | "
+              "staged / exhaustive tune s |"), "|---|---|---|---|---|---|---|---|---|"]
     for name in result["workloads"]:
         cold = next((r for r in result["cold"] if r["name"] == name), {})
         t, r = tunes.get(name), regret.get(name, {})
@@ -221,7 +222,8 @@ def table(result: dict) -> str:
             f"differ ({'inside' if t.get('inside_noise') else 'OUTSIDE'} the noise)"
         seconds = f"{r['staged_s']:.1f} / {r['exhaustive_s']:.1f}" if "staged_s" in r else ""
         warm = cold.get("warm", {})
-        lines.append(f"| {name} | {_fmt(cold.get('cold_added_s'))} | {_fmt(cold.get('warm_added_s'))} | "
+        lines.append(f"| {name} | {_fmt(cold.get('cold_added_s'))} | {_tune_seconds(cold.get('cold', {}))} | "
+                     f"{_fmt(cold.get('warm_added_s'))} | "
                      f"{_fmt(warm.get('imports_s'))} | {_fmt(warm.get('off_s'))} | {agree} | "
                      f"{_fmt(r.get('regret'), '.2%')} | {seconds} |")
     lines += ["", *(f"- {k}: {_fmt(v, '.3f')}" for k, v in result["summary"].items())]
@@ -229,6 +231,15 @@ def table(result: dict) -> str:
         lines.append("- shipped decision tables: on (cold and warm only)")
     lines += [f"- note: {n}" for n in result["notes"]]
     return "\n".join(lines)
+
+
+def _tune_seconds(first: dict) -> str:
+    """``total (compile / gate / timing; N timed)`` of a first call's tune, or "" where none was stored."""
+    sec = first.get("tune_seconds")
+    if not sec:
+        return ""
+    phases = " / ".join(_fmt(sec.get(p, 0.0), ".1f") for p in ("compile", "gate", "timing"))
+    return f"{_fmt(sec.get('total'), '.1f')} ({phases}; {first.get('timed', '?')})"
 
 
 def _fmt(x, spec: str = ".2f") -> str:
@@ -245,11 +256,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def first_call(w: Workload, device: torch.device, compiled: bool):
-    """A function that makes the user's first call of ``w``: compiled (dense, decode) or eager."""
+def first_call(w: Workload, call, compiled: bool):
+    """A function that makes the user's first call of ``w`` (built as ``call``): compiled (dense, decode) or
+    eager."""
     import inductor_attn
 
-    call = suites.build(w, device).call
     if call.op == "varlen":
         return lambda: inductor_attn.varlen_attention(call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k,
                                                       call.max_seqlen_q, call.max_seqlen_k, causal=call.causal)
@@ -273,7 +284,9 @@ def _timed(fn, device: torch.device) -> float:
 def _first_call_worker(w: Workload, device: torch.device, smoke: bool,
                        modes: tuple[str, str] = ("autotune", "off"), imports_first: bool = False) -> dict:
     """The first call's seconds in each of ``modes``, in that order, in this process; with ``imports_first``,
-    first the seconds that importing every backend takes (``imports_s``)."""
+    first the seconds that importing every backend takes (``imports_s``). After the autotune call, what its
+    tune spent (the stored record's seconds by phase, and how many candidates it timed): where a cold
+    first call's time goes, next to the compile around it."""
     from ..tuning.decisions import forget_decisions
     from ..tuning.modes import tuning_mode
 
@@ -281,11 +294,15 @@ def _first_call_worker(w: Workload, device: torch.device, smoke: bool,
     if imports_first:
         out["imports_s"] = _timed(lambda: import_backends(w, device), device)
     compiled = not smoke and w.kind in ("dense", "decode")
+    call = suites.build(w, device).call
     for mode in modes:
         torch._dynamo.reset()  # compile afresh: the second mode must not replay the first one's graph
         forget_decisions()
         with tuning_mode(mode):
-            out[f"{mode}_s"] = _timed(first_call(w, device, compiled), device)
+            out[f"{mode}_s"] = _timed(first_call(w, call, compiled), device)
+        if mode == "autotune" and (record := _stored_record(call)) is not None:
+            out["tune_seconds"] = record.get("seconds")
+            out["timed"] = sum(c.get("median_ms") is not None for c in record.get("candidates", []))
     return out
 
 
