@@ -117,6 +117,21 @@ def test_the_compile_after_a_cold_tune_finds_the_code_that_tune_compiled(fakes, 
     assert counters["inductor"]["fxgraph_cache_hit"] == 1
 
 
+@pytest.mark.parametrize("mode, moves", [("autotune", False), ("cache-only", True)])
+def test_a_new_decision_moves_the_guard_only_where_compiles_bake_guesses(mode, moves):
+    # autotune measures a problem it has no decision for; cache-only bakes a guess that a new decision overrides
+    from test_store import decision_row
+
+    from inductor_attn.store.db import get_store
+
+    with inductor_attn.tuning_mode(mode):
+        before = DecisionPass().uuid()
+        get_store().put(decision_row(1))
+        assert (DecisionPass().uuid() != before) == moves
+        get_store().put(decision_row(1, winner="a:default"))  # another winner: an answer changed
+        assert DecisionPass().uuid() != before
+
+
 def test_without_the_pass_nothing_is_decided_while_compiling(fakes):
     q, k, v = _qkv(24)
     torch._dynamo.reset()
