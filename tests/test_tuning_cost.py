@@ -137,6 +137,23 @@ def test_a_shard_runs_every_nth_workload_and_no_worker_outlives_the_budget(monke
     assert max(deadlines) <= 30  # a started workload used to get WORKER_MIN_S (120 s) past the budget
 
 
+def test_a_first_call_that_tuned_reports_its_tune_and_a_store_hit_does_not(monkeypatch):
+    import torch
+
+    import inductor_attn
+    from inductor_attn.backends import REFERENCE
+
+    a = FakeBackend("a", {"default": (1.0, 0.01)})
+    b = FakeBackend("b", {"x=1": (0.5, 0.01)})
+    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b]))
+    w = suites.smoke_size(suites.SUITES["dense"][0])
+    with only_backends(a, b, REFERENCE), inductor_attn.tuning_mode("autotune"):
+        cold = tuning_cost._first_call_worker(w, torch.device("cpu"), smoke=True)
+        warm = tuning_cost._first_call_worker(w, torch.device("cpu"), smoke=True, modes=("off", "autotune"))
+    assert cold["timed"] >= 2 and {"compile", "gate", "timing", "total"} <= set(cold["tune_seconds"])
+    assert "tune_seconds" not in warm
+
+
 def test_workers_turn_the_shipped_tables_off_unless_asked(monkeypatch, tmp_path):
     seen = []
 

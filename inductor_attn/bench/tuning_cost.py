@@ -284,9 +284,9 @@ def _timed(fn, device: torch.device) -> float:
 def _first_call_worker(w: Workload, device: torch.device, smoke: bool,
                        modes: tuple[str, str] = ("autotune", "off"), imports_first: bool = False) -> dict:
     """The first call's seconds in each of ``modes``, in that order, in this process; with ``imports_first``,
-    first the seconds that importing every backend takes (``imports_s``). After the autotune call, what its
-    tune spent (the stored record's seconds by phase, and how many candidates it timed): where a cold
-    first call's time goes, next to the compile around it."""
+    first the seconds that importing every backend takes (``imports_s``). Where the autotune call tuned,
+    what its tune spent (the stored record's seconds by phase, and how many candidates it timed): where a
+    cold first call's time goes, next to the compile around it."""
     from ..tuning.decisions import forget_decisions
     from ..tuning.modes import tuning_mode
 
@@ -298,9 +298,11 @@ def _first_call_worker(w: Workload, device: torch.device, smoke: bool,
     for mode in modes:
         torch._dynamo.reset()  # compile afresh: the second mode must not replay the first one's graph
         forget_decisions()
+        started = time.time()
         with tuning_mode(mode):
             out[f"{mode}_s"] = _timed(first_call(w, call, compiled), device)
-        if mode == "autotune" and (record := _stored_record(call)) is not None:
+        record = _stored_record(call) if mode == "autotune" else None
+        if record is not None and record.get("tuned_at", 0.0) >= started:  # not a store hit
             out["tune_seconds"] = record.get("seconds")
             out["timed"] = sum(c.get("median_ms") is not None for c in record.get("candidates", []))
     return out
