@@ -581,6 +581,14 @@ def test_interleaved_wall_times_take_turns_and_report_each_function():
     assert order == ["a"] * 3 + ["b"] * 3 + ["b"] * 3 + ["a"] * 3 + ["a"] * 3 + ["b"] * 3 + ["b"] * 3 + ["a"] * 3
 
 
+def test_a_training_shape_is_found_by_its_name_and_a_wrong_name_lists_the_shapes():
+    from inductor_attn.bench import training
+
+    assert training.shape_named("B4 H16/4 L2k D64 causal").heads_kv == 4
+    with pytest.raises(ValueError, match=r"training-suite shape must be one of \[.*'B4 H16/4 L2k D64 causal'.*got 'B4'"):
+        training.shape_named("B4")
+
+
 @pytest.mark.slow
 def test_overhead_smoke_times_every_right_path_of_a_case_in_alternating_rounds(reference_only):
     from inductor_attn.bench import overhead

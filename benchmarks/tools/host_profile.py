@@ -165,10 +165,10 @@ def training(shape_name: str, calls: int) -> None:
     """One fwd+bwd step of a training-suite shape (bench/training.py), its paths side by side."""
     from inductor_attn.bench import training as suite
 
-    by_name = {s[0]: s for s in suite.SHAPES}
-    if shape_name not in by_name:
-        raise SystemExit(f"--training takes one of {sorted(by_name)}, got {shape_name!r}")
-    shape = suite.Shape(*by_name[shape_name])
+    try:
+        shape = suite.shape_named(shape_name)
+    except ValueError as err:
+        raise SystemExit(f"--training: {err}") from None
     device = torch.device("cuda")
     q, k, v, g = shape.inputs(device, torch.bfloat16)
     fns = suite.paths(shape, device)

@@ -25,10 +25,10 @@ def main() -> None:
     parser.add_argument("--paths", nargs="+", help="path names (default: all, in the suite's order)")
     parser.add_argument("--steps", type=int, default=3, help="steps per path")
     args = parser.parse_args()
-    by_name = {s[0]: s for s in suite.SHAPES}
-    if args.shape not in by_name:
-        raise SystemExit(f"shape takes one of {sorted(by_name)}, got {args.shape!r}")
-    shape = suite.Shape(*by_name[args.shape])
+    try:
+        shape = suite.shape_named(args.shape)
+    except ValueError as err:
+        parser.error(str(err))
     device = torch.device("cuda")
     with fresh_store():
         q, k, v, g = shape.inputs(device, torch.bfloat16)

@@ -86,6 +86,14 @@ class Shape:
         return self.mask_mod(device)(None, None, i[:, None], i[None, :])
 
 
+def shape_named(name: str) -> Shape:
+    """The suite's shape called ``name`` (the first column of ``SHAPES``)."""
+    found = next((s for s in SHAPES if s[0] == name), None)
+    if found is None:
+        raise ValueError(f"training-suite shape must be one of {sorted(s[0] for s in SHAPES)}, got {name!r}")
+    return Shape(*found)
+
+
 def _sdpa(shape: Shape, device):
     mask = shape.dense_mask(device) if shape.mask else None
 
