@@ -5,6 +5,7 @@ import torch
 from fakes import FakeBackend, FakeTimer, small_call
 
 import inductor_attn
+from inductor_attn import cache
 from inductor_attn.backends import only_backends
 from inductor_attn.device import DeviceInfo
 from inductor_attn.store import keys
@@ -224,3 +225,59 @@ def test_a_stored_winner_of_a_backend_with_a_costly_import_is_found_the_full_way
         costly.enumerated = 0
         assert decide(small_call(), DEV, "forward") == "costly:default"
         assert costly.enumerated > 0 and a.calls + costly.calls == runs  # enumerated, not measured again
+
+
+def _shipped_table(tmp_path, monkeypatch) -> None:
+    """Export this store's decisions as a shipped table, then start over in a fresh store reading it."""
+    path, _ = cache.export_priors(tmp_path / "table" / "cpu.json", device=DEV, commit="abc1234", command="test")
+    monkeypatch.setenv("INDUCTOR_ATTN_CACHE_DIR", str(tmp_path / "fresh"))
+    monkeypatch.setenv("INDUCTOR_ATTN_PRIORS", str(path))
+    forget_decisions()
+
+
+def test_a_shipped_shortlist_of_other_backends_never_enumerates_a_backend_with_a_costly_import(monkeypatch, tmp_path):
+    a = FakeBackend("a", {"default": (1.0, 0.01)})
+    b = FakeBackend("b", {"x=1": (0.5, 1e-4), "x=2": (0.505, 1e-4)})
+    costly = _CostlyImport("costly", {"default": (0.9, 0.01)})
+    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, costly, b]))
+    with only_backends(a, costly, b), inductor_attn.tuning_mode("autotune"):
+        decide(small_call(), DEV, "forward")
+        _shipped_table(tmp_path, monkeypatch)
+        costly.enumerated = 0
+        assert decide(small_call(), DEV, "forward") == "b:x=1"
+        assert costly.enumerated == 0
+        status = {c["name"]: c for c in get_store().writable.rows()[0]["record"]["candidates"]}
+        assert [n for n, c in status.items() if c["status"] == "passed"] == ["b:x=1", "b:x=2"]
+        assert status["costly:-"]["reason"].startswith("not enumerated: the shipped decision names none of its")
+
+
+def test_a_shipped_shortlist_with_a_costly_backends_config_enumerates_it_and_starts_its_compile_workers_first(
+        monkeypatch, tmp_path):
+    a = FakeBackend("a", {"default": (1.0, 0.01)})
+    b = FakeBackend("b", {"x=1": (0.505, 1e-4)})
+    costly = _CostlyImport("costly", {"default": (0.5, 1e-4), "t=2": (0.51, 1e-4)})
+    costly.compiles_to_disk = True
+    monkeypatch.setenv("INDUCTOR_ATTN_COMPILE_WORKERS", "0")  # the fakes compile at their first call here
+    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, costly, b]))
+    started = []
+    monkeypatch.setattr("inductor_attn.tuning.precompile.prestart", started.append)
+    with only_backends(a, costly, b), inductor_attn.tuning_mode("autotune"):
+        decide(small_call(), DEV, "forward")
+        _shipped_table(tmp_path, monkeypatch)
+        costly.enumerated = 0
+        started.clear()
+        assert decide(small_call(), DEV, "forward") == "costly:default"
+        assert costly.enumerated > 0 and started == [2]  # two of the shortlist compile in worker processes
+
+
+def test_when_a_shipped_shortlist_of_other_backends_cannot_run_the_whole_search_enumerates_every_backend(
+        monkeypatch, tmp_path):
+    a = FakeBackend("a", {"default": (1.0, 0.01)})
+    b = FakeBackend("b", {"x=1": (0.5, 0.01)})
+    costly = _CostlyImport("costly", {"default": (0.9, 0.01)})
+    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, costly, b]))
+    with only_backends(a, costly, b), inductor_attn.tuning_mode("autotune"):
+        decide(small_call(), DEV, "forward")
+        _shipped_table(tmp_path, monkeypatch)
+        b.prune_reasons["x=1"] = "not on this device"
+        assert decide(small_call(), DEV, "forward") == "costly:default"

@@ -11,7 +11,10 @@ How decisions use them (tuning/decisions.py), for the same op, bucket and device
   ``SHORTLIST_MARGIN`` of its winner (by median time, at most ``SHORTLIST``) are measured here, and the
   result is stored as a decision of this machine. A candidate further behind would have to gain more than
   that on a machine of the same model to matter, and each one costs a JIT compile (seconds for each FA4
-  config, benchmarks/RESULTS.md); when none of them runs here, the whole search runs;
+  config, benchmarks/RESULTS.md); when none of them runs here, the whole search runs. Candidates compile
+  at once (tuning/precompile.py), so the slowest compile sets how long a cold tune waits: a near-tie whose
+  recorded compile took more than ``SHORTLIST_COMPILE_FACTOR`` times the fastest candidate's (which must
+  compile anyway; at least ``SHORTLIST_COMPILE_FLOOR_S``) is left out, as its gain is within the margin;
 - cache-only: the shipped winner is used as it is;
 - background: the shipped winner runs until the background tune's decision lands.
 
@@ -38,6 +41,8 @@ ENV_VAR = "INDUCTOR_ATTN_PRIORS"
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "priors"
 SHORTLIST = 3
 SHORTLIST_MARGIN = 0.03  # the cold-tuning issue's worst-case regret bound
+SHORTLIST_COMPILE_FACTOR = 1.5
+SHORTLIST_COMPILE_FLOOR_S = 2.0  # compiles shorter than this (SDPA's, most Triton configs) all count as cheap
 
 
 def device_slug(name: str) -> str:
@@ -158,21 +163,29 @@ def is_shipped(row: dict) -> bool:
     return str(row["record"].get("origin", "")).startswith("shipped")
 
 
-def shortlist(row: dict, k: int = SHORTLIST, margin: float | None = None) -> list[str]:
+def shortlist(row: dict, k: int = SHORTLIST, margin: float | None = None,
+              compile_factor: float | None = None) -> list[str]:
     """The ``k`` fastest candidates that passed in a decision's record, fastest first; with ``margin``, only
-    those within that fraction of the fastest.
+    those within that fraction of the fastest; with ``compile_factor``, only those whose recorded compile
+    took at most that many times the fastest one's (or ``SHORTLIST_COMPILE_FLOOR_S``, if more).
 
     >>> rec = {"candidates": [{"name": "a:x", "status": "passed", "median_ms": 2.0},
-    ...                       {"name": "b:y", "status": "passed", "median_ms": 1.0},
-    ...                       {"name": "d:w", "status": "passed", "median_ms": 1.02},
+    ...                       {"name": "b:y", "status": "passed", "median_ms": 1.0, "compile_s": 3.0},
+    ...                       {"name": "d:w", "status": "passed", "median_ms": 1.02, "compile_s": 13.0},
+    ...                       {"name": "e:v", "status": "passed", "median_ms": 1.03, "compile_s": 4.0},
     ...                       {"name": "c:z", "status": "failed", "median_ms": None}]}
     >>> shortlist({"record": rec}, 3), shortlist({"record": rec}, 3, margin=0.03)
-    (['b:y', 'd:w', 'a:x'], ['b:y', 'd:w'])
+    (['b:y', 'd:w', 'e:v'], ['b:y', 'd:w', 'e:v'])
+    >>> shortlist({"record": rec}, 3, margin=0.03, compile_factor=1.5)
+    ['b:y', 'e:v']
     """
     timed = [c for c in row["record"]["candidates"] if c["status"] == "passed" and c.get("median_ms") is not None]
     timed.sort(key=lambda c: c["median_ms"])
     if margin is not None and timed:
         timed = [c for c in timed if c["median_ms"] <= timed[0]["median_ms"] * (1 + margin)]
+    if compile_factor is not None and timed:
+        bound = compile_factor * max(timed[0].get("compile_s") or 0.0, SHORTLIST_COMPILE_FLOOR_S)
+        timed = timed[:1] + [c for c in timed[1:] if (c.get("compile_s") or 0.0) <= bound]
     return [c["name"] for c in timed[:k]]
 
 

@@ -27,8 +27,9 @@ from ..device import DeviceInfo, device_info
 from ..problem import Problem
 from ..store.db import get_store
 from ..store.keys import decision_fields
-from ..store.priors import SHORTLIST, SHORTLIST_MARGIN, is_shipped, shipped_match, shortlist
-from . import background
+from ..store.priors import (SHORTLIST, SHORTLIST_COMPILE_FACTOR, SHORTLIST_MARGIN, is_shipped, shipped_match,
+                            shortlist)
+from . import background, precompile
 from .measure import describe, is_candidate_error
 from .modes import current_mode
 from .progress import progress_ticker
@@ -51,6 +52,7 @@ _PROVISIONAL: dict[tuple, list] = {}
 _FAILED: dict[tuple, dict[str, str]] = {}
 _LOCK = threading.RLock()
 RECHECK_S = 1.0
+NOT_ENUMERATED = "not enumerated: the shipped decision names none of its configs (enumerating them imports a large library)"
 
 
 def forget_decisions() -> None:
@@ -113,11 +115,14 @@ def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str, compiled: b
     launch here, with the reason, which count as pruned."""
     p = call.problem
     mode = current_mode(p.device_type)
+    light = None
     if mode not in ("off", "heuristic") and not failed:
-        hit = _stored_without_costly_imports(p, dev, direction, compiled, grad_lse)
+        light = enumerate_candidates(p, dev, direction, grad_lse, lookup_only=True)
+        hit = _stored_without_costly_imports(light, p, dev, direction, compiled, grad_lse)
         if hit is not None:
             return hit
-    cands = enumerate_candidates(p, dev, direction, grad_lse)
+        light = _shipped_without_costly_imports(light, p, dev, direction, compiled, grad_lse, mode)
+    cands = light or enumerate_candidates(p, dev, direction, grad_lse)
     if failed:
         cands = [dataclasses.replace(c, pruned=f"failed at a launch here: {failed[c.name]}")
                  if c.pruned is None and c.name in failed else c for c in cands]
@@ -126,7 +131,7 @@ def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str, compiled: b
     if mode == "heuristic":
         return heuristic_choice(p, dev, cands), None, None
     runnable = {c.name for c in cands if c.pruned is None}
-    if len(runnable) == 1:
+    if len(runnable) == 1 and light is None:
         return default_choice(cands), None, None
     fields = decision_fields(p.op, _variant(direction, grad_lse), p, dev, _sources(cands))
     store = get_store()
@@ -151,20 +156,47 @@ def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str, compiled: b
     return _winner(row, compiled), row, None
 
 
-def _stored_without_costly_imports(p: Problem, dev: DeviceInfo, direction: str, compiled: bool,
-                                   grad_lse: bool) -> tuple[str, dict, None] | None:
-    """The stored decision, found without enumerating the backends whose enumeration imports a large
-    library (FA4), when its winner is another backend's; else None (the full way follows). The key is the
-    same either way (it names backends, not configs; their versions are in it), and no other backend's
-    pruning depends on theirs, so the answer is the one the full way gives, less an import that a process
-    which never runs FA4 does not need. A winner of theirs goes the full way: running it imports it."""
-    cands = enumerate_candidates(p, dev, direction, grad_lse, lookup_only=True)
-    if not any(c.pruned == LOOKUP_ONLY for c in cands):
+def _stored_without_costly_imports(light: list[Candidate], p: Problem, dev: DeviceInfo, direction: str,
+                                   compiled: bool, grad_lse: bool) -> tuple[str, dict, None] | None:
+    """The stored decision, found with ``light`` (the candidates enumerated without the backends whose
+    enumeration imports a large library, FA4), when its winner is another backend's; else None (the full
+    way follows). The key is the same either way (it names backends, not configs; their versions are in
+    it), and no other backend's pruning depends on theirs, so the answer is the one the full way gives, less
+    an import that a process which never runs FA4 does not need. A winner of theirs goes the full way:
+    running it imports it."""
+    if not any(c.pruned == LOOKUP_ONLY for c in light):
         return None  # nothing was left out: the full way does the same work
-    runnable = {c.name for c in cands if c.pruned is None}
-    fields = decision_fields(p.op, _variant(direction, grad_lse), p, dev, _sources(cands))
+    runnable = {c.name for c in light if c.pruned is None}
+    fields = decision_fields(p.op, _variant(direction, grad_lse), p, dev, _sources(light))
     row = _usable(get_store().get(fields["key"]), compiled, runnable)
     return None if row is None else (_winner(row, compiled), row, None)
+
+
+def _shipped_without_costly_imports(light: list[Candidate], p: Problem, dev: DeviceInfo, direction: str,
+                                    compiled: bool, grad_lse: bool, mode: str) -> list[Candidate] | None:
+    """``light`` as the candidates to decide among, when a shipped decision for the bucket whose winner runs
+    here names none of the left-out backends' configs, neither in its shortlist (what an autotune times) nor
+    as its winners (what cache-only and background run): FA4's import (about 3 s, benchmarks/RESULTS.md) then stays out of a
+    first compile that would not run FA4. Else None, and the full enumeration follows; under autotune,
+    the compile workers for the shortlist's configs of ``compiles_to_disk`` backends start first
+    (precompile.py), so that their start-up overlaps that import rather than following it."""
+    left_out = {c.backend for c in light if c.pruned == LOOKUP_ONLY}
+    if not left_out:
+        return None
+    fields = decision_fields(p.op, _variant(direction, grad_lse), p, dev, _sources(light))
+    prior = shipped_match(get_store(), fields)
+    if prior is None:
+        return None
+    names = {*_shortlist_of(prior), prior["winner"], prior["record"].get("compiled_winner") or prior["winner"]}
+    backends = [name.split(":")[0] for name in names]
+    if left_out.intersection(backends):
+        if mode == "autotune":
+            registered = {c.backend for c in light}
+            precompile.prestart(sum(get_backend(b).compiles_to_disk for b in backends if b in registered))
+        return None
+    if _winner(prior, compiled) not in {c.name for c in light if c.pruned is None}:
+        return None
+    return [dataclasses.replace(c, pruned=NOT_ENUMERATED) if c.pruned == LOOKUP_ONLY else c for c in light]
 
 
 def _usable(row: dict | None, compiled: bool, runnable: set[str]) -> dict | None:
@@ -190,6 +222,8 @@ def _measure(call: AttnCall, cands: list[Candidate], direction: str, fields: dic
             result = None
     if result is None:
         log.warning("none of the shipped decision's shortlist ran here; searching every candidate")
+        if any(c.pruned == NOT_ENUMERATED for c in every):
+            every = enumerate_candidates(call.problem, device_info(call.q.device), direction, grad_lse)
         return _measure(call, every, direction, fields, store, None, search, grad_lse)
     row = {**fields, "winner": result.winner, "record": result.to_json(), "created": time.time()}
     store.put(row)
@@ -212,14 +246,19 @@ def _shortlisted(cands: list[Candidate], prior: dict) -> tuple[list[Candidate], 
     """``cands`` with all but the shipped decision's shortlist (priors.py) pruned, and what was done;
     ``cands`` unchanged when none of the shortlist runs here."""
     origin = prior["record"].get("origin", "a shipped decision")
-    top = set(shortlist(prior, SHORTLIST, SHORTLIST_MARGIN))
+    top = set(_shortlist_of(prior))
     keep = {c.name for c in cands if c.pruned is None and c.name in top}
     if not keep:
         return cands, ""
-    scope = f"within {SHORTLIST_MARGIN:.0%} of the winner of the shipped decision (at most {SHORTLIST}; {origin})"
+    scope = (f"within {SHORTLIST_MARGIN:.0%} of the winner of the shipped decision and compiling within "
+             f"{SHORTLIST_COMPILE_FACTOR:g}x its time (at most {SHORTLIST}; {origin})")
     why = f"not timed again: not {scope}"
     shortened = [c if c.name in keep or c.pruned else dataclasses.replace(c, pruned=why) for c in cands]
     return shortened, f"the candidates {scope}, timed here"
+
+
+def _shortlist_of(prior: dict) -> list[str]:
+    return shortlist(prior, SHORTLIST, SHORTLIST_MARGIN, SHORTLIST_COMPILE_FACTOR)
 
 
 def tune_in_worker(call: AttnCall, direction: str, key: str, deterministic: bool) -> str:
