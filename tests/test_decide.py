@@ -281,3 +281,16 @@ def test_when_a_shipped_shortlist_of_other_backends_cannot_run_the_whole_search_
         _shipped_table(tmp_path, monkeypatch)
         b.prune_reasons["x=1"] = "not on this device"
         assert decide(small_call(), DEV, "forward") == "costly:default"
+
+
+def test_off_mode_enumerates_a_backend_with_a_costly_import_only_when_it_comes_before_the_default(monkeypatch):
+    a = FakeBackend("a", {"default": (1.0, 0.01)})
+    costly = _CostlyImport("costly", {"default": (0.5, 0.01)})
+    with inductor_attn.tuning_mode("off"):
+        with only_backends(a, costly):
+            assert decide(small_call(), DEV, "forward") == "a:default"
+            assert costly.enumerated == 0
+        forget_decisions()
+        with only_backends(costly, a):
+            assert decide(small_call(), DEV, "forward") == "costly:default"
+            assert costly.enumerated > 0

@@ -87,7 +87,7 @@ def test_worker_count_defaults_to_this_ranks_share_of_the_cores(monkeypatch):
 def test_worker_processes_compile_candidates_and_report_errors_and_timeouts(monkeypatch):
     monkeypatch.setenv("INDUCTOR_ATTN_COMPILE_WORKERS", "2")
     jobs = {TRITON_FORWARD: (TRITON_FORWARD, "forward"), "nope:default": ("nope:default", "forward")}
-    got = precompile._in_processes(jobs, _call(), limit=120, workers=2)
+    got = precompile._ProcessJobs(jobs, _call(), limit=120, workers=2).finish({})
     assert got[TRITON_FORWARD].seconds is not None and not got[TRITON_FORWARD].failed
     assert got["nope:default"].bug and "unknown backend 'nope'" in got["nope:default"].reason
     # workers go back to the pool and serve the next tune without starting again
@@ -141,3 +141,49 @@ def test_workers_for_a_later_stage_start_early_up_to_the_worker_count(monkeypatc
     assert FakeWorker.started == 3 and len(precompile._POOL.idle) == 3
     precompile._POOL.close_idle(older_than_s=0)
     assert precompile._POOL.idle == []
+
+
+class SlowStartWorker(FakeWorker):
+    """A worker whose start-up takes until ``up`` is set, then answers every compile request."""
+
+    up = threading.Event()
+    compiled: list = []
+
+    def wait_ready(self):
+        SlowStartWorker.up.wait(10)
+        self.ready = True
+
+    def request(self, op, timeout_s, **fields):
+        SlowStartWorker.compiled.append(fields["choice"])
+        return {"seconds": 0.5}
+
+
+@pytest.fixture
+def slow_workers(monkeypatch):
+    monkeypatch.setattr(precompile, "Worker", SlowStartWorker)
+    monkeypatch.setattr(precompile, "_POOL", precompile._Pool())
+    monkeypatch.setenv("INDUCTOR_ATTN_COMPILE_WORKERS", "2")
+    SlowStartWorker.up.clear()
+    SlowStartWorker.compiled = []
+    yield
+    SlowStartWorker.up.set()
+
+
+def test_this_process_compiles_the_process_jobs_that_no_started_worker_has_taken(slow_workers):
+    done = []
+    jobs = {n: (n, "forward") for n in ("fa4:a", "fa4:b", "fa4:c")}
+    here = {n: (lambda n=n: done.append(n)) for n in jobs}
+    here["fa4:b"] = lambda: 1 / 0
+    timer = threading.Timer(2.0, SlowStartWorker.up.set)  # the workers come up after this process is done
+    timer.start()
+    got = precompile.compile_all({}, jobs, _call(), here)
+    assert done == ["fa4:a", "fa4:c"] and SlowStartWorker.compiled == []
+    assert not got["fa4:a"].failed and isinstance(got["fa4:b"].error, ZeroDivisionError)
+
+
+def test_ready_workers_take_process_jobs_and_this_process_only_those_left(slow_workers):
+    SlowStartWorker.up.set()
+    jobs = {n: (n, "forward") for n in ("fa4:a", "fa4:b", "fa4:c")}
+    got = precompile.compile_all({}, jobs, _call(), here={"fa4:c": lambda: time.sleep(0.5)})
+    assert set(got) == set(jobs) and not any(c.failed for c in got.values())
+    assert set(SlowStartWorker.compiled) | {"fa4:c"} >= {"fa4:a", "fa4:b"}

@@ -116,6 +116,10 @@ def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str, compiled: b
     p = call.problem
     mode = current_mode(p.device_type)
     light = None
+    if mode == "off" and not failed:
+        first = _default_without_costly_imports(p, dev, direction, grad_lse)
+        if first is not None:
+            return first, None, None
     if mode not in ("off", "heuristic") and not failed:
         light = enumerate_candidates(p, dev, direction, grad_lse, lookup_only=True)
         hit = _stored_without_costly_imports(light, p, dev, direction, compiled, grad_lse)
@@ -170,6 +174,17 @@ def _stored_without_costly_imports(light: list[Candidate], p: Problem, dev: Devi
     fields = decision_fields(p.op, _variant(direction, grad_lse), p, dev, _sources(light))
     row = _usable(get_store().get(fields["key"]), compiled, runnable)
     return None if row is None else (_winner(row, compiled), row, None)
+
+
+def _default_without_costly_imports(p: Problem, dev: DeviceInfo, direction: str, grad_lse: bool) -> str | None:
+    """The default candidate (first runnable in prior order) when no backend left out of the lookup-only
+    enumeration comes before it; else None. ``off`` then imports no FA4 for problems it would not run."""
+    for c in enumerate_candidates(p, dev, direction, grad_lse, lookup_only=True):
+        if c.pruned == LOOKUP_ONLY:
+            return None
+        if c.pruned is None:
+            return c.name
+    return None
 
 
 def _shipped_without_costly_imports(light: list[Candidate], p: Problem, dev: DeviceInfo, direction: str,

@@ -14,8 +14,11 @@ their first call. Now, before a stage's gate (tuner.py):
   (async_compile.py): each worker runs the candidate's first launch, which leaves the kernels in the
   disk cache that this process's first launch then loads. A worker's start (an interpreter, a CUDA
   context, the imports) costs more than one compile, so a lone candidate compiles at its first call
-  unless a worker is idle; the staged search starts workers while its stage 1 runs (tuner.py), and
-  workers stay for ``IDLE_S`` after their last compile, so a burst of problems starts them once;
+  unless a worker is idle, and a worker takes a job only once it is ready: meanwhile this process
+  compiles the jobs left (their first launch, as the gate would), so a slow start delays nothing. The
+  staged search starts workers while its stage 1 runs (tuner.py), a shipped shortlist before FA4's
+  import (decisions.py), and workers stay for ``IDLE_S`` after their last compile, so a burst of
+  problems starts them once;
 - other plans (SDPA's aten ops, flex's torch.compile) compile at their first call in the gate, as before.
 
 ``INDUCTOR_ATTN_COMPILE_WORKERS`` caps the compiles at once per pool (default: the cores this process may
@@ -85,25 +88,23 @@ def timeout_s() -> float:
 
 
 def compile_all(threads: dict[str, Callable[[], object]], processes: dict[str, tuple[str, str]],
-                call) -> dict[str, Compiled]:
+                call, here: dict[str, Callable[[], object]] | None = None) -> dict[str, Compiled]:
     """Run the ``threads`` jobs (name -> compile function) and the ``processes`` jobs (name -> (choice,
-    direction), compiled by workers on inputs like ``call``'s) at once; one Compiled per name."""
+    direction), compiled by workers on inputs like ``call``'s) at once; one Compiled per name. ``here``: for
+    process jobs, the same compile in this process (the candidate's first launch): once its thread jobs are
+    done, this thread takes the process jobs that no ready worker has taken yet, so a worker's start-up
+    (an interpreter, a CUDA context, the imports: seconds, more than one compile) delays nothing."""
     workers = max_workers()
     if workers == 0 or not (threads or processes):
         return {}
     if len(processes) == 1 and not _POOL.idle:
         processes = {}  # a worker's start (an interpreter, a CUDA context, imports) costs more than one compile
-    limit = timeout_s()
     results: dict[str, Compiled] = {}
-    side = None
-    if processes:
-        side = threading.Thread(target=lambda: results.update(_in_processes(processes, call, limit, workers)),
-                                daemon=True)
-        side.start()
+    jobs = _ProcessJobs(processes, call, timeout_s(), workers) if processes else None
     if threads:
-        results.update(_in_threads(threads, call.q.device, limit, workers))
-    if side is not None:
-        side.join()
+        results.update(_in_threads(threads, call.q.device, timeout_s(), workers))
+    if jobs is not None:
+        results.update(jobs.finish(here or {}))
     return results
 
 
@@ -149,13 +150,9 @@ def _in_threads(jobs: dict[str, Callable[[], object]], device: torch.device, lim
     return results
 
 
-def _lost(err: Exception, worker: Worker, limit: float, name: str) -> Compiled:
-    """A worker that timed out (it was killed) or died: while compiling ``name``, the candidate is dropped
-    (a crash there would have crashed this process in the gate); before it was ready, ``name`` compiles
-    at its first call instead."""
-    if not worker.ready:
-        log.warning("inductor_attn: no compile worker (%s); %s compiles at its first call", err, name)
-        return Compiled(skipped=str(err))
+def _lost(err: Exception, limit: float) -> Compiled:
+    """A worker that timed out (it was killed) or died while compiling a candidate: the candidate is
+    dropped (a crash there would have crashed this process in the gate)."""
     if isinstance(err, TimeoutError):
         return Compiled(seconds=limit, reason=_timeout_reason(limit))
     return Compiled(reason=f"the compile worker died compiling it: {err}")
@@ -220,36 +217,71 @@ def prestart(candidates: int) -> None:
         _POOL.prestart(n)
 
 
-def _in_processes(jobs: dict[str, tuple[str, str]], call, limit: float, workers: int) -> dict[str, Compiled]:
-    todo = list(jobs.items())
-    results: dict[str, Compiled] = {}
-    lock = threading.Lock()
-    with tempfile.TemporaryDirectory(prefix="inductor_attn_compile_") as tmp:
-        path = Path(tmp) / "call.pt"
-        save_call(call, path)
+class _ProcessJobs:
+    """Process jobs on one list: a driver thread per worker takes the next job once its worker is ready;
+    ``finish`` lets the calling thread take jobs too, then waits for the workers' answers."""
 
-        def drive():
-            worker = None
-            while True:
-                with lock:
-                    if not todo:
-                        break
-                    name, (choice, direction) = todo.pop(0)
-                worker = worker or _POOL.take()
-                try:
-                    reply = worker.request("compile", limit, call=str(path), choice=choice, direction=direction)
-                except (TimeoutError, WorkerError) as err:
-                    results[name] = _lost(err, worker, limit, name)
-                    worker = None
-                    continue
-                results[name] = (Compiled(reason=reply["error"], bug=reply["bug"]) if "error" in reply
-                                 else Compiled(seconds=reply["seconds"]))
-            if worker is not None:
-                _POOL.give_back(worker)
-
-        threads = [threading.Thread(target=drive, daemon=True) for _ in range(min(workers, len(jobs)))]
-        for t in threads:
+    def __init__(self, jobs: dict[str, tuple[str, str]], call, limit: float, workers: int):
+        self.todo = list(jobs.items())
+        self.limit = limit
+        self.start_error: str | None = None
+        self.results: dict[str, Compiled] = {}
+        self.lock = threading.Lock()
+        self.tmp = tempfile.TemporaryDirectory(prefix="inductor_attn_compile_")
+        self.path = Path(self.tmp.name) / "call.pt"
+        save_call(call, self.path)
+        self.drivers = [threading.Thread(target=self._drive, daemon=True) for _ in range(min(workers, len(jobs)))]
+        for t in self.drivers:
             t.start()
-        for t in threads:
+
+    def _next(self) -> tuple[str, tuple[str, str]] | None:
+        with self.lock:
+            return self.todo.pop(0) if self.todo else None
+
+    def _drive(self) -> None:
+        worker = None
+        while True:
+            if worker is None:
+                worker = _POOL.take()
+                try:
+                    worker.wait_ready()
+                except (TimeoutError, WorkerError) as err:
+                    log.warning("inductor_attn: a compile worker did not start (%s)", err)
+                    self.start_error = f"no compile worker: {err}"
+                    return  # its jobs go to the other workers, this process, or the gate's first call
+            job = self._next()
+            if job is None:
+                break
+            name, (choice, direction) = job
+            try:
+                reply = worker.request("compile", self.limit, call=str(self.path), choice=choice, direction=direction)
+            except (TimeoutError, WorkerError) as err:
+                self.results[name] = _lost(err, self.limit)
+                worker = None
+                continue
+            self.results[name] = (Compiled(reason=reply["error"], bug=reply["bug"]) if "error" in reply
+                                  else Compiled(seconds=reply["seconds"]))
+        if worker is not None:
+            _POOL.give_back(worker)
+
+    def finish(self, here: dict[str, Callable[[], object]]) -> dict[str, Compiled]:
+        """Compile here the jobs of ``here`` that no worker took yet (their first launch, as the gate would
+        make it), then wait for the workers; jobs that nobody took compile at the gate's first call."""
+        while True:
+            with self.lock:
+                i = next((i for i, (name, _) in enumerate(self.todo) if name in here), None)
+                job = self.todo.pop(i) if i is not None else None
+            if job is None:
+                break
+            begin = time.perf_counter()
+            try:
+                here[job[0]]()
+                self.results[job[0]] = Compiled(seconds=time.perf_counter() - begin)
+            except Exception as err:  # noqa: BLE001 - the tuner sorts candidate errors from bugs
+                self.results[job[0]] = Compiled(seconds=time.perf_counter() - begin, error=err)
+        for t in self.drivers:
             t.join()
-    return results
+        self.tmp.cleanup()
+        for name, _ in self.todo:  # no worker started and this process could not compile it
+            self.results[name] = Compiled(skipped=self.start_error or "no compile worker")
+        return self.results

@@ -84,7 +84,7 @@ class Worker:
     def request(self, op: str, timeout_s: float, **fields) -> dict:
         """Send one request and wait for its answer. Raises TimeoutError after ``timeout_s`` (the worker is
         then killed: it may be stuck in a compile) and WorkerError if the worker dies or never started."""
-        self._wait_ready()
+        self.wait_ready()
         self._next += 1
         try:
             self.proc.stdin.write(json.dumps({"id": self._next, "op": op, **fields}) + "\n")
@@ -95,7 +95,8 @@ class Worker:
         self.idle_since = time.monotonic()
         return reply
 
-    def _wait_ready(self) -> None:
+    def wait_ready(self) -> None:
+        """Block until the worker's imports are done; TimeoutError or WorkerError if it does not start."""
         if not self.ready:
             self._reply(STARTUP_TIMEOUT_S, "start-up")
             self.ready = True

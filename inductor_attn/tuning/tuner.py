@@ -218,7 +218,7 @@ class _Search:
         return self.passed(names)
 
     def _precompile(self, names: list[str]) -> dict[str, precompile.Compiled]:
-        threads, processes = {}, {}
+        threads, processes, here = {}, {}, {}
         for name in names:
             try:
                 plan = self.mode.plan(self.gate_call, name)
@@ -229,7 +229,8 @@ class _Search:
                 threads[name] = lambda p=plan: self.mode.compile(p, self.gate_call)
             elif get_backend(self.cands[name].backend).compiles_to_disk:
                 processes[name] = (name, self.mode.direction)
-        return precompile.compile_all(threads, processes, self.gate_call)
+                here[name] = lambda p=plan: self.mode.run(p, self.gate_call)
+        return precompile.compile_all(threads, processes, self.gate_call, here)
 
     def _compile_failure(self, name: str, ahead: precompile.Compiled) -> CandidateResult:
         backend = get_backend(self.cands[name].backend)
