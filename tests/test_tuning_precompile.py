@@ -171,19 +171,27 @@ def slow_workers(monkeypatch):
 
 def test_this_process_compiles_the_process_jobs_that_no_started_worker_has_taken(slow_workers):
     done = []
-    jobs = {n: (n, "forward") for n in ("fa4:a", "fa4:b", "fa4:c")}
+    jobs = {n: (n, "forward") for n in ("fa4:a", "fa4:b", "fa4:c", "fa4:d")}
     here = {n: (lambda n=n: done.append(n)) for n in jobs}
     here["fa4:b"] = lambda: 1 / 0
     timer = threading.Timer(2.0, SlowStartWorker.up.set)  # the workers come up after this process is done
     timer.start()
     got = precompile.compile_all({}, jobs, _call(), here)
-    assert done == ["fa4:a", "fa4:c"] and SlowStartWorker.compiled == []
+    assert done == ["fa4:a", "fa4:c", "fa4:d"] and SlowStartWorker.compiled == []
     assert not got["fa4:a"].failed and isinstance(got["fa4:b"].error, ZeroDivisionError)
 
 
 def test_ready_workers_take_process_jobs_and_this_process_only_those_left(slow_workers):
     SlowStartWorker.up.set()
-    jobs = {n: (n, "forward") for n in ("fa4:a", "fa4:b", "fa4:c")}
-    got = precompile.compile_all({}, jobs, _call(), here={"fa4:c": lambda: time.sleep(0.5)})
+    jobs = {n: (n, "forward") for n in ("fa4:a", "fa4:b", "fa4:c", "fa4:d")}
+    got = precompile.compile_all({}, jobs, _call(), here={"fa4:d": lambda: time.sleep(0.5)})
     assert set(got) == set(jobs) and not any(c.failed for c in got.values())
-    assert set(SlowStartWorker.compiled) | {"fa4:c"} >= {"fa4:a", "fa4:b"}
+    assert set(SlowStartWorker.compiled) | {"fa4:d"} == set(jobs)
+
+
+def test_a_few_process_jobs_compile_here_without_starting_a_worker(slow_workers):
+    SlowStartWorker.started = 0
+    done = []
+    jobs = {n: (n, "forward") for n in ("fa4:a", "fa4:b", "fa4:c")}
+    got = precompile.compile_all({}, jobs, _call(), {n: (lambda n=n: done.append(n)) for n in jobs})
+    assert done == list(jobs) and set(got) == set(jobs) and SlowStartWorker.started == 0

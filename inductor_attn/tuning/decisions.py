@@ -29,7 +29,7 @@ from ..store.db import get_store
 from ..store.keys import decision_fields
 from ..store.priors import (SHORTLIST, SHORTLIST_COMPILE_FACTOR, SHORTLIST_MARGIN, is_shipped, shipped_match,
                             shortlist)
-from . import background, precompile
+from . import background
 from .measure import describe, is_candidate_error
 from .modes import current_mode
 from .progress import progress_ticker
@@ -125,7 +125,7 @@ def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str, compiled: b
         hit = _stored_without_costly_imports(light, p, dev, direction, compiled, grad_lse)
         if hit is not None:
             return hit
-        light = _shipped_without_costly_imports(light, p, dev, direction, compiled, grad_lse, mode)
+        light = _shipped_without_costly_imports(light, p, dev, direction, compiled, grad_lse)
     cands = light or enumerate_candidates(p, dev, direction, grad_lse)
     if failed:
         cands = [dataclasses.replace(c, pruned=f"failed at a launch here: {failed[c.name]}")
@@ -188,13 +188,11 @@ def _default_without_costly_imports(p: Problem, dev: DeviceInfo, direction: str,
 
 
 def _shipped_without_costly_imports(light: list[Candidate], p: Problem, dev: DeviceInfo, direction: str,
-                                    compiled: bool, grad_lse: bool, mode: str) -> list[Candidate] | None:
+                                    compiled: bool, grad_lse: bool) -> list[Candidate] | None:
     """``light`` as the candidates to decide among, when a shipped decision for the bucket whose winner runs
     here names none of the left-out backends' configs, neither in its shortlist (what an autotune times) nor
-    as its winners (what cache-only and background run): FA4's import (about 3 s, benchmarks/RESULTS.md) then stays out of a
-    first compile that would not run FA4. Else None, and the full enumeration follows; under autotune,
-    the compile workers for the shortlist's configs of ``compiles_to_disk`` backends start first
-    (precompile.py), so that their start-up overlaps that import rather than following it."""
+    as its winners (what cache-only and background run): FA4's import (about 3 s, benchmarks/RESULTS.md)
+    then stays out of a first compile that would not run FA4. Else None: the full enumeration follows."""
     left_out = {c.backend for c in light if c.pruned == LOOKUP_ONLY}
     if not left_out:
         return None
@@ -203,11 +201,7 @@ def _shipped_without_costly_imports(light: list[Candidate], p: Problem, dev: Dev
     if prior is None:
         return None
     names = {*_shortlist_of(prior), prior["winner"], prior["record"].get("compiled_winner") or prior["winner"]}
-    backends = [name.split(":")[0] for name in names]
-    if left_out.intersection(backends):
-        if mode == "autotune":
-            registered = {c.backend for c in light}
-            precompile.prestart(sum(get_backend(b).compiles_to_disk for b in backends if b in registered))
+    if any(name.split(":")[0] in left_out for name in names):
         return None
     if _winner(prior, compiled) not in {c.name for c in light if c.pruned is None}:
         return None

@@ -12,13 +12,13 @@ their first call. Now, before a stage's gate (tuner.py):
   holds the GIL, and fa4.py serializes compiles under a lock), compile in worker processes
   (subproc.py), as Inductor compiles its generated kernels in a pool of subprocesses
   (async_compile.py): each worker runs the candidate's first launch, which leaves the kernels in the
-  disk cache that this process's first launch then loads. A worker's start (an interpreter, a CUDA
-  context, the imports) costs more than one compile, so a lone candidate compiles at its first call
-  unless a worker is idle, and a worker takes a job only once it is ready: meanwhile this process
-  compiles the jobs left (their first launch, as the gate would), so a slow start delays nothing. The
-  staged search starts workers while its stage 1 runs (tuner.py), a shipped shortlist before FA4's
-  import (decisions.py), and workers stay for ``IDLE_S`` after their last compile, so a burst of
-  problems starts them once;
+  disk cache that this process's first launch then loads. A fresh worker's start (an interpreter, a CUDA
+  context, the imports) and its first compile cost more than a few compiles here, so fewer than
+  ``MIN_WORKER_JOBS`` jobs compile in this process (their first launch, as the gate would make it)
+  unless a worker is idle. A worker takes a job only once it is ready; meanwhile this process compiles
+  the jobs left, so a slow start delays nothing. The staged search starts workers while its stage 1 runs
+  (tuner.py), and workers stay for ``IDLE_S`` after their last compile, so a burst of problems starts
+  them once;
 - other plans (SDPA's aten ops, flex's torch.compile) compile at their first call in the gate, as before.
 
 ``INDUCTOR_ATTN_COMPILE_WORKERS`` caps the compiles at once per pool (default: the cores this process may
@@ -53,6 +53,10 @@ TIMEOUT_ENV = "INDUCTOR_ATTN_COMPILE_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 60.0
 MAX_WORKERS = 8
 IDLE_S = 60.0  # a worker holds a CUDA context (about 0.5 GB): give it back soon after a burst of tunes
+# Fewer process jobs than this compile in this process unless a worker is idle: a fresh worker took 4.8 s to
+# start and 11.7 s for its first FA4 compile, where this process's first took 6.5 s and later ones 3.3 s
+# (H100, benchmarks/RESULTS.md, Tuning cost).
+MIN_WORKER_JOBS = 4
 
 
 @dataclass
@@ -97,14 +101,16 @@ def compile_all(threads: dict[str, Callable[[], object]], processes: dict[str, t
     workers = max_workers()
     if workers == 0 or not (threads or processes):
         return {}
-    if len(processes) == 1 and not _POOL.idle:
-        processes = {}  # a worker's start (an interpreter, a CUDA context, imports) costs more than one compile
+    here = here or {}
+    processors = workers
+    if len(processes) < MIN_WORKER_JOBS and not _POOL.idle:  # this process alone finishes them sooner
+        processes, processors = {name: job for name, job in processes.items() if name in here}, 0
     results: dict[str, Compiled] = {}
-    jobs = _ProcessJobs(processes, call, timeout_s(), workers) if processes else None
+    jobs = _ProcessJobs(processes, call, timeout_s(), processors) if processes else None
     if threads:
         results.update(_in_threads(threads, call.q.device, timeout_s(), workers))
     if jobs is not None:
-        results.update(jobs.finish(here or {}))
+        results.update(jobs.finish(here))
     return results
 
 
@@ -213,7 +219,7 @@ _POOL = _Pool()
 def prestart(candidates: int) -> None:
     """Start workers for ``candidates`` compiles in worker processes to come (at most max_workers())."""
     n = min(candidates, max_workers())
-    if n > 1:
+    if candidates >= MIN_WORKER_JOBS and n > 1:
         _POOL.prestart(n)
 
 
@@ -261,6 +267,7 @@ class _ProcessJobs:
                 continue
             self.results[name] = (Compiled(reason=reply["error"], bug=reply["bug"]) if "error" in reply
                                   else Compiled(seconds=reply["seconds"]))
+            log.debug("%s compiled by a worker: %s", name, self.results[name])
         if worker is not None:
             _POOL.give_back(worker)
 
@@ -279,6 +286,7 @@ class _ProcessJobs:
                 self.results[job[0]] = Compiled(seconds=time.perf_counter() - begin)
             except Exception as err:  # noqa: BLE001 - the tuner sorts candidate errors from bugs
                 self.results[job[0]] = Compiled(seconds=time.perf_counter() - begin, error=err)
+            log.debug("%s compiled in this process: %s", job[0], self.results[job[0]])
         for t in self.drivers:
             t.join()
         self.tmp.cleanup()

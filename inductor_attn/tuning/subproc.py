@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import logging
 import os
 import queue
 import subprocess
@@ -35,6 +36,8 @@ import time
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 180.0  # imports torch, triton, the CuTe DSL and a CUDA context: 5-20 s when disks are cold
 _ROOT = str(Path(__file__).resolve().parents[2])  # so a checkout that is not installed imports the same code
@@ -74,7 +77,7 @@ class Worker:
         self.replies: queue.Queue = queue.Queue()
         self.stderr: collections.deque = collections.deque(maxlen=20)
         self.ready = False
-        self.idle_since = time.monotonic()
+        self.idle_since = self.started = time.monotonic()
         self._next = 0
         drains = ((self.proc.stdout, self.replies.put, True), (self.proc.stderr, self.stderr.append, False))
         self._drains = [threading.Thread(target=_drain, args=args, daemon=True) for args in drains]
@@ -100,6 +103,7 @@ class Worker:
         if not self.ready:
             self._reply(STARTUP_TIMEOUT_S, "start-up")
             self.ready = True
+            log.debug("worker pid %d ready %.1f s after its start", self.proc.pid, time.monotonic() - self.started)
 
     def _reply(self, timeout_s: float, what: str) -> dict:
         try:
