@@ -52,7 +52,8 @@ _PROVISIONAL: dict[tuple, list] = {}
 _FAILED: dict[tuple, dict[str, str]] = {}
 _LOCK = threading.RLock()
 RECHECK_S = 1.0
-NOT_ENUMERATED = "not enumerated: the shipped decision names none of its configs (enumerating them imports a large library)"
+NOT_ENUMERATED = ("not enumerated: the shipped decision names none of its configs "
+                  "(enumerating them imports a large library)")
 
 
 def forget_decisions() -> None:

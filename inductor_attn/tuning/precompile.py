@@ -24,9 +24,10 @@ their first call. Now, before a stage's gate (tuner.py):
 ``INDUCTOR_ATTN_COMPILE_WORKERS`` caps the compiles at once per pool (default: the cores this process may
 use, split among the ranks of the node, at most 8; 0 compiles every candidate at its first call);
 ``INDUCTOR_ATTN_COMPILE_TIMEOUT_S`` (default 60 s; a compile took 1-3 s on an H200) bounds each
-candidate's compile. A compile that times out drops its candidate with that reason: a thread cannot be
-stopped and finishes in the background (its result lands in the caches, unused), a worker process is
-killed.
+candidate's compile in a thread or a worker. A compile that times out drops its candidate with that
+reason: a thread cannot be stopped and finishes in the background (its result lands in the caches,
+unused), a worker process is killed. A process job compiled by the tuning thread itself is not bounded,
+as the gate's first call of a candidate never was.
 """
 
 from __future__ import annotations
