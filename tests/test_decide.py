@@ -288,3 +288,22 @@ def test_off_mode_enumerates_a_backend_with_a_costly_import_only_when_it_comes_b
         with only_backends(costly, a):
             assert decide(small_call(), DEV, "forward") == "costly:default"
             assert costly.enumerated > 0
+
+
+def test_background_mode_first_runs_the_best_shipped_candidate_of_a_backend_without_a_costly_import(
+        monkeypatch, tmp_path):
+    a = FakeBackend("a", {"default": (1.0, 0.01)})
+    b = FakeBackend("b", {"x=1": (0.7, 1e-4), "x=2": (0.6, 1e-4)})
+    costly = _CostlyImport("costly", {"default": (0.5, 1e-4)})
+    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, costly, b]))
+    monkeypatch.setenv("INDUCTOR_ATTN_SEARCH", "exhaustive")  # the table times b:x=2, which is not b's default
+    queued = []
+    monkeypatch.setattr("inductor_attn.tuning.background.schedule", lambda *args: queued.append(args[2]) or True)
+    with only_backends(a, costly, b):
+        with inductor_attn.tuning_mode("autotune"):
+            decide(small_call(), DEV, "forward")
+        _shipped_table(tmp_path, monkeypatch)
+        costly.enumerated = 0
+        with inductor_attn.tuning_mode("background"):
+            assert decide(small_call(), DEV, "forward") == "b:x=2"  # not the shipped winner, costly:default
+        assert costly.enumerated == 0 and len(queued) == 1  # the worker tunes the bucket, FA4 included

@@ -16,7 +16,8 @@ How decisions use them (tuning/decisions.py), for the same op, bucket and device
   recorded compile took more than ``SHORTLIST_COMPILE_FACTOR`` times the fastest candidate's (which must
   compile anyway; at least ``SHORTLIST_COMPILE_FLOOR_S``) is left out, as its gain is within the margin;
 - cache-only: the shipped winner is used as it is;
-- background: the shipped winner runs until the background tune's decision lands.
+- background: the shipped winner runs until the background tune's decision lands (when it is FA4's,
+  the fastest shipped candidate of another backend, so that the first compile waits for no FA4 JIT).
 
 A shipped row answers for its bucket whatever the library versions it was measured with (``match``):
 kernels rarely swap places between releases, and the shortlist is timed again here anyway. Its record

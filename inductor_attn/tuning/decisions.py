@@ -126,6 +126,10 @@ def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str, compiled: b
         hit = _stored_without_costly_imports(light, p, dev, direction, compiled, grad_lse)
         if hit is not None:
             return hit
+        if mode == "background" and not grad_lse:
+            first = _background_without_costly_imports(call, light, dev, direction, compiled)
+            if first is not None:
+                return first
         light = _shipped_without_costly_imports(light, p, dev, direction, compiled, grad_lse)
     cands = light or enumerate_candidates(p, dev, direction, grad_lse)
     if failed:
@@ -207,6 +211,29 @@ def _shipped_without_costly_imports(light: list[Candidate], p: Problem, dev: Dev
     if _winner(prior, compiled) not in {c.name for c in light if c.pruned is None}:
         return None
     return [dataclasses.replace(c, pruned=NOT_ENUMERATED) if c.pruned == LOOKUP_ONLY else c for c in light]
+
+
+def _background_without_costly_imports(call: AttnCall, light: list[Candidate], dev: DeviceInfo, direction: str,
+                                       compiled: bool) -> tuple[str, None, str] | None:
+    """Background mode's first answer when the shipped decision's winner is of a backend left out of
+    ``light`` (FA4): the fastest candidate of its record among the backends enumerated here. The first
+    compile then neither imports FA4 nor waits for its JIT (together over 9 s on an H100, RESULTS.md,
+    Tuning cost); the background tune compiles FA4 in its worker and stores the decision that the next
+    compile or process bakes. None when no such shipped decision applies."""
+    p = call.problem
+    left_out = {c.backend for c in light if c.pruned == LOOKUP_ONLY}
+    if not left_out:
+        return None
+    fields = decision_fields(p.op, _variant(direction), p, dev, _sources(light))
+    prior = shipped_match(get_store(), fields)
+    if prior is None or _winner(prior, compiled).split(":")[0] not in left_out:
+        return None
+    runnable = {c.name for c in light if c.pruned is None}
+    choice = next((n for n in shortlist(prior, len(prior["record"]["candidates"])) if n in runnable), None)
+    if choice is None:
+        return None
+    background.schedule(call, direction, fields["key"], _variant(direction) != direction)
+    return choice, None, fields["key"]
 
 
 def _usable(row: dict | None, compiled: bool, runnable: set[str]) -> dict | None:

@@ -2,8 +2,9 @@
 
 - ``autotune``: stored decision, else measure now and store it (default for CUDA problems); a shipped
   decision (store/priors.py) shortens the measurement to its top candidates;
-- ``background``: stored decision, else at once the shipped decision's winner or the hand rule (as in
-  ``heuristic``), while a worker process measures the bucket and stores the decision for the next
+- ``background``: stored decision, else at once the shipped decision's winner (its fastest candidate of
+  another backend when the winner is FA4's, whose import and JIT would hold the compile) or the hand rule
+  (as in ``heuristic``), while a worker process measures the bucket and stores the decision for the next
   compile or process (background.py);
 - ``cache-only``: stored decision, else the shipped decision, else the default candidate; never measures;
 - ``heuristic``: no measurement and no store: today's hand rules decide (each backend's
