@@ -6,6 +6,7 @@ import time
 import types
 
 import pytest
+import torch
 from fakes import FakeBackend, FakeTimer
 
 from inductor_attn.backends import AttnCall, enumerate_candidates, only_backends
@@ -63,8 +64,6 @@ def test_the_summary_names_the_numbers_of_the_targets():
 def test_the_warm_process_calls_in_off_mode_first_so_its_one_time_costs_stay_out_of_the_problems(monkeypatch):
     """Cold: autotune first (the default kernel's first compile counts as tuning, an upper bound); warm: every
     backend's import and an off call first (the process's one-time costs, paid once, not the store hit's)."""
-    import torch
-
     from inductor_attn.tuning.modes import current_mode
 
     order = []
@@ -123,6 +122,30 @@ def test_part_shipped_measures_cold_and_warm_first_calls_with_the_shipped_tables
     assert "shipped decision tables: on" in text and "| 0.9 (0.5 / 0.1 / 0.2; 2) |" in text
 
 
+def test_part_background_measures_the_cold_first_call_in_background_mode_and_when_its_tune_landed(monkeypatch):
+    tiny = [suites.smoke_size(suites.SUITES["dense"][0])]
+    monkeypatch.setattr(suites, "select", lambda suite, quick=False, smoke=False: tiny)
+    calls = []
+
+    def worker(verb, workloads, env, deadline, smoke, notes, shipped=False):
+        calls.append((verb, shipped))
+        first = ({"background_s": 1.25, "landed": True, "landed_s": 12.0, "landed_winner": "fa4:default"}
+                 if verb == "background-first-call" else {"autotune_s": 0.75})
+        return {w.name: {**first, "off_s": 0.5} for w in workloads}
+
+    monkeypatch.setattr(tuning_cost, "_worker", worker)
+    result = tuning_cost.run(smoke=True, quick=True, device=None, part="background")
+    assert calls == [("background-first-call", True), ("warm-call", True)]
+    assert result["cold"][0]["cold_added_s"] == 0.75 and result["cold"][0]["warm_added_s"] == 0.25
+    assert "its tune stored fa4:default 12.0 s after it" in tuning_cost.table(result)
+
+
+def test_the_background_first_call_worker_runs_its_calls_and_waits_for_the_tune(monkeypatch):
+    w = suites.smoke_size(suites.SUITES["dense"][0])
+    got = tuning_cost._WORKERS["background-first-call"](w, torch.device("cpu"), True)
+    assert {"background_s", "off_s", "landed", "landed_s"} <= set(got) and got["landed"]
+
+
 def test_a_shard_runs_every_nth_workload_and_no_worker_outlives_the_budget(monkeypatch):
     deadlines = []
 
@@ -138,8 +161,6 @@ def test_a_shard_runs_every_nth_workload_and_no_worker_outlives_the_budget(monke
 
 
 def test_a_first_call_that_tuned_reports_its_tune_and_a_store_hit_does_not(monkeypatch):
-    import torch
-
     import inductor_attn
     from inductor_attn.backends import REFERENCE
 

@@ -5,7 +5,9 @@ Workloads: the kernel suites' (suites.py) quick subset with ``--quick``, all of 
 taking turns, each shrunk to a float32 smoke size with ``--smoke``; no phase starts a workload after its
 share of ``BUDGET_S``. Every measurement runs in a fresh process (``python -m
 inductor_attn.bench.tuning_cost VERB``) with the shipped decision tables off, so the search itself is
-measured (``--part shipped``: only cold and warm, with the package's tables on, what a user gets):
+measured (``--part shipped``: only cold and warm, with the package's tables on, what a user gets;
+``--part background``: the same with the cold first call in background mode, which also reports when its
+background tune stored a decision and which):
 
 - cold: per workload, a process whose Triton, FA4 and Inductor caches (``TRITON_CACHE_DIR``,
   ``FLASH_ATTENTION_CUTE_DSL_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR``) and decision store are empty
@@ -66,17 +68,19 @@ def run(smoke: bool, quick: bool, device: torch.device, part: str = "all", budge
     """The phases of the module doc over the selected workloads (every ``n``-th from the ``k``-th, for
     ``shard`` (k, n)), within ``budget_s`` (default ``BUDGET_S``); results as one dict. ``part``
     "shipped": the cold and warm phase only, with the package's shipped decision tables on (what a user
-    gets)."""
+    gets); "background": the same with the cold first call in background mode."""
     k, n = shard
     workloads = suites.select("all", quick=quick, smoke=smoke)[k - 1::n]
     deadline = time.monotonic() + (budget_s or BUDGET_S)
-    shipped = part == "shipped"
+    shipped = part in ("shipped", "background")
     out: dict = {"workloads": [w.name for w in workloads], "notes": [], "shipped_tables": shipped}
     with tempfile.TemporaryDirectory(prefix="inductor_attn_tuning_cost_") as tmp:
         root = Path(tmp)
         share = deadline if shipped else _phase_deadline(deadline, "cold")
+        cold_verb = "background-first-call" if part == "background" else "first-call"
         out["cold"] = [row for i, w in enumerate(workloads)
-                       if (row := _cold_and_warm(w, root / f"w{i}", share, deadline, smoke, out["notes"], shipped))]
+                       if (row := _cold_and_warm(w, root / f"w{i}", share, deadline, smoke, out["notes"], shipped,
+                                                 cold_verb))]
         if shipped:
             out["agreement"], out["regret"] = [], []
             out["summary"] = summarize(out)
@@ -104,23 +108,23 @@ def _cache_env(directory: Path) -> dict[str, str]:
 
 
 def _cold_and_warm(w: Workload, directory: Path, deadline: float, end: float, smoke: bool, notes: list,
-                   shipped: bool = False) -> dict | None:
-    """Two processes on ``directory``'s empty caches: the cold one, then the warm one (with the shipped
-    decision tables when ``shipped``). None starts after the phase's ``deadline``; none runs past the
-    run's ``end``."""
+                   shipped: bool = False, cold_verb: str = "first-call") -> dict | None:
+    """Two processes on ``directory``'s empty caches: the cold one (``cold_verb``), then the warm one (with
+    the shipped decision tables when ``shipped``). None starts after the phase's ``deadline``; none runs
+    past the run's ``end``."""
     if time.monotonic() > deadline:
         notes.append(f"cold/warm: {w.name} skipped (time budget)")
         return None
     env = _cache_env(directory)
     row = {"name": w.name, "kind": w.kind}
-    for phase, verb in (("cold", "first-call"), ("warm", "warm-call")):
+    for phase, verb in (("cold", cold_verb), ("warm", "warm-call")):
         # a started workload gets the time a cold tune needs, even past the phase's share
         got = _worker(verb, [w], env, min(end, max(deadline, time.monotonic() + WORKER_MIN_S)), smoke, notes,
                       shipped).get(w.name)
         if got is None:
             return row if phase == "warm" else None
         row[phase] = got
-        row[f"{phase}_added_s"] = got["autotune_s"] - got["off_s"]
+        row[f"{phase}_added_s"] = got.get("autotune_s", got.get("background_s")) - got["off_s"]
     return row
 
 
@@ -229,6 +233,12 @@ def table(result: dict) -> str:
     lines += ["", *(f"- {k}: {_fmt(v, '.3f')}" for k, v in result["summary"].items())]
     if result.get("shipped_tables"):
         lines.append("- shipped decision tables: on (cold and warm only)")
+    for cold in result["cold"]:
+        first = cold.get("cold", {})
+        if "landed_s" in first:
+            lines.append(f"- {cold['name']}: cold first call in background mode; its tune "
+                         f"{'stored ' + str(first.get('landed_winner')) if first['landed'] else 'had not landed'} "
+                         f"{first['landed_s']:.1f} s after it")
     lines += [f"- note: {n}" for n in result["notes"]]
     return "\n".join(lines)
 
@@ -306,6 +316,21 @@ def _first_call_worker(w: Workload, device: torch.device, smoke: bool,
             out["tune_seconds"] = record.get("seconds")
             out["timed"] = sum(c.get("median_ms") is not None for c in record.get("candidates", []))
     return out
+
+
+def _background_first_call_worker(w: Workload, device: torch.device, smoke: bool) -> dict:
+    """The first call in background mode, then the seconds until its background tune has stored a decision
+    (``landed_s``) and that decision's winner, then the ``off`` call (after the tune, which would share the
+    GPU and the cores with it)."""
+    from ..tuning import background
+
+    out = _first_call_worker(w, device, smoke, modes=("background",))
+    start = time.perf_counter()
+    out["landed"] = background.wait(timeout_s=WORKER_MIN_S)
+    out["landed_s"] = time.perf_counter() - start
+    record = _stored_record(suites.build(w, device).call)
+    out["landed_winner"] = None if record is None else record.get("winner")
+    return {**out, **_first_call_worker(w, device, smoke, modes=("off",))}
 
 
 def import_backends(w: Workload, device: torch.device) -> None:
@@ -403,7 +428,7 @@ def tune_suites(suite_names: list[str], quick: bool, smoke: bool, shard: tuple[i
     return len(workloads)
 
 
-_WORKERS = {"first-call": _first_call_worker,
+_WORKERS = {"first-call": _first_call_worker, "background-first-call": _background_first_call_worker,
             "warm-call": functools.partial(_first_call_worker, modes=("off", "autotune"), imports_first=True),
             "tune": _tune_worker, "regret": _regret_worker}
 
