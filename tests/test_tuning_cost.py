@@ -188,3 +188,11 @@ def test_workers_turn_the_shipped_tables_off_unless_asked(monkeypatch, tmp_path)
     for shipped in (False, True):
         tuning_cost._worker("first-call", [w], {}, time.monotonic() + 60, True, [], shipped)
     assert seen == ["off", None]
+
+
+@pytest.mark.parametrize("suite,part", [("overhead", "shipped"), ("training", "background"), ("tuning-cost", "ops")])
+def test_a_part_of_another_suite_is_refused_with_what_the_suite_takes(suite, part, capsys):
+    from inductor_attn.bench.host_suites import run_wallclock_suite
+
+    assert run_wallclock_suite(suite, smoke=True, quick=True, part=part, out=None, command="test", commit="x") == 2
+    assert f"--part {part} applies to" in capsys.readouterr().err
