@@ -123,14 +123,20 @@ def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str, compiled: b
             return first, None, None
     if mode not in ("off", "heuristic") and not failed:
         light = enumerate_candidates(p, dev, direction, grad_lse, lookup_only=True)
-        hit = _stored_without_costly_imports(light, p, dev, direction, compiled, grad_lse)
+        if not any(c.pruned == LOOKUP_ONLY for c in light):
+            light = None  # nothing was left out: the full way does the same work
+    if light is not None:
+        # the key names backends, not configs, so the lookup-only candidates give the full way's key
+        fields = decision_fields(p.op, _variant(direction, grad_lse), p, dev, _sources(light))
+        hit = _stored_without_costly_imports(light, fields, compiled)
         if hit is not None:
             return hit
-        if mode == "background" and not grad_lse:
-            first = _background_without_costly_imports(call, light, dev, direction, compiled)
+        prior = shipped_match(get_store(), fields)
+        if mode == "background" and not grad_lse and prior is not None:
+            first = _background_without_costly_imports(call, light, fields, prior, direction, compiled)
             if first is not None:
                 return first
-        light = _shipped_without_costly_imports(light, p, dev, direction, compiled, grad_lse)
+        light = _shipped_without_costly_imports(light, prior, compiled)
     cands = light or enumerate_candidates(p, dev, direction, grad_lse)
     if failed:
         cands = [dataclasses.replace(c, pruned=f"failed at a launch here: {failed[c.name]}")
@@ -165,18 +171,14 @@ def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str, compiled: b
     return _winner(row, compiled), row, None
 
 
-def _stored_without_costly_imports(light: list[Candidate], p: Problem, dev: DeviceInfo, direction: str,
-                                   compiled: bool, grad_lse: bool) -> tuple[str, dict, None] | None:
+def _stored_without_costly_imports(light: list[Candidate], fields: dict,
+                                   compiled: bool) -> tuple[str, dict, None] | None:
     """The stored decision, found with ``light`` (the candidates enumerated without the backends whose
     enumeration imports a large library, FA4), when its winner is another backend's; else None (the full
-    way follows). The key is the same either way (it names backends, not configs; their versions are in
-    it), and no other backend's pruning depends on theirs, so the answer is the one the full way gives, less
-    an import that a process which never runs FA4 does not need. A winner of theirs goes the full way:
-    running it imports it."""
-    if not any(c.pruned == LOOKUP_ONLY for c in light):
-        return None  # nothing was left out: the full way does the same work
+    way follows). No other backend's pruning depends on theirs, so the answer is the one the full way
+    gives, less an import that a process which never runs FA4 does not need. A winner of theirs goes the
+    full way: running it imports it."""
     runnable = {c.name for c in light if c.pruned is None}
-    fields = decision_fields(p.op, _variant(direction, grad_lse), p, dev, _sources(light))
     row = _usable(get_store().get(fields["key"]), compiled, runnable)
     return None if row is None else (_winner(row, compiled), row, None)
 
@@ -192,19 +194,16 @@ def _default_without_costly_imports(p: Problem, dev: DeviceInfo, direction: str,
     return None
 
 
-def _shipped_without_costly_imports(light: list[Candidate], p: Problem, dev: DeviceInfo, direction: str,
-                                    compiled: bool, grad_lse: bool) -> list[Candidate] | None:
-    """``light`` as the candidates to decide among, when a shipped decision for the bucket whose winner runs
-    here names none of the left-out backends' configs, neither in its shortlist (what an autotune times) nor
-    as its winners (what cache-only and background run): FA4's import (about 3 s, benchmarks/RESULTS.md)
-    then stays out of a first compile that would not run FA4. Else None: the full enumeration follows."""
-    left_out = {c.backend for c in light if c.pruned == LOOKUP_ONLY}
-    if not left_out:
-        return None
-    fields = decision_fields(p.op, _variant(direction, grad_lse), p, dev, _sources(light))
-    prior = shipped_match(get_store(), fields)
+def _shipped_without_costly_imports(light: list[Candidate], prior: dict | None,
+                                    compiled: bool) -> list[Candidate] | None:
+    """``light`` as the candidates to decide among, when the shipped decision ``prior`` for the bucket, whose
+    winner runs here, names none of the left-out backends' configs, neither in its shortlist (what an
+    autotune times) nor as its winners (what cache-only and background run): FA4's import (about 3 s,
+    benchmarks/RESULTS.md) then stays out of a first compile that would not run FA4. Else None: the full
+    enumeration follows."""
     if prior is None:
         return None
+    left_out = {c.backend for c in light if c.pruned == LOOKUP_ONLY}
     names = {*_shortlist_of(prior), prior["winner"], prior["record"].get("compiled_winner") or prior["winner"]}
     if any(name.split(":")[0] in left_out for name in names):
         return None
@@ -213,20 +212,15 @@ def _shipped_without_costly_imports(light: list[Candidate], p: Problem, dev: Dev
     return [dataclasses.replace(c, pruned=NOT_ENUMERATED) if c.pruned == LOOKUP_ONLY else c for c in light]
 
 
-def _background_without_costly_imports(call: AttnCall, light: list[Candidate], dev: DeviceInfo, direction: str,
-                                       compiled: bool) -> tuple[str, None, str] | None:
-    """Background mode's first answer when the shipped decision's winner is of a backend left out of
-    ``light`` (FA4): the fastest candidate of its record among the backends enumerated here. The first
+def _background_without_costly_imports(call: AttnCall, light: list[Candidate], fields: dict, prior: dict,
+                                       direction: str, compiled: bool) -> tuple[str, None, str] | None:
+    """Background mode's first answer when the shipped decision ``prior``'s winner is of a backend left out
+    of ``light`` (FA4): the fastest candidate of its record among the backends enumerated here. The first
     compile then neither imports FA4 nor waits for its JIT (together over 9 s on an H100, RESULTS.md,
     Tuning cost); the background tune compiles FA4 in its worker and stores the decision that the next
-    compile or process bakes. None when no such shipped decision applies."""
-    p = call.problem
+    compile or process bakes. None when the winner is not of a left-out backend."""
     left_out = {c.backend for c in light if c.pruned == LOOKUP_ONLY}
-    if not left_out:
-        return None
-    fields = decision_fields(p.op, _variant(direction), p, dev, _sources(light))
-    prior = shipped_match(get_store(), fields)
-    if prior is None or _winner(prior, compiled).split(":")[0] not in left_out:
+    if _winner(prior, compiled).split(":")[0] not in left_out:
         return None
     runnable = {c.name for c in light if c.pruned is None}
     choice = next((n for n in shortlist(prior, len(prior["record"]["candidates"])) if n in runnable), None)
