@@ -1,5 +1,7 @@
 """Modes, the decision store round trip, and invalidation, through decide() with fake backends."""
 
+import contextlib
+
 import pytest
 import torch
 from fakes import FakeBackend, FakeTimer, small_call
@@ -227,23 +229,30 @@ def test_a_stored_winner_of_a_backend_with_a_costly_import_is_found_the_full_way
         assert costly.enumerated > 0 and a.calls + costly.calls == runs  # enumerated, not measured again
 
 
-def _shipped_table(tmp_path, monkeypatch) -> None:
-    """Export this store's decisions as a shipped table, then start over in a fresh store reading it."""
-    path, _ = cache.export_priors(tmp_path / "table" / "cpu.json", device=DEV, commit="abc1234", command="test")
-    monkeypatch.setenv("INDUCTOR_ATTN_CACHE_DIR", str(tmp_path / "fresh"))
-    monkeypatch.setenv("INDUCTOR_ATTN_PRIORS", str(path))
-    forget_decisions()
+@contextlib.contextmanager
+def _new_machine_with_a_shipped_table(monkeypatch, tmp_path, b_times: dict, costly_times: dict):
+    """Backends a, costly (whose enumeration would import a large library) and b; an autotune's decision
+    exported as a shipped table; then a fresh store that reads it, with costly's enumerations counted
+    from zero. Yields (b, costly)."""
+    a = FakeBackend("a", {"default": (1.0, 0.01)})
+    b = FakeBackend("b", b_times)
+    costly = _CostlyImport("costly", costly_times)
+    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, costly, b]))
+    with only_backends(a, costly, b):
+        with inductor_attn.tuning_mode("autotune"):
+            decide(small_call(), DEV, "forward")
+        path, _ = cache.export_priors(tmp_path / "table" / "cpu.json", device=DEV, commit="abc1234", command="test")
+        monkeypatch.setenv("INDUCTOR_ATTN_CACHE_DIR", str(tmp_path / "fresh"))
+        monkeypatch.setenv("INDUCTOR_ATTN_PRIORS", str(path))
+        forget_decisions()
+        costly.enumerated = 0
+        yield b, costly
 
 
 def test_a_shipped_shortlist_of_other_backends_never_enumerates_a_backend_with_a_costly_import(monkeypatch, tmp_path):
-    a = FakeBackend("a", {"default": (1.0, 0.01)})
-    b = FakeBackend("b", {"x=1": (0.5, 1e-4), "x=2": (0.505, 1e-4)})
-    costly = _CostlyImport("costly", {"default": (0.9, 0.01)})
-    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, costly, b]))
-    with only_backends(a, costly, b), inductor_attn.tuning_mode("autotune"):
-        decide(small_call(), DEV, "forward")
-        _shipped_table(tmp_path, monkeypatch)
-        costly.enumerated = 0
+    with (_new_machine_with_a_shipped_table(monkeypatch, tmp_path, {"x=1": (0.5, 1e-4), "x=2": (0.505, 1e-4)},
+                                            {"default": (0.9, 0.01)}) as (b, costly),
+          inductor_attn.tuning_mode("autotune")):
         assert decide(small_call(), DEV, "forward") == "b:x=1"
         assert costly.enumerated == 0
         status = {c["name"]: c for c in get_store().writable.rows()[0]["record"]["candidates"]}
@@ -252,27 +261,18 @@ def test_a_shipped_shortlist_of_other_backends_never_enumerates_a_backend_with_a
 
 
 def test_a_shipped_shortlist_with_a_costly_backends_config_enumerates_it(monkeypatch, tmp_path):
-    a = FakeBackend("a", {"default": (1.0, 0.01)})
-    b = FakeBackend("b", {"x=1": (0.505, 1e-4)})
-    costly = _CostlyImport("costly", {"default": (0.5, 1e-4), "t=2": (0.51, 1e-4)})
-    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, costly, b]))
-    with only_backends(a, costly, b), inductor_attn.tuning_mode("autotune"):
-        decide(small_call(), DEV, "forward")
-        _shipped_table(tmp_path, monkeypatch)
-        costly.enumerated = 0
+    with (_new_machine_with_a_shipped_table(monkeypatch, tmp_path, {"x=1": (0.505, 1e-4)},
+                                            {"default": (0.5, 1e-4), "t=2": (0.51, 1e-4)}) as (b, costly),
+          inductor_attn.tuning_mode("autotune")):
         assert decide(small_call(), DEV, "forward") == "costly:default"
         assert costly.enumerated > 0
 
 
 def test_when_a_shipped_shortlist_of_other_backends_cannot_run_the_whole_search_enumerates_every_backend(
         monkeypatch, tmp_path):
-    a = FakeBackend("a", {"default": (1.0, 0.01)})
-    b = FakeBackend("b", {"x=1": (0.5, 0.01)})
-    costly = _CostlyImport("costly", {"default": (0.9, 0.01)})
-    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, costly, b]))
-    with only_backends(a, costly, b), inductor_attn.tuning_mode("autotune"):
-        decide(small_call(), DEV, "forward")
-        _shipped_table(tmp_path, monkeypatch)
+    with (_new_machine_with_a_shipped_table(monkeypatch, tmp_path, {"x=1": (0.5, 0.01)},
+                                            {"default": (0.9, 0.01)}) as (b, costly),
+          inductor_attn.tuning_mode("autotune")):
         b.prune_reasons["x=1"] = "not on this device"
         assert decide(small_call(), DEV, "forward") == "costly:default"
 
@@ -292,18 +292,11 @@ def test_off_mode_enumerates_a_backend_with_a_costly_import_only_when_it_comes_b
 
 def test_background_mode_first_runs_the_best_shipped_candidate_of_a_backend_without_a_costly_import(
         monkeypatch, tmp_path):
-    a = FakeBackend("a", {"default": (1.0, 0.01)})
-    b = FakeBackend("b", {"x=1": (0.7, 1e-4), "x=2": (0.6, 1e-4)})
-    costly = _CostlyImport("costly", {"default": (0.5, 1e-4)})
-    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, costly, b]))
     monkeypatch.setenv("INDUCTOR_ATTN_SEARCH", "exhaustive")  # the table times b:x=2, which is not b's default
     queued = []
     monkeypatch.setattr("inductor_attn.tuning.background.schedule", lambda *args: queued.append(args[2]) or True)
-    with only_backends(a, costly, b):
-        with inductor_attn.tuning_mode("autotune"):
-            decide(small_call(), DEV, "forward")
-        _shipped_table(tmp_path, monkeypatch)
-        costly.enumerated = 0
+    with _new_machine_with_a_shipped_table(monkeypatch, tmp_path, {"x=1": (0.7, 1e-4), "x=2": (0.6, 1e-4)},
+                                           {"default": (0.5, 1e-4)}) as (b, costly):
         with inductor_attn.tuning_mode("background"):
             assert decide(small_call(), DEV, "forward") == "b:x=2"  # not the shipped winner, costly:default
         assert costly.enumerated == 0 and len(queued) == 1  # the worker tunes the bucket, FA4 included

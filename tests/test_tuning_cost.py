@@ -102,20 +102,27 @@ def test_smoke_run_measures_every_phase_for_each_workload(monkeypatch, tmp_path)
     json.dumps(result)
 
 
-def test_part_shipped_measures_cold_and_warm_first_calls_with_the_shipped_tables(monkeypatch):
-    """``--part shipped``: what a user of the package gets (its decision tables on), cold and warm only."""
+def _run_part(monkeypatch, part: str, first_call: dict, first_verb: str) -> tuple[list, dict]:
+    """``run(part=...)`` over one smoke dense workload with fake worker processes: the one of ``first_verb``
+    answers ``first_call``, the others an autotune call; each answers an off call of 0.5 s. Returns the
+    (verb, shipped) of every worker started, and the result."""
     tiny = [suites.smoke_size(suites.SUITES["dense"][0])]
     monkeypatch.setattr(suites, "select", lambda suite, quick=False, smoke=False: tiny)
     calls = []
 
     def worker(verb, workloads, env, deadline, smoke, notes, shipped=False):
         calls.append((verb, shipped))
-        tune = {"tune_seconds": {"compile": 0.5, "gate": 0.1, "timing": 0.2, "total": 0.9}, "timed": 2}
-        return {w.name: {"autotune_s": 2.0, "off_s": 0.5, **(tune if verb == "first-call" else {})}
+        return {w.name: {**(first_call if verb == first_verb else {"autotune_s": 0.75}), "off_s": 0.5}
                 for w in workloads}
 
     monkeypatch.setattr(tuning_cost, "_worker", worker)
-    result = tuning_cost.run(smoke=True, quick=True, device=None, part="shipped")
+    return calls, tuning_cost.run(smoke=True, quick=True, device=None, part=part)
+
+
+def test_part_shipped_measures_cold_and_warm_first_calls_with_the_shipped_tables(monkeypatch):
+    """``--part shipped``: what a user of the package gets (its decision tables on), cold and warm only."""
+    tune = {"tune_seconds": {"compile": 0.5, "gate": 0.1, "timing": 0.2, "total": 0.9}, "timed": 2}
+    calls, result = _run_part(monkeypatch, "shipped", {"autotune_s": 2.0, **tune}, "first-call")
     assert calls == [("first-call", True), ("warm-call", True)]
     assert result["agreement"] == [] and result["regret"] == [] and result["cold"][0]["cold_added_s"] == 1.5
     text = tuning_cost.table(result)
@@ -123,18 +130,8 @@ def test_part_shipped_measures_cold_and_warm_first_calls_with_the_shipped_tables
 
 
 def test_part_background_measures_the_cold_first_call_in_background_mode_and_when_its_tune_landed(monkeypatch):
-    tiny = [suites.smoke_size(suites.SUITES["dense"][0])]
-    monkeypatch.setattr(suites, "select", lambda suite, quick=False, smoke=False: tiny)
-    calls = []
-
-    def worker(verb, workloads, env, deadline, smoke, notes, shipped=False):
-        calls.append((verb, shipped))
-        first = ({"background_s": 1.25, "landed": True, "landed_s": 12.0, "landed_winner": "fa4:default"}
-                 if verb == "background-first-call" else {"autotune_s": 0.75})
-        return {w.name: {**first, "off_s": 0.5} for w in workloads}
-
-    monkeypatch.setattr(tuning_cost, "_worker", worker)
-    result = tuning_cost.run(smoke=True, quick=True, device=None, part="background")
+    first = {"background_s": 1.25, "landed": True, "landed_s": 12.0, "landed_winner": "fa4:default"}
+    calls, result = _run_part(monkeypatch, "background", first, "background-first-call")
     assert calls == [("background-first-call", True), ("warm-call", True)]
     assert result["cold"][0]["cold_added_s"] == 0.75 and result["cold"][0]["warm_added_s"] == 0.25
     assert "its tune stored fa4:default 12.0 s after it" in tuning_cost.table(result)

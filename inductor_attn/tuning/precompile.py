@@ -234,10 +234,11 @@ class _ProcessJobs:
         self.start_error: str | None = None
         self.results: dict[str, Compiled] = {}
         self.lock = threading.Lock()
-        self.tmp = tempfile.TemporaryDirectory(prefix="inductor_attn_compile_")
-        self.path = Path(self.tmp.name) / "call.pt"
-        save_call(call, self.path)
         self.drivers = [threading.Thread(target=self._drive, daemon=True) for _ in range(min(workers, len(jobs)))]
+        self.tmp = tempfile.TemporaryDirectory(prefix="inductor_attn_compile_") if self.drivers else None
+        if self.tmp is not None:  # workers read the call from a file; this process has it
+            self.path = Path(self.tmp.name) / "call.pt"
+            save_call(call, self.path)
         for t in self.drivers:
             t.start()
 
@@ -290,7 +291,8 @@ class _ProcessJobs:
             log.debug("%s compiled in this process: %s", job[0], self.results[job[0]])
         for t in self.drivers:
             t.join()
-        self.tmp.cleanup()
+        if self.tmp is not None:
+            self.tmp.cleanup()
         for name, _ in self.todo:  # no worker started and this process could not compile it
             self.results[name] = Compiled(skipped=self.start_error or "no compile worker")
         return self.results
