@@ -143,6 +143,26 @@ def test_the_background_first_call_worker_runs_its_calls_and_waits_for_the_tune(
     assert {"background_s", "off_s", "landed", "landed_s"} <= set(got) and got["landed"]
 
 
+def test_part_search_runs_only_agreement_and_regret_which_share_the_whole_budget(monkeypatch):
+    tiny = [suites.smoke_size(suites.SUITES["dense"][0])]
+    monkeypatch.setattr(suites, "select", lambda suite, quick=False, smoke=False: tiny)
+    calls = []
+
+    def worker(verb, workloads, env, deadline, smoke, notes, shipped=False):
+        calls.append((verb, round(deadline - time.monotonic())))
+        if verb == "tune":
+            return {w.name: {"choice": "a:x", "tune_s": 1.0, "record": None} for w in workloads}
+        return {w.name: {"name": w.name, "regret": 0.0} for w in workloads}
+
+    monkeypatch.setattr(tuning_cost, "_worker", worker)
+    result = tuning_cost.run(smoke=True, quick=True, device=None, part="search", budget_s=110)
+    assert [verb for verb, _ in calls] == ["tune", "tune", "regret"] and result["cold"] == []
+    # agreement gets 0.3 / 0.55 of the budget (60 s), its first tune 3/4 of that; the fakes take no time
+    assert [seconds for _, seconds in calls] == [45, 60, 110]
+    assert result["summary"] == {"agreement": 1.0, "disagreements_inside_noise": 0, "disagreements": 0,
+                                 "regret_median": 0.0, "regret_worst": 0.0, "needed_margin": None}
+
+
 def test_a_shard_runs_every_nth_workload_and_no_worker_outlives_the_budget(monkeypatch):
     deadlines = []
 

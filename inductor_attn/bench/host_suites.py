@@ -33,13 +33,13 @@ def run_wallclock_suite(suite: str, *, smoke: bool, quick: bool, part: str, out:
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "versions": library_versions()}
-    if suite != "tuning-cost" and part in ("shipped", "background"):
+    if suite != "tuning-cost" and part in ("shipped", "background", "search"):
         print(f"error: --part {part} applies to bench --suite tuning-cost; {suite} takes all, ops or models",
               file=sys.stderr)
         return 2
     if suite == "tuning-cost" and part in ("ops", "models"):
         print(f"error: --part {part} applies to the overhead and training suites; tuning-cost takes all, "
-              "shipped or background", file=sys.stderr)
+              "shipped, background or search", file=sys.stderr)
         return 2
     if suite != "tuning-cost" and (budget_s is not None or shard != (1, 1)):
         print(f"error: --budget-s and --shard apply to bench --suite tuning-cost, not {suite}", file=sys.stderr)

@@ -7,7 +7,8 @@ share of ``BUDGET_S``. Every measurement runs in a fresh process (``python -m
 inductor_attn.bench.tuning_cost VERB``) with the shipped decision tables off, so the search itself is
 measured (``--part shipped``: only cold and warm, with the package's tables on, what a user gets;
 ``--part background``: the same with the cold first call in background mode, which also reports when its
-background tune stored a decision and which):
+background tune stored a decision and which; ``--part search``: only agreement and regret, which then share
+the whole budget):
 
 - cold: per workload, a process whose Triton, FA4 and Inductor caches (``TRITON_CACHE_DIR``,
   ``FLASH_ATTENTION_CUTE_DSL_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR``) and decision store are empty
@@ -58,6 +59,7 @@ from .suites import Workload
 
 BUDGET_S = 540.0  # one call of the device machine runs at most 10 minutes
 SHARES = {"cold": 0.45, "agreement": 0.3, "regret": 0.25}  # of the budget, per phase
+FIRST_TUNE_SHARE = 0.75  # of agreement's: the second tune finds the first one's kernels compiled
 CACHE_ENV = ("TRITON_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR",
              "INDUCTOR_ATTN_CACHE_DIR")
 WORKER_MIN_S = 120  # imports, a CUDA context and one cold tune (10-55 s on an H200 before issue 16)
@@ -68,7 +70,8 @@ def run(smoke: bool, quick: bool, device: torch.device, part: str = "all", budge
     """The phases of the module doc over the selected workloads (every ``n``-th from the ``k``-th, for
     ``shard`` (k, n)), within ``budget_s`` (default ``BUDGET_S``); results as one dict. ``part``
     "shipped": the cold and warm phase only, with the package's shipped decision tables on (what a user
-    gets); "background": the same with the cold first call in background mode."""
+    gets); "background": the same with the cold first call in background mode; "search": agreement and
+    regret only, so that a call's budget reaches more workloads."""
     k, n = shard
     workloads = suites.select("all", quick=quick, smoke=smoke)[k - 1::n]
     deadline = time.monotonic() + (budget_s or BUDGET_S)
@@ -76,31 +79,35 @@ def run(smoke: bool, quick: bool, device: torch.device, part: str = "all", budge
     out: dict = {"workloads": [w.name for w in workloads], "notes": [], "shipped_tables": shipped}
     with tempfile.TemporaryDirectory(prefix="inductor_attn_tuning_cost_") as tmp:
         root = Path(tmp)
-        share = deadline if shipped else _phase_deadline(deadline, "cold")
-        cold_verb = "background-first-call" if part == "background" else "first-call"
-        out["cold"] = [row for i, w in enumerate(workloads)
-                       if (row := _cold_and_warm(w, root / f"w{i}", share, deadline, smoke, out["notes"], shipped,
-                                                 cold_verb))]
+        out["cold"] = [] if part == "search" else _cold_phase(workloads, root, deadline, smoke, out["notes"], part)
         if shipped:
             out["agreement"], out["regret"] = [], []
             out["summary"] = summarize(out)
             return out
         shared = _cache_env(root / "agreement")
         tunes = [_worker("tune", workloads, {**shared, "INDUCTOR_ATTN_CACHE_DIR": str(root / f"store{i}")},
-                         _phase_deadline(deadline, "agreement", part=(i, 2)), smoke, out["notes"]) for i in (1, 2)]
+                         _phase_deadline(deadline, "agreement", fraction), smoke, out["notes"])
+                 for i, fraction in ((1, FIRST_TUNE_SHARE), (2, 1.0))]
         out["agreement"] = compare_tunes(*tunes)
         out["regret"] = list(_worker("regret", workloads, shared, deadline, smoke, out["notes"]).values())
     out["summary"] = summarize(out)
     return out
 
 
-def _phase_deadline(deadline: float, phase: str, part: tuple[int, int] = (1, 1)) -> float:
-    """When ``phase`` (and its ``part`` k of n) must end: phases split what is left by their shares."""
+def _cold_phase(workloads: list[Workload], root: Path, deadline: float, smoke: bool, notes: list,
+                part: str) -> list[dict]:
+    shipped = part in ("shipped", "background")
+    share = deadline if shipped else _phase_deadline(deadline, "cold")
+    verb = "background-first-call" if part == "background" else "first-call"
+    return [row for i, w in enumerate(workloads)
+            if (row := _cold_and_warm(w, root / f"w{i}", share, deadline, smoke, notes, shipped, verb))]
+
+
+def _phase_deadline(deadline: float, phase: str, fraction: float = 1.0) -> float:
+    """When ``phase`` (or the first ``fraction`` of it) must end: phases split what is left by their shares."""
     left = deadline - time.monotonic()
     later = list(SHARES)[list(SHARES).index(phase):]
-    mine = left * SHARES[phase] / sum(SHARES[p] for p in later)
-    k, n = part
-    return time.monotonic() + mine / (n - k + 1)
+    return time.monotonic() + fraction * left * SHARES[phase] / sum(SHARES[p] for p in later)
 
 
 def _cache_env(directory: Path) -> dict[str, str]:
