@@ -155,8 +155,11 @@ def test_part_search_runs_only_agreement_and_regret_which_share_the_whole_budget
         return {w.name: {"name": w.name, "regret": 0.0} for w in workloads}
 
     monkeypatch.setattr(tuning_cost, "_worker", worker)
-    result = tuning_cost.run(smoke=True, quick=True, device=None, part="search", budget_s=110)
+    saved = []
+    result = tuning_cost.run(smoke=True, quick=True, device=None, part="search", budget_s=110,
+                             save=lambda partial: saved.append(json.loads(json.dumps(partial))))
     assert [verb for verb, _ in calls] == ["tune", "tune", "regret"] and result["cold"] == []
+    assert [(len(s["agreement"]), len(s["regret"])) for s in saved] == [(1, 0), (1, 1)]  # what a kill would leave
     # agreement gets 0.3 / 0.55 of the budget (60 s), its first tune 3/4 of that; the fakes take no time
     assert [seconds for _, seconds in calls] == [45, 60, 110]
     assert result["summary"] == {"agreement": 1.0, "disagreements_inside_noise": 0, "disagreements": 0,

@@ -58,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget-s", type=float, default=None,
                         help="seconds the call may take; no workload starts after 60%% of it (70%% with --quick), the "
                              "rest is for the quality phase (default 480; quick 450); tuning-cost: the whole run, no "
-                             "worker past it (default 540)")
+                             "worker past it (default 540), the process's own start-up (10-15 s on the GPU "
+                             "machines) on top; it writes what it finished as it goes")
     parser.add_argument("--no-quality", action="store_true",
                         help="skip the second tune and the compile-time measurement")
     parser.add_argument("--smoke", action="store_true",

@@ -44,14 +44,18 @@ def run_wallclock_suite(suite: str, *, smoke: bool, quick: bool, part: str, out:
     if suite != "tuning-cost" and (budget_s is not None or shard != (1, 1)):
         print(f"error: --budget-s and --shard apply to bench --suite tuning-cost, not {suite}", file=sys.stderr)
         return 2
-    extra = {"budget_s": budget_s, "shard": shard} if suite == "tuning-cost" else {}
-    result = {"meta": meta, **module.run(smoke, quick, device, part, **extra)}
     name = f"{suite}-{meta['device'].replace(' ', '_')}-{meta['date'][:16]}.json"
     path = out or default_path().parent / "bench" / name
     if path.suffix != ".json":
         path = path / f"{suite}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1, default=str))
+
+    def save(result: dict) -> None:
+        path.write_text(json.dumps({"meta": meta, **result}, indent=1, default=str))
+
+    extra = {"budget_s": budget_s, "shard": shard, "save": save} if suite == "tuning-cost" else {}
+    result = {"meta": meta, **module.run(smoke, quick, device, part, **extra)}
+    save(result)
     label = "SMOKE (tiny shapes on this machine: not a measurement)" if smoke else meta["device"]
     print(f"bench --suite {suite}: {label}, {meta['date']}, commit {meta['commit']}")
     print(module.table(result))

@@ -51,6 +51,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -66,41 +67,53 @@ WORKER_MIN_S = 120  # imports, a CUDA context and one cold tune (10-55 s on an H
 
 
 def run(smoke: bool, quick: bool, device: torch.device, part: str = "all", budget_s: float | None = None,
-        shard: tuple[int, int] = (1, 1)) -> dict:
+        shard: tuple[int, int] = (1, 1), save: Callable[[dict], None] | None = None) -> dict:
     """The phases of the module doc over the selected workloads (every ``n``-th from the ``k``-th, for
-    ``shard`` (k, n)), within ``budget_s`` (default ``BUDGET_S``); results as one dict. ``part``
-    "shipped": the cold and warm phase only, with the package's shipped decision tables on (what a user
-    gets); "background": the same with the cold first call in background mode; "search": agreement and
-    regret only, so that a call's budget reaches more workloads."""
+    ``shard`` (k, n)), within ``budget_s`` (default ``BUDGET_S``); results as one dict, also handed to
+    ``save`` after each workload's cold and warm processes and after each later phase, so that a run killed
+    from outside leaves what it finished. ``part`` "shipped": the cold and warm phase only, with the
+    package's shipped decision tables on (what a user gets); "background": the same with the cold first
+    call in background mode; "search": agreement and regret only, so that a call's budget reaches more
+    workloads."""
     k, n = shard
     workloads = suites.select("all", quick=quick, smoke=smoke)[k - 1::n]
     deadline = time.monotonic() + (budget_s or BUDGET_S)
     shipped = part in ("shipped", "background")
-    out: dict = {"workloads": [w.name for w in workloads], "notes": [], "shipped_tables": shipped}
+    out: dict = {"workloads": [w.name for w in workloads], "notes": [], "shipped_tables": shipped, "cold": [],
+                 "agreement": [], "regret": []}
+
+    def finished_so_far() -> dict:
+        out["summary"] = summarize(out)
+        if save is not None:
+            save(out)
+        return out
+
     with tempfile.TemporaryDirectory(prefix="inductor_attn_tuning_cost_") as tmp:
         root = Path(tmp)
-        out["cold"] = [] if part == "search" else _cold_phase(workloads, root, deadline, smoke, out["notes"], part)
+        if part != "search":
+            for row in _cold_rows(workloads, root, deadline, smoke, out["notes"], part):
+                out["cold"].append(row)
+                finished_so_far()
         if shipped:
-            out["agreement"], out["regret"] = [], []
-            out["summary"] = summarize(out)
-            return out
+            return finished_so_far()
         shared = _cache_env(root / "agreement")
         tunes = [_worker("tune", workloads, {**shared, "INDUCTOR_ATTN_CACHE_DIR": str(root / f"store{i}")},
                          _phase_deadline(deadline, "agreement", fraction), smoke, out["notes"])
                  for i, fraction in ((1, FIRST_TUNE_SHARE), (2, 1.0))]
         out["agreement"] = compare_tunes(*tunes)
+        finished_so_far()
         out["regret"] = list(_worker("regret", workloads, shared, deadline, smoke, out["notes"]).values())
-    out["summary"] = summarize(out)
-    return out
+    return finished_so_far()
 
 
-def _cold_phase(workloads: list[Workload], root: Path, deadline: float, smoke: bool, notes: list,
-                part: str) -> list[dict]:
+def _cold_rows(workloads: list[Workload], root: Path, deadline: float, smoke: bool, notes: list, part: str):
+    """Each workload's cold and warm row, as it is measured (none for a workload that did not start)."""
     shipped = part in ("shipped", "background")
     share = deadline if shipped else _phase_deadline(deadline, "cold")
     verb = "background-first-call" if part == "background" else "first-call"
-    return [row for i, w in enumerate(workloads)
-            if (row := _cold_and_warm(w, root / f"w{i}", share, deadline, smoke, notes, shipped, verb))]
+    for i, w in enumerate(workloads):
+        if row := _cold_and_warm(w, root / f"w{i}", share, deadline, smoke, notes, shipped, verb):
+            yield row
 
 
 def _phase_deadline(deadline: float, phase: str, fraction: float = 1.0) -> float:
