@@ -12,7 +12,8 @@ How decisions use them (tuning/decisions.py), for the same op, bucket and device
   result is stored as a decision of this machine. A candidate further behind would have to gain more than
   that on a machine of the same model to matter, and each one costs a JIT compile (seconds for each FA4
   config, benchmarks/RESULTS.md); when none of them runs here, the whole search runs. Candidates compile
-  at once (tuning/precompile.py), so the slowest compile sets how long a cold tune waits: a near-tie whose
+  before timing (tuning/precompile.py: at once in workers, or one after another in this process when
+  few), so a long compile adds to a cold tune's wait: a near-tie whose
   recorded compile took more than ``SHORTLIST_COMPILE_FACTOR`` times the fastest candidate's (which must
   compile anyway; at least ``SHORTLIST_COMPILE_FLOOR_S``) is left out, as its gain is within the margin;
 - cache-only: the shipped winner is used as it is;
@@ -40,7 +41,9 @@ from .schema import FORMAT_VERSION, check_export
 
 ENV_VAR = "INDUCTOR_ATTN_PRIORS"
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "priors"
-SHORTLIST = 3
+# The winner and its runner-up: a third near-tie costs one more JIT compile (3.6-5.9 s each for FA4 on an H100,
+# where near-ties compile one after another) to catch a swing the tuner's 2% tie margin mostly absorbs anyway.
+SHORTLIST = 2
 SHORTLIST_MARGIN = 0.03  # the cold-tuning issue's worst-case regret bound
 SHORTLIST_COMPILE_FACTOR = 1.5
 SHORTLIST_COMPILE_FLOOR_S = 2.0  # compiles shorter than this (SDPA's, most Triton configs) all count as cheap
