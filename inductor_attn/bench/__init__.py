@@ -64,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip the second tune and the compile-time measurement")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny float32 shapes: checks the harness (on a CPU too); the numbers mean nothing")
-    parser.add_argument("--part", choices=("all", "ops", "models", "shipped", "background", "search"), default="all",
+    parser.add_argument("--part", default="all",
+                        choices=("all", "ops", "models", "shipped", "background", "search"),
                         help="overhead/training suites: only the attention calls (ops) or only the HF Llama part; "
                              "tuning-cost: only cold and warm first calls with the shipped decision tables "
                              "(shipped), the cold one in background mode (background); only agreement and regret "
