@@ -599,3 +599,14 @@ def test_overhead_smoke_times_every_right_path_of_a_case_in_alternating_rounds(r
         for numbers in row["paths"].values():
             assert numbers["rel_err_vs_eager_sdpa"] < 2e-2 and numbers["host_us"] > 0 and numbers["wall_us"] > 0
     assert "| ours compile |" in overhead.table(result)
+
+
+def test_overhead_times_the_kernel_lookup_of_run_time_decided_calls_per_workload_and_direction(reference_only):
+    from inductor_attn.bench import overhead, suites
+
+    rows = overhead.run_time_lookups(torch.device("cpu"), smoke=True)
+    names = [w.name for kind in ("varlen", "block_sparse") for w in suites.select(kind, quick=True, smoke=True)]
+    assert [(r["workload"], r["direction"]) for r in rows] == [(n, d) for n in names for d in ("forward", "backward")]
+    assert all(r["host_us"] > 0 and r["choice"] == "reference:default" for r in rows)
+    assert "| run-time decided call | direction | kernel | lookup host us |" in overhead.table(
+        {"rows": [], "run_time_lookups": rows})

@@ -10,6 +10,11 @@ Each gets host us per call, wall us per call with plain launches, and kernel us 
 of a case timed in alternating rounds (``interleaved_measure``). Every compiled result is checked against
 eager SDPA before it is timed.
 
+Run-time decisions: compiled code leaves varlen and block-sparse calls (whose index values matter) to run
+time, where each call finds its kernel before launching it: its problem (from a new call object, as each op
+call makes one), the problem's bucket, the decision memo and the plan (runtime.py). Host us per call of that lookup once the bucket is decided, forward and
+backward, for the quick suites' varlen and block-sparse workloads (suites.py).
+
 HF Llama (random init, the size of the zero-overhead issue: 8 layers, hidden 1024, 16/4 heads, bf16):
 prefill B4 L2048 and one static-cache decode step, stock ``torch.compile`` against
 ``backend="inductor_attn"``, in both modes (models.py).
@@ -23,7 +28,12 @@ import torch
 import torch.nn.functional as F
 
 from .. import api
-from .wallclock import interleaved_measure, model_part
+from ..backends import AttnCall, plan_for
+from ..device import device_info
+from ..tuning import decide
+from ..tuning.modes import tuning_mode
+from . import suites
+from .wallclock import host_us, interleaved_measure, model_part
 
 CASES = (
     # name, batch, heads_q, heads_kv, len_q, len_k, head_dim, causal, decode (kv_seqlens)
@@ -106,16 +116,39 @@ def run_case(case: Case, device, dtype) -> dict:
     return row
 
 
+def run_time_lookups(device, smoke: bool) -> list[dict]:
+    """Host us per call of finding a run-time decided call's kernel (module doc), per quick varlen and
+    block-sparse workload and direction. The buckets are decided in heuristic mode, without a tune: a
+    decided bucket costs the same lookups whatever decided it."""
+    rows = []
+    for w in suites.select("varlen", quick=True, smoke=smoke) + suites.select("block_sparse", quick=True,
+                                                                              smoke=smoke):
+        call = suites.build(w, device).call
+        dev = device_info(call.q.device)
+        args = {f.name: getattr(call, f.name) for f in dataclasses.fields(call) if f.name != "_problem"}
+        for direction in ("forward", "backward"):
+            def lookup(direction=direction):
+                fresh = AttnCall(**args)  # as each op call makes its own
+                return plan_for(fresh.problem, decide(fresh, dev, direction), dev, direction)
+
+            with tuning_mode("heuristic"):
+                lookup()
+                rows.append({"workload": w.name, "direction": direction, "choice": decide(call, dev, direction),
+                             "host_us": host_us(lookup)})
+    return rows
+
+
 def run(smoke: bool, quick: bool, device: torch.device, part: str = "all") -> dict:
-    """The cases (``part`` "ops"); and the HF Llama part (``part`` "models"), not with ``quick`` (it compiles
-    the model eight times)."""
+    """The cases and the run-time lookups (``part`` "ops"); and the HF Llama part (``part`` "models"), not
+    with ``quick`` (it compiles the model eight times)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cases = [Case(*c) for c in (SMOKE if smoke else CASES)] if part in ("all", "ops") else []
-    rows = [run_case(c, device, dtype) for c in cases]
+    ops = part in ("all", "ops")
+    rows = [run_case(Case(*c), device, dtype) for c in (SMOKE if smoke else CASES)] if ops else []
     from .models import llama_overhead
 
     wanted = part in ("all", "models") and not smoke and not quick and device.type == "cuda"
-    return {"rows": rows, "llama": model_part(wanted, llama_overhead)}
+    return {"rows": rows, "run_time_lookups": run_time_lookups(device, smoke) if ops else [],
+            "llama": model_part(wanted, llama_overhead)}
 
 
 def table(result: dict) -> str:
@@ -130,6 +163,10 @@ def table(result: dict) -> str:
             ratio = f"{stock / r['wall_us']:.2f}x" if stock else ""
             kernel = "" if r["kernel_us"] is None else f"{r['kernel_us']:.1f}"
             lines.append(f"| {row['case']} | {name} | {r['host_us']:.1f} | {r['wall_us']:.1f} | {kernel} | {ratio} |")
+    lookups = result.get("run_time_lookups") or []
+    if lookups:
+        lines += ["", "| run-time decided call | direction | kernel | lookup host us |", "|---|---|---|---|"]
+        lines += [f"| {r['workload']} | {r['direction']} | `{r['choice']}` | {r['host_us']:.1f} |" for r in lookups]
     llama = result.get("llama") or {}
     if "error" in llama:
         lines += ["", f"HF Llama: {llama['error']}"]
