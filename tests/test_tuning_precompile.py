@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from fakes import FakeBackend
 
 from inductor_attn.backends import AttnCall
 from inductor_attn.block_mask import BlockSparseMask
@@ -195,3 +196,19 @@ def test_a_few_process_jobs_compile_here_without_starting_a_worker(slow_workers)
     jobs = {n: (n, "forward") for n in ("fa4:a", "fa4:b", "fa4:c")}
     got = precompile.compile_all({}, jobs, _call(), {n: (lambda n=n: done.append(n)) for n in jobs})
     assert done == list(jobs) and set(got) == set(jobs) and SlowStartWorker.started == 0
+
+
+
+def test_a_worker_imports_the_costly_libraries_of_the_backends_before_it_says_ready(monkeypatch):
+    """The parent gives jobs only to ready workers: a worker whose first job also imported FA4's CuTe DSL
+    (about 3 s) would be slower than this process at that job."""
+    from inductor_attn.tuning import subproc
+
+    loaded = []
+    cheap, costly = FakeBackend("cheap", {"default": (1.0, 0.0)}), FakeBackend("costly", {"default": (1.0, 0.0)})
+    costly.costly_import = True
+    for backend in (cheap, costly):
+        monkeypatch.setattr(backend, "load", lambda name=backend.name: loaded.append(name))
+    monkeypatch.setattr("inductor_attn.backends.backends", lambda: [cheap, costly])
+    subproc.load_costly_libraries()
+    assert loaded == ["costly"]

@@ -200,6 +200,10 @@ class Backend:
     def errors(self) -> tuple[type[BaseException], ...]:
         return ()
 
+    def load(self) -> None:
+        """Import the library this backend's kernels need, where that is costly (``costly_import``); a
+        compile worker does it before it says ready, so that its first job is a compile, not an import."""
+
     def plan(self, p: Problem, dev: DeviceInfo, cfg: Config, direction: str) -> Plan:
         raise NotImplementedError
 

@@ -501,6 +501,9 @@ class FA4Backend(Backend):
         return () if isinstance(fa, str) else fa.dsl_errors
 
     # ------------------------------------------------------------------------------------ plans
+    def load(self) -> None:
+        _load()
+
     def plan(self, p: Problem, dev: DeviceInfo, cfg: Config, direction: str) -> Plan:
         if direction == "backward":
             if p.op == "block_sparse":

@@ -55,8 +55,8 @@ DEFAULT_TIMEOUT_S = 60.0
 MAX_WORKERS = 8
 IDLE_S = 60.0  # a worker holds a CUDA context (about 0.5 GB): give it back soon after a burst of tunes
 # Fewer process jobs than this compile in this process unless a worker is idle: a fresh worker took 4.8 s to
-# start and 11.7 s for its first FA4 compile, where this process's first took 6.5 s and later ones 3.3 s
-# (H100, benchmarks/RESULTS.md, Tuning cost).
+# start and 11.7 s for its first FA4 compile (FA4's import included, which workers now do before they say
+# ready), where this process's first took 6.5 s and later ones 3.3 s (H100, benchmarks/RESULTS.md, Tuning cost).
 MIN_WORKER_JOBS = 4
 
 

@@ -6,7 +6,8 @@ inherits the parent's environment, so it opens the same decision store and the s
 and it never starts workers of its own (``INDUCTOR_ATTN_COMPILE_WORKERS=0``). It answers ``ready`` once
 its imports are done, then one JSON line on stdout per JSON request on stdin; what libraries print goes
 to stderr, whose last lines name the cause when a worker dies. It exits when its stdin closes, which
-happens when the parent exits.
+happens when the parent exits. It imports the backends' costly libraries (``Backend.load``) before it says
+ready, since the parent gives jobs only to ready workers and compiles the others itself meanwhile.
 
 Requests (``call``: a file written by :func:`save_call`):
 
@@ -180,12 +181,21 @@ def _error(err: Exception, req: dict) -> dict:
     return {"error": describe(err), "bug": backend is None or not is_candidate_error(err, backend)}
 
 
+def load_costly_libraries() -> None:
+    """What a worker imports before it says ready: the registry and the backends' costly libraries, which
+    its first compile would pay otherwise (FA4's CuTe DSL: about 3 s)."""
+    from ..backends import backends
+
+    for backend in backends():
+        if backend.costly_import:
+            backend.load()
+
+
 def main() -> int:
     protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # print() and C libraries write to stderr
     sys.stdout = sys.stderr
-    import inductor_attn.backends  # noqa: F401 - the registry, before saying ready
-
+    load_costly_libraries()
     protocol.write(json.dumps({"id": 0, "ready": True}) + "\n")
     handlers = {"compile": _compile, "tune": _tune}
     for line in sys.stdin:
