@@ -200,3 +200,14 @@ def test_sync_decisions_without_torch_distributed_does_nothing(fakes):
     decide(small_call(), DEV, "forward")
     assert inductor_attn.sync_decisions() == 0
     assert decide(small_call(), DEV, "forward") == "b:x=1"
+
+
+def test_an_agreed_backward_choice_must_take_the_lse_gradient_where_the_bucket_needs_it(fakes, monkeypatch, caplog):
+    a, b = fakes
+    monkeypatch.setattr(b, "takes_grad_lse", False, raising=False)
+    assert decide(small_call(), DEV, "backward", grad_lse=True) == "a:default"
+    ((memo_key, _, _),) = decision_entries()
+    adopt_decisions({memo_key: ("b:x=1", None)})
+    with caplog.at_level(logging.WARNING, logger=decisions.__name__):
+        assert decide(small_call(), DEV, "backward", grad_lse=True) == "a:default"
+    assert "b:x=1" in caplog.text and "cannot run" in caplog.text

@@ -6,9 +6,9 @@ share a store tune each bucket once (the others wait for it), and ranks agree wh
 ``sync_decisions()`` (see ranks.py; independent tunes can disagree: FlashInfer RFC #3920 saw 86 of 191
 keys differ).
 
-A decision of the shipped tables (store/priors.py) for the bucket shortens an autotune to its top
-candidates and the default, is used as it is in cache-only mode, and runs until the tune lands in
-background mode (background.py). Background decisions made without a measurement are provisional: each
+A decision of the shipped tables (store/priors.py) for the bucket shortens an autotune to the candidates
+close to its winner (``priors.shortlist``), is used as it is in cache-only mode, and runs until the tune
+lands in background mode (background.py). Background decisions made without a measurement are provisional: each
 checks the store at most once a second (``RECHECK_S``) until the tune's decision is there.
 """
 
@@ -27,8 +27,8 @@ from ..device import DeviceInfo, device_info
 from ..problem import Problem
 from ..store.db import get_store
 from ..store.keys import decision_fields
-from ..store.priors import (SHORTLIST, SHORTLIST_COMPILE_FACTOR, SHORTLIST_MARGIN, is_shipped, shipped_match,
-                            shortlist)
+from ..store.priors import (SHORTLIST, SHORTLIST_COMPILE_FACTOR, SHORTLIST_COMPILE_FLOOR_S, SHORTLIST_MARGIN,
+                            is_shipped, shipped_match, shortlist)
 from . import background
 from .measure import describe, is_candidate_error
 from .modes import current_mode
@@ -77,8 +77,8 @@ def default_choice(cands: list[Candidate]) -> str:
 def heuristic_choice(p: Problem, dev: DeviceInfo, cands: list[Candidate]) -> str:
     """First backend (prior order) whose hand rule names a runnable config; else the default."""
     runnable = {c.name for c in cands if c.pruned is None}
-    for c in cands:
-        backend = get_backend(c.backend)
+    for name in dict.fromkeys(c.backend for c in cands):
+        backend = get_backend(name)
         cfg = backend.heuristic(p, dev)
         if cfg is not None and f"{backend.name}:{cfg}" in runnable:
             return f"{backend.name}:{cfg}"
@@ -163,7 +163,7 @@ def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str, compiled: b
     if mode == "cache-only" or _capturing(call):  # never measure inside a CUDA-graph capture
         return (_winner(prior, compiled), prior, None) if prior is not None else (default_choice(cands), None, None)
     if mode == "background" and not grad_lse:  # the worker tunes without a lse gradient: tune those here
-        background.schedule(call, direction, fields["key"], _variant(direction) != direction)
+        _schedule_tune(call, direction, fields["key"])
         choice = _winner(prior, compiled) if prior is not None else heuristic_choice(p, dev, cands)
         return choice, prior, fields["key"]
     row = tune_once(store, fields["key"], call.q.device, lookup=stored,
@@ -226,8 +226,14 @@ def _background_without_costly_imports(call: AttnCall, light: list[Candidate], f
     choice = next((n for n in shortlist(prior, len(prior["record"]["candidates"])) if n in runnable), None)
     if choice is None:
         return None
-    background.schedule(call, direction, fields["key"], _variant(direction) != direction)
+    _schedule_tune(call, direction, fields["key"])
     return choice, None, fields["key"]
+
+
+def _schedule_tune(call: AttnCall, direction: str, key: str) -> None:
+    """Queue background mode's tune of ``key`` (the worker tunes with no lse gradient, as its callers ask)."""
+    deterministic = direction == "backward" and torch.are_deterministic_algorithms_enabled()
+    background.schedule(call, direction, key, deterministic)
 
 
 def _usable(row: dict | None, compiled: bool, runnable: set[str]) -> dict | None:
@@ -282,7 +288,8 @@ def _shortlisted(cands: list[Candidate], prior: dict) -> tuple[list[Candidate], 
     if not keep:
         return cands, ""
     scope = (f"within {SHORTLIST_MARGIN:.0%} of the winner of the shipped decision and compiling within "
-             f"{SHORTLIST_COMPILE_FACTOR:g}x its time (at most {SHORTLIST}; {origin})")
+             f"{SHORTLIST_COMPILE_FACTOR:g}x its time, at least {SHORTLIST_COMPILE_FACTOR * SHORTLIST_COMPILE_FLOOR_S:g} "
+             f"s (at most {SHORTLIST}; {origin})")
     why = f"not timed again: not {scope}"
     shortened = [c if c.name in keep or c.pruned else dataclasses.replace(c, pruned=why) for c in cands]
     return shortened, f"the candidates {scope}, timed here"
@@ -380,7 +387,8 @@ def _adopted(call: AttnCall, dev: DeviceInfo, direction: str, key: tuple) -> tup
     agreed = _AGREED.pop(key, None)
     if agreed is None:
         return None
-    runnable = {c.name for c in enumerate_candidates(call.problem, dev, direction) if c.pruned is None}
+    grad_lse = key[0].endswith("+dlse")  # the memo key's variant (_variant)
+    runnable = {c.name for c in enumerate_candidates(call.problem, dev, direction, grad_lse) if c.pruned is None}
     if agreed[0] in runnable:
         return agreed
     log.warning("inductor_attn: the choice the ranks agreed on, %s, cannot run %s here; this rank decides "
