@@ -110,6 +110,7 @@ def test_the_worker_refuses_a_key_it_computes_otherwise():
 
 @pytest.mark.slow
 def test_a_real_worker_process_tunes_the_bucket_and_the_decision_lands_in_the_store(monkeypatch):
+    background._close_worker()  # an idle worker of an earlier test writes to that test's store (its env)
     monkeypatch.setattr(background, "_SCHEDULED", set())
     monkeypatch.setattr(decisions, "RECHECK_S", 0.0)
     torch.manual_seed(0)

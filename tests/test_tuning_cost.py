@@ -93,7 +93,7 @@ def test_needed_margin_is_the_stage_one_ratio_that_finds_every_backend_within_on
 def test_smoke_run_measures_every_phase_for_each_workload(monkeypatch, tmp_path):
     monkeypatch.delenv("TRITON_INTERPRET")  # workers run the reference only: the harness, quickly
     tiny = [suites.smoke_size(suites.SUITES[kind][0]) for kind in ("dense", "varlen")]
-    monkeypatch.setattr(suites, "select", lambda suite, quick=False, smoke=False: tiny)
+    monkeypatch.setattr(suites, "select", lambda suite, **kwargs: tiny)
     result = tuning_cost.run(smoke=True, quick=True, device=None)
     assert [r["name"] for r in result["cold"]] == [w.name for w in tiny]
     assert all({"cold_added_s", "warm_added_s"} <= set(r) for r in result["cold"])
@@ -107,7 +107,7 @@ def _run_part(monkeypatch, part: str, first_call: dict, first_verb: str) -> tupl
     answers ``first_call``, the others an autotune call; each answers an off call of 0.5 s. Returns the
     (verb, shipped) of every worker started, and the result."""
     tiny = [suites.smoke_size(suites.SUITES["dense"][0])]
-    monkeypatch.setattr(suites, "select", lambda suite, quick=False, smoke=False: tiny)
+    monkeypatch.setattr(suites, "select", lambda suite, **kwargs: tiny)
     calls = []
 
     def worker(verb, workloads, env, deadline, smoke, notes, shipped=False):
@@ -145,7 +145,7 @@ def test_the_background_first_call_worker_runs_its_calls_and_waits_for_the_tune(
 
 def test_part_search_runs_only_agreement_and_regret_which_share_the_whole_budget(monkeypatch):
     tiny = [suites.smoke_size(suites.SUITES["dense"][0])]
-    monkeypatch.setattr(suites, "select", lambda suite, quick=False, smoke=False: tiny)
+    monkeypatch.setattr(suites, "select", lambda suite, **kwargs: tiny)
     calls = []
 
     def worker(verb, workloads, env, deadline, smoke, notes, shipped=False):

@@ -58,12 +58,13 @@ import torch
 from . import suites
 from .suites import Workload
 
-BUDGET_S = 540.0  # one call of the device machine runs at most 10 minutes
+BUDGET_S = 540.0  # stays under a 10-minute job limit
 SHARES = {"cold": 0.45, "agreement": 0.3, "regret": 0.25}  # of the budget, per phase
 FIRST_TUNE_SHARE = 0.75  # of agreement's: the second tune finds the first one's kernels compiled
 CACHE_ENV = ("TRITON_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR",
              "INDUCTOR_ATTN_CACHE_DIR")
-WORKER_MIN_S = 120  # imports, a CUDA context and one cold tune (10-55 s on an H200 before issue 16)
+WORKER_MIN_S = 120  # imports, a CUDA context and one cold tune (10-55 s on an H200 without shipped tables)
+LANDED_TIMEOUT_S = 120  # how long a background tune may take to store its decision
 
 
 def run(smoke: bool, quick: bool, device: torch.device, part: str = "all", budget_s: float | None = None,
@@ -75,8 +76,7 @@ def run(smoke: bool, quick: bool, device: torch.device, part: str = "all", budge
     package's shipped decision tables on (what a user gets); "background": the same with the cold first
     call in background mode; "search": agreement and regret only, so that a call's budget reaches more
     workloads."""
-    k, n = shard
-    workloads = suites.select("all", quick=quick, smoke=smoke)[k - 1::n]
+    workloads = suites.select("all", quick=quick, shard=shard, smoke=smoke)
     deadline = time.monotonic() + (budget_s or BUDGET_S)
     shipped = part in ("shipped", "background")
     out: dict = {"workloads": [w.name for w in workloads], "notes": [], "shipped_tables": shipped, "cold": [],
@@ -128,9 +128,9 @@ def _cache_env(directory: Path) -> dict[str, str]:
 
 
 def _cold_and_warm(w: Workload, directory: Path, deadline: float, end: float, smoke: bool, notes: list,
-                   shipped: bool = False, cold_verb: str = "first-call") -> dict | None:
-    """Two processes on ``directory``'s empty caches: the cold one (``cold_verb``), then the warm one (with
-    the shipped decision tables when ``shipped``). None starts after the phase's ``deadline``; none runs
+                   shipped: bool, cold_verb: str) -> dict | None:
+    """Two processes on ``directory``'s empty caches, both with the shipped decision tables when ``shipped``:
+    the cold one (``cold_verb``), then the warm one. None starts after the phase's ``deadline``; none runs
     past the run's ``end``."""
     if time.monotonic() > deadline:
         notes.append(f"cold/warm: {w.name} skipped (time budget)")
@@ -346,7 +346,7 @@ def _background_first_call_worker(w: Workload, device: torch.device, smoke: bool
 
     out = _first_call_worker(w, device, smoke, modes=("background",))
     start = time.perf_counter()
-    out["landed"] = background.wait(timeout_s=WORKER_MIN_S)
+    out["landed"] = background.wait(timeout_s=LANDED_TIMEOUT_S)
     out["landed_s"] = time.perf_counter() - start
     record = _stored_record(suites.build(w, device).call)
     out["landed_winner"] = None if record is None else record.get("winner")

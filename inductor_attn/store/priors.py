@@ -167,7 +167,7 @@ def is_shipped(row: dict) -> bool:
     return str(row["record"].get("origin", "")).startswith("shipped")
 
 
-def shortlist(row: dict, k: int = SHORTLIST, margin: float | None = None,
+def shortlist(row: dict, k: int, margin: float | None = None,
               compile_factor: float | None = None) -> list[str]:
     """The ``k`` fastest candidates that passed in a decision's record, fastest first; with ``margin``, only
     those within that fraction of the fastest; with ``compile_factor``, only those whose recorded compile

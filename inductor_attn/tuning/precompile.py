@@ -1,8 +1,7 @@
 """Compile every candidate at once before the gate, each with a timeout and, if it fails, its reason.
 
-JIT compilation was about 90% of tuning time (issue 16: seven problems took 140 s with cold kernel
-caches and 14 s with warm ones, H200), and the gate used to compile candidates one after another at
-their first call. Now, before a stage's gate (tuner.py):
+JIT compilation is most of a cold tune (issue 16: seven problems took 140 s with cold kernel caches and
+14 s with warm ones, H200), so before a stage's gate (tuner.py):
 
 - plans with ``Plan.compile`` (Triton: ``kernel.warmup``) compile in threads of this process, as
   Inductor's max-autotune precompiles its template choices in threads (select_algorithm.py,
@@ -19,7 +18,7 @@ their first call. Now, before a stage's gate (tuner.py):
   the jobs left, so a slow start delays nothing. The staged search starts workers while its stage 1 runs
   (tuner.py), and workers stay for ``IDLE_S`` after their last compile, so a burst of problems starts
   them once;
-- other plans (SDPA's aten ops, flex's torch.compile) compile at their first call in the gate, as before.
+- other plans (SDPA's aten ops, flex's torch.compile) compile at their first call in the gate.
 
 ``INDUCTOR_ATTN_COMPILE_WORKERS`` caps the compiles at once per pool (default: the cores this process may
 use, split among the ranks of the node, at most 8; 0 compiles every candidate at its first call);
@@ -54,9 +53,8 @@ TIMEOUT_ENV = "INDUCTOR_ATTN_COMPILE_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 60.0
 MAX_WORKERS = 8
 IDLE_S = 60.0  # a worker holds a CUDA context (about 0.5 GB): give it back soon after a burst of tunes
-# Fewer process jobs than this compile in this process unless a worker is idle: a fresh worker took 4.8 s to
-# start and 11.7 s for its first FA4 compile (FA4's import included, which workers now do before they say
-# ready), where this process's first took 6.5 s and later ones 3.3 s (H100, benchmarks/RESULTS.md, Tuning cost).
+# Fewer process jobs than this compile in this process unless a worker is idle: a fresh worker's start-up
+# and first FA4 compile took longer than a few compiles here (H100, benchmarks/RESULTS.md, Tuning cost).
 MIN_WORKER_JOBS = 4
 
 
@@ -79,12 +77,14 @@ class Compiled:
 
 
 def max_workers() -> int:
+    """Compiles at once per pool: this rank's share of the cores (torchrun's ranks on this node,
+    LOCAL_WORLD_SIZE, share them), at most MAX_WORKERS, unless WORKERS_ENV says otherwise."""
     default = max(1, min(MAX_WORKERS, _cores() // max(int(os.environ.get("LOCAL_WORLD_SIZE") or 1), 1)))
     return env_number(WORKERS_ENV, default, int, lambda n: n >= 0, "a non-negative number")
 
 
 def _cores() -> int:
-    """Cores this process may use; torchrun's ranks on this node (LOCAL_WORLD_SIZE) share them."""
+    """Cores this process may use."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
@@ -95,7 +95,9 @@ def timeout_s() -> float:
 def compile_all(threads: dict[str, Callable[[], object]], processes: dict[str, tuple[str, str]],
                 call, here: dict[str, Callable[[], object]] | None = None) -> dict[str, Compiled]:
     """Run the ``threads`` jobs (name -> compile function) and the ``processes`` jobs (name -> (choice,
-    direction), compiled by workers on inputs like ``call``'s) at once; one Compiled per name. ``here``: for
+    direction), compiled by workers on inputs like ``call``'s) at once; a Compiled per name compiled ahead.
+    A name without one compiles at the gate's first call: all of them when max_workers() is 0, and process
+    jobs not in ``here`` when fewer than MIN_WORKER_JOBS leave the workers out. ``here``: for
     process jobs, the same compile in this process (the candidate's first launch): once its thread jobs are
     done, this thread takes the process jobs that no ready worker has taken yet, so a worker's start-up
     (an interpreter, a CUDA context, the imports: seconds, more than one compile) delays nothing."""
@@ -103,11 +105,11 @@ def compile_all(threads: dict[str, Callable[[], object]], processes: dict[str, t
     if workers == 0 or not (threads or processes):
         return {}
     here = here or {}
-    processors = workers
+    worker_processes = workers
     if len(processes) < MIN_WORKER_JOBS and not _POOL.idle:  # this process alone finishes them sooner
-        processes, processors = {name: job for name, job in processes.items() if name in here}, 0
+        processes, worker_processes = {name: job for name, job in processes.items() if name in here}, 0
     results: dict[str, Compiled] = {}
-    jobs = _ProcessJobs(processes, call, timeout_s(), processors) if processes else None
+    jobs = _ProcessJobs(processes, call, timeout_s(), worker_processes) if processes else None
     if threads:
         results.update(_in_threads(threads, call.q.device, timeout_s(), workers))
     if jobs is not None:
@@ -218,7 +220,9 @@ _POOL = _Pool()
 
 
 def prestart(candidates: int) -> None:
-    """Start workers for ``candidates`` compiles in worker processes to come (at most max_workers())."""
+    """Start workers for ``candidates`` compiles in worker processes to come (at most max_workers()), when
+    they are at least MIN_WORKER_JOBS (fewer compile here) and more than one worker may run (with one, this
+    rank's share of the cores is one compile at a time, which this process makes itself)."""
     n = min(candidates, max_workers())
     if candidates >= MIN_WORKER_JOBS and n > 1:
         _POOL.prestart(n)
