@@ -181,17 +181,22 @@ def measure_copy_gbps(device: torch.device, timer, samples: int = 10) -> float:
 
 
 # ---------------------------------------------------------------------------------------- decisions
+def whole_record(problem, direction: str = "forward") -> dict | None:
+    """The tuner's record of this problem's bucket in the current store."""
+    key = problem.bucket().key()
+    return next((row["record"] for row in get_store().rows()
+                 if row["op"] == f"{problem.op}/{direction}" and row["problem"] == key), None)
+
+
 def stored_record(problem, direction: str = "forward") -> dict | None:
     """The tuner's record of this problem's bucket in the current store, without its samples."""
-    key = problem.bucket().key()
-    for row in get_store().rows():
-        if row["op"] == f"{problem.op}/{direction}" and row["problem"] == key:
-            rec = row["record"]
-            cands = [{k: c.get(k) for k in ("name", "status", "reason", "median_ms", "speedup", "ci_low", "ci_high",
-                                             "compile_s")} for c in rec["candidates"]]
-            return {"winner": rec["winner"], "default": rec["default"], "why": rec["why"], "timer": rec["timer"],
-                    "candidates": cands}
-    return None
+    rec = whole_record(problem, direction)
+    if rec is None:
+        return None
+    cands = [{k: c.get(k) for k in ("name", "status", "reason", "median_ms", "speedup", "ci_low", "ci_high",
+                                     "compile_s")} for c in rec["candidates"]]
+    return {"winner": rec["winner"], "default": rec["default"], "why": rec["why"], "timer": rec["timer"],
+            "candidates": cands}
 
 
 def decisions(call: AttnCall, dev: DeviceInfo, direction: str = "forward") -> dict:

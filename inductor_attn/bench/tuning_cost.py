@@ -56,6 +56,7 @@ from typing import Callable
 import torch
 
 from . import suites
+from .runner import whole_record
 from .suites import Workload
 
 BUDGET_S = 540.0  # stays under a 10-minute job limit
@@ -331,7 +332,7 @@ def _first_call_worker(w: Workload, device: torch.device, smoke: bool,
         started = time.time()
         with tuning_mode(mode):
             out[f"{mode}_s"] = _timed(first_call(w, call, compiled), device)
-        record = _stored_record(call) if mode == "autotune" else None
+        record = whole_record(call.problem) if mode == "autotune" else None
         if record is not None and record.get("tuned_at", 0.0) >= started:  # not a store hit
             out["tune_seconds"] = record.get("seconds")
             out["timed"] = sum(c.get("median_ms") is not None for c in record.get("candidates", []))
@@ -348,7 +349,7 @@ def _background_first_call_worker(w: Workload, device: torch.device, smoke: bool
     start = time.perf_counter()
     out["landed"] = background.wait(timeout_s=LANDED_TIMEOUT_S)
     out["landed_s"] = time.perf_counter() - start
-    record = _stored_record(suites.build(w, device).call)
+    record = whole_record(suites.build(w, device).call.problem)
     out["landed_winner"] = None if record is None else record.get("winner")
     return {**out, **_first_call_worker(w, device, smoke, modes=("off",))}
 
@@ -371,15 +372,7 @@ def _tune_worker(w: Workload, device: torch.device, smoke: bool) -> dict:
     with tuning_mode("autotune"):
         seconds = _timed(lambda: decide(call, device_info(device), "forward"), device)
         choice = decide(call, device_info(device), "forward")
-    return {"choice": choice, "tune_s": seconds, "record": _stored_record(call)}
-
-
-def _stored_record(call) -> dict | None:
-    """This call's bucket's forward record in the store, whole (bench.runner.stored_record keeps less)."""
-    from ..store.db import get_store
-
-    key = call.problem.bucket().key()
-    return next((r["record"] for r in get_store().rows() if r["problem"] == key and r["op"].endswith("/forward")), None)
+    return {"choice": choice, "tune_s": seconds, "record": whole_record(call.problem)}
 
 
 def _regret_worker(w: Workload, device: torch.device, smoke: bool) -> dict:
