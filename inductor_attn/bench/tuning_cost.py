@@ -403,7 +403,9 @@ def _regret_worker(w: Workload, device: torch.device, smoke: bool) -> dict:
 
 def needed_margin(record, dev) -> float | None:
     """From an exhaustive tune: the largest stage-1 ratio (backend default / best default) among backends
-    whose best config is within 1% of the best; the stage margin that finds all of them."""
+    whose best config is within 1% of the best; the stage margin that finds all of them. A backend's default
+    is the one stage 1 times (tuner.py ``_groups``/``_representatives``): its hand rule's config, else its
+    first candidate, in prior order, that passed."""
     from ..backends import get_backend
 
     timed = [c for c in record.candidates if c.status == "passed" and c.median_ms is not None]
