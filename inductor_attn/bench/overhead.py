@@ -12,8 +12,9 @@ eager SDPA before it is timed.
 
 Run-time decisions: compiled code leaves varlen and block-sparse calls (whose index values matter) to run
 time, where each call finds its kernel before launching it: its problem (from a new call object, as each op
-call makes one), the problem's bucket, the decision memo and the plan (runtime.py). Host us per call of that lookup once the bucket is decided, forward and
-backward, for the quick suites' varlen and block-sparse workloads (suites.py).
+call makes one), the problem's bucket, the decision memo and the plan (runtime.py). Host us per call of that
+lookup once the bucket is decided, forward and backward, for the quick suites' varlen and block-sparse
+workloads (suites.py).
 
 HF Llama (random init, the size of the zero-overhead issue: 8 layers, hidden 1024, 16/4 heads, bf16):
 prefill B4 L2048 and one static-cache decode step, stock ``torch.compile`` against

@@ -8,8 +8,8 @@ keys differ).
 
 A decision of the shipped tables (store/priors.py) for the bucket shortens an autotune to the candidates
 close to its winner (``priors.shortlist``), is used as it is in cache-only mode, and runs until the tune
-lands in background mode (background.py). Background decisions made without a measurement are provisional: each
-checks the store at most once a second (``RECHECK_S``) until the tune's decision is there.
+lands in background mode (background.py). Background decisions made without a measurement are provisional:
+each checks the store at most once a second (``RECHECK_S``) until the tune's decision is there.
 """
 
 from __future__ import annotations
@@ -231,7 +231,8 @@ def _background_without_costly_imports(call: AttnCall, light: list[Candidate], f
 
 
 def _schedule_tune(call: AttnCall, direction: str, key: str) -> None:
-    """Queue background mode's tune of ``key`` (the worker tunes with no lse gradient, as its callers ask)."""
+    """Queue background mode's tune of ``key``; only buckets without a lse gradient come here, since the
+    worker tunes without one."""
     deterministic = direction == "backward" and torch.are_deterministic_algorithms_enabled()
     background.schedule(call, direction, key, deterministic)
 
@@ -287,9 +288,9 @@ def _shortlisted(cands: list[Candidate], prior: dict) -> tuple[list[Candidate], 
     keep = {c.name for c in cands if c.pruned is None and c.name in top}
     if not keep:
         return cands, ""
+    floor_s = SHORTLIST_COMPILE_FACTOR * SHORTLIST_COMPILE_FLOOR_S
     scope = (f"within {SHORTLIST_MARGIN:.0%} of the winner of the shipped decision and compiling within "
-             f"{SHORTLIST_COMPILE_FACTOR:g}x its time, at least {SHORTLIST_COMPILE_FACTOR * SHORTLIST_COMPILE_FLOOR_S:g} "
-             f"s (at most {SHORTLIST}; {origin})")
+             f"{SHORTLIST_COMPILE_FACTOR:g}x its time, at least {floor_s:g} s (at most {SHORTLIST}; {origin})")
     why = f"not timed again: not {scope}"
     shortened = [c if c.name in keep or c.pruned else dataclasses.replace(c, pruned=why) for c in cands]
     return shortened, f"the candidates {scope}, timed here"
