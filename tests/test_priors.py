@@ -63,8 +63,9 @@ def test_a_shipped_decision_shortens_the_autotune_to_the_candidates_close_to_its
     status = {c["name"]: (c["status"], c["reason"]) for c in row["record"]["candidates"]}
     assert [n for n, (s, _) in status.items() if s == "passed"] == ["b:x=1", "b:x=2"]
     for name in ("a:default", "b:x=3", "b:x=4", "b:x=5"):
-        assert status[name][1].startswith("not timed again: not within 3% of the winner of the shipped decision "
-                                          "and compiling within 1.5x its time, at least 3 s (at most 2; shipped: cpu.json"), name
+        assert status[name][1].startswith(
+            "not timed again: not within 3% of the winner of the shipped decision and compiling within 1.5x its "
+            "time, at least 3 s (at most 2; shipped: cpu.json"), name
     assert row["record"]["search"].startswith("the candidates within 3% of the winner of the shipped decision")
 
 
