@@ -106,3 +106,15 @@ def test_one_compiled_function_takes_block_masks_of_other_block_sizes_after_a_re
         out = compiled(q, k, v, inductor_attn.BlockSparseMask.from_block_mask(bm))
         torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_a_window_size_that_changes_between_calls_compiles_and_matches_eager():
+    """After a second window size torch.compile makes the size symbolic; the call then decides at run time."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 32, 16, generator=gen) for _ in range(3))
+    per_int = torch.compile(lambda q, k, v, w: inductor_attn.attention(q, k, v, window=w), fullgraph=True)
+    per_pair = torch.compile(lambda q, k, v, w: inductor_attn.attention(q, k, v, window=(w, 0)), fullgraph=True)
+    for w in (2, 4, 6):
+        expected = inductor_attn.attention(q, k, v, window=w)
+        torch.testing.assert_close(per_int(q, k, v, w), expected)
+        torch.testing.assert_close(per_pair(q, k, v, w), inductor_attn.attention(q, k, v, window=(w, 0)))

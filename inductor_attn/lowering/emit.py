@@ -77,7 +77,9 @@ def _set_choice(node: torch.fx.Node, choice: str) -> None:
 
 
 def _static(vals: dict) -> bool:
-    return all(isinstance(s, int) for name in ("q", "k", "v") for s in vals[name].shape)
+    """Shapes and window sizes known while compiling (not symbolic): the choice can be baked."""
+    return (all(isinstance(s, int) for name in ("q", "k", "v") for s in vals[name].shape)
+            and all(isinstance(vals[name], int) for name in ("window_left", "window_right")))
 
 
 def _concrete_call(vals: dict) -> AttnCall:

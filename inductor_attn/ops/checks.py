@@ -126,8 +126,9 @@ def check_not_empty(sizes: dict[str, int]) -> None:
 
 
 def check_window(window_left: int, window_right: int) -> None:
+    # a SymInt: torch.compile made a window that changed between calls symbolic (decided at run time then)
     for name, w in (("window_left", window_left), ("window_right", window_right)):
-        if not isinstance(w, int) or isinstance(w, bool):
+        if not isinstance(w, (int, torch.SymInt)) or isinstance(w, bool):
             fail(TypeError, f"{name} must be an int (-1 = unbounded), got {type(w).__name__}")
         if w < -1:
             fail(ValueError, f"{name} must be -1 (unbounded) or >= 0, got {w}")
