@@ -32,3 +32,15 @@ def conform(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     if want.stride() == t.stride():
         return t
     return want.copy_(t)
+
+
+def filled_like(like: torch.Tensor, fill) -> torch.Tensor:
+    """A new tensor with ``like``'s shape, strides, dtype and device whose memory ``fill`` writes (it gets the
+    1-D tensor of every element the strides reach): overlapping strides, as of an ``expand``-ed input, are
+    kept, where writing through such a view raises."""
+    if like.numel() == 0:
+        return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device)
+    reach = 1 + sum((n - 1) * s for n, s in zip(like.shape, like.stride()))
+    base = torch.empty(reach, dtype=like.dtype, device=like.device)
+    fill(base)
+    return base.as_strided(like.shape, like.stride())

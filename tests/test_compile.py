@@ -118,3 +118,17 @@ def test_a_window_size_that_changes_between_calls_compiles_and_matches_eager():
         expected = inductor_attn.attention(q, k, v, window=w)
         torch.testing.assert_close(per_int(q, k, v, w), expected)
         torch.testing.assert_close(per_pair(q, k, v, w), inductor_attn.attention(q, k, v, window=(w, 0)))
+
+
+@pytest.mark.parametrize("mode", ["autotune", "heuristic"])
+def test_expanded_inputs_compile_and_match_eager(mode):
+    """K/V and a key mask that ``expand`` broadcast (stride 0): the compile's made-up inputs keep the layout."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, 16, 16, generator=gen)
+    k, v = (torch.randn(1, 2, 32, 16, generator=gen).expand(2, 2, 32, 16) for _ in range(2))
+    keys_open = torch.rand(32, generator=gen) < 0.8
+    keys_open[0] = True
+    mask = keys_open.unsqueeze(0).expand(2, 32)
+    with inductor_attn.tuning_mode(mode):
+        compiled = torch.compile(lambda q, k, v, m: inductor_attn.attention(q, k, v, key_mask=m), fullgraph=True)
+        torch.testing.assert_close(compiled(q, k, v, mask), inductor_attn.attention(q, k, v, key_mask=mask))

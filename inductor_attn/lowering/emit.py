@@ -24,6 +24,7 @@ import torch
 from .._compat import fake_mode_of, trace_functional, unset_fake_mode
 from ..backends import AttnCall
 from ..device import device_info
+from ..layout import filled_like
 from ..ops import BACKWARD_OPS, FORWARD_OPS, attention_backward_op, attention_op
 from ..ops.launch import launch_op, plan_key
 from ..runtime import COMPILED, count_compiled, plan_for
@@ -92,12 +93,12 @@ def _concrete_call(vals: dict) -> AttnCall:
         def like(x):
             if x is None:
                 return None
-            t = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
             if x.dtype == torch.bool:
-                return t.copy_(torch.rand(x.shape, generator=gen, device=x.device) < 0.9)
+                return filled_like(x, lambda t: t.copy_(torch.rand(t.shape, generator=gen, device=t.device) < 0.9))
             if not x.dtype.is_floating_point:
-                return t.copy_(torch.randint(1, vals["k"].shape[2] + 1, x.shape, generator=gen, device=x.device))
-            return t.normal_(generator=gen)
+                return filled_like(x, lambda t: t.copy_(torch.randint(1, vals["k"].shape[2] + 1, t.shape,
+                                                                      generator=gen, device=t.device)))
+            return filled_like(x, lambda t: t.normal_(generator=gen))
 
         return AttnCall("attention", like(q), like(vals["k"]), like(vals["v"]), float(vals["scale"]),
                         bool(vals["causal"]), int(vals["window_left"]), int(vals["window_right"]),

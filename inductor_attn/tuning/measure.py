@@ -28,6 +28,7 @@ import torch
 
 from ..backends import REFERENCE, AttnCall, Plan, get_backend, plan_for
 from ..device import device_info
+from ..layout import filled_like
 from .correctness import POISON, check_output, check_tensor, rel_err
 
 log = logging.getLogger(__name__)
@@ -66,8 +67,7 @@ def fresh_inputs(call: AttnCall, seed: int) -> AttnCall:
     gen = torch.Generator(device=call.q.device).manual_seed(seed)
 
     def like(x: torch.Tensor) -> torch.Tensor:
-        y = torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=x.device)
-        return y.normal_(generator=gen)
+        return filled_like(x, lambda t: t.normal_(generator=gen))
 
     return dataclasses.replace(call, q=like(call.q), k=like(call.k), v=like(call.v), _problem=call._problem)
 
