@@ -8,7 +8,7 @@ from fakes import FakeBackend, FakeTimer, small_call
 
 import inductor_attn
 from inductor_attn import cache
-from inductor_attn.backends import only_backends
+from inductor_attn.backends import AttnCall, only_backends
 from inductor_attn.device import DeviceInfo
 from inductor_attn.store import keys
 from inductor_attn.store.db import get_store
@@ -184,6 +184,34 @@ def test_an_ungated_choice_that_cannot_run_gives_way_to_the_next_candidate(mode,
     torch.testing.assert_close(again, want)
     assert a.calls == 2 and b.calls == 2  # the failed default ran once per bucket, then the explicit call
     assert sum("a:default failed at its launch" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_choice_that_failed_at_an_eager_launch_is_not_what_the_next_compile_bakes():
+    a = FakeBackend("a", {"default": (1.0, 0.01)}, fail={"default"})
+    b = FakeBackend("b", {"x=1": (0.5, 0.01)})
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    with only_backends(a, b), inductor_attn.tuning_mode("off"):
+        assert decide(AttnCall("attention", q, k, v, 0.25, True), DEV, "forward", compiled=True) == "a:default"
+        inductor_attn.attention(q, k, v, causal=True)  # a:default fails at its launch here
+        assert decide(AttnCall("attention", q, k, v, 0.25, True), DEV, "forward", compiled=True) == "b:x=1"
+
+
+class _OutOfMemory(FakeBackend):
+    def _forward(self, cfg, call):
+        self.calls += 1
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+
+def test_running_out_of_device_memory_is_raised_and_keeps_the_choice():
+    """Out of memory says nothing about the kernel: giving way would demote a good choice (and re-tune)."""
+    a = _OutOfMemory("a", {"default": (1.0, 0.01)})
+    b = FakeBackend("b", {"x=1": (0.5, 0.01)})
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    with only_backends(a, b), inductor_attn.tuning_mode("off"):
+        for _ in range(2):
+            with pytest.raises(torch.OutOfMemoryError):
+                inductor_attn.attention(q, k, v, causal=True)
+    assert a.calls == 2 and b.calls == 0
 
 
 class _CostlyImport(FakeBackend):

@@ -354,17 +354,21 @@ def give_way(call: AttnCall, dev: DeviceInfo, direction: str, choice: str, err: 
     """``choice``, decided here for ``call``, raised ``err`` at its launch. If ``err`` is one of the errors
     that mean "cannot run here" for its backend, the choice is dropped for its bucket in this process (one
     warning) and True is returned: the caller decides again and gets the next runnable candidate. False
-    for any other error (a bug, to raise) and for the reference, which has no successor."""
+    for any other error (a bug, to raise), for the reference, which has no successor, and for running out of
+    device memory, which says nothing about the kernel. The choice is dropped for compiled code too, which
+    decides under its own memo key when it compiles next."""
     backend = get_backend(choice.partition(":")[0])
-    if backend.name == "reference" or not is_candidate_error(err, backend):
+    if (backend.name == "reference" or isinstance(err, torch.OutOfMemoryError)
+            or not is_candidate_error(err, backend)):
         return False
-    key = _memo_key(call, dev, direction, False, grad_lse)
     with _LOCK:
-        _FAILED.setdefault(key, {})[choice] = describe(err)
-        if _MEMO.get(key) == choice:
-            del _MEMO[key]
-            _ROWS.pop(key, None)
-            _PROVISIONAL.pop(key, None)
+        for compiled in (False, True):
+            key = _memo_key(call, dev, direction, compiled, grad_lse)
+            _FAILED.setdefault(key, {})[choice] = describe(err)
+            if _MEMO.get(key) == choice:
+                del _MEMO[key]
+                _ROWS.pop(key, None)
+                _PROVISIONAL.pop(key, None)
     log.warning("inductor_attn: %s failed at its launch on %s (%s); the next candidate runs this bucket in this "
                 "process", choice, call.problem, describe(err))
     return True
