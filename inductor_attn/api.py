@@ -149,7 +149,9 @@ def candidates(q, k, v, **kwargs) -> list[Candidate]:
 
 
 def run_candidate(candidate: Candidate | str, q, k, v, *, return_lse: bool = False, **kwargs):
-    """Run exactly one candidate (a :class:`Candidate` or its ``"backend:config"`` name) on this call."""
+    """Run exactly one candidate (a :class:`Candidate` or its ``"backend:config"`` name) on this call's
+    forward. Its backward, if autograd asks for one, is decided at run time like any call's: backward
+    candidates have configs of their own."""
     name = candidate.name if isinstance(candidate, Candidate) else candidate
     if not isinstance(name, str):
         raise TypeError(f"candidate must be a Candidate or a 'backend:config' string, got {type(candidate).__name__}")

@@ -193,3 +193,13 @@ def test_a_traced_sdpa_plan_keeps_views_and_copies_nothing(direction):
     targets = {str(n.target) for n in graph.nodes if n.op == "call_function"}
     assert not {t for t in targets if "clone" in t or "copy" in t}, targets
 
+
+
+def test_another_version_of_a_backend_library_moves_the_guard(monkeypatch):
+    """Decisions are keyed on the backends' library versions: a graph compiled under FA4 x must not be
+    replayed under FA4 y, whose decisions are new rows that leave the store's revision as it was."""
+    from inductor_attn.store import keys
+
+    before = DecisionPass().uuid()
+    monkeypatch.setattr(keys, "library_versions", lambda: {"torch": "9.9.9", "flash-attn-4": "9.9.9"})
+    assert DecisionPass().uuid() != before

@@ -47,6 +47,7 @@ class DecisionPass(_Base):
         from .._version import __version__
         from ..device import ENV_VAR as DEVICE_ENV
         from ..store.db import get_store
+        from ..store.keys import library_versions
         from ..tuning.modes import ENV_VAR as MODE_ENV
         from ..tuning.modes import current_mode
 
@@ -57,6 +58,8 @@ class DecisionPass(_Base):
             return uuid.uuid4().hex
         parts = [__version__, token, mode, os.environ.get(MODE_ENV, ""), os.environ.get(DEVICE_ENV, "")]
         parts += [f"{b.name}={b.source_hash()}" for b in backends.backends()]
+        # decisions are keyed on these too: a new FA4 brings new decisions, which a new row does not signal
+        parts += sorted(library_versions().items())
         if self.chained is not None:
             chained_uuid = getattr(self.chained, "uuid", lambda: None)()
             if chained_uuid is None:

@@ -6,8 +6,9 @@ argument, ``choice``, is
 - ``COMPILED`` (``"*"``) in compiled code: decided at run time too, unchecked, because the fake impl
   checked the arguments once while tracing (lowering/ sets it on the calls it leaves to run time);
 - a candidate (``"<backend>:<config>"``, from ``run_candidate``): checked, then run on that candidate.
-Backward ops take the same ``choice``. Compiled code does not call these ops at all where shapes decide:
-lowering/ replaces those calls by their plans.
+Backward ops take ``choice`` the same way; autograd calls them with ``""`` (a backward candidate's configs
+are not its forward's), so the backward of a ``run_candidate`` call is decided at run time. Compiled code
+does not call these ops at all where shapes decide: lowering/ replaces those calls by their plans.
 """
 
 from __future__ import annotations
