@@ -92,7 +92,7 @@ def run(smoke: bool, quick: bool, device: torch.device, part: str = "all", budge
     with tempfile.TemporaryDirectory(prefix="inductor_attn_tuning_cost_") as tmp:
         root = Path(tmp)
         if part != "search":
-            for row in _cold_rows(workloads, root, deadline, smoke, out["notes"], part):
+            for row in _cold_rows(workloads, root, deadline, smoke, out["notes"], shipped, part == "background"):
                 out["cold"].append(row)
                 finished_so_far()
         if shipped:
@@ -107,11 +107,11 @@ def run(smoke: bool, quick: bool, device: torch.device, part: str = "all", budge
     return finished_so_far()
 
 
-def _cold_rows(workloads: list[Workload], root: Path, deadline: float, smoke: bool, notes: list, part: str):
+def _cold_rows(workloads: list[Workload], root: Path, deadline: float, smoke: bool, notes: list, shipped: bool,
+               background: bool):
     """Each workload's cold and warm row, as it is measured (none for a workload that did not start)."""
-    shipped = part in ("shipped", "background")
     share = deadline if shipped else _phase_deadline(deadline, "cold")
-    verb = "background-first-call" if part == "background" else "first-call"
+    verb = "background-first-call" if background else "first-call"
     for i, w in enumerate(workloads):
         if row := _cold_and_warm(w, root / f"w{i}", share, deadline, smoke, notes, shipped, verb):
             yield row

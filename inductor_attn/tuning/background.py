@@ -2,10 +2,11 @@
 
 On a miss, decisions.py answers at once with the best choice known without measuring (the shipped
 decision's winner, or its fastest candidate of another backend when the winner is FA4's, whose import
-and JIT compile would hold the compile; else the hand rule, else the default) and queues the bucket here. One daemon thread
-per process works through the queue: it claims the bucket's key in the store (ranks.py) and has a worker
-process (subproc.py) tune the bucket under the device claim and store the decision; a bucket that a live
-process has claimed is left to it, since its decision lands in the same store.
+and JIT compile would hold the compile; else the hand rule, else the default) and queues the bucket here.
+One daemon thread per process works through the queue: it claims the bucket's key in the store
+(ranks.py) and has a worker process (subproc.py) tune the bucket under the device claim and store the
+decision; a bucket that a live process has claimed is left to it, since its decision lands in the same
+store.
 
 The tune runs in another process rather than a thread of this one, so that it holds none of the job's
 GIL and never allocates, synchronizes or captures a CUDA graph in it: while this process captures a

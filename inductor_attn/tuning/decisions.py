@@ -233,8 +233,7 @@ def _background_without_costly_imports(call: AttnCall, light: list[Candidate], f
 def _schedule_tune(call: AttnCall, direction: str, key: str) -> None:
     """Queue background mode's tune of ``key``; only buckets without a lse gradient come here, since the
     worker tunes without one."""
-    deterministic = direction == "backward" and torch.are_deterministic_algorithms_enabled()
-    background.schedule(call, direction, key, deterministic)
+    background.schedule(call, direction, key, _variant(direction) == "backward-deterministic")
 
 
 def _usable(row: dict | None, compiled: bool, runnable: set[str]) -> dict | None:
@@ -333,7 +332,7 @@ def decide(call: AttnCall, dev: DeviceInfo, direction: str, compiled: bool = Fal
         if key in _PROVISIONAL:
             _recheck(key, compiled)
         if key not in _MEMO:
-            agreed = _adopted(call, dev, direction, key)
+            agreed = _adopted(call, dev, direction, grad_lse, key)
             choice, row, pending = ((*agreed, None) if agreed
                                     else decide_uncached(call, dev, direction, compiled, grad_lse, _FAILED.get(key)))
             if row is not None:
@@ -387,12 +386,12 @@ def _recheck(key: tuple, compiled: bool) -> None:
     _MEMO[key], _ROWS[key] = _winner(row, compiled), row
 
 
-def _adopted(call: AttnCall, dev: DeviceInfo, direction: str, key: tuple) -> tuple[str, dict | None] | None:
+def _adopted(call: AttnCall, dev: DeviceInfo, direction: str, grad_lse: bool,
+             key: tuple) -> tuple[str, dict | None] | None:
     """The choice sync_decisions agreed on for ``key``, if this rank can run it."""
     agreed = _AGREED.pop(key, None)
     if agreed is None:
         return None
-    grad_lse = key[0].endswith("+dlse")  # the memo key's variant (_variant)
     runnable = {c.name for c in enumerate_candidates(call.problem, dev, direction, grad_lse) if c.pruned is None}
     if agreed[0] in runnable:
         return agreed
