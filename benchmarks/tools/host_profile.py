@@ -15,7 +15,9 @@ static launcher, Triton's own launcher, aten matmuls), wall and kernel us per st
 the GPU kernels (by name, per step) whose counts differ between the two.
 
 ``--training SHAPE``: the same for one fwd+bwd step of a training-suite shape (bench/training.py): eager SDPA,
-stock compiled SDPA and ours compiled, the kernel counts compared between stock compiled and ours.
+stock compiled SDPA and ours compiled, the kernel counts compared between stock compiled and ours; then ours'
+host time peeled layer by layer (compiled step, eager step, forward op, run-time path, plan launches) and the
+synchronizing calls of its compiled step (``torch.cuda.set_sync_debug_mode``).
 
 ``--llama-training SIZE``: the training suite's HF Llama step (forward, backward, AdamW; bench/models.py) at
 that size, stock ``torch.compile`` and ours, the same way.
@@ -172,7 +174,63 @@ def training(shape_name: str, calls: int) -> None:
     device = torch.device("cuda")
     q, k, v, g = shape.inputs(device, torch.bfloat16)
     fns = suite.paths(shape, device)
-    compare({name: suite.training_step(fns[name][0], q, k, v, g) for name in TRAINING_PATHS}, calls)
+    steps = {name: suite.training_step(fns[name][0], q, k, v, g) for name in TRAINING_PATHS}
+    compare(steps, calls)
+    layers(steps["ours"], suite.training_step(fns["ours eager"][0], q, k, v, g), q, k, v, g, shape, device)
+
+
+def layers(compiled_step, eager_step, q, k, v, g, shape, device) -> None:
+    """Host us of ours' step peeled layer by layer (compiled step, eager step, the forward op, the run-time
+    path, the plans' launches), and whether the compiled step synchronizes with the GPU."""
+    import warnings
+
+    from inductor_attn import runtime
+    from inductor_attn.api import make_call
+    from inductor_attn.bench import training as suite
+
+    kw = suite.ours_kwargs(shape, device)
+    call = make_call(q.detach(), k.detach(), v.detach(), **kw)
+    dev = device_info(q.device)
+    out, lse = runtime.forward(call, runtime.COMPILED)
+    fwd_choice = inductor_attn.tuning.decide(call, dev, "forward")
+    bwd_choice = inductor_attn.tuning.decide(call, dev, "backward")
+    fwd_plan = plan_for(call.problem, fwd_choice, dev, "forward")
+    bwd_plan = plan_for(call.problem, bwd_choice, dev, "backward")
+
+    def forward_op():
+        with torch.no_grad():
+            return inductor_attn.attention(q, k, v, **kw)
+
+    rows = {
+        "compiled step (fwd + bwd)": compiled_step,
+        "eager step (fwd + bwd, our ops)": eager_step,
+        "eager forward op (no grad)": forward_op,
+        "runtime.forward (decide + plan + launch)": lambda: runtime.forward(call, runtime.COMPILED),
+        f"forward plan launch ({fwd_choice})": lambda: fwd_plan.launch(call),
+        "runtime.backward (decide + plan + launch)": lambda: runtime.backward(call, runtime.COMPILED, out, lse, g, None),
+        f"backward plan launch ({bwd_choice})": lambda: bwd_plan.launch(call, out, lse, g, None),
+    }
+    print("== ours, layer by layer (host us per call):")
+    for name, fn in rows.items():
+        print(f"   {host_us(warm(fn), bursts=3):8.1f}  {name}")
+    if fwd_choice.startswith("triton:"):
+        launch_anatomy("forward", lambda launcher: fwd_plan.launch.__self__._run(call, launcher))
+    if bwd_choice.startswith("triton:"):
+        from inductor_attn.backends.triton_flash import flash_bwd
+
+        cfg = bwd_plan.launch.args[0]
+        launch_anatomy("backward", lambda launcher: flash_bwd.backward(cfg, launcher, call, out, lse, g, None))
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(3):
+                compiled_step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = sorted({str(w.message).splitlines()[0][:120] for w in caught})
+    print(f"   synchronizing calls in 3 compiled steps: {len(caught)}" + "".join(f"\n      {m}" for m in syncs))
 
 
 def compare(steps: dict, calls: int) -> None:
@@ -209,6 +267,45 @@ def compare(steps: dict, calls: int) -> None:
     print(f"== kernel us per step, {first} / {second}, the largest differences:")
     for kernel in gaps:
         print(f"   {kernel_us[first].get(kernel, 0):8.1f} / {kernel_us[second].get(kernel, 0):8.1f}  {kernel}")
+
+
+def launch_anatomy(direction: str, run) -> None:
+    """Host us of each Triton launch that ``run(launcher)`` makes: the launch as made (Triton's JIT), its
+    argument binding alone, and the compiled kernel launched directly with the bound arguments."""
+    from triton import knobs
+    from triton.runtime.driver import driver
+
+    made = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                made.append((self.kernel, grid, args, kwargs))
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    run(Recorder)
+    device = driver.active.get_current_device()
+    stream = driver.active.get_current_stream(device)
+    print(f"   {direction} launches (launch_enter_hook {knobs.runtime.launch_enter_hook}):")
+    for kernel, grid, args, kwargs in made:
+        binder = kernel.device_caches[device][4]
+        compiled = kernel[grid](*args, **kwargs)
+        bound = list(binder(*args, **kwargs)[0].values())
+        g = (*grid, 1, 1)[:3]
+
+        def direct():
+            compiled.run(*g, stream, compiled.function, compiled.packed_metadata, None, None, None, *bound)
+        try:
+            times = [host_us(warm(fn), bursts=3) for fn in (lambda: kernel[grid](*args, **kwargs),
+                                                            lambda: binder(*args, **kwargs), direct)]
+            print(f"      {kernel.__name__}: {len(bound)} args; JIT launch {times[0]:.1f} us, binding alone "
+                  f"{times[1]:.1f} us, compiled kernel direct {times[2]:.1f} us")
+        except Exception as err:  # a tool: report and go on
+            print(f"      {kernel.__name__}: {type(err).__name__}: {err}")
 
 
 if __name__ == "__main__":

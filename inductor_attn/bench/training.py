@@ -103,13 +103,18 @@ def _sdpa(shape: Shape, device):
     return fn
 
 
-def _ours(shape: Shape, device):
+def ours_kwargs(shape: Shape, device) -> dict:
+    """The mask arguments of ``inductor_attn.attention`` for the shape."""
     if shape.mask == "window":
-        return lambda q, k, v: api.attention(q, k, v, causal=True, window=WINDOW)
+        return {"causal": True, "window": WINDOW}
     if shape.mask == "document":
-        sparse = BlockSparseMask.from_block_mask(shape.block_mask(device))
-        return lambda q, k, v: api.attention(q, k, v, block_mask=sparse)
-    return lambda q, k, v: api.attention(q, k, v, causal=shape.causal)
+        return {"block_mask": BlockSparseMask.from_block_mask(shape.block_mask(device))}
+    return {"causal": shape.causal}
+
+
+def _ours(shape: Shape, device):
+    kw = ours_kwargs(shape, device)
+    return lambda q, k, v: api.attention(q, k, v, **kw)
 
 
 def _flex(shape: Shape, device):
