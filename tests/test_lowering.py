@@ -70,6 +70,31 @@ def test_a_traceable_plan_is_put_into_the_graph_and_no_op_of_ours_runs(monkeypat
     torch._dynamo.reset()
 
 
+def test_a_static_block_sparse_call_decides_per_call_through_the_launch_op_not_the_custom_op(fakes):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    block_mask = create_block_mask(lambda b, h, q, kv: (kv <= q) & (q - kv < 40), None, None, 96, 96,
+                                   device="cpu", BLOCK_SIZE=32)
+    sparse = inductor_attn.BlockSparseMask.from_block_mask(block_mask)
+    q, k, v = _qkv(96, heads_kv=4, requires_grad=True)
+
+    def step(q, k, v):
+        out = torch.compile(lambda q, k, v: inductor_attn.attention(q, k, v, block_mask=sparse), fullgraph=True)(q, k, v)
+        return torch.autograd.grad(out.sum(), (q, k, v))
+
+    inductor_attn.reset_stats()
+    grads, codes = run_and_get_code(step, q, k, v)
+    assert len(codes) == 2  # forward and backward
+    for code in codes:
+        assert "torch.ops.inductor_attn.launch.default(" in code and "|*|" in code
+        assert "block_sparse_attention" not in code
+    # decided per call on the real mask, and counted there
+    assert inductor_attn.stats() == {"block_sparse/backward -> b:x=1": 1, "block_sparse/forward -> b:x=1": 1}
+    want = torch.autograd.grad(inductor_attn.attention(q, k, v, block_mask=sparse).sum(), (q, k, v))
+    for got, w in zip(grads, want):
+        torch.testing.assert_close(got, w)
+
+
 def test_dynamic_lengths_compile_once_and_tune_each_new_bucket_once(fakes, monkeypatch):
     a, b = fakes
     tuned = []

@@ -11,8 +11,11 @@ then replaced by its plan:
 - otherwise one call of the thin ``inductor_attn::launch`` op (ops/launch.py), whose string argument
   names the plan; the op runs the plan's launch (for FA4 on sm_90, the compiled kernel directly).
 
-Dynamic shapes, varlen and block-sparse calls keep their op call: their decision needs run-time values
-(lengths, index tensors, mask density) and costs one cached lookup per call (runtime.py).
+Dynamic shapes and varlen calls keep their op call: their decision needs run-time values (lengths) and
+costs one cached lookup per call (runtime.py). A block-sparse call with static shapes (its density is a
+constant of the graph) is decided on its real mask too, but goes through the thin ``inductor_attn::launch``
+op with the choice ``COMPILED``, which spares the custom op's autograd dispatch and the problem's
+construction per call (ops/launch.py).
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from .._compat import fake_mode_of, trace_functional, unset_fake_mode
 from ..backends import AttnCall
 from ..device import device_info
 from ..layout import filled_like
-from ..ops import BACKWARD_OPS, FORWARD_OPS, attention_backward_op, attention_op
+from ..ops import (BACKWARD_OPS, FORWARD_OPS, attention_backward_op, attention_op,
+                   block_sparse_attention_backward_op, block_sparse_attention_op)
+from ..ops.attention import sparse_mask
 from ..ops.launch import launch_op, plan_key
 from ..runtime import COMPILED, count_compiled, plan_for
 
@@ -33,6 +38,9 @@ _DIRECTION = {attention_op._opoverload: "forward", attention_backward_op._opover
 _ALL_OPS = {op._opoverload for op in FORWARD_OPS + BACKWARD_OPS}
 _FORWARD_TENSORS = ("q", "k", "v", "kv_seqlens", "key_mask")
 _BACKWARD_TENSORS = _FORWARD_TENSORS + ("out", "lse", "grad_out", "grad_lse")
+_SPARSE_DIRECTION = {block_sparse_attention_op._opoverload: "forward",
+                     block_sparse_attention_backward_op._opoverload: "backward"}
+_MASK_TENSORS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "partial_bits")
 
 
 def emit_plans(graph: torch.fx.Graph) -> None:
@@ -43,7 +51,12 @@ def emit_plans(graph: torch.fx.Graph) -> None:
         vals = {name: a.meta.get("val") if isinstance(a, torch.fx.Node) else a for name, a in args.items()}
         direction = _DIRECTION.get(node.target)
         if direction is None or not _static(vals):
-            if not args["choice"]:  # decided at run time; the fake impl has checked the arguments
+            if not args["choice"] and _static_sparse(node, vals):
+                direction = _SPARSE_DIRECTION[node.target]
+                names = (_BACKWARD_TENSORS if direction == "backward" else _FORWARD_TENSORS) + _MASK_TENSORS
+                key = plan_key(direction, COMPILED, _sparse_call(vals))
+                _replace_outputs(graph, node, _emit_launch(graph, node, key, args, vals, names))
+            elif not args["choice"]:  # decided at run time; the fake impl has checked the arguments
                 _set_choice(node, COMPILED)
             continue
         call = _concrete_call(vals)
@@ -81,6 +94,21 @@ def _static(vals: dict) -> bool:
     """Shapes and window sizes known while compiling (not symbolic): the choice can be baked."""
     return (all(isinstance(s, int) for name in ("q", "k", "v") for s in vals[name].shape)
             and all(isinstance(vals[name], int) for name in ("window_left", "window_right")))
+
+
+def _static_sparse(node: torch.fx.Node, vals: dict) -> bool:
+    """A block-sparse call whose problem is known while compiling: static shapes, block sizes and density."""
+    return (node.target in _SPARSE_DIRECTION
+            and all(isinstance(s, int) for name in ("q", "k", "v") for s in vals[name].shape)
+            and all(type(vals[name]) is int for name in ("block_q", "block_kv"))
+            and all(type(vals[name]) is float for name in ("scale", "density", "partial_fraction")))
+
+
+def _sparse_call(vals: dict) -> AttnCall:
+    """The call (on the graph's fake tensors) whose problem names a block-sparse plan."""
+    sparse = sparse_mask(*(vals[n] for n in ("q", "k") + _MASK_TENSORS + ("block_q", "block_kv", "density",
+                                                                         "partial_fraction")))
+    return AttnCall("block_sparse", vals["q"], vals["k"], vals["v"], vals["scale"], sparse=sparse)
 
 
 def _concrete_call(vals: dict) -> AttnCall:

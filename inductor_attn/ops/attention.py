@@ -156,7 +156,7 @@ varlen_attention_op.register_autograd(_varlen_grad, setup_context=_varlen_setup)
 
 
 # -------------------------------------------------------------------------------------- block-sparse
-def _sparse_mask(q, k, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, partial_bits,
+def sparse_mask(q, k, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, partial_bits,
                  block_q, block_kv, density, partial_fraction) -> BlockSparseMask:
     return BlockSparseMask((q.shape[2], k.shape[2]), block_q, block_kv, kv_num_blocks, kv_indices,
                            full_kv_num_blocks, full_kv_indices, partial_bits, density, partial_fraction)
@@ -167,7 +167,7 @@ def block_sparse_attention_op(q: Tensor, k: Tensor, v: Tensor, kv_num_blocks: Te
                               full_kv_num_blocks: Tensor | None, full_kv_indices: Tensor | None,
                               partial_bits: Tensor, block_q: int, block_kv: int, scale: float, density: float,
                               partial_fraction: float, choice: str) -> tuple[Tensor, Tensor]:
-    sparse = _sparse_mask(q, k, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, partial_bits,
+    sparse = sparse_mask(q, k, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, partial_bits,
                           block_q, block_kv, density, partial_fraction)
     if choice != COMPILED:
         checks.check_block_sparse(q, k, v, sparse, scale)
@@ -178,7 +178,7 @@ def block_sparse_attention_op(q: Tensor, k: Tensor, v: Tensor, kv_num_blocks: Te
 @block_sparse_attention_op.register_fake
 def _(q, k, v, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, partial_bits, block_q, block_kv,
       scale, density, partial_fraction, choice):
-    sparse = _sparse_mask(q, k, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, partial_bits,
+    sparse = sparse_mask(q, k, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, partial_bits,
                           block_q, block_kv, density, partial_fraction)
     checks.check_block_sparse(q, k, v, sparse, scale)
     _on_trace()
@@ -193,7 +193,7 @@ def block_sparse_attention_backward_op(grad_out: Tensor, grad_lse: Tensor | None
                                        full_kv_indices: Tensor | None, partial_bits: Tensor, block_q: int,
                                        block_kv: int, scale: float, density: float, partial_fraction: float,
                                        choice: str) -> tuple[Tensor, Tensor, Tensor]:
-    sparse = _sparse_mask(q, k, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, partial_bits,
+    sparse = sparse_mask(q, k, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, partial_bits,
                           block_q, block_kv, density, partial_fraction)
     call = AttnCall("block_sparse", q, k, v, scale, sparse=sparse)
     return runtime.backward(call, choice, out, lse, grad_out, grad_lse)

@@ -6,6 +6,12 @@ string argument names the plan: direction, choice, scale and the exact problem, 
 replays the compiled code from Inductor's cache rebuilds the plan from it. Per call the op parses nothing
 and checks nothing (the fake impl checked at trace time): one dictionary lookup, then the plan's launch.
 
+A block-sparse call with static shapes has a problem known while compiling (its density is a constant of
+the graph) but is decided on its real mask: its plan string names the choice ``COMPILED`` and the op
+decides per call through ``runtime`` (one cached lookup), sparing the custom op's autograd dispatch and the
+problem's construction. Its tensors go on with the mask's five (kv_num_blocks, kv_indices,
+full_kv_num_blocks, full_kv_indices, partial_bits).
+
 Defined with ``torch.library.Library`` rather than ``custom_op``: a plain definition dispatches with
 fewer Python frames (TensorRT-LLM PR #13149 measured 6.3 us per call against 11.7 us, B200), and this op
 needs no autograd: it only appears in graphs after AOTAutograd.
@@ -17,6 +23,7 @@ import torch
 
 from .. import runtime
 from ..backends import AttnCall, registry
+from ..block_mask import BlockSparseMask
 from ..device import device_info
 from ..layout import empty_like_layout
 from ..problem import Problem
@@ -28,7 +35,8 @@ _LIB.define("launch(Tensor?[] tensors, str plan) -> Tensor[]")
 def plan_key(direction: str, choice: str, call) -> str:
     """The ``plan`` argument: everything the plan and the call's scalars depend on.
 
-    Tensors (in order): q, k, v, kv_seqlens, key_mask, and for the backward out, lse, grad_out, grad_lse.
+    Tensors (in order): q, k, v, kv_seqlens, key_mask, for the backward out, lse, grad_out, grad_lse, and
+    for a block-sparse call the mask's five.
     """
     return "|".join((direction, choice, repr(float(call.scale)), call.problem.key()))
 
@@ -39,8 +47,8 @@ _PLANS: dict[tuple[str, int], tuple] = {}  # (plan string, device index) -> what
 def _resolve(plan: str, device: torch.device) -> tuple:
     direction, choice, scale, problem = plan.split("|", 3)
     p = Problem.from_key(problem)
-    launch = runtime.plan_for(p, choice, device_info(device), direction).launch
-    return launch, float(scale), p, ("attention", direction, choice), registry.state["generation"]
+    launch = None if choice == runtime.COMPILED else runtime.plan_for(p, choice, device_info(device), direction).launch
+    return launch, float(scale), p, (p.op, direction, choice), registry.state["generation"]
 
 
 def _launch(tensors, plan: str):
@@ -50,10 +58,19 @@ def _launch(tensors, plan: str):
     if found is None or found[4] != registry.state["generation"]:
         found = _PLANS[key] = _resolve(plan, q.device)
     launch, scale, p, stat, _ = found
+    rest = tensors[5:]
+    if p.op == "block_sparse":
+        rest, mask = rest[:-5], rest[-5:]
+        sparse = BlockSparseMask((p.len_q, p.len_k), p.block_q, p.block_kv, *mask, p.density, p.partial_fraction)
+        call = AttnCall("block_sparse", q, k, v, scale, sparse=sparse, _problem=p)
+    else:
+        call = AttnCall("attention", q, k, v, scale, p.causal, p.window_left, p.window_right, kv_seqlens,
+                        key_mask=key_mask, _problem=p)
+    if launch is None:  # decided here, per call, on the real tensors
+        run = runtime.forward if stat[1] == "forward" else runtime.backward
+        return list(run(call, runtime.COMPILED, *rest))
     runtime.count_call(stat)
-    call = AttnCall("attention", q, k, v, scale, p.causal, p.window_left, p.window_right, kv_seqlens,
-                    key_mask=key_mask, _problem=p)
-    return list(launch(call, *tensors[5:]))
+    return list(launch(call, *rest))
 
 
 def _launch_fake(tensors, plan: str):
