@@ -44,3 +44,15 @@ def filled_like(like: torch.Tensor, fill) -> torch.Tensor:
     base = torch.empty(reach, dtype=like.dtype, device=like.device)
     fill(base)
     return base.as_strided(like.shape, like.stride())
+
+
+def broadcast_strides(x: torch.Tensor, batch: int, heads: int) -> tuple[int, ...]:
+    """The strides of ``x.expand(batch, heads, *x.shape[2:])`` without making the view (a view costs a few
+    microseconds per kernel argument on a launch's host path): 0 where a size-1 dim broadcasts.
+
+    >>> broadcast_strides(torch.zeros(1, 3, 4), 2, 3), broadcast_strides(torch.zeros(1, 1, 4), 1, 5)
+    ((0, 4, 1), (4, 0, 1))
+    """
+    size, stride = x.shape, x.stride()
+    return ((0 if size[0] == 1 and batch != 1 else stride[0]), (0 if size[1] == 1 and heads != 1 else stride[1]),
+            *stride[2:])

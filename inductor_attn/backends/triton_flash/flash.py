@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ...device import DeviceInfo, device_info, smem_per_block
-from ...layout import empty_like_layout
+from ...layout import broadcast_strides, empty_like_layout
 from ...problem import Problem, next_power_of_two
 from ..base import AttnCall, Backend, Candidate, Config, Plan
 from ..triton_common import eager_launcher, graph_launcher, traceable, triton_available, triton_errors, warmup_launcher
@@ -292,16 +292,15 @@ def _kv_descriptors(call: AttnCall, cfg: Config):
 def _mask_tensors(sp, batch: int, heads: int) -> tuple[list, list[int]]:
     """The mask's lists and bitmaps and their strides, at the mask's own batch/head dims (batch and heads
     None) or broadcast (stride 0) over the problem's where the mask is shared."""
-    def dims(x: torch.Tensor) -> torch.Tensor:
-        return x if batch is None else x.expand(batch, heads, *x.shape[2:])
-
-    cnt, idx, bits = dims(sp.kv_num_blocks), dims(sp.kv_indices), dims(sp.partial_bits)
+    cnt, idx, bits = sp.kv_num_blocks, sp.kv_indices, sp.partial_bits
     if sp.full_kv_num_blocks is not None:
-        fcnt, fidx = dims(sp.full_kv_num_blocks), dims(sp.full_kv_indices)
+        fcnt, fidx = sp.full_kv_num_blocks, sp.full_kv_indices
     else:
         fcnt, fidx = cnt, idx  # never read: HAS_FULL is False
     tensors = [fcnt, fidx, cnt, idx, bits]
-    return tensors, [st for t in tensors for st in t.stride()]
+    if batch is None:
+        return tensors, [st for t in tensors for st in t.stride()]
+    return tensors, [st for t in tensors for st in broadcast_strides(t, batch, heads)]
 
 
 def _sparse_args(call: AttnCall, list_shape: torch.Size | None, meta: dict, launcher) -> tuple[list, list[int]]:
@@ -312,8 +311,7 @@ def _sparse_args(call: AttnCall, list_shape: torch.Size | None, meta: dict, laun
     if list_shape is None:
         return [*tensors, tensors[2]], [*strides, 0, 0, 0]
     tiles = _tile_list(sp, list_shape, meta, launcher)
-    wide = tiles.expand(p.batch, p.heads_q, *tiles.shape[2:])
-    return [*tensors, wide], [*strides, *wide.stride()[:3]]
+    return [*tensors, tiles], [*strides, *broadcast_strides(tiles, p.batch, p.heads_q)[:3]]
 
 
 def _tile_list(sp, shape: torch.Size, meta: dict, launcher) -> torch.Tensor:

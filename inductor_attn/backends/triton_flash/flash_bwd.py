@@ -22,7 +22,7 @@ import os
 import torch
 
 from ...device import DeviceInfo, device_info
-from ...layout import empty_like_layout
+from ...layout import broadcast_strides, empty_like_layout
 from ...problem import Problem
 from ..base import AttnCall, Config
 
@@ -291,11 +291,6 @@ def transposed_block_lists(sparse, num_kv_blocks: int):
     return found[0]
 
 
-def _expanded(x: torch.Tensor, batch: int, heads: int) -> tuple[int, ...]:
-    """Strides of a mask tensor whose batch/head dims may be 1 (broadcast: stride 0)."""
-    return x.expand(batch, heads, *x.shape[2:]).stride()
-
-
 def _sparse_dkdv_args(call: AttnCall, shape: _Shape, dummy):
     """Kernel arguments for the block-sparse lists of the dK/dV kernel (zeros when dense)."""
     if call.op != "block_sparse":
@@ -304,11 +299,10 @@ def _sparse_dkdv_args(call: AttnCall, shape: _Shape, dummy):
     sp = call.sparse
     row_start, codes, slots1 = transposed_block_lists(sp, -(-shape.len_k // sp.block_kv))
     b, h = shape.batch, shape.heads_q
-    s_bb, s_bh, s_bm, s_bs, s_bi, s_bw = _expanded(sp.partial_bits, b, h)
-    return dict(ROW_START=row_start, CODES=codes, BITS=sp.partial_bits,
-                s_csb=_expanded(row_start, b, h)[0], s_csh=_expanded(row_start, b, h)[1],
-                s_cdb=_expanded(codes, b, h)[0], s_cdh=_expanded(codes, b, h)[1],
-                s_bb=s_bb, s_bh=s_bh, s_bm=s_bm, s_bs=s_bs, s_bi=s_bi, s_bw=s_bw,
+    s_bb, s_bh, s_bm, s_bs, s_bi, s_bw = broadcast_strides(sp.partial_bits, b, h)
+    (s_csb, s_csh, _), (s_cdb, s_cdh, _) = broadcast_strides(row_start, b, h), broadcast_strides(codes, b, h)
+    return dict(ROW_START=row_start, CODES=codes, BITS=sp.partial_bits, s_csb=s_csb, s_csh=s_csh, s_cdb=s_cdb,
+                s_cdh=s_cdh, s_bb=s_bb, s_bh=s_bh, s_bm=s_bm, s_bs=s_bs, s_bi=s_bi, s_bw=s_bw,
                 block_q=sp.block_q, block_kv=sp.block_kv, slots1=slots1)
 
 
@@ -324,8 +318,8 @@ def _sparse_dq_args(call: AttnCall, shape: _Shape, dummy):
     has_full = sp.full_kv_num_blocks is not None
     full_cnt = sp.full_kv_num_blocks if has_full else sp.kv_num_blocks
     full_idx = sp.full_kv_indices if has_full else sp.kv_indices
-    strides = (*_expanded(sp.kv_num_blocks, b, h), *_expanded(sp.kv_indices, b, h), *_expanded(full_cnt, b, h),
-               *_expanded(full_idx, b, h), *_expanded(sp.partial_bits, b, h))
+    strides = [st for t in (sp.kv_num_blocks, sp.kv_indices, full_cnt, full_idx, sp.partial_bits)
+               for st in broadcast_strides(t, b, h)]
     return dict(CNT=sp.kv_num_blocks, IDX=sp.kv_indices, FULL_CNT=full_cnt, FULL_IDX=full_idx,
                 BITS=sp.partial_bits, block_q=sp.block_q, block_kv=sp.block_kv, HAS_FULL=has_full,
                 **dict(zip(names, strides)))
