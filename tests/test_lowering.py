@@ -70,16 +70,27 @@ def test_a_traceable_plan_is_put_into_the_graph_and_no_op_of_ours_runs(monkeypat
     torch._dynamo.reset()
 
 
-def test_a_static_block_sparse_call_decides_per_call_through_the_launch_op_not_the_custom_op(fakes):
+def _block_sparse_call():
     from torch.nn.attention.flex_attention import create_block_mask
 
     block_mask = create_block_mask(lambda b, h, q, kv: (kv <= q) & (q - kv < 40), None, None, 96, 96,
                                    device="cpu", BLOCK_SIZE=32)
     sparse = inductor_attn.BlockSparseMask.from_block_mask(block_mask)
-    q, k, v = _qkv(96, heads_kv=4, requires_grad=True)
+    return _qkv(96, heads_kv=4, requires_grad=True), lambda q, k, v: inductor_attn.attention(q, k, v, block_mask=sparse)
+
+
+def _varlen_call():
+    cu = torch.tensor([0, 30, 31, 80], dtype=torch.int32)
+    qkv = tuple(torch.randn(80, h, 16, requires_grad=True) for h in (4, 2, 2))
+    return qkv, lambda q, k, v: inductor_attn.varlen_attention(q, k, v, cu, cu, 49, 49, causal=True)
+
+
+@pytest.mark.parametrize("op, make", [("block_sparse", _block_sparse_call), ("varlen", _varlen_call)])
+def test_a_static_run_time_decided_call_goes_through_the_launch_op_not_the_custom_op(fakes, op, make):
+    (q, k, v), attn = make()
 
     def step(q, k, v):
-        out = torch.compile(lambda q, k, v: inductor_attn.attention(q, k, v, block_mask=sparse), fullgraph=True)(q, k, v)
+        out = torch.compile(attn, fullgraph=True)(q, k, v)
         return torch.autograd.grad(out.sum(), (q, k, v))
 
     inductor_attn.reset_stats()
@@ -87,10 +98,10 @@ def test_a_static_block_sparse_call_decides_per_call_through_the_launch_op_not_t
     assert len(codes) == 2  # forward and backward
     for code in codes:
         assert "torch.ops.inductor_attn.launch.default(" in code and "|*|" in code
-        assert "block_sparse_attention" not in code
-    # decided per call on the real mask, and counted there
-    assert inductor_attn.stats() == {"block_sparse/backward -> b:x=1": 1, "block_sparse/forward -> b:x=1": 1}
-    want = torch.autograd.grad(inductor_attn.attention(q, k, v, block_mask=sparse).sum(), (q, k, v))
+        assert f"inductor_attn.{op}_attention" not in code
+    # decided per call on the real mask or lengths, and counted there
+    assert inductor_attn.stats() == {f"{op}/backward -> b:x=1": 1, f"{op}/forward -> b:x=1": 1}
+    want = torch.autograd.grad(attn(q, k, v).sum(), (q, k, v))
     for got, w in zip(grads, want):
         torch.testing.assert_close(got, w)
 

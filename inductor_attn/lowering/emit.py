@@ -11,11 +11,11 @@ then replaced by its plan:
 - otherwise one call of the thin ``inductor_attn::launch`` op (ops/launch.py), whose string argument
   names the plan; the op runs the plan's launch (for FA4 on sm_90, the compiled kernel directly).
 
-Dynamic shapes and varlen calls keep their op call: their decision needs run-time values (lengths) and
-costs one cached lookup per call (runtime.py). A block-sparse call with static shapes (its density is a
-constant of the graph) is decided on its real mask too, but goes through the thin ``inductor_attn::launch``
-op with the choice ``COMPILED``, which spares the custom op's autograd dispatch and the problem's
-construction per call (ops/launch.py).
+Varlen and block-sparse calls are decided at run time, on their real lengths and masks, at one cached lookup
+per call (runtime.py). With static shapes their problem is known while compiling (a mask's density is a
+constant of the graph), and they go through the thin ``inductor_attn::launch`` op with the choice
+``COMPILED``, which spares the custom op's autograd dispatch and the problem's construction per call
+(ops/launch.py). Calls with dynamic shapes keep their op call.
 """
 
 from __future__ import annotations
@@ -29,18 +29,21 @@ from ..backends import AttnCall
 from ..device import device_info
 from ..layout import filled_like
 from ..ops import (BACKWARD_OPS, FORWARD_OPS, attention_backward_op, attention_op,
-                   block_sparse_attention_backward_op, block_sparse_attention_op)
+                   block_sparse_attention_backward_op, block_sparse_attention_op, varlen_attention_backward_op,
+                   varlen_attention_op)
 from ..ops.attention import sparse_mask
-from ..ops.launch import launch_op, plan_key
+from ..ops.launch import OWN_TENSORS, launch_op, plan_key
 from ..runtime import COMPILED, count_compiled, plan_for
 
 _DIRECTION = {attention_op._opoverload: "forward", attention_backward_op._opoverload: "backward"}
 _ALL_OPS = {op._opoverload for op in FORWARD_OPS + BACKWARD_OPS}
 _FORWARD_TENSORS = ("q", "k", "v", "kv_seqlens", "key_mask")
 _BACKWARD_TENSORS = _FORWARD_TENSORS + ("out", "lse", "grad_out", "grad_lse")
-_SPARSE_DIRECTION = {block_sparse_attention_op._opoverload: "forward",
-                     block_sparse_attention_backward_op._opoverload: "backward"}
-_MASK_TENSORS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "partial_bits")
+# ops decided at run time, whose problem static shapes fix while compiling: op -> (op kind, direction)
+_RUN_TIME = {block_sparse_attention_op._opoverload: ("block_sparse", "forward"),
+             block_sparse_attention_backward_op._opoverload: ("block_sparse", "backward"),
+             varlen_attention_op._opoverload: ("varlen", "forward"),
+             varlen_attention_backward_op._opoverload: ("varlen", "backward")}
 
 
 def emit_plans(graph: torch.fx.Graph) -> None:
@@ -51,10 +54,10 @@ def emit_plans(graph: torch.fx.Graph) -> None:
         vals = {name: a.meta.get("val") if isinstance(a, torch.fx.Node) else a for name, a in args.items()}
         direction = _DIRECTION.get(node.target)
         if direction is None or not _static(vals):
-            if not args["choice"] and _static_sparse(node, vals):
-                direction = _SPARSE_DIRECTION[node.target]
-                names = (_BACKWARD_TENSORS if direction == "backward" else _FORWARD_TENSORS) + _MASK_TENSORS
-                key = plan_key(direction, COMPILED, _sparse_call(vals))
+            if not args["choice"] and node.target in _RUN_TIME and _static_scalars(vals):
+                op, direction = _RUN_TIME[node.target]
+                names = (_BACKWARD_TENSORS if direction == "backward" else _FORWARD_TENSORS) + OWN_TENSORS[op]
+                key = plan_key(direction, COMPILED, _run_time_call(op, vals))
                 _replace_outputs(graph, node, _emit_launch(graph, node, key, args, vals, names))
             elif not args["choice"]:  # decided at run time; the fake impl has checked the arguments
                 _set_choice(node, COMPILED)
@@ -96,19 +99,22 @@ def _static(vals: dict) -> bool:
             and all(isinstance(vals[name], int) for name in ("window_left", "window_right")))
 
 
-def _static_sparse(node: torch.fx.Node, vals: dict) -> bool:
-    """A block-sparse call whose problem is known while compiling: static shapes, block sizes and density."""
-    return (node.target in _SPARSE_DIRECTION
-            and all(isinstance(s, int) for name in ("q", "k", "v") for s in vals[name].shape)
-            and all(type(vals[name]) is int for name in ("block_q", "block_kv"))
-            and all(type(vals[name]) is float for name in ("scale", "density", "partial_fraction")))
+def _static_scalars(vals: dict) -> bool:
+    """Every shape and scalar argument known while compiling (no SymInt or SymFloat)."""
+    return all(isinstance(s, int) for v in vals.values() if isinstance(v, torch.Tensor) for s in v.shape) and all(
+        type(v) in (int, float, bool, str) for v in vals.values() if v is not None and not isinstance(v, torch.Tensor))
 
 
-def _sparse_call(vals: dict) -> AttnCall:
-    """The call (on the graph's fake tensors) whose problem names a block-sparse plan."""
-    sparse = sparse_mask(*(vals[n] for n in ("q", "k") + _MASK_TENSORS + ("block_q", "block_kv", "density",
-                                                                         "partial_fraction")))
-    return AttnCall("block_sparse", vals["q"], vals["k"], vals["v"], vals["scale"], sparse=sparse)
+def _run_time_call(op: str, vals: dict) -> AttnCall:
+    """The call, on the graph's fake tensors, whose problem names a run-time decided plan."""
+    q, k, v = vals["q"], vals["k"], vals["v"]
+    if op == "varlen":
+        return AttnCall("varlen", q, k, v, vals["scale"], vals["causal"], vals["window_left"], vals["window_right"],
+                        cu_seqlens_q=vals["cu_seqlens_q"], cu_seqlens_k=vals["cu_seqlens_k"],
+                        max_seqlen_q=vals["max_seqlen_q"], max_seqlen_k=vals["max_seqlen_k"])
+    sparse = sparse_mask(q, k, *(vals[n] for n in OWN_TENSORS["block_sparse"]), vals["block_q"], vals["block_kv"],
+                         vals["density"], vals["partial_fraction"])
+    return AttnCall("block_sparse", q, k, v, vals["scale"], sparse=sparse)
 
 
 def _concrete_call(vals: dict) -> AttnCall:

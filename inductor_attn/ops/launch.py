@@ -6,15 +6,12 @@ string argument names the plan: direction, choice, scale and the exact problem, 
 replays the compiled code from Inductor's cache rebuilds the plan from it. Per call the op parses nothing
 and checks nothing (the fake impl checked at trace time): one dictionary lookup, then the plan's launch.
 
-A block-sparse call with static shapes has a problem known while compiling (its density is a constant of
-the graph) but is decided on its real mask: its plan string names the choice ``COMPILED`` and the op
-decides per call through ``runtime`` (one cached lookup), sparing the custom op's autograd dispatch and the
-problem's construction. Its tensors go on with the mask's five (kv_num_blocks, kv_indices,
-full_kv_num_blocks, full_kv_indices, partial_bits).
-
-Defined with ``torch.library.Library`` rather than ``custom_op``: a plain definition dispatches with
-fewer Python frames (TensorRT-LLM PR #13149 measured 6.3 us per call against 11.7 us, B200), and this op
-needs no autograd: it only appears in graphs after AOTAutograd.
+Block-sparse and varlen calls with static shapes have a problem known while compiling (a mask's density is
+a constant of the graph) but are decided on their real index tensors: their plan string names the choice
+``COMPILED`` and the op decides per call through ``runtime`` (one cached lookup), sparing the custom op's
+autograd dispatch and the problem's construction. Their tensors go on with the op's own: the mask's five
+(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, partial_bits), or cu_seqlens_q and
+cu_seqlens_k.
 """
 
 from __future__ import annotations
@@ -35,12 +32,15 @@ _LIB.define("launch(Tensor?[] tensors, str plan) -> Tensor[]")
 def plan_key(direction: str, choice: str, call) -> str:
     """The ``plan`` argument: everything the plan and the call's scalars depend on.
 
-    Tensors (in order): q, k, v, kv_seqlens, key_mask, for the backward out, lse, grad_out, grad_lse, and
-    for a block-sparse call the mask's five.
+    Tensors (in order): q, k, v, kv_seqlens, key_mask, for the backward out, lse, grad_out, grad_lse, then
+    the op's own (``OWN_TENSORS``).
     """
     return "|".join((direction, choice, repr(float(call.scale)), call.problem.key()))
 
 
+OWN_TENSORS = {"attention": (), "varlen": ("cu_seqlens_q", "cu_seqlens_k"),
+               "block_sparse": ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                                "partial_bits")}
 _PLANS: dict[tuple[str, int], tuple] = {}  # (plan string, device index) -> what a call needs
 
 
@@ -58,14 +58,9 @@ def _launch(tensors, plan: str):
     if found is None or found[4] != registry.state["generation"]:
         found = _PLANS[key] = _resolve(plan, q.device)
     launch, scale, p, stat, _ = found
-    rest = tensors[5:]
-    if p.op == "block_sparse":
-        rest, mask = rest[:-5], rest[-5:]
-        sparse = BlockSparseMask((p.len_q, p.len_k), p.block_q, p.block_kv, *mask, p.density, p.partial_fraction)
-        call = AttnCall("block_sparse", q, k, v, scale, sparse=sparse, _problem=p)
-    else:
-        call = AttnCall("attention", q, k, v, scale, p.causal, p.window_left, p.window_right, kv_seqlens,
-                        key_mask=key_mask, _problem=p)
+    own = len(OWN_TENSORS[p.op])
+    rest, own = tensors[5:len(tensors) - own], tensors[len(tensors) - own:]
+    call = _call(p, scale, q, k, v, kv_seqlens, key_mask, own)
     if launch is None:  # decided here, per call, on the real tensors
         run = runtime.forward if stat[1] == "forward" else runtime.backward
         return list(run(call, runtime.COMPILED, *rest))
@@ -73,10 +68,23 @@ def _launch(tensors, plan: str):
     return list(launch(call, *rest))
 
 
+def _call(p: Problem, scale: float, q, k, v, kv_seqlens, key_mask, own) -> AttnCall:
+    if p.op == "block_sparse":
+        sparse = BlockSparseMask((p.len_q, p.len_k), p.block_q, p.block_kv, *own, p.density, p.partial_fraction)
+        return AttnCall("block_sparse", q, k, v, scale, sparse=sparse, _problem=p)
+    if p.op == "varlen":
+        return AttnCall("varlen", q, k, v, scale, p.causal, p.window_left, p.window_right, cu_seqlens_q=own[0],
+                        cu_seqlens_k=own[1], max_seqlen_q=p.len_q, max_seqlen_k=p.len_k, _problem=p)
+    return AttnCall("attention", q, k, v, scale, p.causal, p.window_left, p.window_right, kv_seqlens,
+                    key_mask=key_mask, _problem=p)
+
+
 def _launch_fake(tensors, plan: str):
     q, k, v = tensors[:3]
     if plan.startswith("forward|"):
-        return [empty_like_layout(q, (*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1], dtype=torch.float32)]
+        varlen = plan.split("|", 3)[3].startswith("op=varlen,")  # its lse is (H, total_q), others' (B, H, Lq)
+        lse_shape = (q.shape[1], q.shape[0]) if varlen else q.shape[:-1]
+        return [empty_like_layout(q, (*q.shape[:-1], v.shape[-1])), q.new_empty(lse_shape, dtype=torch.float32)]
     return [empty_like_layout(x, x.shape) for x in (q, k, v)]
 
 
