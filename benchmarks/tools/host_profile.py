@@ -15,8 +15,8 @@ static launcher, Triton's own launcher, aten matmuls), wall and kernel us per st
 the GPU kernels (by name, per step) whose counts differ between the two.
 
 ``--training SHAPE``: the same for one fwd+bwd step of a training-suite shape (bench/training.py): eager SDPA,
-stock compiled SDPA and ours compiled, the kernel counts compared between stock compiled and ours; then ours'
-host time peeled layer by layer (compiled step, eager step, forward op, run-time path, plan launches) and the
+stock compiled SDPA, ours compiled and, for a masked shape, compiled flex; the kernel counts compared between
+stock compiled and ours; then ours' host time peeled layer by layer (compiled step, eager step, forward op, run-time path, plan launches) and the
 synchronizing calls of its compiled step (``torch.cuda.set_sync_debug_mode``).
 
 ``--llama-training SIZE``: the training suite's HF Llama step (forward, backward, AdamW; bench/models.py) at
@@ -174,7 +174,8 @@ def training(shape_name: str, calls: int) -> None:
     device = torch.device("cuda")
     q, k, v, g = shape.inputs(device, torch.bfloat16)
     fns = suite.paths(shape, device)
-    steps = {name: suite.training_step(fns[name][0], q, k, v, g) for name in TRAINING_PATHS}
+    names = TRAINING_PATHS + (("compiled flex",) if shape.mask else ())
+    steps = {name: suite.training_step(fns[name][0], q, k, v, g) for name in names}
     compare(steps, calls)
     layers(steps["ours"], suite.training_step(fns["ours eager"][0], q, k, v, g), q, k, v, g, shape, device)
 
