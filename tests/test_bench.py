@@ -607,6 +607,7 @@ def test_overhead_times_the_kernel_lookup_of_run_time_decided_calls_per_workload
     rows = overhead.run_time_lookups(torch.device("cpu"), smoke=True)
     names = [w.name for kind in ("varlen", "block_sparse") for w in suites.select(kind, quick=True, smoke=True)]
     assert [(r["workload"], r["direction"]) for r in rows] == [(n, d) for n in names for d in ("forward", "backward")]
-    assert all(r["host_us"] > 0 and r["choice"] == "reference:default" for r in rows)
-    assert "| run-time decided call | direction | kernel | lookup host us |" in overhead.table(
+    assert all(r["host_us"] > 0 and r["held_problem_host_us"] > 0 and r["choice"] == "reference:default"
+               for r in rows)
+    assert "| run-time decided call | direction | kernel | lookup host us, problem held" in overhead.table(
         {"rows": [], "run_time_lookups": rows})

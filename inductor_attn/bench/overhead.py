@@ -11,10 +11,11 @@ of a case timed in alternating rounds (``interleaved_measure``). Every compiled 
 eager SDPA before it is timed.
 
 Run-time decisions: compiled code leaves varlen and block-sparse calls (whose index values matter) to run
-time, where each call finds its kernel before launching it: its problem (from a new call object, as each op
-call makes one), the problem's bucket, the decision memo and the plan (runtime.py). Host us per call of that
-lookup once the bucket is decided, forward and backward, for the quick suites' varlen and block-sparse
-workloads (suites.py).
+time, where each call finds its kernel before launching it: the problem's bucket, the decision memo and the
+plan (runtime.py), and where shapes are dynamic (or the call is eager) the problem itself, from a new call
+object, as each op call makes one; with static shapes the launch op holds the problem (ops/launch.py). Host
+us per call of that lookup once the bucket is decided, both ways, forward and backward, for the quick
+suites' varlen and block-sparse workloads (suites.py).
 
 HF Llama (random init, the size of the zero-overhead issue: 8 layers, hidden 1024, 16/4 heads, bf16):
 prefill B4 L2048 and one static-cache decode step, stock ``torch.compile`` against
@@ -119,8 +120,9 @@ def run_case(case: Case, device, dtype) -> dict:
 
 def run_time_lookups(device, smoke: bool) -> list[dict]:
     """Host us per call of finding a run-time decided call's kernel (module doc), per quick varlen and
-    block-sparse workload and direction. The buckets are decided in heuristic mode, without a tune: a
-    decided bucket costs the same lookups whatever decided it."""
+    block-sparse workload and direction, with the problem held (static shapes) and built per call. The
+    buckets are decided in heuristic mode, without a tune: a decided bucket costs the same lookups whatever
+    decided it."""
     rows = []
     for w in suites.select("varlen", quick=True, smoke=smoke) + suites.select("block_sparse", quick=True,
                                                                               smoke=smoke):
@@ -128,14 +130,15 @@ def run_time_lookups(device, smoke: bool) -> list[dict]:
         dev = device_info(call.q.device)
         args = {f.name: getattr(call, f.name) for f in dataclasses.fields(call) if f.name != "_problem"}
         for direction in ("forward", "backward"):
-            def lookup(direction=direction):
-                fresh = AttnCall(**args)  # as each op call makes its own
+            def lookup(direction=direction, problem=None):
+                fresh = AttnCall(**args, _problem=problem)  # as each op call makes its own
                 return plan_for(fresh.problem, decide(fresh, dev, direction), dev, direction)
 
             with tuning_mode("heuristic"):
                 lookup()
                 rows.append({"workload": w.name, "direction": direction, "choice": decide(call, dev, direction),
-                             "host_us": host_us(lookup)})
+                             "host_us": host_us(lookup),
+                             "held_problem_host_us": host_us(lambda d=direction: lookup(d, call.problem))})
     return rows
 
 
@@ -166,8 +169,10 @@ def table(result: dict) -> str:
             lines.append(f"| {row['case']} | {name} | {r['host_us']:.1f} | {r['wall_us']:.1f} | {kernel} | {ratio} |")
     lookups = result.get("run_time_lookups") or []
     if lookups:
-        lines += ["", "| run-time decided call | direction | kernel | lookup host us |", "|---|---|---|---|"]
-        lines += [f"| {r['workload']} | {r['direction']} | `{r['choice']}` | {r['host_us']:.1f} |" for r in lookups]
+        lines += ["", "| run-time decided call | direction | kernel | lookup host us, problem held (static) / built "
+                  "(dynamic, eager) |", "|---|---|---|---|"]
+        lines += [f"| {r['workload']} | {r['direction']} | `{r['choice']}` | {r['held_problem_host_us']:.1f} / "
+                  f"{r['host_us']:.1f} |" for r in lookups]
     llama = result.get("llama") or {}
     if "error" in llama:
         lines += ["", f"HF Llama: {llama['error']}"]
