@@ -3,12 +3,13 @@
 Each op returns ``(out, lse)``; ``lse`` is float32 (B, H, Lq), or (H, total_q) for varlen. The last
 argument, ``choice``, is
 - ``""`` for user calls: the arguments are checked and the kernel is decided at run time, per bucket;
-- ``COMPILED`` (``"*"``) in compiled code: decided at run time too, unchecked, because the fake impl
-  checked the arguments once while tracing (lowering/ sets it on the calls it leaves to run time);
+- ``COMPILED`` (``"*"``) in compiled code with dynamic shapes: decided at run time too, unchecked, because
+  the fake impl checked the arguments once while tracing (lowering/ sets it);
 - a candidate (``"<backend>:<config>"``, from ``run_candidate``): checked, then run on that candidate.
 Backward ops take ``choice`` the same way; autograd calls them with ``""`` (a backward candidate's configs
 are not its forward's), so the backward of a ``run_candidate`` call is decided at run time. Compiled code
-does not call these ops at all where shapes decide: lowering/ replaces those calls by their plans.
+with static shapes does not call these ops at all: lowering/ replaces those calls by their plans, or by the
+thin ``launch`` op (ops/launch.py), which decides varlen and block-sparse calls per call as these ops would.
 """
 
 from __future__ import annotations
