@@ -158,7 +158,7 @@ varlen_attention_op.register_autograd(_varlen_grad, setup_context=_varlen_setup)
 
 # -------------------------------------------------------------------------------------- block-sparse
 def sparse_mask(q, k, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, partial_bits,
-                 block_q, block_kv, density, partial_fraction) -> BlockSparseMask:
+                block_q, block_kv, density, partial_fraction) -> BlockSparseMask:
     return BlockSparseMask((q.shape[2], k.shape[2]), block_q, block_kv, kv_num_blocks, kv_indices,
                            full_kv_num_blocks, full_kv_indices, partial_bits, density, partial_fraction)
 
@@ -169,7 +169,7 @@ def block_sparse_attention_op(q: Tensor, k: Tensor, v: Tensor, kv_num_blocks: Te
                               partial_bits: Tensor, block_q: int, block_kv: int, scale: float, density: float,
                               partial_fraction: float, choice: str) -> tuple[Tensor, Tensor]:
     sparse = sparse_mask(q, k, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, partial_bits,
-                          block_q, block_kv, density, partial_fraction)
+                         block_q, block_kv, density, partial_fraction)
     if choice != COMPILED:
         checks.check_block_sparse(q, k, v, sparse, scale)
     call = AttnCall("block_sparse", q, k, v, scale, sparse=sparse)
@@ -180,7 +180,7 @@ def block_sparse_attention_op(q: Tensor, k: Tensor, v: Tensor, kv_num_blocks: Te
 def _(q, k, v, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, partial_bits, block_q, block_kv,
       scale, density, partial_fraction, choice):
     sparse = sparse_mask(q, k, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, partial_bits,
-                          block_q, block_kv, density, partial_fraction)
+                         block_q, block_kv, density, partial_fraction)
     checks.check_block_sparse(q, k, v, sparse, scale)
     _on_trace()
     b, h, lq, _ = q.shape
@@ -195,7 +195,7 @@ def block_sparse_attention_backward_op(grad_out: Tensor, grad_lse: Tensor | None
                                        block_kv: int, scale: float, density: float, partial_fraction: float,
                                        choice: str) -> tuple[Tensor, Tensor, Tensor]:
     sparse = sparse_mask(q, k, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, partial_bits,
-                          block_q, block_kv, density, partial_fraction)
+                         block_q, block_kv, density, partial_fraction)
     call = AttnCall("block_sparse", q, k, v, scale, sparse=sparse)
     return runtime.backward(call, choice, out, lse, grad_out, grad_lse)
 

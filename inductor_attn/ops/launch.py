@@ -12,6 +12,10 @@ a constant of the graph) but are decided on their real index tensors: their plan
 autograd dispatch and the problem's construction. Their tensors go on with the op's own: the mask's five
 (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, partial_bits), or cu_seqlens_q and
 cu_seqlens_k.
+
+Defined with ``torch.library.Library`` rather than ``custom_op``: a plain definition dispatches with
+fewer Python frames (TensorRT-LLM PR #13149 measured 6.3 us per call against 11.7 us, B200), and this op
+needs no autograd: it only appears in graphs after AOTAutograd.
 """
 
 from __future__ import annotations
