@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import threading
 
 from .backends import AttnCall, plan_for
 from .device import DeviceInfo, device_info
@@ -20,6 +21,7 @@ __all__ = ["forward", "backward", "count_call", "plan_for", "stats", "reset_stat
 
 _STATS: collections.Counter = collections.Counter()  # op calls that ran through this module
 _IN_GRAPHS: collections.Counter = collections.Counter()  # kernels put into compiled graphs, per graph
+_UNCOUNTED = threading.local()  # .depth > 0 inside uncounted(), per thread
 
 
 def _resolve(call: AttnCall, choice: str, direction: str, grad_lse: bool = False) -> tuple[str, DeviceInfo]:
@@ -28,24 +30,24 @@ def _resolve(call: AttnCall, choice: str, direction: str, grad_lse: bool = False
         from .tuning import decide  # lazy: tuning pulls in the store and timers
 
         choice = decide(call, dev, direction, grad_lse=grad_lse)
-    _STATS[(call.op, direction, choice)] += 1
     return choice, dev
 
 
 def count_call(key: tuple[str, str, str]) -> None:
-    """Count one call of (op, direction, choice) made through the ``inductor_attn::launch`` op."""
-    _STATS[key] += 1
+    """Count one call of (op, direction, choice) that ran, unless inside :func:`uncounted`."""
+    if not getattr(_UNCOUNTED, "depth", 0):
+        _STATS[key] += 1
 
 
 @contextlib.contextmanager
 def uncounted():
-    """Op calls made inside are left out of ``stats`` (the tuner's timing of the compiled-code path)."""
-    saved = _STATS.copy()
+    """Op calls this thread makes inside are left out of ``stats`` (the tuner's timing of the compiled-code
+    path: a flag, so the timed launches carry no bookkeeping of their own)."""
+    _UNCOUNTED.depth = getattr(_UNCOUNTED, "depth", 0) + 1
     try:
         yield
     finally:
-        _STATS.clear()
-        _STATS.update(saved)
+        _UNCOUNTED.depth -= 1
 
 
 def count_compiled(op: str, direction: str, choice: str) -> None:
@@ -56,21 +58,25 @@ def count_compiled(op: str, direction: str, choice: str) -> None:
 def forward(call: AttnCall, choice: str):
     resolved, dev = _resolve(call, choice, "forward")
     try:
-        return plan_for(call.problem, resolved, dev, "forward").launch(call)
+        result = plan_for(call.problem, resolved, dev, "forward").launch(call)
     except Exception as err:
         if not _gives_way(call, dev, "forward", choice, resolved, err):
             raise
-    return forward(call, choice)
+        return forward(call, choice)
+    count_call((call.op, "forward", resolved))
+    return result
 
 
 def backward(call: AttnCall, choice: str, out, lse, grad_out, grad_lse):
     resolved, dev = _resolve(call, choice, "backward", grad_lse is not None)
     try:
-        return plan_for(call.problem, resolved, dev, "backward").launch(call, out, lse, grad_out, grad_lse)
+        result = plan_for(call.problem, resolved, dev, "backward").launch(call, out, lse, grad_out, grad_lse)
     except Exception as err:
         if not _gives_way(call, dev, "backward", choice, resolved, err, grad_lse is not None):
             raise
-    return backward(call, choice, out, lse, grad_out, grad_lse)
+        return backward(call, choice, out, lse, grad_out, grad_lse)
+    count_call((call.op, "backward", resolved))
+    return result
 
 
 def _gives_way(call: AttnCall, dev: DeviceInfo, direction: str, choice: str, resolved: str, err: Exception,

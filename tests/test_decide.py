@@ -174,6 +174,7 @@ def test_an_ungated_choice_that_cannot_run_gives_way_to_the_next_candidate(mode,
     a = FakeBackend("a", {"default": (1.0, 0.01)}, fail={"default"})
     b = FakeBackend("b", {"x=1": (0.5, 0.01)})
     q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    inductor_attn.reset_stats()
     with only_backends(a, b), inductor_attn.tuning_mode(mode):
         out = inductor_attn.attention(q, k, v, causal=True)
         again = inductor_attn.attention(q, k, v, causal=True)
@@ -184,6 +185,25 @@ def test_an_ungated_choice_that_cannot_run_gives_way_to_the_next_candidate(mode,
     torch.testing.assert_close(again, want)
     assert a.calls == 2 and b.calls == 2  # the failed default ran once per bucket, then the explicit call
     assert sum("a:default failed at its launch" in r.getMessage() for r in caplog.records) == 1
+    assert inductor_attn.stats() == {"attention/forward -> b:x=1": 2}  # only calls that ran are counted
+
+
+def test_uncounted_leaves_out_the_calls_of_its_own_thread_only():
+    import threading
+
+    from inductor_attn import runtime
+
+    a = FakeBackend("a", {"default": (1.0, 0.01)})
+    q = torch.randn(1, 2, 16, 8)
+    inductor_attn.reset_stats()
+    with only_backends(a), inductor_attn.tuning_mode("off"):
+        with runtime.uncounted():
+            inductor_attn.attention(q, q, q)
+            other = threading.Thread(target=lambda: inductor_attn.attention(q, q, q))
+            other.start()
+            other.join()
+        inductor_attn.attention(q, q, q)
+    assert a.calls == 3 and inductor_attn.stats() == {"attention/forward -> a:default": 2}
 
 
 def test_a_choice_that_failed_at_an_eager_launch_is_not_what_the_next_compile_bakes():

@@ -68,8 +68,9 @@ def _launch(tensors, plan: str):
     if launch is None:  # decided here, per call, on the real tensors
         run = runtime.forward if stat[1] == "forward" else runtime.backward
         return list(run(call, runtime.COMPILED, *rest))
+    result = list(launch(call, *rest))
     runtime.count_call(stat)
-    return list(launch(call, *rest))
+    return result
 
 
 def _call(p: Problem, scale: float, q, k, v, kv_seqlens, key_mask, own) -> AttnCall:
