@@ -239,3 +239,18 @@ def test_another_version_of_a_backend_library_moves_the_guard(monkeypatch):
     before = DecisionPass().uuid()
     monkeypatch.setattr(keys, "library_versions", lambda: {"torch": "9.9.9", "flash-attn-4": "9.9.9"})
     assert DecisionPass().uuid() != before
+
+
+def test_the_warm_launch_of_a_backward_plan_gets_an_out_as_wide_as_v():
+    from inductor_attn.backends import AttnCall
+    from inductor_attn.lowering import emit
+
+    seen = []
+
+    class Plan:
+        def launch(self, call, out, lse, grad_out, grad_lse):
+            seen.append((out.shape, lse.shape, grad_out.shape))
+
+    q, k, v = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 32)
+    emit._warm(Plan(), AttnCall("attention", q, k, v, 0.25), "backward")
+    assert seen == [((1, 2, 8, 32), (1, 2, 8), (1, 2, 8, 32))]

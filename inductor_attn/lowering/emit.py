@@ -152,8 +152,8 @@ def _warm(plan, call: AttnCall, direction: str) -> None:
         if direction == "forward":
             plan.launch(call)
         else:
-            out, lse = torch.empty_like(call.q), torch.zeros(call.q.shape[:-1], device=call.q.device)
-            plan.launch(call, out, lse, torch.zeros_like(out), None)
+            out = torch.zeros((*call.q.shape[:-1], call.v.shape[-1]), dtype=call.q.dtype, device=call.q.device)
+            plan.launch(call, out, torch.zeros(call.q.shape[:-1], device=call.q.device), torch.zeros_like(out), None)
 
 
 def _call_of(args: dict, tensors: dict) -> AttnCall:
