@@ -125,3 +125,28 @@ def test_a_real_worker_process_tunes_the_bucket_and_the_decision_lands_in_the_st
         assert decide(call, dev, "forward") == rows[0]["winner"]
     assert first.startswith("triton:")  # no hand rule for this problem: the default, at once
     background._close_worker()
+
+
+def test_a_worker_started_under_other_settings_is_replaced(monkeypatch, tmp_path):
+    """A worker takes the parent's environment at its start: after the store's directory changed, a tune
+    must not go to the worker that still writes into the old store."""
+    started, closed = [], []
+
+    class Handle:
+        def __init__(self):
+            self.settings = background.settings_env()
+            self.alive = True
+            started.append(self)
+
+        def close(self):
+            self.alive = False
+            closed.append(self)
+
+    monkeypatch.setattr(background, "Worker", Handle)
+    monkeypatch.setitem(background._STATE, "worker", None)
+    monkeypatch.setenv("INDUCTOR_ATTN_CACHE_DIR", str(tmp_path / "one"))
+    first = background._worker()
+    assert background._worker() is first
+    monkeypatch.setenv("INDUCTOR_ATTN_CACHE_DIR", str(tmp_path / "two"))
+    second = background._worker()
+    assert second is not first and closed == [first] and len(started) == 2

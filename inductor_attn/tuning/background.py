@@ -20,7 +20,8 @@ is compiled again, and under this mode the FX-graph-cache guard hashes the store
 write changes it), so the next compile bakes the new choice instead of replaying the old one; a new
 process reads it from the store.
 
-The worker sees the backends that importing inductor_attn registers. A decision whose candidates
+The worker takes this process's ``INDUCTOR_ATTN_*`` settings when it starts; a tune after they changed
+(another store directory) goes to a new worker. It sees the backends that importing inductor_attn registers. A decision whose candidates
 include a backend registered at run time (``register_backend``) gets another key in the worker, which
 then refuses it with a warning here; such buckets keep their first choice (use ``autotune`` for them).
 """
@@ -37,7 +38,7 @@ from pathlib import Path
 from ..store.db import get_store
 from ..store.priors import is_shipped
 from .ranks import claim_timeout_s, release_claim, try_claim
-from .subproc import Worker, WorkerError, save_call
+from .subproc import Worker, WorkerError, save_call, settings_env
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,9 @@ def _tune(key: str, direction: str, deterministic: bool, path: Path) -> None:
 
 def _worker():
     worker = _STATE["worker"]
+    if worker is not None and worker.alive and worker.settings != settings_env():
+        _close_worker()  # started under other settings (another store): its tunes would land there
+        worker = None
     if worker is None or not worker.alive:
         worker = _STATE["worker"] = Worker()
     return worker

@@ -67,10 +67,17 @@ def load_call(path: Path):
     return dataclasses.replace(data["call"], **qkv, _problem=data["call"]._problem)
 
 
+def settings_env() -> tuple:
+    """The parent's ``INDUCTOR_ATTN_*`` variables (the store's directory among them), which a worker takes at
+    its start: a worker whose settings differ from the parent's now would tune into another store."""
+    return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("INDUCTOR_ATTN_")))
+
+
 class Worker:
     """The parent's handle on one worker process."""
 
     def __init__(self):
+        self.settings = settings_env()
         env = {**os.environ, "INDUCTOR_ATTN_COMPILE_WORKERS": "0",
                "PYTHONPATH": os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))}
         self.proc = subprocess.Popen([sys.executable, "-m", "inductor_attn.tuning.subproc"], stdin=subprocess.PIPE,
