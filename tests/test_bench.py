@@ -611,3 +611,14 @@ def test_overhead_times_the_kernel_lookup_of_run_time_decided_calls_per_workload
                for r in rows)
     assert "| run-time decided call | direction | kernel | lookup host us, problem held" in overhead.table(
         {"rows": [], "run_time_lookups": rows})
+
+
+def test_the_training_suite_saves_after_each_shape(monkeypatch):
+    from inductor_attn.bench import training
+
+    monkeypatch.setattr(training, "run_shape", lambda shape, device, dtype: {"shape": shape.name, "paths": {}})
+    saved = []
+    training.run(smoke=True, quick=True, device=torch.device("cpu"), part="ops",
+                 save=lambda partial: saved.append([row["shape"] for row in partial["rows"]]))
+    names = [s[0] for s in training.SMOKE]
+    assert saved == [names[:i + 1] for i in range(len(names))]  # what a kill after each shape would leave

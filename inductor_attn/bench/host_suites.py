@@ -53,7 +53,8 @@ def run_wallclock_suite(suite: str, *, smoke: bool, quick: bool, part: str, out:
     def save(result: dict) -> None:
         path.write_text(json.dumps({"meta": meta, **result}, indent=1, default=str))
 
-    extra = {"budget_s": budget_s, "shard": shard, "save": save} if suite == "tuning-cost" else {}
+    extra = ({"budget_s": budget_s, "shard": shard, "save": save} if suite == "tuning-cost" else
+             {"save": save} if suite == "training" else {})
     result = {"meta": meta, **module.run(smoke, quick, device, part, **extra)}
     save(result)
     label = "SMOKE (tiny shapes on this machine: not a measurement)" if smoke else meta["device"]

@@ -17,6 +17,7 @@ HF Llama training steps (forward, backward, AdamW) at two sizes: models.py.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -199,8 +200,10 @@ def run_shape(shape: Shape, device, dtype) -> dict:
     return row
 
 
-def run(smoke: bool, quick: bool, device: torch.device, part: str = "all") -> dict:
-    """The shapes (``part`` "ops") and the HF Llama steps (``part`` "models", not with ``quick``)."""
+def run(smoke: bool, quick: bool, device: torch.device, part: str = "all",
+        save: Callable[[dict], None] | None = None) -> dict:
+    """The shapes (``part`` "ops") and the HF Llama steps (``part`` "models", not with ``quick``); ``save``
+    after each shape, so that a run killed from outside keeps the shapes it finished."""
     from .. import runtime
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -212,6 +215,9 @@ def run(smoke: bool, quick: bool, device: torch.device, part: str = "all") -> di
         failed = [f"{name}: {r['status']}" for name, r in rows[-1]["paths"].items() if "CUDA error" in r.get("status", "")]
         if failed:  # a CUDA error leaves the context unusable: keep what was measured and stop
             rows[-1]["stopped"] = "; ".join(failed)
+        if save is not None:
+            save({"rows": rows, "llama": None})
+        if failed:
             break
     from .models import llama_training
 
