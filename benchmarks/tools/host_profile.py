@@ -16,8 +16,9 @@ the GPU kernels (by name, per step) whose counts differ between the two.
 
 ``--training SHAPE``: the same for one fwd+bwd step of a training-suite shape (bench/training.py): eager SDPA,
 stock compiled SDPA, ours compiled and, for a masked shape, compiled flex; the kernel counts compared between
-stock compiled and ours; then ours' host time peeled layer by layer (compiled step, eager step, forward op, run-time path, plan launches) and the
-synchronizing calls of its compiled step (``torch.cuda.set_sync_debug_mode``).
+stock compiled and ours; then ours' host time peeled layer by layer (compiled step, eager step, forward op,
+run-time path, plan launches), the parts of each Triton launch, and the synchronizing calls of its compiled
+step (``torch.cuda.set_sync_debug_mode``).
 
 ``--llama-training SIZE``: the training suite's HF Llama step (forward, backward, AdamW; bench/models.py) at
 that size, stock ``torch.compile`` and ours, the same way.
@@ -208,7 +209,8 @@ def layers(compiled_step, eager_step, q, k, v, g, shape, device) -> None:
         "eager forward op (no grad)": forward_op,
         "runtime.forward (decide + plan + launch)": lambda: runtime.forward(call, runtime.COMPILED),
         f"forward plan launch ({fwd_choice})": lambda: fwd_plan.launch(call),
-        "runtime.backward (decide + plan + launch)": lambda: runtime.backward(call, runtime.COMPILED, out, lse, g, None),
+        "runtime.backward (decide + plan + launch)":
+            lambda: runtime.backward(call, runtime.COMPILED, out, lse, g, None),
         f"backward plan launch ({bwd_choice})": lambda: bwd_plan.launch(call, out, lse, g, None),
     }
     print("== ours, layer by layer (host us per call):")

@@ -62,8 +62,8 @@ def _launch(tensors, plan: str):
     if found is None or found[4] != registry.state["generation"]:
         found = _PLANS[key] = _resolve(plan, q.device)
     launch, scale, p, stat, _ = found
-    own = len(OWN_TENSORS[p.op])
-    rest, own = tensors[5:len(tensors) - own], tensors[len(tensors) - own:]
+    end = len(tensors) - len(OWN_TENSORS[p.op])  # the op's own tensors come last
+    rest, own = tensors[5:end], tensors[end:]
     call = _call(p, scale, q, k, v, kv_seqlens, key_mask, own)
     if launch is None:  # decided here, per call, on the real tensors
         run = runtime.forward if stat[1] == "forward" else runtime.backward

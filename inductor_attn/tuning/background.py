@@ -21,9 +21,10 @@ write changes it), so the next compile bakes the new choice instead of replaying
 process reads it from the store.
 
 The worker takes this process's ``INDUCTOR_ATTN_*`` settings when it starts; a tune after they changed
-(another store directory) goes to a new worker. It sees the backends that importing inductor_attn registers. A decision whose candidates
-include a backend registered at run time (``register_backend``) gets another key in the worker, which
-then refuses it with a warning here; such buckets keep their first choice (use ``autotune`` for them).
+(another store directory) goes to a new worker. It sees the backends that importing inductor_attn
+registers. A decision whose candidates include a backend registered at run time (``register_backend``)
+gets another key in the worker, which then refuses it with a warning here; such buckets keep their first
+choice (use ``autotune`` for them).
 """
 
 from __future__ import annotations
