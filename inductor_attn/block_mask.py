@@ -11,6 +11,10 @@ Built once from a flex_attention ``BlockMask`` (same meaning of its fields):
 ``density`` and ``partial_fraction`` (see ``Problem``) are -1 when unknown: a flex_attention call routed
 in a compiled graph (lowering/flex_route.py) builds the bitmaps in the graph and never reads them back.
 
+``documents`` is set when the mask is exactly packed documents (each query sees the keys of its own
+document, up to itself when causal), found once per conversion: such a mask then runs as varlen attention
+(api.py), whose kernels skip the partial blocks' bitmaps.
+
 Index tensors are cut to the longest row (``max(kv_num_blocks)``), so memory grows with the number of
 listed blocks, never with Lq x Lk: flex keeps ``kv_indices`` as wide as all kv blocks.
 """
@@ -26,6 +30,17 @@ import torch
 _BITMAP_CHUNK = 64
 
 
+@dataclass(frozen=True)
+class Documents:
+    """Packed documents of Lq == Lk tokens per batch row: query i sees exactly the keys of its own document,
+    and only those up to itself when ``causal``. ``cu_seqlens`` (int32) holds every batch row's document
+    starts, row b offset by b * L, then B' * L: the varlen ``cu_seqlens`` of the mask's B' rows packed one
+    after another; ``max_seqlen`` is the longest document."""
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    causal: bool
+
+
 @dataclass
 class BlockSparseMask:
     seq_lengths: tuple[int, int]
@@ -38,6 +53,7 @@ class BlockSparseMask:
     partial_bits: torch.Tensor
     density: float
     partial_fraction: float
+    documents: Documents | None = None
 
     @property
     def num_q_blocks(self) -> int:
@@ -147,7 +163,7 @@ def _from_block_mask(bm) -> BlockSparseMask:
     n_kv_blocks = -(-lk // bk)
     rows = bsz * heads * n_q
     total_listed = int(cnt.sum()) + (int(full_cnt.sum()) if full_cnt is not None else 0)
-    return BlockSparseMask(
+    mask = BlockSparseMask(
         seq_lengths=(lq, lk),
         block_q=bq,
         block_kv=bk,
@@ -159,3 +175,62 @@ def _from_block_mask(bm) -> BlockSparseMask:
         density=total_listed / max(rows * n_kv_blocks, 1),
         partial_fraction=int(cnt.sum()) / max(total_listed, 1),
     )
+    mask.documents = find_documents(mask)
+    return mask
+
+
+def _row_spans(mask: BlockSparseMask) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per batch row and query (``[B', Lq]``, int64): how many keys the query sees, the first and the last
+    (first Lk and last -1 where it sees none), from the block lists and bitmaps of head 0."""
+    lq, lk = mask.seq_lengths
+    bq, bk = mask.block_q, mask.block_kv
+    cnt = mask.kv_num_blocks[:, 0]
+    bsz, n_q = cnt.shape
+    device = cnt.device
+    count = torch.zeros(bsz, n_q * bq, dtype=torch.int64, device=device)
+    first = torch.full_like(count, lk)
+    last = torch.full_like(count, -1)
+    if mask.full_kv_num_blocks is not None:
+        full_cnt, full_idx = mask.full_kv_num_blocks[:, 0], mask.full_kv_indices[:, 0].long()
+        listed = torch.arange(full_idx.shape[-1], device=device) < full_cnt[..., None]
+        start = full_idx * bk
+        stop = (start + bk).clamp(max=lk)
+        count += ((stop - start) * listed).sum(-1).repeat_interleave(bq, dim=1)
+        first = torch.minimum(first, torch.where(listed, start, lk).amin(-1).repeat_interleave(bq, dim=1))
+        last = torch.maximum(last, torch.where(listed, stop - 1, -1).amax(-1).repeat_interleave(bq, dim=1))
+    listed = (torch.arange(mask.kv_indices.shape[-1], device=device) < cnt[..., None]).nonzero()
+    k_off = torch.arange(bk, device=device)
+    q_off = torch.arange(bq, device=device)
+    for chunk in listed.split(_BITMAP_CHUNK):
+        b, m, s = chunk.unbind(-1)
+        seen = unpack_bits(mask.partial_bits[b, 0, m, s], bk)  # [chunk, bq, bk]
+        keys = (mask.kv_indices[b, 0, m, s].long() * bk)[:, None, None] + k_off
+        rows = (b * n_q * bq + m * bq)[:, None] + q_off  # flat index into [B', n_q * bq]
+        count.view(-1).index_add_(0, rows.flatten(), seen.sum(-1).flatten())
+        first.view(-1).scatter_reduce_(0, rows.flatten(), torch.where(seen, keys, lk).amin(-1).flatten(), "amin")
+        last.view(-1).scatter_reduce_(0, rows.flatten(), torch.where(seen, keys, -1).amax(-1).flatten(), "amax")
+    return count[:, :lq], first[:, :lq], last[:, :lq]
+
+
+def find_documents(mask: BlockSparseMask) -> Documents | None:
+    """The mask's :class:`Documents`, or None unless it is exactly packed documents (Lq == Lk, one mask for
+    all heads). One device sync. Query i of a document starting at s and ending before e sees keys
+    [s, i] when causal, [s, e) otherwise: every query sees one contiguous span; a document starts where
+    a query's span starts at itself, and every query's span starts at its document's start."""
+    lq, lk = mask.seq_lengths
+    if lq != lk or lq == 0 or mask.kv_num_blocks.shape[1] != 1:
+        return None
+    count, first, last = _row_spans(mask)
+    i = torch.arange(lq, device=count.device)
+    starts = first == i
+    doc_start = torch.cummax(torch.where(starts, i, 0), dim=1).values  # the start of each query's document
+    doc_id = starts.cumsum(1) - 1
+    lengths = torch.zeros_like(count).scatter_add_(1, doc_id.clamp(min=0), torch.ones_like(count))
+    doc_end = doc_start + lengths.gather(1, doc_id.clamp(min=0))
+    spans = (count == last - first + 1) & (first == doc_start) & starts[:, :1]
+    causal, full = bool((spans & (last == i)).all()), bool((spans & (last == doc_end - 1)).all())
+    if not (causal or full):
+        return None
+    bsz = count.shape[0]
+    cu = torch.cat([(i + lq * torch.arange(bsz, device=i.device)[:, None])[starts], i.new_tensor([bsz * lq])])
+    return Documents(cu.to(torch.int32), int(lengths.max()), causal)
