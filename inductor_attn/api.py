@@ -111,8 +111,41 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, wind
     """
     call = make_call(q, k, v, causal=causal, scale=scale, window=window, kv_seqlens=kv_seqlens,
                      key_mask=key_mask, block_mask=block_mask, check_indices=check_indices)
-    out, lse = _zero_size_result(q, k, v) if _zero_size(q.shape[:3] + k.shape[2:3]) else _call_op(call)
+    if _zero_size(q.shape[:3] + k.shape[2:3]):
+        out, lse = _zero_size_result(q, k, v)
+    else:
+        out, lse = _run(call)
     return (out, lse) if return_lse else out
+
+
+def _as_documents(call: AttnCall) -> AttnCall | None:
+    """A block-sparse call whose mask is packed documents (``BlockSparseMask.documents``) as varlen attention
+    over (B * L, H, D) views of q, k, v; None where the mask is not, or a view cannot pack a tensor (its
+    batch stride is not L rows). Varlen kernels then run the same tiles without loading the partial blocks'
+    bitmaps, and FA4 has a varlen backward but no block-sparse one here."""
+    docs = call.sparse.documents if call.op == "block_sparse" else None
+    if docs is None:
+        return None
+    batch, length = call.q.shape[0], call.q.shape[2]
+    if any(batch > 1 and x.stride(0) != length * x.stride(2) for x in (call.q, call.k, call.v)):
+        return None
+    q, k, v = (x.transpose(1, 2).flatten(0, 1) for x in (call.q, call.k, call.v))
+    cu = docs.cu_seqlens
+    if call.sparse.kv_num_blocks.shape[0] < batch:  # one mask row for every batch row
+        starts = cu[:-1] + length * torch.arange(batch, device=cu.device, dtype=cu.dtype)[:, None]
+        cu = torch.cat([starts.flatten(), cu.new_tensor([batch * length])])
+    return AttnCall("varlen", q, k, v, call.scale, docs.causal, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                    max_seqlen_q=docs.max_seqlen, max_seqlen_k=docs.max_seqlen)
+
+
+def _run(call: AttnCall, choice: str = ""):
+    """(out, lse) of the call, packed documents run as varlen (:func:`_as_documents`)."""
+    packed = _as_documents(call)
+    if packed is None:
+        return _call_op(call, choice)
+    out, lse = _call_op(packed, choice)
+    b, h, length = call.q.shape[:3]
+    return out.unflatten(0, (b, length)).transpose(1, 2), lse.unflatten(1, (b, length)).transpose(0, 1)
 
 
 def _zero_size(sizes) -> bool:
@@ -132,6 +165,10 @@ def _zero_size_result(q, k, v):
 
 
 def _call_op(call: AttnCall, choice: str = ""):
+    if call.op == "varlen":
+        return varlen_attention_op(call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q,
+                                   call.max_seqlen_k, call.scale, call.causal, call.window_left,
+                                   call.window_right, choice)
     if call.op == "block_sparse":
         s = call.sparse
         return block_sparse_attention_op(call.q, call.k, call.v, s.kv_num_blocks, s.kv_indices,
@@ -145,7 +182,7 @@ def candidates(q, k, v, **kwargs) -> list[Candidate]:
     """Every candidate for this call (same keyword arguments as :func:`attention`), in prior order,
     each with its backend name, config string and pruned reason (None if it can run here)."""
     call = make_call(q, k, v, **kwargs)
-    return enumerate_candidates(call.problem, device_info(q.device))
+    return enumerate_candidates((_as_documents(call) or call).problem, device_info(q.device))
 
 
 def run_candidate(candidate: Candidate | str, q, k, v, *, return_lse: bool = False, **kwargs):
@@ -156,12 +193,12 @@ def run_candidate(candidate: Candidate | str, q, k, v, *, return_lse: bool = Fal
     if not isinstance(name, str):
         raise TypeError(f"candidate must be a Candidate or a 'backend:config' string, got {type(candidate).__name__}")
     call = make_call(q, k, v, **kwargs)
-    listed = {c.name: c for c in enumerate_candidates(call.problem, device_info(q.device))}
+    listed = {c.name: c for c in enumerate_candidates((_as_documents(call) or call).problem, device_info(q.device))}
     if name not in listed:
         raise ValueError(f"candidate {name!r} is not a candidate for this call; candidates: {', '.join(listed)}")
     if listed[name].pruned:
         raise ValueError(f"candidate {name!r} cannot run this call: {listed[name].pruned}")
-    out, lse = _call_op(call, name)
+    out, lse = _run(call, name)
     return (out, lse) if return_lse else out
 
 
