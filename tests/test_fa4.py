@@ -543,16 +543,65 @@ def test_forward_plan_calls_the_compiled_kernel_directly_after_one_call_through_
     assert fa4.fwd_compile_cache_owner(fake_fa4(interface=interface)) is not None
 
 
-def test_a_first_call_whose_tensors_alias_records_nothing(monkeypatch):
-    """q, k and v one tensor: the recording cannot tell their roles apart, so later calls (whose tensors
-    differ) keep going through FA4."""
+def test_a_replay_recorded_on_aliased_tensors_serves_only_calls_aliased_the_same_way(monkeypatch):
+    """q, k and v one tensor: the recording cannot tell their roles apart, so it serves calls whose values
+    are one tensor the same way (FA4's varlen cu_seqlens_q and cu_seqlens_k often are); a call with three
+    tensors is recorded for itself."""
     kernel_calls = []
     interface, plan = _fwd_plan(monkeypatch, kernel_calls)
     q = _qkv(0)[0]
-    plan.launch(AttnCall("attention", q, q, q, 0.25))
+    plan.launch(AttnCall("attention", q, q, q, 0.25))  # through FA4, recorded, checked
     q, k, v = _qkv(1)
-    out, _ = plan.launch(AttnCall("attention", q, k, v, 0.25))
-    assert kernel_calls == [0.25, 0.25] and torch.equal(out, q * 0.25 + v)
+    out, _ = plan.launch(AttnCall("attention", q, k, v, 0.25))  # through FA4 again, recorded, checked
+    assert kernel_calls == [0.25] * 4 and torch.equal(out, q * 0.25 + v)
+    interface._flash_attn_fwd = lambda *a, **kw: pytest.fail("went through _flash_attn_fwd again")
+    out, _ = plan.launch(AttnCall("attention", k, k, k, 0.25))
+    assert torch.equal(out, k * 0.25 + k) and len(plan.launch.replays.by_layout) == 2
+
+
+def test_varlen_forward_replays_with_the_calls_cu_seqlens_and_keys_on_max_seqlen(monkeypatch):
+    kernel_calls = []
+
+    def kernel(q, k, v, out, lse, scale, cu_q, cu_k, max_q):
+        kernel_calls.append(max_q)
+        out.copy_(q * scale + v + cu_q[-1] + cu_k[1] + max_q)
+        lse.fill_(1.0)
+
+    def _flash_attn_fwd(q, k, v, **kw):
+        if ("key",) not in _flash_attn_fwd.compile_cache:
+            _flash_attn_fwd.compile_cache[("key",)] = kernel
+        _flash_attn_fwd.compile_cache[("key",)](q, k, v, kw["out"], kw["lse"], kw["softmax_scale"],
+                                                kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["max_seqlen_q"])
+        return kw["out"], kw["lse"]
+
+    _flash_attn_fwd.compile_cache = {}
+    interface = types.SimpleNamespace(_flash_attn_fwd=_flash_attn_fwd)
+    utils = types.SimpleNamespace(_get_use_clc_scheduler_default=lambda: False)
+    monkeypatch.setattr(fa4, "_load", lambda: fake_fa4(interface=interface, utils=utils))
+
+    def call(seed, cu_q, cu_k, longest):
+        q, k, v = _qkv(seed, (16, 2, 16))
+        return AttnCall("varlen", q, k, v, 0.25, True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=longest,
+                        max_seqlen_k=longest)
+
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+    first = call(0, cu, cu, 11)
+    plan = fa4.BACKEND.plan(first.problem, SM90, Config(), "forward")
+    plan.launch(first)
+    assert kernel_calls == [11, 11]  # through FA4, then the recorded call checked
+    real = interface._flash_attn_fwd
+    other = torch.tensor([0, 9, 16], dtype=torch.int32)
+    again = call(1, other, other.clone(), 11)  # two tensors: not the layout recorded, so through FA4
+    out, lse = plan.launch(again)
+    assert torch.equal(out, again.q * 0.25 + again.v + 16 + 9 + 11) and lse.shape == (2, 16)
+    interface._flash_attn_fwd = lambda *a, **kw: pytest.fail("through FA4")
+    same = call(2, other, other, 11)  # one tensor for both, as recorded first: replayed
+    out, _ = plan.launch(same)
+    assert torch.equal(out, same.q * 0.25 + same.v + 16 + 9 + 11) and kernel_calls[-1] == 11
+    interface._flash_attn_fwd = real
+    longer = call(3, other, other, 13)  # another max_seqlen: recorded for itself, never replayed as 11
+    out, _ = plan.launch(longer)
+    assert torch.equal(out, longer.q * 0.25 + longer.v + 16 + 9 + 13)
 
 
 def test_backward_uses_views_and_returns_our_layout(monkeypatch):

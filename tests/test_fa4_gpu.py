@@ -213,6 +213,26 @@ def test_varlen_and_kv_seqlens_backward_match_reference(dev, dtype):
     _grads_match(call, out, lse, torch.randn_like(out), None)
 
 
+def test_varlen_forward_replays_match_the_reference_with_new_documents(dev):
+    """Packed documents (one cu_seqlens tensor for q and k, as the document rewrite passes them): after the
+    first call the forward replays FA4's kernel on sm_90 with each call's own boundaries and inputs."""
+    dtype = torch.bfloat16
+    fwd = None
+    for i, bounds in enumerate(([0, 100, 357, 512], [0, 7, 300, 512], [0, 250, 251, 512])):
+        gen = torch.Generator(device="cuda").manual_seed(10 + i)
+        cu = torch.tensor(bounds, device="cuda", dtype=torch.int32)
+        q, k, v = (rand(512, 4, 64, dtype=dtype, gen=gen) for _ in range(3))
+        call = AttnCall("varlen", q, k, v, 0.125, True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=300,
+                        max_seqlen_k=300)
+        fwd = fwd or FA4.plan(call.problem, dev, Config(), "forward").launch
+        torch.full((64 << 20,), float("nan"), device="cuda")  # freed at once: its block is reused below
+        out, lse = fwd(call)
+        ref_out, ref_lse = REF.run(call, Config())
+        assert check_output(out, lse, ref_out, ref_lse, dtype) is None, f"call {i}"
+    if fa4.family(dev.arch) == "sm90":
+        assert fwd.replays.by_layout and all(fwd.replays.by_layout.values()), "sm_90 varlen forward plans replay"
+
+
 REPLAYED = BACKWARD[:3] + [dict(b=2, hq=4, hkv=4, lq=64, lk=300, d=64, causal=True, lens=(300, 77))]
 
 

@@ -509,7 +509,7 @@ class FA4Backend(Backend):
             if p.op == "block_sparse":
                 raise NotImplementedError("flash-attn-4 block-sparse backward is not wired (see supports())")
             return Plan(functools.partial(_backward, bool(cfg.get("deterministic", False)), str(cfg)))
-        thin = family(dev.arch) == "sm90" and p.op == "attention"
+        thin = family(dev.arch) == "sm90" and p.op in ("attention", "varlen")
         return Plan(_ForwardLaunch(_knobs(cfg), cfg.get("clc"), str(cfg), thin))
 
 
@@ -555,30 +555,46 @@ def _sparse_kwargs(fa: _FA4, call: AttnCall) -> dict:
 
 
 def _forward_args(fa: _FA4, knobs: dict, call: AttnCall):
-    """(positional args, keyword args, out, lse) of one ``_flash_attn_fwd`` call. ``out`` follows q's
-    stride order (the ops' layout contract) and is handed to FA4 as its (B, L, H, D) view."""
-    q, k, v = call.q, call.k, call.v
-    dense = call.op != "varlen"
-    kw = dict(softmax_scale=call.scale, return_lse=True, **knobs)
-    if dense:
-        b, h, lq, _ = q.shape
-        out = empty_like_layout(q, (b, h, lq, v.shape[-1]))
-        lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
-        kw.update(out=out.transpose(1, 2), lse=lse)
-    else:
-        out = empty_like_layout(q, (q.shape[0], q.shape[1], v.shape[-1]))
-        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
-        kw.update(out=out, lse=lse, cu_seqlens_q=_int32(call.cu_seqlens_q), cu_seqlens_k=_int32(call.cu_seqlens_k),
-                  max_seqlen_q=call.max_seqlen_q, max_seqlen_k=call.max_seqlen_k)
+    """(positional args, keyword args, out, lse) of one ``_flash_attn_fwd`` call."""
+    out, lse = _buffers(call)
+    kw = dict(softmax_scale=call.scale, return_lse=True, **_io_kwargs(call, out, lse), **knobs)
     if call.op == "block_sparse":
         kw.update(_sparse_kwargs(fa, call))
     else:
         kw["causal"] = call.causal
         kw["window_size_left"], kw["window_size_right"] = _window(call)
+    dense = call.op != "varlen"
+    args = [_fa4_layout(x, name, dense) for x, name in ((call.q, "q"), (call.k, "k"), (call.v, "v"))]
+    return args, kw, out, lse
+
+
+def _io_kwargs(call: AttnCall, out: torch.Tensor, lse: torch.Tensor) -> dict:
+    """The keyword arguments of ``_flash_attn_fwd`` that change per call: the outputs (``out`` follows q's
+    stride order, the ops' layout contract, and is handed over as FA4's (B, L, H, D) view), seqused_k and
+    varlen's cu_seqlens and max_seqlen."""
+    dense = call.op != "varlen"
+    kw = {"out": out.transpose(1, 2) if dense else out, "lse": lse}
     if call.kv_seqlens is not None:
         kw["seqused_k"] = _int32(call.kv_seqlens)
-    args = [_fa4_layout(x, name, dense) for x, name in ((q, "q"), (k, "k"), (v, "v"))]
-    return args, kw, out, lse
+    if not dense:
+        kw.update(cu_seqlens_q=_int32(call.cu_seqlens_q), cu_seqlens_k=_int32(call.cu_seqlens_k),
+                  max_seqlen_q=call.max_seqlen_q, max_seqlen_k=call.max_seqlen_k)
+    return kw
+
+
+def _buffers(call: AttnCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """A forward's empty (out, lse): out in q's stride order, lse (B, H, L), or (H, total) for varlen."""
+    q = call.q
+    out = empty_like_layout(q, (*q.shape[:-1], call.v.shape[-1]))
+    lse_shape = (q.shape[1], q.shape[0]) if call.op == "varlen" else q.shape[:-1]
+    return out, torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+
+
+def _replay_values(call: AttnCall, args, kw: dict) -> tuple:
+    """What a replay's arguments are built from (:meth:`_Recording.replay`): FA4's q, k, v, out and lse,
+    then seqused_k, cu_seqlens_q/k and max_seqlen_q/k (None where unused), the scale last."""
+    return (*args, kw["out"], kw["lse"], kw.get("seqused_k"), kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k"),
+            kw.get("max_seqlen_q"), kw.get("max_seqlen_k"), call.scale)
 
 
 class _ForwardLaunch:
@@ -587,8 +603,9 @@ class _ForwardLaunch:
     compiled object and the arguments it was called with; once that :class:`_Replay` has reproduced the
     call (:func:`_checked_replay`), it makes later calls: no key building, checks or heuristics per call
     (about 1,300 lines of Python in b36, against about 2 us for a launch of a compiled CuTe kernel,
-    tritonbench #1002). Anything else (varlen and block-sparse scheduler tensors, split-KV's combine on
-    sm_100) keeps calling ``_flash_attn_fwd``."""
+    tritonbench #1002). A call whose recording holds more than one kernel or a tensor FA4 made itself
+    (split-KV's combine, block-sparse and large-batch varlen scheduler tensors) keeps calling
+    ``_flash_attn_fwd``."""
 
     def __init__(self, knobs: dict, clc: bool | None, label: str, thin: bool):
         self.knobs, self.clc, self.label, self.thin = knobs, clc, label, thin
@@ -596,31 +613,21 @@ class _ForwardLaunch:
 
     def __call__(self, call: AttnCall):
         if self.replays.by_layout:
-            q, k, v = call.q.transpose(1, 2), call.k.transpose(1, 2), call.v.transpose(1, 2)
-            if _aligned(q) and _aligned(k) and _aligned(v):
-                out, lse = self._buffers(call)
-                values = self._values(call, q, k, v, out, lse)
+            dense = call.op != "varlen"
+            args = [x.transpose(1, 2) if dense else x for x in (call.q, call.k, call.v)]
+            if all(_aligned(x) for x in args):
+                out, lse = _buffers(call)
+                values = _replay_values(call, args, _io_kwargs(call, out, lse))
                 replay = self.replays.get(values)
                 if replay is not None:
                     replay(values)
                     return out, lse
         return self._through_fa4(call)
 
-    @staticmethod
-    def _buffers(call: AttnCall):
-        out = empty_like_layout(call.q, (*call.q.shape[:-1], call.v.shape[-1]))
-        return out, torch.empty(call.q.shape[:-1], dtype=torch.float32, device=call.q.device)
-
-    @staticmethod
-    def _values(call: AttnCall, q, k, v, out, lse) -> tuple:
-        """What a replay's arguments are built from (:meth:`_Recording.replay`): FA4's views, the scale last."""
-        seqused = None if call.kv_seqlens is None else _int32(call.kv_seqlens)
-        return (q, k, v, out.transpose(1, 2), lse, seqused, call.scale)
-
     def _through_fa4(self, call: AttnCall):
         fa = _fa4()
         args, kw, out, lse = _forward_args(fa, self.knobs, call)
-        values = (*args, kw["out"], kw["lse"], kw.get("seqused_k"), call.scale)
+        values = _replay_values(call, args, kw)
         wanted = self.thin and self.replays.wants(values)
         recording = _Recording(fwd_compile_cache_owner(fa)) if wanted else None
         with _clc_scheduler(fa.utils, self.clc), _dsl_errors(fa, self.label), recording or contextlib.nullcontext():
@@ -630,8 +637,8 @@ class _ForwardLaunch:
         if got_lse is not None and got_lse.data_ptr() != lse.data_ptr():
             lse = got_lse
         if recording is not None:
-            fresh_out, fresh_lse = self._buffers(call)
-            fresh = (*values[:3], fresh_out.transpose(1, 2), fresh_lse, *values[5:])
+            fresh_out, fresh_lse = _buffers(call)
+            fresh = _replay_values(call, args, _io_kwargs(call, fresh_out, fresh_lse))
             self.replays.add(values, _checked_replay(recording.replay(values), fresh, (out, lse),
                                                      (fresh_out, fresh_lse), self.label))
         return out, lse
@@ -663,9 +670,13 @@ class _Replays:
 
 
 def _layout(values: tuple) -> tuple:
-    tensors = tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.data_ptr() % 16 == 0)
-                    if isinstance(t, torch.Tensor) else None for t in values[:-1])
-    return (*tensors, values[-1])
+    """Each tensor's shape, strides, dtype, 16-byte alignment and the first value it is (cu_seqlens_q and
+    cu_seqlens_k are often one tensor: a replay recorded so reads both from one role); any other value as
+    it is."""
+    first: dict[tuple, int] = {}
+    return tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.data_ptr() % 16 == 0,
+                  first.setdefault(_identity(t), i))
+                 if isinstance(t, torch.Tensor) else t for i, t in enumerate(values))
 
 
 class _Replay:
@@ -736,17 +747,16 @@ class _Recording:
 
     def replay(self, values: tuple) -> _Replay | None:
         """The recorded call as a :class:`_Replay` over ``values`` (tensors, then the scale last), or None
-        unless it was one call whose every tensor is one of ``values``, no two of which alias, with no
-        tensor hidden in a container. Other arguments (the scale among them: :func:`_layout` keys on it)
+        unless it was one call whose every tensor is one of ``values``, with no tensor hidden in a
+        container. A tensor that is several values gets the first one's role (:func:`_layout` keys on
+        which values are one tensor). Other arguments (the scale among them: :func:`_layout` keys on it)
         are constants."""
         if len(self.calls) != 1:
             return None
         roles: dict[tuple, int] = {}
-        for i, t in enumerate(values[:-1]):
-            if t is not None:
-                if _identity(t) in roles:
-                    return None
-                roles[_identity(t)] = i
+        for i, t in enumerate(values):
+            if isinstance(t, torch.Tensor):
+                roles.setdefault(_identity(t), i)
         fn, args = self.calls[0]
         specs = []
         for arg in args:
