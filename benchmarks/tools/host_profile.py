@@ -175,7 +175,8 @@ def training(shape_name: str, calls: int) -> None:
     device = torch.device("cuda")
     q, k, v, g = shape.inputs(device, torch.bfloat16)
     fns = suite.paths(shape, device)
-    names = TRAINING_PATHS + (("compiled flex",) if shape.mask else ())
+    names = TRAINING_PATHS + (("compiled flex",) if shape.mask else ()) + (("ours varlen",) if "ours varlen" in fns
+                                                                          else ())
     steps = {name: suite.training_step(fns[name][0], q, k, v, g) for name in names}
     compare(steps, calls)
     layers(steps["ours"], suite.training_step(fns["ours eager"][0], q, k, v, g), q, k, v, g, shape, device)
@@ -187,11 +188,14 @@ def layers(compiled_step, eager_step, q, k, v, g, shape, device) -> None:
     import warnings
 
     from inductor_attn import runtime
-    from inductor_attn.api import make_call
+    from inductor_attn.api import _as_documents, make_call
     from inductor_attn.bench import training as suite
 
     kw = suite.ours_kwargs(shape, device)
     call = make_call(q.detach(), k.detach(), v.detach(), **kw)
+    call = _as_documents(call) or call  # what attention() runs: packed documents as varlen
+    if call.op == "varlen":
+        g = g.transpose(1, 2).flatten(0, 1)
     dev = device_info(q.device)
     out, lse = runtime.forward(call, runtime.COMPILED)
     fwd_choice = inductor_attn.tuning.decide(call, dev, "forward")

@@ -7,7 +7,9 @@ v for a fixed random output gradient (``torch.autograd.grad``, so nothing accumu
 - ``fa4 direct``: flash-attn-4's ``flash_attn_func`` (dense shapes; where installed);
 - ``compiled flex``: ``torch.compile(flex_attention)`` with the mask's BlockMask (mask shapes);
 - ``ours``: ``inductor_attn.attention`` eagerly and under ``torch.compile``, and compiled under
-  ``torch.use_deterministic_algorithms(True)`` (what determinism costs).
+  ``torch.use_deterministic_algorithms(True)`` (what determinism costs);
+- ``ours varlen`` (document masks): the same mask as packed documents through
+  ``inductor_attn.varlen_attention``, compiled: the representation FlashAttention users pick for it.
 Each gets kernel us (profiler), wall us with plain launches, host us and peak memory of a step
 (wallclock.py), and the gradients' relative error against float64 next to SDPA's own.
 
@@ -61,6 +63,15 @@ class Shape:
         for c in cuts:
             ids[c:] += 1
         return ids.to(device)
+
+    def cu_seqlens(self, device) -> tuple[torch.Tensor, int]:
+        """int32 cu_seqlens of the batch's documents packed one batch after another, and the longest."""
+        ids = self.documents("cpu")
+        starts = torch.cat([torch.tensor([0]), torch.nonzero(ids[1:] != ids[:-1]).flatten() + 1])
+        lengths = torch.diff(torch.cat([starts, torch.tensor([self.length])]))
+        per_batch = [starts + b * self.length for b in range(self.batch)]
+        cu = torch.cat(per_batch + [torch.tensor([self.batch * self.length])]).to(torch.int32)
+        return cu.to(device), int(lengths.max())
 
     def inputs(self, device, dtype) -> tuple[torch.Tensor, ...]:
         """Seeded q, k, v (requiring grad) and the output gradient g of one step."""
@@ -118,6 +129,17 @@ def _ours(shape: Shape, device):
     return lambda q, k, v: api.attention(q, k, v, **kw)
 
 
+def _ours_varlen(shape: Shape, device):
+    """Documents packed as varlen sequences: (B, H, L, D) seen as (B * L, H, D), a copy unless B == 1."""
+    cu, longest = shape.cu_seqlens(device)
+
+    def fn(q, k, v):
+        packed = [x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]) for x in (q, k, v)]
+        out = api.varlen_attention(*packed, cu, cu, longest, longest, causal=shape.causal, check_indices=False)
+        return out.view(q.shape[0], q.shape[2], q.shape[1], -1).transpose(1, 2)
+    return fn
+
+
 def _flex(shape: Shape, device):
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -149,6 +171,8 @@ def paths(shape: Shape, device) -> dict:
     out["ours eager"] = (_ours(shape, device), False)
     out["ours"] = (torch.compile(_ours(shape, device)), False)
     out["ours deterministic"] = (torch.compile(_ours(shape, device)), True)
+    if shape.mask == "document":
+        out["ours varlen"] = (torch.compile(_ours_varlen(shape, device)), False)
     return out
 
 
