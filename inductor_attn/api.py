@@ -145,7 +145,8 @@ def _run(call: AttnCall, choice: str = ""):
         return _call_op(call, choice)
     out, lse = _call_op(packed, choice)
     b, h, length = call.q.shape[:3]
-    return out.unflatten(0, (b, length)).transpose(1, 2), lse.unflatten(1, (b, length)).transpose(0, 1)
+    # lse (H, B * L) -> (B, H, L), contiguous as every other call's (a copy of B * H * L floats when B > 1)
+    return out.unflatten(0, (b, length)).transpose(1, 2), lse.unflatten(1, (b, length)).transpose(0, 1).contiguous()
 
 
 def _zero_size(sizes) -> bool:

@@ -13,7 +13,7 @@ in a compiled graph (lowering/flex_route.py) builds the bitmaps in the graph and
 
 ``documents`` is set when the mask is exactly packed documents (each query sees the keys of its own
 document, up to itself when causal), found once per conversion: such a mask then runs as varlen attention
-(api.py), whose kernels skip the partial blocks' bitmaps.
+(api.py), whose kernels skip the partial blocks' bitmaps. Set it to None to keep the block-sparse kernels.
 
 Index tensors are cut to the longest row (``max(kv_num_blocks)``), so memory grows with the number of
 listed blocks, never with Lq x Lk: flex keeps ``kv_indices`` as wide as all kv blocks.
@@ -212,13 +212,30 @@ def _row_spans(mask: BlockSparseMask) -> tuple[torch.Tensor, torch.Tensor, torch
     return count[:, :lq], first[:, :lq], last[:, :lq]
 
 
+def _lists_a_block_twice(mask: BlockSparseMask) -> bool:
+    """Whether a q block lists one kv block twice (in one list, or as full and partial): a hand-made mask
+    can, and :func:`_row_spans` would then count its keys twice."""
+    lists = [(mask.kv_num_blocks, mask.kv_indices)]
+    if mask.full_kv_num_blocks is not None:
+        lists.append((mask.full_kv_num_blocks, mask.full_kv_indices))
+    slots = []
+    for cnt, idx in lists:  # unlisted slots get distinct negative values, so they never repeat
+        width = idx.shape[-1]
+        taken = sum(s.shape[-1] for s in slots)
+        unlisted = -1 - taken - torch.arange(width, device=idx.device)
+        slots.append(torch.where(torch.arange(width, device=idx.device) < cnt[..., None], idx, unlisted))
+    ordered = torch.cat(slots, dim=-1).sort(dim=-1).values
+    return bool((ordered[..., 1:] == ordered[..., :-1]).any())
+
+
 def find_documents(mask: BlockSparseMask) -> Documents | None:
     """The mask's :class:`Documents`, or None unless it is exactly packed documents (Lq == Lk, one mask for
-    all heads). One device sync. Query i of a document starting at s and ending before e sees keys
-    [s, i] when causal, [s, e) otherwise: every query sees one contiguous span; a document starts where
-    a query's span starts at itself, and every query's span starts at its document's start."""
+    all heads, no kv block listed twice for a q block). A few device syncs. Query i of a document starting
+    at s and ending before e sees keys [s, i] when causal, [s, e) otherwise: every query sees one
+    contiguous span; a document starts where a query's span starts at itself, and every query's span
+    starts at its document's start."""
     lq, lk = mask.seq_lengths
-    if lq != lk or lq == 0 or mask.kv_num_blocks.shape[1] != 1:
+    if lq != lk or lq == 0 or mask.kv_num_blocks.shape[1] != 1 or _lists_a_block_twice(mask):
         return None
     count, first, last = _row_spans(mask)
     i = torch.arange(lq, device=count.device)

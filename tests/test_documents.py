@@ -85,6 +85,25 @@ def test_other_masks_are_not_documents(name, mod, heads):
     assert convert(mod, None, heads, 200).documents is None
 
 
+@pytest.mark.parametrize("twice", ["in the full list", "as full and partial"])
+def test_a_mask_listing_a_block_twice_is_not_documents(twice):
+    """Hand-made block lists can name a kv block twice for one q block (and miss another): counted keys
+    would then equal the span although keys are missing."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    length, block = 128, 32
+    n = length // block
+    full_cnt = torch.full((1, 1, n), n if twice == "in the full list" else n - 1, dtype=torch.int32)
+    full_idx = torch.tensor([0, 0, 2, 3] if twice == "in the full list" else [0, 2, 3, 0], dtype=torch.int32)
+    cnt = torch.full((1, 1, n), int(twice != "in the full list"), dtype=torch.int32)
+    idx = torch.zeros(1, 1, n, n, dtype=torch.int32)  # partial: block 0 again, bits all set by the mask_mod
+    bm = BlockMask.from_kv_blocks(cnt, idx, full_cnt, full_idx.expand(1, 1, n, n).contiguous(), BLOCK_SIZE=block,
+                                  seq_lengths=(length, length), mask_mod=lambda b, h, q, k: q >= 0)
+    sparse = BlockSparseMask.from_block_mask(bm)
+    assert not sparse.dense_mask()[..., block:2 * block].any()  # block 1 is never attended
+    assert sparse.documents is None
+
+
 def test_documents_need_equal_query_and_key_lengths():
     bm = create_block_mask(lambda b, h, q, k: q // 50 == k // 50, None, None, 100, 200, device="cpu")
     assert BlockSparseMask.from_block_mask(bm).documents is None
@@ -119,7 +138,7 @@ def test_documents_run_as_varlen_and_match_float64(batch, mask_rows, layout, pac
     inductor_attn.reset_stats()
     out, lse = fn(q, k, v, block_mask=sparse, return_lse=True)
     grads = torch.autograd.grad(out, (q, k, v), grad)
-    assert out.shape == (batch, 4, length, 16) and lse.shape == (batch, 4, length)
+    assert out.shape == (batch, 4, length, 16) and lse.shape == (batch, 4, length) and lse.is_contiguous()
     ops = {key.split("/")[0] for key in inductor_attn.stats()}
     assert ops == ({"varlen"} if packed else {"block_sparse"})
 

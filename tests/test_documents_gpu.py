@@ -32,7 +32,7 @@ def test_document_mask_runs_varlen_and_matches_float64(compiled, causal):
     grad = torch.randn(1, 8, length, 128, device="cuda", dtype=dtype, generator=gen)
     fn = torch.compile(inductor_attn.attention, fullgraph=True) if compiled else inductor_attn.attention
     inductor_attn.reset_stats()
-    for _ in range(2):  # the second call replays what the first recorded
+    for _ in range(2):  # a second call runs the plans the first one made
         out = fn(q, k, v, block_mask=sparse)
         grads = torch.autograd.grad(out, (q, k, v), grad)
     assert {key.split("/")[0] for key in inductor_attn.stats()} == {"varlen"}

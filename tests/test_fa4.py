@@ -591,9 +591,10 @@ def test_varlen_forward_replays_with_the_calls_cu_seqlens_and_keys_on_max_seqlen
     assert kernel_calls == [11, 11]  # through FA4, then the recorded call checked
     real = interface._flash_attn_fwd
     other = torch.tensor([0, 9, 16], dtype=torch.int32)
-    again = call(1, other, other.clone(), 11)  # two tensors: not the layout recorded, so through FA4
+    again = call(1, other, torch.tensor([0, 4, 16], dtype=torch.int32), 11)  # two tensors: not the layout recorded
     out, lse = plan.launch(again)
-    assert torch.equal(out, again.q * 0.25 + again.v + 16 + 9 + 11) and lse.shape == (2, 16)
+    assert kernel_calls == [11] * 4  # through FA4 and recorded for itself, then checked
+    assert torch.equal(out, again.q * 0.25 + again.v + 16 + 4 + 11) and lse.shape == (2, 16)
     interface._flash_attn_fwd = lambda *a, **kw: pytest.fail("through FA4")
     same = call(2, other, other, 11)  # one tensor for both, as recorded first: replayed
     out, _ = plan.launch(same)
