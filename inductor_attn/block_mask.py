@@ -181,7 +181,8 @@ def _from_block_mask(bm) -> BlockSparseMask:
 
 def _row_spans(mask: BlockSparseMask) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per batch row and query (``[B', Lq]``, int64): how many keys the query sees, the first and the last
-    (first Lk and last -1 where it sees none), from the block lists and bitmaps of head 0."""
+    (first Lk and last -1 where it sees none), from the block lists and bitmaps of head 0 (the same for
+    every head: :func:`_same_for_every_head`)."""
     lq, lk = mask.seq_lengths
     bq, bk = mask.block_q, mask.block_kv
     cnt = mask.kv_num_blocks[:, 0]
@@ -228,14 +229,28 @@ def _lists_a_block_twice(mask: BlockSparseMask) -> bool:
     return bool((ordered[..., 1:] == ordered[..., :-1]).any())
 
 
+def _same_for_every_head(mask: BlockSparseMask) -> bool:
+    """Whether every head lists the blocks and bitmaps of head 0 (a mask built with H heads from a mask_mod
+    that ignores the head)."""
+    lists = [(mask.kv_num_blocks, mask.kv_indices, mask.partial_bits)]
+    if mask.full_kv_num_blocks is not None:
+        lists.append((mask.full_kv_num_blocks, mask.full_kv_indices, None))
+    for cnt, idx, bits in lists:
+        listed = torch.arange(idx.shape[-1], device=idx.device) < cnt[..., None]
+        for t in (cnt, torch.where(listed, idx, -1), None if bits is None else bits * listed[..., None, None]):
+            if t is not None and not torch.equal(t, t[:, :1].expand_as(t)):
+                return False
+    return True
+
+
 def find_documents(mask: BlockSparseMask) -> Documents | None:
-    """The mask's :class:`Documents`, or None unless it is exactly packed documents (Lq == Lk, one mask for
-    all heads, no kv block listed twice for a q block). A few device syncs. Query i of a document starting
+    """The mask's :class:`Documents`, or None unless it is exactly packed documents (Lq == Lk, the same mask
+    for every head, no kv block listed twice for a q block). A few device syncs. Query i of a document starting
     at s and ending before e sees keys [s, i] when causal, [s, e) otherwise: every query sees one
     contiguous span; a document starts where a query's span starts at itself, and every query's span
     starts at its document's start."""
     lq, lk = mask.seq_lengths
-    if lq != lk or lq == 0 or mask.kv_num_blocks.shape[1] != 1 or _lists_a_block_twice(mask):
+    if lq != lk or lq == 0 or not _same_for_every_head(mask) or _lists_a_block_twice(mask):
         return None
     count, first, last = _row_spans(mask)
     i = torch.arange(lq, device=count.device)

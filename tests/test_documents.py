@@ -59,8 +59,9 @@ def test_packed_documents_are_found_with_their_boundaries(rows, length, causal, 
 @RANDOM
 @given(st.sampled_from(MASK_KINDS), st.sampled_from(BLOCK_SIZES), st.integers(2, 300), st.integers(0, 2**31))
 def test_a_mask_is_called_documents_only_when_their_mask_is_the_same(kind, block, length, seed):
-    """Whatever the conversion says: a mask it calls packed documents has exactly those documents' mask."""
-    mod, b, h = mask_mods(kind, torch.Generator().manual_seed(seed), length, heads=1)
+    """Whatever the conversion says: a mask it calls packed documents has exactly those documents' mask, in
+    every head."""
+    mod, b, h = mask_mods(kind, torch.Generator().manual_seed(seed), length, heads=3)
     sparse = convert(mod, b, h, length, block)
     if sparse.documents is None:
         return
@@ -69,9 +70,10 @@ def test_a_mask_is_called_documents_only_when_their_mask_is_the_same(kind, block
                        dtype=torch.bool)
     for start, stop in zip(cu[:-1], cu[1:]):
         want[start:stop, start:stop] = torch.ones(stop - start, stop - start).tril().bool() if causal else True
-    dense = sparse.dense_mask()[:, 0]
-    got = torch.block_diag(*dense.float()).bool()  # batch rows one after another, as cu_seqlens counts them
-    assert torch.equal(got, want)
+    for head in range(sparse.kv_num_blocks.shape[1]):
+        dense = sparse.dense_mask()[:, head]
+        got = torch.block_diag(*dense.float()).bool()  # batch rows one after another, as cu_seqlens counts them
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("name, mod, heads", [
@@ -102,6 +104,13 @@ def test_a_mask_listing_a_block_twice_is_not_documents(twice):
     sparse = BlockSparseMask.from_block_mask(bm)
     assert not sparse.dense_mask()[..., block:2 * block].any()  # block 1 is never attended
     assert sparse.documents is None
+
+
+def test_documents_built_for_every_head_are_found():
+    """create_block_mask with H heads and a mask_mod that ignores the head: one mask per head, all alike."""
+    sparse = convert(lambda b, h, q, k: (q // 70 == k // 70) & (k <= q), None, 3, 200)
+    assert sparse.kv_num_blocks.shape[1] == 3
+    assert sparse.documents is not None and sparse.documents.cu_seqlens.tolist() == [0, 70, 140, 200]
 
 
 def test_documents_need_equal_query_and_key_lengths():
