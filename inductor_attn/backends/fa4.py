@@ -555,31 +555,38 @@ def _sparse_kwargs(fa: _FA4, call: AttnCall) -> dict:
 
 
 def _forward_args(fa: _FA4, knobs: dict, call: AttnCall):
-    """(positional args, keyword args, out, lse) of one ``_flash_attn_fwd`` call."""
+    """(positional args, keyword args, out, lse, values) of one ``_flash_attn_fwd`` call; ``values`` as
+    :func:`_call_values` gives them, with q, k and v as passed (copies where FA4 would make them)."""
     out, lse = _buffers(call)
-    kw = dict(softmax_scale=call.scale, return_lse=True, **_io_kwargs(call, out, lse), **knobs)
+    values = _call_values(call, out, lse)
+    dense = call.op != "varlen"
+    args = [_fa4_layout(x, name, dense) for x, name in ((call.q, "q"), (call.k, "k"), (call.v, "v"))]
+    values = (*args, *values[3:])
+    kw = dict(softmax_scale=call.scale, return_lse=True, **knobs)
+    kw.update((name, x) for name, x in zip(_VALUE_KWARGS, values[3:-1]) if x is not None)
     if call.op == "block_sparse":
         kw.update(_sparse_kwargs(fa, call))
     else:
         kw["causal"] = call.causal
         kw["window_size_left"], kw["window_size_right"] = _window(call)
-    dense = call.op != "varlen"
-    args = [_fa4_layout(x, name, dense) for x, name in ((call.q, "q"), (call.k, "k"), (call.v, "v"))]
-    return args, kw, out, lse
+    return args, kw, out, lse, values
 
 
-def _io_kwargs(call: AttnCall, out: torch.Tensor, lse: torch.Tensor) -> dict:
-    """The keyword arguments of ``_flash_attn_fwd`` that change per call: the outputs (``out`` follows q's
-    stride order, the ops' layout contract, and is handed over as FA4's (B, L, H, D) view), seqused_k and
-    varlen's cu_seqlens and max_seqlen."""
-    dense = call.op != "varlen"
-    kw = {"out": out.transpose(1, 2) if dense else out, "lse": lse}
-    if call.kv_seqlens is not None:
-        kw["seqused_k"] = _int32(call.kv_seqlens)
-    if not dense:
-        kw.update(cu_seqlens_q=_int32(call.cu_seqlens_q), cu_seqlens_k=_int32(call.cu_seqlens_k),
-                  max_seqlen_q=call.max_seqlen_q, max_seqlen_k=call.max_seqlen_k)
-    return kw
+# The keyword arguments of ``_flash_attn_fwd`` that :func:`_call_values` holds after q, k and v.
+_VALUE_KWARGS = ("out", "lse", "seqused_k", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+
+
+def _call_values(call: AttnCall, out: torch.Tensor, lse: torch.Tensor) -> tuple:
+    """What changes from call to call, as FA4 takes it: q, k, v and out as (B, L, H, D) views (packed
+    (total, H, D) for varlen; ``out`` follows q's stride order, the ops' layout contract), lse, seqused_k,
+    cu_seqlens_q/k and max_seqlen_q/k (None where unused), the scale last. A replay's arguments are built
+    from these (:meth:`_Recording.replay`)."""
+    seqused = None if call.kv_seqlens is None else _int32(call.kv_seqlens)
+    if call.op != "varlen":
+        return (call.q.transpose(1, 2), call.k.transpose(1, 2), call.v.transpose(1, 2), out.transpose(1, 2), lse,
+                seqused, None, None, None, None, call.scale)
+    return (call.q, call.k, call.v, out, lse, seqused, _int32(call.cu_seqlens_q), _int32(call.cu_seqlens_k),
+            call.max_seqlen_q, call.max_seqlen_k, call.scale)
 
 
 def _buffers(call: AttnCall) -> tuple[torch.Tensor, torch.Tensor]:
@@ -588,13 +595,6 @@ def _buffers(call: AttnCall) -> tuple[torch.Tensor, torch.Tensor]:
     out = empty_like_layout(q, (*q.shape[:-1], call.v.shape[-1]))
     lse_shape = (q.shape[1], q.shape[0]) if call.op == "varlen" else q.shape[:-1]
     return out, torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-
-
-def _replay_values(call: AttnCall, args, kw: dict) -> tuple:
-    """What a replay's arguments are built from (:meth:`_Recording.replay`): FA4's q, k, v, out and lse,
-    then seqused_k, cu_seqlens_q/k and max_seqlen_q/k (None where unused), the scale last."""
-    return (*args, kw["out"], kw["lse"], kw.get("seqused_k"), kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k"),
-            kw.get("max_seqlen_q"), kw.get("max_seqlen_k"), call.scale)
 
 
 class _ForwardLaunch:
@@ -613,11 +613,9 @@ class _ForwardLaunch:
 
     def __call__(self, call: AttnCall):
         if self.replays.by_layout:
-            dense = call.op != "varlen"
-            args = [x.transpose(1, 2) if dense else x for x in (call.q, call.k, call.v)]
-            if all(_aligned(x) for x in args):
-                out, lse = _buffers(call)
-                values = _replay_values(call, args, _io_kwargs(call, out, lse))
+            out, lse = _buffers(call)
+            values = _call_values(call, out, lse)
+            if _aligned(values[0]) and _aligned(values[1]) and _aligned(values[2]):
                 replay = self.replays.get(values)
                 if replay is not None:
                     replay(values)
@@ -626,8 +624,7 @@ class _ForwardLaunch:
 
     def _through_fa4(self, call: AttnCall):
         fa = _fa4()
-        args, kw, out, lse = _forward_args(fa, self.knobs, call)
-        values = _replay_values(call, args, kw)
+        args, kw, out, lse, values = _forward_args(fa, self.knobs, call)
         wanted = self.thin and self.replays.wants(values)
         recording = _Recording(fwd_compile_cache_owner(fa)) if wanted else None
         with _clc_scheduler(fa.utils, self.clc), _dsl_errors(fa, self.label), recording or contextlib.nullcontext():
@@ -638,7 +635,7 @@ class _ForwardLaunch:
             lse = got_lse
         if recording is not None:
             fresh_out, fresh_lse = _buffers(call)
-            fresh = _replay_values(call, args, _io_kwargs(call, fresh_out, fresh_lse))
+            fresh = (*args, *_call_values(call, fresh_out, fresh_lse)[3:])
             self.replays.add(values, _checked_replay(recording.replay(values), fresh, (out, lse),
                                                      (fresh_out, fresh_lse), self.label))
         return out, lse
@@ -672,11 +669,17 @@ class _Replays:
 def _layout(values: tuple) -> tuple:
     """Each tensor's shape, strides, dtype, 16-byte alignment and the first value it is (cu_seqlens_q and
     cu_seqlens_k are often one tensor: a replay recorded so reads both from one role); any other value as
-    it is."""
-    first: dict[tuple, int] = {}
-    return tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.data_ptr() % 16 == 0,
-                  first.setdefault(_identity(t), i))
-                 if isinstance(t, torch.Tensor) else t for i, t in enumerate(values))
+    it is. The first value at the same address stands for "the same tensor": with every value's shape,
+    strides and dtype in the key too, that is :func:`_identity`. Runs once per replayed call, hence the plain
+    loop."""
+    key, first = [], {}
+    for i, t in enumerate(values):
+        if isinstance(t, torch.Tensor):
+            ptr = t.data_ptr()
+            key.append((t.shape, t.stride(), t.dtype, ptr % 16 == 0, first.setdefault(ptr, i)))
+        else:
+            key.append(t)
+    return tuple(key)
 
 
 class _Replay:
