@@ -9,7 +9,9 @@ v for a fixed random output gradient (``torch.autograd.grad``, so nothing accumu
 - ``ours``: ``inductor_attn.attention`` eagerly and under ``torch.compile``, and compiled under
   ``torch.use_deterministic_algorithms(True)`` (what determinism costs);
 - ``ours varlen`` (document masks): the same mask as packed documents through
-  ``inductor_attn.varlen_attention``, compiled: the representation FlashAttention users pick for it.
+  ``inductor_attn.varlen_attention``, compiled: the representation FlashAttention users pick for it; and
+  ``ours block-sparse``: the mask with its documents dropped, so it runs our block-sparse kernels, as a
+  mask that is not packed documents does.
 Each gets kernel us (profiler), wall us with plain launches, host us and peak memory of a step
 (wallclock.py), and the gradients' relative error against float64 next to SDPA's own.
 
@@ -124,8 +126,10 @@ def ours_kwargs(shape: Shape, device) -> dict:
     return {"causal": shape.causal}
 
 
-def _ours(shape: Shape, device):
+def _ours(shape: Shape, device, documents: bool = True):
     kw = ours_kwargs(shape, device)
+    if not documents:
+        kw["block_mask"] = dataclasses.replace(kw["block_mask"], documents=None)
     return lambda q, k, v: api.attention(q, k, v, **kw)
 
 
@@ -173,6 +177,7 @@ def paths(shape: Shape, device) -> dict:
     out["ours deterministic"] = (torch.compile(_ours(shape, device)), True)
     if shape.mask == "document":
         out["ours varlen"] = (torch.compile(_ours_varlen(shape, device)), False)
+        out["ours block-sparse"] = (torch.compile(_ours(shape, device, documents=False)), False)
     return out
 
 
