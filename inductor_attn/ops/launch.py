@@ -24,10 +24,10 @@ import torch
 
 from .. import runtime
 from ..backends import AttnCall, registry
-from ..block_mask import BlockSparseMask
 from ..device import device_info
 from ..layout import empty_like_layout
 from ..problem import Problem
+from .attention import sparse_mask
 
 _LIB = torch.library.Library("inductor_attn", "FRAGMENT")
 _LIB.define("launch(Tensor?[] tensors, str plan) -> Tensor[]")
@@ -75,7 +75,7 @@ def _launch(tensors, plan: str):
 
 def _call(p: Problem, scale: float, q, k, v, kv_seqlens, key_mask, own) -> AttnCall:
     if p.op == "block_sparse":
-        sparse = BlockSparseMask((p.len_q, p.len_k), p.block_q, p.block_kv, *own, p.density, p.partial_fraction)
+        sparse = sparse_mask(q, k, *own, p.block_q, p.block_kv, p.density, p.partial_fraction)
         return AttnCall("block_sparse", q, k, v, scale, sparse=sparse, _problem=p)
     if p.op == "varlen":
         return AttnCall("varlen", q, k, v, scale, p.causal, p.window_left, p.window_right, cu_seqlens_q=own[0],
