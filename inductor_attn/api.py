@@ -7,7 +7,11 @@ import torch
 from .backends import AttnCall, Candidate, enumerate_candidates
 from .device import device_info
 from .layout import conform
-from .ops import BlockSparseMask, attention_op, block_sparse_attention_op, checks, varlen_attention_op
+from .ops import BlockSparseMask, attention_op, block_sparse_attention_op, varlen_attention_op
+# The checks by name, not through their module: Dynamo reaches the module from the checks' own globals too, and
+# one object reached two ways gets a guard evaluated in Python on every compiled call.
+from .ops.checks import (check_attention, check_attention_values, check_block_sparse, check_scale, check_varlen,
+                         check_varlen_values, check_window, fail)
 
 
 def _window(window, causal: bool) -> tuple[int, int]:
@@ -16,17 +20,17 @@ def _window(window, causal: bool) -> tuple[int, int]:
         return -1, -1
     if isinstance(window, int) and not isinstance(window, bool):
         if window < 0:
-            checks.fail(ValueError, f"window must be >= 0 (or None for unbounded), got {window}")
+            fail(ValueError, f"window must be >= 0 (or None for unbounded), got {window}")
         return (window, 0) if causal else (window, window)
     if isinstance(window, (tuple, list)) and len(window) == 2:
         left, right = window
-        checks.check_window(left, right)
+        check_window(left, right)
         return left, right
-    checks.fail(TypeError, f"window must be None, an int or a (left, right) pair of ints, got {window!r}")
+    fail(TypeError, f"window must be None, an int or a (left, right) pair of ints, got {window!r}")
 
 
 def _scale(scale, q) -> float:
-    """The checked ``scale`` (checks.check_scale) as a float; None -> head_dim ** -0.5."""
+    """The checked ``scale`` (check_scale) as a float; None -> head_dim ** -0.5."""
     if scale is None:
         return q.shape[-1] ** -0.5
     return scale if isinstance(scale, torch.SymFloat) else float(scale)
@@ -48,14 +52,14 @@ def _as_sparse(block_mask, q, k) -> BlockSparseMask:
     from torch.nn.attention.flex_attention import BlockMask
 
     if not isinstance(block_mask, (BlockMask, BlockSparseMask)):
-        checks.fail(
+        fail(
             TypeError,
             f"block_mask must be a torch.nn.attention.flex_attention.BlockMask or an inductor_attn.BlockSparseMask, "
             f"got {type(block_mask).__name__}"
         )
     lengths = tuple(int(x) for x in block_mask.seq_lengths)
     if lengths != (q.shape[2], k.shape[2]):
-        checks.fail(
+        fail(
             ValueError,
             f"block_mask was built for (Q_LEN, KV_LEN) = {lengths}, but q/k have lengths ({q.shape[2]}, {k.shape[2]})"
         )
@@ -68,18 +72,18 @@ def make_call(q, k, v, *, causal: bool = False, scale: float | None = None, wind
     """Check and normalise :func:`attention`'s arguments into the call that backends run."""
     if block_mask is not None:
         if causal or window is not None or kv_seqlens is not None or key_mask is not None:
-            checks.fail(ValueError, "block_mask already encodes the mask: leave causal, window, kv_seqlens and "
+            fail(ValueError, "block_mask already encodes the mask: leave causal, window, kv_seqlens and "
                                     "key_mask unset")
-        checks.check_attention(q, k, v, scale, -1, -1, None)
+        check_attention(q, k, v, scale, -1, -1, None)
         scale = _scale(scale, q)
         sparse = _as_sparse(block_mask, q, k)
-        checks.check_block_sparse(q, k, v, sparse, scale)
+        check_block_sparse(q, k, v, sparse, scale)
         return AttnCall("block_sparse", q, k, v, scale, sparse=sparse)
     left, right = _window(window, causal)
-    checks.check_attention(q, k, v, scale, left, right, kv_seqlens, key_mask, allow_empty=True)
+    check_attention(q, k, v, scale, left, right, kv_seqlens, key_mask, allow_empty=True)
     scale = _scale(scale, q)
     if check_indices:
-        checks.check_attention_values(k, kv_seqlens)
+        check_attention_values(k, kv_seqlens)
     return AttnCall("attention", q, k, v, scale, causal, left, right, kv_seqlens, key_mask=key_mask)
 
 
@@ -222,14 +226,14 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
     total_q, Hq or total_k of 0 run no kernel: empty outputs, or with no keys zeros and lse = -inf.
     """
     left, right = _window(window, causal)
-    checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right,
+    check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right,
                         allow_empty=True)
     scale = _scale(scale, q)
     if max_seqlen_q is None or max_seqlen_k is None:
         max_seqlen_q = max_seqlen_q or int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
         max_seqlen_k = max_seqlen_k or int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
     if check_indices:
-        checks.check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if _zero_size((q.shape[0], q.shape[1], k.shape[0])):
         out, lse = _zero_size_result(_bhld(q), _bhld(k), _bhld(v))
         out, lse = out[0].transpose(0, 1), lse[0]

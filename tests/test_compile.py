@@ -132,3 +132,27 @@ def test_expanded_inputs_compile_and_match_eager(mode):
     with inductor_attn.tuning_mode(mode):
         compiled = torch.compile(lambda q, k, v, m: inductor_attn.attention(q, k, v, key_mask=m), fullgraph=True)
         torch.testing.assert_close(compiled(q, k, v, mask), inductor_attn.attention(q, k, v, key_mask=mask))
+
+
+def test_a_compiled_call_is_guarded_in_cpp_only_as_compiled_sdpa_is():
+    """Dynamo checks a compiled frame's guards before every call. Reaching one object through two paths (a
+    module imported by name and through a package) makes it add an aliasing guard that runs as Python on
+    every call; compiled SDPA has none, and neither may ``inductor_attn.attention``. Reads Dynamo's private
+    cache entries: this fails loudly if they move."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 64, 32, generator=gen) for h in (4, 2, 2))
+
+    def ours(q, k, v):
+        return inductor_attn.attention(q, k, v, causal=True)
+
+    def sdpa(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    python_guards = {}
+    for fn in (ours, sdpa):
+        torch.compile(fn, backend="eager", fullgraph=True)(q, k, v)
+        (entry,) = _debug_get_cache_entry_list(fn.__code__)
+        python_guards[fn.__name__] = entry.guard_manager.root.get_epilogue_lambda_guards()
+    assert python_guards == {"ours": [], "sdpa": []}
