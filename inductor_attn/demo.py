@@ -7,8 +7,8 @@ import time
 import torch
 from torch import nn
 
-from . import api
 from . import runtime as dispatch
+from .api import attention
 
 
 class Block(nn.Module):
@@ -27,7 +27,7 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.norm1(x)).split(
             [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], -1)
         q, k, v = (t.view(b, n, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))  # strided views
-        y = api.attention(q, k, v, causal=True, window=window)
+        y = attention(q, k, v, causal=True, window=window)
         x = x + self.proj(y.transpose(1, 2).reshape(b, n, -1))
         return x + self.mlp(self.norm2(x))
 

@@ -29,7 +29,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from .. import api
+from ..api import attention
 from ..backends import AttnCall, plan_for
 from ..device import device_info
 from ..tuning import decide
@@ -83,7 +83,7 @@ def sdpa_user(case: Case):
 
 def ours_user(case: Case):
     def fn(q, k, v, lens):
-        return api.attention(q, k, v, causal=case.causal, kv_seqlens=lens if case.decode else None)
+        return attention(q, k, v, causal=case.causal, kv_seqlens=lens if case.decode else None)
     return fn
 
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .. import api
+from ..api import attention, varlen_attention
 from ..block_mask import BlockSparseMask
 from .wallclock import measure, model_part, peak_memory
 
@@ -130,7 +130,7 @@ def _ours(shape: Shape, device, documents: bool = True):
     kw = ours_kwargs(shape, device)
     if not documents:
         kw["block_mask"] = dataclasses.replace(kw["block_mask"], documents=None)
-    return lambda q, k, v: api.attention(q, k, v, **kw)
+    return lambda q, k, v: attention(q, k, v, **kw)
 
 
 def _ours_varlen(shape: Shape, device):
@@ -139,7 +139,7 @@ def _ours_varlen(shape: Shape, device):
 
     def fn(q, k, v):
         packed = [x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]) for x in (q, k, v)]
-        out = api.varlen_attention(*packed, cu, cu, longest, longest, causal=shape.causal, check_indices=False)
+        out = varlen_attention(*packed, cu, cu, longest, longest, causal=shape.causal, check_indices=False)
         return out.view(q.shape[0], q.shape[2], q.shape[1], -1).transpose(1, 2)
     return fn
 
