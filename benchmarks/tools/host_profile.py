@@ -4,6 +4,7 @@
     PYTHONPATH=. python benchmarks/tools/host_profile.py --llama-decode [--calls 100]
     PYTHONPATH=. python benchmarks/tools/host_profile.py --training "document B1 H16 L8k D128" [--calls 100]
     PYTHONPATH=. python benchmarks/tools/host_profile.py --llama-training "B4 L2048" [--calls 20]
+    PYTHONPATH=. python benchmarks/tools/host_profile.py --output-code DIR [--training SHAPE]
 
 For each backend (only it and the reference are registered, so the tuner must pick it): host us per call
 of the compiled function, of the plan's launch called directly, and a cProfile of the compiled calls
@@ -23,6 +24,12 @@ step (``torch.cuda.set_sync_debug_mode``).
 ``--llama-training SIZE``: the training suite's HF Llama step (forward, backward, AdamW; bench/models.py) at
 that size, stock ``torch.compile`` and ours, the same way.
 
+``--output-code DIR``: Inductor's generated code of stock compiled SDPA and of ours, written to DIR (one file
+per graph, forward and backward), for the overhead suite's prefill B1 H16/4 L512 D64 causal call (then the two
+compared, and the call's host time peeled: Dynamo's frame and guards, the generated module, the aten call), or
+with ``--training`` for that shape's fwd+bwd step (then its profile as without it): diff the two where the
+same kernels cost ours more host time.
+
 Each step function also gets the GPU's idle time inside a step, summed by the kernel it waited to start:
 where a host-bound step loses its time.
 """
@@ -38,7 +45,7 @@ import torch
 
 import inductor_attn
 from inductor_attn.backends import REFERENCE, get_backend, only_backends, plan_for
-from inductor_attn.bench.wallclock import host_us, kernel_events, wall_us, warm
+from inductor_attn.bench.wallclock import host_us, interleaved_measure, kernel_events, wall_us, warm
 from inductor_attn.device import device_info
 
 
@@ -51,9 +58,13 @@ def main() -> None:
     parser.add_argument("--training", metavar="SHAPE", help="profile a fwd+bwd step of this training-suite shape")
     parser.add_argument("--llama-training", metavar="SIZE",
                         help="profile the HF Llama training step of this size")
+    parser.add_argument("--output-code", metavar="DIR", help="write stock's and ours' generated code to DIR")
     args = parser.parse_args()
     if args.training:
-        training(args.training, args.calls or 100)
+        training(args.training, args.calls or 100, args.output_code)
+        return
+    if args.output_code:
+        prefill_code(args.output_code)
         return
     if args.llama_training:
         from inductor_attn.bench.models import TRAIN_SIZES, training_steps
@@ -164,7 +175,79 @@ def llama_decode(calls: int) -> None:
 TRAINING_PATHS = ("stock compile", "ours", "eager sdpa")  # the first two have their kernels compared
 
 
-def training(shape_name: str, calls: int) -> None:
+def write_code(out_dir: str, steps: dict) -> dict[str, list]:
+    """Each step's generated code (every graph its first call compiles) into out_dir/<name>.<i>.py; the paths
+    by step."""
+    import pathlib
+
+    from torch._inductor.utils import run_and_get_code
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for name, step in steps.items():
+        codes = run_and_get_code(step)[1]  # resets Dynamo first, so the step compiles afresh
+        paths[name] = [out / f"{name.replace(' ', '_')}.{i}.py" for i in range(len(codes))]
+        for path, code in zip(paths[name], codes):
+            path.write_text(code)
+        print(f"== {name}: {len(codes)} generated modules, {sum(c.count(chr(10)) for c in codes)} lines -> {out}")
+    return paths
+
+
+def prefill_code(out_dir: str) -> None:
+    """The overhead suite's prefill B1 H16/4 L512 D64 causal call, stock compiled SDPA and ours."""
+    q, k, v = (torch.randn(1, h, 512, 64, device="cuda", dtype=torch.bfloat16) for h in (16, 4, 4))
+    sdpa = torch.compile(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                                  enable_gqa=True))
+    ours = torch.compile(lambda: inductor_attn.attention(q, k, v, causal=True))
+    paths = write_code(out_dir, {"stock compile": sdpa, "ours": ours})
+    compare({"stock compile": sdpa, "ours": ours}, 200, taking_turns=True)
+    prefill_layers(q, k, v, {name: found[0] for name, found in paths.items()})
+
+
+def prefill_layers(q, k, v, modules: dict) -> None:
+    """The prefill call's host time peeled: the compiled calls, Dynamo's frame and guards alone (a backend
+    that returns the first call's outputs), each generated module's ``call`` alone, and the aten call that
+    both make, with and without the log-sum-exp. Best host burst of ten, the functions taking turns."""
+    import importlib.util
+
+    def generated(path):
+        spec = importlib.util.spec_from_file_location(path.stem.replace(".", "_"), path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.call
+
+    def frozen(gm, example_inputs):
+        outputs = gm(*example_inputs)
+        return lambda *args: outputs
+
+    def sdpa(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    def ours(q, k, v):
+        return inductor_attn.attention(q, k, v, causal=True)
+
+    torch._dynamo.reset()
+    compiled = {name: torch.compile(fn) for name, fn in (("stock", sdpa), ("ours", ours))}
+    guards = {name: torch.compile(fn, backend=frozen) for name, fn in (("stock", sdpa), ("ours", ours))}
+    cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention.default
+    fns = {
+        "stock compiled call": lambda: compiled["stock"](q, k, v),
+        "ours compiled call": lambda: compiled["ours"](q, k, v),
+        "stock: Dynamo frame + guards only": lambda: guards["stock"](q, k, v),
+        "ours: Dynamo frame + guards only": lambda: guards["ours"](q, k, v),
+        **{f"{name}: generated module's call alone": (lambda call: lambda: call([q, k, v]))(generated(path))
+           for name, path in modules.items()},
+        "aten cuDNN call, no lse (stock's)": lambda: cudnn(q, k, v, None, False, 0.0, True),
+        "aten cuDNN call with lse (ours)": lambda: cudnn(q, k, v, None, True, 0.0, True, scale=0.125),
+    }
+    host = interleaved_measure(fns, rounds=10, kernels=False)
+    print("== prefill call peeled (host us, best burst, taking turns):")
+    for name, row in host.items():
+        print(f"   {row['host_us']:8.1f}  {name}")
+
+
+def training(shape_name: str, calls: int, out_dir: str | None = None) -> None:
     """One fwd+bwd step of a training-suite shape (bench/training.py), its paths side by side."""
     from inductor_attn.bench import training as suite
 
@@ -178,7 +261,9 @@ def training(shape_name: str, calls: int) -> None:
     names = TRAINING_PATHS + (("compiled flex",) if shape.mask else ()) + (("ours varlen",) if "ours varlen" in fns
                                                                           else ())
     steps = {name: suite.training_step(fns[name][0], q, k, v, g) for name in names}
-    compare(steps, calls)
+    if out_dir:
+        write_code(out_dir, {name: steps[name] for name in TRAINING_PATHS[:2]})
+    compare(steps, calls, taking_turns=True)
     layers(steps["ours"], suite.training_step(fns["ours eager"][0], q, k, v, g), q, k, v, g, shape, device)
 
 
@@ -240,13 +325,17 @@ def layers(compiled_step, eager_step, q, k, v, g, shape, device) -> None:
     print(f"   synchronizing calls in 3 compiled steps: {len(caught)}" + "".join(f"\n      {m}" for m in syncs))
 
 
-def compare(steps: dict, calls: int) -> None:
+def compare(steps: dict, calls: int, taking_turns: bool = False) -> None:
     """Per step function: host, wall and kernel us, launches by launcher, its cProfile; then the GPU kernels
-    (by name, per step) whose counts differ between the first two."""
+    (by name, per step) whose counts differ between the first two. ``taking_turns``: host and wall measured
+    with the steps taking turns (bench/wallclock.py's interleaved_measure, 10 rounds), so that the host's
+    slow spells fall on all of them; it runs ~2,500 calls of each, more than a decode step's cache has room
+    for."""
     kernels, kernel_us = {}, {}
+    timed = interleaved_measure(steps, rounds=10, kernels=False) if taking_turns else {}
     for name, step in steps.items():
-        host = host_us(warm(step), bursts=3)
-        wall = wall_us(step, calls=50, repeats=1)
+        host = timed[name]["host_us"] if timed else host_us(warm(step), bursts=3)
+        wall = timed[name]["wall_us"] if timed else wall_us(step, calls=50, repeats=1)
         kernels[name], kernel_us[name], idle = _kernels_per_step(step)
         device = sum(kernel_us[name].values())
         text = io.StringIO()
