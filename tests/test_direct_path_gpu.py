@@ -56,6 +56,9 @@ def test_compiled_forward_launches_the_chosen_kernel_without_our_op(name, inline
         again = fn(q, k, v)
     assert "inductor_attn.attention.default" not in code  # no op impl, no checks, no decision per call
     assert ("torch.ops.inductor_attn" not in code) if inlined else ("inductor_attn.launch.default" in code)
+    if inlined:  # inference: cuDNN and efficient are asked for no lse (args: q, k, v, bias, compute_lse, ...)
+        kernel_call = next(line for line in code.splitlines() if "aten._scaled_dot_product_" in line)
+        assert "_flash_attention" in kernel_call or ", None, False, 0.0, True" in kernel_call, kernel_call
     assert rel_err(out, _reference(q, k, v, causal=True)) < TOLERANCES[torch.bfloat16]
     torch.testing.assert_close(again, out, rtol=0, atol=0)
 

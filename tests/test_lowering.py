@@ -2,6 +2,8 @@
 (traced kernels, or the thin launch op), dynamic shapes dispatch per bucket, and Inductor's FX graph cache
 never replays code built from stale decisions. CPU, fake backends."""
 
+import dataclasses
+
 import pytest
 import torch
 from fakes import FakeBackend, FakeTimer
@@ -67,6 +69,42 @@ def test_a_traceable_plan_is_put_into_the_graph_and_no_op_of_ours_runs(monkeypat
         _attn(q, k, v).sum().backward()
         for got, x in zip(grads, (q, k, v)):
             torch.testing.assert_close(got, x.grad)
+    torch._dynamo.reset()
+
+
+def test_a_forward_whose_lse_nothing_reads_traces_the_plans_out_only_form(monkeypatch):
+    """Inference compiles the plan's ``traced_out_only`` (SDPA's asks cuDNN for no lse, as SDPA does itself);
+    training, whose backward reads the lse, compiles the full traced form."""
+    a, b = _fakes(monkeypatch, traceable=True)
+    forms = []
+    make_plan = b.plan
+
+    def plan(p, dev, cfg, direction):
+        made = make_plan(p, dev, cfg, direction)
+        if direction == "backward":
+            return made
+
+        def full(call):
+            forms.append("full")
+            return made.traced(call)
+
+        def out_only(call):
+            forms.append("out only")
+            return made.traced(call)[:1]
+        return dataclasses.replace(made, traced=full, traced_out_only=out_only)
+
+    monkeypatch.setattr(b, "plan", plan)
+    torch._dynamo.reset()
+    with only_backends(a, b, REFERENCE), inductor_attn.tuning_mode("autotune"):
+        q, k, v = _qkv(24)
+        out = torch.compile(_attn, fullgraph=True)(q, k, v)
+        assert forms == ["out only"]
+        torch.testing.assert_close(out, _attn(q, k, v))
+        forms.clear()
+        torch._dynamo.reset()
+        q, k, v = _qkv(24, requires_grad=True)
+        torch.compile(_attn, fullgraph=True)(q, k, v).sum().backward()
+        assert forms == ["full"]
     torch._dynamo.reset()
 
 
@@ -203,7 +241,7 @@ def test_the_pass_chains_a_pass_the_user_already_set_and_uninstall_restores_it()
         assert torch._inductor.config.post_grad_custom_post_pass is user
 
 
-@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("direction", ["forward", "inference", "backward"])
 def test_a_traced_sdpa_plan_keeps_views_and_copies_nothing(direction):
     # functionalizing views away made a copy kernel of the lse per call in compiled code (HF Llama, H100)
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -221,13 +259,16 @@ def test_a_traced_sdpa_plan_keeps_views_and_copies_nothing(direction):
 
     def launch(q, k, v, out, lse, grad):
         call = AttnCall("attention", q, k, v, 0.125, True, -1, -1, None)
-        if direction == "forward":
-            return tuple(sdpa._launch("cudnn", False, call))
+        if direction != "backward":
+            return tuple(sdpa._launch("cudnn", False, call, with_lse=direction == "forward"))
         return tuple(sdpa._launch_backward("cudnn", False, call, out, lse, grad, None))
 
     graph = trace_functional(launch, [q, k, v, out, lse, grad]).graph
     targets = {str(n.target) for n in graph.nodes if n.op == "call_function"}
     assert not {t for t in targets if "clone" in t or "copy" in t}, targets
+    if direction == "inference":  # cuDNN computes no lse, as in stock compiled SDPA's inference graph
+        (cudnn,) = [n for n in graph.nodes if n.target == torch.ops.aten._scaled_dot_product_cudnn_attention.default]
+        assert cudnn.args[4] is False and len(graph.output_node().args[0]) == 1
 
 
 

@@ -156,7 +156,9 @@ class Plan:
     compiled graph and Inductor's generated code launches the kernels itself; None where that is
     impossible (CuTe DSL kernels, host-side TMA descriptors), and compiled code calls ``launch`` through
     one thin op instead (lowering/). ``warm``: ``traced`` reads what one eager launch records (a
-    persistent grid's programs per SM), so the compile launches once before tracing. ``compile`` takes
+    persistent grid's programs per SM), so the compile launches once before tracing. ``traced_out_only``: a
+    forward's traced form returning ``(out,)`` alone, for compiled code that never reads the lse (inference),
+    where the kernel can skip computing it; None: ``traced`` serves. ``compile`` takes
     ``launch``'s arguments and compiles the kernels ``launch`` would run for them without running any
     (Triton's ``kernel.warmup``); the tuner calls it from worker threads, several at once, so it must be
     safe there and worth it: the compiler must release the GIL for its long parts. None: the first
@@ -165,6 +167,7 @@ class Plan:
 
     launch: Callable[..., tuple[torch.Tensor, ...]]
     traced: Callable[..., tuple[torch.Tensor, ...]] | None = None
+    traced_out_only: Callable[..., tuple[torch.Tensor]] | None = None
     warm: bool = False
     compile: Callable[..., object] | None = None
 

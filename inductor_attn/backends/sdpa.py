@@ -60,7 +60,9 @@ def _bias(call: AttnCall) -> torch.Tensor:
     return bias.expand(call.q.shape[0], call.q.shape[1], lq, lk)
 
 
-def _launch(kernel: str, needs_bias: bool, call: AttnCall):
+def _launch(kernel: str, needs_bias: bool, call: AttnCall, with_lse: bool = True):
+    """(out, lse); ``with_lse=False``: (out,) alone, cuDNN and efficient told not to compute the lse (flash always
+    does), as SDPA itself calls them for inference."""
     q, k, v = call.q, call.k, call.v
     bias = _bias(call) if needs_bias else None
     is_causal = call.causal and bias is None
@@ -68,14 +70,16 @@ def _launch(kernel: str, needs_bias: bool, call: AttnCall):
     if kernel == "flash":
         out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=call.scale)[:2]
     elif kernel == "cudnn":
-        out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, bias, True, 0.0, is_causal, False,
+        out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, bias, with_lse, 0.0, is_causal, False,
                                                             scale=call.scale)[:2]
     else:
         group = q.shape[1] // k.shape[1]
         if group > 1:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, is_causal,
+        out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, bias, with_lse, 0.0, is_causal,
                                                                 scale=call.scale)[:2]
+    if not with_lse:
+        return (conform(out, q),)
     b, h, lq = q.shape[:3]
     # lse layouts differ: flash (B, H, Lq), cuDNN (B, H, Lq, 1), efficient padded to 32 rows
     return conform(out, q), lse.reshape(b, h, -1)[..., :lq].float().contiguous()
@@ -139,9 +143,12 @@ class SdpaBackend(Backend):
         return [self.candidate(c, _pruned(p, c["kernel"], direction)) for c in cfgs]
 
     def plan(self, p: Problem, dev: DeviceInfo, cfg: Config, direction: str) -> Plan:
-        fn = _launch if direction == "forward" else _launch_backward
-        launch = functools.partial(fn, cfg["kernel"], _needs_bias(p))
-        return Plan(launch, traced=launch)  # aten ops and the bias's torch ops: the graph can hold them
+        # aten ops and the bias's torch ops: the graph can hold them
+        if direction == "backward":
+            launch = functools.partial(_launch_backward, cfg["kernel"], _needs_bias(p))
+            return Plan(launch, traced=launch)
+        launch = functools.partial(_launch, cfg["kernel"], _needs_bias(p))
+        return Plan(launch, traced=launch, traced_out_only=functools.partial(launch, with_lse=False))
 
 
 def _pruned(p: Problem, kernel: str, direction: str = "forward") -> str | None:

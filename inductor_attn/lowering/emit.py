@@ -7,7 +7,8 @@ a mostly-open mask): the kernels' relative speed depends on the shapes, not on t
 then replaced by its plan:
 
 - a plan with ``traced`` (Triton kernels through ``wrap_triton``, SDPA's aten ops): its kernels and torch
-  ops, traced with ``make_fx``, so Inductor's generated code launches them: no Python of ours per call;
+  ops, traced with ``make_fx``, so Inductor's generated code launches them: no Python of ours per call (a
+  forward whose lse nothing reads traces ``traced_out_only`` where the plan has it: no lse computed);
 - otherwise one call of the thin ``inductor_attn::launch`` op (ops/launch.py), whose string argument
   names the plan; the op runs the plan's launch (for FA4 on sm_90, the compiled kernel directly).
 
@@ -69,7 +70,9 @@ def emit_plans(graph: torch.fx.Graph) -> None:
         if plan.traced is not None:
             if plan.warm:
                 _warm(plan, call, direction)
-            outputs = _inline_traced(graph, node, plan.traced, args, vals, names, direction)
+            lse_read = direction == "backward" or any(user.args[1] == 1 for user in node.users)
+            traced = plan.traced if lse_read or plan.traced_out_only is None else plan.traced_out_only
+            outputs = _inline_traced(graph, node, traced, args, vals, names, direction)
             count_compiled("attention", direction, choice)
         else:
             outputs = _emit_launch(graph, node, plan_key(direction, choice, call), args, vals, names)
