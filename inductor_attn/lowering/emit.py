@@ -70,7 +70,8 @@ def emit_plans(graph: torch.fx.Graph) -> None:
         if plan.traced is not None:
             if plan.warm:
                 _warm(plan, call, direction)
-            lse_read = direction == "backward" or any(user.args[1] == 1 for user in node.users)
+            lse_read = direction == "backward" or any(user.target is not operator.getitem or user.args[1] == 1
+                                                       for user in node.users)
             traced = plan.traced if lse_read or plan.traced_out_only is None else plan.traced_out_only
             outputs = _inline_traced(graph, node, traced, args, vals, names, direction)
             count_compiled("attention", direction, choice)
