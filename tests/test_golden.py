@@ -217,7 +217,7 @@ decision <key>  attention/forward
   versions:         <installed versions>
   winner:           b:x=1  (default a:default)
   why:              2.000x faster than the default a:default (95% CI 2.000-2.000; tie margin 2.0%)
-  compiled code:    a:default  (a:default (1.0000 ms, launched by compiled code) is no slower than b:x=1, with its 2.0000 ms of host time per launch for 0.5000 ms on the device (launch-bound: both count))
+  compiled code:    a:default  (a:default (1.0000 ms, launched by compiled code) is no slower than b:x=1, with its 2.0000 ms of host time per launch for 0.5000 ms on the device (both count))
   search:           staged (margin 1.25x)
   noise:            not measured: the two fastest are 2.000x apart (> 1.10x): not timed again
   seconds:          compile 0.02, gate 0.02, timing 0.02, total 0.19

@@ -156,13 +156,15 @@ def test_errors_a_backend_declares_count_as_failed_candidates_even_in_strict_mod
     assert not is_candidate_error(OutOfResources("shared memory"), FakeBackend("other", {"default": (1.0, 0.01)}))
 
 
-@pytest.mark.parametrize("host_s, compiled", [
-    (0.2, "a:default"), (0.0, "b:default"),
-    (0.06, "a:default"),  # launch-bound (60 ms of host for 50 on the device): 110 ms against 100
-    (0.025, "b:default"),  # its 50 ms kernel hides a 25 ms launch (with room for a busy CPU's late wake-up)
+@pytest.mark.parametrize("host_s, traced_ms, compiled", [
+    (0.2, 100.0, "a:default"), (0.0, 100.0, "b:default"),
+    (0.06, 100.0, "a:default"),  # 60 ms of host for 50 on the device: 110 ms against 100
+    (0.025, 100.0, "b:default"),  # 75 ms against 100 (with room for a busy CPU's late wake-up)
+    (0.025, 60.0, "a:default"),  # its 50 ms kernel outlasts its 25 ms launch, but the launch still adds up
 ])
-def test_compiled_code_takes_a_traced_candidate_when_the_winners_host_time_eats_its_lead(host_s, compiled):
-    a = FakeBackend("a", {"default": (100.0, 0.01)}, traceable=True)
+def test_compiled_code_takes_a_traced_candidate_when_the_winners_host_time_eats_its_lead(host_s, traced_ms,
+                                                                                          compiled):
+    a = FakeBackend("a", {"default": (traced_ms, 0.01)}, traceable=True)
     b = FakeBackend("b", {"default": (50.0, 0.01)}, host_s=host_s)  # faster kernel, launched from Python
     result = _tune(a, b)
     assert result.winner == "b:default" and result.compiled_winner == compiled
