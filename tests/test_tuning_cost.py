@@ -1,6 +1,7 @@
 """`bench --suite tuning-cost` (bench/tuning_cost.py): its comparisons on made-up records, and the whole
 harness at smoke size on the CPU."""
 
+import dataclasses
 import json
 import time
 import types
@@ -138,9 +139,12 @@ def test_part_background_measures_the_cold_first_call_in_background_mode_and_whe
 
 
 def test_the_background_first_call_worker_runs_its_calls_and_waits_for_the_tune(monkeypatch):
-    w = suites.smoke_size(suites.SUITES["dense"][0])
+    # smaller than the smoke size: the background tune times Triton candidates in the interpreter
+    w = dataclasses.replace(suites.smoke_size(suites.SUITES["dense"][0]), batch=1, len_q=32, len_k=32, head_dim=32,
+                            label="")
     got = tuning_cost._WORKERS["background-first-call"](w, torch.device("cpu"), True)
     assert {"background_s", "off_s", "landed", "landed_s"} <= set(got) and got["landed"]
+    assert got["landed_winner"] is not None  # a tune stored it: without one, "landed" holds at once
 
 
 def test_part_search_runs_only_agreement_and_regret_which_share_the_whole_budget(monkeypatch):
