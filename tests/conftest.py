@@ -1,3 +1,4 @@
+import multiprocessing
 import os
 
 import torch
@@ -55,6 +56,18 @@ def fresh_compile():
             torch._functorch.config.patch(enable_autograd_cache=False):
         yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def process_context():
+    """How tests start processes (ranks, concurrent writers): forked by one server process (forkserver) that
+    imported the package, torch.distributed and Inductor once, instead of each process importing them
+    again (spawn: seconds each on two cores). The server is not this process, so no child inherits a lock
+    held by a torch.compile thread of an earlier test (fork did, and the suite hung). A child has the
+    environment the server started with, not the test's: pass what it needs as arguments."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["inductor_attn", "torch.distributed", "torch._inductor.compile_fx"])
+    return ctx
 
 
 @pytest.fixture

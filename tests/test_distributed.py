@@ -1,4 +1,4 @@
-"""Under torch.distributed (gloo on the CPU, 3 and 4 spawned ranks) ranks that meet different problems, in
+"""Under torch.distributed (gloo on the CPU, 3 and 4 ranks, a process each) ranks that meet different problems, in
 different orders, in eager, compiled and dynamic-shape code, and that recompile at different times, never
 deadlock or pair up wrong: decisions issue no collective. Ranks sharing a store tune each bucket once and
 agree through it; ranks with their own stores (separate nodes) agree after sync_decisions().
@@ -16,8 +16,8 @@ import traceback
 
 import pytest
 import torch
+import torch._inductor.config
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 GLOO_TIMEOUT_S = 20
 RANKS_TIMEOUT_S = 55
@@ -28,11 +28,9 @@ def _private(rank: int) -> tuple[int, int]:
     return 3 + rank, 24  # a head count of its own: a bucket that no other rank meets
 
 
-def _run_ranks(scenario, world: int, tmp_path, **kwargs) -> list[dict]:
-    """``scenario(rank, world, root, **kwargs)`` on ``world`` spawned gloo ranks; each rank's result."""
-    # spawn, not fork: earlier tests in the same pytest process leave torch.compile worker threads
-    # whose locks a forked child would inherit held (the full suite hung here with fork)
-    ctx = mp.get_context("spawn")
+def _run_ranks(ctx, scenario, world: int, tmp_path, **kwargs) -> list[dict]:
+    """``scenario(rank, world, root, **kwargs)`` on ``world`` gloo ranks, processes of multiprocessing
+    context ``ctx``; each rank's result."""
     procs = [ctx.Process(target=_rank_main, args=(scenario, rank, world, str(tmp_path), kwargs))
              for rank in range(world)]
     for p in procs:
@@ -58,7 +56,7 @@ def _run_ranks(scenario, world: int, tmp_path, **kwargs) -> list[dict]:
 
 def _rank_main(scenario, rank: int, world: int, root: str, kwargs: dict) -> None:
     torch.set_num_threads(1)  # 2-4 ranks share the CI machine's 2 cores
-    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"  # no compile worker pool left behind by a killed rank
+    torch._inductor.config.compile_threads = 1  # no compile worker pool left behind by a killed rank
     dist.init_process_group("gloo", init_method=f"file://{root}/init", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
     try:
@@ -223,8 +221,8 @@ def _bucket_label(heads: int, length: int) -> str:
 # eager only; the three-rank case compiles, with and without dynamic shapes, on a shared and a lone store.
 @pytest.mark.parametrize("world,per_node,compiled", [(3, 2, True), (4, 2, False)])
 def test_ranks_meeting_different_problems_tune_once_per_node_and_use_rank_zero_decision_after_sync(
-        world, per_node, compiled, tmp_path):
-    results = _run_ranks(_ranks_on_nodes, world, tmp_path, per_node=per_node, compiled=compiled)
+        world, per_node, compiled, tmp_path, process_context):
+    results = _run_ranks(process_context, _ranks_on_nodes, world, tmp_path, per_node=per_node, compiled=compiled)
     shared = [_bucket_label(*p) for p in SHARED]
     private = {rank: _bucket_label(*_private(rank)) for rank in range(world)}
     for node in range(-(-world // per_node)):

@@ -2,7 +2,6 @@
 
 import doctest
 import json
-import multiprocessing as mp
 import os
 import shutil
 import sqlite3
@@ -153,11 +152,10 @@ def _writer(path: str, worker: int, n: int) -> None:
     assert store.broken is None
 
 
-def test_eight_concurrent_writer_processes_lose_no_rows(tmp_path):
+def test_eight_concurrent_writer_processes_lose_no_rows(tmp_path, process_context):
     path = str(tmp_path / "d.sqlite")
     DecisionStore(path).generation()  # create the file once, as the first compile would
-    ctx = mp.get_context("spawn")  # fork could inherit locks held by torch.compile threads of earlier tests
-    procs = [ctx.Process(target=_writer, args=(path, w, 25)) for w in range(8)]
+    procs = [process_context.Process(target=_writer, args=(path, w, 25)) for w in range(8)]
     for p in procs:
         p.start()
     for p in procs:
