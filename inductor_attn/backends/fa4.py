@@ -554,11 +554,10 @@ def _sparse_kwargs(fa: _FA4, call: AttnCall) -> dict:
     return kw
 
 
-def _forward_args(fa: _FA4, knobs: dict, call: AttnCall):
-    """(positional args, keyword args, out, lse, values) of one ``_flash_attn_fwd`` call; ``values`` as
-    :func:`_call_values` gives them, with q, k and v as passed (copies where FA4 would make them)."""
-    out, lse = _buffers(call)
-    values = _call_values(call, out, lse)
+def _forward_args(fa: _FA4, knobs: dict, call: AttnCall, values: tuple):
+    """(positional args, keyword args, values) of one ``_flash_attn_fwd`` call over ``values`` (as
+    :func:`_call_values` gives them); the values returned have q, k and v as passed (copies where FA4 would
+    make them)."""
     dense = call.op != "varlen"
     args = [_fa4_layout(x, name, dense) for x, name in ((call.q, "q"), (call.k, "k"), (call.v, "v"))]
     values = (*args, *values[3:])
@@ -569,7 +568,7 @@ def _forward_args(fa: _FA4, knobs: dict, call: AttnCall):
     else:
         kw["causal"] = call.causal
         kw["window_size_left"], kw["window_size_right"] = _window(call)
-    return args, kw, out, lse, values
+    return args, kw, values
 
 
 # The keyword arguments of ``_flash_attn_fwd`` that :func:`_call_values` holds after q, k and v.
@@ -612,19 +611,18 @@ class _ForwardLaunch:
         self.replays = _Replays()
 
     def __call__(self, call: AttnCall):
-        if self.replays.by_layout:
-            out, lse = _buffers(call)
-            values = _call_values(call, out, lse)
-            if _aligned(values[0]) and _aligned(values[1]) and _aligned(values[2]):
-                replay = self.replays.get(values)
-                if replay is not None:
-                    replay(values)
-                    return out, lse
-        return self._through_fa4(call)
+        out, lse = _buffers(call)
+        values = _call_values(call, out, lse)
+        if self.replays.by_layout and _aligned(values[0]) and _aligned(values[1]) and _aligned(values[2]):
+            replay = self.replays.get(values)
+            if replay is not None:
+                replay(values)
+                return out, lse
+        return self._through_fa4(call, out, lse, values)
 
-    def _through_fa4(self, call: AttnCall):
+    def _through_fa4(self, call: AttnCall, out: torch.Tensor, lse: torch.Tensor, values: tuple):
         fa = _fa4()
-        args, kw, out, lse, values = _forward_args(fa, self.knobs, call)
+        args, kw, values = _forward_args(fa, self.knobs, call, values)
         wanted = self.thin and self.replays.wants(values)
         recording = _Recording(fwd_compile_cache_owner(fa)) if wanted else None
         with _clc_scheduler(fa.utils, self.clc), _dsl_errors(fa, self.label), recording or contextlib.nullcontext():
