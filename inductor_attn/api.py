@@ -73,7 +73,7 @@ def make_call(q, k, v, *, causal: bool = False, scale: float | None = None, wind
     if block_mask is not None:
         if causal or window is not None or kv_seqlens is not None or key_mask is not None:
             fail(ValueError, "block_mask already encodes the mask: leave causal, window, kv_seqlens and "
-                                    "key_mask unset")
+                             "key_mask unset")
         check_attention(q, k, v, scale, -1, -1, None)
         scale = _scale(scale, q)
         sparse = _as_sparse(block_mask, q, k)
@@ -227,7 +227,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
     """
     left, right = _window(window, causal)
     check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right,
-                        allow_empty=True)
+                 allow_empty=True)
     scale = _scale(scale, q)
     if max_seqlen_q is None or max_seqlen_k is None:
         max_seqlen_q = max_seqlen_q or int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())

@@ -459,7 +459,8 @@ def _choose_compiled(timed: list[CandidateResult], winner: CandidateResult) -> t
         return winner, "no candidate can be traced into compiled code"
     best = min(traced, key=lambda r: r.median_ms)
     cost = winner.median_ms + winner.host_ms
-    how = f"{winner.host_ms:.4f} ms of host time per launch for {winner.median_ms:.4f} ms on the device (both count)"
+    how = (f"{winner.host_ms:.4f} ms of host time per launch for {winner.median_ms:.4f} ms on the device "
+           "(both count)")
     if best.median_ms <= cost:
         return best, (f"{best.name} ({best.median_ms:.4f} ms, launched by compiled code) is no slower than "
                       f"{winner.name}, with its {how}")
