@@ -4,7 +4,7 @@
     PYTHONPATH=. python benchmarks/tools/host_profile.py --llama-decode [--calls 100]
     PYTHONPATH=. python benchmarks/tools/host_profile.py --training "document B1 H16 L8k D128" [--calls 100]
     PYTHONPATH=. python benchmarks/tools/host_profile.py --llama-training "B4 L2048" [--calls 20]
-    PYTHONPATH=. python benchmarks/tools/host_profile.py --output-code DIR [--training SHAPE]
+    PYTHONPATH=. python benchmarks/tools/host_profile.py --output-code DIR [--prefill CASE | --training SHAPE]
 
 For each backend (only it and the reference are registered, so the tuner must pick it): host us per call
 of the compiled function, of the plan's launch called directly, and a cProfile of the compiled calls
@@ -25,8 +25,9 @@ step (``torch.cuda.set_sync_debug_mode``).
 that size, stock ``torch.compile`` and ours, the same way.
 
 ``--output-code DIR``: Inductor's generated code of stock compiled SDPA and of ours, written to DIR (one file
-per graph, forward and backward), for the overhead suite's prefill B1 H16/4 L512 D64 causal call (then the two
-compared, and the call's host time peeled: Dynamo's frame and guards, the generated module, the aten call), or
+per graph, forward and backward), for one of the overhead suite's prefill calls (``--prefill``, default
+"prefill B1 H16/4 L512 D64 causal"; then the two compared, and the call's host time peeled: Dynamo's frame
+and guards, the generated module, the aten call), or
 with ``--training`` for that shape's fwd+bwd step (then its profile as without it): diff the two where the
 same kernels cost ours more host time.
 
@@ -45,6 +46,7 @@ import torch
 
 import inductor_attn
 from inductor_attn.backends import REFERENCE, get_backend, only_backends, plan_for
+from inductor_attn.bench.overhead import CASES as OVERHEAD_CASES
 from inductor_attn.bench.wallclock import host_us, interleaved_measure, kernel_events, wall_us, warm
 from inductor_attn.device import device_info
 
@@ -59,12 +61,16 @@ def main() -> None:
     parser.add_argument("--llama-training", metavar="SIZE",
                         help="profile the HF Llama training step of this size")
     parser.add_argument("--output-code", metavar="DIR", help="write stock's and ours' generated code to DIR")
+    parser.add_argument("--prefill", metavar="CASE", default=PREFILL_CASES[0],
+                        help=f"with --output-code, the overhead suite's prefill case: one of {PREFILL_CASES}")
     args = parser.parse_args()
     if args.training:
         training(args.training, args.calls or 100, args.output_code)
         return
     if args.output_code:
-        prefill_code(args.output_code)
+        if args.prefill not in PREFILL_CASES:
+            parser.error(f"--prefill takes one of {PREFILL_CASES}, got {args.prefill!r}")
+        prefill_code(args.output_code, args.prefill)
         return
     if args.llama_training:
         from inductor_attn.bench.models import TRAIN_SIZES, training_steps
@@ -202,9 +208,14 @@ def _prefill_ours(q, k, v):
     return inductor_attn.attention(q, k, v, causal=True)
 
 
-def prefill_code(out_dir: str) -> None:
-    """The overhead suite's prefill B1 H16/4 L512 D64 causal call, stock compiled SDPA and ours."""
-    q, k, v = (torch.randn(1, h, 512, 64, device="cuda", dtype=torch.bfloat16) for h in (16, 4, 4))
+PREFILL_CASES = tuple(case[0] for case in OVERHEAD_CASES if not case[-1])
+
+
+def prefill_code(out_dir: str, case: str) -> None:
+    """One of the overhead suite's prefill calls (causal, GQA), stock compiled SDPA and ours."""
+    _, b, hq, hkv, lq, lk, d, _, _ = next(c for c in OVERHEAD_CASES if c[0] == case)
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
+               for h, n in ((hq, lq), (hkv, lk), (hkv, lk)))
     steps = {name: (lambda fn: lambda: fn(q, k, v))(torch.compile(fn))
              for name, fn in (("stock compile", _prefill_sdpa), ("ours", _prefill_ours))}
     paths = write_code(out_dir, steps)
