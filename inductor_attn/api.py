@@ -30,9 +30,11 @@ def _window(window, causal: bool) -> tuple[int, int]:
 
 
 def _scale(scale, q) -> float:
-    """The checked ``scale`` (check_scale) as a float; None -> head_dim ** -0.5."""
+    """The checked ``scale`` (check_scale) as a float; None -> 1 / sqrt(head_dim), to the last bit as SDPA's aten
+    ops compute their default (``head_dim ** -0.5`` differs from it in the last bit for 48 head dims up to 256, D128
+    among them), so that the SDPA backend's calls can leave the scale to them."""
     if scale is None:
-        return q.shape[-1] ** -0.5
+        return 1.0 / q.shape[-1] ** 0.5
     return scale if isinstance(scale, torch.SymFloat) else float(scale)
 
 
@@ -97,7 +99,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, wind
             of Hkv (GQA/MQA). fp16, bf16, fp32 (fp64 runs on the reference only). 8 <= D, Dv <= 256.
         causal: lower-right aligned when Lq != Lk: query i sees keys j <= i + Lk - Lq (FlashAttention's
             convention; with ``kv_seqlens`` the alignment uses each batch's own length).
-        scale: softmax scale, default ``D ** -0.5``: a float, int or NumPy real scalar.
+        scale: softmax scale, default ``1 / sqrt(D)``: a float, int or NumPy real scalar.
         window: sliding window. ``w`` keeps keys within w positions before the (aligned) diagonal, and
             after it too unless causal; ``(left, right)`` sets both sides, -1 = unbounded.
         kv_seqlens: int32 (B,): only the first ``kv_seqlens[b]`` keys of batch b are valid (KV cache).

@@ -271,6 +271,25 @@ def test_a_traced_sdpa_plan_keeps_views_and_copies_nothing(direction):
         assert cudnn.args[4] is False and len(graph.output_node().args[0]) == 1
 
 
+@pytest.mark.parametrize("scale", [0.125, 0.3])
+def test_a_traced_sdpa_call_names_the_scale_only_where_it_is_not_the_ops_default(scale):
+    # a keyword argument costs every compiled call host time in the aten op's argument parsing; stock passes none
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from inductor_attn._compat import trace_functional
+    from inductor_attn.backends import sdpa
+    from inductor_attn.ops.attention import AttnCall
+
+    with FakeTensorMode():
+        q, k, v = (torch.empty(2, 8, 256, 64, dtype=torch.bfloat16, device="meta") for _ in range(3))
+
+    def launch(q, k, v):
+        return tuple(sdpa._launch("cudnn", False, AttnCall("attention", q, k, v, scale, True, -1, -1, None)))
+
+    (cudnn,) = [n for n in trace_functional(launch, [q, k, v]).graph.nodes if "cudnn" in str(n.target)]
+    assert cudnn.kwargs == ({} if scale == 64 ** -0.5 else {"scale": scale})
+
+
 
 def test_another_version_of_a_backend_library_moves_the_guard(monkeypatch):
     """Decisions are keyed on the backends' library versions: a graph compiled under FA4 x must not be

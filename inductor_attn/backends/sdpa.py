@@ -14,6 +14,7 @@ are; the efficient kernel gets them expanded (a copy, as SDPA's own enable_gqa p
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -60,6 +61,16 @@ def _bias(call: AttnCall) -> torch.Tensor:
     return bias.expand(call.q.shape[0], call.q.shape[1], lq, lk)
 
 
+def _scale_arg(call: AttnCall) -> float | None:
+    """None where ``call.scale`` is the aten ops' own default (1 / sqrt(D), as they compute it), so that compiled
+    code calls them with no keyword argument: Python's keyword parsing of an aten op call costs host time on
+    every call (about 1 us on the CI CPU); stock compiled SDPA passes none."""
+    d = call.q.shape[-1]
+    if isinstance(call.scale, float) and isinstance(d, int) and call.scale == 1.0 / math.sqrt(d):
+        return None
+    return call.scale
+
+
 def _launch(kernel: str, needs_bias: bool, call: AttnCall, with_lse: bool = True):
     """(out, lse); ``with_lse=False``: (out,) alone, cuDNN and efficient told not to compute the lse (flash always
     does), as SDPA itself calls them for inference."""
@@ -67,17 +78,16 @@ def _launch(kernel: str, needs_bias: bool, call: AttnCall, with_lse: bool = True
     bias = _bias(call) if needs_bias else None
     is_causal = call.causal and bias is None
     aten = torch.ops.aten
+    kw = {} if (scale := _scale_arg(call)) is None else {"scale": scale}
     if kernel == "flash":
-        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=call.scale)[:2]
+        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, **kw)[:2]
     elif kernel == "cudnn":
-        out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, bias, with_lse, 0.0, is_causal, False,
-                                                            scale=call.scale)[:2]
+        out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, bias, with_lse, 0.0, is_causal, False, **kw)[:2]
     else:
         group = q.shape[1] // k.shape[1]
         if group > 1:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, bias, with_lse, 0.0, is_causal,
-                                                                scale=call.scale)[:2]
+        out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, bias, with_lse, 0.0, is_causal, **kw)[:2]
     if not with_lse:
         return (conform(out, q),)
     b, h, lq = q.shape[:3]
@@ -97,22 +107,21 @@ def _launch_backward(kernel: str, needs_bias: bool, call: AttnCall, out, lse, gr
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     aten = torch.ops.aten
+    kw = {} if (scale := _scale_arg(call)) is None else {"scale": scale}
     group = q.shape[1] // k.shape[1]
     if kernel == "flash":
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-            grad_out, q, k, v, out, lse, None, None, lq, lk, 0.0, is_causal, None, None, scale=call.scale)
+            grad_out, q, k, v, out, lse, None, None, lq, lk, 0.0, is_causal, None, None, **kw)
     elif kernel == "cudnn":
         dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
-            grad_out, q, k, v, out, lse.unsqueeze(-1), None, None, bias, None, None, lq, lk, 0.0, is_causal,
-            scale=call.scale)
+            grad_out, q, k, v, out, lse.unsqueeze(-1), None, None, bias, None, None, lq, lk, 0.0, is_causal, **kw)
     else:
         kr, vr = (k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)) if group > 1 else (k, v)
         # the efficient kernels keep the lse padded to whole 32-row blocks (its forward returns it so)
         padded = lse.new_zeros(*lse.shape[:-1], -(-lq // 32) * 32)
         padded[..., :lq] = lse
         dq, dk, dv = aten._scaled_dot_product_efficient_attention_backward(
-            grad_out, q, kr, vr, bias, out, padded, None, None, 0.0, [True, True, True, False], is_causal,
-            scale=call.scale)[:3]
+            grad_out, q, kr, vr, bias, out, padded, None, None, 0.0, [True, True, True, False], is_causal, **kw)[:3]
         if group > 1:  # gradients of the repeated heads, summed back onto each kv head
             dk, dv = (g.unflatten(1, (k.shape[1], group)).sum(2) for g in (dk, dv))
     return conform(dq, q), conform(dk, k), conform(dv, v)

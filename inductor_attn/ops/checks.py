@@ -135,7 +135,7 @@ def check_window(window_left: int, window_right: int) -> None:
 
 
 def check_scale(scale) -> None:
-    """None (the default, head_dim ** -0.5) or a real number that converts to float without loss: Python
+    """None (the default, 1 / sqrt(head_dim)) or a real number that converts to float without loss: Python
     and NumPy floats and ints, as F.scaled_dot_product_attention takes them; never bool or a tensor."""
     if scale is None or isinstance(scale, torch.SymFloat):
         return  # under dynamic shapes the default scale is symbolic: its value is checked when it runs
