@@ -22,6 +22,7 @@ from .store.keys import library_versions, stale_reason, versions_like
 from .store.layers import LayeredStore
 from .store.priors import is_shipped
 from .store.schema import StoreError
+from .tuning.tuner import compiled_choice
 
 __all__ = ["DecisionStore", "StoreError", "get_store", "list_decisions", "show", "explain", "origin", "clear",
            "export", "export_priors", "import_decisions", "prune", "doctor", "plot", "short_problem"]
@@ -135,8 +136,7 @@ def explain(key_prefix: str, store: DecisionStore | LayeredStore | None = None) 
         "  versions:         " + ", ".join(f"{k} {v}" for k, v in row["versions"].items() if k != "sources"),
         f"  winner:           {row['winner']}  (default {rec['default']})",
         f"  why:              {rec['why']}",
-        f"  compiled code:    {rec.get('compiled_winner') or row['winner']}  "
-        f"({rec.get('compiled_why') or 'the winner'})",
+        f"  compiled code:    {_compiled_line(rec, row['winner'])}",
         *_search_lines(rec),
         "",
         f"  {'candidate':44s} {'status':8s} {'median ms':>10s} {'speedup':>8s} {'95% CI':>15s} "
@@ -166,6 +166,17 @@ def _search_lines(rec: dict) -> list[str]:
     if rec.get("seconds"):
         lines.append("  seconds:          " + ", ".join(f"{k} {v:.2f}" for k, v in rec["seconds"].items()))
     return lines
+
+
+def _compiled_line(rec: dict, winner: str) -> str:
+    """What compiled code runs by the tuner's rule as it is now (tuner.compiled_choice), and why; the record's
+    own choice too where the rule has changed since it was tuned."""
+    recorded = rec.get("compiled_winner") or winner
+    now = compiled_choice(rec)
+    if now is None:
+        return f"{recorded}  ({rec.get('compiled_why') or 'the winner'})"
+    line = f"{now[0]}  ({now[1]})"
+    return line if now[0] == recorded else f"{line}; when tuned: {recorded}"
 
 
 def _fmt(x, spec: str) -> str:

@@ -348,3 +348,23 @@ def test_background_mode_first_runs_the_best_shipped_candidate_of_a_backend_with
         with inductor_attn.tuning_mode("background"):
             assert decide(small_call(), DEV, "forward") == "b:x=2"  # not the shipped winner, costly:default
         assert costly.enumerated == 0 and len(queued) == 1  # the worker tunes the bucket, FA4 included
+
+
+def test_compiled_code_reads_a_stored_decision_by_the_tuners_rule_as_it_is_now(monkeypatch):
+    """A decision whose record says what compiled code ran under an older step-7 rule: compiled code takes what
+    today's rule makes of the record's measured times (a store or shipped table need not be tuned again), and
+    cache explain shows both."""
+    a = FakeBackend("a", {"default": (60.0, 0.01)}, traceable=True)
+    b = FakeBackend("b", {"default": (50.0, 0.01)}, host_s=0.025)  # 50 ms kernel + 25 ms launch against 60 ms
+    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b]))
+    with only_backends(a, b), inductor_attn.tuning_mode("autotune"):
+        assert decide(small_call(), DEV, "forward", compiled=True) == "a:default"
+        (row,) = get_store().rows()
+        row["record"].update(compiled_winner="b:default", compiled_why="device-bound")  # the rule before c6d4ce1
+        get_store().put(row)
+        forget_decisions()
+        assert decide(small_call(), DEV, "forward", compiled=True) == "a:default"
+        assert decide(small_call(), DEV, "forward") == "b:default"
+        runs = a.calls + b.calls
+    line = next(x for x in cache.explain(row["key"][:16]).splitlines() if "compiled code:" in x)
+    assert "a:default" in line and line.endswith("when tuned: b:default") and a.calls + b.calls == runs

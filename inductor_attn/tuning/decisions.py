@@ -34,7 +34,7 @@ from .measure import describe, is_candidate_error
 from .modes import current_mode
 from .progress import progress_ticker
 from .ranks import on_device, tune_once
-from .tuner import NoCandidateRan, default_rounds, tune
+from .tuner import NoCandidateRan, compiled_choice, default_rounds, tune
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +103,12 @@ def _variant(direction: str, grad_lse: bool = False) -> str:
 
 
 def _winner(row: dict, compiled: bool) -> str:
-    """The row's winner, or for compiled code the record's ``compiled_winner`` (tuner.py, step 7)."""
-    return (compiled and row["record"].get("compiled_winner")) or row["winner"]
+    """The row's winner; for compiled code, step 7 of tuner.py applied to the row's measurements by the rule as
+    it is now (``compiled_choice``), or where they lack what it weighs the record's ``compiled_winner``."""
+    if not compiled:
+        return row["winner"]
+    now = compiled_choice(row["record"])
+    return now[0] if now is not None else (row["record"].get("compiled_winner") or row["winner"])
 
 
 def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str, compiled: bool = False, grad_lse: bool = False,

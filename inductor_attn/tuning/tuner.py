@@ -84,8 +84,8 @@ DEFAULT_STAGE_MARGIN = 1.25
 # 7.6% apart (issue 16). Top two closer than this are timed again to measure the noise.
 CLOSE = 0.10
 NOISE_SESSIONS = 2
-__all__ = ["CANDIDATE_ERRORS", "CandidateResult", "TuneResult", "default_rounds", "describe", "fresh_inputs",
-           "is_candidate_error", "strict", "tune"]
+__all__ = ["CANDIDATE_ERRORS", "CandidateResult", "TuneResult", "compiled_choice", "default_rounds", "describe",
+           "fresh_inputs", "is_candidate_error", "strict", "tune"]
 
 
 @dataclass
@@ -465,6 +465,19 @@ def _choose_compiled(timed: list[CandidateResult], winner: CandidateResult) -> t
         return best, (f"{best.name} ({best.median_ms:.4f} ms, launched by compiled code) is no slower than "
                       f"{winner.name}, with its {how}")
     return winner, f"faster than the fastest traced candidate {best.name} ({best.median_ms:.4f} ms) with its {how}"
+
+
+def compiled_choice(record: dict) -> tuple[str, str] | None:
+    """Step 7 applied now to a stored record's measured candidates: (what compiled code runs, why), so that a
+    change of the rule reaches decisions stored or shipped before it. None where the record lacks what the
+    rule weighs (one finalist: no host times were measured)."""
+    timed = [CandidateResult(**c) for c in record["candidates"]
+             if c["status"] == "passed" and c.get("median_ms") is not None]
+    winner = next((r for r in timed if r.name == record["winner"]), None)
+    if winner is None or (winner.traced is False and winner.host_ms is None):
+        return None
+    chosen, why = _choose_compiled(timed, winner)
+    return chosen.name, why
 
 
 def _choose(finals: list[CandidateResult], tie: float = TIE_MARGIN) -> tuple[CandidateResult, str]:
