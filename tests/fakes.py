@@ -99,3 +99,38 @@ def small_call(lq: int = 20) -> AttnCall:
     """A small CPU attention call (B1 H2 D16) on fresh random inputs, for tests of tuning and the store."""
     q = torch.randn(1, 2, lq, 16)
     return AttnCall("attention", q, torch.randn(1, 2, lq, 16), torch.randn(1, 2, lq, 16), 0.25)
+
+
+class AtenCpuFlash(Backend):
+    """The CPU flash kernels that stock compiled SDPA calls on this machine, as a traced plan: with it, ours'
+    compiled graphs can be compared line by line with stock's (what our lowering adds, it adds in plain sight).
+    Plain MHA, causal, no window or lengths; the kernels return q's layout only for (B, L, H, D) strides."""
+
+    name = "aten_cpu_flash"
+    has_backward = True
+    knobs = {}
+
+    def supports(self, p, dev, direction="forward"):
+        return None
+
+    def configs(self, p, dev, direction="forward"):
+        return [self.candidate(Config.of())]
+
+    def plan(self, p, dev, cfg, direction):
+        if direction == "backward":
+            return Plan(self._backward, traced=self._backward)
+        return Plan(self._forward, traced=self._forward, traced_out_only=functools.partial(self._forward, lse=False))
+
+    @staticmethod
+    def _forward(call, lse=True):
+        out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(call.q, call.k, call.v, 0.0,
+                                                                                    call.causal)[:2]
+        return (out, logsumexp) if lse else (out,)
+
+    @staticmethod
+    def _backward(call, out, lse, grad_out, grad_lse):
+        return tuple(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, call.q, call.k, call.v, out, lse, 0.0, call.causal))
+
+    def source_hash(self) -> str:
+        return "fake-aten-cpu-flash"

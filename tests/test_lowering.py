@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from fakes import FakeBackend, FakeTimer
+from fakes import AtenCpuFlash, FakeBackend, FakeTimer
 from torch._inductor.utils import run_and_get_code
 
 import inductor_attn
@@ -289,6 +289,43 @@ def test_a_traced_sdpa_call_names_the_scale_only_where_it_is_not_the_ops_default
     (cudnn,) = [n for n in trace_functional(launch, [q, k, v]).graph.nodes if "cudnn" in str(n.target)]
     assert cudnn.kwargs == ({} if scale == 64 ** -0.5 else {"scale": scale})
 
+
+
+def _call_bodies(codes: list[str]) -> list[list[str]]:
+    """Each generated module's ``call`` without comments, its kernels' names reduced to their index."""
+    import re
+
+    bodies = []
+    for code in codes:
+        body = code[code.index("    def call(self, args):"):code.index("\nrunner = Runner(")]
+        lines = [re.sub(r"cpp_fused_\w*?_(\d+)\(", r"cpp_fused_\1(", x) for x in body.splitlines()]
+        bodies.append([x for x in lines if x.strip() and not x.strip().startswith("#")])
+    return bodies
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_compiled_code_of_ours_is_stocks_when_the_plan_calls_the_kernels_stock_calls(training):
+    # A plan tracing the aten kernels that stock compiled SDPA calls here: our forward and backward graphs must be
+    # stock's, line for line (no copy, no saved tensor, no op of ours, no keyword more), so that what a compiled
+    # call of ours costs beyond stock's is Dynamo's guards on the arguments' checks alone.
+    import torch.nn.functional as F
+
+    q, k, v, grad = (torch.randn(1, 64, 4, 32).transpose(1, 2) for _ in range(4))
+    inputs = [x.requires_grad_(training) for x in (q, k, v)]
+
+    def step(fn):
+        compiled = torch.compile(fn, fullgraph=True)
+        if training:
+            return lambda: torch.autograd.grad(compiled(*inputs), inputs, grad)
+        return lambda: compiled(*inputs)
+
+    codes = {}
+    with only_backends(AtenCpuFlash(), REFERENCE), inductor_attn.tuning_mode("off"):
+        for name, fn in (("stock", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+                         ("ours", lambda q, k, v: inductor_attn.attention(q, k, v, causal=True))):
+            codes[name] = run_and_get_code(step(fn))[1]  # resets Dynamo first
+    assert len(codes["ours"]) == (2 if training else 1)
+    assert _call_bodies(codes["ours"]) == _call_bodies(codes["stock"])
 
 
 def test_another_version_of_a_backend_library_moves_the_guard(monkeypatch):
