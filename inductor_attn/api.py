@@ -12,6 +12,7 @@ from .ops import BlockSparseMask, attention_op, block_sparse_attention_op, varle
 # one object reached two ways gets a guard evaluated in Python on every compiled call.
 from .ops.checks import (check_attention, check_attention_values, check_block_sparse, check_scale, check_varlen,
                          check_varlen_values, check_window, fail)
+from .problem import default_scale
 
 
 def _window(window, causal: bool) -> tuple[int, int]:
@@ -30,11 +31,9 @@ def _window(window, causal: bool) -> tuple[int, int]:
 
 
 def _scale(scale, q) -> float:
-    """The checked ``scale`` (check_scale) as a float; None -> 1 / sqrt(head_dim), to the last bit as SDPA's aten
-    ops compute their default (``head_dim ** -0.5`` differs from it in the last bit for 48 head dims up to 256, D128
-    among them), so that the SDPA backend's calls can leave the scale to them."""
+    """The checked ``scale`` (check_scale) as a float; None -> default_scale(head_dim)."""
     if scale is None:
-        return 1.0 / q.shape[-1] ** 0.5
+        return default_scale(q.shape[-1])
     return scale if isinstance(scale, torch.SymFloat) else float(scale)
 
 

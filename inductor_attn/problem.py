@@ -25,6 +25,13 @@ def next_power_of_two(n: int) -> int:
     return 0 if n == 0 else 1 << (n - 1).bit_length()
 
 
+def default_scale(head_dim):
+    """The softmax scale when none is given: 1 / sqrt(head_dim) to the last bit as SDPA's aten ops compute theirs
+    (``head_dim ** -0.5`` differs from it in the last bit for 48 head dims up to 256, 128 among them), so that
+    calls of those ops can leave it to them. ``head_dim`` may be a SymInt."""
+    return 1.0 / head_dim ** 0.5
+
+
 def round_fraction(x: float, steps: int) -> float:
     """Round a fraction in [0, 1] to the nearest multiple of 1/steps.
 

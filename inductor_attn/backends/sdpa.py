@@ -14,14 +14,13 @@ are; the efficient kernel gets them expanded (a copy, as SDPA's own enable_gqa p
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
 from .._compat import fused_sdp_choice
 from ..device import DeviceInfo
 from ..layout import conform
-from ..problem import Problem
+from ..problem import Problem, default_scale
 from .base import AttnCall, Backend, Candidate, Config, Plan
 from .masks import dense_mask_fn
 
@@ -61,14 +60,14 @@ def _bias(call: AttnCall) -> torch.Tensor:
     return bias.expand(call.q.shape[0], call.q.shape[1], lq, lk)
 
 
-def _scale_arg(call: AttnCall) -> float | None:
-    """None where ``call.scale`` is the aten ops' own default (1 / sqrt(D), as they compute it), so that compiled
-    code calls them with no keyword argument: Python's keyword parsing of an aten op call costs host time on
-    every call (about 1 us on the CI CPU); stock compiled SDPA passes none."""
+def _scale_kwargs(call: AttnCall) -> dict:
+    """The aten ops' ``scale`` keyword, left out where ``call.scale`` is their own default (default_scale), so
+    that compiled code calls them with no keyword argument: Python's keyword parsing of an aten op call costs
+    host time on every call (about 1 us on the CI CPU); stock compiled SDPA passes none."""
     d = call.q.shape[-1]
-    if isinstance(call.scale, float) and isinstance(d, int) and call.scale == 1.0 / math.sqrt(d):
-        return None
-    return call.scale
+    if isinstance(call.scale, float) and isinstance(d, int) and call.scale == default_scale(d):
+        return {}
+    return {"scale": call.scale}
 
 
 def _launch(kernel: str, needs_bias: bool, call: AttnCall, with_lse: bool = True):
@@ -78,7 +77,7 @@ def _launch(kernel: str, needs_bias: bool, call: AttnCall, with_lse: bool = True
     bias = _bias(call) if needs_bias else None
     is_causal = call.causal and bias is None
     aten = torch.ops.aten
-    kw = {} if (scale := _scale_arg(call)) is None else {"scale": scale}
+    kw = _scale_kwargs(call)
     if kernel == "flash":
         out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, **kw)[:2]
     elif kernel == "cudnn":
@@ -107,7 +106,7 @@ def _launch_backward(kernel: str, needs_bias: bool, call: AttnCall, out, lse, gr
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     aten = torch.ops.aten
-    kw = {} if (scale := _scale_arg(call)) is None else {"scale": scale}
+    kw = _scale_kwargs(call)
     group = q.shape[1] // k.shape[1]
     if kernel == "flash":
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(

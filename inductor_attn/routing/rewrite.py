@@ -56,6 +56,7 @@ import torch
 import torch.fx
 
 from .._compat import custom_graph_pass_base, size_hint, statically_known_true
+from ..problem import default_scale
 from . import flex_route, graph_edit, mask_proof
 from .graph_edit import Emitter, Skip, ev
 
@@ -375,7 +376,7 @@ def _emit(graph: torch.fx.Graph, node: torch.fx.Node, plan: _Plan, emitted: dict
     if scale is None:
         head_dim = ev(plan.q).shape[3]
         if isinstance(head_dim, int):
-            scale = 1.0 / head_dim ** 0.5  # to the last bit as SDPA computes its default (api._scale)
+            scale = default_scale(head_dim)
         else:  # dynamic head_dim: SDPA's default scale, computed from the size at run time
             scale = emit("call_function", operator.pow, emit("call_method", "size", plan.q, 3), -0.5)
     op = torch.ops.inductor_attn.attention.default
