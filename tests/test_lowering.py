@@ -13,6 +13,7 @@ import inductor_attn
 from inductor_attn import lowering
 from inductor_attn.backends import REFERENCE, only_backends
 from inductor_attn.lowering.graph_pass import DecisionPass
+from inductor_attn.ops import attention as attention_ops
 
 
 def _fakes(monkeypatch, traceable=False):
@@ -209,7 +210,10 @@ def test_a_new_decision_moves_the_guard_only_where_compiles_bake_guesses(mode, m
 def test_without_the_pass_nothing_is_decided_while_compiling(fakes):
     q, k, v = _qkv(24)
     torch._dynamo.reset()
-    # the pass is installed once per process; with the slot emptied the op decides at run time
+    # the pass is installed once per process, at its first trace: that must not be this one (under pytest-xdist
+    # it may be), whose emptied slot would take the pass and leave it uninstalled for the process's later tests
+    attention_ops._on_trace()
+    # with the slot emptied the op decides at run time
     with torch._inductor.config.patch(post_grad_custom_post_pass=None):
         out, (code,) = run_and_get_code(torch.compile(_attn, fullgraph=True), q, k, v)
     assert "torch.ops.inductor_attn.attention.default(" in code and "b:x=1" not in code
