@@ -10,8 +10,8 @@ from .layout import conform
 from .ops import BlockSparseMask, attention_op, block_sparse_attention_op, varlen_attention_op
 # The checks by name, not through their module: Dynamo reaches the module from the checks' own globals too, and
 # one object reached two ways gets a guard evaluated in Python on every compiled call.
-from .ops.checks import (check_attention, check_attention_values, check_block_sparse, check_scale, check_varlen,
-                         check_varlen_values, check_window, fail)
+from .ops.checks import (check_attention, check_attention_values, check_block_sparse, check_kv_seqlens, check_scale,
+                         check_varlen, check_varlen_values, check_window, fail)
 from .problem import default_scale
 
 
@@ -114,13 +114,22 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, wind
     Fully masked query rows give zeros and lse = -inf. Zero sizes (B, Hq, Lq or Lk of 0) run no kernel:
     empty outputs, or with Lk = 0 zeros and lse = -inf.
     """
+    if (block_mask is None and torch.compiler.is_compiling() and isinstance(q, torch.Tensor)
+            and isinstance(k, torch.Tensor) and not _zero_size(q.shape[:3] + k.shape[2:3])):
+        # Traced by Dynamo, which guards every function a compiled call passes through: the op's fake impl makes
+        # the structural checks (check_attention, with the same messages, checks.fail), so the API's copy is
+        # left out here. Zero sizes (which never reach the op) and non-tensor q, k take the checked path.
+        check_scale(scale)
+        left, right = _window(window, causal)
+        if kv_seqlens is not None and check_indices:  # the values' device-side assert goes before the kernel
+            check_kv_seqlens(q, kv_seqlens)
+            check_attention_values(k, kv_seqlens)
+        out, lse = attention_op(q, k, v, _scale(scale, q), causal, left, right, kv_seqlens, key_mask, "")
+        return (out, lse) if return_lse else out
     call = make_call(q, k, v, causal=causal, scale=scale, window=window, kv_seqlens=kv_seqlens,
                      key_mask=key_mask, block_mask=block_mask, check_indices=check_indices)
     if _zero_size(q.shape[:3] + k.shape[2:3]):
         out, lse = _zero_size_result(q, k, v)
-    elif block_mask is None:  # the op directly: Dynamo guards every function a compiled call passes through
-        out, lse = attention_op(q, k, v, call.scale, call.causal, call.window_left, call.window_right, kv_seqlens,
-                                key_mask, "")
     else:
         out, lse = _run(call)
     return (out, lse) if return_lse else out

@@ -186,10 +186,14 @@ def check_attention(q, k, v, scale, window_left, window_right, kv_seqlens, key_m
     check_scale(scale)
     check_window(window_left, window_right)
     if kv_seqlens is not None:
-        check_index_tensor("kv_seqlens", kv_seqlens, (q.shape[0],), q.device, "(batch,)")
+        check_kv_seqlens(q, kv_seqlens)
     if key_mask is not None:
         check_index_tensor("key_mask", key_mask, (q.shape[0], k.shape[2]), q.device,
                            "(batch, k seq_len), True = the key may be attended", dtype=torch.bool)
+
+
+def check_kv_seqlens(q, kv_seqlens) -> None:
+    check_index_tensor("kv_seqlens", kv_seqlens, (q.shape[0],), q.device, "(batch,)")
 
 
 def check_attention_values(k, kv_seqlens) -> None:
