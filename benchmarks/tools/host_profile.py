@@ -4,7 +4,8 @@
     PYTHONPATH=. python benchmarks/tools/host_profile.py --llama-decode [--calls 100]
     PYTHONPATH=. python benchmarks/tools/host_profile.py --training "document B1 H16 L8k D128" [--calls 100]
     PYTHONPATH=. python benchmarks/tools/host_profile.py --llama-training "B4 L2048" [--calls 20]
-    PYTHONPATH=. python benchmarks/tools/host_profile.py --output-code DIR [--prefill CASE | --training SHAPE]
+    PYTHONPATH=. python benchmarks/tools/host_profile.py --output-code DIR [--case CASE] [--mode MODE]
+    PYTHONPATH=. python benchmarks/tools/host_profile.py --output-code DIR --training SHAPE
 
 For each backend (only it and the reference are registered, so the tuner must pick it): host us per call
 of the compiled function, of the plan's launch called directly, and a cProfile of the compiled calls
@@ -25,9 +26,10 @@ step (``torch.cuda.set_sync_debug_mode``).
 that size, stock ``torch.compile`` and ours, the same way.
 
 ``--output-code DIR``: Inductor's generated code of stock compiled SDPA and of ours, written to DIR (one file
-per graph, forward and backward), for one of the overhead suite's prefill calls (``--prefill``, default
-"prefill B1 H16/4 L512 D64 causal"; then the two compared, and the call's host time peeled: Dynamo's frame
-and guards, the generated module, the aten call), or
+per graph, forward and backward), for one of the overhead suite's calls as the suite writes them (``--case``,
+or ``--prefill`` as before; default "prefill B1 H16/4 L512 D64 causal"; compiled in ``--mode``, default or
+reduce-overhead; then the two compared, and the call's host time peeled: Dynamo's frame and guards, the
+generated module, for prefill the aten call), or
 with ``--training`` for that shape's fwd+bwd step (then its profile as without it): diff the two where the
 same kernels cost ours more host time.
 
@@ -46,7 +48,7 @@ import torch
 
 import inductor_attn
 from inductor_attn.backends import REFERENCE, get_backend, only_backends, plan_for
-from inductor_attn.bench.overhead import CASES as OVERHEAD_CASES
+from inductor_attn.bench import overhead
 from inductor_attn.bench.wallclock import host_us, interleaved_measure, kernel_events, wall_us, warm
 from inductor_attn.device import device_info
 
@@ -61,16 +63,18 @@ def main() -> None:
     parser.add_argument("--llama-training", metavar="SIZE",
                         help="profile the HF Llama training step of this size")
     parser.add_argument("--output-code", metavar="DIR", help="write stock's and ours' generated code to DIR")
-    parser.add_argument("--prefill", metavar="CASE", default=PREFILL_CASES[0],
-                        help=f"with --output-code, the overhead suite's prefill case: one of {PREFILL_CASES}")
+    parser.add_argument("--case", "--prefill", metavar="CASE", default="prefill B1 H16/4 L512 D64 causal",
+                        help=f"with --output-code, the overhead suite's call: one of {OVERHEAD_CASE_NAMES}")
+    parser.add_argument("--mode", choices=["default", "reduce-overhead"], default="default",
+                        help="with --output-code --case, torch.compile's mode of the compiled calls")
     args = parser.parse_args()
     if args.training:
         training(args.training, args.calls or 100, args.output_code)
         return
     if args.output_code:
-        if args.prefill not in PREFILL_CASES:
-            parser.error(f"--prefill takes one of {PREFILL_CASES}, got {args.prefill!r}")
-        prefill_code(args.output_code, args.prefill)
+        if args.case not in OVERHEAD_CASE_NAMES:
+            parser.error(f"--case takes one of {OVERHEAD_CASE_NAMES}, got {args.case!r}")
+        case_code(args.output_code, args.case, args.mode)
         return
     if args.llama_training:
         from inductor_attn.bench.models import TRAIN_SIZES, training_steps
@@ -200,41 +204,42 @@ def write_code(out_dir: str, steps: dict) -> dict[str, list]:
     return paths
 
 
-def _prefill_sdpa(q, k, v):
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+OVERHEAD_CASE_NAMES = tuple(case[0] for case in overhead.CASES)
 
 
-def _prefill_ours(q, k, v):
-    return inductor_attn.attention(q, k, v, causal=True)
-
-
-PREFILL_CASES = tuple(case[0] for case in OVERHEAD_CASES if not case[-1])
-
-
-def prefill_code(out_dir: str, case: str) -> None:
-    """One of the overhead suite's prefill calls (causal, GQA), stock compiled SDPA and ours."""
-    _, b, hq, hkv, lq, lk, d, _, _ = next(c for c in OVERHEAD_CASES if c[0] == case)
-    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
-               for h, n in ((hq, lq), (hkv, lk), (hkv, lk)))
-    steps = {name: (lambda fn: lambda: fn(q, k, v))(torch.compile(fn))
-             for name, fn in (("stock compile", _prefill_sdpa), ("ours", _prefill_ours))}
+def case_code(out_dir: str, case_name: str, mode: str = "default") -> None:
+    """One of the overhead suite's calls, stock compiled SDPA and ours as the suite writes them
+    (bench/overhead.py: ``sdpa_user``, ``ours_user``), compiled in ``mode``."""
+    case = overhead.Case(*next(c for c in overhead.CASES if c[0] == case_name))
+    inputs = case.inputs(torch.device("cuda"), torch.bfloat16)
+    fns = {"stock": overhead.sdpa_user(case), "ours": overhead.ours_user(case)}
+    steps = {name: (lambda fn: lambda: fn(*inputs))(torch.compile(fn, mode=mode)) for name, fn in fns.items()}
     paths = write_code(out_dir, steps)
     compare(steps, 200, taking_turns=True)
-    prefill_layers(q, k, v, {name: found[0] for name, found in paths.items()})
+    call_layers(case, inputs, fns, {name: found[0] for name, found in paths.items()}, mode)
 
 
-def prefill_layers(q, k, v, modules: dict) -> None:
-    """The prefill call's host time peeled: the compiled calls, Dynamo's frame and guards alone (a backend
-    that returns the first call's outputs), each generated module's ``call`` alone, and the aten call that
-    both make, with and without the log-sum-exp. Best host burst of ten, the functions taking turns."""
+def call_layers(case, inputs, fns: dict, modules: dict, mode: str = "default") -> None:
+    """The call's host time peeled: the compiled calls, Dynamo's frame and guards alone (a backend that returns
+    the first call's outputs), each generated module's ``call`` alone (plain launches in either mode) and, for
+    a prefill case, the aten cuDNN call that both make, with and without the log-sum-exp. Best host burst of
+    ten, the functions taking turns."""
     import importlib.util
+    import re
     import types
 
     def generated(path):
         spec = importlib.util.spec_from_file_location(path.stem.replace(".", "_"), path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        return module.call
+        # the graph's inputs are the call's tensors that it reads, in the order it first reads them: matched
+        # here by size and stride (the code asserts both), which is all that host time depends on
+        source, free, args = path.read_text(), list(inputs), []
+        for name in re.search(r"\n\s+((?:arg\d+_1, )*arg\d+_1),? = args", source).group(1).split(", "):
+            size, stride = (eval(t) for t in re.search(rf"assert_size_stride\({name}, (\(.*?\)), (\(.*?\))[,)]",
+                                                       source).groups())
+            args.append(free.pop(next(i for i, x in enumerate(free) if (x.shape, x.stride()) == (size, stride))))
+        return lambda: module.call(list(args))
 
     def frozen(gm, example_inputs):
         outputs = gm(*example_inputs)
@@ -243,25 +248,23 @@ def prefill_layers(q, k, v, modules: dict) -> None:
     def own_code(fn):
         # Dynamo keeps compiled frames per code object: two compiles of one function (two backends) would
         # check each other's guards on every call
-        return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
+        return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
     torch._dynamo.reset()
-    paths = (("stock", _prefill_sdpa), ("ours", _prefill_ours))
-    compiled = {name: torch.compile(fn) for name, fn in paths}
-    guards = {name: torch.compile(own_code(fn), backend=frozen) for name, fn in paths}
-    cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention.default
-    fns = {
-        "stock compiled call": lambda: compiled["stock"](q, k, v),
-        "ours compiled call": lambda: compiled["ours"](q, k, v),
-        "stock: Dynamo frame + guards only": lambda: guards["stock"](q, k, v),
-        "ours: Dynamo frame + guards only": lambda: guards["ours"](q, k, v),
-        **{f"{name}: generated module's call alone": (lambda call: lambda: call([q, k, v]))(generated(path))
-           for name, path in modules.items()},
-        "aten cuDNN call, no lse": lambda: cudnn(q, k, v, None, False, 0.0, True),
-        "aten cuDNN call with lse": lambda: cudnn(q, k, v, None, True, 0.0, True),
+    compiled = {name: torch.compile(fn, mode=mode) for name, fn in fns.items()}
+    guards = {name: torch.compile(own_code(fn), backend=frozen) for name, fn in fns.items()}
+    steps = {
+        **{f"{name} compiled call": (lambda fn: lambda: fn(*inputs))(fn) for name, fn in compiled.items()},
+        **{f"{name}: Dynamo frame + guards only": (lambda fn: lambda: fn(*inputs))(fn) for name, fn in guards.items()},
+        **{f"{name}: generated module's call alone": generated(path) for name, path in modules.items()},
     }
-    host = interleaved_measure(fns, rounds=10, kernels=False)
-    print("== prefill call peeled (host us, best burst, taking turns):")
+    if not case.decode:
+        q, k, v, _ = inputs
+        cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention.default
+        steps["aten cuDNN call, no lse"] = lambda: cudnn(q, k, v, None, False, 0.0, True)
+        steps["aten cuDNN call with lse"] = lambda: cudnn(q, k, v, None, True, 0.0, True)
+    host = interleaved_measure(steps, rounds=10, kernels=False)
+    print(f"== {case.name} call peeled (host us, best burst, taking turns):")
     for name, row in host.items():
         print(f"   {row['host_us']:8.1f}  {name}")
 
