@@ -224,6 +224,7 @@ def call_layers(case, inputs, fns: dict, modules: dict, mode: str = "default") -
     the first call's outputs), each generated module's ``call`` alone (plain launches in either mode) and, for
     a prefill case, the aten cuDNN call that both make, with and without the log-sum-exp. Best host burst of
     ten, the functions taking turns."""
+    import ast
     import importlib.util
     import re
     import types
@@ -236,8 +237,8 @@ def call_layers(case, inputs, fns: dict, modules: dict, mode: str = "default") -
         # here by size and stride (the code asserts both), which is all that host time depends on
         source, free, args = path.read_text(), list(inputs), []
         for name in re.search(r"\n\s+((?:arg\d+_1, )*arg\d+_1),? = args", source).group(1).split(", "):
-            size, stride = (eval(t) for t in re.search(rf"assert_size_stride\({name}, (\(.*?\)), (\(.*?\))[,)]",
-                                                       source).groups())
+            size, stride = (ast.literal_eval(t) for t in re.search(
+                rf"assert_size_stride\({name}, (\(.*?\)), (\(.*?\))[,)]", source).groups())
             args.append(free.pop(next(i for i, x in enumerate(free) if (x.shape, x.stride()) == (size, stride))))
         return lambda: module.call(list(args))
 
@@ -248,7 +249,8 @@ def call_layers(case, inputs, fns: dict, modules: dict, mode: str = "default") -
     def own_code(fn):
         # Dynamo keeps compiled frames per code object: two compiles of one function (two backends) would
         # check each other's guards on every call
-        return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
+                                  fn.__closure__)
 
     torch._dynamo.reset()
     compiled = {name: torch.compile(fn, mode=mode) for name, fn in fns.items()}
