@@ -315,6 +315,18 @@ def test_compiled_call_reports_our_type_error_first(fresh_dynamo):
         fn(Q, K, V)
 
 
+@pytest.mark.parametrize("q, error, message", [
+    ([1.0, 2.0], TypeError, r"^q must be a torch.Tensor of shape \(batch, heads, seq_len, head_dim\), got list"),
+    (t(2, 4, 8), ValueError, r"^q must have 4 dims \(batch, heads, seq_len, head_dim\), got shape \(2, 4, 8\)"),
+], ids=["a_list", "three_dims"])
+def test_compiled_call_with_a_wrong_q_reports_our_message_first(q, error, message, fresh_dynamo):
+    # traced dense calls leave the structural checks to the op's fake impl; a q that is not a tensor never
+    # reaches it, and one of the wrong rank reaches it: both must still read as our message
+    fn = torch.compile(lambda q, k, v: attention(q, k, v), fullgraph=True)
+    with pytest.raises(error, match=message):
+        fn(q, K, V)
+
+
 def test_fake_impl_of_an_op_called_in_compiled_code_reports_our_message_first(fresh_dynamo):
     fn = torch.compile(lambda q, k, v: OPS.attention(q, k, v, 0.25, False, -7, -1, None, None, ""), fullgraph=True)
     with pytest.raises(ValueError, match=r"^window_left must be -1 \(unbounded\) or >= 0, got -7"):
