@@ -24,7 +24,7 @@ class FakeBackend(Backend):
     has_backward = True
 
     def __init__(self, name: str, times: dict[str, tuple[float, float]], wrong=(), fail=(), prune=None,
-                 supports_reason=None, heuristic=None, traceable=False, host_s=0.0):
+                 supports_reason=None, heuristic=None, traceable=False, host_s=0.0, checks_kv_seqlens=False):
         self.name = name
         self.times = times
         self.wrong, self.fail = set(wrong), set(fail)
@@ -33,6 +33,7 @@ class FakeBackend(Backend):
         self.rule = heuristic
         self.traceable = traceable
         self.host_s = host_s  # CPU time each eager launch spends (a Python launcher's)
+        self.checks_kv_seqlens = checks_kv_seqlens  # its traced form asserts kv_seqlens values (FAKE_KERNEL_CHECK)
         self.calls = 0
         self.knobs = {k: (int, str, bool) for c in times for k, _ in Config.parse(c).params}
 
@@ -50,7 +51,11 @@ class FakeBackend(Backend):
             launch = functools.partial(self._backward, str(cfg))
             return Plan(launch, traced=run_backward if self.traceable else None)
         launch = functools.partial(self._forward, str(cfg))
-        return Plan(launch, traced=run_forward if self.traceable and str(cfg) not in self.wrong else None)
+        if not self.traceable or str(cfg) in self.wrong:
+            return Plan(launch)
+        if self.checks_kv_seqlens:
+            return Plan(launch, traced=_forward_checking_kv_seqlens, checks_kv_seqlens=True)
+        return Plan(launch, traced=run_forward)
 
     def _forward(self, cfg, call):
         self.calls += 1
@@ -68,6 +73,16 @@ class FakeBackend(Backend):
 
     def source_hash(self) -> str:
         return f"fake-{self.name}"
+
+
+FAKE_KERNEL_CHECK = "fake kernel: kv_seqlens out of range"
+
+
+def _forward_checking_kv_seqlens(call: AttnCall, check_kv_seqlens: bool = False):
+    """A traced form whose "kernel" checks the kv_seqlens values itself when asked, with its own text."""
+    if check_kv_seqlens:
+        torch._assert_async(((call.kv_seqlens >= 0) & (call.kv_seqlens <= call.k.shape[2])).all(), FAKE_KERNEL_CHECK)
+    return run_forward(call)
 
 
 class FakeTimer:

@@ -4,6 +4,8 @@ capture them without skips. Each candidate is forced by leaving only its backend
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
@@ -89,6 +91,8 @@ def test_compiled_decode_with_kv_seqlens_is_decided_while_compiling():
         fn = torch.compile(lambda q, k, v, n: inductor_attn.attention(q, k, v, kv_seqlens=n), fullgraph=True)
         out, (code,) = run_and_get_code(fn, q, k, v, lens)
     assert "torch.ops.inductor_attn" not in code and "_decode_partial" in code
+    # the kv_seqlens check is the partial kernel's own device assert: no kernel of Inductor's launches
+    assert not re.search(r"def triton_(per|red|poi)_", code), code
     assert rel_err(out, _reference(q, k, v, kv_seqlens=lens)) < TOLERANCES[torch.bfloat16]
 
 

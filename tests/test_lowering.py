@@ -3,6 +3,7 @@
 never replays code built from stale decisions. CPU, fake backends."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -355,3 +356,61 @@ def test_the_warm_launch_of_a_backward_plan_gets_an_out_as_wide_as_v():
     q, k, v = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 32)
     emit._warm(Plan(), AttnCall("attention", q, k, v, 0.25), "backward")
     assert seen == [((1, 2, 8, 32), (1, 2, 8), (1, 2, 8, 32))]
+
+
+def _decode_inputs(lengths):
+    q = torch.randn(2, 4, 1, 16)
+    k, v = torch.randn(2, 2, 24, 16), torch.randn(2, 2, 24, 16)
+    return q, k, v, torch.tensor(lengths, dtype=torch.int32)
+
+
+def _checking_fakes(monkeypatch):
+    a = FakeBackend("a", {"default": (1.0, 0.01)}, traceable=True)
+    b = FakeBackend("b", {"x=1": (0.5, 0.01)}, traceable=True, checks_kv_seqlens=True)
+    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b]))
+    return only_backends(a, b, REFERENCE)
+
+
+def test_a_plan_whose_kernel_checks_kv_seqlens_replaces_the_graphs_assert(monkeypatch):
+    """The API's compiled kv_seqlens check is a device assert of its own (one more kernel per call); where the
+    chosen plan's kernel makes the check itself (split-K decode), only the kernel's check is left."""
+    from fakes import FAKE_KERNEL_CHECK
+
+    from inductor_attn.ops.checks import KV_SEQLENS_VALUES
+
+    torch._dynamo.reset()
+    with _checking_fakes(monkeypatch), inductor_attn.tuning_mode("autotune"):
+        for check_indices in (True, False):
+            fn = torch.compile(lambda q, k, v, n: inductor_attn.attention(q, k, v, kv_seqlens=n,
+                                                                          check_indices=check_indices),
+                               fullgraph=True)
+            q, k, v, lengths = _decode_inputs([5, 24])
+            out, (code,) = run_and_get_code(fn, q, k, v, lengths)
+            torch.testing.assert_close(out, inductor_attn.attention(q, k, v, kv_seqlens=lengths))
+            assert KV_SEQLENS_VALUES not in code
+            assert (FAKE_KERNEL_CHECK in code) == check_indices
+        with pytest.raises(RuntimeError, match=FAKE_KERNEL_CHECK):
+            torch.compile(lambda q, k, v, n: inductor_attn.attention(q, k, v, kv_seqlens=n),
+                          fullgraph=True)(*_decode_inputs([5, 25]))
+    torch._dynamo.reset()
+
+
+def test_the_graphs_kv_seqlens_assert_stays_while_one_reader_of_those_lengths_does_not_check_them(monkeypatch):
+    from fakes import FAKE_KERNEL_CHECK
+
+    from inductor_attn.ops.checks import KV_SEQLENS_VALUES
+
+    op = torch.ops.inductor_attn.attention
+
+    def two_calls(q, k, v, n):  # b (checks in its kernel) is decided; a (does not) is named as the choice
+        checked = inductor_attn.attention(q, k, v, kv_seqlens=n)
+        named = op(q, k, v, 0.25, False, -1, -1, n, None, "a:default")[0]
+        return checked + named
+
+    torch._dynamo.reset()
+    with _checking_fakes(monkeypatch), inductor_attn.tuning_mode("autotune"):
+        _, (code,) = run_and_get_code(torch.compile(two_calls, fullgraph=True), *_decode_inputs([5, 24]))
+        assert KV_SEQLENS_VALUES in code and FAKE_KERNEL_CHECK in code
+        with pytest.raises(RuntimeError, match=re.escape(KV_SEQLENS_VALUES)):
+            torch.compile(two_calls, fullgraph=True)(*_decode_inputs([5, -1]))
+    torch._dynamo.reset()

@@ -11,6 +11,7 @@ import dataclasses
 import doctest
 import math
 import os
+import re
 
 import naive
 import pytest
@@ -21,6 +22,7 @@ from inductor_attn.backends import REFERENCE, AttnCall, Config, enumerate_candid
 from inductor_attn.backends import triton_decode as decode
 from inductor_attn.device import DeviceInfo, device_info, parse_device_override
 from inductor_attn.ops.attention import attention_op
+from inductor_attn.ops.checks import KV_SEQLENS_VALUES, device_message
 from inductor_attn.problem import Problem
 from inductor_attn.tuning.correctness import check_output
 
@@ -145,6 +147,27 @@ def test_fully_masked_rows_give_zero_output_and_minus_inf_lse():
     # n = 2 keys and 4 queries, lower-right aligned: queries 0 and 1 see no key, 2 and 3 see some
     assert (lse[1, :, :2] == -math.inf).all() and (out[1, :, :2] == 0).all()
     assert torch.isfinite(lse[1, :, 2:]).all()
+
+
+@pytest.mark.parametrize("lengths, stops", [((5, 70), False), ((0, 71), True), ((-1, 3), True)])
+def test_compiled_codes_kernel_asserts_kv_seqlens_values_itself(monkeypatch, lengths, stops):
+    """Asked by compiled code (``check_kv_seqlens``), the partial kernel stops where a length is outside [0, Lk],
+    with the API's message. Triton keeps device asserts only when compiling with ``debug``, as Inductor
+    compiles the kernels it launches; the interpreter is told so through its builder's options."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, debug=True))
+    call = _call(Case(b=2, lk=70, seqlens=lengths, splits=2))
+    plan = decode.DecodePlan(call.problem, device_info(call.q.device), _cfg(Case(splits=2)))
+    out, lse = plan.outputs(call)
+    plan.run(call, out, lse)  # not asked: no check
+    if stops:
+        with pytest.raises(Exception, match=re.escape(device_message(KV_SEQLENS_VALUES))):
+            plan.run(call, out, lse, check_kv_seqlens=True)
+    else:
+        plan.run(call, out, lse, check_kv_seqlens=True)
+
 
 
 @pytest.mark.parametrize("splits", decode.SPLITS)

@@ -55,6 +55,7 @@ except ImportError:  # without them the kernels launch plainly (USE_PDL off)
 from .._compat import is_fake
 from ..device import DeviceInfo, smem_per_block
 from ..layout import empty_like_layout
+from ..ops.checks import KV_SEQLENS_VALUES, device_message
 from ..problem import Problem, next_power_of_two
 from .base import AttnCall, Backend, Candidate, Config, Plan
 from .triton_common import eager_launcher, graph_launcher, traceable, triton_errors, warmup_launcher
@@ -71,6 +72,10 @@ _LOG2E = 1.4426950408889634
 _SMEM_HEADROOM = 0.85
 
 
+# The text of the API's compiled kv_seqlens check (ops/checks.py), for the kernel's own assert of it.
+_KV_SEQLENS_ASSERT = tl.constexpr(device_message(KV_SEQLENS_VALUES)) if tl is not None else None
+
+
 def _jit(**options):
     """``triton.jit(**options)``; without Triton the plain function, so this module imports anyway."""
     return triton.jit(**options) if triton is not None else (lambda fn: fn)
@@ -84,7 +89,8 @@ def _decode_partial(
     Q, K, V, SEQLENS, KEY_MASK, OUT, LSE,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, smn, sob, soh, som, sod,
     qk_scale, HKV, G, LQ, LK, D, DV, NUM_SPLITS, NUM_M_BLOCKS, WINDOW_LEFT, WINDOW_RIGHT,
-    HAS_SEQLENS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr, CHECK_SEQLENS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
     SINGLE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PRECISION: tl.constexpr, DOT_IN_F32: tl.constexpr, USE_PDL: tl.constexpr,
@@ -108,6 +114,8 @@ def _decode_partial(
 
     if HAS_SEQLENS:
         n = tl.load(SEQLENS + b).to(tl.int32)
+        if CHECK_SEQLENS:  # compiled code's check of the values (a no-op unless Triton compiles with debug)
+            tl.device_assert((n >= 0) & (n <= LK), _KV_SEQLENS_ASSERT)
     else:
         n = LK
     # Keys any row may see: [lo, n). The left window bound of the first query is the lowest.
@@ -315,11 +323,14 @@ class DecodePlan:
         self.run(call, out, lse, launcher=eager_launcher, pdl=self.pdl)
         return out, lse
 
-    def traced(self, call: AttnCall):
+    def traced(self, call: AttnCall, check_kv_seqlens: bool = False):
         """As :meth:`launch`, without programmatic dependent launch: Inductor launches user kernels without
-        it (its ``launch_pdl`` is a compile option of its own kernels, off by default)."""
+        it (its ``launch_pdl`` is a compile option of its own kernels, off by default). ``check_kv_seqlens``:
+        the partial kernel asserts each batch's length is in [0, Lk] before reading keys; Inductor compiles
+        the kernels it launches with Triton's ``debug`` on (torch/_inductor/runtime/triton_heuristics.py,
+        ``assert_indirect_indexing``), which keeps device asserts."""
         out, lse = self.outputs(call)
-        self.run(call, out, lse, launcher=graph_launcher, pdl=False)
+        self.run(call, out, lse, launcher=graph_launcher, pdl=False, check_kv_seqlens=check_kv_seqlens)
         return out, lse
 
     def compile(self, call: AttnCall):
@@ -332,7 +343,7 @@ class DecodePlan:
         return (empty_like_layout(q, (*q.shape[:-1], call.v.shape[-1])),
                 torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device))
 
-    def run(self, call: AttnCall, out, lse, ws=None, *, launcher=None, pdl=None):
+    def run(self, call: AttnCall, out, lse, ws=None, *, launcher=None, pdl=None, check_kv_seqlens=False):
         """Write the attention of ``call`` into ``out`` (B, Hq, Lq, Dv; any strides) and ``lse`` (B, Hq, Lq;
         float32, contiguous). Tests hand in outputs (and a workspace ``ws`` from :func:`workspace`) poisoned
         with NaN."""
@@ -353,7 +364,8 @@ class DecodePlan:
             q, k, v, seqlens, key_mask, target_o, target_lse, *q.stride(), *k.stride(), *v.stride(), *mask_strides,
             *out.stride(), call.scale * _LOG2E, hkv, hq // hkv, lq, lk, d, dv, splits, self.m_blocks,
             max(call.window_left, 0), max(right, 0),
-            HAS_SEQLENS=call.kv_seqlens is not None, HAS_KEY_MASK=call.key_mask is not None,
+            HAS_SEQLENS=call.kv_seqlens is not None, CHECK_SEQLENS=check_kv_seqlens and call.kv_seqlens is not None,
+            HAS_KEY_MASK=call.key_mask is not None,
             HAS_LEFT=call.window_left >= 0, HAS_RIGHT=right >= 0,
             SINGLE=single, BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_D=_block_d(d), BLOCK_DV=_block_d(dv),
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -426,7 +438,8 @@ class TritonDecodeBackend(Backend):
 
     def plan(self, p: Problem, dev: DeviceInfo, cfg: Config, direction: str) -> Plan:
         decode = DecodePlan(p, dev, cfg)
-        return Plan(decode.launch, traced=decode.traced if traceable() else None, compile=decode.compile)
+        traced = decode.traced if traceable() else None
+        return Plan(decode.launch, traced=traced, compile=decode.compile, checks_kv_seqlens=traced is not None)
 
 
 def _pruned(p: Problem, dev: DeviceInfo, cfg: Config) -> str | None:

@@ -12,6 +12,11 @@ then replaced by its plan:
 - otherwise one call of the thin ``inductor_attn::launch`` op (ops/launch.py), whose string argument
   names the plan; the op runs the plan's launch (for FA4 on sm_90, the compiled kernel directly).
 
+The API's compiled check of ``kv_seqlens`` values is a device-side assert in the graph (a reduction kernel
+of its own). Where every attention call reading that ``kv_seqlens`` got a plan whose kernel can make the
+same check (``Plan.checks_kv_seqlens``: split-K decode), the kernels assert instead and the graph's assert
+goes: one launch less per call.
+
 Varlen and block-sparse calls are decided at run time, on their real lengths and masks, at one cached lookup
 per call (runtime.py). With static shapes their problem is known while compiling (a mask's density is a
 constant of the graph), and they go through the thin ``inductor_attn::launch`` op with the choice
@@ -21,7 +26,9 @@ constant of the graph), and they go through the thin ``inductor_attn::launch`` o
 
 from __future__ import annotations
 
+import functools
 import operator
+from collections import defaultdict
 
 import torch
 
@@ -33,6 +40,7 @@ from ..ops import (BACKWARD_OPS, FORWARD_OPS, attention_backward_op, attention_o
                    block_sparse_attention_backward_op, block_sparse_attention_op, varlen_attention_backward_op,
                    varlen_attention_op)
 from ..ops.attention import sparse_mask
+from ..ops.checks import KV_SEQLENS_VALUES, device_message
 from ..ops.launch import OWN_TENSORS, launch_op, plan_key
 from ..runtime import COMPILED, count_compiled, plan_for
 
@@ -48,6 +56,8 @@ _RUN_TIME = {block_sparse_attention_op._opoverload: ("block_sparse", "forward"),
 
 
 def emit_plans(graph: torch.fx.Graph) -> None:
+    readers, asserts = _kv_seqlens_checks(graph)
+    checked_in_kernel = set()
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in _ALL_OPS:
             continue
@@ -73,11 +83,64 @@ def emit_plans(graph: torch.fx.Graph) -> None:
             lse_read = direction == "backward" or any(user.target is not operator.getitem or user.args[1] == 1
                                                        for user in node.users)
             traced = plan.traced if lse_read or plan.traced_out_only is None else plan.traced_out_only
+            if plan.checks_kv_seqlens and asserts.get(args["kv_seqlens"]):
+                traced = functools.partial(traced, check_kv_seqlens=True)
+                checked_in_kernel.add(node)
             outputs = _inline_traced(graph, node, traced, args, vals, names, direction)
             count_compiled("attention", direction, choice)
         else:
             outputs = _emit_launch(graph, node, plan_key(direction, choice, call), args, vals, names)
         _replace_outputs(graph, node, outputs)
+    for kv_seqlens, checks in asserts.items():
+        if readers[kv_seqlens] <= checked_in_kernel:
+            for check in checks:
+                _erase_with_dead_inputs(graph, check)
+
+
+def _kv_seqlens_checks(graph: torch.fx.Graph):
+    """({kv_seqlens node: the op calls that read it}, {kv_seqlens node: the device asserts of its values}). An
+    assert is the API's (checks.check_attention_values) when it has that check's text and its condition is
+    computed from that one node alone."""
+    readers = defaultdict(set)
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in _ALL_OPS:
+            kv_seqlens = _bind(node).get("kv_seqlens")
+            if isinstance(kv_seqlens, torch.fx.Node):
+                readers[kv_seqlens].add(node)
+    message = device_message(KV_SEQLENS_VALUES)
+    asserts = defaultdict(list)
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_async.msg and node.args[1] == message:
+            source = _only_source(node.args[0], readers)
+            if source is not None:
+                asserts[source].append(node)
+    return readers, asserts
+
+
+def _only_source(node: torch.fx.Node, sources) -> torch.fx.Node | None:
+    """The one node of ``sources`` that ``node`` is computed from (walking up through computed nodes), or None
+    where it reads another graph input or more than one of them."""
+    found, todo, seen = set(), [node], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in sources:
+            found.add(n)
+        elif n.op == "call_function":
+            todo.extend(n.all_input_nodes)
+        else:
+            return None
+    return found.pop() if len(found) == 1 else None
+
+
+def _erase_with_dead_inputs(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+    inputs = node.all_input_nodes
+    graph.erase_node(node)
+    for n in inputs:
+        if n.op == "call_function" and not n.users:
+            _erase_with_dead_inputs(graph, n)
 
 
 def _bind(node: torch.fx.Node) -> dict:

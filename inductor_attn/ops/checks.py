@@ -24,6 +24,7 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 8, 256
 LAYOUTS = {4: "(batch, heads, seq_len, head_dim)", 3: "(total_tokens, heads, head_dim)"}
 # Appended to device-side assert messages: the values cannot be printed from inside a kernel.
 _DEVICE_CHECK = "(checked on the device in compiled code; call eagerly to see the values)"
+KV_SEQLENS_VALUES = "kv_seqlens values must be in [0, k.shape[2]] (the k seq_len)"
 
 
 def fail(error: type[Exception], message: str) -> NoReturn:
@@ -66,7 +67,13 @@ def assert_on_device(cond: torch.Tensor, message: str) -> None:
     CPU, Inductor's kernel raises RuntimeError(message); on CUDA it is a Triton device assert (the kernel
     traps, the message is printed by the device, and the host sees a device-side assert error). Inductor
     pastes the message into C++ and Python string literals: it must hold no quotes or backslashes."""
-    _compat.assert_async(cond, f"{message} {_DEVICE_CHECK}")
+    _compat.assert_async(cond, device_message(message))
+
+
+def device_message(message: str) -> str:
+    """The text of the device-side assert that checks ``message``'s condition. lowering/ finds the assert of
+    :data:`KV_SEQLENS_VALUES` by it, and a kernel that makes the same check asserts with the same text."""
+    return f"{message} {_DEVICE_CHECK}"
 
 
 def _dtype_names(dtypes) -> str:
@@ -202,8 +209,7 @@ def check_attention_values(k, kv_seqlens) -> None:
         return
     lk = k.shape[2]
     if torch.compiler.is_compiling():
-        assert_on_device(((kv_seqlens >= 0) & (kv_seqlens <= lk)).all(),
-                         "kv_seqlens values must be in [0, k.shape[2]] (the k seq_len)")
+        assert_on_device(((kv_seqlens >= 0) & (kv_seqlens <= lk)).all(), KV_SEQLENS_VALUES)
         return
     if kv_seqlens.numel() == 0:
         return
