@@ -233,10 +233,12 @@ def call_layers(case, inputs, fns: dict, modules: dict, mode: str = "default") -
         spec = importlib.util.spec_from_file_location(path.stem.replace(".", "_"), path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        # the graph's inputs are the call's tensors that it reads, in the order it first reads them: matched
-        # here by size and stride (the code asserts both), which is all that host time depends on
+        # the graph's inputs are the call's tensors that it reads, in the order ``call`` unpacks them (with graph
+        # partitions, as in reduce-overhead's code, each partition unpacks its own order too): matched here by
+        # size and stride (the code asserts both), which is all that host time depends on
         source, free, args = path.read_text(), list(inputs), []
-        for name in re.search(r"\n\s+((?:arg\d+_1, )*arg\d+_1),? = args", source).group(1).split(", "):
+        for name in re.search(r"def call\((?:self, )?args\):\n\s+((?:arg\d+_1, )*arg\d+_1),? = args",
+                              source).group(1).split(", "):
             size, stride = (ast.literal_eval(t) for t in re.search(
                 rf"assert_size_stride\({name}, (\(.*?\)), (\(.*?\))[,)]", source).groups())
             args.append(free.pop(next(i for i, x in enumerate(free) if (x.shape, x.stride()) == (size, stride))))
