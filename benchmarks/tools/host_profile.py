@@ -49,7 +49,7 @@ import torch
 import inductor_attn
 from inductor_attn.backends import REFERENCE, get_backend, only_backends, plan_for
 from inductor_attn.bench import overhead
-from inductor_attn.bench.wallclock import host_us, interleaved_measure, kernel_events, wall_us, warm
+from inductor_attn.bench.wallclock import host_us, interleaved_measure, kernel_events, own_code, wall_us, warm
 from inductor_attn.device import device_info
 
 
@@ -227,7 +227,6 @@ def call_layers(case, inputs, fns: dict, modules: dict, mode: str = "default") -
     import ast
     import importlib.util
     import re
-    import types
 
     def generated(path):
         spec = importlib.util.spec_from_file_location(path.stem.replace(".", "_"), path)
@@ -247,12 +246,6 @@ def call_layers(case, inputs, fns: dict, modules: dict, mode: str = "default") -
     def frozen(gm, example_inputs):
         outputs = gm(*example_inputs)
         return lambda *args: outputs
-
-    def own_code(fn):
-        # Dynamo keeps compiled frames per code object: two compiles of one function (two backends) would
-        # check each other's guards on every call
-        return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
-                                  fn.__closure__)
 
     torch._dynamo.reset()
     compiled = {name: torch.compile(fn, mode=mode) for name, fn in fns.items()}
