@@ -412,6 +412,24 @@ def test_dynamic_sequence_lengths_compile_once():
 
 
 @pytest.mark.slow
+def test_a_dynamic_head_dims_default_scale_is_sdpas_to_the_last_bit(monkeypatch):
+    """SDPA's default scale is 1 / sqrt(D) (aten's calculate_scale); D ** -0.5 differs from it in the last bit
+    for D 48, 96 and 128 among others. With a symbolic head_dim the rewrite computes it at run time."""
+    import math
+
+    from inductor_attn.backends import reference
+
+    scales = []
+    run_forward = reference.run_forward
+    monkeypatch.setattr(reference, "run_forward", lambda call: scales.append(call.scale) or run_forward(call))
+    compiled = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                             backend="inductor_attn", fullgraph=True, dynamic=True)
+    for d in (128, 96, 48):
+        compiled(*(t.detach() for t in qkv(b=3, hq=2, hk=2, lq=20, lk=20, d=d)))
+        assert scales[-1] == 1.0 / math.sqrt(d) != d ** -0.5, (d, scales)
+
+
+@pytest.mark.slow
 def test_fx_graph_cache_hit_still_runs_our_op(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     functorch_config, inductor_config = torch._functorch.config, torch._inductor.config

@@ -378,7 +378,8 @@ def _emit(graph: torch.fx.Graph, node: torch.fx.Node, plan: _Plan, emitted: dict
         if isinstance(head_dim, int):
             scale = default_scale(head_dim)
         else:  # dynamic head_dim: SDPA's default scale, computed from the size at run time
-            scale = emit("call_function", operator.pow, emit("call_method", "size", plan.q, 3), -0.5)
+            root = emit("call_function", operator.pow, emit("call_method", "size", plan.q, 3), 0.5)
+            scale = emit("call_function", operator.truediv, 1.0, root)
     op = torch.ops.inductor_attn.attention.default
     result = emit("call_function", op, plan.q, plan.k, plan.v, scale, plan.causal, -1, -1, kv, key_mask, "")
     out = emit("call_function", operator.getitem, result, 0)
