@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from fakes import AtenCpuFlash, FakeBackend, FakeTimer
+from fakes import FAKE_KERNEL_CHECK, AtenCpuFlash, FakeBackend, FakeTimer
 from torch._inductor.utils import run_and_get_code
 
 import inductor_attn
@@ -15,6 +15,7 @@ from inductor_attn import lowering
 from inductor_attn.backends import REFERENCE, only_backends
 from inductor_attn.lowering.graph_pass import DecisionPass
 from inductor_attn.ops import attention as attention_ops
+from inductor_attn.ops.checks import KV_SEQLENS_VALUES
 
 
 def _fakes(monkeypatch, traceable=False):
@@ -374,10 +375,6 @@ def _checking_fakes(monkeypatch):
 def test_a_plan_whose_kernel_checks_kv_seqlens_replaces_the_graphs_assert(monkeypatch):
     """The API's compiled kv_seqlens check is a device assert of its own (one more kernel per call); where the
     chosen plan's kernel makes the check itself (split-K decode), only the kernel's check is left."""
-    from fakes import FAKE_KERNEL_CHECK
-
-    from inductor_attn.ops.checks import KV_SEQLENS_VALUES
-
     torch._dynamo.reset()
     with _checking_fakes(monkeypatch), inductor_attn.tuning_mode("autotune"):
         for check_indices in (True, False):
@@ -396,10 +393,6 @@ def test_a_plan_whose_kernel_checks_kv_seqlens_replaces_the_graphs_assert(monkey
 
 
 def test_the_graphs_kv_seqlens_assert_stays_while_one_reader_of_those_lengths_does_not_check_them(monkeypatch):
-    from fakes import FAKE_KERNEL_CHECK
-
-    from inductor_attn.ops.checks import KV_SEQLENS_VALUES
-
     op = torch.ops.inductor_attn.attention
 
     def two_calls(q, k, v, n):  # b (checks in its kernel) is decided; a (does not) is named as the choice
