@@ -207,13 +207,18 @@ def write_code(out_dir: str, steps: dict) -> dict[str, list]:
 OVERHEAD_CASE_NAMES = tuple(case[0] for case in overhead.CASES)
 
 
+def _on(inputs, fn):
+    """``fn`` called on ``inputs``, as a function of nothing (what the timers take)."""
+    return lambda: fn(*inputs)
+
+
 def case_code(out_dir: str, case_name: str, mode: str = "default") -> None:
     """One of the overhead suite's calls, stock compiled SDPA and ours as the suite writes them
     (bench/overhead.py: ``sdpa_user``, ``ours_user``), compiled in ``mode``."""
     case = overhead.Case(*next(c for c in overhead.CASES if c[0] == case_name))
     inputs = case.inputs(torch.device("cuda"), torch.bfloat16)
     fns = {"stock": overhead.sdpa_user(case), "ours": overhead.ours_user(case)}
-    steps = {name: (lambda fn: lambda: fn(*inputs))(torch.compile(fn, mode=mode)) for name, fn in fns.items()}
+    steps = {name: _on(inputs, torch.compile(fn, mode=mode)) for name, fn in fns.items()}
     paths = write_code(out_dir, steps)
     compare(steps, 200, taking_turns=True)
     call_layers(case, inputs, fns, {name: found[0] for name, found in paths.items()}, mode)
@@ -251,8 +256,8 @@ def call_layers(case, inputs, fns: dict, modules: dict, mode: str = "default") -
     compiled = {name: torch.compile(fn, mode=mode) for name, fn in fns.items()}
     guards = {name: torch.compile(own_code(fn), backend=frozen) for name, fn in fns.items()}
     steps = {
-        **{f"{name} compiled call": (lambda fn: lambda: fn(*inputs))(fn) for name, fn in compiled.items()},
-        **{f"{name}: Dynamo frame + guards only": (lambda fn: lambda: fn(*inputs))(fn) for name, fn in guards.items()},
+        **{f"{name} compiled call": _on(inputs, fn) for name, fn in compiled.items()},
+        **{f"{name}: Dynamo frame + guards only": _on(inputs, fn) for name, fn in guards.items()},
         **{f"{name}: generated module's call alone": generated(path) for name, path in modules.items()},
     }
     if not case.decode:
