@@ -149,6 +149,17 @@ def test_fully_masked_rows_give_zero_output_and_minus_inf_lse():
     assert torch.isfinite(lse[1, :, 2:]).all()
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+def test_without_an_lse_the_kernels_write_the_same_output(splits):
+    """Compiled inference asks for no lse (``traced_out_only``): the kernels skip its stores, out is unchanged."""
+    case = Case(b=2, lq=2, lk=70, causal=True, seqlens=(33, 70), splits=splits)
+    call = _call(case)
+    want, _ = run_poisoned(call, _cfg(case))
+    out = torch.full_like(want, float("nan"))
+    decode.DecodePlan(call.problem, device_info(call.q.device), _cfg(case)).run(call, out, None)
+    assert torch.equal(out, want)
+
+
 @pytest.mark.parametrize("lengths, stops", [((5, 70), False), ((0, 71), True), ((-1, 3), True)])
 def test_compiled_codes_kernel_asserts_kv_seqlens_values_itself(monkeypatch, lengths, stops):
     """Asked by compiled code (``check_kv_seqlens``), the partial kernel stops where a length is outside [0, Lk],

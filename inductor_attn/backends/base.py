@@ -158,14 +158,14 @@ class Plan:
     one thin op instead (lowering/). ``warm``: ``traced`` reads what one eager launch records (a
     persistent grid's programs per SM), so the compile launches once before tracing. ``traced_out_only``: a
     forward's traced form returning ``(out,)`` alone, for compiled code that never reads the lse (inference),
-    where the kernel can skip computing it; None: ``traced`` serves. ``checks_kv_seqlens``: ``traced`` takes
-    ``check_kv_seqlens=True``, and its kernel then stops at a device-side assert where a ``kv_seqlens`` value
-    is outside [0, Lk], with the text of the API's compiled check (checks.KV_SEQLENS_VALUES), which lowering
-    then leaves out of the graph: one kernel launch less per compiled call. ``compile`` takes
-    ``launch``'s arguments and compiles the kernels ``launch`` would run for them without running any
-    (Triton's ``kernel.warmup``); the tuner calls it from worker threads, several at once, so it must be
-    safe there and worth it: the compiler must release the GIL for its long parts. None: the first
-    launch compiles.
+    where the kernel can skip computing it; None: ``traced`` serves. ``checks_kv_seqlens``: ``traced`` (and
+    ``traced_out_only``) take ``check_kv_seqlens=True``, and their kernel then stops at a device-side assert
+    where a ``kv_seqlens`` value is outside [0, Lk], with the text of the API's compiled check
+    (checks.KV_SEQLENS_VALUES), which lowering then leaves out of the graph: one kernel launch less per
+    compiled call. ``compile`` takes ``launch``'s arguments and compiles the kernels ``launch`` would run for
+    them without running any (Triton's ``kernel.warmup``); the tuner calls it from worker threads, several at
+    once, so it must be safe there and worth it: the compiler must release the GIL for its long parts. None:
+    the first launch compiles.
     """
 
     launch: Callable[..., tuple[torch.Tensor, ...]]

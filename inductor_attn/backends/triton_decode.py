@@ -91,7 +91,7 @@ def _decode_partial(
     qk_scale, HKV, G, LQ, LK, D, DV, NUM_SPLITS, NUM_M_BLOCKS, WINDOW_LEFT, WINDOW_RIGHT,
     HAS_SEQLENS: tl.constexpr, CHECK_SEQLENS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
-    SINGLE: tl.constexpr,
+    SINGLE: tl.constexpr, WRITE_LSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PRECISION: tl.constexpr, DOT_IN_F32: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -189,7 +189,8 @@ def _decode_partial(
     if SINGLE:
         o_ptr = OUT + b * sob + h[:, None] * soh + i[:, None].to(tl.int64) * som + offs_dv[None, :] * sod
         tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=store_ok)
-        tl.store(LSE + out_row, lse2 * 0.6931471805599453, mask=row_ok)
+        if WRITE_LSE:
+            tl.store(LSE + out_row, lse2 * 0.6931471805599453, mask=row_ok)
     else:
         ws_row = out_row * NUM_SPLITS + split
         tl.store(OUT + ws_row[:, None] * DV + offs_dv[None, :], out, mask=store_ok)
@@ -198,7 +199,7 @@ def _decode_partial(
 
 @_jit()
 def _decode_combine(WS_O, WS_LSE, OUT, LSE, sob, soh, som, sod, HQ, LQ, NUM_SPLITS: tl.constexpr, DV,
-                    BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr, USE_PDL: tl.constexpr):
+                    WRITE_LSE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr, USE_PDL: tl.constexpr):
     # Program (row, chunk) merges BLOCK_DC output columns of one row. Splitting Dv across programs keeps
     # this latency-bound step short: B1 Hq16 Lq1 is only 16 rows, and one program per row would read
     # all num_splits x Dv partials (64 KiB at 64 splits, D256) alone. Every chunk recomputes the row's
@@ -223,9 +224,10 @@ def _decode_combine(WS_O, WS_LSE, OUT, LSE, sob, soh, som, sod, HQ, LQ, NUM_SPLI
     out = tl.sum(w[:, None] * o, 0) / tl.where(empty, 1.0, total)
     o_ptr = OUT + (row // (HQ * LQ)) * sob + ((row // LQ) % HQ) * soh + (row % LQ) * som + offs_d * sod
     tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=d_ok)
-    if chunk == 0:
-        lse = tl.where(empty, float("-inf"), (m + tl.log2(tl.where(empty, 1.0, total))) * 0.6931471805599453)
-        tl.store(LSE + row, lse)
+    if WRITE_LSE:
+        if chunk == 0:
+            lse = tl.where(empty, float("-inf"), (m + tl.log2(tl.where(empty, 1.0, total))) * 0.6931471805599453)
+            tl.store(LSE + row, lse)
 
 
 # ------------------------------------------------------------------------------------------- sizes
@@ -333,6 +335,13 @@ class DecodePlan:
         self.run(call, out, lse, launcher=graph_launcher, pdl=False, check_kv_seqlens=check_kv_seqlens)
         return out, lse
 
+    def traced_out_only(self, call: AttnCall, check_kv_seqlens: bool = False):
+        """:meth:`traced` for compiled code that never reads the lse (inference): no lse buffer, no lse stores
+        but the splits' own."""
+        out = self.outputs(call)[0]
+        self.run(call, out, None, launcher=graph_launcher, pdl=False, check_kv_seqlens=check_kv_seqlens)
+        return (out,)
+
     def compile(self, call: AttnCall):
         out, lse = self.outputs(call)
         self.run(call, out, lse, launcher=warmup_launcher, pdl=self.pdl)
@@ -345,8 +354,8 @@ class DecodePlan:
 
     def run(self, call: AttnCall, out, lse, ws=None, *, launcher=None, pdl=None, check_kv_seqlens=False):
         """Write the attention of ``call`` into ``out`` (B, Hq, Lq, Dv; any strides) and ``lse`` (B, Hq, Lq;
-        float32, contiguous). Tests hand in outputs (and a workspace ``ws`` from :func:`workspace`) poisoned
-        with NaN."""
+        float32, contiguous; None: not computed). Tests hand in outputs (and a workspace ``ws`` from
+        :func:`workspace`) poisoned with NaN."""
         launcher = launcher or eager_launcher
         pdl = self.pdl if pdl is None else pdl
         q, k, v = call.q, call.k, call.v
@@ -355,6 +364,8 @@ class DecodePlan:
         splits = self.splits
         right = 0 if call.causal else call.window_right
         single = splits == 1
+        write_lse = lse is not None
+        lse = lse if write_lse else out  # unread when WRITE_LSE is off
         target_o, target_lse = (out, lse) if single else (ws or workspace(q.device, b, hq, lq, dv, splits))
         seqlens = call.kv_seqlens if call.kv_seqlens is not None else lse  # unread when HAS_SEQLENS is off
         key_mask = _mask_bytes(call.key_mask) if call.key_mask is not None else lse
@@ -367,7 +378,8 @@ class DecodePlan:
             HAS_SEQLENS=call.kv_seqlens is not None, CHECK_SEQLENS=check_kv_seqlens and call.kv_seqlens is not None,
             HAS_KEY_MASK=call.key_mask is not None,
             HAS_LEFT=call.window_left >= 0, HAS_RIGHT=right >= 0,
-            SINGLE=single, BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_D=_block_d(d), BLOCK_DV=_block_d(dv),
+            SINGLE=single, WRITE_LSE=write_lse,
+            BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_D=_block_d(d), BLOCK_DV=_block_d(dv),
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             DOT_IN_F32=q.dtype == torch.bfloat16 and self.interpret,
             USE_PDL=pdl, num_warps=self.num_warps, num_stages=self.stages, **pdl_kw,
@@ -376,7 +388,7 @@ class DecodePlan:
             # up to 128 splits x 64 columns (32 KiB of float32) per program, in one pass
             block_dc = min(64, _block_d(dv))
             launcher(_decode_combine)[(b * hq * lq, -(-dv // block_dc))](
-                target_o, target_lse, out, lse, *out.stride(), hq, lq, splits, dv,
+                target_o, target_lse, out, lse, *out.stride(), hq, lq, splits, dv, WRITE_LSE=write_lse,
                 BLOCK_S=next_power_of_two(splits), BLOCK_DC=block_dc, USE_PDL=pdl, num_warps=4, **pdl_kw)
 
 
@@ -438,8 +450,10 @@ class TritonDecodeBackend(Backend):
 
     def plan(self, p: Problem, dev: DeviceInfo, cfg: Config, direction: str) -> Plan:
         decode = DecodePlan(p, dev, cfg)
-        traced = decode.traced if traceable() else None
-        return Plan(decode.launch, traced=traced, compile=decode.compile, checks_kv_seqlens=traced is not None)
+        if not traceable():
+            return Plan(decode.launch, compile=decode.compile)
+        return Plan(decode.launch, traced=decode.traced, traced_out_only=decode.traced_out_only, compile=decode.compile,
+                    checks_kv_seqlens=True)
 
 
 def _pruned(p: Problem, dev: DeviceInfo, cfg: Config) -> str | None:
