@@ -170,11 +170,12 @@ def dynamo_tracing() -> bool:
     return TracingContext.try_get() is not None
 
 
-def assert_async(cond, message: str) -> None:
-    """``torch._assert_async(cond, msg)``: traced by Dynamo (trace_rules), lowered by Inductor to a device
-    assert (``aten._assert_async.msg`` in torch/_inductor/lowering.py), kept by dead-code elimination
-    (torch/fx/node.py side-effectful functions); 2.11 and 2.13."""
-    torch._assert_async(cond, message)
+# ``assert_async(cond, msg)`` is ``torch._assert_async``: traced by Dynamo (trace_rules), lowered by Inductor to a
+# device assert (``aten._assert_async.msg`` in torch/_inductor/lowering.py), kept by dead-code elimination
+# (torch/fx/node.py side-effectful functions); 2.11 and 2.13. The builtin itself, not a wrapper: Dynamo then guards
+# one builtin, not this module's ``torch`` as well as the caller's (one object reached two ways is guarded in
+# Python on every compiled call).
+assert_async = torch._assert_async
 
 
 def mark_constant_result(fn):

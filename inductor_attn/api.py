@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import torch
 
+from . import _compat
 from .backends import AttnCall, Candidate, enumerate_candidates
 from .device import device_info
 from .layout import conform
 from .ops import BlockSparseMask, attention_op, block_sparse_attention_op, varlen_attention_op
 # The checks by name, not through their module: Dynamo reaches the module from the checks' own globals too, and
 # one object reached two ways gets a guard evaluated in Python on every compiled call.
-from .ops.checks import (check_attention, check_attention_values, check_block_sparse, check_kv_seqlens, check_scale,
-                         check_varlen, check_varlen_values, check_window, fail)
+from .ops.checks import (KV_SEQLENS_VALUES, check_attention, check_attention_values, check_block_sparse, check_scale,
+                         check_varlen, check_varlen_values, check_window, device_message, fail)
 from .problem import default_scale
+
+# The compiled kv_seqlens check as the traced path writes it: the builtin and its text, read from this module alone.
+_device_assert = _compat.assert_async
+_KV_SEQLENS_ASSERT = device_message(KV_SEQLENS_VALUES)
 
 
 def _window(window, causal: bool) -> tuple[int, int]:
@@ -115,15 +120,16 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, wind
     empty outputs, or with Lk = 0 zeros and lse = -inf.
     """
     if (block_mask is None and torch.compiler.is_compiling() and isinstance(q, torch.Tensor)
-            and isinstance(k, torch.Tensor) and not _zero_size(q.shape[:3] + k.shape[2:3])):
+            and isinstance(k, torch.Tensor) and (kv_seqlens is None or isinstance(kv_seqlens, torch.Tensor))
+            and not _zero_size(q.shape[:3] + k.shape[2:3])):
         # Traced by Dynamo, which guards every function a compiled call passes through: the op's fake impl makes
         # the structural checks (check_attention, with the same messages, checks.fail), so the API's copy is
-        # left out here. Zero sizes (which never reach the op) and non-tensor q, k take the checked path.
+        # left out here, kv_seqlens' dtype, shape and device included. Zero sizes (which never reach the op) and
+        # non-tensor q, k, kv_seqlens take the checked path.
         check_scale(scale)
         left, right = _window(window, causal)
         if kv_seqlens is not None and check_indices:  # the values' device-side assert goes before the kernel
-            check_kv_seqlens(q, kv_seqlens)
-            check_attention_values(k, kv_seqlens)
+            _device_assert(((kv_seqlens >= 0) & (kv_seqlens <= k.shape[2])).all(), _KV_SEQLENS_ASSERT)
         out, lse = attention_op(q, k, v, _scale(scale, q), causal, left, right, kv_seqlens, key_mask, "")
         return (out, lse) if return_lse else out
     call = make_call(q, k, v, causal=causal, scale=scale, window=window, kv_seqlens=kv_seqlens,

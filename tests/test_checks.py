@@ -327,6 +327,19 @@ def test_compiled_call_with_a_wrong_q_reports_our_message_first(q, error, messag
         fn(q, K, V)
 
 
+@pytest.mark.parametrize("lens, error, message", [
+    ([3, 4], TypeError, r"^kv_seqlens must be an int32 torch.Tensor \(batch,\), got list"),
+    (torch.tensor([3, 4]), TypeError, r"^kv_seqlens must have dtype int32, got torch.int64"),
+    (torch.tensor([3, 4, 5], dtype=torch.int32), ValueError, r"^kv_seqlens must have shape \(2,\) \(batch,\)"),
+], ids=["a_list", "int64", "three_lengths"])
+def test_compiled_call_with_a_wrong_kv_seqlens_reports_our_message_first(lens, error, message, fresh_dynamo):
+    # the traced path writes the values' device assert itself and leaves dtype, shape and device to the op's
+    # fake impl; a kv_seqlens that is not a tensor takes the checked path
+    fn = torch.compile(lambda q, k, v, lens: attention(q, k, v, kv_seqlens=lens), fullgraph=True)
+    with pytest.raises(error, match=message):
+        fn(Q, K, V, lens)
+
+
 def test_fake_impl_of_an_op_called_in_compiled_code_reports_our_message_first(fresh_dynamo):
     fn = torch.compile(lambda q, k, v: OPS.attention(q, k, v, 0.25, False, -7, -1, None, None, ""), fullgraph=True)
     with pytest.raises(ValueError, match=r"^window_left must be -1 \(unbounded\) or >= 0, got -7"):

@@ -136,27 +136,34 @@ def test_expanded_inputs_compile_and_match_eager(mode):
 
 def test_a_compiled_call_is_guarded_in_cpp_only_as_compiled_sdpa_is():
     """Dynamo checks a compiled frame's guards before every call. Reaching one object through two paths (a
-    module imported by name and through a package) makes it add an aliasing guard that runs as Python on
-    every call; compiled SDPA has none, and neither may ``inductor_attn.attention``. Reads Dynamo's private
-    cache entries: this fails loudly if they move."""
+    module imported by name and through a package, or ``torch`` through two of our modules) makes it add an
+    aliasing guard that runs as Python on every call; compiled SDPA has none, and neither may
+    ``inductor_attn.attention``, with or without ``kv_seqlens``. Reads Dynamo's private cache entries: this
+    fails loudly if they move."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, 64, 32, generator=gen) for h in (4, 2, 2))
+    lens = torch.tensor([40], dtype=torch.int32)
 
     def ours(q, k, v):
         return inductor_attn.attention(q, k, v, causal=True)
+
+    def ours_decode(q, k, v):
+        return inductor_attn.attention(q[:, :, :1], k, v, kv_seqlens=lens)
 
     def sdpa(q, k, v):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
     python_guards, guarded = {}, {}
-    for fn in (ours, sdpa):
+    for fn in (ours, ours_decode, sdpa):
         torch.compile(fn, backend="eager", fullgraph=True)(q, k, v)
         (entry,) = _debug_get_cache_entry_list(fn.__code__)
         python_guards[fn.__name__] = entry.guard_manager.root.get_epilogue_lambda_guards()
         guarded[fn.__name__] = entry.guard_manager.code_parts
-    assert python_guards == {"ours": [], "sdpa": []}
+    assert python_guards == {"ours": [], "ours_decode": [], "sdpa": []}
     # Every function Dynamo inlines is guarded on every call: the op's fake impl checks the arguments while
     # tracing, so a traced dense call does not pass through the API's copy of those checks.
-    assert not [part for part in guarded["ours"] if "check_attention" in part or "make_call" in part]
+    ours_checks = ("check_attention", "check_kv_seqlens", "check_index_tensor", "assert_on_device", "make_call")
+    for name in ("ours", "ours_decode"):
+        assert not [part for part in guarded[name] if any(check in part for check in ours_checks)], name
