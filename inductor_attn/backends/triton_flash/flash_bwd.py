@@ -25,6 +25,7 @@ from ...device import DeviceInfo, device_info
 from ...layout import broadcast_strides, empty_like_layout
 from ...problem import Problem
 from ..base import AttnCall, Config
+from ..triton_common import warmup_launcher
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -392,26 +393,28 @@ def _launch_dq(launcher, kern, call, shape, plan, common, dq, dummy):
                       num_stages=plan.stages)
 
 
-def _grad_buffers(call: AttnCall, plan: BwdPlan, split: int):
+def _grad_buffers(call: AttnCall, plan: BwdPlan, split: int, zeroed: bool = True):
     """(dq, dq accumulator for atomics, dk/dv outputs, dk/dv kernel targets). Outputs follow the inputs'
     stride order (the ops' layout contract); varlen outputs start at zero because tokens outside every
-    sequence get no gradient from the kernels."""
+    sequence get no gradient from the kernels. ``zeroed=False``: none is zeroed (for a compile, which runs
+    no kernel on them)."""
     q, k, v = call.q, call.k, call.v
+    zero = (lambda t: t.zero_()) if zeroed else (lambda t: t)
 
     def new(x: torch.Tensor) -> torch.Tensor:
         grad = empty_like_layout(x, x.shape)
-        return grad.zero_() if call.op == "varlen" else grad
+        return zero(grad) if call.op == "varlen" else grad
 
     dq, dk, dv = new(q), new(k), new(v)
     dq_acc = dq
     if plan.atomic_dq:
-        dq_acc = torch.zeros_like(q) if q.dtype == torch.float32 else torch.zeros(q.shape, dtype=torch.float32,
-                                                                                 device=q.device)
+        dq_acc = zero(torch.empty_like(q) if q.dtype == torch.float32 else torch.empty(q.shape, dtype=torch.float32,
+                                                                                       device=q.device))
         dq = dq_acc if q.dtype == torch.float32 else dq
     dk_t, dv_t = dk, dv
     if split > 1:  # per-split fp32 partial sums, added in a fixed order afterwards
-        dk_t = torch.zeros((split, *k.shape), dtype=torch.float32, device=k.device)
-        dv_t = torch.zeros((split, *v.shape), dtype=torch.float32, device=v.device)
+        dk_t = zero(torch.empty((split, *k.shape), dtype=torch.float32, device=k.device))
+        dv_t = zero(torch.empty((split, *v.shape), dtype=torch.float32, device=v.device))
     return dq, dq_acc, dk, dv, dk_t, dv_t
 
 
@@ -419,30 +422,35 @@ def backward(cfg: Config, launcher, call: AttnCall, out: torch.Tensor, lse: torc
              grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """dq, dk, dv of ``call`` given the forward's (out, lse) and the gradients of both (either may be
     None). Outputs have the inputs' shapes, dtypes and (dense) strides; any input strides work.
-    ``launcher`` is triton_common's eager or graph launcher."""
+    ``launcher`` is triton_common's eager, graph or warmup launcher (the last compiles, runs nothing and
+    returns unwritten outputs)."""
     q, k, v = call.q, call.k, call.v
     if q.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"Triton backward supports q dtypes float16, bfloat16, float32; got {q.dtype}")
     if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
         raise ValueError(f"Triton backward supports head dims up to {MAX_HEAD_DIM}, got {q.shape[-1]}, "
                          f"{v.shape[-1]}")
+    # Plan.compile's launcher compiles the Triton kernels and runs none; nothing else may run either: the
+    # tuner compiles in threads beside another candidate's launches and CUDA-graph captures
+    compiling = launcher is warmup_launcher
     shape = _Shape.of(call)
     plan = plan_for(max(q.shape[-1], v.shape[-1]), cfg, str(q.dtype).removeprefix("torch."))
     split = _kv_split(plan, shape, q.device)
-    dq, dq_acc, dk, dv, dk_t, dv_t = _grad_buffers(call, plan, split)
+    dq, dq_acc, dk, dv, dk_t, dv_t = _grad_buffers(call, plan, split, zeroed=not compiling)
     if min(q.numel(), k.numel(), shape.batch, shape.len_q, shape.len_k) == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        return (dq, dk, dv) if compiling else (dq.zero_(), dk.zero_(), dv.zero_())
     if grad_out is None:
-        grad_out = torch.zeros_like(out)
+        grad_out = torch.empty_like(out) if compiling else torch.zeros_like(out)
     kern = _kernels()
     delta, lse2, row_strides = _preprocess(launcher, kern, shape, out, lse, grad_out, grad_lse)
     common = _common_args(call, shape, grad_out, delta, lse2, row_strides)
     _launch_dkdv(launcher, kern, call, shape, plan, common, dq_acc, dk_t, dv_t, split, lse2)
-    if plan.atomic_dq:
-        if dq is not dq_acc:
-            dq.copy_(dq_acc)
-    else:
+    if not plan.atomic_dq:
         _launch_dq(launcher, kern, call, shape, plan, common, dq, lse2)
+    if compiling:
+        return dq, dk, dv
+    if plan.atomic_dq and dq is not dq_acc:
+        dq.copy_(dq_acc)
     if split > 1:
         dk.copy_(dk_t.sum(0))
         dv.copy_(dv_t.sum(0))
