@@ -11,8 +11,9 @@ from .layout import conform
 from .ops import BlockSparseMask, attention_op, block_sparse_attention_op, varlen_attention_op
 # The checks by name, not through their module: Dynamo reaches the module from the checks' own globals too, and
 # one object reached two ways gets a guard evaluated in Python on every compiled call.
-from .ops.checks import (KV_SEQLENS_VALUES, check_attention, check_attention_values, check_block_sparse, check_scale,
-                         check_varlen, check_varlen_values, check_window, device_message, fail)
+from .ops.checks import (KV_SEQLENS_VALUES, check_attention, check_attention_values, check_block_sparse,
+                         check_kv_seqlens, check_scale, check_varlen, check_varlen_values, check_window,
+                         device_message, fail)
 from .problem import default_scale
 
 # The compiled kv_seqlens check as the traced path writes it: the builtin and its text, read from this module alone.
@@ -124,11 +125,15 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, wind
             and not _zero_size(q.shape[:3] + k.shape[2:3])):
         # Traced by Dynamo, which guards every function a compiled call passes through: the op's fake impl makes
         # the structural checks (check_attention, with the same messages, checks.fail), so the API's copy is
-        # left out here, kv_seqlens' dtype, shape and device included. Zero sizes (which never reach the op) and
-        # non-tensor q, k, kv_seqlens take the checked path.
+        # left out here. Zero sizes (which never reach the op) and non-tensor q, k, kv_seqlens take the checked
+        # path.
         check_scale(scale)
         left, right = _window(window, causal)
         if kv_seqlens is not None and check_indices:  # the values' device-side assert goes before the kernel
+            if kv_seqlens.dtype != torch.int32 or kv_seqlens.shape != (q.shape[0],) or kv_seqlens.device != q.device:
+                # its message while tracing, before the assert exists: a graph break at the op would run an
+                # already compiled assert on lengths of the wrong kind first (and stop a CUDA context)
+                check_kv_seqlens(q, kv_seqlens)
             _device_assert(((kv_seqlens >= 0) & (kv_seqlens <= k.shape[2])).all(), _KV_SEQLENS_ASSERT)
         out, lse = attention_op(q, k, v, _scale(scale, q), causal, left, right, kv_seqlens, key_mask, "")
         return (out, lse) if return_lse else out

@@ -99,8 +99,9 @@ def emit_plans(graph: torch.fx.Graph) -> None:
 
 def _kv_seqlens_checks(graph: torch.fx.Graph):
     """({kv_seqlens node: the op calls that read it}, {kv_seqlens node: the device asserts of its values}). An
-    assert is the API's (checks.check_attention_values) when it has that check's text and its condition is
-    computed from that one node alone."""
+    assert is the API's (a traced ``attention`` call's, or checks.check_attention_values') when it has that
+    check's text (checks.KV_SEQLENS_VALUES through device_message) and its condition is computed from that one
+    node alone."""
     readers = defaultdict(set)
     for node in graph.nodes:
         if node.op == "call_function" and node.target in _ALL_OPS:
