@@ -355,7 +355,8 @@ def test_unsupported_problems_say_why():
     (SMALL, 4, 2, "attention"),
     (Config.of(bwd_block_m=16, bwd_block_n=16, bwd_dq="atomic", bwd_kv_split=2), 4, 1, "attention"),
     (SMALL, 2, 2, "varlen"),
-], ids=["separate_dq", "atomic_dq_kv_split", "varlen"])
+    (SMALL, 4, 2, "block_sparse"),
+], ids=["separate_dq", "atomic_dq_kv_split", "varlen", "block_sparse"])
 def test_a_compile_launches_nothing(monkeypatch, cfg, hq, hkv, op):
     """``Plan.compile`` (the warmup launcher) compiles the Triton kernels and runs no kernel at all, zeroing
     and summing included: the tuner compiles in threads beside other candidates' launches and CUDA-graph
@@ -372,6 +373,9 @@ def test_a_compile_launches_nothing(monkeypatch, cfg, hq, hkv, op):
         cu = torch.tensor([0, 12, 32], dtype=torch.int32)
         call = AttnCall("varlen", q, k, v, 0.25, True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=20,
                         max_seqlen_k=20)
+    elif op == "block_sparse":  # a mask the transposed lists were never made for
+        k, v = (torch.randn(1, hkv, 64, 16) for _ in range(2))
+        call = AttnCall("block_sparse", q, k, v, 0.25, sparse=random_block_mask(1, 2, 32, 64, 16, 32, seed=9))
     else:
         call = AttnCall("attention", q, k, v, 0.25, causal=True)
     out, lse = reference.run_forward(call)
@@ -388,3 +392,13 @@ def test_a_compile_launches_nothing(monkeypatch, cfg, hq, hkv, op):
     with Record():
         flash_bwd.backward(cfg, warmup_launcher, call, out, lse, None, None)
     assert compiled and ran == []
+
+
+@pytest.mark.parametrize("with_full", [True, False])
+def test_a_compile_passes_block_lists_laid_out_as_the_computed_ones(with_full):
+    sparse = random_block_mask(2, 3, 100, 130, 16, 32, seed=4, with_full=with_full)
+    computed = flash_bwd.transpose_block_lists(sparse, 5)
+    unfilled = flash_bwd._unfilled_block_lists(sparse, 5)
+    assert computed[2] == unfilled[2]
+    for a, b in zip(computed[:2], unfilled[:2]):
+        assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)

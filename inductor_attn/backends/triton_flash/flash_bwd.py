@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 import os
 
@@ -292,13 +293,23 @@ def transposed_block_lists(sparse, num_kv_blocks: int):
     return found[0]
 
 
-def _sparse_dkdv_args(call: AttnCall, shape: _Shape, dummy):
-    """Kernel arguments for the block-sparse lists of the dK/dV kernel (zeros when dense)."""
+def _unfilled_block_lists(sparse, num_kv_blocks: int):
+    """:func:`transpose_block_lists`' outputs allocated, not computed: what a compile passes the kernels."""
+    bp, hp, nq = sparse.kv_num_blocks.shape
+    width = sparse.kv_indices.shape[-1] + (0 if sparse.full_kv_indices is None else sparse.full_kv_indices.shape[-1])
+    empty = functools.partial(torch.empty, dtype=torch.int32, device=sparse.kv_num_blocks.device)
+    return empty(bp, hp, num_kv_blocks + 1), empty(bp, hp, nq * width), sparse.kv_indices.shape[-1] + 1
+
+
+def _sparse_dkdv_args(call: AttnCall, shape: _Shape, dummy, compiling: bool):
+    """Kernel arguments for the block-sparse lists of the dK/dV kernel (zeros when dense); ``compiling``:
+    the lists allocated only."""
     if call.op != "block_sparse":
         return dict(ROW_START=dummy, CODES=dummy, BITS=dummy, s_csb=0, s_csh=0, s_cdb=0, s_cdh=0, s_bb=0,
                     s_bh=0, s_bm=0, s_bs=0, s_bi=0, s_bw=0, block_q=1, block_kv=1, slots1=1)
     sp = call.sparse
-    row_start, codes, slots1 = transposed_block_lists(sp, -(-shape.len_k // sp.block_kv))
+    lists = _unfilled_block_lists if compiling else transposed_block_lists
+    row_start, codes, slots1 = lists(sp, -(-shape.len_k // sp.block_kv))
     b, h = shape.batch, shape.heads_q
     s_bb, s_bh, s_bm, s_bs, s_bi, s_bw = broadcast_strides(sp.partial_bits, b, h)
     (s_csb, s_csh, _), (s_cdb, s_cdh, _) = broadcast_strides(row_start, b, h), broadcast_strides(codes, b, h)
@@ -377,7 +388,7 @@ def _launch_dkdv(launcher, kern, call, shape, plan, common, dq_acc, dk_out, dv_o
                         **dict(zip(("s_dqb", "s_dqh", "s_dqm", "s_dqd"), _layout(dq_acc, shape.varlen))),
                         **dict(zip(("s_dks", "s_dkb", "s_dkh", "s_dkn", "s_dkd"), dk_s)),
                         **dict(zip(("s_dvs", "s_dvb", "s_dvh", "s_dvn", "s_dvd"), dv_s)),
-                        **_sparse_dkdv_args(call, shape, dummy),
+                        **_sparse_dkdv_args(call, shape, dummy, launcher is warmup_launcher),
                         HKV=shape.heads_kv, GROUP=group, GROUP_PER_SPLIT=-(-group // split), SPLIT=split,
                         ATOMIC_DQ=plan.atomic_dq, BLOCK_M=bm, BLOCK_N=bn, num_warps=plan.warps,
                         num_stages=plan.stages)
