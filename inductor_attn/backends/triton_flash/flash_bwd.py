@@ -410,22 +410,21 @@ def _grad_buffers(call: AttnCall, plan: BwdPlan, split: int, zeroed: bool = True
     sequence get no gradient from the kernels. ``zeroed=False``: none is zeroed (for a compile, which runs
     no kernel on them)."""
     q, k, v = call.q, call.k, call.v
-    zero = (lambda t: t.zero_()) if zeroed else (lambda t: t)
+    full, full_like = (torch.zeros, torch.zeros_like) if zeroed else (torch.empty, torch.empty_like)
 
     def new(x: torch.Tensor) -> torch.Tensor:
         grad = empty_like_layout(x, x.shape)
-        return zero(grad) if call.op == "varlen" else grad
+        return grad.zero_() if call.op == "varlen" and zeroed else grad
 
     dq, dk, dv = new(q), new(k), new(v)
     dq_acc = dq
     if plan.atomic_dq:
-        dq_acc = zero(torch.empty_like(q) if q.dtype == torch.float32 else torch.empty(q.shape, dtype=torch.float32,
-                                                                                       device=q.device))
+        dq_acc = full_like(q) if q.dtype == torch.float32 else full(q.shape, dtype=torch.float32, device=q.device)
         dq = dq_acc if q.dtype == torch.float32 else dq
     dk_t, dv_t = dk, dv
     if split > 1:  # per-split fp32 partial sums, added in a fixed order afterwards
-        dk_t = zero(torch.empty((split, *k.shape), dtype=torch.float32, device=k.device))
-        dv_t = zero(torch.empty((split, *v.shape), dtype=torch.float32, device=v.device))
+        dk_t = full((split, *k.shape), dtype=torch.float32, device=k.device)
+        dv_t = full((split, *v.shape), dtype=torch.float32, device=v.device)
     return dq, dq_acc, dk, dv, dk_t, dv_t
 
 
