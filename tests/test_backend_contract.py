@@ -8,7 +8,7 @@ import torch
 
 import inductor_attn
 from inductor_attn.backends import REFERENCE, Backend, Config, Plan, only_backends, register_backend, unregister_backend
-from inductor_attn.backends.base import check_knobs
+from inductor_attn.backends.base import AttnCall, check_knobs
 from inductor_attn.backends.reference import run_forward
 
 
@@ -46,3 +46,52 @@ def test_a_config_key_a_backend_does_not_declare_is_an_error_not_a_default():
         check_knobs(Toy(), Config.of(unrol=1))
     with pytest.raises(ValueError, match=r"knob unroll='2' .* accepted: int"):
         check_knobs(Toy(), Config.of(unroll="2"))
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_a_plans_compile_runs_nothing_but_the_compiler(monkeypatch, direction):
+    """``Plan.compile`` compiles a launch's kernels and runs none (base.py): the tuner calls it from threads
+    beside other candidates' launches and CUDA-graph captures. With Triton's compile stubbed, every aten op
+    that each registered backend's compile dispatches allocates or views, for each of its unpruned configs
+    (simulated sm_90), on a dense GQA call, a decode call with kv_seqlens and a key mask, and a varlen call."""
+    pytest.importorskip("triton")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from inductor_attn.backends import enumerate_candidates, plan_for, triton_common
+    from inductor_attn.device import parse_device_override
+
+    compiled = []
+    monkeypatch.setattr(triton_common._Warmup, "__getitem__", lambda self, grid: lambda *a, **kw: compiled.append(1))
+    dev = parse_device_override("sm_90")
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    k, v = rand(2, 2, 64, 16), rand(2, 2, 64, 16)
+    cu = torch.tensor([0, 20, 64], dtype=torch.int32)
+    calls = [AttnCall("attention", rand(2, 4, 64, 16), k, v, 0.25, causal=True),
+             AttnCall("attention", rand(2, 4, 1, 16), k, v, 0.25, kv_seqlens=torch.tensor([30, 64], dtype=torch.int32),
+                      key_mask=torch.ones(2, 64, dtype=torch.bool)),
+             AttnCall("varlen", rand(64, 4, 16), rand(64, 2, 16), rand(64, 2, 16), 0.25, True, cu_seqlens_q=cu,
+                      cu_seqlens_k=cu, max_seqlen_q=44, max_seqlen_k=44)]
+    ran = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not (func.is_view or func.__name__.startswith("empty") or func.__name__ == "detach"):
+                ran.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    checked = set()
+    for call in calls:
+        grads = () if direction == "forward" else (*run_forward(call), None, None)
+        for cand in enumerate_candidates(call.problem, dev, direction):
+            plan = None if cand.pruned else plan_for(call.problem, cand.name, dev, direction)
+            if plan is None or plan.compile is None:
+                continue
+            with Record():
+                plan.compile(call, *grads)
+            assert ran == [], f"{cand.name} on {call.op}: {ran}"
+            checked.add(cand.backend)
+    assert compiled and checked, "no plan with a compile was checked"
