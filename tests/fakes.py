@@ -11,6 +11,7 @@ import random
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from inductor_attn.backends import REFERENCE, AttnCall, Backend, Config, Plan
 from inductor_attn.backends.reference import run_backward, run_forward
@@ -149,3 +150,27 @@ class AtenCpuFlash(Backend):
 
     def source_hash(self) -> str:
         return "fake-aten-cpu-flash"
+
+
+class ComputingOps(TorchDispatchMode):
+    """Inside ``with ComputingOps() as rec``, ``rec.ops`` lists each aten op dispatched that computes: neither
+    allocates (``empty*``) nor views. What ``Plan.compile`` must leave empty (it compiles, runs nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not (func.is_view or func.__name__.startswith("empty") or func.__name__ == "detach"):
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def stub_triton_compile(monkeypatch) -> list:
+    """Triton's compile stubbed where plans call it (triton_common's warmup launcher); returns the list each
+    stubbed compile appends its grid to."""
+    from inductor_attn.backends import triton_common
+
+    compiled = []
+    monkeypatch.setattr(triton_common._Warmup, "__getitem__", lambda self, grid: lambda *a, **kw: compiled.append(grid))
+    return compiled

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fakes import ComputingOps, stub_triton_compile
 
 import inductor_attn
 from inductor_attn.backends import REFERENCE, Backend, Config, Plan, only_backends, register_backend, unregister_backend
@@ -55,13 +56,10 @@ def test_a_plans_compile_runs_nothing_but_the_compiler(monkeypatch, direction):
     that each registered backend's compile dispatches allocates or views, for each of its unpruned configs
     (simulated sm_90), on a dense GQA call, a decode call with kv_seqlens and a key mask, and a varlen call."""
     pytest.importorskip("triton")
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from inductor_attn.backends import enumerate_candidates, plan_for, triton_common
+    from inductor_attn.backends import enumerate_candidates, plan_for
     from inductor_attn.device import parse_device_override
 
-    compiled = []
-    monkeypatch.setattr(triton_common._Warmup, "__getitem__", lambda self, grid: lambda *a, **kw: compiled.append(1))
+    compiled = stub_triton_compile(monkeypatch)
     dev = parse_device_override("sm_90")
     gen = torch.Generator().manual_seed(0)
 
@@ -75,14 +73,6 @@ def test_a_plans_compile_runs_nothing_but_the_compiler(monkeypatch, direction):
                       key_mask=torch.ones(2, 64, dtype=torch.bool)),
              AttnCall("varlen", rand(64, 4, 16), rand(64, 2, 16), rand(64, 2, 16), 0.25, True, cu_seqlens_q=cu,
                       cu_seqlens_k=cu, max_seqlen_q=44, max_seqlen_k=44)]
-    ran = []
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not (func.is_view or func.__name__.startswith("empty") or func.__name__ == "detach"):
-                ran.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     checked = set()
     for call in calls:
         grads = () if direction == "forward" else (*run_forward(call), None, None)
@@ -90,8 +80,8 @@ def test_a_plans_compile_runs_nothing_but_the_compiler(monkeypatch, direction):
             plan = None if cand.pruned else plan_for(call.problem, cand.name, dev, direction)
             if plan is None or plan.compile is None:
                 continue
-            with Record():
+            with ComputingOps() as rec:
                 plan.compile(call, *grads)
-            assert ran == [], f"{cand.name} on {call.op}: {ran}"
+            assert rec.ops == [], f"{cand.name} on {call.op}: {rec.ops}"
             checked.add(cand.backend)
     assert compiled and checked, "no plan with a compile was checked"

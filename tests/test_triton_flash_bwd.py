@@ -13,10 +13,11 @@ import itertools
 import naive
 import pytest
 import torch
+from fakes import ComputingOps, stub_triton_compile
 
 from inductor_attn.backends import reference
 from inductor_attn.backends.base import AttnCall, Config
-from inductor_attn.backends.triton_common import eager_launcher
+from inductor_attn.backends.triton_common import eager_launcher, warmup_launcher
 from inductor_attn.block_mask import BlockSparseMask, pack_bits
 from inductor_attn.device import DeviceInfo
 from inductor_attn.problem import Problem
@@ -361,12 +362,7 @@ def test_a_compile_launches_nothing(monkeypatch, cfg, hq, hkv, op):
     """``Plan.compile`` (the warmup launcher) compiles the Triton kernels and runs no kernel at all, zeroing
     and summing included: the tuner compiles in threads beside other candidates' launches and CUDA-graph
     captures. Every aten op it dispatches allocates or views."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from inductor_attn.backends import triton_common
-
-    compiled = []
-    monkeypatch.setattr(triton_common._Warmup, "__getitem__", lambda self, grid: lambda *a, **kw: compiled.append(grid))
+    compiled = stub_triton_compile(monkeypatch)
     q, k, v, _, _ = dense_case(1, hq, hkv, 32, 32, 16, 16, torch.float32)
     if op == "varlen":
         q, k, v = (x[0].transpose(0, 1).contiguous() for x in (q, k, v))
@@ -379,19 +375,9 @@ def test_a_compile_launches_nothing(monkeypatch, cfg, hq, hkv, op):
     else:
         call = AttnCall("attention", q, k, v, 0.25, causal=True)
     out, lse = reference.run_forward(call)
-    ran = []
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not (func.is_view or func.__name__.startswith("empty") or func.__name__ == "detach"):
-                ran.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    from inductor_attn.backends.triton_common import warmup_launcher
-
-    with Record():
+    with ComputingOps() as rec:
         flash_bwd.backward(cfg, warmup_launcher, call, out, lse, None, None)
-    assert compiled and ran == []
+    assert compiled and rec.ops == []
 
 
 @pytest.mark.parametrize("with_full", [True, False])
