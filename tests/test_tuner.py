@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import re
+import threading
 import time
 
 import pytest
@@ -306,27 +307,28 @@ class Compiling(FakeBackend):
 
     def __init__(self, *args, compile_s=0.0, compile_errors=None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.compile_s, self.compile_errors, self.compiled = compile_s, compile_errors or {}, []
+        self.compile_s, self.compile_errors, self.compiled, self.threads = compile_s, compile_errors or {}, [], set()
 
     def plan(self, p, dev, cfg, direction):
         return dataclasses.replace(super().plan(p, dev, cfg, direction),
                                    compile=functools.partial(self._compile, str(cfg)))
 
     def _compile(self, cfg, call, *grads):
+        self.threads.add(threading.current_thread().name)
         time.sleep(self.compile_s)
         if cfg in self.compile_errors:
             raise self.compile_errors[cfg]
         self.compiled.append(cfg)
 
 
-def test_candidates_compile_at_once_before_their_gate(monkeypatch):
+def test_candidates_compile_in_the_tuning_thread_before_their_gate(monkeypatch):
     monkeypatch.setenv("INDUCTOR_ATTN_COMPILE_WORKERS", "4")
     a = FakeBackend("a", {"default": (1.0, 0.01)})
-    b = Compiling("b", {f"k={i}": (0.9, 0.01) for i in range(4)}, compile_s=0.4)
+    b = Compiling("b", {f"k={i}": (0.9, 0.01) for i in range(4)}, compile_s=0.1)
     result = _tune_with(a, b, search="exhaustive")
-    assert sorted(b.compiled) == [f"k={i}" for i in range(4)]
-    assert result.seconds["compile"] < 1.2  # four 0.4 s compiles side by side, not 1.6 s one after another
-    assert all(r.compile_s >= 0.4 for r in result.candidates if r.name.startswith("b:"))
+    assert b.compiled == [f"k={i}" for i in range(4)] and b.threads == {threading.main_thread().name}
+    assert result.seconds["compile"] >= 0.4
+    assert all(r.compile_s >= 0.1 for r in result.candidates if r.name.startswith("b:"))
 
 
 def test_a_compile_that_fails_drops_its_candidate_with_the_reason():
@@ -335,17 +337,6 @@ def test_a_compile_that_fails_drops_its_candidate_with_the_reason():
     result = _tune_with(a, b, search="exhaustive")
     bad = next(r for r in result.candidates if r.name == "b:k=1")
     assert result.winner == "a:default" and bad.status == "failed" and "ptxas fatal" in bad.reason
-
-
-def test_a_compile_past_its_timeout_drops_the_candidate_and_the_tune_goes_on(monkeypatch):
-    monkeypatch.setenv("INDUCTOR_ATTN_COMPILE_TIMEOUT_S", "0.2")
-    a = FakeBackend("a", {"default": (1.0, 0.01)})
-    b = Compiling("b", {"k=1": (0.5, 0.01)}, compile_s=3.0)
-    start = time.perf_counter()
-    result = _tune_with(a, b, search="exhaustive")
-    bad = next(r for r in result.candidates if r.name == "b:k=1")
-    assert bad.status == "failed" and bad.reason == "compile did not finish within 0.2 s (INDUCTOR_ATTN_COMPILE_TIMEOUT_S)"
-    assert result.winner == "a:default" and time.perf_counter() - start < 2.5
 
 
 def test_a_programming_error_in_a_compile_raises_in_strict_mode():

@@ -15,9 +15,9 @@ A backend turns a problem into candidates, and a chosen candidate into a :class:
 - ``plan(p, dev, cfg, direction) -> Plan``: everything Python decides for (problem, config, device),
   done once. ``Plan.launch`` only allocates outputs and launches kernels.
 - Compiling ahead (optional, tuning/precompile.py): a plan whose kernels can be compiled without running
-  them, from any thread, offers ``Plan.compile``; a backend whose first launch leaves its compiled kernels
-  in a disk cache that other processes read sets ``compiles_to_disk``, and the tuner then compiles its
-  candidates in worker processes. Either way the tuner compiles every candidate at once before gating.
+  them offers ``Plan.compile``; a backend whose first launch leaves its compiled kernels in a disk cache
+  that other processes read sets ``compiles_to_disk``, and the tuner then compiles its candidates in
+  worker processes. Either way the tuner compiles a stage's candidates before gating them.
 
 Nothing in enumeration raises for an unsupported problem: reasons are returned.
 """
@@ -163,9 +163,8 @@ class Plan:
     where a ``kv_seqlens`` value is outside [0, Lk], with the text of the API's compiled check
     (checks.KV_SEQLENS_VALUES), which lowering then leaves out of the graph: one kernel launch less per
     compiled call. ``compile`` takes ``launch``'s arguments and compiles the kernels ``launch`` would run for
-    them without running any (Triton's ``kernel.warmup``); the tuner calls it from worker threads, several at
-    once, so it must be safe there and worth it: the compiler must release the GIL for its long parts. None:
-    the first launch compiles.
+    them without running any (Triton's ``kernel.warmup``); the tuner calls it ahead of the gate while worker
+    processes compile other candidates (tuning/precompile.py). None: the first launch compiles.
     """
 
     launch: Callable[..., tuple[torch.Tensor, ...]]

@@ -33,9 +33,7 @@ def graph_launcher(kernel):
 def warmup_launcher(kernel):
     """Launches that only compile: ``kernel[grid](...)`` becomes ``kernel.warmup(..., grid=grid)``, which
     compiles the kernel for these arguments (or loads it from Triton's disk cache) and returns the compiled
-    kernel without running it. Triton's compile releases the GIL in its MLIR, LLVM and ptxas stages (Triton
-    3.9, compiling for sm_90 on a CPU: another Python thread kept its full speed through every stage), so
-    plans compile in threads side by side (``Plan.compile``)."""
+    kernel without running it (``Plan.compile``)."""
     return _Warmup(kernel)
 
 

@@ -1,12 +1,14 @@
-"""Compile every candidate at once before the gate, each with a timeout and, if it fails, its reason.
+"""Compile every candidate of a stage before its gate, each failure with its reason.
 
 JIT compilation is most of a cold tune (issue 16: seven problems took 140 s with cold kernel caches and
 14 s with warm ones, H200), so before a stage's gate (tuner.py):
 
-- plans with ``Plan.compile`` (Triton: ``kernel.warmup``) compile in threads of this process, as
-  Inductor's max-autotune precompiles its template choices in threads (select_algorithm.py,
-  ``make_precompile_fn``). Triton releases the GIL in its MLIR, LLVM and ptxas stages
-  (triton_common.warmup_launcher), so threads share the cores without another interpreter's start-up;
+- plans with ``Plan.compile`` (Triton: ``kernel.warmup``) compile in the tuning thread, one after another,
+  while worker processes compile the candidates below. Not in threads of this process, as Inductor's
+  max-autotune precompiles its template choices (select_algorithm.py, ``make_precompile_fn``): with eight
+  compile threads, the tuning process met an illegal memory access in a later timing session in 5 of 7
+  processes, with the same compiles in the tuning thread in none of 5 (H100, benchmarks/RESULTS.md,
+  Findings; the mechanism is not found);
 - plans without it, of backends with ``compiles_to_disk`` (FA4: its CuTe DSL front end is Python that
   holds the GIL, and fa4.py serializes compiles under a lock), compile in worker processes
   (subproc.py), as Inductor compiles its generated kernels in a pool of subprocesses
@@ -20,18 +22,15 @@ JIT compilation is most of a cold tune (issue 16: seven problems took 140 s with
   them once;
 - other plans (SDPA's aten ops, flex's torch.compile) compile at their first call in the gate.
 
-``INDUCTOR_ATTN_COMPILE_WORKERS`` caps the compiles at once per pool (default: the cores this process may
-use, split among the ranks of the node, at most 8; 0 compiles every candidate at its first call);
+``INDUCTOR_ATTN_COMPILE_WORKERS`` caps the worker processes (default: the cores this process may use, split
+among the ranks of the node, at most 8; 0 compiles every candidate at its first call);
 ``INDUCTOR_ATTN_COMPILE_TIMEOUT_S`` (default 60 s; a compile took 1-3 s on an H200) bounds each
-candidate's compile in a thread or a worker. A compile that times out drops its candidate with that
-reason: a thread cannot be stopped and finishes in the background (its result lands in the caches,
-unused), a worker process is killed. A process job compiled by the tuning thread itself is not bounded,
-as the gate's first call of a candidate never was.
+candidate's compile in a worker: one that times out drops its candidate with that reason and its worker is
+killed. A compile in the tuning thread is not bounded, as the gate's first call of a candidate never was.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import tempfile
@@ -60,9 +59,9 @@ MIN_WORKER_JOBS = 4
 
 @dataclass
 class Compiled:
-    """How one candidate's compile went: ``seconds`` it took; ``error`` the exception it raised (threads);
-    ``reason`` why it failed in a worker or timed out, with ``bug`` true when the worker met an error that
-    is not a candidate error (measure.is_candidate_error). ``skipped``: not compiled ahead (no worker could
+    """How one candidate's compile went: ``seconds`` it took; ``error`` the exception it raised (compiled in
+    this process); ``reason`` why it failed in a worker or timed out, with ``bug`` true when the worker met an
+    error that is not a candidate error (measure.is_candidate_error). ``skipped``: not compiled ahead (no worker could
     start), so the gate's first call compiles it."""
 
     seconds: float | None = None
@@ -92,71 +91,36 @@ def timeout_s() -> float:
     return env_number(TIMEOUT_ENV, DEFAULT_TIMEOUT_S, float, lambda x: x > 0, "a positive number of seconds")
 
 
-def compile_all(threads: dict[str, Callable[[], object]], processes: dict[str, tuple[str, str]],
+def compile_all(compiles: dict[str, Callable[[], object]], processes: dict[str, tuple[str, str]],
                 call, here: dict[str, Callable[[], object]] | None = None) -> dict[str, Compiled]:
-    """Run the ``threads`` jobs (name -> compile function) and the ``processes`` jobs (name -> (choice,
-    direction), compiled by workers on inputs like ``call``'s) at once; a Compiled per name compiled ahead.
-    A name without one compiles at the gate's first call: all of them when max_workers() is 0, and process
-    jobs not in ``here`` when fewer than MIN_WORKER_JOBS leave the workers out. ``here``: for
-    process jobs, the same compile in this process (the candidate's first launch): once its thread jobs are
-    done, this thread takes the process jobs that no ready worker has taken yet, so a worker's start-up
+    """Run the ``compiles`` jobs (name -> compile function) in this thread while workers compile the
+    ``processes`` jobs (name -> (choice, direction), on inputs like ``call``'s); a Compiled per name compiled
+    ahead. A name without one compiles at the gate's first call: all of them when max_workers() is 0, and
+    process jobs not in ``here`` when fewer than MIN_WORKER_JOBS leave the workers out. ``here``: for
+    process jobs, the same compile in this process (the candidate's first launch): once its own compiles
+    are done, this thread takes the process jobs that no ready worker has taken yet, so a worker's start-up
     (an interpreter, a CUDA context, the imports: seconds, more than one compile) delays nothing."""
     workers = max_workers()
-    if workers == 0 or not (threads or processes):
+    if workers == 0 or not (compiles or processes):
         return {}
     here = here or {}
     worker_processes = workers
     if len(processes) < MIN_WORKER_JOBS and not _POOL.idle:  # this process alone finishes them sooner
         processes, worker_processes = {name: job for name, job in processes.items() if name in here}, 0
-    results: dict[str, Compiled] = {}
     jobs = _ProcessJobs(processes, call, timeout_s(), worker_processes) if processes else None
-    if threads:
-        results.update(_in_threads(threads, call.q.device, timeout_s(), workers))
+    results = {name: _compile_here(fn) for name, fn in compiles.items()}
     if jobs is not None:
         results.update(jobs.finish(here))
     return results
 
 
-def _in_threads(jobs: dict[str, Callable[[], object]], device: torch.device, limit: float,
-                workers: int) -> dict[str, Compiled]:
-    todo = list(jobs.items())
-    started: dict[str, float] = {}
-    results: dict[str, Compiled] = {}
-    cond = threading.Condition()
-
-    def work():
-        device_scope = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-        with device_scope:  # Triton compiles for the thread's current device
-            while True:
-                with cond:
-                    if not todo:
-                        return
-                    name, fn = todo.pop(0)
-                    started[name] = time.monotonic()
-                begin = time.perf_counter()
-                try:
-                    fn()
-                    outcome = Compiled(seconds=time.perf_counter() - begin)
-                except Exception as err:  # noqa: BLE001 - the tuner sorts candidate errors from bugs
-                    outcome = Compiled(seconds=time.perf_counter() - begin, error=err)
-                with cond:
-                    results.setdefault(name, outcome)  # a compile that timed out keeps that reason
-                    cond.notify_all()
-
-    def spawn():
-        threading.Thread(target=work, daemon=True).start()
-
-    for _ in range(min(workers, len(jobs))):
-        spawn()
-    with cond:
-        while len(results) < len(jobs):
-            cond.wait(timeout=0.1)
-            now = time.monotonic()
-            for name, begin in started.items():
-                if name not in results and now - begin > limit:
-                    results[name] = Compiled(seconds=now - begin, reason=_timeout_reason(limit))
-                    spawn()  # that thread is stuck in the compile; the rest still need a thread
-    return results
+def _compile_here(fn: Callable[[], object]) -> Compiled:
+    begin = time.perf_counter()
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - the tuner sorts candidate errors from bugs
+        return Compiled(seconds=time.perf_counter() - begin, error=err)
+    return Compiled(seconds=time.perf_counter() - begin)
 
 
 def _lost(err: Exception, limit: float) -> Compiled:
@@ -286,12 +250,7 @@ class _ProcessJobs:
                 job = self.todo.pop(i) if i is not None else None
             if job is None:
                 break
-            begin = time.perf_counter()
-            try:
-                here[job[0]]()
-                self.results[job[0]] = Compiled(seconds=time.perf_counter() - begin)
-            except Exception as err:  # noqa: BLE001 - the tuner sorts candidate errors from bugs
-                self.results[job[0]] = Compiled(seconds=time.perf_counter() - begin, error=err)
+            self.results[job[0]] = _compile_here(here[job[0]])
             log.debug("%s compiled in this process: %s", job[0], self.results[job[0]])
         for t in self.drivers:
             t.join()

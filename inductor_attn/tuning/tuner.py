@@ -219,7 +219,7 @@ class _Search:
         return self.passed(names)
 
     def _precompile(self, names: list[str]) -> dict[str, precompile.Compiled]:
-        threads, processes, here = {}, {}, {}
+        compiles, processes, here = {}, {}, {}
         for name in names:
             try:
                 plan = self.mode.plan(self.gate_call, name)
@@ -227,11 +227,11 @@ class _Search:
                 log.debug("%s is not compiled ahead: building its plan raised %s", name, describe(err))
                 continue
             if plan.compile is not None:
-                threads[name] = lambda p=plan: self.mode.compile(p, self.gate_call)
+                compiles[name] = lambda p=plan: self.mode.compile(p, self.gate_call)
             elif get_backend(self.cands[name].backend).compiles_to_disk:
                 processes[name] = (name, self.mode.direction)
                 here[name] = lambda p=plan: self.mode.run(p, self.gate_call)
-        return precompile.compile_all(threads, processes, self.gate_call, here)
+        return precompile.compile_all(compiles, processes, self.gate_call, here)
 
     def _compile_failure(self, name: str, ahead: precompile.Compiled) -> CandidateResult:
         backend = get_backend(self.cands[name].backend)

@@ -440,8 +440,8 @@ def backward(cfg: Config, launcher, call: AttnCall, out: torch.Tensor, lse: torc
     if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
         raise ValueError(f"Triton backward supports head dims up to {MAX_HEAD_DIM}, got {q.shape[-1]}, "
                          f"{v.shape[-1]}")
-    # Plan.compile's launcher compiles the Triton kernels and runs none; nothing else may run either: the
-    # tuner compiles in threads beside another candidate's launches and CUDA-graph captures
+    # Plan.compile's launcher compiles the Triton kernels and runs none; nothing else runs either (Plan's
+    # compile-only contract: the compile allocates what the kernels are specialized on, and leaves it unwritten)
     compiling = launcher is warmup_launcher
     shape = _Shape.of(call)
     plan = plan_for(max(q.shape[-1], v.shape[-1]), cfg, str(q.dtype).removeprefix("torch."))
