@@ -12,6 +12,7 @@ from fakes import FakeBackend, FakeTimer
 
 from inductor_attn.backends import AttnCall, enumerate_candidates, only_backends
 from inductor_attn.device import DeviceInfo
+from inductor_attn.tuning import measure
 from inductor_attn.tuning.tuner import tune
 
 DEV = DeviceInfo("cpu", (0, 0), 2)
@@ -72,6 +73,38 @@ def test_failing_candidate_is_dropped_with_its_reason_not_raised():
     assert result.winner == "a:default"
     bad = next(c for c in result.candidates if c.name == "b:default")
     assert bad.status == "failed" and "launch failed" in bad.reason
+
+
+LOST = "AcceleratorError: CUDA error: an illegal memory access was encountered"
+
+
+def test_a_candidate_that_leaves_the_cuda_context_unusable_stops_the_tune_with_its_name(monkeypatch):
+    # dropping it would charge the sticky error to the next CUDA call, another candidate's or the user's
+    monkeypatch.setattr(measure, "device_error", lambda device: LOST)
+    a = FakeBackend("a", {"default": (1.0, 0.01)})
+    with pytest.raises(measure.CudaContextLost, match=r"candidate b:default left .*launch failed \(simulated\)"):
+        _tune(a, FakeBackend("b", {"default": (0.1, 0.01)}, fail={"default"}))
+    b = Compiling("b", {"k=1": (0.5, 0.01)}, compile_errors={"k=1": RuntimeError("CUDA error: illegal memory access")})
+    with pytest.raises(measure.CudaContextLost, match="candidate b:k=1"):
+        _tune_with(a, b, search="exhaustive")
+
+
+def test_an_error_while_timing_that_leaves_the_cuda_context_unusable_names_its_candidate(monkeypatch):
+    class Broken:
+        note = ""
+
+        def sample(self):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    class Timer:
+        def prepare(self, fns):
+            return Broken()
+
+    trial = measure.Trial("b:default", lambda call: (lambda: None), lambda err: True)
+    assert measure.time_trials([trial], _call(), Timer(), rounds=1)[0].failed.startswith("while timing")
+    monkeypatch.setattr(measure, "device_error", lambda device: LOST)
+    with pytest.raises(measure.CudaContextLost, match="candidate b:default"):
+        measure.time_trials([trial], _call(), Timer(), rounds=1)
 
 
 def test_failing_default_hands_the_baseline_to_the_next_candidate():

@@ -52,7 +52,8 @@ from ..device import DeviceInfo, device_info
 from ..store.db import default_path, get_store
 from ..store.keys import library_versions
 from ..tuning.decisions import decide, forget_decisions
-from ..tuning.measure import Direction, describe, fresh_inputs, gate, input_copies, strict, sync, time_trials
+from ..tuning.measure import (Direction, describe, device_error, fresh_inputs, gate, input_copies, strict, sync,
+                              time_trials)
 from ..tuning.modes import tuning_mode
 from ..tuning.stats import median, paired_bootstrap_speedup
 from ..tuning.timing import default_timer
@@ -456,17 +457,6 @@ def measure_safely(w: Workload, ctx: Context) -> dict:
         else:
             _free(ctx.device)
 
-
-def device_error(device: torch.device) -> str | None:
-    """Why the device no longer runs anything (a sticky CUDA error), or None if it does."""
-    if device.type != "cuda":
-        return None
-    try:
-        torch.cuda.synchronize(device)
-        torch.ones(1, device=device).add_(1).item()
-    except RuntimeError as err:
-        return describe(err)
-    return None
 
 
 def _print_row(row: dict) -> None:

@@ -62,6 +62,32 @@ def describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {first[:200]}"
 
 
+class CudaContextLost(Exception):
+    """A candidate's error left this process's CUDA context unusable (an illegal memory access, a device-side
+    assert: every later CUDA call fails with it). Not a RuntimeError, so that no handler of candidate errors
+    takes it for one candidate's failure."""
+
+
+def device_error(device: torch.device) -> str | None:
+    """Why the device no longer runs anything (a sticky CUDA error), or None if it does."""
+    if device.type != "cuda":
+        return None
+    try:
+        torch.cuda.synchronize(device)
+        torch.ones(1, device=device).add_(1).item()
+    except RuntimeError as err:
+        return describe(err)
+    return None
+
+
+def raise_if_context_lost(name: str, err: BaseException, device: torch.device) -> None:
+    """Raise CudaContextLost naming candidate ``name`` when its error ``err`` left the device unusable:
+    dropping it and going on would charge the error to whatever CUDA call comes next."""
+    if device_error(device) is not None:
+        raise CudaContextLost(f"candidate {name} left this process's CUDA context unusable while tuning "
+                              f"({describe(err)}); no later CUDA call of this process can run") from err
+
+
 def fresh_inputs(call: AttnCall, seed: int) -> AttnCall:
     """Same shapes, strides, dtypes and index tensors as ``call``, new random q/k/v (never zeros)."""
     gen = torch.Generator(device=call.q.device).manual_seed(seed)
@@ -195,6 +221,7 @@ def gate(trial: Trial, call: AttnCall, expected, check: Callable[[object], tuple
         sync(device)
         seconds = time.perf_counter() - start
     except Exception as err:  # noqa: BLE001 - a failing candidate must not crash the user's compile
+        raise_if_context_lost(trial.name, err, device)
         if not trial.cannot_run(err):
             if strict() and trial.ours:
                 raise
@@ -226,6 +253,7 @@ def time_trials(trials: list[Trial], call: AttnCall, timer, rounds: int, tick=No
             runners[i] = timer.prepare([trial.bind(c) for c in copies])
             results[i].note = runners[i].note
         except Exception as err:
+            raise_if_context_lost(trial.name, err, call.q.device)
             if not trial.cannot_run(err):
                 raise
             _fail(results[i], err, call.q.device)
@@ -234,6 +262,7 @@ def time_trials(trials: list[Trial], call: AttnCall, timer, rounds: int, tick=No
             try:
                 results[i].samples.append(runner.sample())
             except Exception as err:
+                raise_if_context_lost(trials[i].name, err, call.q.device)
                 if not trials[i].cannot_run(err):
                     raise
                 del runners[i]

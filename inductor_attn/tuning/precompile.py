@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from .measure import raise_if_context_lost
 from .settings import env_number
 from .subproc import Worker, WorkerError, save_call
 
@@ -108,17 +109,18 @@ def compile_all(compiles: dict[str, Callable[[], object]], processes: dict[str, 
     if len(processes) < MIN_WORKER_JOBS and not _POOL.idle:  # this process alone finishes them sooner
         processes, worker_processes = {name: job for name, job in processes.items() if name in here}, 0
     jobs = _ProcessJobs(processes, call, timeout_s(), worker_processes) if processes else None
-    results = {name: _compile_here(fn) for name, fn in compiles.items()}
+    results = {name: _compile_here(name, fn, call.q.device) for name, fn in compiles.items()}
     if jobs is not None:
         results.update(jobs.finish(here))
     return results
 
 
-def _compile_here(fn: Callable[[], object]) -> Compiled:
+def _compile_here(name: str, fn: Callable[[], object], device: torch.device) -> Compiled:
     begin = time.perf_counter()
     try:
         fn()
     except Exception as err:  # noqa: BLE001 - the tuner sorts candidate errors from bugs
+        raise_if_context_lost(name, err, device)
         return Compiled(seconds=time.perf_counter() - begin, error=err)
     return Compiled(seconds=time.perf_counter() - begin)
 
@@ -198,7 +200,7 @@ class _ProcessJobs:
 
     def __init__(self, jobs: dict[str, tuple[str, str]], call, limit: float, workers: int):
         self.todo = list(jobs.items())
-        self.limit = limit
+        self.limit, self.device = limit, call.q.device
         self.start_error: str | None = None
         self.results: dict[str, Compiled] = {}
         self.lock = threading.Lock()
@@ -250,7 +252,7 @@ class _ProcessJobs:
                 job = self.todo.pop(i) if i is not None else None
             if job is None:
                 break
-            self.results[job[0]] = _compile_here(here[job[0]])
+            self.results[job[0]] = _compile_here(job[0], here[job[0]], self.device)
             log.debug("%s compiled in this process: %s", job[0], self.results[job[0]])
         for t in self.drivers:
             t.join()
