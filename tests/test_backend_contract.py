@@ -51,10 +51,10 @@ def test_a_config_key_a_backend_does_not_declare_is_an_error_not_a_default():
 
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 def test_a_plans_compile_runs_nothing_but_the_compiler(monkeypatch, direction):
-    """``Plan.compile`` compiles a launch's kernels and runs none (base.py): the tuner calls it from threads
-    beside other candidates' launches and CUDA-graph captures. With Triton's compile stubbed, every aten op
-    that each registered backend's compile dispatches allocates or views, for each of its unpruned configs
-    (simulated sm_90), on a dense GQA call, a decode call with kv_seqlens and a key mask, and a varlen call."""
+    """``Plan.compile`` compiles a launch's kernels and runs none (base.py's Plan contract). With Triton's
+    compile stubbed, every aten op that each registered backend's compile dispatches allocates or views, for
+    each of its unpruned configs (simulated sm_90), on a dense GQA call, a decode call with kv_seqlens and a
+    key mask, and a varlen call."""
     pytest.importorskip("triton")
     from inductor_attn.backends import enumerate_candidates, plan_for
     from inductor_attn.device import parse_device_override

@@ -70,7 +70,7 @@ def test_a_shipped_decision_shortens_the_autotune_to_the_candidates_close_to_its
 
 
 def test_a_near_tie_whose_compile_took_much_longer_than_the_winners_is_left_out_of_the_shortlist(shipped):
-    # candidates compile at once, so a near-tie compiling 13 s next to a 3 s winner would set the cold tune's wait
+    # a near-tie compiling 13 s next to a 3 s winner would set the cold tune's wait (worker compiles run side by side)
     data = json.loads(shipped.read_text())
     for c in data["decisions"][0]["record"]["candidates"]:
         c["compile_s"] = {"b:x=1": 3.0, "b:x=2": 13.0}.get(c["name"], 4.0)

@@ -360,8 +360,7 @@ def test_unsupported_problems_say_why():
 ], ids=["separate_dq", "atomic_dq_kv_split", "varlen", "block_sparse"])
 def test_a_compile_launches_nothing(monkeypatch, cfg, hq, hkv, op):
     """``Plan.compile`` (the warmup launcher) compiles the Triton kernels and runs no kernel at all, zeroing
-    and summing included: the tuner compiles in threads beside other candidates' launches and CUDA-graph
-    captures. Every aten op it dispatches allocates or views."""
+    and summing included (base.py's Plan contract). Every aten op it dispatches allocates or views."""
     compiled = stub_triton_compile(monkeypatch)
     q, k, v, _, _ = dense_case(1, hq, hkv, 32, 32, 16, 16, torch.float32)
     if op == "varlen":

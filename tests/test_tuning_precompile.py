@@ -1,4 +1,5 @@
-"""Compiling ahead in threads and in worker processes (tuning/precompile.py, tuning/subproc.py), on the CPU.
+"""Compiling ahead in the tuning thread and in worker processes (tuning/precompile.py, tuning/subproc.py), on
+the CPU.
 
 The worker-process tests start real workers (a fresh interpreter each) that compile real candidates: under
 TRITON_INTERPRET=1 a Triton warmup compiles nothing, so they test the protocol, the call's round trip and
@@ -56,15 +57,14 @@ def test_compile_jobs_run_in_the_tuning_thread_one_after_another_and_report_each
 
     def job(name, fail=False):
         def run():
-            ran.append((name, threading.current_thread() is threading.main_thread(), threading.active_count()))
+            ran.append((name, threading.current_thread() is threading.main_thread()))
             time.sleep(0.1)
             if fail:
                 raise RuntimeError(f"{name} does not compile")
         return run
 
-    before = threading.active_count()
     got = precompile.compile_all({"a": job("a"), "b": job("b"), "c": job("c", fail=True)}, {}, _call())
-    assert ran == [("a", True, before), ("b", True, before), ("c", True, before)]
+    assert ran == [("a", True), ("b", True), ("c", True)]
     assert got["a"].seconds >= 0.1 and not got["a"].failed
     assert got["c"].failed and str(got["c"].error) == "c does not compile"
 
@@ -213,3 +213,16 @@ def test_a_worker_imports_the_costly_libraries_of_the_backends_before_it_says_re
     monkeypatch.setattr("inductor_attn.backends.backends", lambda: [cheap, costly])
     subproc.load_costly_libraries()
     assert loaded == ["costly"]
+
+
+def test_a_worker_whose_cuda_context_is_lost_says_so_and_the_parent_takes_no_further_job_to_it(monkeypatch):
+    from inductor_attn.tuning import measure, subproc
+
+    err = RuntimeError("CUDA error: an illegal memory access was encountered")
+    request = {"op": "compile", "choice": TRITON_FORWARD}
+    assert "lost" not in subproc._error(err, request)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(measure, "device_error", lambda device: "AcceleratorError: illegal memory access")
+    assert subproc._error(err, request) == {"error": "RuntimeError: CUDA error: an illegal memory access was "
+                                            "encountered", "bug": False, "lost": True}

@@ -12,10 +12,11 @@ How decisions use them (tuning/decisions.py), for the same op, bucket and device
   result is stored as a decision of this machine. A candidate further behind would have to gain more than
   that on a machine of the same model to matter, and each one costs a JIT compile (seconds for each FA4
   config, benchmarks/RESULTS.md); when none of them runs here, the whole search runs. Candidates compile
-  before timing (tuning/precompile.py: at once in workers, or one after another in this process when
-  few), so a long compile adds to a cold tune's wait: a near-tie whose recorded compile took more than
-  ``SHORTLIST_COMPILE_FACTOR`` times the fastest candidate's (which must compile anyway; at least
-  ``SHORTLIST_COMPILE_FLOOR_S``) is left out, as its gain is within the margin;
+  before timing (tuning/precompile.py: FA4's at once in workers, or one after another in this process when
+  few; Triton's one after another in this process), so a long compile adds to a cold tune's wait: a
+  near-tie whose recorded compile took more than ``SHORTLIST_COMPILE_FACTOR`` times the fastest
+  candidate's (which must compile anyway; at least ``SHORTLIST_COMPILE_FLOOR_S``) is left out, as its gain
+  is within the margin;
 - cache-only: the shipped winner is used as it is;
 - background: the shipped winner runs until the background tune's decision lands (when it is FA4's,
   the fastest shipped candidate of another backend, so that the first compile waits for no FA4 JIT).

@@ -95,6 +95,8 @@ def _tune(key: str, direction: str, deterministic: bool, path: Path) -> None:
             return
         reply = _worker().request("tune", claim_timeout_s(), call=str(path), direction=direction, key=key,
                                   deterministic=deterministic)
+        if reply.get("lost"):
+            _STATE["worker"] = None  # it exited with its CUDA context: the next tune starts another
         if "error" in reply:
             log.warning("inductor_attn: background tune of decision %s failed: %s", key[:12], reply["error"])
         else:

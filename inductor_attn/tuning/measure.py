@@ -75,6 +75,8 @@ def device_error(device: torch.device) -> str | None:
     try:
         torch.cuda.synchronize(device)
         torch.ones(1, device=device).add_(1).item()
+    except torch.OutOfMemoryError:  # the probe's own allocation: the context still runs
+        return None
     except RuntimeError as err:
         return describe(err)
     return None

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from .measure import raise_if_context_lost
+from .measure import CudaContextLost, raise_if_context_lost
 from .settings import env_number
 from .subproc import Worker, WorkerError, save_call
 
@@ -77,8 +77,9 @@ class Compiled:
 
 
 def max_workers() -> int:
-    """Compiles at once per pool: this rank's share of the cores (torchrun's ranks on this node,
-    LOCAL_WORLD_SIZE, share them), at most MAX_WORKERS, unless WORKERS_ENV says otherwise."""
+    """Worker processes at once: this rank's share of the cores (torchrun's ranks on this node,
+    LOCAL_WORLD_SIZE, share them), at most MAX_WORKERS, unless WORKERS_ENV says otherwise; 0: no compile
+    ahead at all."""
     default = max(1, min(MAX_WORKERS, _cores() // max(int(os.environ.get("LOCAL_WORLD_SIZE") or 1), 1)))
     return env_number(WORKERS_ENV, default, int, lambda n: n >= 0, "a non-negative number")
 
@@ -109,9 +110,14 @@ def compile_all(compiles: dict[str, Callable[[], object]], processes: dict[str, 
     if len(processes) < MIN_WORKER_JOBS and not _POOL.idle:  # this process alone finishes them sooner
         processes, worker_processes = {name: job for name, job in processes.items() if name in here}, 0
     jobs = _ProcessJobs(processes, call, timeout_s(), worker_processes) if processes else None
-    results = {name: _compile_here(name, fn, call.q.device) for name, fn in compiles.items()}
-    if jobs is not None:
-        results.update(jobs.finish(here))
+    try:
+        results = {name: _compile_here(name, fn, call.q.device) for name, fn in compiles.items()}
+        if jobs is not None:
+            results.update(jobs.finish(here))
+    except CudaContextLost:
+        if jobs is not None:
+            jobs.abandon()  # the tune stops: workers take no further jobs of it
+        raise
     return results
 
 
@@ -212,6 +218,10 @@ class _ProcessJobs:
         for t in self.drivers:
             t.start()
 
+    def abandon(self) -> None:
+        with self.lock:
+            self.todo.clear()
+
     def _next(self) -> tuple[str, tuple[str, str]] | None:
         with self.lock:
             return self.todo.pop(0) if self.todo else None
@@ -239,6 +249,8 @@ class _ProcessJobs:
                 continue
             self.results[name] = (Compiled(reason=reply["error"], bug=reply["bug"]) if "error" in reply
                                   else Compiled(seconds=reply["seconds"]))
+            if reply.get("lost"):  # that worker's CUDA context is gone (it exited): the next job takes another
+                worker = None
             log.debug("%s compiled by a worker: %s", name, self.results[name])
         if worker is not None:
             _POOL.give_back(worker)

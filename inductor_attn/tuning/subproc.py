@@ -19,7 +19,9 @@ Requests (``call``: a file written by :func:`save_call`):
   (background mode, decisions.py); answers ``{"winner"}``.
 
 A request that fails answers ``{"error": "Type: message", "bug": bool}``: ``bug`` is false for the errors
-that mean "this candidate cannot run here" (measure.is_candidate_error).
+that mean "this candidate cannot run here" (measure.is_candidate_error). One whose error left the worker's
+CUDA context unusable (an illegal memory access) also has ``"lost": true``, and the worker exits after it:
+the parent takes another worker for the next request.
 """
 
 from __future__ import annotations
@@ -104,6 +106,8 @@ class Worker:
             raise WorkerError(self._death(f"cannot write to it ({err})")) from None
         reply = self._reply(timeout_s, f"{op} request")
         self.idle_since = time.monotonic()
+        if reply.get("lost"):  # it exits after this reply: no later request may go to it
+            self.kill()
         return reply
 
     def wait_ready(self) -> None:
@@ -180,12 +184,17 @@ def _tune(req: dict) -> dict:
 
 
 def _error(err: Exception, req: dict) -> dict:
+    """The error reply; with ``lost`` when the error left this worker's CUDA context unusable (it then
+    exits, and the parent starts another worker for what comes next)."""
     from ..backends import Candidate, backends
-    from .measure import describe, is_candidate_error
+    from .measure import describe, device_error, is_candidate_error
 
     name = Candidate.split(req["choice"])[0] if req.get("choice") else None
     backend = next((b for b in backends() if b.name == name), None)
-    return {"error": describe(err), "bug": backend is None or not is_candidate_error(err, backend)}
+    reply = {"error": describe(err), "bug": backend is None or not is_candidate_error(err, backend)}
+    if torch.cuda.is_initialized() and device_error(torch.device("cuda", torch.cuda.current_device())):
+        reply["lost"] = True
+    return reply
 
 
 def load_costly_libraries() -> None:
@@ -212,6 +221,8 @@ def main() -> int:
         except Exception as err:  # noqa: BLE001 - reported to the parent, which decides what it means
             reply = _error(err, req)
         protocol.write(json.dumps({"id": req["id"], **reply}) + "\n")
+        if reply.get("lost"):
+            return 1  # every later request would fail with the same sticky CUDA error
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The tuner: staged search, parallel compile, correctness gate, timing, and a decision on statistics.
+"""The tuner: staged search, compiles ahead, correctness gate, timing, and a decision on statistics.
 
 For one problem and its candidates (in prior order; the gate and the timing loop are measure.py's,
 which the benchmark shares):
@@ -7,8 +7,9 @@ which the benchmark shares):
    overall default), then expands the knobs only of backends whose default came within
    ``INDUCTOR_ATTN_STAGE_MARGIN`` (default 1.25x) of the best; the other candidates are recorded as
    pruned with the stage-1 numbers as the reason. ``exhaustive`` measures every runnable candidate.
-2. Compile: before each stage's gate, every candidate of the stage compiles at once (precompile.py),
-   each with a timeout; one that fails or times out is dropped with its reason.
+2. Compile: before each stage's gate, every candidate of the stage compiles (precompile.py: FA4's in
+   worker processes, each with a timeout, Triton's in this thread meanwhile); one that fails or times out
+   is dropped with its reason.
 3. Gate: each candidate runs once on fresh random inputs (same shapes, strides and index tensors as the
    call) after the allocator was poisoned with NaN, and must match the reference within the dtype's
    tolerance. The compile and that first call are recorded as ``compile_s``, never mixed into run times.
@@ -200,7 +201,7 @@ class _Search:
 
     # -- compile and gate ---------------------------------------------------------------------------
     def gate(self, names: list[str]) -> list[str]:
-        """Compile ``names`` at once, then gate each; returns those that passed (prior order)."""
+        """Compile ``names`` ahead (precompile.py), then gate each; returns those that passed (prior order)."""
         with self.phase("compile"):
             compiled = self._precompile(names)
         with self.phase("gate"):
@@ -342,7 +343,7 @@ class _Search:
         return groups
 
     def _representatives(self, groups: dict[str, list[str]], default: str) -> dict[str, str]:
-        """Each backend's first candidate that passes the gate, all backends compiling at once; the
+        """Each backend's first candidate that passes the gate, all backends compiling ahead together; the
         overall default is gated with the first round (it is the baseline every candidate must beat)."""
         reps: dict[str, str] = {}
         queues = {b: list(names) for b, names in groups.items()}
