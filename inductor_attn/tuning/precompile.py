@@ -31,6 +31,7 @@ killed. A compile in the tuning thread is not bounded, as the gate's first call 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -124,7 +125,8 @@ def compile_all(compiles: dict[str, Callable[[], object]], processes: dict[str, 
 def _compile_here(name: str, fn: Callable[[], object], device: torch.device) -> Compiled:
     begin = time.perf_counter()
     try:
-        fn()
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            fn()  # Triton compiles for the current device, which may be another than the call's
     except Exception as err:  # noqa: BLE001 - the tuner sorts candidate errors from bugs
         raise_if_context_lost(name, err, device)
         return Compiled(seconds=time.perf_counter() - begin, error=err)
