@@ -188,6 +188,20 @@ def test_an_ungated_choice_that_cannot_run_gives_way_to_the_next_candidate(mode,
     assert inductor_attn.stats() == {"attention/forward -> b:x=1": 2}  # only calls that ran are counted
 
 
+def test_a_launch_error_that_leaves_the_cuda_context_unusable_is_raised_not_handed_to_the_next_candidate(
+        monkeypatch):
+    from inductor_attn.tuning import decisions
+
+    monkeypatch.setattr(decisions, "device_error", lambda device: "AcceleratorError: illegal memory access")
+    a = FakeBackend("a", {"default": (1.0, 0.01)}, fail={"default"})
+    b = FakeBackend("b", {"x=1": (0.5, 0.01)})
+    q = torch.randn(1, 2, 16, 8)
+    with only_backends(a, b), inductor_attn.tuning_mode("off"):
+        with pytest.raises(RuntimeError, match="simulated"):
+            inductor_attn.attention(q, q, q, causal=True)
+    assert b.calls == 0
+
+
 def test_uncounted_leaves_out_the_calls_of_its_own_thread_only():
     import threading
 

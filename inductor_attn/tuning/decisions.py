@@ -30,7 +30,7 @@ from ..store.keys import decision_fields
 from ..store.priors import (SHORTLIST, SHORTLIST_COMPILE_FACTOR, SHORTLIST_COMPILE_FLOOR_S, SHORTLIST_MARGIN,
                             is_shipped, shipped_match, shortlist)
 from . import background
-from .measure import describe, is_candidate_error
+from .measure import describe, device_error, is_candidate_error
 from .modes import current_mode
 from .progress import progress_ticker
 from .ranks import on_device, tune_once
@@ -357,12 +357,13 @@ def give_way(call: AttnCall, dev: DeviceInfo, direction: str, choice: str, err: 
     """``choice``, decided here for ``call``, raised ``err`` at its launch. If ``err`` is one of the errors
     that mean "cannot run here" for its backend, the choice is dropped for its bucket in this process (one
     warning) and True is returned: the caller decides again and gets the next runnable candidate. False
-    for any other error (a bug, to raise), for the reference, which has no successor, and for running out of
-    device memory, which says nothing about the kernel. The choice is dropped for compiled code too, which
+    for any other error (a bug, to raise), for the reference, which has no successor, for running out of
+    device memory, which says nothing about the kernel, and for an error that left the CUDA context unusable
+    (every candidate after it would fail the same way). The choice is dropped for compiled code too, which
     decides under its own memo key when it compiles next."""
     backend = get_backend(choice.partition(":")[0])
     if (backend.name == "reference" or isinstance(err, torch.OutOfMemoryError)
-            or not is_candidate_error(err, backend)):
+            or not is_candidate_error(err, backend) or device_error(call.q.device) is not None):
         return False
     with _LOCK:
         for compiled in (False, True):
