@@ -622,3 +622,23 @@ def test_the_training_suite_saves_after_each_shape(monkeypatch):
                  save=lambda partial: saved.append([row["shape"] for row in partial["rows"]]))
     names = [s[0] for s in training.SMOKE]
     assert saved == [names[:i + 1] for i in range(len(names))]  # what a kill after each shape would leave
+
+
+def test_a_training_path_that_loses_the_cuda_context_stops_the_suite_where_it_happened(monkeypatch):
+    from inductor_attn.bench import training
+
+    ran = []
+
+    def path(name):
+        def fn(q, k, v):
+            ran.append(name)
+            raise RuntimeError(f"{name} failed")
+        return fn, False
+
+    monkeypatch.setattr(training, "paths", lambda shape, device: {n: path(n) for n in ("a", "b", "c")})
+    lost = iter([None, "AcceleratorError: CUDA error: an illegal memory access was encountered"])
+    monkeypatch.setattr(training, "device_error", lambda device: next(lost))
+    result = training.run(smoke=True, quick=True, device=torch.device("cpu"), part="ops")
+    assert ran == ["a", "b"] and len(result["rows"]) == 1  # neither path c nor the next shape ran
+    assert result["rows"][0]["stopped"] == "b: failed: RuntimeError: b failed"
+    assert "suite stopped: the CUDA context was lost in | b: failed" in training.table(result)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from ..api import attention, varlen_attention
 from ..block_mask import BlockSparseMask
+from ..tuning.measure import device_error
 from .wallclock import measure, model_part, peak_memory
 
 SHAPES = (
@@ -206,6 +207,7 @@ def run_shape(shape: Shape, device, dtype) -> dict:
         if deterministic:
             torch._dynamo.reset()  # a graph compiled under other settings must not be reused
             torch.use_deterministic_algorithms(True)
+        lost = None
         try:
             step = training_step(fn, q, k, v, g)
             grads = step()
@@ -216,12 +218,16 @@ def run_shape(shape: Shape, device, dtype) -> dict:
                 torch.cuda.synchronize()  # an asynchronous CUDA error belongs to this path, not the next
         except Exception as err:  # noqa: BLE001 - one failing path must not lose the others
             result = {"status": f"failed: {type(err).__name__}: {str(err)[:200]}"}
+            lost = device_error(device)
         finally:
             if deterministic:
                 torch.use_deterministic_algorithms(False)
         if name == "ours":
             ours = result
         row["paths"][name] = result
+        if "status" in result and lost:  # every later path would fail with the same sticky error
+            row["stopped"] = f"{name}: {result['status']}"
+            break
     if ours is not None:
         from .. import runtime
 
@@ -241,12 +247,9 @@ def run(smoke: bool, quick: bool, device: torch.device, part: str = "all",
     for s in shapes if part in ("all", "ops") else ():
         runtime.reset_stats()
         rows.append(run_shape(Shape(*s), device, dtype))
-        failed = [f"{name}: {r['status']}" for name, r in rows[-1]["paths"].items() if "CUDA error" in r.get("status", "")]
-        if failed:  # a CUDA error leaves the context unusable: keep what was measured and stop
-            rows[-1]["stopped"] = "; ".join(failed)
         if save is not None:
             save({"rows": rows, "llama": None})
-        if failed:
+        if rows[-1].get("stopped"):  # the CUDA context is unusable: keep what was measured and stop
             break
     from .models import llama_training
 
@@ -259,8 +262,9 @@ def table(result: dict) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         if row.get("stopped"):
-            lines.append(f"| {row['shape']} | suite stopped after a CUDA error | {row['stopped'][:300]} | | | | | |")
-        walls = [row["paths"][p].get("wall_us") for p in ("eager sdpa", "stock compile")]
+            lines.append(f"| {row['shape']} | suite stopped: the CUDA context was lost in | {row['stopped'][:300]} "
+                         "| | | | | |")
+        walls = [row["paths"].get(p, {}).get("wall_us") for p in ("eager sdpa", "stock compile")]  # a stop: absent
         best = min((w for w in walls if w), default=None)
         for name, r in row["paths"].items():
             if "wall_us" not in r:
