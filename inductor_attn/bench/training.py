@@ -225,7 +225,7 @@ def run_shape(shape: Shape, device, dtype) -> dict:
         if name == "ours":
             ours = result
         row["paths"][name] = result
-        if "status" in result and lost:  # every later path would fail with the same sticky error
+        if lost:  # every later path would fail with the same sticky error
             row["stopped"] = f"{name}: {result['status']}"
             break
     if ours is not None:
