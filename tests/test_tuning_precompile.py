@@ -226,3 +226,32 @@ def test_a_worker_whose_cuda_context_is_lost_says_so_and_the_parent_takes_no_fur
     monkeypatch.setattr(measure, "device_error", lambda device: "AcceleratorError: illegal memory access")
     assert subproc._error(err, request) == {"error": "RuntimeError: CUDA error: an illegal memory access was "
                                             "encountered", "bug": False, "lost": True}
+
+
+def test_a_worker_that_lost_its_cuda_context_gets_no_further_job(monkeypatch):
+    class LosingWorker(FakeWorker):
+        jobs: list = []
+
+        def __init__(self):
+            super().__init__()
+            self.number = FakeWorker.started
+
+        def wait_ready(self):
+            self.ready = True
+
+        def request(self, op, timeout_s, **fields):
+            LosingWorker.jobs.append((self.number, fields["choice"]))
+            if len(LosingWorker.jobs) == 1:  # the first job's candidate breaks its worker's context
+                self.alive = False
+                return {"error": "AcceleratorError: illegal memory access", "bug": False, "lost": True}
+            return {"seconds": 0.1}
+
+    monkeypatch.setattr(precompile, "Worker", LosingWorker)
+    monkeypatch.setattr(precompile, "_POOL", precompile._Pool())
+    monkeypatch.setenv("INDUCTOR_ATTN_COMPILE_WORKERS", "1")
+    jobs = {n: (n, "forward") for n in ("fa4:a", "fa4:b", "fa4:c", "fa4:d")}
+    got = precompile.compile_all({}, jobs, _call())
+    (first, a), *rest = LosingWorker.jobs
+    assert a == "fa4:a" and got["fa4:a"].reason.startswith("AcceleratorError") and not got["fa4:a"].bug
+    assert [name for _, name in rest] == ["fa4:b", "fa4:c", "fa4:d"] and all(w != first for w, _ in rest)
+    assert not any(got[n].failed for n in ("fa4:b", "fa4:c", "fa4:d"))
