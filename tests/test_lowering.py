@@ -277,6 +277,34 @@ def test_a_traced_sdpa_plan_keeps_views_and_copies_nothing(direction):
         assert cudnn.args[4] is False and len(graph.output_node().args[0]) == 1
 
 
+@pytest.mark.parametrize("out_layout", ["BLHD", "BHLD"])
+def test_the_efficient_backward_gets_out_in_the_layout_its_kernel_assumes(out_layout):
+    # its kernel reads out's rows at a stride of H * D whatever out's strides say (kernel_backward.h, o_strideM)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from inductor_attn._compat import trace_functional
+    from inductor_attn.backends import sdpa
+    from inductor_attn.ops.attention import AttnCall
+
+    with FakeTensorMode():
+        def make(heads, layout):
+            shape = (2, heads, 256, 64) if layout == "BHLD" else (2, 256, heads, 64)
+            t = torch.empty(*shape, dtype=torch.bfloat16, device="meta")
+            return t if layout == "BHLD" else t.transpose(1, 2)
+
+        q, k, v, out, grad = make(8, "BLHD"), make(2, "BLHD"), make(2, "BLHD"), make(8, out_layout), make(8, "BLHD")
+        lse = torch.empty(2, 8, 256, device="meta")
+
+    def launch(q, k, v, out, lse, grad):
+        call = AttnCall("attention", q, k, v, 0.125, True, -1, -1, None)
+        return tuple(sdpa._launch_backward("efficient", False, call, out, lse, grad, None))
+
+    graph = trace_functional(launch, [q, k, v, out, lse, grad]).graph
+    (bwd,) = [n for n in graph.nodes if "efficient_attention_backward" in str(n.target)]
+    given = bwd.args[5].meta["val"]
+    assert given.shape == (2, 8, 256, 64) and given.stride(3) == 1 and given.stride(2) == 8 * 64
+
+
 @pytest.mark.parametrize("scale", [0.125, 0.3])
 def test_a_traced_sdpa_call_names_the_scale_only_where_it_is_not_the_ops_default(scale):
     # a keyword argument costs every compiled call host time in the aten op's argument parsing; stock passes none

@@ -35,3 +35,25 @@ def test_every_runnable_sdpa_config_matches_the_reference(case, dtype):
         assert check_output(out, lse, *ref, dtype) is None, cand.name
         ran += 1
     assert ran >= 1
+
+
+@pytest.mark.parametrize("out_layout", ["BHLD", "BLHD"])
+@pytest.mark.parametrize("kernel", ["cudnn", "flash", "efficient"])
+def test_every_sdpa_backward_kernel_matches_the_reference_whatever_the_layout_of_out(kernel, out_layout):
+    # the efficient kernel assumes out's row stride (H * D): fed a (B, H, L, D)-contiguous out, it read wrong rows
+    from inductor_attn.backends.base import AttnCall
+    from inductor_attn.tuning.measure import Direction
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 1024, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 1024, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    call = AttnCall("attention", q, k, v, 128 ** -0.5, causal=True)
+    direction = Direction("backward", call)
+    out, lse, grad_out, _ = direction.grads
+    if out_layout == "BLHD":
+        out = out.transpose(1, 2).contiguous().transpose(1, 2)
+    direction.grads = (out, lse, grad_out, None)
+    plan = direction.plan(call, f"sdpa:kernel={kernel}")
+    got = direction.run(plan, call)
+    reason, err = direction.check(got, direction.reference(call), torch.bfloat16)
+    assert reason is None, (kernel, out_layout, err)

@@ -120,10 +120,23 @@ def _launch_backward(kernel: str, needs_bias: bool, call: AttnCall, out, lse, gr
         padded = lse.new_zeros(*lse.shape[:-1], -(-lq // 32) * 32)
         padded[..., :lq] = lse
         dq, dk, dv = aten._scaled_dot_product_efficient_attention_backward(
-            grad_out, q, kr, vr, bias, out, padded, None, None, 0.0, [True, True, True, False], is_causal, **kw)[:3]
+            grad_out, q, kr, vr, bias, _rows_heads_interleaved(out), padded, None, None, 0.0,
+            [True, True, True, False], is_causal, **kw)[:3]
         if group > 1:  # gradients of the repeated heads, summed back onto each kv head
             dk, dv = (g.unflatten(1, (k.shape[1], group)).sum(2) for g in (dk, dv))
     return conform(dq, q), conform(dk, k), conform(dv, v)
+
+
+def _rows_heads_interleaved(out: torch.Tensor) -> torch.Tensor:
+    """``out`` (B, H, L, D) in the memory layout (B, L, H, D) its forward writes, copied if it has another.
+    The efficient backward kernel takes every stride of out but the row's, which it assumes to be H * D
+    (PyTorch's mem_eff_attention/kernel_backward.h, ``o_strideM``). From another layout, such as the
+    (B, H, L, D)-contiguous out of another forward, it reads wrong rows and, at long L, past the tensor's
+    end: an illegal memory access that leaves the process's CUDA context unusable."""
+    heads, dim = out.shape[1], out.shape[3]
+    if out.stride(3) == 1 and out.stride(2) == heads * dim:
+        return out
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 class SdpaBackend(Backend):
