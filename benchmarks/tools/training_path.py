@@ -12,6 +12,8 @@ compute-sanitizer the first report names the kernel.
 from __future__ import annotations
 
 import argparse
+import logging
+import traceback
 
 import torch
 
@@ -24,7 +26,11 @@ def main() -> None:
     parser.add_argument("shape", help="a training-suite shape name (bench/training.py SHAPES)")
     parser.add_argument("--paths", nargs="+", help="path names (default: all, in the suite's order)")
     parser.add_argument("--steps", type=int, default=3, help="steps per path")
+    parser.add_argument("--log", action="store_true", help="log the tuner's steps (compiles, failures)")
     args = parser.parse_args()
+    if args.log:
+        logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
+        logging.getLogger("inductor_attn").setLevel(logging.DEBUG)
     try:
         shape = suite.shape_named(args.shape)
     except ValueError as err:
@@ -41,10 +47,26 @@ def main() -> None:
             torch.use_deterministic_algorithms(deterministic)
             step = suite.training_step(fn, q, k, v, g)
             for i in range(args.steps):
-                step()
-                torch.cuda.synchronize()
+                try:
+                    step()
+                    torch.cuda.synchronize()
+                except Exception as err:
+                    print_chain(err)
+                    raise
                 print(f"{name}: step {i} ok", flush=True)
             torch.use_deterministic_algorithms(False)
+
+
+def print_chain(err: BaseException) -> None:
+    """Every exception behind ``err``: Inductor re-raises a CUDA error met while restoring its RNG state
+    ``from None``, which hides the error that a lowering raised first."""
+    seen = []
+    while err is not None and err not in seen:
+        seen.append(err)
+        err = err.__cause__ or err.__context__
+    for i, e in enumerate(reversed(seen)):
+        print(f"--- exception {i + 1} of {len(seen)} (first raised first) ---", flush=True)
+        traceback.print_exception(type(e), e, e.__traceback__, chain=False)
 
 
 if __name__ == "__main__":
