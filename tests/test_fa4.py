@@ -311,13 +311,25 @@ def test_installed_fa4_reads_the_clc_switch_through_utils_on_every_call(fa4_src)
     assert calls, "_flash_attn_fwd no longer calls utils._get_use_clc_scheduler_default(): fix _clc_scheduler"
 
 
-def test_installed_fa4_keeps_its_compiled_kernels_where_the_recording_looks(fa4_src):
-    """``fwd_compile_cache_owner`` names a module function of interface.py with a ``compile_cache``
-    attribute that it indexes to call its compiled kernel."""
+@pytest.mark.parametrize("owners", ["fwd_compile_cache_owners", "bwd_compile_cache_owners"])
+def test_installed_fa4_keeps_its_compiled_kernels_where_the_recording_looks(fa4_src, owners):
+    """Each owner is a module function of interface.py with a ``compile_cache`` attribute that it indexes to
+    call its compiled kernel, positional arguments only."""
     source = (fa4_src / "interface.py").read_text()
     functions = {n.name for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)}
-    assert "_flash_attn_fwd" in functions and "_flash_attn_fwd.compile_cache = " in source
-    assert "_flash_attn_fwd.compile_cache[compile_key](" in source
+    names = [owner.__name__ for owner in getattr(fa4, owners)(fake_fa4(interface=_NamedFunctions()))]
+    for name in names:
+        assert name in functions and f"{name}.compile_cache = " in source, name
+        assert f"{name}.compile_cache[compile_key](" in source, name
+
+
+class _NamedFunctions:
+    """Any attribute is a function of that name."""
+
+    def __getattr__(self, name):
+        fn = lambda: None  # noqa: E731
+        fn.__name__ = name
+        return fn
 
 
 def test_installed_fa4_block_sparse_tensors_have_block_size(fa4_src):
@@ -540,7 +552,6 @@ def test_forward_plan_calls_the_compiled_kernel_directly_after_one_call_through_
     interface._flash_attn_fwd = real
     out, _ = plan.launch(AttnCall("attention", q, k, v, 0.5))  # another scale: recorded for itself
     assert kernel_calls[3:] == [0.5, 0.5] and torch.equal(out, q * 0.5 + v)
-    assert fa4.fwd_compile_cache_owner(fake_fa4(interface=interface)) is not None
 
 
 def test_a_replay_recorded_on_aliased_tensors_serves_only_calls_aliased_the_same_way(monkeypatch):
@@ -638,3 +649,95 @@ def test_a_call_laid_out_differently_is_recorded_for_itself(monkeypatch):
     out, _ = plan.launch(AttnCall("attention", q, k, v, 0.25))
     assert kernel_calls == [0.25, 0.25]  # through FA4 and recorded, then checked: not the dense replay
     assert len(plan.launch.replays.by_layout) == 2 and torch.equal(out, q * 0.25 + v)
+
+
+def _compiling_backward(kernel_calls: list, host_filled_dpsum: bool = False):
+    """A fake FA4 interface whose ``_flash_attn_bwd`` runs three "compiled kernels" from three compile caches,
+    as b36 does: a preprocess that fills dpsum and zeroes the dq accumulator, a main kernel that adds into the
+    accumulators (dk's handed over zeroed by ``torch.zeros``) and writes dv, and a postprocess conversion per
+    accumulator. ``host_filled_dpsum``: dpsum is filled on the host instead, which a replay cannot repeat."""
+    def preprocess(o, do, dpsum, dq_accum, scale):
+        kernel_calls.append("pre")
+        if not host_filled_dpsum:
+            dpsum.copy_((o.float() * do.float()).sum(-1))
+        dq_accum.zero_()
+
+    def main(q, k, v, dpsum, dq_accum, dk_accum, dv, scale, window):
+        kernel_calls.append("main")
+        dq_accum.add_(q.float() * scale + dpsum[..., None])
+        dk_accum.add_(k.float())
+        dv.copy_(v * 2)
+
+    def convert(accum, grad, scale):
+        kernel_calls.append("post")
+        grad.copy_(accum)
+
+    def owner(kernel):
+        def run(*args):
+            if "key" not in run.compile_cache:
+                run.compile_cache["key"] = kernel
+            run.compile_cache["key"](*args)
+        run.compile_cache = {}
+        return run
+
+    pre, bwd, post = owner(preprocess), owner(main), owner(convert)
+
+    def _flash_attn_bwd(q, k, v, o, do, lse, dq, dk, dv, softmax_scale, **kw):
+        dpsum = torch.full(q.shape[:-1], 3.0) if host_filled_dpsum else torch.empty(q.shape[:-1])
+        dq_accum, dk_accum = torch.empty(q.shape), torch.zeros(k.shape)
+        pre(o, do, dpsum, dq_accum, softmax_scale)
+        bwd(q, k, v, dpsum, dq_accum, dk_accum, dv, softmax_scale, -1)
+        post(dq_accum, dq, softmax_scale)
+        post(dk_accum, dk, softmax_scale)
+        return dq, dk, dv
+
+    return types.SimpleNamespace(_flash_attn_bwd=_flash_attn_bwd, _bwd_preprocess=pre, _flash_attn_bwd_main=bwd,
+                                 _bwd_postprocess_convert=post)
+
+
+def _bwd_call(seed: int):
+    q, k, v = _qkv(seed, (1, 2, 16, 16))
+    return AttnCall("attention", q, k, v, 0.25)
+
+
+def _want_grads(call: AttnCall, out, grad_out):
+    dpsum = (out.transpose(1, 2).float() * grad_out.transpose(1, 2).float()).sum(-1).transpose(1, 2)
+    return (call.q.float() * 0.25 + dpsum[..., None]).half(), call.k, call.v * 2
+
+
+def _bwd_plan(monkeypatch, interface):
+    monkeypatch.setattr(fa4, "_load", lambda: fake_fa4(interface=interface))
+    monkeypatch.setattr(fa4, "bwd_compile_cache_owners", lambda fa: [
+        fa.interface._bwd_preprocess, fa.interface._flash_attn_bwd_main, fa.interface._bwd_postprocess_convert])
+    return fa4.BACKEND.plan(_bwd_call(0).problem, SM90, Config(), "backward")
+
+
+def test_backward_plan_replays_the_recorded_kernels_with_fresh_scratch_buffers(monkeypatch):
+    kernel_calls = []
+    interface = _compiling_backward(kernel_calls)
+    plan = _bwd_plan(monkeypatch, interface)
+    for seed in range(3):
+        call = _bwd_call(seed)
+        out, grad_out = torch.randn_like(call.q), torch.randn_like(call.q)
+        grads = plan.launch(call, out, torch.zeros(1, 2, 16), grad_out, None)
+        for got, want in zip(grads, _want_grads(call, out, grad_out)):
+            assert torch.allclose(got.float(), want.float(), atol=1e-2)  # dk's accumulator is zeroed each call
+        if seed == 0:  # through FA4, recorded, then the replay checked once: kernels run twice
+            assert kernel_calls == ["pre", "main", "post", "post"] * 2
+            interface._flash_attn_bwd = lambda *a, **kw: pytest.fail("went through _flash_attn_bwd again")
+    assert kernel_calls == ["pre", "main", "post", "post"] * 4
+    assert all(plan.launch.replays.by_layout.values())
+
+
+def test_a_backward_scratch_buffer_filled_on_the_host_keeps_the_plan_on_fa4s_interface(monkeypatch, caplog):
+    """dpsum filled by FA4's Python, not by a recorded kernel: the replay's check (scratch poisoned with NaN)
+    sees that it did not reproduce the call, and the plan keeps calling ``_flash_attn_bwd``."""
+    kernel_calls = []
+    plan = _bwd_plan(monkeypatch, _compiling_backward(kernel_calls, host_filled_dpsum=True))
+    for seed in range(2):
+        call = _bwd_call(seed)
+        out, grad_out = torch.randn_like(call.q), torch.randn_like(call.q)
+        dq, _, _ = plan.launch(call, out, torch.zeros(1, 2, 16), grad_out, None)
+        assert torch.allclose(dq.float(), call.q.float() * 0.25 + 3.0, atol=1e-2)
+    assert list(plan.launch.replays.by_layout.values()) == [None]
+    assert "did not reproduce the call" in caplog.text and kernel_calls.count("main") == 3

@@ -213,11 +213,12 @@ def test_varlen_and_kv_seqlens_backward_match_reference(dev, dtype):
     _grads_match(call, out, lse, torch.randn_like(out), None)
 
 
-def test_varlen_forward_replays_match_the_reference_with_new_documents(dev):
+def test_varlen_replays_match_the_reference_with_new_documents(dev):
     """Packed documents (one cu_seqlens tensor for q and k, as the document rewrite passes them): after the
-    first call the forward replays FA4's kernel on sm_90 with each call's own boundaries and inputs."""
+    first call the forward and the backward replay FA4's kernels on sm_90 with each call's own boundaries and
+    inputs."""
     dtype = torch.bfloat16
-    fwd = None
+    fwd = bwd = None
     for i, bounds in enumerate(([0, 100, 357, 512], [0, 7, 300, 512], [0, 250, 251, 512])):
         gen = torch.Generator(device="cuda").manual_seed(10 + i)
         cu = torch.tensor(bounds, device="cuda", dtype=torch.int32)
@@ -225,12 +226,20 @@ def test_varlen_forward_replays_match_the_reference_with_new_documents(dev):
         call = AttnCall("varlen", q, k, v, 0.125, True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=300,
                         max_seqlen_k=300)
         fwd = fwd or FA4.plan(call.problem, dev, Config(), "forward").launch
+        bwd = bwd or FA4.plan(call.problem, dev, Config(), "backward").launch
         torch.full((64 << 20,), float("nan"), device="cuda")  # freed at once: its block is reused below
         out, lse = fwd(call)
         ref_out, ref_lse = REF.run(call, Config())
         assert check_output(out, lse, ref_out, ref_lse, dtype) is None, f"call {i}"
+        grad_out = torch.randn_like(out)
+        torch.full((64 << 20,), float("nan"), device="cuda")
+        got = bwd(call, out, lse, grad_out, None)
+        want = REF.backward(call, Config(), out, lse, grad_out, None)
+        for name, g, w in zip(("dq", "dk", "dv"), got, want):
+            assert check_tensor(name, g, w, dtype) is None, f"backward, call {i}: {check_tensor(name, g, w, dtype)}"
     if fa4.family(dev.arch) == "sm90":
         assert fwd.replays.by_layout and all(fwd.replays.by_layout.values()), "sm_90 varlen forward plans replay"
+        assert bwd.replays.by_layout and all(bwd.replays.by_layout.values()), "sm_90 varlen backward plans replay"
 
 
 REPLAYED = BACKWARD[:3] + [dict(b=2, hq=4, hkv=4, lq=64, lk=300, d=64, causal=True, lens=(300, 77))]
@@ -240,8 +249,8 @@ REPLAYED = BACKWARD[:3] + [dict(b=2, hq=4, hkv=4, lq=64, lk=300, d=64, causal=Tr
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_recorded_kernel_replays_match_the_reference_on_new_inputs(dev, case, deterministic):
     """One plan per direction, as compiled code holds it: the forward's first call goes through FA4's
-    interface and is recorded; on sm_90 it then replays the recorded kernel (no interface call), and every
-    later call, forward and backward,
+    interface and is recorded; on sm_90 it then replays the recorded kernels (no interface call), the
+    backward's with its scratch buffers allocated again, and every later call, forward and backward,
     on new inputs, still matches the float64 reference. Memory the plans allocate comes from a NaN-filled
     block (the caching allocator hands freed blocks out again), so an unwritten output shows."""
     case = dict(case)
@@ -264,3 +273,4 @@ def test_recorded_kernel_replays_match_the_reference_on_new_inputs(dev, case, de
             assert check_tensor(name, g, w, dtype) is None, f"backward, call {i}: {check_tensor(name, g, w, dtype)}"
         if fa4.family(dev.arch) == "sm90":
             assert fwd.replays.by_layout and all(fwd.replays.by_layout.values()), "sm_90 forward plans replay"
+            assert bwd.replays.by_layout and all(bwd.replays.by_layout.values()), "sm_90 backward plans replay"

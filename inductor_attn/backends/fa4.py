@@ -505,11 +505,11 @@ class FA4Backend(Backend):
         _load()
 
     def plan(self, p: Problem, dev: DeviceInfo, cfg: Config, direction: str) -> Plan:
-        if direction == "backward":
-            if p.op == "block_sparse":
-                raise NotImplementedError("flash-attn-4 block-sparse backward is not wired (see supports())")
-            return Plan(functools.partial(_backward, bool(cfg.get("deterministic", False)), str(cfg)))
+        if direction == "backward" and p.op == "block_sparse":
+            raise NotImplementedError("flash-attn-4 block-sparse backward is not wired (see supports())")
         thin = family(dev.arch) == "sm90" and p.op in ("attention", "varlen")
+        if direction == "backward":
+            return Plan(_BackwardLaunch(bool(cfg.get("deterministic", False)), str(cfg), thin))
         return Plan(_ForwardLaunch(_knobs(cfg), cfg.get("clc"), str(cfg), thin))
 
 
@@ -624,7 +624,7 @@ class _ForwardLaunch:
         fa = _fa4()
         args, kw, values = _forward_args(fa, self.knobs, call, values)
         wanted = self.thin and self.replays.wants(values)
-        recording = _Recording(fwd_compile_cache_owner(fa)) if wanted else None
+        recording = _Recording(fwd_compile_cache_owners(fa)) if wanted else None
         with _clc_scheduler(fa.utils, self.clc), _dsl_errors(fa, self.label), recording or contextlib.nullcontext():
             result = fa.interface._flash_attn_fwd(*args, **kw)
         # b36 returns (out, lse, ...) and writes the buffers we passed; take FA4's lse if it made its own
@@ -634,9 +634,81 @@ class _ForwardLaunch:
         if recording is not None:
             fresh_out, fresh_lse = _buffers(call)
             fresh = (*args, *_call_values(call, fresh_out, fresh_lse)[3:])
-            self.replays.add(values, _checked_replay(recording.replay(values), fresh, (out, lse),
+            self.replays.add(values, _checked_replay(recording.replay(values, scratch=False), fresh, (out, lse),
                                                      (fresh_out, fresh_lse), self.label))
         return out, lse
+
+
+class _BackwardLaunch:
+    """A backward plan's launch, recorded and replayed per layout as :class:`_ForwardLaunch` does, where FA4
+    writes into our dq, dk, dv (their layout suits it). b36's ``_flash_attn_bwd`` runs several compiled
+    kernels (preprocess, the main kernel, postprocess conversions of the float32 accumulators) over buffers it
+    allocates each call (accumulators, dpsum, lse in log2, semaphores when deterministic): a replay calls the
+    same kernels in the same order and allocates those buffers again per call, zeroed where FA4 handed them
+    over zeroed (:meth:`_Recording.replay`)."""
+
+    def __init__(self, deterministic: bool, label: str, thin: bool):
+        self.deterministic, self.label, self.thin = deterministic, label, thin
+        self.replays = _Replays()
+
+    def __call__(self, call: AttnCall, out, lse, grad_out, grad_lse):
+        dense = call.op != "varlen"
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        grads = [empty_like_layout(x, x.shape) for x in (call.q, call.k, call.v)]
+        fa_grads = [_fa4_layout(g, "grad", dense) for g in grads]
+        tensors = ((call.q, "q"), (call.k, "k"), (call.v, "v"), (out, "out"), (grad_out, "grad_out"))
+        values = (*(_fa4_layout(x, name, dense) for x, name in tensors), lse.contiguous(),
+                  None if grad_lse is None else grad_lse.contiguous(),
+                  None if call.kv_seqlens is None else _int32(call.kv_seqlens), *fa_grads)
+        if not dense:
+            values += (_int32(call.cu_seqlens_q), _int32(call.cu_seqlens_k), call.max_seqlen_q, call.max_seqlen_k)
+        values += (call.scale,)
+        into_ours = all(f.data_ptr() == g.data_ptr() for f, g in zip(fa_grads, grads))
+        replay = self.replays.get(values) if into_ours and self.replays.by_layout else None
+        if replay is not None:
+            replay(values)
+        else:
+            self._through_fa4(call, values, grads, into_ours)
+        _zero_unused_keys(call, grads)
+        return tuple(grads)
+
+    def _through_fa4(self, call: AttnCall, values: tuple, grads, into_ours: bool):
+        fa = _fa4()
+        dense = call.op != "varlen"
+        q, k, v, o, do, lse, grad_lse, seqused, *fa_grads = values[:11]
+        kw = dict(softmax_scale=call.scale, causal=call.causal, dlse=grad_lse, deterministic=self.deterministic)
+        kw["window_size_left"], kw["window_size_right"] = _window(call)
+        if not dense:
+            kw.update(cu_seqlens_q=values[11], cu_seqlens_k=values[12], max_seqlen_q=values[13],
+                      max_seqlen_k=values[14])
+        if seqused is not None:
+            kw["seqused_k"] = seqused
+        if into_ours:
+            kw.update(dq=fa_grads[0], dk=fa_grads[1], dv=fa_grads[2])  # FA4 writes into ours: no copy back
+        wanted = self.thin and into_ours and self.replays.wants(values)
+        recording = _Recording(bwd_compile_cache_owners(fa)) if wanted else None
+        with _dsl_errors(fa, self.label), recording or contextlib.nullcontext():
+            got = fa.interface._flash_attn_bwd(q, k, v, o, do, lse, **kw)[:3]
+        for grad, fa_grad, result in zip(grads, fa_grads, got):
+            if result.data_ptr() != fa_grad.data_ptr():  # FA4 made its own buffer
+                grad.copy_(result.transpose(1, 2) if dense else result)
+        if recording is not None:
+            _zero_unused_keys(call, grads)
+            fresh = [empty_like_layout(x, x.shape) for x in (call.q, call.k, call.v)]
+            fresh_values = (*values[:8], *(_fa4_layout(g, "grad", dense) for g in fresh), *values[11:])
+            self.replays.add(values, _checked_replay(recording.replay(values, scratch=True), fresh_values, grads,
+                                                     fresh, self.label, after=lambda: _zero_unused_keys(call, fresh)))
+
+
+def _zero_unused_keys(call: AttnCall, grads) -> None:
+    """FA4 leaves dk/dv of keys past seqused_k unwritten (garbage of order 1e19 on an H100, b36); those keys
+    are masked, so their gradients are 0."""
+    if call.kv_seqlens is not None:
+        _, dk, dv = grads
+        unused = torch.arange(dk.shape[2], device=dk.device)[None, :] >= call.kv_seqlens[:, None]
+        dk.masked_fill_(unused[:, None, :, None], 0)
+        dv.masked_fill_(unused[:, None, :, None], 0)
 
 
 class _Replays:
@@ -680,24 +752,38 @@ def _layout(values: tuple) -> tuple:
     return tuple(key)
 
 
+_CONST, _ROLE, _SCRATCH = range(3)
+
+
 class _Replay:
-    """FA4's compiled kernel called with the recorded arguments, each one a role (an index into the values
-    a launch builds) or a recorded constant."""
+    """FA4's compiled kernels called in the recorded order, each argument a role (an index into the values a
+    launch builds), a scratch buffer (allocated per call as recorded: shape, strides, dtype, and zeroed or
+    not) or a recorded constant."""
 
-    def __init__(self, fn, specs: list):
-        self.fn, self.specs = fn, specs
+    def __init__(self, steps: list, scratch: list):
+        self.steps, self.scratch = steps, scratch
 
-    def __call__(self, values: tuple):
-        self.fn(*[values[x] if role else x for role, x in self.specs])
+    def __call__(self, values: tuple, poison: bool = False):
+        buffers = []
+        for shape, stride, dtype, zeroed in self.scratch:
+            buf = torch.empty_strided(shape, stride, dtype=dtype, device=values[0].device)
+            buffers.append(buf.zero_() if zeroed else buf.fill_(float("nan")) if poison else buf)
+        for fn, specs in self.steps:
+            fn(*[values[x] if kind == _ROLE else buffers[x] if kind == _SCRATCH else x for kind, x in specs])
 
 
-def _checked_replay(replay: _Replay | None, fresh_values: tuple, expected, got, label: str) -> _Replay | None:
-    """``replay`` if, run on ``fresh_values`` (the recorded call's inputs, new outputs ``got``), it
-    reproduced FA4's ``expected`` outputs (the same non-finite entries, the rest within 1%); else None,
-    logged."""
+def _checked_replay(replay: _Replay | None, fresh_values: tuple, expected, got, label: str,
+                    after=None) -> _Replay | None:
+    """``replay`` if, run on ``fresh_values`` (the recorded call's inputs, new outputs ``got``; then ``after()``)
+    with every scratch buffer it does not zero filled with NaN (all of them floating point), it reproduced FA4's
+    ``expected`` outputs (the same non-finite entries, the rest within 1%: FA4's backward adds dq up with
+    atomics, in no fixed order); else None, logged. A buffer that FA4 filled on the host, not in a recorded
+    kernel, shows here."""
     if replay is None:
         return None
-    replay(fresh_values)
+    replay(fresh_values, poison=True)
+    if after is not None:
+        after()
     for want, have in zip(expected, got):
         finite = want.isfinite()
         if not torch.equal(finite, have.isfinite()):
@@ -706,75 +792,119 @@ def _checked_replay(replay: _Replay | None, fresh_values: tuple, expected, got, 
             want, have = want[finite].float(), have[finite].float()
             err = ((have - want).norm() / want.norm().clamp_min(1e-30)).item()
         if not err <= 1e-2:  # NaN fails too
-            log.warning("flash-attn-4 [%s]: the recorded kernel call did not reproduce the call (relative "
+            log.warning("flash-attn-4 [%s]: the recorded kernel calls did not reproduce the call (relative "
                         "error %.3g); this plan keeps calling flash-attn-4's interface", label, err)
             return None
     return replay
 
 
 class _Recording:
-    """Swaps ``_flash_attn_fwd.compile_cache`` for one call (under a lock) to see which compiled object runs
-    and with which arguments. Reached through :func:`fwd_compile_cache_owner`, whose test fails when the
-    attribute moves."""
+    """Swaps the ``compile_cache`` of FA4's kernel owners for one call (under a lock) to see which compiled
+    objects run, in which order, with which arguments, and which of those tensors were all zeros when first
+    handed over. The owners come from :func:`fwd_compile_cache_owners` / :func:`bwd_compile_cache_owners`,
+    whose tests fail when the attributes move."""
 
     _LOCK = threading.Lock()
 
-    def __init__(self, owner):
-        self.owner = owner
+    def __init__(self, owners: list):
+        self.owners = owners
         self.calls: list = []
+        self.zeroed: dict[int, bool] = {}  # data_ptr -> all zeros when first passed
 
     def __enter__(self):
         self._LOCK.acquire()
-        self.real = self.owner.compile_cache
-        recording = self
-
-        class Cache:
-            def __contains__(self, key):
-                return key in recording.real
-
-            def __setitem__(self, key, fn):
-                recording.real[key] = fn
-
-            def __getitem__(self, key):
-                fn = recording.real[key]
-                return lambda *a: recording.calls.append((fn, a)) or fn(*a)
-
-        self.owner.compile_cache = Cache()
+        self.real = [owner.compile_cache for owner in self.owners]
+        for owner, real in zip(self.owners, self.real):
+            owner.compile_cache = _RecordingCache(real, self)
         return self
 
     def __exit__(self, *exc):
-        self.owner.compile_cache = self.real
+        for owner, real in zip(self.owners, self.real):
+            owner.compile_cache = real
         self._LOCK.release()
 
-    def replay(self, values: tuple) -> _Replay | None:
-        """The recorded call as a :class:`_Replay` over ``values`` (tensors, then the scale last), or None
-        unless it was one call whose every tensor is one of ``values``, with no tensor hidden in a
-        container. A tensor that is several values gets the first one's role (:func:`_layout` keys on
-        which values are one tensor). Other arguments (the scale among them: :func:`_layout` keys on it)
-        are constants."""
-        if len(self.calls) != 1:
+    def note(self, fn, args: tuple) -> None:
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.data_ptr() not in self.zeroed:
+                self.zeroed[a.data_ptr()] = not bool(a.any()) if a.numel() else True
+        self.calls.append((fn, args))
+
+    def replay(self, values: tuple, scratch: bool) -> _Replay | None:
+        """The recorded calls as a :class:`_Replay` over ``values``, or None when they cannot be rebuilt from
+        them. Without ``scratch``: one call whose every tensor is one of ``values``. With it, any number of
+        calls, and tensors FA4 made become scratch buffers, unless one has q's dtype (a copy of an input
+        rather than a buffer of FA4's own), overlaps a value without being it, is an integer tensor handed
+        over non-zero (an index or counter filled from the inputs, which no poison can check), or is passed
+        with two layouts. Always None for a tensor hidden in a container. A tensor that is several values gets
+        the first one's role (:func:`_layout` keys on which values are one tensor); other arguments (the
+        scale among them: :func:`_layout` keys on it) are constants."""
+        if not self.calls or (not scratch and len(self.calls) != 1):
             return None
         roles: dict[tuple, int] = {}
+        spans = []
         for i, t in enumerate(values):
             if isinstance(t, torch.Tensor):
                 roles.setdefault(_identity(t), i)
-        fn, args = self.calls[0]
-        specs = []
-        for arg in args:
-            if isinstance(arg, torch.Tensor):
+                spans.append(_span(t))
+        buffers: list = []
+        buffer_at: dict[int, int] = {}
+        steps = []
+        for fn, args in self.calls:
+            specs = []
+            for arg in args:
+                if not isinstance(arg, torch.Tensor):
+                    if _holds_tensor(arg):
+                        return None
+                    specs.append((_CONST, arg))
+                    continue
                 role = roles.get(_identity(arg))
-                if role is None:
+                if role is not None:
+                    specs.append((_ROLE, role))
+                    continue
+                lo, hi = _span(arg)
+                if (not scratch or arg.dtype == values[0].dtype or any(lo < end and start < hi for start, end in spans)
+                        or not (arg.dtype.is_floating_point or self.zeroed[arg.data_ptr()])):
                     return None
-                specs.append((True, role))
-            elif _holds_tensor(arg):
-                return None
-            else:
-                specs.append((False, arg))
-        return _Replay(fn, specs)
+                layout = (tuple(arg.shape), tuple(arg.stride()), arg.dtype)
+                j = buffer_at.setdefault(arg.data_ptr(), len(buffers))
+                if j == len(buffers):
+                    buffers.append((*layout, self.zeroed[arg.data_ptr()]))
+                elif buffers[j][:3] != layout:
+                    return None
+                specs.append((_SCRATCH, j))
+            steps.append((fn, specs))
+        return _Replay(steps, buffers)
+
+
+class _RecordingCache:
+    """A stand-in for one FA4 compile cache: lookups and inserts go to the real one; the compiled objects it
+    hands out note each call with the recording before running."""
+
+    def __init__(self, real, recording: _Recording):
+        self.real, self.recording = real, recording
+
+    def __contains__(self, key):
+        return key in self.real
+
+    def __setitem__(self, key, fn):
+        self.real[key] = fn
+
+    def __getitem__(self, key):
+        fn = self.real[key]
+        return lambda *args: self.recording.note(fn, args) or fn(*args)
 
 
 def _identity(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The byte range a tensor's elements can reach (0-size tensors reach nothing)."""
+    if t.numel() == 0:
+        return (0, 0)
+    reach = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+    start = t.data_ptr()
+    return start, start + (reach + 1) * t.element_size()
 
 
 def _holds_tensor(x) -> bool:
@@ -786,43 +916,17 @@ def _holds_tensor(x) -> bool:
     return bool(fields) and any(_holds_tensor(getattr(x, f)) for f in fields)
 
 
-def fwd_compile_cache_owner(fa: _FA4):
-    """The object whose ``compile_cache`` holds FA4's compiled forward kernels (b36:
+def fwd_compile_cache_owners(fa: _FA4) -> list:
+    """The objects whose ``compile_cache`` holds FA4's compiled forward kernels (b36:
     ``interface._flash_attn_fwd``)."""
-    return fa.interface._flash_attn_fwd
+    return [fa.interface._flash_attn_fwd]
 
 
-def _backward(deterministic: bool, label: str, call: AttnCall, out, lse, grad_out, grad_lse):
-    fa = _fa4()
-    dense = call.op != "varlen"
-    if grad_out is None:
-        grad_out = torch.zeros_like(out)
-    kw = dict(softmax_scale=call.scale, causal=call.causal, dlse=grad_lse, deterministic=deterministic)
-    kw["window_size_left"], kw["window_size_right"] = _window(call)
-    if not dense:
-        kw.update(cu_seqlens_q=_int32(call.cu_seqlens_q), cu_seqlens_k=_int32(call.cu_seqlens_k),
-                  max_seqlen_q=call.max_seqlen_q, max_seqlen_k=call.max_seqlen_k)
-    if call.kv_seqlens is not None:
-        kw["seqused_k"] = _int32(call.kv_seqlens)
-    grads = [empty_like_layout(x, x.shape) for x in (call.q, call.k, call.v)]
-    fa_grads = [_fa4_layout(g, "grad", dense) for g in grads]
-    if all(f.data_ptr() == g.data_ptr() for f, g in zip(fa_grads, grads)):
-        kw.update(dq=fa_grads[0], dk=fa_grads[1], dv=fa_grads[2])  # FA4 writes into ours: no copy back
-    tensors = ((call.q, "q"), (call.k, "k"), (call.v, "v"), (out, "out"), (grad_out, "grad_out"))
-    q, k, v, o, do = (_fa4_layout(x, name, dense) for x, name in tensors)
-    with _dsl_errors(fa, label):
-        got = fa.interface._flash_attn_bwd(q, k, v, o, do, lse.contiguous(), **kw)[:3]
-    for grad, fa_grad, result in zip(grads, fa_grads, got):
-        if result.data_ptr() != fa_grad.data_ptr():  # FA4 made its own buffer
-            grad.copy_(result.transpose(1, 2) if dense else result)
-    dq, dk, dv = grads
-    if call.kv_seqlens is not None:
-        # FA4 leaves dk/dv of keys past seqused_k unwritten (garbage of order 1e19 on an H100, b36);
-        # those keys are masked, so their gradients are 0
-        unused = torch.arange(dk.shape[2], device=dk.device)[None, :] >= call.kv_seqlens[:, None]
-        dk.masked_fill_(unused[:, None, :, None], 0)
-        dv.masked_fill_(unused[:, None, :, None], 0)
-    return dq, dk, dv
+def bwd_compile_cache_owners(fa: _FA4) -> list:
+    """The objects whose ``compile_cache`` holds the kernels ``_flash_attn_bwd`` runs (b36: its preprocess,
+    itself, and the postprocess conversion)."""
+    i = fa.interface
+    return [i._bwd_preprocess, i._flash_attn_bwd, i._bwd_postprocess_convert]
 
 
 @contextlib.contextmanager
@@ -839,4 +943,5 @@ def _dsl_errors(fa: _FA4, label: str):
 BACKEND = FA4Backend()
 
 __all__ = ["FA4Backend", "BACKEND", "COPIES", "fa4_version", "fa4_clc_off_reason", "split_candidates",
-           "sm90_default_tile", "missing_kwargs", "family", "fwd_compile_cache_owner"]
+           "sm90_default_tile", "missing_kwargs", "family", "fwd_compile_cache_owners",
+           "bwd_compile_cache_owners"]
