@@ -14,6 +14,7 @@ import importlib.util
 import inspect
 import os
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -741,3 +742,47 @@ def test_a_backward_scratch_buffer_filled_on_the_host_keeps_the_plan_on_fa4s_int
         assert torch.allclose(dq.float(), call.q.float() * 0.25 + 3.0, atol=1e-2)
     assert list(plan.launch.replays.by_layout.values()) == [None]
     assert "did not reproduce the call" in caplog.text and kernel_calls.count("main") == 3
+
+
+def test_another_threads_fa4_call_during_a_recording_is_not_recorded(monkeypatch):
+    """The compile caches are swapped for the whole process while one call records: a kernel that another
+    thread runs meanwhile (a layout that goes through FA4's interface, a user's own FA4 call) is that thread's,
+    not a step of the replay."""
+    kernel_calls = []
+    interface = _compiling_backward(kernel_calls)
+    recorded_bwd = interface._flash_attn_bwd
+
+    def bwd_beside_another_thread(q, k, v, o, do, lse, dq, dk, dv, softmax_scale, **kw):
+        other = threading.Thread(target=interface._bwd_postprocess_convert,
+                                 args=(torch.ones(3, dtype=torch.float32), torch.empty(3), softmax_scale))
+        other.start()
+        other.join()
+        return recorded_bwd(q, k, v, o, do, lse, dq, dk, dv, softmax_scale, **kw)
+
+    interface._flash_attn_bwd = bwd_beside_another_thread
+    plan = _bwd_plan(monkeypatch, interface)
+    call = _bwd_call(0)
+    out, grad_out = torch.randn_like(call.q), torch.randn_like(call.q)
+    plan.launch(call, out, torch.zeros(1, 2, 16), grad_out, None)
+    (replay,) = plan.launch.replays.by_layout.values()
+    assert replay is not None and len(replay.steps) == 4  # pre, main, post, post: not the other thread's post
+
+
+def test_backward_values_that_fa4_would_copy_are_copied_before_it_sees_them(monkeypatch):
+    """b36's maybe_contiguous clones an input with an unaligned pointer; a recording would take that copy for
+    a scratch buffer (and an all-zero one for a buffer to zero), so the launch hands FA4 aligned copies."""
+    seen = []
+    interface = _compiling_backward([])
+    recorded_bwd = interface._flash_attn_bwd
+
+    def bwd(q, k, v, o, do, lse, dq, dk, dv, softmax_scale, dlse=None, **kw):
+        seen.extend([lse, dlse])
+        return recorded_bwd(q, k, v, o, do, lse, dq, dk, dv, softmax_scale, **kw)
+
+    interface._flash_attn_bwd = bwd
+    plan = _bwd_plan(monkeypatch, interface)
+    call = _bwd_call(0)
+    out, grad_out = torch.randn_like(call.q), torch.randn_like(call.q)
+    lse, grad_lse = (torch.zeros(1 + 2 * 16)[1:].view(1, 2, 16) for _ in range(2))  # 4-byte offsets
+    plan.launch(call, out, lse, grad_out, grad_lse)
+    assert all(t.data_ptr() % 16 == 0 and t.is_contiguous() for t in seen)

@@ -315,6 +315,15 @@ def _int32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.int32 and x.stride(0) == 1 else x.to(torch.int32).contiguous()
 
 
+def _as_fa4_takes(x: torch.Tensor | None) -> torch.Tensor | None:
+    """``x``, or the copy FA4's ``maybe_contiguous`` (cute_dsl_utils, b36) would make of it (an unaligned
+    pointer or layout): made here, so that every tensor a recorded kernel reads is one of our values or a
+    buffer of FA4's own, never a copy that a replay would take for scratch."""
+    if x is None or (x.is_contiguous() and x.data_ptr() % 16 == 0) or _aligned(x):
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
+
+
 def _window(call: AttnCall) -> tuple[int | None, int | None]:
     left = None if call.window_left < 0 else call.window_left
     right = 0 if call.causal else (None if call.window_right < 0 else call.window_right)
@@ -658,11 +667,12 @@ class _BackwardLaunch:
         grads = [empty_like_layout(x, x.shape) for x in (call.q, call.k, call.v)]
         fa_grads = [_fa4_layout(g, "grad", dense) for g in grads]
         tensors = ((call.q, "q"), (call.k, "k"), (call.v, "v"), (out, "out"), (grad_out, "grad_out"))
-        values = (*(_fa4_layout(x, name, dense) for x, name in tensors), lse.contiguous(),
-                  None if grad_lse is None else grad_lse.contiguous(),
-                  None if call.kv_seqlens is None else _int32(call.kv_seqlens), *fa_grads)
+        values = (*(_fa4_layout(x, name, dense) for x, name in tensors), _as_fa4_takes(lse),
+                  _as_fa4_takes(grad_lse), None if call.kv_seqlens is None else _as_fa4_takes(_int32(call.kv_seqlens)),
+                  *fa_grads)
         if not dense:
-            values += (_int32(call.cu_seqlens_q), _int32(call.cu_seqlens_k), call.max_seqlen_q, call.max_seqlen_k)
+            values += (_as_fa4_takes(_int32(call.cu_seqlens_q)), _as_fa4_takes(_int32(call.cu_seqlens_k)),
+                       call.max_seqlen_q, call.max_seqlen_k)
         values += (call.scale,)
         into_ours = all(f.data_ptr() == g.data_ptr() for f, g in zip(fa_grads, grads))
         replay = self.replays.get(values) if into_ours and self.replays.by_layout else None
@@ -729,11 +739,16 @@ class _Replays:
         return self.by_layout.get(_layout(values))
 
     def wants(self, values: tuple) -> bool:
-        capturing = values[0].is_cuda and torch.cuda.is_current_stream_capturing()
+        capturing = values[0].is_cuda and _capturing(values[0].device)
         return not capturing and len(self.by_layout) < self.LIMIT and _layout(values) not in self.by_layout
 
     def add(self, values: tuple, replay: _Replay | None) -> None:
         self.by_layout[_layout(values)] = replay
+
+
+def _capturing(device: torch.device) -> bool:
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
 
 
 def _layout(values: tuple) -> tuple:
@@ -813,6 +828,7 @@ class _Recording:
 
     def __enter__(self):
         self._LOCK.acquire()
+        self.thread = threading.get_ident()
         self.real = [owner.compile_cache for owner in self.owners]
         for owner, real in zip(self.owners, self.real):
             owner.compile_cache = _RecordingCache(real, self)
@@ -878,7 +894,7 @@ class _Recording:
 
 class _RecordingCache:
     """A stand-in for one FA4 compile cache: lookups and inserts go to the real one; the compiled objects it
-    hands out note each call with the recording before running."""
+    hands out to the recording thread note each call with the recording before running."""
 
     def __init__(self, real, recording: _Recording):
         self.real, self.recording = real, recording
@@ -891,6 +907,8 @@ class _RecordingCache:
 
     def __getitem__(self, key):
         fn = self.real[key]
+        if threading.get_ident() != self.recording.thread:  # another thread's FA4 call: not the one recorded
+            return fn
         return lambda *args: self.recording.note(fn, args) or fn(*args)
 
 
