@@ -213,6 +213,14 @@ def test_varlen_and_kv_seqlens_backward_match_reference(dev, dtype):
     _grads_match(call, out, lse, torch.randn_like(out), None)
 
 
+def _poison(*like: torch.Tensor) -> None:
+    """NaN where the next allocations will likely land: one large block (the caching allocator's large pool
+    hands freed blocks out again) and a block of each size in ``like`` (small ones come from another pool)."""
+    torch.full((64 << 20,), float("nan"), device="cuda")
+    for t in like:
+        torch.full(t.shape, float("nan"), dtype=t.dtype, device=t.device)
+
+
 def test_varlen_replays_match_the_reference_with_new_documents(dev):
     """Packed documents (one cu_seqlens tensor for q and k, as the document rewrite passes them): after the
     first call the forward and the backward replay FA4's kernels on sm_90 with each call's own boundaries and
@@ -227,12 +235,12 @@ def test_varlen_replays_match_the_reference_with_new_documents(dev):
                         max_seqlen_k=300)
         fwd = fwd or FA4.plan(call.problem, dev, Config(), "forward").launch
         bwd = bwd or FA4.plan(call.problem, dev, Config(), "backward").launch
-        torch.full((64 << 20,), float("nan"), device="cuda")  # freed at once: its block is reused below
+        _poison(call.q, call.q[..., 0].float().t())
         out, lse = fwd(call)
         ref_out, ref_lse = REF.run(call, Config())
         assert check_output(out, lse, ref_out, ref_lse, dtype) is None, f"call {i}"
         grad_out = torch.randn_like(out)
-        torch.full((64 << 20,), float("nan"), device="cuda")
+        _poison(call.q, call.k, call.v)
         got = bwd(call, out, lse, grad_out, None)
         want = REF.backward(call, Config(), out, lse, grad_out, None)
         for name, g, w in zip(("dq", "dk", "dv"), got, want):
@@ -242,33 +250,37 @@ def test_varlen_replays_match_the_reference_with_new_documents(dev):
         assert bwd.replays.by_layout and all(bwd.replays.by_layout.values()), "sm_90 varlen backward plans replay"
 
 
-REPLAYED = BACKWARD[:3] + [dict(b=2, hq=4, hkv=4, lq=64, lk=300, d=64, causal=True, lens=(300, 77))]
+REPLAYED = BACKWARD[:3] + [dict(b=2, hq=4, hkv=4, lq=64, lk=300, d=64, causal=True, lens=((300, 77), (251, 300),
+                                                                                       (64, 150)))]
 
 
 @pytest.mark.parametrize("case", REPLAYED, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_recorded_kernel_replays_match_the_reference_on_new_inputs(dev, case, deterministic):
+@pytest.mark.parametrize("with_grad_lse", [False, True])
+def test_recorded_kernel_replays_match_the_reference_on_new_inputs(dev, case, deterministic, with_grad_lse):
     """One plan per direction, as compiled code holds it: the forward's first call goes through FA4's
     interface and is recorded; on sm_90 it then replays the recorded kernels (no interface call), the
     backward's with its scratch buffers allocated again, and every later call, forward and backward,
-    on new inputs, still matches the float64 reference. Memory the plans allocate comes from a NaN-filled
-    block (the caching allocator hands freed blocks out again), so an unwritten output shows."""
+    on new inputs (new kv_seqlens values, a new grad_lse), still matches the float64 reference. Memory the
+    plans allocate comes from NaN-filled blocks, so an unwritten output shows."""
     case = dict(case)
-    lens = case.pop("lens", None)
+    lens = case.pop("lens", None) or (None,) * 3
     dtype = torch.bfloat16
-    kv_seqlens = None if lens is None else torch.tensor(lens, device="cuda", dtype=torch.int32)
-    calls = [dense_call(dtype=dtype, kv_seqlens=kv_seqlens, seed=s, **case) for s in range(3)]
+    calls = [dense_call(dtype=dtype, seed=s, **case,
+                        kv_seqlens=None if n is None else torch.tensor(n, device="cuda", dtype=torch.int32))
+             for s, n in enumerate(lens)]
     fwd = FA4.plan(calls[0].problem, dev, Config(), "forward").launch
     bwd = FA4.plan(calls[0].problem, dev, Config.of(deterministic=deterministic), "backward").launch
     for i, call in enumerate(calls):
-        torch.full((64 << 20,), float("nan"), device="cuda")  # freed at once: its block is reused below
+        _poison(call.q, call.q[..., 0].float())
         out, lse = fwd(call)
         ref_out, ref_lse = REF.run(call, Config())
         assert check_output(out, lse, ref_out, ref_lse, dtype) is None, f"forward, call {i}"
         grad_out = torch.randn_like(out)
-        torch.full((64 << 20,), float("nan"), device="cuda")
-        got = bwd(call, out, lse, grad_out, None)
-        want = REF.backward(call, Config(), out, lse, grad_out, None)
+        grad_lse = torch.randn_like(lse) if with_grad_lse else None
+        _poison(call.q, call.k, call.v)
+        got = bwd(call, out, lse, grad_out, grad_lse)
+        want = REF.backward(call, Config(), out, lse, grad_out, grad_lse)
         for name, g, w in zip(("dq", "dk", "dv"), got, want):
             assert check_tensor(name, g, w, dtype) is None, f"backward, call {i}: {check_tensor(name, g, w, dtype)}"
         if fa4.family(dev.arch) == "sm90":
