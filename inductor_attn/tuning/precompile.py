@@ -4,11 +4,9 @@ JIT compilation is most of a cold tune (issue 16: seven problems took 140 s with
 14 s with warm ones, H200), so before a stage's gate (tuner.py):
 
 - plans with ``Plan.compile`` (Triton: ``kernel.warmup``) compile in the tuning thread, one after another,
-  while worker processes compile the candidates below. Not in threads of this process, as Inductor's
-  max-autotune precompiles its template choices (select_algorithm.py, ``make_precompile_fn``): with eight
-  compile threads, the tuning process met an illegal memory access in a later timing session in 5 of 7
-  processes, with the same compiles in the tuning thread in none of 5 (H100, benchmarks/RESULTS.md,
-  Findings; the mechanism is not found);
+  while worker processes compile the candidates below. Whether threads, as Inductor's max-autotune
+  precompiles its template choices with (select_algorithm.py, ``make_precompile_fn``), would shorten a
+  cold full search is not measured; a shipped table shortlists at most two candidates;
 - plans without it, of backends with ``compiles_to_disk`` (FA4: its CuTe DSL front end is Python that
   holds the GIL, and fa4.py serializes compiles under a lock), compile in worker processes
   (subproc.py), as Inductor compiles its generated kernels in a pool of subprocesses
