@@ -624,6 +624,23 @@ def test_the_training_suite_saves_after_each_shape(monkeypatch):
     assert saved == [names[:i + 1] for i in range(len(names))]  # what a kill after each shape would leave
 
 
+def test_training_shards_split_the_shapes_into_disjoint_parts_that_cover_them(monkeypatch, tmp_path):
+    from inductor_attn.bench import host_suites, training
+
+    monkeypatch.setattr(training, "run_shape", lambda shape, device, dtype: {"shape": shape.name, "paths": {}})
+    parts = [[row["shape"] for row in training.run(smoke=False, quick=False, device=torch.device("cpu"),
+                                                   part="ops", shard=(k, 3))["rows"]] for k in (1, 2, 3)]
+    assert sorted(sum(parts, [])) == sorted(s[0] for s in training.SHAPES) and parts[1] == [training.SHAPES[1][0],
+                                                                                          training.SHAPES[4][0]]
+    out = tmp_path / "training.json"
+    assert host_suites.run_wallclock_suite("training", smoke=True, quick=True, part="ops", out=out, command="x",
+                                           commit="c", shard=(2, 2)) == 0
+    saved = json.loads(out.read_text())
+    assert saved["meta"]["shard"] == "2/2" and [r["shape"] for r in saved["rows"]] == [training.SMOKE[1][0]]
+    assert host_suites.run_wallclock_suite("overhead", smoke=True, quick=True, part="ops", out=out, command="x",
+                                           commit="c", shard=(1, 2)) == 2
+
+
 def test_a_training_path_that_loses_the_cuda_context_stops_the_suite_where_it_happened(monkeypatch):
     from inductor_attn.bench import training
 

@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None,
                         help="write results here (default: bench/<suite>-<device>-<time>/ beside the decision store)")
     parser.add_argument("--shard", type=_shard, default=(1, 1), metavar="K/N",
-                        help="every N-th workload from the K-th: split a suite over several calls")
+                        help="every N-th workload (training: shape) from the K-th: split a suite over several calls")
     parser.add_argument("--rounds", type=int, default=None, help="timing rounds per workload (default 30; quick 20)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="seconds the call may take; no workload starts after 60%% of it (70%% with --quick), the "

@@ -28,7 +28,8 @@ def run_wallclock_suite(suite: str, *, smoke: bool, quick: bool, part: str, out:
 
     module = {"overhead": overhead, "training": training, "tuning-cost": tuning_cost}[suite]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    meta = {"suite": suite, "smoke": smoke, "quick": quick, "part": part, "command": command,
+    meta = {"suite": suite, "smoke": smoke, "quick": quick, "part": part, "shard": f"{shard[0]}/{shard[1]}",
+            "command": command,
             "commit": commit or git_commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -41,8 +42,12 @@ def run_wallclock_suite(suite: str, *, smoke: bool, quick: bool, part: str, out:
         print(f"error: --part {part} applies to the overhead and training suites; tuning-cost takes all, "
               "shipped, background or search", file=sys.stderr)
         return 2
-    if suite != "tuning-cost" and (budget_s is not None or shard != (1, 1)):
-        print(f"error: --budget-s and --shard apply to bench --suite tuning-cost, not {suite}", file=sys.stderr)
+    if suite != "tuning-cost" and budget_s is not None:
+        print(f"error: --budget-s applies to bench --suite tuning-cost, not {suite}", file=sys.stderr)
+        return 2
+    if suite == "overhead" and shard != (1, 1):
+        print("error: --shard applies to bench --suite training and tuning-cost (and the kernel suites), not "
+              "overhead", file=sys.stderr)
         return 2
     name = f"{suite}-{meta['device'].replace(' ', '_')}-{meta['date'][:16]}.json"
     path = out or default_path().parent / "bench" / name
@@ -54,7 +59,7 @@ def run_wallclock_suite(suite: str, *, smoke: bool, quick: bool, part: str, out:
         path.write_text(json.dumps({"meta": meta, **result}, indent=1, default=str))
 
     extra = ({"budget_s": budget_s, "shard": shard, "save": save} if suite == "tuning-cost" else
-             {"save": save} if suite == "training" else {})
+             {"save": save, "shard": shard} if suite == "training" else {})
     result = {"meta": meta, **module.run(smoke, quick, device, part, **extra)}
     save(result)
     label = "SMOKE (tiny shapes on this machine: not a measurement)" if smoke else meta["device"]

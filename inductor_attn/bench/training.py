@@ -236,13 +236,17 @@ def run_shape(shape: Shape, device, dtype) -> dict:
 
 
 def run(smoke: bool, quick: bool, device: torch.device, part: str = "all",
-        save: Callable[[dict], None] | None = None) -> dict:
+        save: Callable[[dict], None] | None = None, shard: tuple[int, int] = (1, 1)) -> dict:
     """The shapes (``part`` "ops") and the HF Llama steps (``part`` "models", not with ``quick``); ``save``
-    after each shape, so that a run killed from outside keeps the shapes it finished."""
+    after each shape, so that a run killed from outside keeps the shapes it finished. ``shard`` (k, n): every
+    n-th shape from the k-th (1-based), the HF Llama steps with the first shard only, so that n calls of a
+    device's time limit cover the suite once."""
     from .. import runtime
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shapes = SMOKE if smoke else [SHAPES[i] for i in QUICK] if quick else SHAPES
+    k, n = shard
+    shapes = shapes[k - 1::n]
     rows = []
     for s in shapes if part in ("all", "ops") else ():
         runtime.reset_stats()
@@ -253,7 +257,7 @@ def run(smoke: bool, quick: bool, device: torch.device, part: str = "all",
             break
     from .models import llama_training
 
-    wanted = part in ("all", "models") and not smoke and not quick and device.type == "cuda"
+    wanted = part in ("all", "models") and not smoke and not quick and device.type == "cuda" and k == 1
     return {"rows": rows, "llama": model_part(wanted, llama_training)}
 
 
