@@ -37,12 +37,17 @@ def test_every_runnable_sdpa_config_matches_the_reference(case, dtype):
     assert ran >= 1
 
 
+@pytest.mark.parametrize("grad_layout", ["BHLD", "BLHD"])
 @pytest.mark.parametrize("out_layout", ["BHLD", "BLHD"])
 @pytest.mark.parametrize("kernel", ["cudnn", "flash", "efficient"])
-def test_every_sdpa_backward_kernel_matches_the_reference_whatever_the_layout_of_out(kernel, out_layout):
-    # the efficient kernel assumes out's row stride (H * D): fed a (B, H, L, D)-contiguous out, it read wrong rows
+def test_every_sdpa_backward_kernel_matches_the_reference_whatever_the_layouts(kernel, out_layout, grad_layout):
+    # the gate hands a candidate out and grad_out in one layout; a user's step may hand either in another. The
+    # efficient kernel assumes out's row stride (H * D): fed a (B, H, L, D)-contiguous out, it read wrong rows
     from inductor_attn.backends.base import AttnCall
     from inductor_attn.tuning.measure import Direction
+
+    def laid_out(t, layout):
+        return t.contiguous() if layout == "BHLD" else t.transpose(1, 2).contiguous().transpose(1, 2)
 
     torch.manual_seed(0)
     q = torch.randn(2, 8, 1024, 128, device="cuda", dtype=torch.bfloat16)
@@ -50,10 +55,7 @@ def test_every_sdpa_backward_kernel_matches_the_reference_whatever_the_layout_of
     call = AttnCall("attention", q, k, v, 128 ** -0.5, causal=True)
     direction = Direction("backward", call)
     out, lse, grad_out, _ = direction.grads
-    if out_layout == "BLHD":
-        out = out.transpose(1, 2).contiguous().transpose(1, 2)
-    direction.grads = (out, lse, grad_out, None)
-    plan = direction.plan(call, f"sdpa:kernel={kernel}")
-    got = direction.run(plan, call)
+    direction.grads = (laid_out(out, out_layout), lse, laid_out(grad_out, grad_layout), None)
+    got = direction.run(direction.plan(call, f"sdpa:kernel={kernel}"), call)
     reason, err = direction.check(got, direction.reference(call), torch.bfloat16)
-    assert reason is None, (kernel, out_layout, err)
+    assert reason is None, (kernel, out_layout, grad_layout, err)
