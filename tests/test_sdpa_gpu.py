@@ -37,16 +37,19 @@ def test_every_runnable_sdpa_config_matches_the_reference(case, dtype):
     assert ran >= 1
 
 
-@pytest.mark.parametrize("grad_layout", ["BHLD", "BLHD"])
+@pytest.mark.parametrize("grad_layout", ["BHLD", "BLHD", "expanded"])
 @pytest.mark.parametrize("out_layout", ["BHLD", "BLHD"])
 @pytest.mark.parametrize("kernel", ["cudnn", "flash", "efficient"])
 def test_every_sdpa_backward_kernel_matches_the_reference_whatever_the_layouts(kernel, out_layout, grad_layout):
-    # the gate hands a candidate out and grad_out in one layout; a user's step may hand either in another. The
-    # efficient kernel assumes out's row stride (H * D): fed a (B, H, L, D)-contiguous out, it read wrong rows
+    # the gate hands a candidate out and grad_out in one layout; a user's step may hand either in another (eagerly,
+    # out.sum().backward() gives an expanded grad_out, all strides 0). The efficient kernel assumes out's row
+    # stride (H * D): fed a (B, H, L, D)-contiguous out, it read wrong rows
     from inductor_attn.backends.base import AttnCall
     from inductor_attn.tuning.measure import Direction
 
     def laid_out(t, layout):
+        if layout == "expanded":
+            return t.new_full((), 0.5).expand(t.shape)
         return t.contiguous() if layout == "BHLD" else t.transpose(1, 2).contiguous().transpose(1, 2)
 
     torch.manual_seed(0)
