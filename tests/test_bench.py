@@ -641,6 +641,29 @@ def test_training_shards_split_the_shapes_into_disjoint_parts_that_cover_them(mo
                                            commit="c", shard=(1, 2)) == 2
 
 
+@pytest.mark.slow
+def test_training_smoke_checks_every_path_and_times_them(reference_only, monkeypatch):
+    from inductor_attn.bench import training, wallclock
+
+    turns = []
+    real = wallclock.interleaved_measure
+
+    def interleaved(fns, **kw):
+        turns.append(list(fns))
+        return real(fns, rounds=2, **kw)
+
+    monkeypatch.setattr(training, "interleaved_measure", interleaved)
+    row = training.run_shape(training.Shape(*training.SMOKE[0]), torch.device("cpu"), torch.float32)
+    names = list(training.paths(training.Shape(*training.SMOKE[0]), torch.device("cpu")))
+    assert list(row["paths"]) == names and "stopped" not in row  # the suite's order, whatever ran when
+    for name, numbers in row["paths"].items():
+        if numbers.get("status") == "not available here":
+            continue
+        assert numbers["grad_rel_err"] < 1e-4 and numbers["host_us"] > 0 and numbers["wall_us"] > 0, name
+    # the paths under default settings take turns; the deterministic one is timed alone, after them
+    assert turns == [[n for n in names if n not in ("ours deterministic", "fa4 direct")]]
+
+
 def test_a_training_path_that_loses_the_cuda_context_stops_the_suite_where_it_happened(monkeypatch):
     from inductor_attn.bench import training
 

@@ -13,7 +13,8 @@ v for a fixed random output gradient (``torch.autograd.grad``, so nothing accumu
   ``ours block-sparse``: the mask with its documents dropped, so it runs our block-sparse kernels, as a
   mask that is not packed documents does.
 Each gets kernel us (profiler), wall us with plain launches, host us and peak memory of a step
-(wallclock.py), and the gradients' relative error against float64 next to SDPA's own.
+(wallclock.py), and the gradients' relative error against float64 next to SDPA's own; the paths of a shape
+are timed taking turns (``run_shape``).
 
 HF Llama training steps (forward, backward, AdamW) at two sizes: models.py.
 """
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from ..api import attention, varlen_attention
 from ..block_mask import BlockSparseMask
 from ..tuning.measure import device_error
-from .wallclock import measure, model_part, peak_memory
+from .wallclock import interleaved_measure, measure, model_part, peak_memory
 
 SHAPES = (
     # name, batch, heads_q, heads_kv, length, head_dim, causal, mask ("", "window", "document")
@@ -194,45 +195,68 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run_shape(shape: Shape, device, dtype) -> dict:
+    """One shape's row. Each path first runs once (compiling and tuning) and is checked against float64; the
+    paths that run under default settings are then timed taking turns (``interleaved_measure``). A
+    deterministic path compiles after a reset of Dynamo's caches (a graph compiled under other settings must
+    not be reused), so it is checked and timed after them, alone."""
     torch._dynamo.reset()
     q, k, v, g = shape.inputs(device, dtype)
     exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
     want = torch.autograd.grad(_sdpa(shape, device)(*exact), exact, g.double())
-    row = {"shape": shape.name, "paths": {}}
-    ours = None
-    for name, (fn, deterministic) in paths(shape, device).items():
-        if fn is None:
-            row["paths"][name] = {"status": "not available here"}
-            continue
-        if deterministic:
-            torch._dynamo.reset()  # a graph compiled under other settings must not be reused
-            torch.use_deterministic_algorithms(True)
-        lost = None
+    fns = paths(shape, device)
+    results = {name: {"status": "not available here"} for name, (fn, _) in fns.items() if fn is None}
+    default = {name: fn for name, (fn, det) in fns.items() if fn is not None and not det}
+    steps, stopped = _checked_steps(default, (q, k, v, g), want, results, device)
+    if steps and not stopped:
         try:
-            step = training_step(fn, q, k, v, g)
-            grads = step()
-            result = {"grad_rel_err": max(_rel(x, w) for x, w in zip(grads, want))}
-            result.update(measure(step))
-            result["peak_bytes"] = peak_memory(step)
-            if device.type == "cuda":
-                torch.cuda.synchronize()  # an asynchronous CUDA error belongs to this path, not the next
-        except Exception as err:  # noqa: BLE001 - one failing path must not lose the others
-            result = {"status": f"failed: {type(err).__name__}: {str(err)[:200]}"}
-            lost = device_error(device)
+            for name, numbers in interleaved_measure(steps).items():
+                results[name].update(numbers)
+        except Exception as err:  # noqa: BLE001 - keep the checks' results
+            for name in steps:
+                results[name]["status"] = f"timing failed: {type(err).__name__}: {str(err)[:200]}"
+            if device_error(device):
+                stopped = f"timing: {type(err).__name__}: {str(err)[:200]}"
+    for name, (fn, det) in fns.items():
+        if fn is None or not det or stopped:
+            continue
+        torch._dynamo.reset()
+        torch.use_deterministic_algorithms(True)
+        try:
+            step, stopped = _checked_steps({name: fn}, (q, k, v, g), want, results, device)
+            if step:
+                results[name].update(measure(step[name]))
         finally:
-            if deterministic:
-                torch.use_deterministic_algorithms(False)
-        if name == "ours":
-            ours = result
-        row["paths"][name] = result
-        if lost:  # every later path would fail with the same sticky error
-            row["stopped"] = f"{name}: {result['status']}"
-            break
-    if ours is not None:
+            torch.use_deterministic_algorithms(False)
+    row = {"shape": shape.name, "paths": {name: results[name] for name in fns if name in results}}
+    if stopped:
+        row["stopped"] = stopped
+    if "ours" in results:
         from .. import runtime
 
         row["ours_kernels"] = runtime.stats()
     return row
+
+
+def _checked_steps(fns: dict, inputs: tuple, want, results: dict, device) -> tuple[dict, str | None]:
+    """Each function's training step run once: its gradients' error against ``want`` and its peak memory go
+    to ``results``, or the error it raised. Returns the steps that ran, and "name: status" of the one that
+    left the CUDA context unusable (the paths after it are not run: each would fail with the same sticky
+    error)."""
+    steps = {}
+    for name, fn in fns.items():
+        try:
+            step = training_step(fn, *inputs)
+            grads = step()
+            results[name] = {"grad_rel_err": max(_rel(x, w) for x, w in zip(grads, want)),
+                             "peak_bytes": peak_memory(step)}
+            if device.type == "cuda":
+                torch.cuda.synchronize()  # an asynchronous CUDA error belongs to this path, not the next
+            steps[name] = step
+        except Exception as err:  # noqa: BLE001 - one failing path must not lose the others
+            results[name] = {"status": f"failed: {type(err).__name__}: {str(err)[:200]}"}
+            if device_error(device):
+                return steps, f"{name}: {results[name]['status']}"
+    return steps, None
 
 
 def run(smoke: bool, quick: bool, device: torch.device, part: str = "all",

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 BURST = 50  # calls per host-time burst: under the launch queue depth even at ~10 kernels a call
+KERNEL_ROUNDS = 3  # profiles per function in interleaved_measure (each a profiler session of 10 calls)
 
 
 def _sync() -> None:
@@ -68,17 +69,23 @@ def interleaved_wall_us(fns: dict[str, Callable[[], object]], calls: int, rounds
 
 def interleaved_measure(fns: dict[str, Callable[[], object]], rounds: int = 5,
                         kernels: bool = True) -> dict[str, dict]:
-    """``measure`` of each function, after warm-up, with their host bursts and wall runs taking turns as in
-    ``interleaved_wall_us``: host us the best burst, wall us the median run of 200 calls."""
+    """``measure`` of each function, after warm-up, with their host bursts, wall runs and profiled kernel
+    runs taking turns as in ``interleaved_wall_us``: host us the best burst, wall us the median run of 200
+    calls, kernel us the median of ``KERNEL_ROUNDS`` profiles: a drift of the GPU's clocks or of the host
+    falls on all of them, not on whichever ran then."""
     for fn in fns.values():
         warm(fn)
     host: dict[str, list[float]] = {name: [] for name in fns}
     wall: dict[str, list[float]] = {name: [] for name in fns}
+    kernel: dict[str, list[float]] = {name: [] for name in fns}
     for name in _turns(list(fns), rounds):
         host[name].append(host_us(fns[name], bursts=1))
         wall[name].append(wall_us(fns[name], repeats=1))
+    if kernels and torch.cuda.is_available():
+        for name in _turns(list(fns), KERNEL_ROUNDS):
+            kernel[name].append(kernel_us(fns[name]))
     return {name: {"host_us": min(host[name]), "wall_us": statistics.median(wall[name]),
-                   "kernel_us": kernel_us(fn) if kernels else None} for name, fn in fns.items()}
+                   "kernel_us": statistics.median(kernel[name]) if kernel[name] else None} for name in fns}
 
 
 def kernel_events(fn: Callable[[], object], calls: int = 10) -> list:
