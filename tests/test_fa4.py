@@ -786,3 +786,42 @@ def test_backward_values_that_fa4_would_copy_are_copied_before_it_sees_them(monk
     lse, grad_lse = (torch.zeros(1 + 2 * 16)[1:].view(1, 2, 16) for _ in range(2))  # 4-byte offsets
     plan.launch(call, out, lse, grad_out, grad_lse)
     assert all(t.data_ptr() % 16 == 0 and t.is_contiguous() for t in seen)
+
+
+def _recorded(calls: list, values: tuple) -> fa4._Replay | None:
+    """A replay rebuilt from ``calls`` (kernel, args) as a recording would have noted them over ``values``."""
+    recording = fa4._Recording([])
+    recording.thread = threading.get_ident()
+    for fn, args in calls:
+        recording.note(fn, args)
+    return recording.replay(values, scratch=True)
+
+
+def _kernel(*args):
+    return None
+
+
+@pytest.mark.parametrize("made_by_fa4, why", [
+    (lambda q, lse: q.clone(), "a copy in q's dtype is an input's copy, not a buffer of FA4's own"),
+    (lambda q, lse: lse.view(-1)[1:9], "it overlaps a value without being it"),
+    (lambda q, lse: torch.ones(4, dtype=torch.int32), "an integer tensor handed over non-zero: an index or counter"),
+])
+def test_a_recording_holding_a_tensor_no_replay_can_remake_is_refused(made_by_fa4, why):
+    q, lse = torch.randn(2, 16, dtype=torch.float16), torch.randn(2, 16)
+    assert _recorded([(_kernel, (q, lse, made_by_fa4(q, lse)))], (q, lse)) is None, why
+    assert _recorded([(_kernel, (q, lse, torch.zeros(4)))], (q, lse)) is not None  # a buffer of FA4's own
+
+
+def test_a_recording_refuses_one_buffer_passed_with_two_layouts():
+    q = torch.randn(2, 16, dtype=torch.float16)
+    buf = torch.zeros(4, 8)
+    assert _recorded([(_kernel, (q, buf)), (_kernel, (q, buf.view(8, 4)))], (q,)) is None
+
+
+def test_a_replay_allocates_fa4s_buffers_again_zeroed_where_they_were_handed_over_zeroed():
+    q = torch.randn(2, 16, dtype=torch.float16)
+    semaphores, accum = torch.zeros(4, dtype=torch.int32), torch.full((2, 16), 3.0)
+    replay = _recorded([(_kernel, (q, semaphores, accum)), (_kernel, (accum, 0.5))], (q,))
+    assert replay is not None and [kind for kind, _ in replay.steps[0][1]] == [fa4._ROLE, fa4._SCRATCH, fa4._SCRATCH]
+    assert replay.scratch == [((4,), (1,), torch.int32, True), ((2, 16), (16, 1), torch.float32, False)]
+    assert replay.steps[1][1] == [(fa4._SCRATCH, 1), (fa4._CONST, 0.5)]  # one buffer, one role, across kernels
