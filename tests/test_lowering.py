@@ -247,6 +247,13 @@ def test_the_pass_chains_a_pass_the_user_already_set_and_uninstall_restores_it()
         assert torch._inductor.config.post_grad_custom_post_pass is user
 
 
+def _meta_attention_tensor(heads: int, layout: str = "BLHD") -> torch.Tensor:
+    """A bf16 (2, heads, 256, 64) meta tensor over (B, L, H, D) memory, or (B, H, L, D) memory for "BHLD"."""
+    if layout == "BHLD":
+        return torch.empty(2, heads, 256, 64, dtype=torch.bfloat16, device="meta")
+    return torch.empty(2, 256, heads, 64, dtype=torch.bfloat16, device="meta").transpose(1, 2)
+
+
 @pytest.mark.parametrize("direction", ["forward", "inference", "backward"])
 def test_a_traced_sdpa_plan_keeps_views_and_copies_nothing(direction):
     # functionalizing views away made a copy kernel of the lse per call in compiled code (HF Llama, H100)
@@ -257,9 +264,7 @@ def test_a_traced_sdpa_plan_keeps_views_and_copies_nothing(direction):
     from inductor_attn.ops.attention import AttnCall
 
     with FakeTensorMode():  # meta tensors: the cuDNN ops' shape functions run on this CPU-only machine
-        def blhd(heads):
-            return torch.empty(2, 256, heads, 64, dtype=torch.bfloat16, device="meta").transpose(1, 2)
-
+        blhd = _meta_attention_tensor
         q, k, v, out, grad = blhd(8), blhd(2), blhd(2), blhd(8), blhd(8)
         lse = torch.empty(2, 8, 256, device="meta")
 
@@ -287,12 +292,8 @@ def test_the_efficient_backward_gets_out_in_the_layout_its_kernel_assumes(out_la
     from inductor_attn.ops.attention import AttnCall
 
     with FakeTensorMode():
-        def make(heads, layout):
-            shape = (2, heads, 256, 64) if layout == "BHLD" else (2, 256, heads, 64)
-            t = torch.empty(*shape, dtype=torch.bfloat16, device="meta")
-            return t if layout == "BHLD" else t.transpose(1, 2)
-
-        q, k, v, out, grad = make(8, "BLHD"), make(2, "BLHD"), make(2, "BLHD"), make(8, out_layout), make(8, "BLHD")
+        make = _meta_attention_tensor
+        q, k, v, out, grad = make(8), make(2), make(2), make(8, out_layout), make(8)
         lse = torch.empty(2, 8, 256, device="meta")
 
     def launch(q, k, v, out, lse, grad):

@@ -29,8 +29,7 @@ def run_wallclock_suite(suite: str, *, smoke: bool, quick: bool, part: str, out:
     module = {"overhead": overhead, "training": training, "tuning-cost": tuning_cost}[suite]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     meta = {"suite": suite, "smoke": smoke, "quick": quick, "part": part, "shard": f"{shard[0]}/{shard[1]}",
-            "command": command,
-            "commit": commit or git_commit(),
+            "command": command, "commit": commit or git_commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "versions": library_versions()}

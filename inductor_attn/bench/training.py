@@ -222,9 +222,9 @@ def run_shape(shape: Shape, device, dtype) -> dict:
         torch._dynamo.reset()
         torch.use_deterministic_algorithms(True)
         try:
-            step, stopped = _checked_steps({name: fn}, (q, k, v, g), want, results, device)
-            if step:
-                results[name].update(measure(step[name]))
+            checked, stopped = _checked_steps({name: fn}, (q, k, v, g), want, results, device)
+            if checked:
+                results[name].update(measure(checked[name]))
         finally:
             torch.use_deterministic_algorithms(False)
     row = {"shape": shape.name, "paths": {name: results[name] for name in fns if name in results}}
