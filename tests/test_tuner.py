@@ -208,6 +208,24 @@ def test_compiled_code_takes_a_traced_candidate_when_the_winners_host_time_eats_
     assert host >= 1e3 * host_s and next(c for c in result.candidates if c.name == "a:default").traced
 
 
+def test_host_time_is_the_launching_threads_cpu_time_not_time_spent_waiting():
+    """Inside a tune, compile workers and other threads share the cores: a launch that waits for them (here,
+    sleeps) is charged what it ran, not the wall-clock time it took."""
+    from inductor_attn.tuning.tuner import _host_ms
+
+    def waits():
+        time.sleep(0.02)
+
+    def spins():
+        spent = time.thread_time() + 0.02
+        while time.thread_time() < spent:
+            pass
+
+    cpu = torch.device("cpu")
+    assert _host_ms(waits, cpu, bursts=1, calls=2) < 5.0
+    assert _host_ms(spins, cpu, bursts=1, calls=2) >= 20.0
+
+
 def test_host_time_of_an_untraced_candidate_goes_through_the_launch_op_and_is_not_counted(monkeypatch):
     from inductor_attn import runtime
 

@@ -1,12 +1,14 @@
 """Run training-suite paths of one shape step by step, synchronizing after each: where a CUDA error starts.
 
     PYTHONPATH=. python benchmarks/tools/training_path.py "B4 H16/4 L2k D64 causal" [--paths ours] [--steps 3]
+        [--explain]
     compute-sanitizer --tool memcheck python benchmarks/tools/training_path.py "B4 H16/4 L2k D64 causal"
 
 The paths (bench/training.py's ``paths``, in the suite's order unless ``--paths`` names some) run on a fresh
 decision store, so ``ours`` tunes as it does in the suite. Each step is followed by a synchronize and a line
 naming the path and step, so an asynchronous error is charged to the step that launched it; under
-compute-sanitizer the first report names the kernel.
+compute-sanitizer the first report names the kernel. ``--explain`` then prints ``cache explain`` of every
+decision the run stored: each candidate's device and host time, and what compiled code runs and why.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def main() -> None:
     parser.add_argument("--paths", nargs="+", help="path names (default: all, in the suite's order)")
     parser.add_argument("--steps", type=int, default=3, help="steps per path")
     parser.add_argument("--log", action="store_true", help="log the tuner's steps (compiles, failures)")
+    parser.add_argument("--explain", action="store_true", help="print every stored decision's explanation")
     args = parser.parse_args()
     if args.log:
         logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
@@ -55,6 +58,11 @@ def main() -> None:
                     raise
                 print(f"{name}: step {i} ok", flush=True)
             torch.use_deterministic_algorithms(False)
+        if args.explain:
+            from inductor_attn import cache
+
+            for row in cache.list_decisions(cache.get_store()):
+                print(cache.explain(row["key"]), flush=True)
 
 
 def print_chain(err: BaseException) -> None:

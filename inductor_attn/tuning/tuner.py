@@ -35,7 +35,7 @@ which the benchmark shares):
    beat cuDNN's 315 us per call and made a B4 L2k fwd+bwd step 0.44x eager SDPA). Where the program is
    device-bound instead, this costs at most the winner's device-time lead, which is below its launch
    time whenever the rule changes the choice. Each candidate's host time is measured as the CPU time of
-   its launch as compiled code makes it (``host_ms``). A traced candidate costs Inductor's launcher only.
+   its launch as compiled code makes it, by the launching thread's CPU clock (``host_ms``). A traced candidate costs Inductor's launcher only.
 """
 
 from __future__ import annotations
@@ -438,14 +438,17 @@ def _seconds(state: _Search, start: float) -> dict[str, float]:
 
 
 def _host_ms(launch, device: torch.device, bursts: int = 3, calls: int = 5) -> float:
-    """CPU time of one launch: bursts short enough for the launch queue, so the CPU never waits."""
+    """CPU time of one launch: bursts short enough for the launch queue, so the CPU never waits for the GPU,
+    timed by this thread's CPU clock, so that what other threads and processes take of the cores meanwhile
+    (the tune's compile workers, Inductor's) is not charged to the launch (wall-clock bursts read 4-5x a
+    launch's CPU time inside a tune, benchmarks/RESULTS.md, Findings)."""
     best = float("inf")
     for _ in range(bursts):
         sync(device)
-        start = time.perf_counter()
+        start = time.thread_time()
         for _ in range(calls):
             launch()
-        best = min(best, (time.perf_counter() - start) / calls)
+        best = min(best, (time.thread_time() - start) / calls)
         sync(device)
     return best * 1e3
 
