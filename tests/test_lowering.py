@@ -306,6 +306,32 @@ def test_the_efficient_backward_gets_out_in_the_layout_its_kernel_assumes(out_la
     assert given.shape == (2, 8, 256, 64) and given.stride(3) == 1 and given.stride(2) == 8 * 64
 
 
+@pytest.mark.parametrize("q_layout, other_layout", [("BHLD", "BLHD"), ("BLHD", "BHLD"), ("BHLD", "BHLD")])
+def test_the_cudnn_backward_gets_out_and_grad_out_in_qs_layout(q_layout, other_layout):
+    # out or grad_out laid out unlike q gave a wrong dq (tests/test_sdpa_gpu.py, torch 2.11, H100)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from inductor_attn._compat import trace_functional
+    from inductor_attn.backends import sdpa
+    from inductor_attn.layout import stride_order
+    from inductor_attn.ops.attention import AttnCall
+
+    with FakeTensorMode():
+        make = _meta_attention_tensor
+        q, k, v = make(8, q_layout), make(2, q_layout), make(2, q_layout)
+        out, grad = make(8, other_layout), make(8, other_layout)
+        lse = torch.empty(2, 8, 256, device="meta")
+
+    def launch(q, k, v, out, lse, grad):
+        call = AttnCall("attention", q, k, v, 0.125, True, -1, -1, None)
+        return tuple(sdpa._launch_backward("cudnn", False, call, out, lse, grad, None))
+
+    graph = trace_functional(launch, [q, k, v, out, lse, grad]).graph
+    (bwd,) = [n for n in graph.nodes if "cudnn_attention_backward" in str(n.target)]
+    want = stride_order(q)
+    assert stride_order(bwd.args[0].meta["val"]) == want and stride_order(bwd.args[4].meta["val"]) == want
+
+
 @pytest.mark.parametrize("scale", [0.125, 0.3])
 def test_a_traced_sdpa_call_names_the_scale_only_where_it_is_not_the_ops_default(scale):
     # a keyword argument costs every compiled call host time in the aten op's argument parsing; stock passes none
