@@ -112,7 +112,8 @@ def _launch_backward(kernel: str, needs_bias: bool, call: AttnCall, out, lse, gr
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
             grad_out, q, k, v, out, lse, None, None, lq, lk, 0.0, is_causal, None, None, **kw)
     elif kernel == "cudnn":
-        # out or grad_out laid out unlike q gave wrong dq (rel. error 0.6, torch 2.11, H100): q's layout for both
+        # out or grad_out laid out unlike q gave a wrong dq (rel. error 0.6, torch 2.11, H100); aten's own forward
+        # writes out in q's layout (pytorch #138354), so that is the layout this backward is exercised with
         dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
             conform(grad_out, q), q, k, v, conform(out, q), lse.unsqueeze(-1), None, None, bias, None, None, lq, lk, 0.0, is_causal, **kw)
     else:
