@@ -282,54 +282,46 @@ def test_a_traced_sdpa_plan_keeps_views_and_copies_nothing(direction):
         assert cudnn.args[4] is False and len(graph.output_node().args[0]) == 1
 
 
-@pytest.mark.parametrize("out_layout", ["BLHD", "BHLD"])
-def test_the_efficient_backward_gets_out_in_the_layout_its_kernel_assumes(out_layout):
-    # its kernel reads out's rows at a stride of H * D whatever out's strides say (kernel_backward.h, o_strideM)
+def _traced_sdpa_backward_args(kernel: str, layouts: dict) -> list:
+    """The arguments of the aten backward op that a traced SDPA ``kernel`` backward plan calls, its q, k, v, out
+    and grad_out being bf16 meta tensors of the given layouts ("BLHD" or "BHLD"; GQA: 8 query, 2 kv heads)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from inductor_attn._compat import trace_functional
     from inductor_attn.backends import sdpa
     from inductor_attn.ops.attention import AttnCall
 
-    with FakeTensorMode():
-        make = _meta_attention_tensor
-        q, k, v, out, grad = make(8), make(2), make(2), make(8, out_layout), make(8)
+    with FakeTensorMode():  # meta tensors: the ops' shape functions run on this CPU-only machine
+        heads = {"q": 8, "k": 2, "v": 2, "out": 8, "grad_out": 8}
+        q, k, v, out, grad = (_meta_attention_tensor(heads[name], layouts[name]) for name in heads)
         lse = torch.empty(2, 8, 256, device="meta")
 
     def launch(q, k, v, out, lse, grad):
         call = AttnCall("attention", q, k, v, 0.125, True, -1, -1, None)
-        return tuple(sdpa._launch_backward("efficient", False, call, out, lse, grad, None))
+        return tuple(sdpa._launch_backward(kernel, False, call, out, lse, grad, None))
 
     graph = trace_functional(launch, [q, k, v, out, lse, grad]).graph
-    (bwd,) = [n for n in graph.nodes if "efficient_attention_backward" in str(n.target)]
-    given = bwd.args[5].meta["val"]
+    (bwd,) = [n for n in graph.nodes if f"{kernel}_attention_backward" in str(n.target)]
+    return [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in bwd.args]
+
+
+@pytest.mark.parametrize("out_layout", ["BLHD", "BHLD"])
+def test_the_efficient_backward_gets_out_in_the_layout_its_kernel_assumes(out_layout):
+    # its kernel reads out's rows at a stride of H * D whatever out's strides say (kernel_backward.h, o_strideM)
+    layouts = {"q": "BLHD", "k": "BLHD", "v": "BLHD", "out": out_layout, "grad_out": "BLHD"}
+    given = _traced_sdpa_backward_args("efficient", layouts)[5]
     assert given.shape == (2, 8, 256, 64) and given.stride(3) == 1 and given.stride(2) == 8 * 64
 
 
 @pytest.mark.parametrize("q_layout, other_layout", [("BHLD", "BLHD"), ("BLHD", "BHLD"), ("BHLD", "BHLD")])
 def test_the_cudnn_backward_gets_out_and_grad_out_in_qs_layout(q_layout, other_layout):
     # out or grad_out laid out unlike q gave a wrong dq (tests/test_sdpa_gpu.py, torch 2.11, H100)
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from inductor_attn._compat import trace_functional
-    from inductor_attn.backends import sdpa
     from inductor_attn.layout import stride_order
-    from inductor_attn.ops.attention import AttnCall
 
-    with FakeTensorMode():
-        make = _meta_attention_tensor
-        q, k, v = make(8, q_layout), make(2, q_layout), make(2, q_layout)
-        out, grad = make(8, other_layout), make(8, other_layout)
-        lse = torch.empty(2, 8, 256, device="meta")
-
-    def launch(q, k, v, out, lse, grad):
-        call = AttnCall("attention", q, k, v, 0.125, True, -1, -1, None)
-        return tuple(sdpa._launch_backward("cudnn", False, call, out, lse, grad, None))
-
-    graph = trace_functional(launch, [q, k, v, out, lse, grad]).graph
-    (bwd,) = [n for n in graph.nodes if "cudnn_attention_backward" in str(n.target)]
-    want = stride_order(q)
-    assert stride_order(bwd.args[0].meta["val"]) == want and stride_order(bwd.args[4].meta["val"]) == want
+    layouts = {"q": q_layout, "k": q_layout, "v": q_layout, "out": other_layout, "grad_out": other_layout}
+    args = _traced_sdpa_backward_args("cudnn", layouts)
+    want = stride_order(args[1])
+    assert stride_order(args[0]) == want and stride_order(args[4]) == want
 
 
 @pytest.mark.parametrize("scale", [0.125, 0.3])
