@@ -8,7 +8,7 @@ The paths (bench/training.py's ``paths``, in the suite's order unless ``--paths`
 decision store, so ``ours`` tunes as it does in the suite. Each step is followed by a synchronize and a line
 naming the path and step, so an asynchronous error is charged to the step that launched it; under
 compute-sanitizer the first report names the kernel. ``--explain`` then prints ``cache explain`` of every
-decision the run stored: each candidate's device and host time, and what compiled code runs and why.
+decision the run tuned: each candidate's device and host time, and what compiled code runs and why.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--paths", nargs="+", help="path names (default: all, in the suite's order)")
     parser.add_argument("--steps", type=int, default=3, help="steps per path")
     parser.add_argument("--log", action="store_true", help="log the tuner's steps (compiles, failures)")
-    parser.add_argument("--explain", action="store_true", help="print every stored decision's explanation")
+    parser.add_argument("--explain", action="store_true", help="print the explanation of every decision this run tuned")
     args = parser.parse_args()
     if args.log:
         logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
@@ -61,8 +61,10 @@ def main() -> None:
         if args.explain:
             from inductor_attn import cache
 
-            for row in cache.list_decisions(cache.get_store()):
-                print(cache.explain(row["key"]), flush=True)
+            store = cache.get_store()
+            for row in cache.list_decisions(store):
+                if row["store"] == store.writable.describe():  # tuned by this run, not shipped
+                    print(cache.explain(row["key"]), flush=True)
 
 
 def print_chain(err: BaseException) -> None:
