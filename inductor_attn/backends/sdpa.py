@@ -115,7 +115,8 @@ def _launch_backward(kernel: str, needs_bias: bool, call: AttnCall, out, lse, gr
         # out or grad_out laid out unlike q gave a wrong dq (rel. error 0.6, torch 2.11, H100); aten's own forward
         # writes out in q's layout (pytorch #138354), so that is the layout this backward is exercised with
         dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
-            conform(grad_out, q), q, k, v, conform(out, q), lse.unsqueeze(-1), None, None, bias, None, None, lq, lk, 0.0, is_causal, **kw)
+            conform(grad_out, q), q, k, v, conform(out, q), lse.unsqueeze(-1), None, None, bias, None, None, lq, lk,
+            0.0, is_causal, **kw)
     else:
         kr, vr = (k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)) if group > 1 else (k, v)
         # the efficient kernels keep the lse padded to whole 32-row blocks (its forward returns it so)

@@ -35,7 +35,8 @@ which the benchmark shares):
    beat cuDNN's 315 us per call and made a B4 L2k fwd+bwd step 0.44x eager SDPA). Where the program is
    device-bound instead, this costs at most the winner's device-time lead, which is below its launch
    time whenever the rule changes the choice. Each candidate's host time is measured as the CPU time of
-   its launch as compiled code makes it, by the launching thread's CPU clock (``host_ms``). A traced candidate costs Inductor's launcher only.
+   its launch as compiled code makes it, by the launching thread's CPU clock (``host_ms``). A traced
+   candidate costs Inductor's launcher only.
 """
 
 from __future__ import annotations
