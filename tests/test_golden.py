@@ -84,9 +84,14 @@ def launches(code: str) -> str:
 
 
 def _fake_clock():
-    """A perf_counter that advances 10 ms per reading: first-call and host times become exact."""
+    """A perf_counter (and thread CPU clock, which host times read) that advances 10 ms per reading: first-call
+    and host times become exact."""
     ticks = itertools.count()
-    return types.SimpleNamespace(perf_counter=lambda: next(ticks) * 1e-2)
+
+    def reading():
+        return next(ticks) * 1e-2
+
+    return types.SimpleNamespace(perf_counter=reading, thread_time=reading)
 
 
 class GoldenTest(expecttest.TestCase):
