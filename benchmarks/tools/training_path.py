@@ -29,7 +29,8 @@ def main() -> None:
     parser.add_argument("--paths", nargs="+", help="path names (default: all, in the suite's order)")
     parser.add_argument("--steps", type=int, default=3, help="steps per path")
     parser.add_argument("--log", action="store_true", help="log the tuner's steps (compiles, failures)")
-    parser.add_argument("--explain", action="store_true", help="print the explanation of every decision this run tuned")
+    parser.add_argument("--explain", action="store_true",
+                        help="print the explanation of every decision this run tuned")
     args = parser.parse_args()
     if args.log:
         logging.basicConfig(format="%(asctime)s %(name)s %(message)s")

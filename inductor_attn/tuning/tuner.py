@@ -442,7 +442,7 @@ def _host_ms(launch, device: torch.device, bursts: int = 3, calls: int = 5) -> f
     """CPU time of one launch: bursts short enough for the launch queue, so the CPU never waits for the GPU,
     timed by this thread's CPU clock, so that what other threads and processes take of the cores meanwhile
     (the tune's compile workers, Inductor's) is not charged to the launch (wall-clock bursts read 4-5x a
-    launch's CPU time inside a tune, benchmarks/RESULTS.md, Findings)."""
+    launch's CPU time inside a tune, benchmarks/RESULTS.md, Training, 2026-11-28)."""
     best = float("inf")
     for _ in range(bursts):
         sync(device)
