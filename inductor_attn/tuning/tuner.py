@@ -441,8 +441,8 @@ def _seconds(state: _Search, start: float) -> dict[str, float]:
 def _host_ms(launch, device: torch.device, bursts: int = 3, calls: int = 5) -> float:
     """CPU time of one launch: bursts short enough for the launch queue, so the CPU never waits for the GPU,
     timed by this thread's CPU clock, so that what other threads and processes take of the cores meanwhile
-    (the tune's compile workers, Inductor's) is not charged to the launch (wall-clock bursts read 4-5x a
-    launch's CPU time inside a tune, benchmarks/RESULTS.md, Training, 2026-11-28)."""
+    (the tune's compile workers, Inductor's) is not charged to the launch (wall-clock bursts read 1.5-5x a
+    lone launch's time inside a tune, benchmarks/RESULTS.md, Training, 2026-11-28)."""
     best = float("inf")
     for _ in range(bursts):
         sync(device)
