@@ -62,3 +62,23 @@ def test_every_sdpa_backward_kernel_matches_the_reference_whatever_the_layouts(k
     got = direction.run(direction.plan(call, f"sdpa:kernel={kernel}"), call)
     reason, err = direction.check(got, direction.reference(call), torch.bfloat16)
     assert reason is None, (kernel, out_layout, grad_layout, err)
+
+
+def test_the_cudnn_backward_stays_right_when_grad_outs_layout_changes_between_calls():
+    """Stock eager SDPA on cuDNN (torch 2.11) gives a wrong dq for a grad_out laid out unlike the first call's in
+    the same process (RESULTS.md, Findings): ours hands it q's layout every time."""
+    from inductor_attn.backends.base import AttnCall
+    from inductor_attn.tuning.measure import Direction
+
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(2, 8, 512, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    call = AttnCall("attention", q, k, v, 128 ** -0.5, causal=True)
+    direction = Direction("backward", call)
+    out, lse, grad_out, _ = direction.grads
+    plan = direction.plan(call, "sdpa:kernel=cudnn")
+    want = direction.reference(call)
+    for layout in ("BHLD", "BLHD", "BHLD", "BLHD"):
+        g = grad_out.contiguous() if layout == "BHLD" else grad_out.transpose(1, 2).contiguous().transpose(1, 2)
+        direction.grads = (out, lse, g, None)
+        reason, err = direction.check(direction.run(plan, call), want, torch.bfloat16)
+        assert reason is None, (layout, err)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU test suite on a device machine, logs and a JUnit file under $OUT (default: ./gpu-test-results).
-# Usage, from the repository root: bash benchmarks/tools/gpu_tests.sh [half1 | half2 | pytest args, e.g. test files]
+# Usage, from the repository root: bash benchmarks/tools/gpu_tests.sh [half1 | half2] [pytest args, e.g. test files, -v]
 # The whole suite takes longer than one 600 s device call (about 86% ran in 560 s on an H100): `half1` runs the
 # FA4 and mask-sequence tests (the longest), `half2` everything else; run them in two calls.
 # With the FA4 bundle: `source .devdeps/unpack.sh && bash benchmarks/tools/gpu_tests.sh`.
@@ -26,8 +26,8 @@ args=("$@")
 first_half=(tests/test_fa4_gpu.py tests/test_mask_sequence_gpu.py)
 case "${1:-}" in
   "") args=(tests) ;;
-  half1) args=("${first_half[@]}") ;;
-  half2) args=(tests "${first_half[@]/#/--ignore=}") ;;
+  half1) args=("${first_half[@]}" "${@:2}") ;;
+  half2) args=(tests "${first_half[@]/#/--ignore=}" "${@:2}") ;;
 esac
 python -m pytest -q -m "gpu and not multigpu" "${workers[@]}" -p no:cacheprovider --junitxml "$out/gpu_tests.xml" \
   "${ignore[@]}" "${args[@]}" 2>&1 | tee "$out/gpu_tests.log"

@@ -112,8 +112,9 @@ def _launch_backward(kernel: str, needs_bias: bool, call: AttnCall, out, lse, gr
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
             grad_out, q, k, v, out, lse, None, None, lq, lk, 0.0, is_causal, None, None, **kw)
     elif kernel == "cudnn":
-        # out or grad_out laid out unlike q gave a wrong dq (rel. error 0.6, torch 2.11, H100); aten's own forward
-        # writes out in q's layout (pytorch #138354), so that is the layout this backward is exercised with
+        # aten's cuDNN backward reuses a graph built for another grad_out layout: on torch 2.11 (H100) stock eager
+        # SDPA's dq is off by 1.4 (rel.) for a BLHD grad_out after a BHLD one, and for BHLD after BLHD. With out
+        # and grad_out always in q's layout (aten's own forward writes out so, pytorch #138354) it sees one
         dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
             conform(grad_out, q), q, k, v, conform(out, q), lse.unsqueeze(-1), None, None, bias, None, None, lq, lk,
             0.0, is_causal, **kw)
@@ -170,9 +171,10 @@ class SdpaBackend(Backend):
         # aten ops and the bias's torch ops: the graph can hold them
         if direction == "backward":
             launch = functools.partial(_launch_backward, cfg["kernel"], _needs_bias(p))
-            return Plan(launch, traced=launch)
+            return Plan(launch, traced=launch, traced_is_aten=True)
         launch = functools.partial(_launch, cfg["kernel"], _needs_bias(p))
-        return Plan(launch, traced=launch, traced_out_only=functools.partial(launch, with_lse=False))
+        return Plan(launch, traced=launch, traced_out_only=functools.partial(launch, with_lse=False),
+                    traced_is_aten=True)
 
 
 def _pruned(p: Problem, kernel: str, direction: str = "forward") -> str | None:
