@@ -20,12 +20,14 @@ from inductor_attn.backends.reference import run_backward, run_forward
 class FakeBackend(Backend):
     """``times``: {config string: (mean ms, std ms)}; ``wrong``/``fail``: config strings that misbehave.
     Its plans compute through the reference's torch code; with ``traceable=True`` they offer that code as
-    their traced form too, so compiled graphs hold it (a stand-in for Triton and aten plans on the CPU)."""
+    their traced form too, so compiled graphs hold it (a stand-in for Triton and aten plans on the CPU);
+    ``traced_host_s``: a forward traced form of aten calls (SDPA's) that spends that much CPU time per run."""
 
     has_backward = True
 
     def __init__(self, name: str, times: dict[str, tuple[float, float]], wrong=(), fail=(), prune=None,
-                 supports_reason=None, heuristic=None, traceable=False, host_s=0.0, checks_kv_seqlens=False):
+                 supports_reason=None, heuristic=None, traceable=False, host_s=0.0, checks_kv_seqlens=False,
+                 traced_host_s=None):
         self.name = name
         self.times = times
         self.wrong, self.fail = set(wrong), set(fail)
@@ -35,6 +37,7 @@ class FakeBackend(Backend):
         self.traceable = traceable
         self.host_s = host_s  # CPU time each eager launch spends (a Python launcher's)
         self.checks_kv_seqlens = checks_kv_seqlens  # its traced form asserts kv_seqlens values (FAKE_KERNEL_CHECK)
+        self.traced_host_s = traced_host_s
         self.calls = 0
         self.knobs = {k: (int, str, bool) for c in times for k, _ in Config.parse(c).params}
 
@@ -56,13 +59,13 @@ class FakeBackend(Backend):
             return Plan(launch)
         if self.checks_kv_seqlens:
             return Plan(launch, traced=_forward_checking_kv_seqlens, checks_kv_seqlens=True)
+        if self.traced_host_s is not None:
+            return Plan(launch, traced=functools.partial(_spun_forward, self.traced_host_s), traced_is_aten=True)
         return Plan(launch, traced=run_forward)
 
     def _forward(self, cfg, call):
         self.calls += 1
-        spent = time.thread_time() + self.host_s
-        while time.thread_time() < spent:  # busy: the tuner times a launch by its thread's CPU clock
-            pass
+        _spin(self.host_s)
         FakeTimer.last = (self.name, cfg)
         if cfg in self.fail:
             raise RuntimeError("CUDA error: launch failed (simulated)")
@@ -75,6 +78,17 @@ class FakeBackend(Backend):
 
     def source_hash(self) -> str:
         return f"fake-{self.name}"
+
+
+def _spin(seconds: float) -> None:
+    spent = time.thread_time() + seconds
+    while time.thread_time() < spent:  # busy: the tuner times a launch by its thread's CPU clock
+        pass
+
+
+def _spun_forward(seconds: float, call: AttnCall):
+    _spin(seconds)
+    return run_forward(call)
 
 
 FAKE_KERNEL_CHECK = "fake kernel: kv_seqlens out of range"

@@ -208,6 +208,19 @@ def test_compiled_code_takes_a_traced_candidate_when_the_winners_host_time_eats_
     assert host >= 1e3 * host_s and next(c for c in result.candidates if c.name == "a:default").traced
 
 
+@pytest.mark.parametrize("traced_host_s, compiled", [(0.02, "b:default"), (0.01, "a:default")])
+def test_a_traced_candidate_of_aten_calls_is_charged_its_host_time_too(traced_host_s, compiled):
+    """SDPA's aten calls cost compiled code host time as FA4's launch does: 60 ms of device and 20 ms of host
+    (80) lose to 50 and 25 (75); with 10 ms of host (70) they win. Charged nothing, they won both."""
+    a = FakeBackend("a", {"default": (60.0, 0.01)}, traceable=True, traced_host_s=traced_host_s)
+    b = FakeBackend("b", {"default": (50.0, 0.01)}, host_s=0.025)
+    result = _tune(a, b)
+    assert result.winner == "b:default" and result.compiled_winner == compiled
+    traced = next(c for c in result.candidates if c.name == "a:default")
+    assert traced.traced and traced.host_ms >= 1e3 * traced_host_s
+    assert f"{traced.host_ms:.4f} ms of host" in result.compiled_why
+
+
 def test_host_time_is_the_launching_threads_cpu_time_not_time_spent_waiting():
     """Inside a tune, compile workers and other threads share the cores: a launch that waits for them (here,
     sleeps) is charged what it ran, not the wall-clock time it took."""

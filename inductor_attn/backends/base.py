@@ -165,6 +165,9 @@ class Plan:
     compiled call. ``compile`` takes ``launch``'s arguments and compiles the kernels ``launch`` would run for
     them without running any (Triton's ``kernel.warmup``); the tuner calls it ahead of the gate while worker
     processes compile other candidates (tuning/precompile.py). None: the first launch compiles.
+    ``traced_is_aten``: ``traced`` is aten calls only (SDPA's kernels), which Inductor's generated code makes
+    as an eager run does, so the tuner charges the traced candidate its eager run's host time; a traced form
+    with Triton kernels is launched by Inductor's own launcher, charged nothing.
     """
 
     launch: Callable[..., tuple[torch.Tensor, ...]]
@@ -173,6 +176,7 @@ class Plan:
     warm: bool = False
     compile: Callable[..., object] | None = None
     checks_kv_seqlens: bool = False
+    traced_is_aten: bool = False
 
 
 class Backend:

@@ -28,15 +28,18 @@ which the benchmark shares):
    and candidates within the tie margin of the fastest go by prior order: inside the noise, prior order
    decides, so two tunes agree.
 7. Compiled code: the same winner, unless its plan cannot be traced into the graph (it then runs its
-   Python launch through the thin op, see lowering/) and a traced candidate is no slower than what the
-   winner costs a step: its device time plus its launch time. A compiled model keeps the host about as
-   busy as the GPU, so a launch's host time lands on the step's critical path even where its own kernel
-   outlasts it (benchmarks/RESULTS.md, Training: FA4's backward, 263 us of kernel for ~200 us of launch,
-   beat cuDNN's 315 us per call and made a B4 L2k fwd+bwd step 0.44x eager SDPA). Where the program is
-   device-bound instead, this costs at most the winner's device-time lead, which is below its launch
-   time whenever the rule changes the choice. Each candidate's host time is measured as the CPU time of
-   its launch as compiled code makes it, by the launching thread's CPU clock (``host_ms``). A traced
-   candidate costs Inductor's launcher only.
+   Python launch through the thin op, see lowering/) and a traced candidate costs a step no more: each
+   one's device time plus its launch time. A compiled model keeps the host about as busy as the GPU, so a
+   launch's host time lands on the step's critical path even where its own kernel outlasts it
+   (benchmarks/RESULTS.md, Training: FA4's backward, 263 us of kernel for ~200 us of launch, beat cuDNN's
+   315 us per call and made a B4 L2k fwd+bwd step 0.44x eager SDPA). Where the program is device-bound
+   instead, this costs at most the winner's device-time lead, which is below the difference of the two
+   launch times whenever the rule changes the choice: the choice of least regret when the program's
+   boundness is unknown. Each candidate's host time is measured as the CPU time of its launch as compiled
+   code makes it, by the launching thread's CPU clock (``host_ms``): through the thin op, or for a traced
+   form of aten calls (SDPA's kernels: 30-50 us per forward call on an H100 host, RESULTS.md, Overhead)
+   an eager run of those calls, as Inductor's generated code makes them. A traced Triton kernel costs
+   Inductor's launcher only, counted as zero.
 """
 
 from __future__ import annotations
@@ -273,11 +276,13 @@ class _Search:
             res.speedup, res.ci_low, res.ci_high = paired_bootstrap_speedup(base.samples, res.samples)
 
     def host_times(self, names: list[str]) -> None:
+        """Step 7's host times: every candidate launched through the thin op, and every traced one whose
+        traced form is aten calls (a traced Triton kernel costs Inductor's launcher, counted as nothing)."""
         for name in names:
             plan = self.mode.plan(self.call, name)
             res = self.results[name]
             res.traced = plan.traced is not None
-            if not res.traced:
+            if not res.traced or plan.traced_is_aten:
                 res.host_ms = _host_ms(self.mode.as_compiled_code_runs(plan, self.call, name), self.call.q.device)
 
     # -- searches -----------------------------------------------------------------------------------
@@ -462,14 +467,19 @@ def _choose_compiled(timed: list[CandidateResult], winner: CandidateResult) -> t
     traced = [r for r in timed if r.traced]
     if not traced:
         return winner, "no candidate can be traced into compiled code"
-    best = min(traced, key=lambda r: r.median_ms)
-    cost = winner.median_ms + winner.host_ms
+    best = min(traced, key=_step_cost)
     how = (f"{winner.host_ms:.4f} ms of host time per launch for {winner.median_ms:.4f} ms on the device "
            "(both count)")
-    if best.median_ms <= cost:
-        return best, (f"{best.name} ({best.median_ms:.4f} ms, launched by compiled code) is no slower than "
-                      f"{winner.name}, with its {how}")
-    return winner, f"faster than the fastest traced candidate {best.name} ({best.median_ms:.4f} ms) with its {how}"
+    theirs = f"{best.name} ({best.median_ms:.4f} ms, launched by compiled code"
+    theirs += f", {best.host_ms:.4f} ms of host)" if best.host_ms else ")"
+    if _step_cost(best) <= _step_cost(winner):
+        return best, f"{theirs} is no slower than {winner.name}, with its {how}"
+    return winner, f"faster than the fastest traced candidate {theirs} with its {how}"
+
+
+def _step_cost(r: CandidateResult) -> float:
+    """What a launch costs a step in step 7: device plus host time (None: Inductor's launcher, counted zero)."""
+    return r.median_ms + (r.host_ms or 0.0)
 
 
 def compiled_choice(record: dict) -> tuple[str, str] | None:
