@@ -21,7 +21,8 @@ class FakeBackend(Backend):
     """``times``: {config string: (mean ms, std ms)}; ``wrong``/``fail``: config strings that misbehave.
     Its plans compute through the reference's torch code; with ``traceable=True`` they offer that code as
     their traced form too, so compiled graphs hold it (a stand-in for Triton and aten plans on the CPU);
-    ``traced_host_s``: a forward traced form of aten calls (SDPA's) that spends that much CPU time per run."""
+    ``traced_host_s``: a forward traced form of aten calls (SDPA's) whose calls in compiled code spend that much
+    CPU time (its ``host_probe``)."""
 
     has_backward = True
 
@@ -60,7 +61,7 @@ class FakeBackend(Backend):
         if self.checks_kv_seqlens:
             return Plan(launch, traced=_forward_checking_kv_seqlens, checks_kv_seqlens=True)
         if self.traced_host_s is not None:
-            return Plan(launch, traced=functools.partial(_spun_forward, self.traced_host_s), traced_is_aten=True)
+            return Plan(launch, traced=run_forward, host_probe=functools.partial(_spun_forward, self.traced_host_s))
         return Plan(launch, traced=run_forward)
 
     def _forward(self, cfg, call):

@@ -324,6 +324,39 @@ def test_the_cudnn_backward_gets_out_and_grad_out_in_qs_layout(q_layout, other_l
     assert stride_order(args[0]) == want and stride_order(args[4]) == want
 
 
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("kernel", ["cudnn", "flash", "efficient"])
+def test_an_sdpa_plans_host_probe_makes_the_aten_calls_of_its_compiled_form(kernel, direction):
+    # the tuner times a traced SDPA candidate's host cost in compiled code by its probe (tuner.py, step 7): the
+    # traced form's ops less what Inductor removes (dead allocations of the layout checks, views) and its own
+    # copies (Triton kernels, charged nothing like every traced Triton kernel)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from inductor_attn._compat import trace_functional
+    from inductor_attn.backends import Config, get_backend
+    from inductor_attn.ops.attention import AttnCall
+
+    with FakeTensorMode():
+        q, k, v, out, grad = (torch.empty(2, 8, 256, 64, dtype=torch.bfloat16, device="meta") for _ in range(5))
+        lse = torch.empty(2, 8, 256, device="meta")
+    call = AttnCall("attention", q, k, v, 0.125, True, -1, -1, None)
+    plan = get_backend("sdpa").plan(call.problem, None, Config.parse(f"kernel={kernel}"), direction)
+    grads = [out, lse, grad] if direction == "backward" else []
+
+    def ops(fn):
+        def run(q, k, v, *grads):
+            return tuple(fn(AttnCall("attention", q, k, v, 0.125, True, -1, -1, None), *grads, *([None] * bool(grads))))
+        graph = trace_functional(run, [q, k, v, *grads]).graph
+        return [str(n.target) for n in graph.nodes if n.op == "call_function" and "getitem" not in str(n.target)]
+
+    removed = ("aten.empty.memory_format", "aten.view.default", "aten.alias.default")
+    probe, traced = ops(plan.host_probe), [op for op in ops(plan.traced) if op not in removed]
+    assert any("_scaled_dot_product" in op for op in probe)
+    copies = [op for op in traced if op not in probe]
+    assert all(op == "aten.copy.default" for op in copies) and (kernel == "efficient" or not copies), copies
+    assert [op for op in traced if op != "aten.copy.default"] == [op for op in probe if op != "aten.copy.default"]
+
+
 @pytest.mark.parametrize("scale", [0.125, 0.3])
 def test_a_traced_sdpa_call_names_the_scale_only_where_it_is_not_the_ops_default(scale):
     # a keyword argument costs every compiled call host time in the aten op's argument parsing; stock passes none

@@ -151,14 +151,14 @@ class Direction:
         return plan.launch(call) if self.grads is None else plan.launch(call, *self.grads)
 
     def as_compiled_code_runs(self, plan: Plan, call: AttnCall, choice: str) -> Callable[[], object]:
-        """``plan`` launched as compiled code launches it. A traced form of aten calls: those calls, as an
-        eager run of it makes them. A plan without a traced form: for an attention call decided at compile
+        """``plan`` launched as compiled code launches it. A traced form of aten calls: its ``host_probe``, the
+        calls generated code makes. A plan without a traced form: for an attention call decided at compile
         time, through the ``inductor_attn::launch`` op (its dispatch and the op's lookup cost host time that
         the plan's own launch does not show); other calls go through the op impl at run time, approximated
         by the plan's launch."""
         if plan.traced is not None:
-            traced = plan.traced
-            return lambda: traced(call) if self.grads is None else traced(call, *self.grads)
+            probe = plan.host_probe
+            return lambda: probe(call) if self.grads is None else probe(call, *self.grads)
         if call.op != "attention":
             return lambda: self.run(plan, call)
         from ..ops.launch import launch_op, plan_key

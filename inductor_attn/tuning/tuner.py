@@ -38,7 +38,7 @@ which the benchmark shares):
    boundness is unknown. Each candidate's host time is measured as the CPU time of its launch as compiled
    code makes it, by the launching thread's CPU clock (``host_ms``): through the thin op, or for a traced
    form of aten calls (SDPA's kernels: 30-50 us per forward call on an H100 host, RESULTS.md, Overhead)
-   an eager run of those calls, as Inductor's generated code makes them. A traced Triton kernel costs
+   the calls Inductor's generated code makes (``Plan.host_probe``). A traced Triton kernel costs
    Inductor's launcher only, counted as zero.
 """
 
@@ -282,7 +282,7 @@ class _Search:
             plan = self.mode.plan(self.call, name)
             res = self.results[name]
             res.traced = plan.traced is not None
-            if not res.traced or plan.traced_is_aten:
+            if not res.traced or plan.host_probe is not None:
                 res.host_ms = _host_ms(self.mode.as_compiled_code_runs(plan, self.call, name), self.call.q.device)
 
     # -- searches -----------------------------------------------------------------------------------
