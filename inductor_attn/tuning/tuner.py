@@ -142,7 +142,8 @@ class TuneResult:
 
 
 def default_rounds() -> int:
-    return env_number("INDUCTOR_ATTN_ROUNDS", DEFAULT_ROUNDS, int, lambda n: n >= 1, "a positive whole number of rounds")
+    return env_number("INDUCTOR_ATTN_ROUNDS", DEFAULT_ROUNDS, int, lambda n: n >= 1,
+                      "a positive whole number of rounds")
 
 
 def default_search() -> str:
