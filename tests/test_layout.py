@@ -1,9 +1,11 @@
 """Outputs follow q's stride order in eager and compiled code (Inductor asserts the fake impl's strides)."""
 
+import itertools
+
 import torch
 
 import inductor_attn
-from inductor_attn.layout import conform, stride_order
+from inductor_attn.layout import conform, empty_like_layout, layout_strides, stride_order
 
 
 def test_out_follows_the_stride_order_of_a_transposed_q_eager_and_compiled():
@@ -22,3 +24,11 @@ def test_conform_copies_only_when_the_layout_differs():
     wrong = torch.randn(2, 3, 5, 4)
     fixed = conform(wrong, like)
     assert fixed.stride() == right.stride() and torch.equal(fixed, wrong)
+
+
+def test_layout_strides_are_those_of_the_tensor_empty_like_layout_allocates():
+    # conform compares by them instead of allocating; sizes 0 and 1 included (c10 counts a 0 as 1)
+    for sizes in itertools.product([0, 1, 2, 3], repeat=4):
+        for order in itertools.permutations(range(4)):
+            like = torch.empty_permuted((2, 3, 4, 5), order)
+            assert layout_strides(like, sizes) == empty_like_layout(like, sizes).stride(), (sizes, order)
