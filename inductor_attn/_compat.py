@@ -5,6 +5,7 @@ tests/test_compat.py imports each name on the installed torch and fails loudly w
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -120,12 +121,18 @@ def flex_flash_lse_scaled_by_ln2() -> bool:
         return TORCH_VERSION < (2, 13)
 
 
-def unset_fake_mode():
-    """A context in which no FakeTensorMode is active, so tuning can run real kernels in the middle of a
-    compile (torch/_subclasses/fake_tensor.py ``unset_fake_temporarily``, 2.11 and 2.13)."""
+@contextlib.contextmanager
+def eager_mode():
+    """A context for running real kernels in the middle of a compile (tuning, warm launches): no FakeTensorMode
+    (torch/_subclasses/fake_tensor.py ``unset_fake_temporarily``) and no Python dispatcher, which AOTAutograd
+    enables while it compiles a forward graph (torch/_dispatch/python.py ``no_python_dispatcher``, 2.11 and
+    2.13). Under it every aten call of a tune passes through Python: on the CI CPU an aten add took 2-3x its
+    time, and the host times step 7 of tuner.py weighs read several times a lone launch's."""
+    from torch._dispatch.python import no_python_dispatcher
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    return unset_fake_temporarily()
+    with unset_fake_temporarily(), no_python_dispatcher():
+        yield
 
 
 def fake_mode_of(values):

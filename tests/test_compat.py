@@ -140,3 +140,16 @@ def test_static_launch_leaves_a_value_the_user_set(monkeypatch):
     with config.patch(static_launch_user_defined_triton_kernels=False):
         _compat.launch_user_triton_kernels_statically()
         assert config.static_launch_user_defined_triton_kernels is False
+
+
+def test_eager_mode_turns_off_the_python_dispatcher_and_fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def python_dispatcher():
+        return torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PythonDispatcher)
+
+    with FakeTensorMode(), torch._C._EnablePythonDispatcher():
+        assert python_dispatcher()
+        with _compat.eager_mode():
+            assert not python_dispatcher() and not _compat.is_fake(torch.zeros(2))
+        assert python_dispatcher()

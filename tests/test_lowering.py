@@ -147,6 +147,29 @@ def test_a_static_run_time_decided_call_goes_through_the_launch_op_not_the_custo
         torch.testing.assert_close(got, w)
 
 
+def test_tunes_while_compiling_run_without_the_python_dispatcher_or_fake_mode(fakes, monkeypatch):
+    """AOTAutograd compiles a forward graph with the Python dispatcher on; a tune under it would time every aten
+    call through Python, and step 7 of tuner.py would weigh those host times."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from inductor_attn.tuning import decisions as decide_mod
+
+    seen, real_tune = [], decide_mod.tune
+
+    def tune(call, *args, **kwargs):
+        python_dispatcher = torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PythonDispatcher)
+        fake = any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
+        seen.append((kwargs.get("direction"), python_dispatcher, fake))
+        return real_tune(call, *args, **kwargs)
+
+    monkeypatch.setattr(decide_mod, "tune", tune)
+    q, k, v = _qkv(24, requires_grad=True)
+    torch.compile(_attn, fullgraph=True)(q, k, v).sum().backward()
+    assert sorted(d for d, _, _ in seen) == ["backward", "forward"]
+    assert all(not python_dispatcher and not fake for _, python_dispatcher, fake in seen), seen
+
+
 def test_dynamic_lengths_compile_once_and_tune_each_new_bucket_once(fakes, monkeypatch):
     a, b = fakes
     tuned = []

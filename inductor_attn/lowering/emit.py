@@ -32,7 +32,7 @@ from collections import defaultdict
 
 import torch
 
-from .._compat import fake_mode_of, trace_functional, unset_fake_mode
+from .._compat import eager_mode, fake_mode_of, trace_functional
 from ..backends import AttnCall
 from ..device import device_info
 from ..layout import filled_like
@@ -189,7 +189,7 @@ def _concrete_call(vals: dict) -> AttnCall:
     """Real tensors with the call's shapes, strides and dtypes: fresh normal q/k/v (the tuner makes its own
     copies), lengths drawn over the whole cache, a key mask with 90% of keys open."""
     q = vals["q"]
-    with unset_fake_mode():
+    with eager_mode():
         gen = torch.Generator(device=q.device).manual_seed(0)
 
         def like(x):
@@ -210,13 +210,13 @@ def _concrete_call(vals: dict) -> AttnCall:
 def _decide(call: AttnCall, direction: str, grad_lse: bool) -> str:
     from ..tuning import decide
 
-    with unset_fake_mode():
+    with eager_mode():
         return decide(call, device_info(call.q.device), direction, compiled=True, grad_lse=grad_lse)
 
 
 def _warm(plan, call: AttnCall, direction: str) -> None:
     """One eager launch: what the traced launch reads from it (e.g. a persistent grid's programs per SM)."""
-    with unset_fake_mode():
+    with eager_mode():
         if direction == "forward":
             plan.launch(call)
         else:
