@@ -423,3 +423,27 @@ def test_when_stage_two_adds_nobody_stage_one_decides():
     result = _tune_with(a, c, search="staged")
     assert result.winner == "a:k=1" and "faster than the default" not in result.why
     assert next(r for r in result.candidates if r.name == "c:default").median_ms == pytest.approx(3.0, abs=0.1)
+
+
+def test_host_times_are_measured_only_where_step_7_weighs_them(monkeypatch):
+    """A traced winner needs no host times; an untraced one is weighed against the traced candidates whose
+    device time alone is below its device plus host time, and only those are timed."""
+    from inductor_attn.tuning import tuner
+
+    timed = []
+    real = tuner._Search._launch_host_ms
+    monkeypatch.setattr(tuner._Search, "_launch_host_ms", lambda self, name, plan: timed.append(name)
+                        or real(self, name, plan))
+    fast = FakeBackend("a", {"default": (50.0, 0.01)}, traceable=True, traced_host_s=0.01)
+    slow = FakeBackend("b", {"default": (100.0, 0.01)}, host_s=0.01)
+    result = _tune(slow, fast)
+    assert result.winner == result.compiled_winner == "a:default" and timed == []
+    assert all(c.host_ms is None for c in result.candidates)
+
+    timed.clear()
+    close = FakeBackend("c", {"default": (60.0, 0.01)}, traceable=True, traced_host_s=0.001)
+    far = FakeBackend("d", {"default": (200.0, 0.01)}, traceable=True, traced_host_s=0.001)
+    untraced = FakeBackend("e", {"default": (50.0, 0.01)}, host_s=0.025)
+    result = _tune(far, close, untraced)
+    assert result.winner == "e:default" and result.compiled_winner == "c:default"
+    assert sorted(timed) == ["c:default", "e:default"]

@@ -35,11 +35,13 @@ which the benchmark shares):
    315 us per call and made a B4 L2k fwd+bwd step 0.44x eager SDPA). Where the program is device-bound
    instead, this costs at most the winner's device-time lead, which is below the difference of the two
    launch times whenever the rule changes the choice: the choice of least regret when the program's
-   boundness is unknown. Each candidate's host time is measured as the CPU time of its launch as compiled
-   code makes it, by the launching thread's CPU clock (``host_ms``): through the thin op, or for a traced
-   form of aten calls (SDPA's kernels: 30-50 us per forward call on an H100 host, RESULTS.md, Overhead)
-   the calls Inductor's generated code makes (``Plan.host_probe``). A traced Triton kernel costs
-   Inductor's launcher only, counted as zero.
+   boundness is unknown. Host time is measured only where the rule weighs it (an untraced winner, and the
+   traced candidates whose device time alone is below the winner's cost), as the CPU time of a launch as
+   compiled code makes it, by the launching thread's CPU clock (``host_ms``): through the thin op, or for a
+   traced form of aten calls (SDPA's kernels: 30-50 us per forward call on an H100 host, RESULTS.md,
+   Overhead) the calls Inductor's generated code makes (``Plan.host_probe``). A traced Triton kernel costs
+   Inductor's launcher only, counted as zero. Inside a compile the tune runs without the Python dispatcher
+   (lowering/emit.py, ``eager_mode``), which would put every aten call through Python.
 """
 
 from __future__ import annotations
@@ -276,15 +278,25 @@ class _Search:
             res.median_ms = median(res.samples)
             res.speedup, res.ci_low, res.ci_high = paired_bootstrap_speedup(base.samples, res.samples)
 
-    def host_times(self, names: list[str]) -> None:
-        """Step 7's host times: every candidate launched through the thin op, and every traced one whose
-        traced form is aten calls (a traced Triton kernel costs Inductor's launcher, counted as nothing)."""
-        for name in names:
-            plan = self.mode.plan(self.call, name)
+    def host_times(self, winner: str, names: list[str]) -> None:
+        """Step 7's host times, where the rule weighs them: an untraced winner's (launched through the thin op),
+        and those of the traced candidates whose device time alone leaves them a chance against it, where
+        their traced form is aten calls (a traced Triton kernel costs Inductor's launcher, counted as
+        nothing). A traced winner needs none: a slow traced candidate's host probe waits for its kernels."""
+        plans = {name: self.mode.plan(self.call, name) for name in names}
+        for name, plan in plans.items():
+            self.results[name].traced = plan.traced is not None
+        won = self.results[winner]
+        if won.traced:
+            return
+        won.host_ms = self._launch_host_ms(winner, plans[winner])
+        for name, plan in plans.items():
             res = self.results[name]
-            res.traced = plan.traced is not None
-            if not res.traced or plan.host_probe is not None:
-                res.host_ms = _host_ms(self.mode.as_compiled_code_runs(plan, self.call, name), self.call.q.device)
+            if res.traced and plan.host_probe is not None and res.median_ms < _step_cost(won):
+                res.host_ms = self._launch_host_ms(name, plan)
+
+    def _launch_host_ms(self, name: str, plan) -> float:
+        return _host_ms(self.mode.as_compiled_code_runs(plan, self.call, name), self.call.q.device)
 
     # -- searches -----------------------------------------------------------------------------------
     def exhaustive(self) -> tuple[list[str], list[str]]:
@@ -431,9 +443,9 @@ def tune(call: AttnCall, candidates: list[Candidate], *, direction: str = "forwa
                           "the only candidate that ran and matched the reference", timer.name, results,
                           search=described, seconds=_seconds(state, start))
     noise, noise_note = state.agree(finalists)
-    state.host_times(finalists + others)
     finals = [state.results[n] for n in finalists]
     winner, why = _choose(finals, max(TIE_MARGIN, noise or 0.0))
+    state.host_times(winner.name, finalists + others)
     compiled, compiled_why = _choose_compiled(finals + [state.results[n] for n in others], winner)
     return TuneResult(call.problem, direction, winner.name, default.name, why, timer.name, results,
                       compiled_winner=compiled.name, compiled_why=compiled_why, search=described, noise=noise,
