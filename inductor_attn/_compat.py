@@ -135,6 +135,13 @@ def eager_mode():
         yield
 
 
+def mark_static_address(tensor: torch.Tensor) -> None:
+    """Tell torch.compile that ``tensor`` keeps its address across calls, so a CUDA-graph replay reads it in
+    place instead of copying it into the graph's buffers (torch/_dynamo/decorators.py ``mark_static_address``,
+    2.11 and 2.13; HF transformers' StaticCache marks its KV cache with it)."""
+    torch._dynamo.mark_static_address(tensor)
+
+
 def fake_mode_of(values):
     """The FakeTensorMode that made these fake tensors (torch/_guards.py ``detect_fake_mode``)."""
     from torch._guards import detect_fake_mode

@@ -153,3 +153,9 @@ def test_eager_mode_turns_off_the_python_dispatcher_and_fake_mode():
         with _compat.eager_mode():
             assert not python_dispatcher() and not _compat.is_fake(torch.zeros(2))
         assert python_dispatcher()
+
+
+def test_mark_static_address_marks_the_tensor_for_dynamo():
+    x = torch.zeros(2)
+    _compat.mark_static_address(x)
+    assert getattr(x, "_dynamo_static_input_type", None) == "unguarded"
