@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -579,6 +580,20 @@ def test_interleaved_wall_times_take_turns_and_report_each_function():
     times = interleaved_wall_us(fns, calls=3, rounds=4)
     assert set(times) == {"a", "b"} and all(t > 0 for t in times.values())
     assert order == ["a"] * 3 + ["b"] * 3 + ["b"] * 3 + ["a"] * 3 + ["a"] * 3 + ["b"] * 3 + ["b"] * 3 + ["a"] * 3
+
+
+def test_a_measured_function_reports_the_issuing_time_of_its_wall_runs():
+    """loop host us: how long the wall run took to issue its calls, at most its wall time; a function that
+    spends 1 ms of CPU per call reports about that."""
+    from inductor_attn.bench.wallclock import interleaved_measure
+
+    def busy():
+        spent = time.perf_counter() + 1e-3
+        while time.perf_counter() < spent:
+            pass
+
+    numbers = interleaved_measure({"busy": busy}, rounds=1, kernels=False)["busy"]
+    assert 0 < numbers["loop_host_us"] <= numbers["wall_us"] and numbers["loop_host_us"] >= 1e3
 
 
 def test_a_training_shape_is_found_by_its_name_and_a_wrong_name_lists_the_shapes():

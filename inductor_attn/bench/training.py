@@ -12,9 +12,9 @@ v for a fixed random output gradient (``torch.autograd.grad``, so nothing accumu
   ``inductor_attn.varlen_attention``, compiled: the representation FlashAttention users pick for it; and
   ``ours block-sparse``: the mask with its documents dropped, so it runs our block-sparse kernels, as a
   mask that is not packed documents does.
-Each gets kernel us (profiler), wall us with plain launches, host us and peak memory of a step
-(wallclock.py), and the gradients' relative error against float64 next to SDPA's own; the paths of a shape
-are timed taking turns (``run_shape``).
+Each gets kernel us (profiler), wall us with plain launches, host us (bursts), loop host us (the wall run's
+own issuing time) and peak memory of a step (wallclock.py), and the gradients' relative error against
+float64 next to SDPA's own; the paths of a shape are timed taking turns (``run_shape``).
 
 HF Llama training steps (forward, backward, AdamW) at two sizes: models.py.
 """
@@ -286,23 +286,25 @@ def run(smoke: bool, quick: bool, device: torch.device, part: str = "all",
 
 
 def table(result: dict) -> str:
-    lines = ["| shape | path | kernel us | wall us | host us | peak MiB | grad rel. err | wall vs best SDPA |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | path | kernel us | wall us | host us | loop host us | peak MiB | grad rel. err "
+             "| wall vs best SDPA |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         if row.get("stopped"):
             lines.append(f"| {row['shape']} | suite stopped: the CUDA context was lost in | {row['stopped'][:300]} "
-                         "| | | | | |")
+                         "| | | | | | |")
         walls = [row["paths"].get(p, {}).get("wall_us") for p in ("eager sdpa", "stock compile")]  # a stop: absent
         best = min((w for w in walls if w), default=None)
         for name, r in row["paths"].items():
             if "wall_us" not in r:
-                lines.append(f"| {row['shape']} | {name} | {r.get('status')} | | | | | |")
+                lines.append(f"| {row['shape']} | {name} | {r.get('status')} | | | | | | |")
                 continue
             kernel = "" if r["kernel_us"] is None else f"{r['kernel_us']:.0f}"
             peak = "" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / 2**20:.0f}"
             ratio = f"{best / r['wall_us']:.2f}x" if best else ""
-            lines.append(f"| {row['shape']} | {name} | {kernel} | {r['wall_us']:.0f} | {r['host_us']:.0f} | {peak} | "
-                         f"{r['grad_rel_err']:.1e} | {ratio} |")
+            loop = "" if r.get("loop_host_us") is None else f"{r['loop_host_us']:.0f}"
+            lines.append(f"| {row['shape']} | {name} | {kernel} | {r['wall_us']:.0f} | {r['host_us']:.0f} | {loop} | "
+                         f"{peak} | {r['grad_rel_err']:.1e} | {ratio} |")
     llama = result.get("llama") or {}
     if llama and "error" not in llama:
         lines += ["", "| HF Llama training step | stock ms | ours ms | speedup | stock grad err | ours grad err |",

@@ -4,7 +4,9 @@ run eagerly or compiled. Shared by the overhead, training and model suites.
 - host_us: the CPU time one call takes to issue its work, measured over a burst of calls that fits in the
   launch queue (so the CPU never waits for the GPU), best of several bursts;
 - wall_us: the time per call of a long run of plain launches, synchronized at the end: max(host, device)
-  in steady state, what a loop of such calls costs; ``interleaved_wall_us`` and ``interleaved_measure``
+  in steady state, what a loop of such calls costs; with it ``loop_host_us``, the time per call until that
+  run's last call returned (where it is near wall_us and well above host_us, the steady loop waited on
+  something the bursts do not show); ``interleaved_wall_us`` and ``interleaved_measure``
   time several functions in alternating rounds, so that a slow spell of the host (another process, a
   clock change) falls on all of them rather than on whichever ran then;
 - kernel_us: the summed duration of the GPU kernels one call launches (torch.profiler), the device time.
@@ -41,15 +43,21 @@ def host_us(fn: Callable[[], object], bursts: int = 5) -> float:
 
 
 def wall_us(fn: Callable[[], object], calls: int = 200, repeats: int = 3) -> float:
-    runs = []
-    for _ in range(repeats):
-        _sync()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        _sync()
-        runs.append((time.perf_counter() - start) / calls)
-    return statistics.median(runs) * 1e6
+    return statistics.median(_plain_run(fn, calls)[0] for _ in range(repeats))
+
+
+def _plain_run(fn: Callable[[], object], calls: int) -> tuple[float, float]:
+    """(wall, loop host) us per call of ``calls`` plain launches: until the device finished, and until the last
+    call returned. Loop host near wall with kernels well below it: the run waited on the host, at a rate
+    the short bursts of ``host_us`` may not show; loop host well below wall: the device was the bound."""
+    _sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    issued = time.perf_counter()
+    _sync()
+    end = time.perf_counter()
+    return (end - start) / calls * 1e6, (issued - start) / calls * 1e6
 
 
 def _turns(names: list[str], rounds: int):
@@ -76,16 +84,22 @@ def interleaved_measure(fns: dict[str, Callable[[], object]], rounds: int = 5,
     for fn in fns.values():
         warm(fn)
     host: dict[str, list[float]] = {name: [] for name in fns}
-    wall: dict[str, list[float]] = {name: [] for name in fns}
+    wall: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
     kernel: dict[str, list[float]] = {name: [] for name in fns}
     for name in _turns(list(fns), rounds):
         host[name].append(host_us(fns[name], bursts=1))
-        wall[name].append(wall_us(fns[name], repeats=1))
+        wall[name].append(_plain_run(fns[name], 200))
     if kernels and torch.cuda.is_available():
         for name in _turns(list(fns), KERNEL_ROUNDS):
             kernel[name].append(kernel_us(fns[name]))
-    return {name: {"host_us": min(host[name]), "wall_us": statistics.median(wall[name]),
+    return {name: {"host_us": min(host[name]), **_median_run(wall[name]),
                    "kernel_us": statistics.median(kernel[name]) if kernel[name] else None} for name in fns}
+
+
+def _median_run(runs: list[tuple[float, float]]) -> dict:
+    """The median wall run's wall and loop host us (:func:`_plain_run`)."""
+    wall, loop_host = sorted(runs)[(len(runs) - 1) // 2]
+    return {"wall_us": wall, "loop_host_us": loop_host}
 
 
 def kernel_events(fn: Callable[[], object], calls: int = 10) -> list:
@@ -126,7 +140,8 @@ def warm(fn: Callable[[], object], calls: int = 5) -> Callable[[], object]:
 def measure(fn: Callable[[], object], kernels: bool = True) -> dict:
     """The three numbers of ``fn``, after warm-up."""
     warm(fn)
-    return {"host_us": host_us(fn), "wall_us": wall_us(fn), "kernel_us": kernel_us(fn) if kernels else None}
+    return {"host_us": host_us(fn), **_median_run([_plain_run(fn, 200) for _ in range(3)]),
+            "kernel_us": kernel_us(fn) if kernels else None}
 
 
 def model_part(wanted: bool, measure_model: Callable[[], dict]) -> dict | None:
