@@ -697,3 +697,23 @@ def test_a_training_path_that_loses_the_cuda_context_stops_the_suite_where_it_ha
     assert ran == ["a", "b"] and len(result["rows"]) == 1  # neither path c nor the next shape ran
     assert result["rows"][0]["stopped"] == "b: failed: RuntimeError: b failed"
     assert "suite stopped: the CUDA context was lost in | b: failed" in training.table(result)
+
+
+def test_the_reduce_overhead_paths_get_copies_marked_static_and_the_others_the_inputs(monkeypatch, reference_only):
+    """A CUDA-graph replay copies inputs it does not own; a model's graph owns its KV cache and activations."""
+    from inductor_attn.bench import overhead
+
+    seen = {}
+    case = overhead.Case(*overhead.SMOKE[0])
+    real_paths = overhead.paths
+
+    def paths(c):
+        return {name: (lambda *args, name=name, fn=fn: seen.setdefault(name, args) and fn(*args))
+                for name, fn in real_paths(c).items()}
+
+    monkeypatch.setattr(overhead, "paths", paths)
+    monkeypatch.setattr(overhead, "interleaved_measure", lambda fns: {name: {} for name in fns})
+    overhead.run_case(case, torch.device("cpu"), torch.float32)
+    for name, args in seen.items():
+        marked = [getattr(x, "_dynamo_static_input_type", None) is not None for x in args]
+        assert all(marked) if name.endswith("reduce-overhead") else not any(marked), name

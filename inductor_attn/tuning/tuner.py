@@ -292,7 +292,7 @@ class _Search:
         won.host_ms = self._launch_host_ms(winner, plans[winner])
         for name, plan in plans.items():
             res = self.results[name]
-            if res.traced and plan.host_probe is not None and res.median_ms < _step_cost(won):
+            if res.traced and plan.host_probe is not None and res.median_ms <= _step_cost(won):
                 res.host_ms = self._launch_host_ms(name, plan)
 
     def _launch_host_ms(self, name: str, plan) -> float:
@@ -498,7 +498,8 @@ def _step_cost(r: CandidateResult) -> float:
 def compiled_choice(record: dict) -> tuple[str, str] | None:
     """Step 7 applied now to a stored record's measured candidates: (what compiled code runs, why), so that a
     change of the rule reaches decisions stored or shipped before it. None where the record lacks what the
-    rule weighs (one finalist: no host times were measured)."""
+    rule weighs (one finalist: no host times were measured). Records hold host times only where the rule
+    that measured them weighed them (``_Search.host_times``): a rule that weighs more needs new tunes."""
     timed = [CandidateResult(**c) for c in record["candidates"]
              if c["status"] == "passed" and c.get("median_ms") is not None]
     winner = next((r for r in timed if r.name == record["winner"]), None)
