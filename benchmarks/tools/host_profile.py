@@ -215,11 +215,18 @@ def _on(inputs, fn):
 def case_code(out_dir: str, case_name: str, mode: str = "default") -> None:
     """One of the overhead suite's calls, stock compiled SDPA and ours as the suite writes them
     (bench/overhead.py: ``sdpa_user``, ``ours_user``), compiled in ``mode``."""
+    from torch._dynamo.utils import counters
+
     case = overhead.Case(*next(c for c in overhead.CASES if c[0] == case_name))
     inputs = case.inputs(torch.device("cuda"), torch.bfloat16)
+    if mode == "reduce-overhead":  # as the suite's reduce-overhead paths take them
+        inputs = overhead.static_inputs(inputs)
     fns = {"stock": overhead.sdpa_user(case), "ours": overhead.ours_user(case)}
     steps = {name: _on(inputs, torch.compile(fn, mode=mode)) for name, fn in fns.items()}
+    counters.clear()
     paths = write_code(out_dir, steps)
+    print(f"== Inductor's counters while compiling (cudagraph_skips: why a graph was not captured): "
+          f"{dict(counters['inductor'])}")
     compare(steps, 200, taking_turns=True)
     call_layers(case, inputs, fns, {name: found[0] for name, found in paths.items()}, mode)
 
@@ -336,6 +343,10 @@ def layers(compiled_step, eager_step, q, k, v, g, shape, device) -> None:
 
         cfg = bwd_plan.launch.args[0]
         launch_anatomy("backward", lambda launcher: flash_bwd.backward(cfg, launcher, call, out, lse, g, None))
+    if fwd_choice.startswith("fa4:"):
+        fa4_anatomy("forward", fwd_plan.launch, lambda: fwd_plan.launch(call), q)
+    if bwd_choice.startswith("fa4:"):
+        fa4_anatomy("backward", bwd_plan.launch, lambda: bwd_plan.launch(call, out, lse, g, None), q)
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -387,6 +398,30 @@ def compare(steps: dict, calls: int, taking_turns: bool = False) -> None:
     print(f"== kernel us per step, {first} / {second}, the largest differences:")
     for kernel in gaps:
         print(f"   {kernel_us[first].get(kernel, 0):8.1f} / {kernel_us[second].get(kernel, 0):8.1f}  {kernel}")
+
+
+def fa4_anatomy(direction: str, launch, run, q) -> None:
+    """Host us of an FA4 plan's launch (backends/fa4.py) that replays its recorded kernel calls: the whole
+    launch, its replay, the replay's scratch buffers alone, and each compiled CuTe kernel called with the
+    arguments the replay gave it; the launch less the replay is our argument preparation."""
+    from inductor_attn.backends.fa4 import _Replay
+
+    replays = [r for r in launch.replays.by_layout.values() if r is not None]
+    if len(replays) != 1:
+        print(f"   {direction} FA4 launch: {len(replays)} replays recorded (calls FA4's interface); no anatomy")
+        return
+    replay, made = replays[0], []
+    steps = replay.steps
+    replay.steps = [(lambda *args, fn=fn: made.append((fn, args)) or fn(*args), specs) for fn, specs in steps]
+    run()
+    replay.steps = steps
+    scratch = _Replay([], replay.scratch)
+    rows = {"whole launch": run, f"scratch buffers alone ({len(replay.scratch)})": lambda: scratch((q,))}
+    rows.update((f"kernel {i}: {getattr(fn, '__name__', type(fn).__name__)}, {len(args)} args",
+                 lambda fn=fn, args=args: fn(*args)) for i, (fn, args) in enumerate(made))
+    print(f"   {direction} FA4 launch (host us):")
+    for name, fn in rows.items():
+        print(f"      {host_us(warm(fn), bursts=3):8.1f}  {name}")
 
 
 def launch_anatomy(direction: str, run) -> None:
