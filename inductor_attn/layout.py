@@ -18,7 +18,8 @@ def stride_order(x: torch.Tensor) -> list[int]:
     >>> stride_order(torch.empty(2, 5, 3, 4).transpose(1, 2))
     [0, 2, 1, 3]
     """
-    return sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+    strides = x.stride()  # read once: every launch computes this for its outputs
+    return sorted(range(len(strides)), key=lambda d: (-strides[d], d))
 
 
 def empty_like_layout(like: torch.Tensor, size, dtype=None) -> torch.Tensor:

@@ -730,6 +730,29 @@ def test_backward_plan_replays_the_recorded_kernels_with_fresh_scratch_buffers(m
     assert all(plan.launch.replays.by_layout.values())
 
 
+def test_a_backward_call_fa4_cannot_take_as_it_is_replays_with_the_copy_fa4_would_make(monkeypatch):
+    """Replays are looked up with the views alone first (no layout checks): a grad_out whose last dim is not
+    contiguous finds none there, and its values made what FA4 takes (a copy of grad_out) are recorded for
+    their own layout at the first call and replayed at the second."""
+    kernel_calls = []
+    interface = _compiling_backward(kernel_calls)
+    plan = _bwd_plan(monkeypatch, interface)
+    call = _bwd_call(0)
+    plan.launch(call, torch.randn_like(call.q), torch.zeros(1, 2, 16), torch.randn_like(call.q), None)
+    call, before = _bwd_call(1), fa4.COPIES["grad_out"]
+    out = torch.randn_like(call.q)
+    grad_out = torch.randn_like(call.q).transpose(-1, -2).contiguous().transpose(-1, -2)
+    for n in (1, 2):
+        kernel_calls.clear()
+        grads = plan.launch(call, out, torch.zeros(1, 2, 16), grad_out, None)
+        for got, want in zip(grads, _want_grads(call, out, grad_out)):
+            assert torch.allclose(got.float(), want.float(), atol=1e-2)
+        assert fa4.COPIES["grad_out"] == before + n
+        assert kernel_calls == ["pre", "main", "post", "post"] * (2 if n == 1 else 1)  # recorded and checked
+        interface._flash_attn_bwd = lambda *a, **kw: pytest.fail("went through _flash_attn_bwd again")
+    assert len(plan.launch.replays.by_layout) == 2
+
+
 def test_a_backward_scratch_buffer_filled_on_the_host_keeps_the_plan_on_fa4s_interface(monkeypatch, caplog):
     """dpsum filled by FA4's Python, not by a recorded kernel: the replay's check (scratch poisoned with NaN)
     sees that it did not reproduce the call, and the plan keeps calling ``_flash_attn_bwd``."""

@@ -622,7 +622,7 @@ class _ForwardLaunch:
     def __call__(self, call: AttnCall):
         out, lse = _buffers(call)
         values = _call_values(call, out, lse)
-        if self.replays.by_layout and _aligned(values[0]) and _aligned(values[1]) and _aligned(values[2]):
+        if self.replays.by_layout:  # a layout recorded is one FA4 takes as it is (_Replays): no checks here
             replay = self.replays.get(values)
             if replay is not None:
                 replay(values)
@@ -661,27 +661,30 @@ class _BackwardLaunch:
         self.replays = _Replays()
 
     def __call__(self, call: AttnCall, out, lse, grad_out, grad_lse):
-        dense = call.op != "varlen"
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         grads = [empty_like_layout(x, x.shape) for x in (call.q, call.k, call.v)]
-        fa_grads = [_fa4_layout(g, "grad", dense) for g in grads]
-        tensors = ((call.q, "q"), (call.k, "k"), (call.v, "v"), (out, "out"), (grad_out, "grad_out"))
-        values = (*(_fa4_layout(x, name, dense) for x, name in tensors), _as_fa4_takes(lse),
-                  _as_fa4_takes(grad_lse), None if call.kv_seqlens is None else _as_fa4_takes(_int32(call.kv_seqlens)),
-                  *fa_grads)
-        if not dense:
-            values += (_as_fa4_takes(_int32(call.cu_seqlens_q)), _as_fa4_takes(_int32(call.cu_seqlens_k)),
-                       call.max_seqlen_q, call.max_seqlen_k)
-        values += (call.scale,)
-        into_ours = all(f.data_ptr() == g.data_ptr() for f, g in zip(fa_grads, grads))
-        replay = self.replays.get(values) if into_ours and self.replays.by_layout else None
+        values, replay = self._replayed(call, (call.q, call.k, call.v, out, grad_out, lse, grad_lse, grads))
         if replay is not None:
             replay(values)
         else:
+            into_ours = all(f.data_ptr() == g.data_ptr() for f, g in zip(values[8:11], grads))
             self._through_fa4(call, values, grads, into_ours)
         _zero_unused_keys(call, grads)
         return tuple(grads)
+
+    def _replayed(self, call: AttnCall, tensors: tuple) -> tuple[tuple, _Replay | None]:
+        """(values, the replay recorded for their layout or None). The views alone are looked up first, with
+        no checks: a layout recorded is one FA4 takes as it is. Else the values made what FA4 takes (copies
+        where FA4 would make them), whose layout may have been recorded too."""
+        if self.replays.by_layout:
+            views = _backward_values(call, *tensors, checked=False)
+            replay = self.replays.get(views)
+            if replay is not None:
+                return views, replay
+        values = _backward_values(call, *tensors, checked=True)
+        into_ours = all(f.data_ptr() == g.data_ptr() for f, g in zip(values[8:11], tensors[-1]))
+        return values, self.replays.get(values) if into_ours and self.replays.by_layout else None
 
     def _through_fa4(self, call: AttnCall, values: tuple, grads, into_ours: bool):
         fa = _fa4()
@@ -711,6 +714,28 @@ class _BackwardLaunch:
                                                      fresh, self.label, after=lambda: _zero_unused_keys(call, fresh)))
 
 
+def _backward_values(call: AttnCall, q, k, v, out, grad_out, lse, grad_lse, grads, checked: bool) -> tuple:
+    """What a backward launch passes FA4: q, k, v, out, grad_out as (B, L, H, D) views (packed (total, H, D)
+    for varlen), lse, grad_lse, seqused_k, dq, dk, dv; for varlen cu_seqlens_q/k and max_seqlen_q/k; the scale
+    last. ``checked``: each made what FA4 takes, copies where FA4 would make them (:func:`_fa4_layout`,
+    :func:`_as_fa4_takes`, :func:`_int32`); else the views as they are, which serve where a replay was recorded
+    for their layout (the checks read only what :func:`_layout` keys on)."""
+    dense = call.op != "varlen"
+    names = ("q", "k", "v", "out", "grad_out", "grad", "grad", "grad")
+    if checked:
+        views = [_fa4_layout(x, name, dense) for x, name in zip((q, k, v, out, grad_out, *grads), names)]
+        indices = [None if x is None else _as_fa4_takes(_int32(x))
+                   for x in (call.kv_seqlens, call.cu_seqlens_q, call.cu_seqlens_k)]
+        lse, grad_lse = _as_fa4_takes(lse), _as_fa4_takes(grad_lse)
+    else:
+        views = [x.transpose(1, 2) if dense else x for x in (q, k, v, out, grad_out, *grads)]
+        indices = [call.kv_seqlens, call.cu_seqlens_q, call.cu_seqlens_k]
+    values = (*views[:5], lse, grad_lse, indices[0], *views[5:])
+    if not dense:
+        values += (indices[1], indices[2], call.max_seqlen_q, call.max_seqlen_k)
+    return values + (call.scale,)
+
+
 def _zero_unused_keys(call: AttnCall, grads) -> None:
     """FA4 leaves dk/dv of keys past seqused_k unwritten (garbage of order 1e19 on an H100, b36); those keys
     are masked, so their gradients are 0."""
@@ -728,7 +753,8 @@ class _Replays:
     call it recorded; and with the scale in the key, every float it passes is replayed as recorded. A
     layout is recorded at its first call, never while a CUDA graph is being captured (the check reads
     results back), and at most ``LIMIT`` of them; a layout whose recording was refused keeps going through
-    FA4's interface."""
+    FA4's interface. The key holds all that FA4's layout checks read (:func:`_aligned`), and only values FA4
+    takes as they are get recorded, so the launches look their views up unchecked."""
 
     LIMIT = 8
 
