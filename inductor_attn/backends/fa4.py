@@ -664,27 +664,27 @@ class _BackwardLaunch:
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         grads = [empty_like_layout(x, x.shape) for x in (call.q, call.k, call.v)]
-        values, replay = self._replayed(call, (call.q, call.k, call.v, out, grad_out, lse, grad_lse, grads))
+        tensors = (call.q, call.k, call.v, out, grad_out, lse, grad_lse, grads)
+        values, replay, into_ours = self._replayed(call, tensors)
         if replay is not None:
             replay(values)
         else:
-            into_ours = all(f.data_ptr() == g.data_ptr() for f, g in zip(values[8:11], grads))
             self._through_fa4(call, values, grads, into_ours)
         _zero_unused_keys(call, grads)
         return tuple(grads)
 
-    def _replayed(self, call: AttnCall, tensors: tuple) -> tuple[tuple, _Replay | None]:
-        """(values, the replay recorded for their layout or None). The views alone are looked up first, with
-        no checks: a layout recorded is one FA4 takes as it is. Else the values made what FA4 takes (copies
-        where FA4 would make them), whose layout may have been recorded too."""
+    def _replayed(self, call: AttnCall, tensors: tuple) -> tuple[tuple, _Replay | None, bool]:
+        """(values, the replay recorded for their layout or None, whether FA4 writes into our grads). The views
+        alone are looked up first, with no checks: a layout recorded is one FA4 takes as it is. Else the values
+        made what FA4 takes (copies where FA4 would make them), whose layout may have been recorded too."""
         if self.replays.by_layout:
             views = _backward_values(call, *tensors, checked=False)
             replay = self.replays.get(views)
             if replay is not None:
-                return views, replay
+                return views, replay, True
         values = _backward_values(call, *tensors, checked=True)
         into_ours = all(f.data_ptr() == g.data_ptr() for f, g in zip(values[8:11], tensors[-1]))
-        return values, self.replays.get(values) if into_ours and self.replays.by_layout else None
+        return values, self.replays.get(values) if into_ours and self.replays.by_layout else None, into_ours
 
     def _through_fa4(self, call: AttnCall, values: tuple, grads, into_ours: bool):
         fa = _fa4()
