@@ -43,7 +43,7 @@ def host_us(fn: Callable[[], object], bursts: int = 5) -> float:
 
 
 def wall_us(fn: Callable[[], object], calls: int = 200, repeats: int = 3) -> float:
-    return statistics.median(_plain_run(fn, calls)[0] for _ in range(repeats))
+    return _median_run([_plain_run(fn, calls) for _ in range(repeats)])["wall_us"]
 
 
 def _plain_run(fn: Callable[[], object], calls: int) -> tuple[float, float]:
