@@ -429,6 +429,14 @@ def test_run_copies_and_counts_a_layout_fa4_cannot_take(monkeypatch):
     assert fa4.COPIES["q"] == before + 1 and rec.calls[0][0].stride(-1) == 1
 
 
+def test_a_contiguous_view_at_a_misaligned_address_is_copied_to_an_aligned_one():
+    storage = torch.randn(2 * 4 * 8 * 16 + 4, dtype=torch.float16)
+    q = storage[4:].view(2, 8, 4, 16).transpose(1, 2)  # FA4's view of it is contiguous, 8 bytes off 16
+    before = fa4.COPIES["q"]
+    taken = fa4._fa4_layout(q, "q", True)
+    assert fa4.COPIES["q"] == before + 1 and fa4._aligned(taken) and torch.equal(taken, q.transpose(1, 2))
+
+
 def test_run_varlen_and_kv_seqlens_arguments(monkeypatch):
     rec = _use_recorder(monkeypatch)
     q = torch.randn(30, 4, 32, dtype=torch.float16)

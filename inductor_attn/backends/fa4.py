@@ -306,9 +306,9 @@ def _fa4_layout(x: torch.Tensor, name: str, transpose: bool) -> torch.Tensor:
     if _aligned(view):
         return view
     COPIES[name] += 1
-    log.info("flash-attn-4: copying %s %s (strides %s): last dim not contiguous or strides not 16-byte "
-             "aligned", name, tuple(x.shape), x.stride())
-    return view.contiguous()
+    log.info("flash-attn-4: copying %s %s (strides %s): last dim not contiguous, pointer or strides not "
+             "16-byte aligned", name, tuple(x.shape), x.stride())
+    return view.clone(memory_format=torch.contiguous_format)  # contiguous() keeps a misaligned pointer
 
 
 def _int32(x: torch.Tensor) -> torch.Tensor:
@@ -622,7 +622,7 @@ class _ForwardLaunch:
     def __call__(self, call: AttnCall):
         out, lse = _buffers(call)
         values = _call_values(call, out, lse)
-        if self.replays.by_layout:  # a layout recorded is one FA4 takes as it is (_Replays): no checks here
+        if self.replays.by_layout:  # a layout recorded is one FA4 takes as it is (_Replays): no layout checks
             replay = self.replays.get(values)
             if replay is not None:
                 replay(values)
@@ -753,8 +753,9 @@ class _Replays:
     call it recorded; and with the scale in the key, every float it passes is replayed as recorded. A
     layout is recorded at its first call, never while a CUDA graph is being captured (the check reads
     results back), and at most ``LIMIT`` of them; a layout whose recording was refused keeps going through
-    FA4's interface. The key holds all that FA4's layout checks read (:func:`_aligned`), and only values FA4
-    takes as they are get recorded, so the launches look their views up unchecked."""
+    FA4's interface. The key holds all that the layout checks read (:func:`_aligned`, :func:`_as_fa4_takes`,
+    :func:`_int32`), and only values FA4 takes as they are get recorded, so the launches look their views up
+    unchecked."""
 
     LIMIT = 8
 
