@@ -43,7 +43,12 @@ def host_us(fn: Callable[[], object], bursts: int = 5) -> float:
 
 
 def wall_us(fn: Callable[[], object], calls: int = 200, repeats: int = 3) -> float:
-    return _median_run([_plain_run(fn, calls) for _ in range(repeats)])["wall_us"]
+    return _plain_runs(fn, calls, repeats)["wall_us"]
+
+
+def _plain_runs(fn: Callable[[], object], calls: int = 200, repeats: int = 3) -> dict:
+    """``wall_us`` and ``loop_host_us`` of the median of ``repeats`` runs of ``calls`` plain launches."""
+    return _median_run([_plain_run(fn, calls) for _ in range(repeats)])
 
 
 def _plain_run(fn: Callable[[], object], calls: int) -> tuple[float, float]:
@@ -140,7 +145,7 @@ def warm(fn: Callable[[], object], calls: int = 5) -> Callable[[], object]:
 def measure(fn: Callable[[], object], kernels: bool = True) -> dict:
     """The three numbers of ``fn``, after warm-up."""
     warm(fn)
-    return {"host_us": host_us(fn), **_median_run([_plain_run(fn, 200) for _ in range(3)]),
+    return {"host_us": host_us(fn), **_plain_runs(fn),
             "kernel_us": kernel_us(fn) if kernels else None}
 
 
