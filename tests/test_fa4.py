@@ -660,11 +660,13 @@ def test_a_call_laid_out_differently_is_recorded_for_itself(monkeypatch):
     assert len(plan.launch.replays.by_layout) == 2 and torch.equal(out, q * 0.25 + v)
 
 
-def _compiling_backward(kernel_calls: list, host_filled_dpsum: bool = False):
+def _compiling_backward(kernel_calls: list, host_filled_dpsum: bool = False,
+                        fresh=lambda *shape: torch.full(shape, 7.0)):
     """A fake FA4 interface whose ``_flash_attn_bwd`` runs three "compiled kernels" from three compile caches,
     as b36 does: a preprocess that fills dpsum and zeroes the dq accumulator, a main kernel that adds into the
     accumulators (dk's handed over zeroed by ``torch.zeros``) and writes dv, and a postprocess conversion per
-    accumulator. ``host_filled_dpsum``: dpsum is filled on the host instead, which a replay cannot repeat."""
+    accumulator. ``host_filled_dpsum``: dpsum is filled on the host instead, which a replay cannot repeat.
+    ``fresh``: what FA4's ``torch.empty`` buffers hold (by default not zeros, as memory used before)."""
     def preprocess(o, do, dpsum, dq_accum, scale):
         kernel_calls.append("pre")
         if not host_filled_dpsum:
@@ -692,8 +694,8 @@ def _compiling_backward(kernel_calls: list, host_filled_dpsum: bool = False):
     pre, bwd, post = owner(preprocess), owner(main), owner(convert)
 
     def _flash_attn_bwd(q, k, v, o, do, lse, dq, dk, dv, softmax_scale, **kw):
-        dpsum = torch.full(q.shape[:-1], 3.0) if host_filled_dpsum else torch.empty(q.shape[:-1])
-        dq_accum, dk_accum = torch.empty(q.shape), torch.zeros(k.shape)
+        dpsum = torch.full(q.shape[:-1], 3.0) if host_filled_dpsum else fresh(*q.shape[:-1])
+        dq_accum, dk_accum = fresh(*q.shape), torch.zeros(k.shape)
         pre(o, do, dpsum, dq_accum, softmax_scale)
         bwd(q, k, v, dpsum, dq_accum, dk_accum, dv, softmax_scale, -1)
         post(dq_accum, dq, softmax_scale)
@@ -731,10 +733,10 @@ def test_backward_plan_replays_the_recorded_kernels_with_fresh_scratch_buffers(m
         grads = plan.launch(call, out, torch.zeros(1, 2, 16), grad_out, None)
         for got, want in zip(grads, _want_grads(call, out, grad_out)):
             assert torch.allclose(got.float(), want.float(), atol=1e-2)  # dk's accumulator is zeroed each call
-        if seed == 0:  # through FA4, recorded, then the replay checked once: kernels run twice
-            assert kernel_calls == ["pre", "main", "post", "post"] * 2
+        if seed == 0:  # through FA4, recorded, then the replay checked with two poisons and dk_accum unzeroed
+            assert kernel_calls == ["pre", "main", "post", "post"] * 4
             interface._flash_attn_bwd = lambda *a, **kw: pytest.fail("went through _flash_attn_bwd again")
-    assert kernel_calls == ["pre", "main", "post", "post"] * 4
+    assert kernel_calls == ["pre", "main", "post", "post"] * 6
     assert all(plan.launch.replays.by_layout.values())
 
 
@@ -756,7 +758,7 @@ def test_a_backward_call_fa4_cannot_take_as_it_is_replays_with_the_copy_fa4_woul
         for got, want in zip(grads, _want_grads(call, out, grad_out)):
             assert torch.allclose(got.float(), want.float(), atol=1e-2)
         assert fa4.COPIES["grad_out"] == before + n
-        assert kernel_calls == ["pre", "main", "post", "post"] * (2 if n == 1 else 1)  # recorded and checked
+        assert kernel_calls == ["pre", "main", "post", "post"] * (4 if n == 1 else 1)  # recorded and checked
         interface._flash_attn_bwd = lambda *a, **kw: pytest.fail("went through _flash_attn_bwd again")
     assert len(plan.launch.replays.by_layout) == 2
 
@@ -773,6 +775,42 @@ def test_a_backward_scratch_buffer_filled_on_the_host_keeps_the_plan_on_fa4s_int
         assert torch.allclose(dq.float(), call.q.float() * 0.25 + 3.0, atol=1e-2)
     assert list(plan.launch.replays.by_layout.values()) == [None]
     assert "did not reproduce the call" in caplog.text and kernel_calls.count("main") == 3
+
+
+def test_a_replay_stops_zeroing_a_buffer_that_a_recorded_kernel_clears(monkeypatch):
+    """dq's accumulator comes from ``torch.empty`` and the preprocess clears it; handed over as all zeros (fresh
+    memory often is), the recording would zero it each call. The check tries it poisoned and stops zeroing it;
+    dk's accumulator, which the main kernel adds into, stays zeroed."""
+    plan = _bwd_plan(monkeypatch, _compiling_backward([], fresh=torch.zeros))
+    for seed in range(3):
+        call = _bwd_call(seed)
+        out, grad_out = torch.randn_like(call.q), torch.randn_like(call.q)
+        grads = plan.launch(call, out, torch.zeros(1, 2, 16), grad_out, None)
+        for got, want in zip(grads, _want_grads(call, out, grad_out)):
+            assert torch.allclose(got.float(), want.float(), atol=1e-2)
+    (replay,) = plan.launch.replays.by_layout.values()
+    assert [zeroed for *_, zeroed in replay.scratch] == [False, False, True]  # dpsum, dq_accum, dk_accum
+
+
+@pytest.mark.parametrize("cleared", [False, True])
+def test_a_buffer_read_through_a_max_keeps_its_zeroing_unless_a_kernel_clears_it(cleared):
+    """NaN passes through ``fmax`` unseen; the finite poison shows that the buffer's zeros are read."""
+    x = torch.randn(64, dtype=torch.float16)
+
+    def clear(buf):
+        buf.zero_()
+
+    def running_max(x, buf, out):
+        out.copy_(torch.fmax(buf, x.float()))
+
+    buf, out = torch.zeros(64), torch.empty_like(x)
+    calls = ([(clear, (buf,))] if cleared else []) + [(running_max, (x, buf, out))]
+    for fn, args in calls:
+        fn(*args)
+    replay = _recorded(calls, (x, out))
+    fresh = torch.empty_like(x)
+    checked = fa4._checked_replay(replay, (x, fresh), (out,), (fresh,), "test")
+    assert checked is not None and checked.scratch[0][3] == (not cleared)
 
 
 def test_another_threads_fa4_call_during_a_recording_is_not_recorded(monkeypatch):

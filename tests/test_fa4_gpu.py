@@ -213,12 +213,12 @@ def test_varlen_and_kv_seqlens_backward_match_reference(dev, dtype):
     _grads_match(call, out, lse, torch.randn_like(out), None)
 
 
-def _poison(*like: torch.Tensor) -> None:
-    """NaN where the next allocations will likely land: one large block (the caching allocator's large pool
+def _poison(*like: torch.Tensor, value: float = float("nan")) -> None:
+    """``value`` where the next allocations will likely land: one large block (the caching allocator's large pool
     hands freed blocks out again) and a block of each size in ``like`` (small ones come from another pool)."""
-    torch.full((64 << 20,), float("nan"), device="cuda")
+    torch.full((64 << 20,), value, device="cuda")
     for t in like:
-        torch.full(t.shape, float("nan"), dtype=t.dtype, device=t.device)
+        torch.full(t.shape, value, dtype=t.dtype, device=t.device)
 
 
 def test_varlen_replays_match_the_reference_with_new_documents(dev):
@@ -286,3 +286,27 @@ def test_recorded_kernel_replays_match_the_reference_on_new_inputs(dev, case, de
         if fa4.family(dev.arch) == "sm90":
             assert fwd.replays.by_layout and all(fwd.replays.by_layout.values()), "sm_90 forward plans replay"
             assert bwd.replays.by_layout and all(bwd.replays.by_layout.values()), "sm_90 backward plans replay"
+
+
+@pytest.mark.parametrize("hkv", [4, 1], ids=["mha", "gqa"])
+def test_a_backward_replay_recorded_over_zeroed_memory_zeroes_only_what_fa4s_kernels_need(dev, hkv):
+    """The recording's memory reads all zeros (fresh from the allocator, as in a new process), so FA4's
+    ``torch.empty`` buffers look zeroed; the check tries each poisoned, and the replay zeroes only what b36
+    allocates with ``torch.zeros`` (GQA's dK/dV accumulators), not dq's accumulator, which its preprocess
+    clears. Later calls, over NaN-filled memory, still match the float64 reference."""
+    dtype = torch.bfloat16
+    calls = [dense_call(2, 4, hkv, 128, 128, 64, dtype, causal=True, seed=s) for s in range(3)]
+    fwd = FA4.plan(calls[0].problem, dev, Config(), "forward").launch
+    bwd = FA4.plan(calls[0].problem, dev, Config.of(deterministic=False), "backward").launch
+    for i, call in enumerate(calls):
+        out, lse = fwd(call)
+        grad_out = torch.randn_like(out)
+        _poison(call.q, call.k, call.v, value=0.0 if i == 0 else float("nan"))
+        got = bwd(call, out, lse, grad_out, None)
+        want = REF.backward(call, Config(), out, lse, grad_out, None)
+        for name, g, w in zip(("dq", "dk", "dv"), got, want):
+            assert check_tensor(name, g, w, dtype) is None, f"backward, call {i}: {check_tensor(name, g, w, dtype)}"
+    if fa4.family(dev.arch) == "sm90":
+        (replay,) = bwd.replays.by_layout.values()
+        zeroed = [zeroed for _, _, dtype, zeroed in replay.scratch if dtype.is_floating_point]
+        assert sum(zeroed) == (0 if hkv == 4 else 2), replay.scratch

@@ -416,7 +416,9 @@ def fa4_anatomy(direction: str, launch, run, q) -> None:
     run()
     replay.steps = steps
     scratch = _Replay([], replay.scratch)
-    rows = {"whole launch": run, f"scratch buffers alone ({len(replay.scratch)})": lambda: scratch((q,))}
+    zeroed = sum(z for *_, z in replay.scratch)
+    rows = {"whole launch": run,
+            f"scratch buffers alone ({len(replay.scratch)}, {zeroed} zeroed)": lambda: scratch((q,))}
     rows.update((f"kernel {i}: {getattr(fn, '__name__', type(fn).__name__)}, {len(args)} args",
                  lambda fn=fn, args=args: fn(*args)) for i, (fn, args) in enumerate(made))
     print(f"   {direction} FA4 launch (host us):")
