@@ -510,3 +510,31 @@ def test_the_graphs_kv_seqlens_assert_stays_while_one_reader_of_those_lengths_do
         with pytest.raises(RuntimeError, match=re.escape(KV_SEQLENS_VALUES)):
             torch.compile(two_calls, fullgraph=True)(*_decode_inputs([5, -1]))
     torch._dynamo.reset()
+
+
+
+@pytest.fixture(scope="module")
+def copies_of_traced_triton_plans():
+    """tests/traced_copies.py's report, run in a process of its own: torch's analysis reads a kernel's TTIR,
+    which the interpreter these tests run Triton in (TRITON_INTERPRET=1) does not make."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "traced_copies.py")],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("kernels", ["triton backward", "triton backward, kv_seqlens", "triton forward",
+                                     "triton_decode forward, kv_seqlens"])
+def test_traced_triton_plans_write_only_their_own_buffers_so_compiled_code_copies_nothing(
+        kernels, copies_of_traced_triton_plans):
+    """torch's analysis of what a user kernel writes decides which of its tensors compiled code copies before
+    the launch (``tensors_to_clone``, where Inductor cannot reuse the buffer in place): a kernel that seems to
+    write an input, or one tensor passed as two arguments, costs a copy kernel per launch (four per layer of
+    an HF Llama training step, H200, 2026-11-28). Inductor's in-place pass must leave nothing to copy."""
+    assert copies_of_traced_triton_plans[kernels] == {}

@@ -31,25 +31,6 @@ LOG2E = tl.constexpr(1.4426950408889634)  # a plain float global is refused insi
 
 
 @triton.jit
-def _seq_bounds(b, CU_Q, CU_K, KV_LENS, LQ, LK, VARLEN: tl.constexpr, HAS_KV_LENS: tl.constexpr):
-    """(first row, rows, first key, keys) of sequence ``b``; offsets are int64 for big packed tensors."""
-    if VARLEN:
-        q0 = tl.load(CU_Q + b)
-        k0 = tl.load(CU_K + b)
-        lq = tl.load(CU_Q + b + 1) - q0
-        lk = tl.load(CU_K + b + 1) - k0
-    else:
-        q0 = b * 0
-        k0 = b * 0
-        lq = b * 0 + LQ
-        if HAS_KV_LENS:
-            lk = tl.load(KV_LENS + b)
-        else:
-            lk = b * 0 + LK
-    return q0.to(tl.int64), lq, k0.to(tl.int64), lk
-
-
-@triton.jit
 def _visible(r, c, lk, off, left, right, BITS, s_bi, s_bw, partial, q_blk0, k_blk0,
              SPARSE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
     """Which (row r, key c) pairs are visible; r and c are broadcastable index tensors.
@@ -198,7 +179,16 @@ def bwd_dkdv(Q, K, V, DO, DQ, GRAD_K, GRAD_V, LSE2, DELTA, CU_Q, CU_K, KV_LENS, 
     split = pid % SPLIT
     b = pid // SPLIT // HKV
     hkv = (pid // SPLIT % HKV).to(tl.int64)
-    q0, lq, k0, lk = _seq_bounds(b, CU_Q, CU_K, KV_LENS, LQ, LK, VARLEN, HAS_KV_LENS)
+    # (first row, rows, first key, keys) of sequence b, loaded in the kernel itself: torch's analysis of what a
+    # user kernel writes (wrap_triton) counts every pointer handed to a helper whose results address a store as
+    # written: a helper loading CU_Q, CU_K and KV_LENS would make compiled code copy them at each launch
+    q0, lq, k0, lk = b * 0, b * 0 + LQ, b * 0, b * 0 + LK
+    if VARLEN:
+        q0, k0 = tl.load(CU_Q + b), tl.load(CU_K + b)
+        lq, lk = tl.load(CU_Q + b + 1) - q0, tl.load(CU_K + b + 1) - k0
+    elif HAS_KV_LENS:
+        lk = tl.load(KV_LENS + b)
+    q0, k0 = q0.to(tl.int64), k0.to(tl.int64)  # int64 offsets for big packed tensors
     b64 = b.to(tl.int64)
     n0 = pid_n * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -365,7 +355,14 @@ def bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, CU_Q, CU_K, KV_LENS, CNT, IDX, FULL_CNT
     b = bh // HQ
     hq = (bh % HQ).to(tl.int64)
     hkv = hq // GROUP
-    q0, lq, k0, lk = _seq_bounds(b, CU_Q, CU_K, KV_LENS, LQ, LK, VARLEN, HAS_KV_LENS)
+    # (first row, rows, first key, keys) of sequence b, loaded here as in bwd_dkdv (why there)
+    q0, lq, k0, lk = b * 0, b * 0 + LQ, b * 0, b * 0 + LK
+    if VARLEN:
+        q0, k0 = tl.load(CU_Q + b), tl.load(CU_K + b)
+        lq, lk = tl.load(CU_Q + b + 1) - q0, tl.load(CU_K + b + 1) - k0
+    elif HAS_KV_LENS:
+        lk = tl.load(KV_LENS + b)
+    q0, k0 = q0.to(tl.int64), k0.to(tl.int64)  # int64 offsets for big packed tensors
     b64 = b.to(tl.int64)
     m0 = pid_m * BLOCK_M
     rows = m0 + tl.arange(0, BLOCK_M)

@@ -1,0 +1,74 @@
+"""What compiled code would copy before each Triton launch of our traced plans (run by tests/test_lowering.py in a
+process without TRITON_INTERPRET, on any machine): each plan traced as the compile-time pass traces it, on meta
+tensors, then Inductor's in-place pass (torch/_inductor/fx_passes/reinplace.py) applied; printed as JSON, per
+plan, {kernel index: the tensors still to copy}. Triton's CUDA backend targets sm_90 without a GPU: torch's
+analysis of what a user kernel writes (torch/_higher_order_ops/triton_kernel_wrap.py) reads the kernel's TTIR,
+which needs a target, not a device."""
+
+import json
+
+import torch
+import triton
+from torch._inductor.fx_passes.reinplace import reinplace_inplaceable_ops_core
+from torch._subclasses.fake_tensor import FakeTensorMode
+from triton.backends.compiler import GPUTarget
+
+from inductor_attn._compat import trace_functional
+from inductor_attn.backends import Config, get_backend
+from inductor_attn.backends.triton_common import graph_launcher
+from inductor_attn.backends.triton_flash.flash_bwd import backward
+from inductor_attn.device import DeviceInfo
+from inductor_attn.ops.attention import AttnCall
+
+H100 = DeviceInfo("NVIDIA H100", (9, 0), 132)
+CASES = ("triton backward", "triton backward, kv_seqlens", "triton forward", "triton_decode forward, kv_seqlens")
+
+
+class Sm90Target:
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+
+def _bhld(heads: int, length: int) -> torch.Tensor:
+    return torch.empty(1, length, heads, 64, dtype=torch.bfloat16, device="meta").transpose(1, 2)
+
+
+def _traced_forward(backend: str, problem):
+    be = get_backend(backend)
+    plans = (be.plan(problem, H100, c.config, "forward") for c in be.configs(problem, H100))
+    return next(plan.traced for plan in plans if plan.traced is not None)
+
+
+def copies(case: str) -> dict:
+    decode, with_lens = case.startswith("triton_decode"), case.endswith("kv_seqlens")
+    with FakeTensorMode():
+        q, k, v = _bhld(16, 1 if decode else 512), _bhld(4, 512), _bhld(4, 512)
+        out, lse = torch.empty_like(q), torch.empty(1, 16, q.shape[2], device="meta")
+        grad, lens = torch.empty_like(q), torch.empty(1, dtype=torch.int32, device="meta")
+
+    def call_of(q, k, v, lens):
+        return AttnCall("attention", q, k, v, 0.125, not decode, -1, -1, lens if with_lens else None)
+
+    if case.startswith("triton backward"):
+        cfg = Config.of(bwd_block_m=32, bwd_block_n=128, bwd_dq="separate", bwd_stages=3, bwd_warps=4)
+
+        def launch(q, k, v, lens, out, lse, grad):
+            return tuple(backward(cfg, graph_launcher, call_of(q, k, v, lens), out, lse, grad, None))
+        args = [q, k, v, lens, out, lse, grad]
+    else:
+        traced = _traced_forward(case.split()[0], call_of(q, k, v, lens).problem)
+
+        def launch(q, k, v, lens):
+            return tuple(traced(call_of(q, k, v, lens)))
+        args = [q, k, v, lens]
+    graph = trace_functional(launch, args).graph
+    launches = [n for n in graph.nodes if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
+    if not launches:
+        raise AssertionError(f"{case}: no Triton launch traced")
+    reinplace_inplaceable_ops_core(graph)
+    return {n.kwargs["kernel_idx"]: n.kwargs["tensors_to_clone"] for n in launches if n.kwargs["tensors_to_clone"]}
+
+
+if __name__ == "__main__":
+    triton.runtime.driver.set_active(Sm90Target())
+    print(json.dumps({case: copies(case) for case in CASES}))
