@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/tools/host_profile.py [--calls 500] [--backends sdpa fa4 triton]
     PYTHONPATH=. python benchmarks/tools/host_profile.py --llama-decode [--calls 100]
     PYTHONPATH=. python benchmarks/tools/host_profile.py --training "document B1 H16 L8k D128" [--calls 100]
-    PYTHONPATH=. python benchmarks/tools/host_profile.py --llama-training "B4 L2048" [--calls 20]
+    PYTHONPATH=. python benchmarks/tools/host_profile.py --llama-training "B4 L2048" [--calls 20] [--only fa4]
     PYTHONPATH=. python benchmarks/tools/host_profile.py --output-code DIR [--case CASE] [--mode MODE]
     PYTHONPATH=. python benchmarks/tools/host_profile.py --output-code DIR --training SHAPE
 
@@ -25,6 +25,9 @@ step (``torch.cuda.set_sync_debug_mode``).
 ``--llama-training SIZE``: the training suite's HF Llama step (forward, backward, AdamW; bench/models.py) at
 that size, stock ``torch.compile`` and ours, the same way.
 
+``--only BACKEND`` (with ``--training`` or ``--llama-training``): ours with that backend alone registered (and the
+reference), so that two trees compare one backend's launch, whatever their tunes would choose.
+
 ``--output-code DIR``: Inductor's generated code of stock compiled SDPA and of ours, written to DIR (one file
 per graph, forward and backward), for one of the overhead suite's calls as the suite writes them (``--case``,
 or ``--prefill`` as before; default "prefill B1 H16/4 L512 D64 causal"; compiled in ``--mode``, default or
@@ -40,6 +43,7 @@ where a host-bound step loses its time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import pstats
@@ -67,9 +71,13 @@ def main() -> None:
                         help=f"with --output-code, the overhead suite's call: one of {OVERHEAD_CASE_NAMES}")
     parser.add_argument("--mode", choices=["default", "reduce-overhead"], default="default",
                         help="with --output-code --case, torch.compile's mode of the compiled calls")
+    parser.add_argument("--only", metavar="BACKEND", help="with --training or --llama-training, ours with this "
+                        "backend alone (and the reference)")
     args = parser.parse_args()
+    only = (only_backends(get_backend(args.only), REFERENCE) if args.only else contextlib.nullcontext())
     if args.training:
-        training(args.training, args.calls or 100, args.output_code)
+        with only:
+            training(args.training, args.calls or 100, args.output_code)
         return
     if args.output_code:
         if args.case not in OVERHEAD_CASE_NAMES:
@@ -81,7 +89,8 @@ def main() -> None:
 
         if args.llama_training not in TRAIN_SIZES:
             parser.error(f"--llama-training takes one of {sorted(TRAIN_SIZES)}, got {args.llama_training!r}")
-        compare(training_steps(args.llama_training, "default")[0], args.calls or 20)
+        with only:
+            compare(training_steps(args.llama_training, "default")[0], args.calls or 20)
         return
     if args.llama_decode:
         if (args.calls or 100) > LLAMA_MAX_CALLS:
