@@ -6,6 +6,7 @@
     PYTHONPATH=. python benchmarks/tools/host_profile.py --llama-training "B4 L2048" [--calls 20] [--only fa4]
     PYTHONPATH=. python benchmarks/tools/host_profile.py --output-code DIR [--case CASE] [--mode MODE]
     PYTHONPATH=. python benchmarks/tools/host_profile.py --output-code DIR --training SHAPE
+    PYTHONPATH=. python benchmarks/tools/host_profile.py --loop [--case CASE] [--mode MODE]
 
 For each backend (only it and the reference are registered, so the tuner must pick it): host us per call
 of the compiled function, of the plan's launch called directly, and a cProfile of the compiled calls
@@ -35,6 +36,11 @@ reduce-overhead; then the two compared, and the call's host time peeled: Dynamo'
 generated module, for prefill the aten call), or
 with ``--training`` for that shape's fwd+bwd step (then its profile as without it): diff the two where the
 same kernels cost ours more host time.
+
+``--loop``: one of the overhead suite's calls (``--case``, ``--mode``), stock compiled SDPA and ours, in the
+suite's loops of 200 plain launches taking turns: each call's own host time (median, p90, p99, max), the loop's
+us per call, the garbage collections the loop ran (by generation) and their time, and the same loop with the
+collector off: whether a loop runs slower than the suite's bursts because of calls that stall now and then.
 
 Each step function also gets the GPU's idle time inside a step, summed by the kernel it waited to start:
 where a host-bound step loses its time.
@@ -73,16 +79,20 @@ def main() -> None:
                         help="with --output-code --case, torch.compile's mode of the compiled calls")
     parser.add_argument("--only", metavar="BACKEND", help="with --training or --llama-training, ours with this "
                         "backend alone (and the reference)")
+    parser.add_argument("--loop", action="store_true", help="time the --case call's loops call by call")
     args = parser.parse_args()
     only = (only_backends(get_backend(args.only), REFERENCE) if args.only else contextlib.nullcontext())
     if args.training:
         with only:
             training(args.training, args.calls or 100, args.output_code)
         return
-    if args.output_code:
+    if args.loop or args.output_code:
         if args.case not in OVERHEAD_CASE_NAMES:
             parser.error(f"--case takes one of {OVERHEAD_CASE_NAMES}, got {args.case!r}")
-        case_code(args.output_code, args.case, args.mode)
+        if args.loop:
+            loops(args.case, args.mode)
+        else:
+            case_code(args.output_code, args.case, args.mode)
         return
     if args.llama_training:
         from inductor_attn.bench.models import TRAIN_SIZES, training_steps
@@ -238,6 +248,69 @@ def case_code(out_dir: str, case_name: str, mode: str = "default") -> None:
           f"{dict(counters['inductor'])}")
     compare(steps, 200, taking_turns=True)
     call_layers(case, inputs, fns, {name: found[0] for name, found in paths.items()}, mode)
+
+
+def _case_steps(case_name: str, mode: str) -> dict:
+    """Stock compiled SDPA and ours for one of the overhead suite's calls, compiled in ``mode``, as the suite
+    writes and feeds them."""
+    case = overhead.Case(*next(c for c in overhead.CASES if c[0] == case_name))
+    inputs = case.inputs(torch.device("cuda"), torch.bfloat16)
+    if mode == "reduce-overhead":
+        inputs = overhead.static_inputs(inputs)
+    fns = {"stock": overhead.sdpa_user(case), "ours": overhead.ours_user(case)}
+    return {name: _on(inputs, torch.compile(own_code(fn), fullgraph=True, mode=mode)) for name, fn in fns.items()}
+
+
+def _timed_loop(fn, calls: int, collect: bool) -> dict:
+    """One loop of ``calls`` plain launches: each call's host us, the loop's us per call until the device
+    finished, and the collections the garbage collector ran in it (by generation) with their ms."""
+    import gc
+    import statistics
+    import time
+
+    runs: dict[int, int] = {}
+    gc_ms, started = [0.0], [0.0]
+
+    def watch(phase, info):
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            runs[info["generation"]] = runs.get(info["generation"], 0) + 1
+            gc_ms[0] += (time.perf_counter() - started[0]) * 1e3
+
+    per_call = []
+    torch.cuda.synchronize()
+    gc.callbacks.append(watch)
+    if not collect:
+        gc.disable()
+    try:
+        start = time.perf_counter()
+        for _ in range(calls):
+            t = time.perf_counter()
+            fn()
+            per_call.append((time.perf_counter() - t) * 1e6)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / calls * 1e6
+    finally:
+        gc.enable()
+        gc.callbacks.remove(watch)
+    per_call.sort()
+    return {"wall": wall, "median": statistics.median(per_call), "p90": per_call[int(0.9 * calls)],
+            "p99": per_call[int(0.99 * calls)], "max": per_call[-1], "gc_runs": runs, "gc_ms": gc_ms[0]}
+
+
+def loops(case_name: str, mode: str, calls: int = 200, rounds: int = 5) -> None:
+    """``--loop``: the module doc's loop anatomy, stock and ours taking turns, the collector on and off."""
+    steps = {name: warm(step) for name, step in _case_steps(case_name, mode).items()}
+    print(f"== {case_name}, {mode}: loops of {calls} calls, us per call (each call's host time: median / p90 / "
+          f"p99 / max), {rounds} rounds taking turns")
+    for r in range(rounds):
+        for collect in (True, False):
+            for name in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
+                x = _timed_loop(steps[name], calls, collect)
+                print(f"   round {r} {name:5s} gc {'on ' if collect else 'off'}: loop {x['wall']:7.1f}; call "
+                      f"{x['median']:6.1f} / {x['p90']:6.1f} / {x['p99']:7.1f} / {x['max']:8.1f}; collections "
+                      f"{x['gc_runs']} in {x['gc_ms']:.2f} ms")
 
 
 def call_layers(case, inputs, fns: dict, modules: dict, mode: str = "default") -> None:
