@@ -133,6 +133,30 @@ def test_static_launch_of_user_triton_kernels_is_the_setting_inductor_reads(monk
     assert os.environ[_compat.STATIC_LAUNCH_ENV] == "1"
 
 
+def test_static_launch_restarts_compile_workers_started_without_it(monkeypatch):
+    """A compile worker started before the setting never sees it: after the call, Inductor's pool is a new
+    one whose workers read the variable."""
+    import functools
+    import os
+
+    import torch._inductor.config as config
+    from torch._inductor import async_compile
+
+    if async_compile.get_compile_threads() <= 1:
+        pytest.skip("Inductor compiles in this process here: no workers to restart")
+    read_in_worker = functools.partial(os.getenv, _compat.STATIC_LAUNCH_ENV)
+    monkeypatch.delenv(_compat.STATIC_LAUNCH_ENV, raising=False)
+    try:
+        with config.patch(static_launch_user_defined_triton_kernels=False):
+            pool = async_compile.AsyncCompile.process_pool()
+            assert pool.submit(read_in_worker).result(timeout=300) is None
+            _compat.launch_user_triton_kernels_statically()
+            assert pool not in async_compile._pool_set
+            assert async_compile.AsyncCompile.process_pool().submit(read_in_worker).result(timeout=300) == "1"
+    finally:
+        async_compile.shutdown_compile_workers()
+
+
 def test_static_launch_leaves_a_value_the_user_set(monkeypatch):
     import torch._inductor.config as config
 
