@@ -142,6 +142,7 @@ def test_static_launch_restarts_compile_workers_started_without_it(monkeypatch):
     import torch._inductor.config as config
     from torch._inductor import async_compile
 
+    assert callable(async_compile.shutdown_compile_workers) and hasattr(async_compile, "_pool_set")  # what we call
     if async_compile.get_compile_threads() <= 1:
         pytest.skip("Inductor compiles in this process here: no workers to restart")
     read_in_worker = functools.partial(os.getenv, _compat.STATIC_LAUNCH_ENV)
