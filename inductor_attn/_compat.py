@@ -51,14 +51,13 @@ def launch_user_triton_kernels_statically() -> None:
     ``static_launch_user_defined_triton_kernels`` (torch/_inductor/config.py, 2.11 and 2.13, default False).
     Inductor decides per kernel while compiling it, in its compile worker processes
     (runtime/triton_heuristics.py ``can_statically_launch``), which read this setting from the environment
-    variable (``env_name_force``), so the variable is set too: workers started from now on see it, and a
-    pool already running keeps Triton's launcher for our kernels (correct, a few microseconds slower). A
+    variable (``env_name_force``), so the variable is set too: workers started from now on see it. A
     kernel Inductor can't launch statically keeps Triton's launcher, with a logged reason. A value the user
     set for the variable is left alone (it overrides the config anyway).
 
     Compile workers already running were started without the variable, and Inductor passes their tasks
-    only ``use_static_triton_launcher`` (async_compile.py ``extra_config``): they would keep Triton's launcher
-    for our kernels, tens of microseconds a launch, for the whole process. That happens whenever something
+    only ``use_static_triton_launcher`` (async_compile.py ``extra_config``): they would keep Triton's Python
+    launcher for our kernels for the whole process. That happens whenever something
     was compiled first (stock ``torch.compile`` even starts the pool before compiling:
     torch/_dynamo/backends/inductor.py ``maybe_warm_pool``), so those pools are shut down here
     (``async_compile.shutdown_compile_workers``, 2.11 and 2.13); the next compile starts new ones and compiles
