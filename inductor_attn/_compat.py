@@ -57,11 +57,10 @@ def launch_user_triton_kernels_statically() -> None:
 
     Compile workers already running were started without the variable, and Inductor passes their tasks
     only ``use_static_triton_launcher`` (async_compile.py ``extra_config``): they would keep Triton's Python
-    launcher for our kernels for the whole process. That happens whenever something
-    was compiled first (stock ``torch.compile`` even starts the pool before compiling:
-    torch/_dynamo/backends/inductor.py ``maybe_warm_pool``), so those pools are shut down here
-    (``async_compile.shutdown_compile_workers``, 2.11 and 2.13); the next compile starts new ones and compiles
-    in this process until they are ready."""
+    launcher for our kernels for the whole process. That happens whenever something was compiled first
+    (stock ``torch.compile`` even starts the pool before compiling: torch/_dynamo/backends/inductor.py
+    ``maybe_warm_pool``), so those pools are shut down here (``async_compile.shutdown_compile_workers``, 2.11
+    and 2.13); the next compile starts new ones and compiles in this process until they are ready."""
     import os
 
     if os.environ.get(STATIC_LAUNCH_ENV) is not None:
