@@ -813,6 +813,22 @@ def test_a_buffer_read_through_a_max_keeps_its_zeroing_unless_a_kernel_clears_it
     assert checked is not None and checked.scratch[0][3] == (not cleared)
 
 
+def test_each_trial_without_zeroing_starts_from_nan_filled_outputs():
+    """A kernel that leaves its output as it is where the buffer holds a large value: the finite poison must
+    find the output NaN, not the previous poison's correct result, or the zeroing it needs is dropped."""
+    x = torch.randn(64, dtype=torch.float16)
+
+    def write_where_small(x, buf, out):
+        out.copy_(torch.where(buf > 100, out, x))
+
+    buf, out = torch.zeros(64), torch.empty_like(x)
+    write_where_small(x, buf, out)
+    replay = _recorded([(write_where_small, (x, buf, out))], (x, out))
+    fresh = torch.empty_like(x)
+    checked = fa4._checked_replay(replay, (x, fresh), (out,), (fresh,), "test")
+    assert checked is not None and checked.scratch[0][3]
+
+
 def test_another_threads_fa4_call_during_a_recording_is_not_recorded(monkeypatch):
     """The compile caches are swapped for the whole process while one call records: a kernel that another
     thread runs meanwhile (a layout that goes through FA4's interface, a user's own FA4 call) is that thread's,
