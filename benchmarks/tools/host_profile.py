@@ -236,11 +236,7 @@ def case_code(out_dir: str, case_name: str, mode: str = "default") -> None:
     (bench/overhead.py: ``sdpa_user``, ``ours_user``), compiled in ``mode``."""
     from torch._dynamo.utils import counters
 
-    case = overhead.Case(*next(c for c in overhead.CASES if c[0] == case_name))
-    inputs = case.inputs(torch.device("cuda"), torch.bfloat16)
-    if mode == "reduce-overhead":  # as the suite's reduce-overhead paths take them
-        inputs = overhead.static_inputs(inputs)
-    fns = {"stock": overhead.sdpa_user(case), "ours": overhead.ours_user(case)}
+    case, inputs, fns = _case(case_name, mode)
     steps = {name: _on(inputs, torch.compile(fn, mode=mode)) for name, fn in fns.items()}
     counters.clear()
     paths = write_code(out_dir, steps)
@@ -250,14 +246,20 @@ def case_code(out_dir: str, case_name: str, mode: str = "default") -> None:
     call_layers(case, inputs, fns, {name: found[0] for name, found in paths.items()}, mode)
 
 
-def _case_steps(case_name: str, mode: str) -> dict:
-    """Stock compiled SDPA and ours for one of the overhead suite's calls, compiled in ``mode``, as the suite
-    writes and feeds them."""
+def _case(case_name: str, mode: str) -> tuple:
+    """One of the overhead suite's calls: the case, its inputs as the suite's ``mode`` paths take them (static
+    for reduce-overhead) and {"stock": SDPA, "ours": attention} as the suite writes them (bench/overhead.py)."""
     case = overhead.Case(*next(c for c in overhead.CASES if c[0] == case_name))
     inputs = case.inputs(torch.device("cuda"), torch.bfloat16)
     if mode == "reduce-overhead":
         inputs = overhead.static_inputs(inputs)
-    fns = {"stock": overhead.sdpa_user(case), "ours": overhead.ours_user(case)}
+    return case, inputs, {"stock": overhead.sdpa_user(case), "ours": overhead.ours_user(case)}
+
+
+def _case_steps(case_name: str, mode: str) -> dict:
+    """Stock compiled SDPA and ours for one of the overhead suite's calls, each compiled in ``mode`` as the
+    suite compiles its paths (its own code object, fullgraph)."""
+    _, inputs, fns = _case(case_name, mode)
     return {name: _on(inputs, torch.compile(own_code(fn), fullgraph=True, mode=mode)) for name, fn in fns.items()}
 
 
