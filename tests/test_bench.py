@@ -608,12 +608,19 @@ def test_a_training_shape_is_found_by_its_name_and_a_wrong_name_lists_the_shapes
 def test_overhead_smoke_times_every_right_path_of_a_case_in_alternating_rounds(reference_only):
     from inductor_attn.bench import overhead
 
-    result = overhead.run(smoke=True, quick=True, device=torch.device("cpu"), part="ops")
+    with torch._inductor.config.patch(fx_graph_cache=False):  # a cache hit would not run (nor report) the rewrite
+        result = overhead.run(smoke=True, quick=True, device=torch.device("cpu"), part="ops")
     for row in result["rows"]:
         assert set(row["paths"]) == set(overhead.paths(overhead.Case(*overhead.SMOKE[0])))
         for numbers in row["paths"].values():
             assert numbers["rel_err_vs_eager_sdpa"] < 2e-2 and numbers["host_us"] > 0 and numbers["wall_us"] > 0
-    assert "| ours compile |" in overhead.table(result)
+        # the routed paths run stock's code through the rewrite, which routes the call to our op
+        for mode in ("", " reduce-overhead"):
+            report = row["paths"][f"ours routed compile{mode}"]["routing"]
+            assert list(report) == ["sdpa: routed (kv_seqlens from a proven prefix mask)" if "decode" in row["case"]
+                                    else "sdpa: routed (causal)"], (row["case"], report)
+    table = overhead.table(result)
+    assert "| ours compile |" in table and "| ours routed compile reduce-overhead | sdpa: routed (causal): 1 |" in table
 
 
 def test_overhead_times_the_kernel_lookup_of_run_time_decided_calls_per_workload_and_direction(reference_only):

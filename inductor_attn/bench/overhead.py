@@ -5,7 +5,12 @@ Per case (decode with a KV cache, small prefill), in one process and on one devi
   model builds from its cache lengths, built in the call);
 - ``stock compile``: the same function under ``torch.compile``, default mode and ``reduce-overhead``;
 - ``ours``: ``inductor_attn.attention`` under ``torch.compile``, both modes (decode passes the lengths as
-  ``kv_seqlens``), and eagerly.
+  ``kv_seqlens``), and eagerly;
+- ``ours routed``: the stock path's own code compiled with ``backend="inductor_attn"``, both modes: what a model
+  that calls SDPA gets (the rewrite proves the decode mask a prefix of the keys and passes ``kv_seqlens``). Its
+  Dynamo guards are stock's; ``inductor_attn.attention`` adds those of its own Python (its keyword defaults and
+  helpers) to a compiled frame. Each records the rewrite's report of its compile (``routing``; empty when
+  Inductor's FX graph cache replayed the code without running the rewrite).
 Each gets host us per call, wall us per call with plain launches, and kernel us (wallclock.py), the paths
 of a case timed in alternating rounds (``interleaved_measure``). Every compiled result is checked against
 eager SDPA before it is timed. The reduce-overhead paths take their inputs marked static
@@ -35,6 +40,8 @@ from .._compat import mark_static_address
 from ..api import attention
 from ..backends import AttnCall, plan_for
 from ..device import device_info
+from ..routing.enable import compile_backend
+from ..routing.rewrite import routing_report
 from ..tuning import decide
 from ..tuning.modes import tuning_mode
 from . import suites
@@ -100,6 +107,9 @@ def paths(case: Case) -> dict:
         "ours eager": ours,
         "ours compile": torch.compile(own_code(ours), fullgraph=True),
         "ours compile reduce-overhead": torch.compile(own_code(ours), fullgraph=True, mode="reduce-overhead"),
+        "ours routed compile": torch.compile(own_code(sdpa), backend=compile_backend, fullgraph=True),
+        "ours routed compile reduce-overhead": torch.compile(own_code(sdpa), backend=compile_backend, fullgraph=True,
+                                                             mode="reduce-overhead"),
     }
 
 
@@ -122,9 +132,13 @@ def run_case(case: Case, device, dtype) -> dict:
     right = {}
     for name, fn in paths(case).items():
         args = pinned if name.endswith("reduce-overhead") else inputs
+        before = routing_report()
         out = fn(*args)
         err = ((out.float() - expected).norm() / expected.norm()).item()
         row["paths"][name] = {"rel_err_vs_eager_sdpa": err}
+        if name.startswith("ours routed"):
+            row["paths"][name]["routing"] = {k: n - before.get(k, 0) for k, n in routing_report().items()
+                                             if n != before.get(k, 0)}
         if err < 2e-2:
             right[name] = lambda fn=fn, args=args: fn(*args)
         else:
@@ -183,6 +197,13 @@ def table(result: dict) -> str:
             ratio = f"{stock / r['wall_us']:.2f}x" if stock else ""
             kernel = "" if r["kernel_us"] is None else f"{r['kernel_us']:.1f}"
             lines.append(f"| {row['case']} | {name} | {r['host_us']:.1f} | {r['wall_us']:.1f} | {kernel} | {ratio} |")
+    routed = [(row["case"], name, r["routing"]) for row in result["rows"] for name, r in row["paths"].items()
+              if "routing" in r]
+    if routed:
+        lines += ["", "| case | path | the rewrite's report of its compile |", "|---|---|---|"]
+        for case, name, report in routed:
+            said = ", ".join(f"{k}: {n}" for k, n in report.items()) or "none (FX graph cache hit)"
+            lines.append(f"| {case} | {name} | {said} |")
     lookups = result.get("run_time_lookups") or []
     if lookups:
         lines += ["", "| run-time decided call | direction | kernel | lookup host us, problem held (static) / built "
