@@ -37,10 +37,11 @@ generated module, for prefill the aten call), or
 with ``--training`` for that shape's fwd+bwd step (then its profile as without it): diff the two where the
 same kernels cost ours more host time.
 
-``--loop``: one of the overhead suite's calls (``--case``, ``--mode``), stock compiled SDPA and ours, in the
-suite's loops of 200 plain launches taking turns: each call's own host time (median, p90, p99, max), the loop's
-us per call, the garbage collections the loop ran (by generation) and their time, and the same loop with the
-collector off: whether a loop runs slower than the suite's bursts because of calls that stall now and then.
+``--loop``: one of the overhead suite's calls (``--case``, ``--mode``), stock compiled SDPA, ours and ours
+routed (stock's code with ``backend="inductor_attn"``), in the suite's loops of 200 plain launches taking turns:
+each call's own host time (median, p90, p99, max), the loop's us per call, the garbage collections the loop ran
+(by generation) and their time, and the same loop with the collector off: whether a loop runs slower than the
+suite's bursts because of calls that stall now and then.
 
 Each step function also gets the GPU's idle time inside a step, summed by the kernel it waited to start:
 where a host-bound step loses its time.
@@ -257,10 +258,13 @@ def _case(case_name: str, mode: str) -> tuple:
 
 
 def _case_steps(case_name: str, mode: str) -> dict:
-    """Stock compiled SDPA and ours for one of the overhead suite's calls, each compiled in ``mode`` as the
-    suite compiles its paths (its own code object, fullgraph)."""
-    _, inputs, fns = _case(case_name, mode)
-    return {name: _on(inputs, torch.compile(own_code(fn), fullgraph=True, mode=mode)) for name, fn in fns.items()}
+    """Stock compiled SDPA, ours and ours routed (stock's code with ``backend="inductor_attn"``) for one of the
+    overhead suite's calls, compiled in ``mode`` as the suite compiles them (``overhead.paths``)."""
+    case, inputs, _ = _case(case_name, mode)
+    suffix = "" if mode == "default" else f" {mode}"
+    compiled = overhead.paths(case)
+    return {short: _on(inputs, compiled[f"{name} compile{suffix}"])
+            for short, name in (("stock", "stock"), ("ours", "ours"), ("routed", "ours routed"))}
 
 
 def _timed_loop(fn, calls: int, collect: bool) -> dict:
@@ -302,7 +306,7 @@ def _timed_loop(fn, calls: int, collect: bool) -> dict:
 
 
 def loops(case_name: str, mode: str, calls: int = 200, rounds: int = 5) -> None:
-    """``--loop``: the module doc's loop anatomy, stock and ours taking turns, the collector on and off."""
+    """``--loop``: the module doc's loop anatomy, the three paths taking turns, the collector on and off."""
     steps = {name: warm(step) for name, step in _case_steps(case_name, mode).items()}
     print(f"== {case_name}, {mode}: loops of {calls} calls, us per call (each call's host time: median / p90 / "
           f"p99 / max), {rounds} rounds taking turns")
@@ -310,7 +314,7 @@ def loops(case_name: str, mode: str, calls: int = 200, rounds: int = 5) -> None:
         for collect in (True, False):
             for name in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
                 x = _timed_loop(steps[name], calls, collect)
-                print(f"   round {r} {name:5s} gc {'on ' if collect else 'off'}: loop {x['wall']:7.1f}; call "
+                print(f"   round {r} {name:6s} gc {'on ' if collect else 'off'}: loop {x['wall']:7.1f}; call "
                       f"{x['median']:6.1f} / {x['p90']:6.1f} / {x['p99']:7.1f} / {x['max']:8.1f}; collections "
                       f"{x['gc_runs']} in {x['gc_ms']:.2f} ms")
 
