@@ -19,6 +19,8 @@ from .problem import default_scale
 # The compiled kv_seqlens check as the traced path writes it: the builtin and its text, read from this module alone.
 _device_assert = _compat.assert_async
 _KV_SEQLENS_ASSERT = device_message(KV_SEQLENS_VALUES)
+# The op's overload, one guard where its CustomOpDef (attention_op) costs Dynamo four
+_ATTENTION = torch.ops.inductor_attn.attention.default
 
 
 def _window(window, causal: bool) -> tuple[int, int]:
@@ -122,20 +124,21 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, wind
     """
     if (block_mask is None and torch.compiler.is_compiling() and isinstance(q, torch.Tensor)
             and isinstance(k, torch.Tensor) and (kv_seqlens is None or isinstance(kv_seqlens, torch.Tensor))
-            and not _zero_size(q.shape[:3] + k.shape[2:3])):
-        # Traced by Dynamo, which guards every function a compiled call passes through: the op's fake impl makes
-        # the structural checks (check_attention, with the same messages, checks.fail), so the API's copy is
-        # left out here. Zero sizes (which never reach the op) and non-tensor q, k, kv_seqlens take the checked
-        # path.
-        check_scale(scale)
-        left, right = _window(window, causal)
+            and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] != 0):
+        # Traced by Dynamo, which guards every global and function a compiled call passes through and checks
+        # those guards on every call: the op's fake impl makes the structural checks (check_attention, with the
+        # same messages), and the defaults (scale, window) call no helper. Zero sizes (which never reach the op)
+        # and non-tensor q, k, kv_seqlens take the checked path.
+        if scale is not None:
+            check_scale(scale)
+        left, right = (-1, -1) if window is None else _window(window, causal)
         if kv_seqlens is not None and check_indices:  # the values' device-side assert goes before the kernel
             if kv_seqlens.dtype != torch.int32 or kv_seqlens.shape != (q.shape[0],) or kv_seqlens.device != q.device:
                 # its message while tracing, before the assert exists: a graph break at the op would run an
                 # already compiled assert on lengths of the wrong kind first (and stop a CUDA context)
                 check_kv_seqlens(q, kv_seqlens)
             _device_assert(((kv_seqlens >= 0) & (kv_seqlens <= k.shape[2])).all(), _KV_SEQLENS_ASSERT)
-        out, lse = attention_op(q, k, v, _scale(scale, q), causal, left, right, kv_seqlens, key_mask, "")
+        out, lse = _ATTENTION(q, k, v, _scale(scale, q), causal, left, right, kv_seqlens, key_mask, "")
         return (out, lse) if return_lse else out
     call = make_call(q, k, v, causal=causal, scale=scale, window=window, kv_seqlens=kv_seqlens,
                      key_mask=key_mask, block_mask=block_mask, check_indices=check_indices)
