@@ -7,6 +7,7 @@
     PYTHONPATH=. python benchmarks/tools/host_profile.py --output-code DIR [--case CASE] [--mode MODE]
     PYTHONPATH=. python benchmarks/tools/host_profile.py --output-code DIR --training SHAPE
     PYTHONPATH=. python benchmarks/tools/host_profile.py --loop [--case CASE] [--mode MODE]
+    PYTHONPATH=. python benchmarks/tools/host_profile.py --guards [--case CASE] [--mode MODE]
 
 For each backend (only it and the reference are registered, so the tuner must pick it): host us per call
 of the compiled function, of the plan's launch called directly, and a cProfile of the compiled calls
@@ -42,6 +43,10 @@ routed (stock's code with ``backend="inductor_attn"``), in the suite's loops of 
 each call's own host time (median, p90, p99, max), the loop's us per call, the garbage collections the loop ran
 (by generation) and their time, and the same loop with the collector off: whether a loop runs slower than the
 suite's bursts because of calls that stall now and then.
+
+``--guards``: the ``--case`` call compiled as stock SDPA, ours, ours with ``check_indices=False``, ours routed and
+the op called directly, taking turns, and the Dynamo frame and guards alone of the first three: what the API's
+own Python (keyword defaults, helpers, the kv_seqlens assert) costs a compiled call.
 
 Each step function also gets the GPU's idle time inside a step, summed by the kernel it waited to start:
 where a host-bound step loses its time.
@@ -81,17 +86,21 @@ def main() -> None:
     parser.add_argument("--only", metavar="BACKEND", help="with --training or --llama-training, ours with this "
                         "backend alone (and the reference)")
     parser.add_argument("--loop", action="store_true", help="time the --case call's loops call by call")
+    parser.add_argument("--guards", action="store_true", help="the --case call with and without the API's Python, "
+                        "and Dynamo's frame and guards alone")
     args = parser.parse_args()
     only = (only_backends(get_backend(args.only), REFERENCE) if args.only else contextlib.nullcontext())
     if args.training:
         with only:
             training(args.training, args.calls or 100, args.output_code)
         return
-    if args.loop or args.output_code:
+    if args.loop or args.guards or args.output_code:
         if args.case not in OVERHEAD_CASE_NAMES:
             parser.error(f"--case takes one of {OVERHEAD_CASE_NAMES}, got {args.case!r}")
         if args.loop:
             loops(args.case, args.mode)
+        elif args.guards:
+            guard_peel(args.case, args.mode)
         else:
             case_code(args.output_code, args.case, args.mode)
         return
@@ -319,6 +328,38 @@ def loops(case_name: str, mode: str, calls: int = 200, rounds: int = 5) -> None:
                       f"{x['gc_runs']} in {x['gc_ms']:.2f} ms")
 
 
+def _frozen(gm, example_inputs):
+    """A Dynamo backend whose compiled call returns the first call's outputs: what is left is Dynamo's frame and
+    guards."""
+    outputs = gm(*example_inputs)
+    return lambda *args: outputs
+
+
+def guard_peel(case_name: str, mode: str, rounds: int = 3) -> None:
+    """``--guards``: the case's call compiled in ``mode`` as stock SDPA, ours, ours with ``check_indices=False``,
+    ours routed and the op called directly (no API Python), and the Dynamo frame and guards alone (``_frozen``)
+    of the first three (routed's frame is stock's); host and wall us, taking turns, ``rounds`` times."""
+    from inductor_attn.problem import default_scale
+    from inductor_attn.routing.enable import compile_backend
+
+    case, inputs, fns = _case(case_name, mode)
+    lens = (lambda lens: lens) if case.decode else (lambda lens: None)
+    op, scale = torch.ops.inductor_attn.attention.default, default_scale(case.head_dim)
+    fns["ours, check_indices=False"] = lambda q, k, v, n: inductor_attn.attention(
+        q, k, v, causal=case.causal, kv_seqlens=lens(n), check_indices=False)
+    fns["op called directly"] = lambda q, k, v, n: op(q, k, v, scale, case.causal, -1, -1, lens(n), None, "")[0]
+    compile_mode = dict(fullgraph=True, mode=None if mode == "default" else mode)
+    steps = {name: torch.compile(own_code(fn), **compile_mode) for name, fn in fns.items()}
+    steps["routed"] = torch.compile(own_code(fns["stock"]), backend=compile_backend, **compile_mode)
+    for name in ("stock", "ours", "ours, check_indices=False"):
+        steps[f"{name}: Dynamo frame + guards only"] = torch.compile(own_code(fns[name]), backend=_frozen)
+    steps = {name: warm(_on(inputs, fn)) for name, fn in steps.items()}
+    print(f"== {case_name}, {mode}: host / wall us per call, taking turns")
+    for r in range(rounds):
+        for name, row in interleaved_measure(steps, rounds=10, kernels=False).items():
+            print(f"   round {r} {name:54s} {row['host_us']:7.1f} / {row['wall_us']:7.1f}")
+
+
 def call_layers(case, inputs, fns: dict, modules: dict, mode: str = "default") -> None:
     """The call's host time peeled: the compiled calls, Dynamo's frame and guards alone (a backend that returns
     the first call's outputs), each generated module's ``call`` alone (plain launches in either mode) and, for
@@ -343,13 +384,9 @@ def call_layers(case, inputs, fns: dict, modules: dict, mode: str = "default") -
             args.append(free.pop(next(i for i, x in enumerate(free) if (x.shape, x.stride()) == (size, stride))))
         return lambda: module.call(list(args))
 
-    def frozen(gm, example_inputs):
-        outputs = gm(*example_inputs)
-        return lambda *args: outputs
-
     torch._dynamo.reset()
     compiled = {name: torch.compile(fn, mode=mode) for name, fn in fns.items()}
-    guards = {name: torch.compile(own_code(fn), backend=frozen) for name, fn in fns.items()}
+    guards = {name: torch.compile(own_code(fn), backend=_frozen) for name, fn in fns.items()}
     steps = {
         **{f"{name} compiled call": _on(inputs, fn) for name, fn in compiled.items()},
         **{f"{name}: Dynamo frame + guards only": _on(inputs, fn) for name, fn in guards.items()},
