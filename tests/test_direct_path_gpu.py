@@ -115,15 +115,32 @@ def test_compiled_fwd_bwd_graphs_launch_the_chosen_kernels(name):
         assert rel_err(got, want.grad) < TOLERANCES[torch.bfloat16]
 
 
-def test_reduce_overhead_captures_our_calls_without_cudagraph_skips():
+def _sdpa_with_cache_mask(q, k, v, lens):
+    mask = (torch.arange(k.shape[2], device=q.device)[None, :] < lens[:, None])[:, None, None, :]
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+@pytest.mark.parametrize("route", ["api", "routed sdpa"])
+def test_reduce_overhead_captures_our_calls_without_cudagraph_skips(route):
+    """Both ways to our decode kernel: ``inductor_attn.attention`` and a model's SDPA with a cache mask through
+    the rewrite (``backend="inductor_attn"``)."""
     from torch._dynamo.utils import counters
+
+    from inductor_attn.routing.enable import compile_backend
 
     q, k, v = _inputs(1, 16, 2, 1, 2048, 128)
     lens = torch.tensor([2000], device="cuda", dtype=torch.int32)
     counters.clear()
-    fn = torch.compile(lambda q, k, v, n: inductor_attn.attention(q, k, v, kv_seqlens=n), mode="reduce-overhead",
-                       fullgraph=True)
-    for _ in range(3):
-        out = fn(q, k, v, lens)
+    inductor_attn.reset_routing_report()
+    if route == "api":
+        fn = torch.compile(lambda q, k, v, n: inductor_attn.attention(q, k, v, kv_seqlens=n), mode="reduce-overhead",
+                           fullgraph=True)
+    else:
+        fn = torch.compile(_sdpa_with_cache_mask, backend=compile_backend, mode="reduce-overhead", fullgraph=True)
+    with torch._inductor.config.patch(fx_graph_cache=False):  # the rewrite runs and reports
+        for _ in range(3):
+            out = fn(q, k, v, lens)
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    if route != "api":
+        assert inductor_attn.routing_report() == {"sdpa: routed (kv_seqlens from a proven prefix mask)": 1}
     assert rel_err(out, _reference(q, k, v, kv_seqlens=lens)) < TOLERANCES[torch.bfloat16]
