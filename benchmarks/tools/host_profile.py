@@ -343,11 +343,11 @@ def guard_peel(case_name: str, mode: str, rounds: int = 3) -> None:
     from inductor_attn.routing.enable import compile_backend
 
     case, inputs, fns = _case(case_name, mode)
-    lens = (lambda lens: lens) if case.decode else (lambda lens: None)
+    kv_seqlens = (lambda n: n) if case.decode else (lambda n: None)  # as the suite's ours passes them
     op, scale = torch.ops.inductor_attn.attention.default, default_scale(case.head_dim)
     fns["ours, check_indices=False"] = lambda q, k, v, n: inductor_attn.attention(
-        q, k, v, causal=case.causal, kv_seqlens=lens(n), check_indices=False)
-    fns["op called directly"] = lambda q, k, v, n: op(q, k, v, scale, case.causal, -1, -1, lens(n), None, "")[0]
+        q, k, v, causal=case.causal, kv_seqlens=kv_seqlens(n), check_indices=False)
+    fns["op called directly"] = lambda q, k, v, n: op(q, k, v, scale, case.causal, -1, -1, kv_seqlens(n), None, "")[0]
     compile_mode = dict(fullgraph=True, mode=None if mode == "default" else mode)
     steps = {name: torch.compile(own_code(fn), **compile_mode) for name, fn in fns.items()}
     steps["routed"] = torch.compile(own_code(fns["stock"]), backend=compile_backend, **compile_mode)
