@@ -605,11 +605,10 @@ def test_a_training_shape_is_found_by_its_name_and_a_wrong_name_lists_the_shapes
 
 
 @pytest.mark.slow
-def test_overhead_smoke_times_every_right_path_of_a_case_in_alternating_rounds(reference_only):
+def test_overhead_smoke_times_every_right_path_of_a_case_in_alternating_rounds(reference_only, fresh_compile):
     from inductor_attn.bench import overhead
 
-    with torch._inductor.config.patch(fx_graph_cache=False):  # a cache hit would not run (nor report) the rewrite
-        result = overhead.run(smoke=True, quick=True, device=torch.device("cpu"), part="ops")
+    result = overhead.run(smoke=True, quick=True, device=torch.device("cpu"), part="ops")
     for row in result["rows"]:
         assert set(row["paths"]) == set(overhead.paths(overhead.Case(*overhead.SMOKE[0])))
         for numbers in row["paths"].values():

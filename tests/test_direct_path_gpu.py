@@ -121,7 +121,7 @@ def _sdpa_with_cache_mask(q, k, v, lens):
 
 
 @pytest.mark.parametrize("route", ["api", "routed sdpa"])
-def test_reduce_overhead_captures_our_calls_without_cudagraph_skips(route):
+def test_reduce_overhead_captures_our_calls_without_cudagraph_skips(route, fresh_compile):
     """Both ways to our decode kernel: ``inductor_attn.attention`` and a model's SDPA with a cache mask through
     the rewrite (``backend="inductor_attn"``)."""
     from torch._dynamo.utils import counters
@@ -131,15 +131,13 @@ def test_reduce_overhead_captures_our_calls_without_cudagraph_skips(route):
     q, k, v = _inputs(1, 16, 2, 1, 2048, 128)
     lens = torch.tensor([2000], device="cuda", dtype=torch.int32)
     counters.clear()
-    inductor_attn.reset_routing_report()
     if route == "api":
         fn = torch.compile(lambda q, k, v, n: inductor_attn.attention(q, k, v, kv_seqlens=n), mode="reduce-overhead",
                            fullgraph=True)
     else:
         fn = torch.compile(_sdpa_with_cache_mask, backend=compile_backend, mode="reduce-overhead", fullgraph=True)
-    with torch._inductor.config.patch(fx_graph_cache=False):  # the rewrite runs and reports
-        for _ in range(3):
-            out = fn(q, k, v, lens)
+    for _ in range(3):
+        out = fn(q, k, v, lens)
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
     if route != "api":
         assert inductor_attn.routing_report() == {"sdpa: routed (kv_seqlens from a proven prefix mask)": 1}
