@@ -813,6 +813,22 @@ def test_a_buffer_read_through_a_max_keeps_its_zeroing_unless_a_kernel_clears_it
     assert checked is not None and checked.scratch[0][3] == (not cleared)
 
 
+def test_each_poisoned_run_of_the_check_starts_from_nan_filled_outputs():
+    """A kernel that leaves its output as it is where a buffer it was not handed zeroed holds a large value: the
+    finite poison's run must find the output NaN, not the NaN poison's correct result, so the replay is refused."""
+    x = torch.randn(64, dtype=torch.float16)
+
+    def write_where_small(x, buf, out):
+        out.copy_(torch.where(buf > 100, out, x))
+
+    buf, out = torch.full((64,), 5.0), torch.empty_like(x)
+    write_where_small(x, buf, out)
+    replay = _recorded([(write_where_small, (x, buf, out))], (x, out))
+    assert replay is not None and not replay.scratch[0][3]
+    fresh = torch.empty_like(x)
+    assert fa4._checked_replay(replay, (x, fresh), (out,), (fresh,), "test") is None
+
+
 def test_each_trial_without_zeroing_starts_from_nan_filled_outputs():
     """A kernel that leaves its output as it is where the buffer holds a large value: the finite poison must
     find the output NaN, not the previous poison's correct result, or the zeroing it needs is dropped."""

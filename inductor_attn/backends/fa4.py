@@ -846,23 +846,17 @@ def _checked_replay(replay: _Replay | None, fresh_values: tuple, expected, got, 
     for j, (_, _, dtype, zeroed) in enumerate(replay.scratch):
         if zeroed and dtype.is_floating_point:
             trial = replay.without_zeroing(j)
-            if all(_replayed_error(trial, fresh_values, expected, _nan_filled(got), poison, after) <= 1e-2
-                   for poison in _POISONS):
+            if all(_replayed_error(trial, fresh_values, expected, got, poison, after) <= 1e-2 for poison in _POISONS):
                 replay = trial
     return replay
 
 
-def _nan_filled(outputs):
-    """``outputs`` filled with NaN: a trial's outputs must come from its own run, not the run before."""
-    for out in outputs:
-        out.fill_(float("nan"))
-    return outputs
-
-
 def _replayed_error(replay: _Replay, fresh_values: tuple, expected, got, poison: float, after) -> float:
-    """The largest relative error of ``got`` against ``expected`` after ``replay`` ran with ``poison``; NaN where
-    their non-finite entries differ. Within 1% counts as reproduced: FA4's backward adds dq up with atomics, in
-    no fixed order."""
+    """The largest relative error of ``got`` against ``expected`` after ``replay`` ran with ``poison``, from
+    outputs filled with NaN (what a run leaves must be its own, not the run before's); NaN where their non-finite
+    entries differ. Within 1% counts as reproduced: FA4's backward adds dq up with atomics, in no fixed order."""
+    for out in got:
+        out.fill_(float("nan"))
     replay(fresh_values, poison=poison)
     if after is not None:
         after()
