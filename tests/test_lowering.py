@@ -512,7 +512,6 @@ def test_the_graphs_kv_seqlens_assert_stays_while_one_reader_of_those_lengths_do
     torch._dynamo.reset()
 
 
-
 @pytest.fixture(scope="module")
 def copies_of_traced_triton_plans():
     """tests/traced_copies.py's report, run in a process of its own: torch's analysis reads a kernel's TTIR,
