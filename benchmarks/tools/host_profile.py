@@ -266,10 +266,9 @@ def _case(case_name: str, mode: str) -> tuple:
     return case, inputs, {"stock": overhead.sdpa_user(case), "ours": overhead.ours_user(case)}
 
 
-def _case_steps(case_name: str, mode: str) -> dict:
+def _case_steps(case, inputs, mode: str) -> dict:
     """Stock compiled SDPA, ours and ours routed (stock's code with ``backend="inductor_attn"``) for one of the
-    overhead suite's calls, compiled in ``mode`` as the suite compiles them (``overhead.paths``)."""
-    case, inputs, _ = _case(case_name, mode)
+    overhead suite's calls on ``inputs``, compiled in ``mode`` as the suite compiles them (``overhead.paths``)."""
     suffix = "" if mode == "default" else f" {mode}"
     compiled = overhead.paths(case)
     return {short: _on(inputs, compiled[f"{name} compile{suffix}"])
@@ -316,7 +315,8 @@ def _timed_loop(fn, calls: int, collect: bool) -> dict:
 
 def loops(case_name: str, mode: str, calls: int = 200, rounds: int = 5) -> None:
     """``--loop``: the module doc's loop anatomy, the three paths taking turns, the collector on and off."""
-    steps = {name: warm(step) for name, step in _case_steps(case_name, mode).items()}
+    case, inputs, _ = _case(case_name, mode)
+    steps = {name: warm(step) for name, step in _case_steps(case, inputs, mode).items()}
     print(f"== {case_name}, {mode}: loops of {calls} calls, us per call (each call's host time: median / p90 / "
           f"p99 / max), {rounds} rounds taking turns")
     for r in range(rounds):
@@ -340,7 +340,6 @@ def guard_peel(case_name: str, mode: str, rounds: int = 3) -> None:
     ours routed and the op called directly (no API Python), and the Dynamo frame and guards alone (``_frozen``)
     of the first three (routed's frame is stock's); host and wall us, taking turns, ``rounds`` times."""
     from inductor_attn.problem import default_scale
-    from inductor_attn.routing.enable import compile_backend
 
     case, inputs, fns = _case(case_name, mode)
     kv_seqlens = (lambda n: n) if case.decode else (lambda n: None)  # as the suite's ours passes them
@@ -348,12 +347,13 @@ def guard_peel(case_name: str, mode: str, rounds: int = 3) -> None:
     fns["ours, check_indices=False"] = lambda q, k, v, n: inductor_attn.attention(
         q, k, v, causal=case.causal, kv_seqlens=kv_seqlens(n), check_indices=False)
     fns["op called directly"] = lambda q, k, v, n: op(q, k, v, scale, case.causal, -1, -1, kv_seqlens(n), None, "")[0]
-    compile_mode = dict(fullgraph=True, mode=None if mode == "default" else mode)
-    steps = {name: torch.compile(own_code(fn), **compile_mode) for name, fn in fns.items()}
-    steps["routed"] = torch.compile(own_code(fns["stock"]), backend=compile_backend, **compile_mode)
+    steps = _case_steps(case, inputs, mode)
+    for name in ("ours, check_indices=False", "op called directly"):
+        steps[name] = _on(inputs, torch.compile(own_code(fns[name]), fullgraph=True,
+                                                mode=None if mode == "default" else mode))
     for name in ("stock", "ours", "ours, check_indices=False"):
-        steps[f"{name}: Dynamo frame + guards only"] = torch.compile(own_code(fns[name]), backend=_frozen)
-    steps = {name: warm(_on(inputs, fn)) for name, fn in steps.items()}
+        steps[f"{name}: Dynamo frame + guards only"] = _on(inputs, torch.compile(own_code(fns[name]), backend=_frozen))
+    steps = {name: warm(step) for name, step in steps.items()}
     print(f"== {case_name}, {mode}: host / wall us per call, taking turns")
     for r in range(rounds):
         for name, row in interleaved_measure(steps, rounds=10, kernels=False).items():
