@@ -582,6 +582,23 @@ def test_interleaved_wall_times_take_turns_and_report_each_function():
     assert order == ["a"] * 3 + ["b"] * 3 + ["b"] * 3 + ["a"] * 3 + ["a"] * 3 + ["b"] * 3 + ["b"] * 3 + ["a"] * 3
 
 
+def test_settling_collects_garbage_then_calls_each_function_again(monkeypatch):
+    """The model entries' ``settle``: one full collection first, then ``calls`` more calls of each function, and
+    the decode entry's calls still fit in the cache room its steps write into."""
+    import gc
+    import inspect
+
+    from inductor_attn.bench import models
+    from inductor_attn.bench.wallclock import settle, warm
+
+    events = []
+    monkeypatch.setattr(gc, "collect", lambda *a: events.append("gc"))
+    settle({name: (lambda name=name: events.append(name)) for name in ("a", "b")}, calls=2)
+    assert events == ["gc", "a", "a", "b", "b"]
+    warm_calls, settle_calls = (inspect.signature(f).parameters["calls"].default for f in (warm, settle))
+    assert warm_calls + settle_calls + models.ROUNDS * models.DECODE_CALLS <= models.DECODE_ROOM
+
+
 def test_a_measured_function_reports_the_issuing_time_of_its_wall_runs():
     """loop host us: how long the wall run took to issue its calls, at most its wall time; a function that
     spends 1 ms of CPU per call reports about that."""

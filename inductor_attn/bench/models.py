@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from .wallclock import interleaved_wall_us, warm
+from .wallclock import interleaved_wall_us, settle, warm
 
 # The zero-overhead issue's size: small enough that the host matters at prefill B4 L2048.
 SIZE = dict(layers=8, hidden=1024, heads=16, kv_heads=4, intermediate=2816)
@@ -23,7 +23,7 @@ BACKENDS = ("inductor", "inductor_attn")
 MODES = ("default", "reduce-overhead")
 ROUNDS = 5  # timed runs per backend, the backends taking turns
 PREFILL_CALLS = 20
-DECODE_CALLS = 80  # per round; the warm-up's and all rounds' steps fit in DECODE_ROOM
+DECODE_CALLS = 80  # per round; the warm-up's, settle's and all rounds' steps fit in DECODE_ROOM
 DECODE_ROOM = 512
 ENTRY_TIMEOUT_S = 300  # a fresh process, a model and two compiles
 # max-autotune also benchmarks GEMM templates for both compiles: the B4 L2048 training entry took 507 s on an
@@ -92,9 +92,10 @@ def decode_step(model, ids: torch.Tensor, backend: str, mode: str, reset: bool =
 
 
 def _overhead_entry(phase: str, mode: str) -> dict:
-    """Stock and ours compiled side by side (Dynamo keeps one graph per backend of the same forward), then
-    timed in alternating rounds (``interleaved_wall_us``): two processes of the same code differed by 20%
-    on the device machine, more than the ratio measured. A recompilation while timing is an error."""
+    """Stock and ours compiled side by side (Dynamo keeps one graph per backend of the same forward), settled
+    (``settle``), then timed in alternating rounds (``interleaved_wall_us``): two processes of the same code
+    differed by 20% on the device machine, more than the ratio measured. A recompilation while timing is an
+    error."""
     from torch._dynamo.utils import counters
 
     model, ids = prefill_model()
@@ -107,6 +108,7 @@ def _overhead_entry(phase: str, mode: str) -> dict:
         else:
             fns = {b: warm(decode_step(model, ids, b, mode, reset=False)) for b in BACKENDS}
             calls = DECODE_CALLS
+        settle(fns)
         graphs = counters["stats"]["unique_graphs"]
         times = interleaved_wall_us(fns, calls=calls, rounds=ROUNDS)
         if counters["stats"]["unique_graphs"] != graphs:

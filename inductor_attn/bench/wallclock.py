@@ -14,6 +14,7 @@ run eagerly or compiled. Shared by the overhead, training and model suites.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 import types
@@ -140,6 +141,15 @@ def warm(fn: Callable[[], object], calls: int = 5) -> Callable[[], object]:
         fn()
     _sync()
     return fn
+
+
+def settle(fns: dict[str, Callable[[], object]], calls: int = 30) -> None:
+    """Collect the garbage that compiling and tuning left, then call each function ``calls`` more times: in a
+    process that has just tuned, the next few dozen calls of a compiled model step ran up to twice as slow as
+    later ones, for stock's step as for ours, which would charge that spell to whichever function runs first."""
+    gc.collect()
+    for fn in fns.values():
+        warm(fn, calls)
 
 
 def measure(fn: Callable[[], object], kernels: bool = True) -> dict:
