@@ -6,6 +6,7 @@
     PYTHONPATH=. python benchmarks/tools/host_profile.py --llama-training "B4 L2048" [--calls 20] [--only fa4]
     PYTHONPATH=. python benchmarks/tools/host_profile.py --output-code DIR [--case CASE] [--mode MODE]
     PYTHONPATH=. python benchmarks/tools/host_profile.py --output-code DIR --training SHAPE
+    PYTHONPATH=. python benchmarks/tools/host_profile.py --output-code DIR --llama-decode
     PYTHONPATH=. python benchmarks/tools/host_profile.py --loop [--case CASE] [--mode MODE]
     PYTHONPATH=. python benchmarks/tools/host_profile.py --guards [--case CASE] [--mode MODE]
 
@@ -35,8 +36,8 @@ per graph, forward and backward), for one of the overhead suite's calls as the s
 or ``--prefill`` as before; default "prefill B1 H16/4 L512 D64 causal"; compiled in ``--mode``, default or
 reduce-overhead; then the two compared, and the call's host time peeled: Dynamo's frame and guards, the
 generated module, for prefill the aten call), or
-with ``--training`` for that shape's fwd+bwd step (then its profile as without it): diff the two where the
-same kernels cost ours more host time.
+with ``--training`` for that shape's fwd+bwd step, or with ``--llama-decode`` for the decode step (then their
+profiles as without it): diff the two where the same kernels cost ours more host time.
 
 ``--loop``: one of the overhead suite's calls (``--case``, ``--mode``), stock compiled SDPA, ours and ours
 routed (stock's code with ``backend="inductor_attn"``), in the suite's loops of 200 plain launches taking turns:
@@ -65,7 +66,8 @@ import torch
 import inductor_attn
 from inductor_attn.backends import REFERENCE, get_backend, only_backends, plan_for
 from inductor_attn.bench import overhead
-from inductor_attn.bench.wallclock import host_us, interleaved_measure, kernel_events, own_code, wall_us, warm
+from inductor_attn.bench.wallclock import (host_us, interleaved_measure, kernel_events, own_code, settle, wall_us,
+                                          warm)
 from inductor_attn.device import device_info
 
 
@@ -94,6 +96,12 @@ def main() -> None:
         with only:
             training(args.training, args.calls or 100, args.output_code)
         return
+    if args.llama_decode:
+        if (args.calls or 100) > LLAMA_MAX_CALLS:
+            parser.error(f"--llama-decode profiles at most {LLAMA_MAX_CALLS} steps "
+                         "(the room bench/models.py gives the cache)")
+        llama_decode(args.calls or 100, args.output_code)
+        return
     if args.loop or args.guards or args.output_code:
         if args.case not in OVERHEAD_CASE_NAMES:
             parser.error(f"--case takes one of {OVERHEAD_CASE_NAMES}, got {args.case!r}")
@@ -111,11 +119,6 @@ def main() -> None:
             parser.error(f"--llama-training takes one of {sorted(TRAIN_SIZES)}, got {args.llama_training!r}")
         with only:
             compare(training_steps(args.llama_training, "default")[0], args.calls or 20)
-        return
-    if args.llama_decode:
-        if (args.calls or 100) > LLAMA_MAX_CALLS:
-            parser.error(f"--llama-decode profiles at most {LLAMA_MAX_CALLS} steps (the room bench/models.py gives the cache)")
-        llama_decode(args.calls or 100)
         return
     args.calls = args.calls or 500
     for name in args.backends:
@@ -145,8 +148,8 @@ def main() -> None:
         print("\n".join(text.getvalue().splitlines()[6:30]))
 
 
-LLAMA_MAX_CALLS = 250  # within bench/models.py's DECODE_ROOM (512) less the warm-up's, host bursts', wall run's
-# and kernel profile's steps
+LLAMA_MAX_CALLS = 250  # within bench/models.py's DECODE_ROOM (512) less the warm-up's, settle's, host bursts',
+# wall run's and kernel profile's steps
 
 
 def _launcher(key: tuple) -> str | None:
@@ -203,11 +206,15 @@ def _kernels_per_step(step, steps: int = 10) -> tuple[dict[str, float], dict[str
     return counts, busy, idle
 
 
-def llama_decode(calls: int) -> None:
+def llama_decode(calls: int, out_dir: str | None = None) -> None:
+    """The HF Llama static-cache decode step, stock against ours (``compare``); with ``out_dir``, each one's
+    generated code written there first."""
     from inductor_attn.bench.models import BACKENDS, decode_step, prefill_model
 
     model, ids = prefill_model()
     with torch.no_grad():
+        if out_dir:
+            write_code(out_dir, {b: decode_step(model, ids, b, "default") for b in BACKENDS})
         compare({b: decode_step(model, ids, b, "default") for b in BACKENDS}, calls)
 
 
@@ -492,10 +499,18 @@ def compare(steps: dict, calls: int, taking_turns: bool = False) -> None:
     slow spells fall on all of them; it runs ~2,500 calls of each, more than a decode step's cache has room
     for."""
     kernels, kernel_us = {}, {}
-    timed = interleaved_measure(steps, rounds=10, kernels=False) if taking_turns else {}
+    # all steps compiled (and tuned) and settled before any is timed: timed right after its own tune, a step
+    # bore the spell of slow calls that follows one (wallclock.settle)
+    for step in steps.values():
+        warm(step)
+    settle(steps)
+    if taking_turns:
+        timed = interleaved_measure(steps, rounds=10, kernels=False)
+    else:
+        timed = {name: {"host_us": host_us(step, bursts=3), "wall_us": wall_us(step, calls=50, repeats=1)}
+                 for name, step in steps.items()}
     for name, step in steps.items():
-        host = timed[name]["host_us"] if timed else host_us(warm(step), bursts=3)
-        wall = timed[name]["wall_us"] if timed else wall_us(step, calls=50, repeats=1)
+        host, wall = timed[name]["host_us"], timed[name]["wall_us"]
         kernels[name], kernel_us[name], idle = _kernels_per_step(step)
         device = sum(kernel_us[name].values())
         text = io.StringIO()
