@@ -1,0 +1,73 @@
+"""The HF Llama static-cache decode step with its attention taken out: the ceiling of what any attention
+kernel can win there with plain launches (GPU).
+
+    PYTHONPATH=. python benchmarks/tools/llama_floor_gpu.py
+
+Three steps of bench/models.py's decode entry, compiled in one process: stock ``torch.compile``, ours
+(``backend="inductor_attn"``) and stock ``torch.compile`` of the same model with an attention function that
+returns the queries (registered with transformers' ``AttentionInterface``): no mask, no attention kernel, the
+projections, RoPE and cache writes kept. Printed as JSON: wall us per step of the first 40 calls after the
+compiles (with the garbage collector's time in them, by generation), then, after ``settle``, the medians of
+six rounds of 40 calls taking turns; stock over ours and stock over the attention-free step. Each step writes
+into a cache of its own; all calls fit in its room (``DECODE_ROOM``).
+"""
+
+import gc
+import json
+import statistics
+import time
+
+import torch
+from transformers import AttentionInterface
+
+from inductor_attn.bench.models import DECODE_ROOM, PREFILL, SIZE, build_llama, decode_step, prefill_model
+from inductor_attn.bench.wallclock import _turns, settle, wall_us, warm
+
+CALLS, ROUNDS = 40, 6
+NO_ATTENTION = "no attention (stock compile)"
+
+
+def queries_only(module, query, key, value, attention_mask, **kwargs):
+    return query.transpose(1, 2), None
+
+
+def main() -> None:
+    AttentionInterface.register("queries_only", queries_only)
+    model, ids = prefill_model()
+    attention_free = build_llama(**SIZE, max_len=PREFILL[1] + DECODE_ROOM).eval()
+    attention_free.set_attn_implementation("queries_only")
+    gc_s = {0: 0.0, 1: 0.0, 2: 0.0}
+    started = {}
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started["t"] = time.perf_counter()
+        else:
+            gc_s[info["generation"]] += time.perf_counter() - started["t"]
+
+    with torch.no_grad():
+        torch._dynamo.reset()
+        fns = {"stock": warm(decode_step(model, ids, "inductor", "default", reset=False)),
+               "ours": warm(decode_step(model, ids, "inductor_attn", "default", reset=False)),
+               NO_ATTENTION: warm(decode_step(attention_free, ids, "inductor", "default", reset=False))}
+        gc.callbacks.append(on_gc)
+        unsettled = {name: round(wall_us(fn, calls=CALLS, repeats=1)) for name, fn in fns.items()}
+        gc_unsettled = {g: round(s * 1e3, 1) for g, s in gc_s.items()}
+        settle(fns)
+        gc_s.update({0: 0.0, 1: 0.0, 2: 0.0})
+        runs = {name: [] for name in fns}
+        for name in _turns(list(fns), ROUNDS):
+            runs[name].append(wall_us(fns[name], calls=CALLS, repeats=1))
+        gc.callbacks.remove(on_gc)
+    median = {name: statistics.median(times) for name, times in runs.items()}
+    print(json.dumps({
+        f"unsettled first {CALLS} calls": unsettled, "gc ms by generation in them": gc_unsettled,
+        "gc ms in the rounds": {g: round(s * 1e3, 1) for g, s in gc_s.items()},
+        "median_us": {name: round(us) for name, us in median.items()},
+        "runs": {name: [round(us) for us in times] for name, times in runs.items()},
+        "stock/ours": round(median["stock"] / median["ours"], 3),
+        "stock/no attention": round(median["stock"] / median[NO_ATTENTION], 3)}))
+
+
+if __name__ == "__main__":
+    main()
