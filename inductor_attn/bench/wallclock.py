@@ -144,9 +144,10 @@ def warm(fn: Callable[[], object], calls: int = 5) -> Callable[[], object]:
 
 
 def settle(fns: dict[str, Callable[[], object]], calls: int = 30) -> None:
-    """Collect the garbage that compiling and tuning left, then call each function ``calls`` more times: in a
-    process that has just tuned, the next few dozen calls of a compiled model step ran up to twice as slow as
-    later ones, for stock's step as for ours, which would charge that spell to whichever function runs first."""
+    """A full garbage collection, then ``calls`` more calls of each function, before any is timed: in a process
+    that has just tuned, the next tens to hundreds of calls of a compiled model step ran up to twice as slow as
+    later ones, stock's step as well as ours (cause not located), which would charge that spell to whichever
+    function runs first."""
     gc.collect()
     for fn in fns.values():
         warm(fn, calls)
