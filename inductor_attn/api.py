@@ -127,8 +127,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, wind
             and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] != 0):
         # Traced by Dynamo, which guards every global and function a compiled call passes through and checks
         # those guards on every call: the op's fake impl makes the structural checks (check_attention, with the
-        # same messages), and the defaults (scale, window) call no helper. Zero sizes (which never reach the op)
-        # and non-tensor q, k, kv_seqlens take the checked path.
+        # same messages); the default scale skips check_scale (only _scale's default_scale runs) and the default
+        # window calls no helper. Zero sizes (which never reach the op) and non-tensor q, k, kv_seqlens take the
+        # checked path.
         if scale is not None:
             check_scale(scale)
         left, right = (-1, -1) if window is None else _window(window, causal)

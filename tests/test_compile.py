@@ -164,8 +164,8 @@ def test_a_compiled_call_is_guarded_in_cpp_only_as_compiled_sdpa_is():
     assert python_guards == {"ours": [], "ours_decode": [], "sdpa": []}
     # Every function and global Dynamo reads is guarded on every call: the op's fake impl checks the arguments
     # while tracing, so a traced dense call does not pass through the API's copy of those checks; the default
-    # scale and window call no helper; the op is reached as its overload (one guard, where the CustomOpDef
-    # costs four).
+    # scale skips check_scale and the default window calls no helper; the op is reached as its overload (one
+    # guard, where the CustomOpDef costs four).
     ours_checks = ("check_attention", "check_kv_seqlens", "check_index_tensor", "assert_on_device", "make_call",
                    "check_scale", "_window", "attention_op", "_zero_size")
     for name in ("ours", "ours_decode"):

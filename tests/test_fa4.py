@@ -813,35 +813,34 @@ def test_a_buffer_read_through_a_max_keeps_its_zeroing_unless_a_kernel_clears_it
     assert checked is not None and checked.scratch[0][3] == (not cleared)
 
 
-def test_each_poisoned_run_of_the_check_starts_from_nan_filled_outputs():
-    """A kernel that leaves its output as it is where a buffer it was not handed zeroed holds a large value: the
-    finite poison's run must find the output NaN, not the NaN poison's correct result, so the replay is refused."""
+def _write_where_small(x, buf, out):
+    """A kernel that leaves its output as it is where its scratch buffer holds a large value."""
+    out.copy_(torch.where(buf > 100, out, x))
+
+
+def _checked_write_where_small(buf_value: float):
+    """``_write_where_small`` recorded with its buffer filled with ``buf_value`` (0: recorded as zeroed), then
+    put through the replay check on fresh outputs: (the recorded replay, the check's result)."""
     x = torch.randn(64, dtype=torch.float16)
-
-    def write_where_small(x, buf, out):
-        out.copy_(torch.where(buf > 100, out, x))
-
-    buf, out = torch.full((64,), 5.0), torch.empty_like(x)
-    write_where_small(x, buf, out)
-    replay = _recorded([(write_where_small, (x, buf, out))], (x, out))
-    assert replay is not None and not replay.scratch[0][3]
+    buf, out = torch.full((64,), buf_value), torch.empty_like(x)
+    _write_where_small(x, buf, out)
+    replay = _recorded([(_write_where_small, (x, buf, out))], (x, out))
     fresh = torch.empty_like(x)
-    assert fa4._checked_replay(replay, (x, fresh), (out,), (fresh,), "test") is None
+    return replay, fa4._checked_replay(replay, (x, fresh), (out,), (fresh,), "test")
+
+
+def test_each_poisoned_run_of_the_check_starts_from_nan_filled_outputs():
+    """The buffer not zeroed by the replay: the finite poison's run must find the output NaN, not the NaN
+    poison's correct result, so the replay is refused."""
+    replay, checked = _checked_write_where_small(5.0)
+    assert replay is not None and not replay.scratch[0][3]
+    assert checked is None
 
 
 def test_each_trial_without_zeroing_starts_from_nan_filled_outputs():
-    """A kernel that leaves its output as it is where the buffer holds a large value: the finite poison must
-    find the output NaN, not the previous poison's correct result, or the zeroing it needs is dropped."""
-    x = torch.randn(64, dtype=torch.float16)
-
-    def write_where_small(x, buf, out):
-        out.copy_(torch.where(buf > 100, out, x))
-
-    buf, out = torch.zeros(64), torch.empty_like(x)
-    write_where_small(x, buf, out)
-    replay = _recorded([(write_where_small, (x, buf, out))], (x, out))
-    fresh = torch.empty_like(x)
-    checked = fa4._checked_replay(replay, (x, fresh), (out,), (fresh,), "test")
+    """The buffer zeroed by the replay: the finite poison must find the output NaN, not the previous poison's
+    correct result, or the zeroing it needs is dropped."""
+    _, checked = _checked_write_where_small(0.0)
     assert checked is not None and checked.scratch[0][3]
 
 
