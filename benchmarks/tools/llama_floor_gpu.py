@@ -50,13 +50,22 @@ class DecodeConfigsWith(TritonDecodeBackend):
         return kept
 
 
+def knob_values(spec: str) -> tuple[str, dict]:
+    """``"num_splits=1,num_warps=8"`` -> (spec, {"num_splits": "1", "num_warps": "8"})."""
+    items = [item.split("=", 1) for item in spec.split(",")]
+    if any(len(item) != 2 or not all(item) for item in items):
+        raise argparse.ArgumentTypeError(f"expected KNOB=VALUE[,KNOB=VALUE], got {spec!r}")
+    return spec, dict(items)
+
+
 def queries_only(module, query, key, value, attention_mask, **kwargs):
     return query.transpose(1, 2), None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--decode-config", action="append", default=[], metavar="KNOB=VALUE[,KNOB=VALUE]",
+    parser.add_argument("--decode-config", action="append", default=[], type=knob_values,
+                        metavar="KNOB=VALUE[,KNOB=VALUE]",
                         help="also time ours with only the triton_decode configs that have these knob values")
     args = parser.parse_args()
     AttentionInterface.register("queries_only", queries_only)
@@ -75,8 +84,7 @@ def main() -> None:
     with torch.no_grad():
         torch._dynamo.reset()
         fns = {"stock": warm(decode_step(model, ids, "inductor", "default", reset=False))}
-        for spec in args.decode_config:  # before ours: Dynamo checks the newest cache entry of the step's code first
-            values = dict(item.split("=", 1) for item in spec.split(","))
+        for spec, values in args.decode_config:
             forced_model, _ = prefill_model()
             with only_backends(DecodeConfigsWith(values), REFERENCE), inductor_attn.tuning_mode("autotune"):
                 fns[f"ours, {spec}"] = warm(decode_step(forced_model, ids, "inductor_attn", "default", reset=False))
@@ -99,7 +107,8 @@ def main() -> None:
         "runs": {name: [round(us) for us in times] for name, times in runs.items()},
         "stock/ours": round(median["stock"] / median["ours"], 3),
         "stock/no attention": round(median["stock"] / median[NO_ATTENTION], 3),
-        **{f"stock/ours, {spec}": round(median["stock"] / median[f"ours, {spec}"], 3) for spec in args.decode_config}}))
+        **{f"stock/ours, {spec}": round(median["stock"] / median[f"ours, {spec}"], 3)
+           for spec, _ in args.decode_config}}))
 
 
 if __name__ == "__main__":
