@@ -25,6 +25,8 @@ def pytest_collection_modifyitems(config, items):
 
 # A bug in a backend raises in tests instead of being dropped as a failed candidate.
 os.environ["INDUCTOR_ATTN_STRICT"] = "1"
+# The rewrite's tests run on the CPU, where it routes nothing unless asked (routing/rewrite.py).
+os.environ["INDUCTOR_ATTN_ROUTE_DEVICES"] = "cuda,cpu"
 
 
 @pytest.fixture(autouse=True)

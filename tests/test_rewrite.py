@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import inductor_attn
 from inductor_attn import _compat
-from inductor_attn.routing.rewrite import RewritePass, rewrite_graph
+from inductor_attn.routing.rewrite import ROUTE_DEVICES_ENV, RewritePass, rewrite_graph
 
 ATTENTION = torch.ops.inductor_attn.attention.default
 TOL = dict(rtol=1e-5, atol=1e-5)  # float32, reference kernel vs SDPA math
@@ -230,6 +230,18 @@ def assert_left_alone(fn, *args, reason: str):
     assert outcome.startswith("sdpa: left alone") and reason in outcome, outcome
 
 
+@pytest.mark.parametrize("listed", ["", "cuda", "cuda, xpu"])
+def test_calls_on_a_device_not_routed_stay_sdpa(monkeypatch, listed):
+    """By default only CUDA calls are routed: on a CPU the reference would replace SDPA's own kernels."""
+    monkeypatch.setenv(ROUTE_DEVICES_ENV, listed)
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    routed = "cuda, xpu" if "xpu" in listed else "cuda"
+    assert_left_alone(fn, *qkv(hk=4), reason=f"on cpu, where only the reference kernel runs (routed: {routed};")
+
+
 def test_mask_given_as_a_graph_input_with_queries_varying_stays_sdpa():
     def fn(q, k, v, mask):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
@@ -360,6 +372,12 @@ def test_private_apis_the_rewrite_uses_are_where_compat_looks():
     assert callable(_compat.compile_fx())
     assert hasattr(_compat.inductor_config(), "pre_grad_custom_pass")
     assert callable(torch.ops.higher_order.flex_attention)
+
+
+def test_the_routed_devices_change_the_pass_uuid(monkeypatch):
+    with_cpu = RewritePass().uuid()  # the tests route the CPU too (conftest.py)
+    monkeypatch.setenv(ROUTE_DEVICES_ENV, "cuda")
+    assert RewritePass().uuid() != with_cpu  # a graph cached with CPU calls routed is not reused without
 
 
 def test_chained_pass_without_uuid_disables_fx_graph_caching():

@@ -5,8 +5,8 @@ the autograd formula of our op (ops/attention.py) gives the backward: training r
 is rewritten only when the result is provably the same; everything else stays SDPA, with the reason
 counted in :func:`routing_report`.
 
-Routed (a call with ``dropout_p == 0``, 4-D q/k/v of one dtype and device, the batch shared, head dims
-in [8, 256], ``scale`` a constant or default, GQA only through ``enable_gqa`` or a repeat we undo):
+Routed (a call on a CUDA device, with ``dropout_p == 0``, 4-D q/k/v of one dtype and device, the batch shared,
+head dims in [8, 256], ``scale`` a constant or default, GQA only through ``enable_gqa`` or a repeat we undo):
 
 - no mask, ``is_causal=False``: dense attention.
 - no mask, ``is_causal=True`` with Lq == Lk provable from shapes. SDPA's causal is upper-left aligned and
@@ -30,7 +30,9 @@ in [8, 256], ``scale`` a constant or default, GQA only through ``enable_gqa`` or
   or ``repeat_interleave`` on dim 1): the unrepeated tensor is passed and our op does GQA, as long as
   nothing may mutate between the repeat and the call.
 
-Left alone: masks that vary over query rows and cannot be proven (graph inputs with Lq > 1, causal masks
+Left alone: calls on other devices (only the reference kernel runs there, slower than SDPA's own kernels;
+``INDUCTOR_ATTN_ROUTE_DEVICES=cuda,cpu`` routes CPU calls too, as the CPU tests do), masks that vary over query
+rows and cannot be proven (graph inputs with Lq > 1, causal masks
 combined with a padding mask), additive float masks, lower bounds (sliding windows) with Lq > 1, dropout,
 non-constant scales.
 
@@ -49,6 +51,7 @@ import hashlib
 import logging
 import math
 import operator
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +71,16 @@ _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", 
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 
 _REPORT: collections.Counter = collections.Counter()
+
+ROUTE_DEVICES_ENV = "INDUCTOR_ATTN_ROUTE_DEVICES"
+
+
+def routed_device_types() -> frozenset[str]:
+    """Device types whose SDPA calls are routed: ``cuda``, or the comma-separated list in
+    ``INDUCTOR_ATTN_ROUTE_DEVICES``. Elsewhere the reference is the only kernel (backends/), and a routed call
+    would run it instead of SDPA's own kernels."""
+    listed = {d.strip() for d in os.environ.get(ROUTE_DEVICES_ENV, "").split(",")} - {""}
+    return frozenset(listed or {"cuda"})
 
 
 def routing_report() -> dict[str, int]:
@@ -128,6 +141,10 @@ def _check_tensors(q, k, v) -> tuple:
         raise Skip(f"dtypes {qe.dtype}/{ke.dtype}/{ve.dtype}: routed are fp16, bf16 and fp32, one dtype")
     if not (qe.device == ke.device == ve.device):
         raise Skip("q/k/v on different devices")
+    routed = routed_device_types()
+    if qe.device.type not in routed:
+        raise Skip(f"on {qe.device.type}, where only the reference kernel runs (routed: {', '.join(sorted(routed))};"
+                   f" {ROUTE_DEVICES_ENV} adds others)")
     qs, ks, vs = ([_hint(s) for s in t.shape] for t in evs)
     if not qs[0] == ks[0] == vs[0]:
         raise Skip("batch sizes of q/k/v differ (SDPA broadcasts them, our op does not)")
@@ -459,7 +476,8 @@ class RewritePass(custom_graph_pass_base()):
         from .._version import __version__
 
         h = hashlib.sha256(__version__.encode())
-        h.update(str(flex_route.routing_requested()).encode())  # the setting changes the rewritten graph
+        h.update(str(flex_route.routing_requested()).encode())  # the settings change the rewritten graph
+        h.update(",".join(sorted(routed_device_types())).encode())
         for path in _SOURCES:
             h.update(path.read_bytes())
         for p in self._chain():
