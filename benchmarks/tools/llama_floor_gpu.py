@@ -27,7 +27,7 @@ import inductor_attn
 from inductor_attn.backends import REFERENCE, only_backends
 from inductor_attn.backends.triton_decode import TritonDecodeBackend
 from inductor_attn.bench.models import DECODE_ROOM, PREFILL, SIZE, build_llama, decode_step, prefill_model
-from inductor_attn.bench.wallclock import _turns, settle, wall_us, warm
+from inductor_attn.bench.wallclock import interleaved_wall_runs, settle, wall_us, warm
 
 CALLS, ROUNDS = 40, 6
 NO_ATTENTION = "no attention (stock compile)"
@@ -95,9 +95,7 @@ def main() -> None:
         gc_unsettled = {g: round(s * 1e3, 1) for g, s in gc_s.items()}
         settle(fns)
         gc_s.update({0: 0.0, 1: 0.0, 2: 0.0})
-        runs = {name: [] for name in fns}
-        for name in _turns(list(fns), ROUNDS):
-            runs[name].append(wall_us(fns[name], calls=CALLS, repeats=1))
+        runs = interleaved_wall_runs(fns, calls=CALLS, rounds=ROUNDS)
         gc.callbacks.remove(on_gc)
     median = {name: statistics.median(times) for name, times in runs.items()}
     print(json.dumps({

@@ -72,13 +72,18 @@ def _turns(names: list[str], rounds: int):
         yield from names[r % len(names):] + names[:r % len(names)]
 
 
-def interleaved_wall_us(fns: dict[str, Callable[[], object]], calls: int, rounds: int = 5) -> dict[str, float]:
-    """``wall_us`` of each function, one run of ``calls`` calls each per round, the functions taking turns,
-    the median over ``rounds``."""
+def interleaved_wall_runs(fns: dict[str, Callable[[], object]], calls: int, rounds: int = 5) -> dict[str, list[float]]:
+    """``wall_us`` of each function, one run of ``calls`` calls each per round, the functions taking turns: each
+    function's ``rounds`` runs in order."""
     runs: dict[str, list[float]] = {name: [] for name in fns}
     for name in _turns(list(fns), rounds):
         runs[name].append(wall_us(fns[name], calls=calls, repeats=1))
-    return {name: statistics.median(times) for name, times in runs.items()}
+    return runs
+
+
+def interleaved_wall_us(fns: dict[str, Callable[[], object]], calls: int, rounds: int = 5) -> dict[str, float]:
+    """The median of each function's ``interleaved_wall_runs``."""
+    return {name: statistics.median(times) for name, times in interleaved_wall_runs(fns, calls, rounds).items()}
 
 
 def interleaved_measure(fns: dict[str, Callable[[], object]], rounds: int = 5,
