@@ -32,9 +32,8 @@ head dims in [8, 256], ``scale`` a constant or default, GQA only through ``enabl
 
 Left alone: calls on other devices (only the reference kernel runs there, slower than SDPA's own kernels;
 ``INDUCTOR_ATTN_ROUTE_DEVICES=cuda,cpu`` routes CPU calls too, as the CPU tests do), masks that vary over query
-rows and cannot be proven (graph inputs with Lq > 1, causal masks
-combined with a padding mask), additive float masks, lower bounds (sliding windows) with Lq > 1, dropout,
-non-constant scales.
+rows and cannot be proven (graph inputs with Lq > 1, causal masks combined with a padding mask), additive float
+masks, lower bounds (sliding windows) with Lq > 1, dropout, non-constant scales.
 
 ``flex_attention`` calls with a block mask and no score_mod go to our block-sparse op (flex_route.py) when
 ``INDUCTOR_ATTN_ROUTE_FLEX=1``: opt-in, since flex's own kernels measured faster on an H100.
