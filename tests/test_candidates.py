@@ -47,7 +47,7 @@ def _fa4_installed(monkeypatch):
     from test_fa4 import fake_fa4
 
     monkeypatch.setattr(fa4, "_load", lambda: fake_fa4())
-    monkeypatch.setattr(sdpa, "sdpa_default_kernel", lambda p: "cudnn")  # asks the GPU otherwise
+    monkeypatch.setattr(sdpa, "sdpa_default_kernel", lambda p, dev: "cudnn")  # asks the GPU otherwise
 
 
 @pytest.mark.parametrize("direction", ["forward", "backward"])

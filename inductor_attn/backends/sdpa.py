@@ -35,17 +35,38 @@ def _needs_bias(p: Problem) -> bool:
             or p.has_key_mask)
 
 
-@functools.lru_cache(maxsize=256)
-def sdpa_default_kernel(p: Problem) -> str:
-    """The kernel F.scaled_dot_product_attention picks for this problem on the current GPU."""
+def sdpa_default_kernel(p: Problem, dev: DeviceInfo) -> str:
+    """The kernel F.scaled_dot_product_attention picks for this problem on the current GPU; for a simulated
+    device, :func:`simulated_default_kernel` (no CUDA call: simulating is how other GPUs are tested on a
+    machine without one)."""
     if _needs_bias(p):
         return "efficient"  # the kernel SDPA takes for an arbitrary additive mask
+    return simulated_default_kernel(p, dev) if dev.simulated else _fused_choice(p)
+
+
+@functools.lru_cache(maxsize=256)
+def _fused_choice(p: Problem) -> str:
     dtype = getattr(torch, p.dtype)
     q = torch.empty(1, p.heads_q, p.len_q, p.head_dim, dtype=dtype, device="cuda")
     k = torch.empty(1, p.heads_kv, p.len_k, p.head_dim, dtype=dtype, device="cuda")
     v = torch.empty(1, p.heads_kv, p.len_k, p.head_dim_v, dtype=dtype, device="cuda")
     choice = fused_sdp_choice(q, k, v, is_causal=p.causal, enable_gqa=p.heads_q != p.heads_kv)
     return _SDP_CHOICE.get(choice, "efficient")
+
+
+def simulated_default_kernel(p: Problem, dev: DeviceInfo) -> str:
+    """SDPA's pick on a device described, not present: cuDNN for fp16/bf16 from sm_90 on (what
+    ``torch._fused_sdp_choice`` returned on an H200 with torch 2.11 and cuDNN 9.19 for D 64-256, causal or not),
+    flash for fp16/bf16 before that, efficient otherwise.
+
+    >>> from inductor_attn.device import parse_device_override
+    >>> p = Problem("attention", "bfloat16", "cuda", 1, 8, 8, 128, 128, 128, 128)
+    >>> simulated_default_kernel(p, parse_device_override("sm_100"))
+    'cudnn'
+    """
+    if p.dtype not in ("float16", "bfloat16"):
+        return "efficient"
+    return "cudnn" if dev.arch >= 90 else "flash"
 
 
 def _bias(call: AttnCall) -> torch.Tensor:
@@ -77,17 +98,17 @@ def _launch(kernel: str, needs_bias: bool, call: AttnCall, with_lse: bool = True
     q, k, v = call.q, call.k, call.v
     bias = _bias(call) if needs_bias else None
     is_causal = call.causal and bias is None
-    aten = torch.ops.aten
+    aten = torch.ops.aten  # the ops' overloads, as generated code calls them: an overload packet resolves per call
     kw = _scale_kwargs(call)
     if kernel == "flash":
-        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, **kw)[:2]
+        out, lse = aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, is_causal, False, **kw)[:2]
     elif kernel == "cudnn":
-        out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, bias, with_lse, 0.0, is_causal, False, **kw)[:2]
+        out, lse = aten._scaled_dot_product_cudnn_attention.default(q, k, v, bias, with_lse, 0.0, is_causal, False, **kw)[:2]
     else:
         group = q.shape[1] // k.shape[1]
         if group > 1:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, bias, with_lse, 0.0, is_causal, **kw)[:2]
+        out, lse = aten._scaled_dot_product_efficient_attention.default(q, k, v, bias, with_lse, 0.0, is_causal, **kw)[:2]
     if raw:
         return out, lse
     if not with_lse:
@@ -113,7 +134,7 @@ def _launch_backward(kernel: str, needs_bias: bool, call: AttnCall, out, lse, gr
     kw = _scale_kwargs(call)
     group = q.shape[1] // k.shape[1]
     if kernel == "flash":
-        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward.default(
             grad_out, q, k, v, out, lse, None, None, lq, lk, 0.0, is_causal, None, None, **kw)
     elif kernel == "cudnn":
         # aten's cuDNN backward reuses a graph built for another grad_out layout: on torch 2.11 (H100) stock eager
@@ -121,14 +142,14 @@ def _launch_backward(kernel: str, needs_bias: bool, call: AttnCall, out, lse, gr
         # and grad_out always in q's layout (aten's own forward writes out so, pytorch #138354) it sees one
         if not raw:
             grad_out, out = conform(grad_out, q), conform(out, q)
-        dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
+        dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward.default(
             grad_out, q, k, v, out, lse.unsqueeze(-1), None, None, bias, None, None, lq, lk, 0.0, is_causal, **kw)
     else:
         kr, vr = (k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)) if group > 1 else (k, v)
         # the efficient kernels keep the lse padded to whole 32-row blocks (its forward returns it so)
         padded = lse.new_zeros(*lse.shape[:-1], -(-lq // 32) * 32)
         padded[..., :lq] = lse
-        dq, dk, dv = aten._scaled_dot_product_efficient_attention_backward(
+        dq, dk, dv = aten._scaled_dot_product_efficient_attention_backward.default(
             grad_out, q, kr, vr, bias, _rows_heads_interleaved(out), padded, None, None, 0.0,
             [True, True, True, False], is_causal, **kw)[:3]
         if group > 1:  # gradients of the repeated heads, summed back onto each kv head
@@ -170,7 +191,7 @@ class SdpaBackend(Backend):
         return None
 
     def configs(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> list[Candidate]:
-        first = sdpa_default_kernel(p)
+        first = sdpa_default_kernel(p, dev)
         cfgs = [Config.of(kernel=k) for k in (first, *(k for k in KERNELS if k != first))]
         return [self.candidate(c, _pruned(p, c["kernel"], direction)) for c in cfgs]
 
