@@ -227,3 +227,19 @@ def is_fake(tensor: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake as fake
 
     return fake(tensor)
+
+
+def cudagraphs_enabled() -> bool:
+    """Whether Inductor wraps the graph being compiled in CUDA graphs (``mode="reduce-overhead"`` patches
+    ``triton.cudagraphs`` for the whole compile, forward and backward; torch/_inductor/config.py, 2.11 and
+    2.13). A graph Inductor then declines to capture (CPU tensors, mutated inputs) runs plain launches."""
+    return bool(inductor_config().triton.cudagraphs)
+
+
+def inductor_counters():
+    """Inductor's counters (``torch._dynamo.utils.counters["inductor"]``): what a compile adds to them is kept
+    with its FX-graph cache entry and added again on every cache hit (torch/_inductor/codecache.py,
+    ``cache_hit_post_compile``, 2.11 and 2.13), so counts made while compiling survive a replayed graph."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]

@@ -11,6 +11,7 @@ import collections
 import contextlib
 import threading
 
+from ._compat import inductor_counters
 from .backends import AttnCall, plan_for
 from .device import DeviceInfo, device_info
 
@@ -20,7 +21,9 @@ COMPILED = "*"
 __all__ = ["forward", "backward", "count_call", "plan_for", "stats", "reset_stats", "count_compiled"]
 
 _STATS: collections.Counter = collections.Counter()  # op calls that ran through this module
-_IN_GRAPHS: collections.Counter = collections.Counter()  # kernels put into compiled graphs, per graph
+# Plans put into compiled graphs are counted in Inductor's counters under this prefix: a compile's additions
+# are replayed with its graph from Inductor's FX-graph cache (_compat.inductor_counters).
+IN_GRAPHS = "inductor_attn: "
 _UNCOUNTED = threading.local()  # .depth > 0 inside uncounted(), per thread
 
 
@@ -52,7 +55,7 @@ def uncounted():
 
 def count_compiled(op: str, direction: str, choice: str) -> None:
     """Note a plan that compiled code launches itself: its calls run none of our Python to count them."""
-    _IN_GRAPHS[(op, direction, choice)] += 1
+    inductor_counters()[f"{IN_GRAPHS}{op}/{direction} -> {choice}"] += 1
 
 
 def forward(call: AttnCall, choice: str):
@@ -95,14 +98,18 @@ def _gives_way(call: AttnCall, dev: DeviceInfo, direction: str, choice: str, res
 def stats() -> dict[str, int]:
     """How many op calls ran on which kernel since start (or the last ``reset_stats``), as
     ``{"attention/forward -> reference:default": 3, ...}``. Kernels that compiled code launches itself
-    run none of our Python per call: they are counted once per compiled graph, under keys ending in
-    ``(launched by compiled code, per graph)``. Calls replayed inside a CUDA graph are not counted."""
+    run none of our Python per call: they are counted once per compiled graph, whether compiled here or loaded
+    from Inductor's cache, under keys ending in ``(launched by compiled code, per graph)``. Calls replayed
+    inside a CUDA graph are not counted."""
     calls = {f"{op}/{direction} -> {choice}": n for (op, direction, choice), n in sorted(_STATS.items())}
-    compiled = {f"{op}/{direction} -> {choice} (launched by compiled code, per graph)": n
-                for (op, direction, choice), n in sorted(_IN_GRAPHS.items())}
+    counters = inductor_counters()
+    compiled = {f"{key[len(IN_GRAPHS):]} (launched by compiled code, per graph)": counters[key]
+                for key in sorted(counters) if key.startswith(IN_GRAPHS)}
     return calls | compiled
 
 
 def reset_stats() -> None:
     _STATS.clear()
-    _IN_GRAPHS.clear()
+    counters = inductor_counters()
+    for key in [k for k in counters if k.startswith(IN_GRAPHS)]:
+        del counters[key]

@@ -184,3 +184,18 @@ def test_mark_static_address_marks_the_tensor_for_dynamo():
     x = torch.zeros(2)
     _compat.mark_static_address(x)
     assert getattr(x, "_dynamo_static_input_type", None) == "unguarded"
+
+
+def test_reduce_overhead_patches_the_cudagraphs_setting_the_lowering_reads():
+    with _compat.inductor_config().patch(_compat.inductor_compile_patches("reduce-overhead", None)):
+        assert _compat.cudagraphs_enabled()
+    assert not _compat.cudagraphs_enabled()
+
+
+def test_inductors_counters_are_saved_with_a_cached_graph_and_added_again_on_a_hit():
+    """The per-graph counts of compiled plans live in these counters because a cache hit replays their deltas."""
+    from torch._inductor import codecache, compile_fx
+
+    assert _compat.inductor_counters() is torch._dynamo.utils.counters["inductor"]
+    assert 'counters["inductor"] += graph.counter_deltas' in inspect.getsource(codecache.FxGraphCache)
+    assert 'counters["inductor"] - inductor_counters' in inspect.getsource(compile_fx)
