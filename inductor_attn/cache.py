@@ -22,7 +22,7 @@ from .store.keys import library_versions, stale_reason, versions_like
 from .store.layers import LayeredStore
 from .store.priors import is_shipped
 from .store.schema import StoreError
-from .tuning.tuner import compiled_choice
+from .tuning.step_cost import WALL_CLOCK, explain_choice, launch_costs
 
 __all__ = ["DecisionStore", "StoreError", "get_store", "list_decisions", "show", "explain", "origin", "clear",
            "export", "export_priors", "import_decisions", "prune", "doctor", "plot", "short_problem"]
@@ -136,7 +136,7 @@ def explain(key_prefix: str, store: DecisionStore | LayeredStore | None = None) 
         "  versions:         " + ", ".join(f"{k} {v}" for k, v in row["versions"].items() if k != "sources"),
         f"  winner:           {row['winner']}  (default {rec['default']})",
         f"  why:              {rec['why']}",
-        f"  compiled code:    {_compiled_line(rec, row['winner'])}",
+        *_compiled_lines(rec, row["winner"]),
         *_search_lines(rec),
         "",
         f"  {'candidate':44s} {'status':8s} {'median ms':>10s} {'speedup':>8s} {'95% CI':>15s} "
@@ -168,15 +168,15 @@ def _search_lines(rec: dict) -> list[str]:
     return lines
 
 
-def _compiled_line(rec: dict, winner: str) -> str:
-    """What compiled code runs by the tuner's rule as it is now (tuner.compiled_choice), and why; the record's
-    own choice too where the rule has changed since it was tuned."""
-    recorded = rec.get("compiled_winner") or winner
-    now = compiled_choice(rec)
-    if now is None:
-        return f"{recorded}  ({rec.get('compiled_why') or 'the winner'})"
-    line = f"{now[0]}  ({now[1]})"
-    return line if now[0] == recorded else f"{line}; when tuned: {recorded}"
+def _compiled_lines(rec: dict, winner: str) -> list[str]:
+    """What compiled code runs, by the rule of tuning/step_cost.py on the record's device and host times: the
+    winner under CUDA graphs; with plain launches it depends on how host-bound the rest of the graph is (its
+    host time H minus its device time D, per call of this bucket, as lowering/graph_cost.py estimates them;
+    the INFO log of ``inductor_attn.lowering.emit`` says what each compiled graph chose and why)."""
+    if rec.get("timer") == WALL_CLOCK:
+        return [f"  compiled code:    {winner}  (timed by the wall clock, its launch included)"]
+    lines = explain_choice(winner, launch_costs(rec))
+    return [f"  compiled code:    {lines[0]}", *(f"                    {line}" for line in lines[1:])]
 
 
 def _fmt(x, spec: str) -> str:

@@ -67,14 +67,14 @@ class FakeBackend(Backend):
     def _forward(self, cfg, call):
         self.calls += 1
         _spin(self.host_s)
-        FakeTimer.last = (self.name, cfg)
+        FakeTimer.last, FakeTimer.last_host_s = (self.name, cfg), self.host_s
         if cfg in self.fail:
             raise RuntimeError("CUDA error: launch failed (simulated)")
         out, lse = run_forward(call)
         return (out + 1.0, lse) if cfg in self.wrong else (out, lse)
 
     def _backward(self, cfg, call, out, lse, grad_out, grad_lse):
-        FakeTimer.last = (self.name, cfg)
+        FakeTimer.last, FakeTimer.last_host_s = (self.name, cfg), self.host_s
         return REFERENCE.backward(call, None, out, lse, grad_out, grad_lse)
 
     def source_hash(self) -> str:
@@ -89,6 +89,7 @@ def _spin(seconds: float) -> None:
 
 def _spun_forward(seconds: float, call: AttnCall):
     _spin(seconds)
+    FakeTimer.last_host_s = seconds
     return run_forward(call)
 
 
@@ -103,14 +104,23 @@ def _forward_checking_kv_seqlens(call: AttnCall, check_kv_seqlens: bool = False)
 
 
 class FakeTimer:
-    """Samples each candidate's time from its backend's declared distribution (seeded per candidate)."""
+    """Samples each candidate's time from its backend's declared distribution (seeded per candidate), and gives
+    a launch the host time its backend declares (``host_s``, or ``traced_host_s`` for a host probe) rather than
+    the CPU time the reference's computation takes on a busy test machine."""
 
     name = "fake"
     last: tuple[str, str] | None = None
+    last_host_s = 0.0
 
     def __init__(self, backends: list[FakeBackend], seed: int = 0):
         self.by_name = {b.name: b for b in backends}
         self.seed = seed
+
+    @staticmethod
+    def host_ms(launch, device) -> float:
+        FakeTimer.last_host_s = 0.0  # a launch of no fake (the reference's) declares none
+        launch()
+        return FakeTimer.last_host_s * 1e3
 
     def prepare(self, fns):
         fns[0]()

@@ -1,6 +1,7 @@
 """Modes, the decision store round trip, and invalidation, through decide() with fake backends."""
 
 import contextlib
+import re
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from inductor_attn.backends import AttnCall, only_backends
 from inductor_attn.device import DeviceInfo
 from inductor_attn.store import keys
 from inductor_attn.store.db import get_store
-from inductor_attn.tuning.decisions import decide, forget_decisions
+from inductor_attn.tuning.decisions import decide, decide_with_record, forget_decisions
 
 DEV = DeviceInfo("cpu", (0, 0), 2)
 
@@ -34,7 +35,7 @@ def test_autotune_stores_the_decision_and_a_new_process_reuses_it_without_measur
         assert runs > 0
         forget_decisions()  # what a new process starts with
         assert decide(small_call(), DEV, "forward") == "b:x=1"
-        assert a.calls + b.calls == runs  # zero benchmarks: the store answered
+        assert a.calls + b.calls == runs + 1  # zero benchmarks: the store answered, its winner gated once here
     assert len(get_store().rows()) == 1
 
 
@@ -225,9 +226,9 @@ def test_a_choice_that_failed_at_an_eager_launch_is_not_what_the_next_compile_ba
     b = FakeBackend("b", {"x=1": (0.5, 0.01)})
     q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
     with only_backends(a, b), inductor_attn.tuning_mode("off"):
-        assert decide(AttnCall("attention", q, k, v, 0.25, True), DEV, "forward", compiled=True) == "a:default"
+        assert decide(AttnCall("attention", q, k, v, 0.25, True), DEV, "forward") == "a:default"
         inductor_attn.attention(q, k, v, causal=True)  # a:default fails at its launch here
-        assert decide(AttnCall("attention", q, k, v, 0.25, True), DEV, "forward", compiled=True) == "b:x=1"
+        assert decide(AttnCall("attention", q, k, v, 0.25, True), DEV, "forward") == "b:x=1"
 
 
 class _OutOfMemory(FakeBackend):
@@ -288,7 +289,7 @@ def test_a_stored_winner_of_a_backend_with_a_costly_import_is_found_the_full_way
         forget_decisions()
         costly.enumerated = 0
         assert decide(small_call(), DEV, "forward") == "costly:default"
-        assert costly.enumerated > 0 and a.calls + costly.calls == runs  # enumerated, not measured again
+        assert costly.enumerated > 0 and a.calls + costly.calls == runs + 1  # enumerated and gated, not measured
 
 
 @contextlib.contextmanager
@@ -364,21 +365,106 @@ def test_background_mode_first_runs_the_best_shipped_candidate_of_a_backend_with
         assert costly.enumerated == 0 and len(queued) == 1  # the worker tunes the bucket, FA4 included
 
 
-def test_compiled_code_reads_a_stored_decision_by_the_tuners_rule_as_it_is_now(monkeypatch):
-    """A decision whose record says what compiled code ran under an older step-7 rule: compiled code takes what
-    today's rule makes of the record's measured times (a store or shipped table need not be tuned again), and
-    cache explain shows both."""
-    a = FakeBackend("a", {"default": (60.0, 0.01)}, traceable=True)
-    b = FakeBackend("b", {"default": (50.0, 0.01)}, host_s=0.025)  # 50 ms kernel + 25 ms launch against 60 ms
+def test_cache_explain_says_what_compiled_code_runs_under_cuda_graphs_and_by_how_host_bound_the_graph_is(
+        monkeypatch):
+    """A decision made before every candidate's host time was measured (a record with the one compiled-code
+    choice of the old rule) is read by today's rule; explain gives the winner under CUDA graphs and, with plain
+    launches, the winner in device-bound graphs and the cheaper launch in host-bound ones."""
+    a = FakeBackend("a", {"default": (60.0, 0.01)}, traceable=True, traced_host_s=0.001)
+    b = FakeBackend("b", {"default": (50.0, 0.01)}, host_s=0.025)  # 50 ms kernel, 25 ms launch
     monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b]))
     with only_backends(a, b), inductor_attn.tuning_mode("autotune"):
-        assert decide(small_call(), DEV, "forward", compiled=True) == "a:default"
+        assert decide_with_record(small_call(), DEV, "forward")[0] == "b:default"
         (row,) = get_store().rows()
-        row["record"].update(compiled_winner="b:default", compiled_why="device-bound")  # the rule before c6d4ce1
+        row["record"].update(compiled_winner="a:default", compiled_why="the rule before session 33")
         get_store().put(row)
         forget_decisions()
-        assert decide(small_call(), DEV, "forward", compiled=True) == "a:default"
-        assert decide(small_call(), DEV, "forward") == "b:default"
-        runs = a.calls + b.calls
-    line = next(x for x in cache.explain(row["key"][:16]).splitlines() if "compiled code:" in x)
-    assert "a:default" in line and line.endswith("when tuned: b:default") and a.calls + b.calls == runs
+        choice, record = decide_with_record(small_call(), DEV, "forward")
+    assert choice == "b:default" and record["compiled_winner"] == "a:default"
+    lines = [x.strip() for x in cache.explain(row["key"][:16]).splitlines()]
+    start = next(i for i, x in enumerate(lines) if x.startswith("compiled code:"))
+    assert lines[start] == "compiled code:    under CUDA graphs: b:default (device time only)"
+    assert re.fullmatch(r"plain launches, H - D < -?[\d.]+ ms: b:default", lines[start + 1])
+    assert re.fullmatch(r"plain launches, H - D >= -?[\d.]+ ms: a:default", lines[start + 2])
+
+
+# --- decisions not tuned here are gated before they run -------------------------------------------------
+@contextlib.contextmanager
+def _a_wrong_winner_not_tuned_here(monkeypatch, tmp_path, layer: str):
+    """A decision whose winner b:default ran right where it was tuned and computes wrong output here, reached
+    through ``layer``: the writable store (another process tuned it), an import, or a shipped table. Yields
+    (a, b); the process has forgotten everything (a new process)."""
+    a = FakeBackend("a", {"default": (1.0, 0.01)})
+    b = FakeBackend("b", {"default": (0.5, 0.01)})
+    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b]))
+    with only_backends(a, b):
+        with inductor_attn.tuning_mode("autotune"):
+            assert decide(small_call(), DEV, "forward") == "b:default"
+        if layer == "imported":
+            cache.export(tmp_path / "decisions.json")
+            monkeypatch.setenv("INDUCTOR_ATTN_CACHE_DIR", str(tmp_path / "other machine"))
+            cache.import_decisions(tmp_path / "decisions.json")
+        elif layer == "shipped":
+            path, _ = cache.export_priors(tmp_path / "table" / "cpu.json", device=DEV, commit="abc1234", command="t")
+            monkeypatch.setenv("INDUCTOR_ATTN_CACHE_DIR", str(tmp_path / "other machine"))
+            monkeypatch.setenv("INDUCTOR_ATTN_PRIORS", str(path))
+        forget_decisions()
+        b.wrong = {"default"}
+        yield a, b
+
+
+@pytest.mark.parametrize("layer, mode", [("stored", "autotune"), ("stored", "cache-only"), ("stored", "background"),
+                                         ("imported", "autotune"), ("imported", "cache-only"),
+                                         ("shipped", "cache-only"), ("shipped", "background")])
+def test_a_winner_not_tuned_here_that_computes_wrong_output_never_runs(monkeypatch, tmp_path, layer, mode):
+    monkeypatch.setattr("inductor_attn.tuning.background.schedule", lambda *args: True)  # no worker process
+    with _a_wrong_winner_not_tuned_here(monkeypatch, tmp_path, layer) as (a, b):
+        with inductor_attn.tuning_mode(mode):
+            call = small_call()
+            out = inductor_attn.attention(call.q, call.k, call.v)
+            assert decide(small_call(), DEV, "forward") == "a:default"
+    torch.testing.assert_close(out, inductor_attn.run_candidate("reference:default", call.q, call.k, call.v))
+
+
+def test_a_winner_not_tuned_here_is_gated_once_per_process_and_bucket(monkeypatch, tmp_path):
+    gated = []
+    import inductor_attn.tuning.decisions as decisions
+
+    real = decisions.gate_once
+    monkeypatch.setattr(decisions, "gate_once", lambda *args, **kw: gated.append(args[1]) or real(*args, **kw))
+    with _a_wrong_winner_not_tuned_here(monkeypatch, tmp_path, "stored") as (a, b):
+        b.wrong = set()  # right here too: it runs, after one check
+        with inductor_attn.tuning_mode("autotune"):
+            for _ in range(3):
+                assert decide(small_call(), DEV, "forward") == "b:default"
+    assert gated == ["b:default"]
+
+
+def test_compiled_code_never_runs_a_wrong_candidate_of_a_record_not_tuned_here(monkeypatch, tmp_path):
+    """A record can steer compiled code to a candidate other than its winner (the cheaper launch of a host-bound
+    graph): a record from elsewhere that marks a wrong one "passed" is gated before compiled code takes it."""
+    from inductor_attn.lowering import emit
+    from inductor_attn.tuning.step_cost import GraphWork
+
+    a = FakeBackend("a", {"default": (0.6, 0.01)}, traceable=True, traced_host_s=0.001)
+    b = FakeBackend("b", {"default": (0.5, 0.01)}, host_s=0.02)  # the winner, behind a dear launch
+    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b]))
+    monkeypatch.setattr(emit, "graph_work", lambda graph, calls, dev: GraphWork(host_ms=10.0, device_ms=0.0))
+    call = small_call()
+
+    def fn(q, k, v):
+        return inductor_attn.attention(q, k, v)
+
+    with only_backends(a, b), inductor_attn.tuning_mode("autotune"):
+        torch._dynamo.reset()
+        torch.compile(fn, fullgraph=True)(call.q, call.k, call.v)
+        assert "attention/forward -> a:default (launched by compiled code, per graph)" in inductor_attn.stats()
+        forget_decisions()  # a new process, where a computes wrong output
+        a.traceable, a.wrong = False, {"default"}
+        torch._dynamo.reset()
+        inductor_attn.reset_stats()
+        with torch._inductor.config.patch(fx_graph_cache=False):
+            out = torch.compile(fn, fullgraph=True)(call.q, call.k, call.v)
+        assert inductor_attn.stats() == {"attention/forward -> b:default": 1}
+    torch._dynamo.reset()
+    torch.testing.assert_close(out, inductor_attn.run_candidate("reference:default", call.q, call.k, call.v))

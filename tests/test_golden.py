@@ -194,10 +194,11 @@ def forward(self, q_1, k_1, v_1):
 
     # ----------------------------------------------------------------------------- cache explain
     def test_cache_explain_shows_every_candidate_with_its_time_ci_error_and_reason(self):
-        # b:x=1 is twice as fast as a, but only a can be traced: compiled code weighs b's host time per
-        # launch; b:x=2 is wrong and b:x=3 fails to launch
+        # b:x=1 is twice as fast as a, but its launch costs 2 ms of host and a's none: compiled code runs b in
+        # device-bound graphs and a in host-bound ones; b:x=2 is wrong and b:x=3 fails to launch
         a = FakeBackend("a", {"default": (1.0, 0.0)}, traceable=True)
-        b = FakeBackend("b", {"x=1": (0.5, 0.0), "x=2": (0.4, 0.0), "x=3": (0.1, 0.0)}, wrong={"x=2"}, fail={"x=3"})
+        b = FakeBackend("b", {"x=1": (0.5, 0.0), "x=2": (0.4, 0.0), "x=3": (0.1, 0.0)}, wrong={"x=2"}, fail={"x=3"},
+                        host_s=0.002)
         self.scope.enter_context(mock.patch.object(tuner, "default_timer", lambda device_type: FakeTimer([a, b])))
         self.scope.enter_context(mock.patch.object(measure, "time", _fake_clock()))
         self.scope.enter_context(mock.patch.object(tuner, "time", _fake_clock()))
@@ -222,13 +223,15 @@ decision <key>  attention/forward
   versions:         <installed versions>
   winner:           b:x=1  (default a:default)
   why:              2.000x faster than the default a:default (95% CI 2.000-2.000; tie margin 2.0%)
-  compiled code:    a:default  (a:default (1.0000 ms, launched by compiled code) is no slower than b:x=1, with its 2.0000 ms of host time per launch for 0.5000 ms on the device (both count))
+  compiled code:    under CUDA graphs: b:x=1 (device time only)
+                    plain launches, H - D < -0.961 ms: b:x=1
+                    plain launches, H - D >= -0.961 ms: a:default
   search:           staged (margin 1.25x)
   noise:            not measured: the two fastest are 2.000x apart (> 1.10x): not timed again
-  seconds:          compile 0.02, gate 0.02, timing 0.02, total 0.19
+  seconds:          compile 0.02, gate 0.02, timing 0.02, host 0.01, total 0.15
 
   candidate                                    status    median ms  speedup          95% CI  rel.err 1st call s  host ms  reason
-  a:default                                    passed       1.0000    1.000     1.000-1.000  0.0e+00       0.01
+  a:default                                    passed       1.0000    1.000     1.000-1.000  0.0e+00       0.01   0.0000
 * b:x=1                                        passed       0.5000    2.000     2.000-2.000  0.0e+00       0.01   2.0000
   b:x=2                                        wrong                                         1.9e+00       0.01           output rel. error 1.94e+00 > 1e-04
   b:x=3                                        failed                                                                     RuntimeError: CUDA error: launch failed (simulated)""")

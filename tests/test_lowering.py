@@ -537,3 +537,56 @@ def test_traced_triton_plans_write_only_their_own_buffers_so_compiled_code_copie
     write an input, or one tensor passed as two arguments, costs a copy kernel per launch (four per layer of
     an HF Llama training step, H200, 2026-11-28). Inductor's in-place pass must leave nothing to copy."""
     assert copies_of_traced_triton_plans[kernels] == {}
+
+
+@pytest.fixture
+def dear_launch(monkeypatch):
+    """``a``: a traced plan whose kernel is slower; ``b``: a faster kernel behind a dear Python launch (FA4's
+    shape: ~14 us of kernel for ~80 us of launch at B1 L512, H200)."""
+    a = FakeBackend("a", {"default": (60.0, 0.01)}, traceable=True, traced_host_s=0.001)
+    b = FakeBackend("b", {"default": (50.0, 0.01)}, host_s=0.02)
+    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b]))
+    torch._dynamo.reset()
+    inductor_attn.reset_stats()
+    with only_backends(a, b), inductor_attn.tuning_mode("autotune"):
+        yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("graph, runs", [
+    ("host-bound", "attention/forward -> a:default (launched by compiled code, per graph)"),
+    ("device-bound", "attention/forward -> b:default"),
+    ("cuda graphs", "attention/forward -> b:default"),
+])
+def test_compiled_code_runs_the_candidate_that_makes_its_graph_fastest(dear_launch, monkeypatch, graph, runs):
+    from inductor_attn.lowering import emit
+    from inductor_attn.tuning.step_cost import GraphWork
+
+    seen = []
+    work = {"host-bound": GraphWork(host_ms=200.0, device_ms=0.0),
+            "device-bound": GraphWork(host_ms=0.0, device_ms=500.0)}.get(graph)
+    monkeypatch.setattr(emit, "graph_work", lambda g, calls, dev: seen.append(calls) or work)
+    monkeypatch.setattr(emit, "cudagraphs_enabled", lambda: graph == "cuda graphs")
+    q, k, v = _qkv(24)
+    out = torch.compile(_attn, fullgraph=True)(q, k, v)
+    torch.testing.assert_close(out, _attn(q, k, v))
+    assert runs in inductor_attn.stats()
+    assert len(seen) == (0 if graph == "cuda graphs" else 1)  # the rest of the graph is estimated once
+
+
+def test_stats_say_what_compiled_code_runs_also_when_the_fx_graph_cache_replays_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    a, b = _fakes(monkeypatch, traceable=True)
+    counters = torch._dynamo.utils.counters
+    q, k, v = _qkv(24)
+    torch._dynamo.reset()
+    with only_backends(a, b, REFERENCE), inductor_attn.tuning_mode("autotune"), \
+            torch._inductor.config.patch(fx_graph_cache=True, force_disable_caches=False):
+        torch.compile(_attn, fullgraph=True)(q, k, v)
+        torch._dynamo.reset()
+        inductor_attn.reset_stats()
+        counters["inductor"]["fxgraph_cache_hit"] = 0
+        torch.compile(_attn, fullgraph=True)(q, k, v)
+        assert counters["inductor"]["fxgraph_cache_hit"] == 1
+        assert inductor_attn.stats() == {"attention/forward -> b:x=1 (launched by compiled code, per graph)": 1}
+    torch._dynamo.reset()

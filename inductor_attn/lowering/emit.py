@@ -3,8 +3,10 @@
 Dense ``attention`` and ``attention_backward`` calls with static shapes are decided here, while the
 graph is compiled: a store hit, or tuning on fresh random inputs of the exact shapes and strides. A
 ``kv_seqlens`` or ``key_mask`` argument gets representative values (random lengths over the whole cache,
-a mostly-open mask): the kernels' relative speed depends on the shapes, not on those values. The call is
-then replaced by its plan:
+a mostly-open mask): the kernels' relative speed depends on the shapes, not on those values. Which candidate
+runs is decided for the whole graph from each candidate's device and host time (tuning/step_cost.py): the
+tuner's winner under CUDA graphs, the one that makes this graph's estimated step fastest with plain
+launches (graph_cost.py). Each call is then replaced by its plan:
 
 - a plan with ``traced`` (Triton kernels through ``wrap_triton``, SDPA's aten ops): its kernels and torch
   ops, traced with ``make_fx``, so Inductor's generated code launches them: no Python of ours per call (a
@@ -27,12 +29,13 @@ constant of the graph), and they go through the thin ``inductor_attn::launch`` o
 from __future__ import annotations
 
 import functools
+import logging
 import operator
 from collections import defaultdict
 
 import torch
 
-from .._compat import eager_mode, fake_mode_of, trace_functional
+from .._compat import cudagraphs_enabled, eager_mode, fake_mode_of, trace_functional
 from ..backends import AttnCall
 from ..device import device_info
 from ..layout import filled_like
@@ -43,6 +46,10 @@ from ..ops.attention import sparse_mask
 from ..ops.checks import KV_SEQLENS_VALUES, device_message
 from ..ops.launch import OWN_TENSORS, launch_op, plan_key
 from ..runtime import COMPILED, count_compiled, plan_for
+from ..tuning.step_cost import Bucket, choose_for_graph, launch_costs
+from .graph_cost import graph_work
+
+log = logging.getLogger(__name__)
 
 _DIRECTION = {attention_op._opoverload: "forward", attention_backward_op._opoverload: "backward"}
 _ALL_OPS = {op._opoverload for op in FORWARD_OPS + BACKWARD_OPS}
@@ -57,7 +64,9 @@ _RUN_TIME = {block_sparse_attention_op._opoverload: ("block_sparse", "forward"),
 
 def emit_plans(graph: torch.fx.Graph) -> None:
     readers, asserts = _kv_seqlens_checks(graph)
-    checked_in_kernel = set()
+    static = []  # (node, args, vals, call, direction, bucket key or None for a named choice)
+    buckets: dict[tuple, Bucket] = {}
+    first_calls: dict[tuple, AttnCall] = {}
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in _ALL_OPS:
             continue
@@ -74,7 +83,20 @@ def emit_plans(graph: torch.fx.Graph) -> None:
                 _set_choice(node, COMPILED)
             continue
         call = _concrete_call(vals)
-        choice = args["choice"] or _decide(call, direction, args.get("grad_lse") is not None)
+        key = None
+        if not args["choice"]:
+            grad_lse = args.get("grad_lse") is not None
+            key = (direction, grad_lse, call.problem.bucket())
+            if key not in buckets:
+                winner, record = _decide(call, direction, grad_lse)
+                buckets[key] = Bucket(winner, launch_costs(record) if record else [], calls=0)
+                first_calls[key] = call
+            buckets[key].calls += 1
+        static.append((node, args, vals, call, direction, key))
+    chosen = _choose(graph, buckets, first_calls, {entry[0] for entry in static})
+    checked_in_kernel = set()
+    for node, args, vals, call, direction, key in static:
+        choice = args["choice"] or chosen[key]
         plan = plan_for(call.problem, choice, device_info(call.q.device), direction)
         names = _BACKWARD_TENSORS if direction == "backward" else _FORWARD_TENSORS
         if plan.traced is not None:
@@ -95,6 +117,25 @@ def emit_plans(graph: torch.fx.Graph) -> None:
         if readers[kv_seqlens] <= checked_in_kernel:
             for check in checks:
                 _erase_with_dead_inputs(graph, check)
+
+
+def _choose(graph: torch.fx.Graph, buckets: dict, first_calls: dict, nodes: set) -> dict:
+    """What compiled code runs for each bucket of this graph (step_cost.py): by device time under CUDA graphs,
+    by the estimated step time of this graph with plain launches (the rest of the graph: all but ``nodes``).
+    A candidate other than the winner, of a decision not tuned in this process, passes the gate here first."""
+    if not buckets:
+        return {}
+    device = next(iter(first_calls.values())).q.device
+    rest = None if cudagraphs_enabled() else graph_work(graph, nodes, device_info(device))
+    chosen = {}
+    for key, (choice, why) in choose_for_graph(buckets, rest).items():
+        if choice != buckets[key].winner:
+            refused = _check_choice(first_calls[key], key[0], choice, key[1])
+            if refused:
+                choice, why = buckets[key].winner, f"the winner: {choice} failed {refused}"
+        log.info("inductor_attn: compiled code runs %s for %s %s: %s", choice, key[0], key[2], why)
+        chosen[key] = choice
+    return chosen
 
 
 def _kv_seqlens_checks(graph: torch.fx.Graph):
@@ -207,11 +248,18 @@ def _concrete_call(vals: dict) -> AttnCall:
                         like(vals["kv_seqlens"]), key_mask=like(vals["key_mask"]))
 
 
-def _decide(call: AttnCall, direction: str, grad_lse: bool) -> str:
-    from ..tuning import decide
+def _decide(call: AttnCall, direction: str, grad_lse: bool) -> tuple[str, dict | None]:
+    from ..tuning import decide_with_record
 
     with eager_mode():
-        return decide(call, device_info(call.q.device), direction, compiled=True, grad_lse=grad_lse)
+        return decide_with_record(call, device_info(call.q.device), direction, grad_lse=grad_lse)
+
+
+def _check_choice(call: AttnCall, direction: str, choice: str, grad_lse: bool) -> str | None:
+    from ..tuning.decisions import check_choice
+
+    with eager_mode():
+        return check_choice(call, device_info(call.q.device), direction, choice, grad_lse)
 
 
 def _warm(plan, call: AttnCall, direction: str) -> None:

@@ -9,7 +9,8 @@ mutations and lowers), once per compiled graph, forward and backward. Two jobs:
 2. Keep Inductor's FX graph cache honest. On a cache hit no pass runs: the code built from earlier
    decisions replays (notes/pytorch-internals.md). The cache key hashes every custom pass's ``uuid()``,
    so ours hashes what the decisions depend on: a token of the decision store (store/db.py), the
-   backends' sources, the package version, the tuning mode and the simulated device.
+   backends' sources, the source of the rule that picks what compiled code runs (step_cost.py, graph_cost.py,
+   emit.py), the package version, the tuning mode and the simulated device.
 
    Under ``autotune`` the token is the store's revision, which a new decision leaves alone: a compile
    that meets a problem with no decision measures it and bakes what it stores, so code cached before the
@@ -22,9 +23,11 @@ A pass the user had already put in that slot is kept, run first, and its uuid is
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import uuid
+from pathlib import Path
 
 from .._compat import custom_graph_pass_base, inductor_config, launch_user_triton_kernels_statically
 
@@ -56,7 +59,8 @@ class DecisionPass(_Base):
         token = store.revision() if mode == "autotune" else store.generation()
         if store.broken:  # decisions are not persisted: never let a cached graph stand in for a tune
             return uuid.uuid4().hex
-        parts = [__version__, token, mode, os.environ.get(MODE_ENV, ""), os.environ.get(DEVICE_ENV, "")]
+        parts = [__version__, token, mode, os.environ.get(MODE_ENV, ""), os.environ.get(DEVICE_ENV, ""),
+                 _rule_hash()]
         parts += [f"{b.name}={b.source_hash()}" for b in backends.backends()]
         # decisions are keyed on these too: a new FA4 brings new decisions, which a new row does not signal
         parts += sorted(library_versions().items())
@@ -66,6 +70,16 @@ class DecisionPass(_Base):
                 return None  # the user's pass cannot be cached: neither can the graph
             parts.append(repr(chained_uuid))
         return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()
+
+
+@functools.cache
+def _rule_hash() -> str:
+    """The source of what decides which candidate compiled code runs, given the store's decisions."""
+    here = Path(__file__).parent
+    digest = hashlib.sha256()
+    for path in (here / "emit.py", here / "graph_cost.py", here.parent / "tuning" / "step_cost.py"):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def install() -> None:

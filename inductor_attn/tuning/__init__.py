@@ -1,5 +1,5 @@
 """Deciding which candidate runs a problem."""
 
-from .decisions import decide
+from .decisions import decide, decide_with_record
 
-__all__ = ["decide"]
+__all__ = ["decide", "decide_with_record"]

@@ -1,7 +1,10 @@
 """Deciding which candidate runs a call: memo -> store -> shipped table -> tuning or heuristic, per mode.
 
 Decisions are kept per (direction, bucket, device, mode) in memory, so once a bucket is decided a call
-costs one dict lookup. Decisions are local to the process and never issue a collective: processes that
+costs one dict lookup. A decision this process did not tune (stored by another process, imported, shipped, or
+agreed with other ranks) runs only after its choice passed the tuner's correctness gate here, once per
+process and bucket (``_checked_here``): a foreign record cannot vouch for this machine's kernels and
+libraries. One that fails counts as failed here, and the bucket is decided again without it. Decisions are local to the process and never issue a collective: processes that
 share a store tune each bucket once (the others wait for it), and ranks agree where they all meet, in
 ``sync_decisions()`` (see ranks.py; independent tunes can disagree: FlashInfer RFC #3920 saw 86 of 191
 keys differ).
@@ -30,11 +33,11 @@ from ..store.keys import decision_fields
 from ..store.priors import (SHORTLIST, SHORTLIST_COMPILE_FACTOR, SHORTLIST_COMPILE_FLOOR_S, SHORTLIST_MARGIN,
                             is_shipped, shipped_match, shortlist)
 from . import background
-from .measure import describe, device_error, is_candidate_error
+from .measure import describe, device_error, gate_once, is_candidate_error
 from .modes import current_mode
 from .progress import progress_ticker
 from .ranks import on_device, tune_once
-from .tuner import NoCandidateRan, compiled_choice, default_rounds, tune
+from .tuner import NoCandidateRan, default_rounds, tune
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,10 @@ _PROVISIONAL: dict[tuple, list] = {}
 # ran an ungated default, or a winner met another shape of its bucket): memo key -> {choice: reason}. They
 # count as pruned for that bucket in this process, so the next runnable candidate takes over.
 _FAILED: dict[tuple, dict[str, str]] = {}
+# keys of the decisions this process tuned (their candidates passed the gate here), and the gate's verdict on
+# choices of decisions it did not tune: (decision key, choice) -> None (passed) or why not
+_TUNED_HERE: set[str] = set()
+_GATED: dict[tuple, str | None] = {}
 _LOCK = threading.RLock()
 RECHECK_S = 1.0
 NOT_ENUMERATED = ("not enumerated: the shipped decision names none of its configs "
@@ -64,6 +71,8 @@ def forget_decisions() -> None:
         _AGREED.clear()
         _PROVISIONAL.clear()
         _FAILED.clear()
+        _TUNED_HERE.clear()
+        _GATED.clear()
 
 
 def default_choice(cands: list[Candidate]) -> str:
@@ -102,22 +111,12 @@ def _variant(direction: str, grad_lse: bool = False) -> str:
     return variant + "+dlse" if grad_lse else variant
 
 
-def _winner(row: dict, compiled: bool) -> str:
-    """The row's winner; for compiled code, step 7 of tuner.py applied to the row's measurements by the rule as
-    it is now (``compiled_choice``), or where they lack what it weighs the record's ``compiled_winner``."""
-    if not compiled:
-        return row["winner"]
-    now = compiled_choice(row["record"])
-    return now[0] if now is not None else (row["record"].get("compiled_winner") or row["winner"])
-
-
-def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str, compiled: bool = False, grad_lse: bool = False,
+def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str, grad_lse: bool = False,
                     failed: dict[str, str] | None = None) -> tuple[str, dict | None, str | None]:
     """The choice for ``call``, the store row behind it when a measurement backs it (else None), and the
     decision key when the choice is provisional (background mode, a tune is queued; else None).
-    ``compiled``: the choice for compiled code, which pays a plan's Python launch when it cannot be
-    traced. ``grad_lse``: a backward whose loss uses the lse too. ``failed``: choices that failed at a
-    launch here, with the reason, which count as pruned."""
+    ``grad_lse``: a backward whose loss uses the lse too. ``failed``: choices that failed here (at a launch, or
+    the gate of a decision not tuned here), with the reason, which count as pruned."""
     p = call.problem
     mode = current_mode(p.device_type)
     light = None
@@ -132,18 +131,18 @@ def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str, compiled: b
     if light is not None:
         # the key names backends, not configs, so the lookup-only candidates give the full way's key
         fields = decision_fields(p.op, _variant(direction, grad_lse), p, dev, _sources(light))
-        hit = _stored_without_costly_imports(light, fields, compiled)
+        hit = _stored_without_costly_imports(light, fields)
         if hit is not None:
             return hit
         prior = shipped_match(get_store(), fields)
         if mode == "background" and not grad_lse and prior is not None:
-            first = _background_without_costly_imports(call, light, fields, prior, direction, compiled)
+            first = _background_without_costly_imports(call, light, fields, prior, direction)
             if first is not None:
                 return first
-        light = _shipped_without_costly_imports(light, prior, compiled)
+        light = _shipped_without_costly_imports(light, prior)
     cands = light or enumerate_candidates(p, dev, direction, grad_lse)
     if failed:
-        cands = [dataclasses.replace(c, pruned=f"failed at a launch here: {failed[c.name]}")
+        cands = [dataclasses.replace(c, pruned=f"failed here: {failed[c.name]}")
                  if c.pruned is None and c.name in failed else c for c in cands]
     if mode == "off":
         return default_choice(cands), None, None
@@ -156,35 +155,34 @@ def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str, compiled: b
     store = get_store()
 
     def stored() -> dict | None:
-        return _usable(store.get(fields["key"]), compiled, runnable)
+        return _usable(store.get(fields["key"]), runnable)
 
     row = stored()
     if row is not None:
-        return _winner(row, compiled), row, None
+        return row["winner"], row, None
     prior = shipped_match(store, fields)
-    if prior is not None and _winner(prior, compiled) not in runnable:
+    if prior is not None and prior["winner"] not in runnable:
         prior = None
     if mode == "cache-only" or _capturing(call):  # never measure inside a CUDA-graph capture
-        return (_winner(prior, compiled), prior, None) if prior is not None else (default_choice(cands), None, None)
+        return (prior["winner"], prior, None) if prior is not None else (default_choice(cands), None, None)
     if mode == "background" and not grad_lse:  # the worker tunes without a lse gradient: tune those here
         _schedule_tune(call, direction, fields["key"])
-        choice = _winner(prior, compiled) if prior is not None else heuristic_choice(p, dev, cands)
+        choice = prior["winner"] if prior is not None else heuristic_choice(p, dev, cands)
         return choice, prior, fields["key"]
     row = tune_once(store, fields["key"], call.q.device, lookup=stored,
                     tune=lambda: _measure(call, cands, direction, fields, store, prior, grad_lse=grad_lse))
-    return _winner(row, compiled), row, None
+    return row["winner"], row, None
 
 
-def _stored_without_costly_imports(light: list[Candidate], fields: dict,
-                                   compiled: bool) -> tuple[str, dict, None] | None:
+def _stored_without_costly_imports(light: list[Candidate], fields: dict) -> tuple[str, dict, None] | None:
     """The stored decision, found with ``light`` (the candidates enumerated without the backends whose
     enumeration imports a large library, FA4), when its winner is another backend's; else None (the full
     way follows). No other backend's pruning depends on theirs, so the answer is the one the full way
     gives, less an import that a process which never runs FA4 does not need. A winner of theirs goes the
     full way: running it imports it."""
     runnable = {c.name for c in light if c.pruned is None}
-    row = _usable(get_store().get(fields["key"]), compiled, runnable)
-    return None if row is None else (_winner(row, compiled), row, None)
+    row = _usable(get_store().get(fields["key"]), runnable)
+    return None if row is None else (row["winner"], row, None)
 
 
 def _default_without_costly_imports(p: Problem, dev: DeviceInfo, direction: str, grad_lse: bool) -> str | None:
@@ -198,8 +196,7 @@ def _default_without_costly_imports(p: Problem, dev: DeviceInfo, direction: str,
     return None
 
 
-def _shipped_without_costly_imports(light: list[Candidate], prior: dict | None,
-                                    compiled: bool) -> list[Candidate] | None:
+def _shipped_without_costly_imports(light: list[Candidate], prior: dict | None) -> list[Candidate] | None:
     """``light`` as the candidates to decide among, when the shipped decision ``prior`` for the bucket, whose
     winner runs here, names none of the left-out backends' configs, neither in its shortlist (what an
     autotune times) nor as its winners (what cache-only and background run): FA4's import (about 3 s,
@@ -208,23 +205,23 @@ def _shipped_without_costly_imports(light: list[Candidate], prior: dict | None,
     if prior is None:
         return None
     left_out = {c.backend for c in light if c.pruned == LOOKUP_ONLY}
-    names = {*_shortlist_of(prior), prior["winner"], prior["record"].get("compiled_winner") or prior["winner"]}
+    names = {*_shortlist_of(prior), prior["winner"]}
     if any(name.split(":")[0] in left_out for name in names):
         return None
-    if _winner(prior, compiled) not in {c.name for c in light if c.pruned is None}:
+    if prior["winner"] not in {c.name for c in light if c.pruned is None}:
         return None
     return [dataclasses.replace(c, pruned=NOT_ENUMERATED) if c.pruned == LOOKUP_ONLY else c for c in light]
 
 
 def _background_without_costly_imports(call: AttnCall, light: list[Candidate], fields: dict, prior: dict,
-                                       direction: str, compiled: bool) -> tuple[str, None, str] | None:
+                                       direction: str) -> tuple[str, None, str] | None:
     """Background mode's first answer when the shipped decision ``prior``'s winner is of a backend left out
     of ``light`` (FA4): the fastest candidate of its record among the backends enumerated here. The first
     compile then neither imports FA4 nor waits for its JIT (together over 9 s on an H100, RESULTS.md,
     Tuning cost); the background tune compiles FA4 in its worker and stores the decision that the next
     compile or process bakes. None when the winner is not of a left-out backend."""
     left_out = {c.backend for c in light if c.pruned == LOOKUP_ONLY}
-    if _winner(prior, compiled).split(":")[0] not in left_out:
+    if prior["winner"].split(":")[0] not in left_out:
         return None
     runnable = {c.name for c in light if c.pruned is None}
     choice = next((n for n in shortlist(prior, len(prior["record"]["candidates"])) if n in runnable), None)
@@ -240,9 +237,9 @@ def _schedule_tune(call: AttnCall, direction: str, key: str) -> None:
     background.schedule(call, direction, key, _variant(direction) == "backward-deterministic")
 
 
-def _usable(row: dict | None, compiled: bool, runnable: set[str]) -> dict | None:
+def _usable(row: dict | None, runnable: set[str]) -> dict | None:
     """``row`` if it is a measured decision (not a shipped one) whose winner can run here, else None."""
-    return row if row is not None and not is_shipped(row) and _winner(row, compiled) in runnable else None
+    return row if row is not None and not is_shipped(row) and row["winner"] in runnable else None
 
 
 def _measure(call: AttnCall, cands: list[Candidate], direction: str, fields: dict, store, prior: dict | None,
@@ -268,6 +265,7 @@ def _measure(call: AttnCall, cands: list[Candidate], direction: str, fields: dic
         return _measure(call, every, direction, fields, store, None, search, grad_lse)
     row = {**fields, "winner": result.winner, "record": result.to_json(), "created": time.time()}
     store.put(row)
+    _TUNED_HERE.add(row["key"])
     return row
 
 
@@ -324,21 +322,27 @@ def tune_in_worker(call: AttnCall, direction: str, key: str, deterministic: bool
     return row["winner"]
 
 
-def decide(call: AttnCall, dev: DeviceInfo, direction: str, compiled: bool = False, grad_lse: bool = False) -> str:
-    """The candidate (``backend:config``) that runs ``call``; see the module doc. ``compiled=True`` asks for
-    the choice compiled code makes while compiling (lowering/); ``grad_lse``: a backward whose loss uses the
-    lse too."""
-    key = _memo_key(call, dev, direction, compiled, grad_lse)
+def decide(call: AttnCall, dev: DeviceInfo, direction: str, grad_lse: bool = False) -> str:
+    """The candidate (``backend:config``) that runs ``call``; see the module doc. ``grad_lse``: a backward whose
+    loss uses the lse too."""
+    key = _memo_key(call, dev, direction, grad_lse)
     choice = _MEMO.get(key)
     if choice is not None and key not in _PROVISIONAL:
         return choice
     with _LOCK:
         if key in _PROVISIONAL:
-            _recheck(key, compiled)
+            _recheck(key)
         if key not in _MEMO:
             agreed = _adopted(call, dev, direction, grad_lse, key)
             choice, row, pending = ((*agreed, None) if agreed
-                                    else decide_uncached(call, dev, direction, compiled, grad_lse, _FAILED.get(key)))
+                                    else decide_uncached(call, dev, direction, grad_lse, _FAILED.get(key)))
+            while row is not None and (reason := _checked_here(call, direction, grad_lse, choice, row)):
+                if reason is _NOT_NOW:
+                    return choice  # inside a CUDA-graph capture: not remembered, checked at the next call
+                _FAILED.setdefault(key, {})[choice] = reason
+                log.warning("inductor_attn: %s, decided for %s by a decision not tuned in this process, is not "
+                            "used here: %s", choice, call.problem, reason)
+                choice, row, pending = decide_uncached(call, dev, direction, grad_lse, _FAILED[key])
             if row is not None:
                 _ROWS[key] = row
             if pending is not None:
@@ -347,9 +351,46 @@ def decide(call: AttnCall, dev: DeviceInfo, direction: str, compiled: bool = Fal
         return _MEMO[key]
 
 
-def _memo_key(call: AttnCall, dev: DeviceInfo, direction: str, compiled: bool, grad_lse: bool) -> tuple:
-    return (_variant(direction, grad_lse), call.problem.bucket(), dev.key(), current_mode(call.problem.device_type),
-            compiled)
+def decide_with_record(call: AttnCall, dev: DeviceInfo, direction: str,
+                       grad_lse: bool = False) -> tuple[str, dict | None]:
+    """``decide``'s choice and the tune record behind it (None where nothing was measured): compiled code
+    weighs the record's device and host times for its graph (step_cost.py)."""
+    choice = decide(call, dev, direction, grad_lse)
+    row = _ROWS.get(_memo_key(call, dev, direction, grad_lse))
+    return choice, None if row is None or row["winner"] != choice else row["record"]
+
+
+def check_choice(call: AttnCall, dev: DeviceInfo, direction: str, choice: str, grad_lse: bool = False) -> str | None:
+    """Why ``choice``, another candidate of the record behind ``call``'s decision (compiled code's pick for its
+    graph), must not run here, or None: a record not tuned in this process is gated here first."""
+    row = _ROWS.get(_memo_key(call, dev, direction, grad_lse))
+    reason = None if row is None else _checked_here(call, direction, grad_lse, choice, row)
+    return None if reason is _NOT_NOW else reason
+
+
+_NOT_NOW = "inside a CUDA-graph capture: not gated now"
+
+
+def _checked_here(call: AttnCall, direction: str, grad_lse: bool, choice: str, row: dict) -> str | None:
+    """None if ``choice`` of decision ``row`` may run here: the row was tuned in this process, or the choice
+    passed the gate here (once per process); else why not (``_NOT_NOW`` inside a CUDA-graph capture, where
+    nothing can be run to check it)."""
+    if row["key"] in _TUNED_HERE:
+        return None
+    verdict_key = (row["key"], choice)
+    if verdict_key not in _GATED:
+        if _capturing(call):
+            return _NOT_NOW
+        start = time.perf_counter()
+        result = gate_once(call, choice, direction, grad_lse)
+        _GATED[verdict_key] = None if result.status == "passed" else f"the correctness check: {result.reason}"
+        log.info("inductor_attn: gated %s for %s (decision %s, not tuned in this process) in %.2f s: %s", choice,
+                 call.problem, row["key"][:12], time.perf_counter() - start, result.status)
+    return _GATED[verdict_key]
+
+
+def _memo_key(call: AttnCall, dev: DeviceInfo, direction: str, grad_lse: bool) -> tuple:
+    return _variant(direction, grad_lse), call.problem.bucket(), dev.key(), current_mode(call.problem.device_type)
 
 
 def give_way(call: AttnCall, dev: DeviceInfo, direction: str, choice: str, err: Exception,
@@ -359,26 +400,24 @@ def give_way(call: AttnCall, dev: DeviceInfo, direction: str, choice: str, err: 
     warning) and True is returned: the caller decides again and gets the next runnable candidate. False
     for any other error (a bug, to raise), for the reference, which has no successor, for running out of
     device memory, which says nothing about the kernel, and for an error that left the CUDA context unusable
-    (every candidate after it would fail the same way). The choice is dropped for compiled code too, which
-    decides under its own memo key when it compiles next."""
+    (every candidate after it would fail the same way)."""
     backend = get_backend(choice.partition(":")[0])
     if (backend.name == "reference" or isinstance(err, torch.OutOfMemoryError)
             or not is_candidate_error(err, backend) or device_error(call.q.device) is not None):
         return False
     with _LOCK:
-        for compiled in (False, True):
-            key = _memo_key(call, dev, direction, compiled, grad_lse)
-            _FAILED.setdefault(key, {})[choice] = describe(err)
-            if _MEMO.get(key) == choice:
-                del _MEMO[key]
-                _ROWS.pop(key, None)
-                _PROVISIONAL.pop(key, None)
+        key = _memo_key(call, dev, direction, grad_lse)
+        _FAILED.setdefault(key, {})[choice] = f"at a launch: {describe(err)}"
+        if _MEMO.get(key) == choice:
+            del _MEMO[key]
+            _ROWS.pop(key, None)
+            _PROVISIONAL.pop(key, None)
     log.warning("inductor_attn: %s failed at its launch on %s (%s); the next candidate runs this bucket in this "
                 "process", choice, call.problem, describe(err))
     return True
 
 
-def _recheck(key: tuple, compiled: bool) -> None:
+def _recheck(key: tuple) -> None:
     """A provisional decision takes the stored one once its tune has landed."""
     due, decision_key = _PROVISIONAL[key]
     if time.monotonic() < due:
@@ -388,7 +427,7 @@ def _recheck(key: tuple, compiled: bool) -> None:
         _PROVISIONAL[key][0] = time.monotonic() + RECHECK_S
         return
     del _PROVISIONAL[key]
-    _MEMO[key], _ROWS[key] = _winner(row, compiled), row
+    _MEMO[key], _ROWS[key] = row["winner"], row
 
 
 def _adopted(call: AttnCall, dev: DeviceInfo, direction: str, grad_lse: bool,
@@ -414,8 +453,7 @@ def decision_entries() -> list[tuple]:
 
 def adopt_decisions(agreed: dict[tuple, tuple[str, dict | None]]) -> int:
     """Make ``agreed`` (memo key -> choice, row) this process's decisions, and write each row to the
-    store where the store holds another winner. Returns how many decisions of this process changed (one per
-    bucket, also where both its run-time and its compiled-code choice changed)."""
+    store where the store holds another winner. Returns how many decisions of this process changed."""
     store = get_store()
     changed = set()
     with _LOCK:
@@ -427,7 +465,7 @@ def adopt_decisions(agreed: dict[tuple, tuple[str, dict | None]]) -> int:
                     _ROWS[key] = row
                 continue
             if key in _MEMO:
-                changed.add(key[:-1])  # the memo key without its compiled-code flag
+                changed.add(key)
             _MEMO.pop(key, None)
             _ROWS.pop(key, None)
             _PROVISIONAL.pop(key, None)  # the agreed choice stands, not a background tune's later result

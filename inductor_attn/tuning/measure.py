@@ -152,14 +152,15 @@ class Direction:
 
     def as_compiled_code_runs(self, plan: Plan, call: AttnCall, choice: str) -> Callable[[], object]:
         """``plan`` launched as compiled code launches it. A traced form of aten calls: its ``host_probe``, the
-        calls generated code makes. A plan without a traced form: for an attention call decided at compile
-        time, through the ``inductor_attn::launch`` op (its dispatch and the op's lookup cost host time that
-        the plan's own launch does not show); other calls go through the op impl at run time, approximated
-        by the plan's launch."""
-        if plan.traced is not None:
+        calls generated code makes. Traced Triton kernels: the plan's launch, the same kernels and allocations
+        through Triton's launcher where generated code uses Inductor's. A plan without a traced form: for an
+        attention call decided at compile time, through the ``inductor_attn::launch`` op (its dispatch and the
+        op's lookup cost host time that the plan's own launch does not show); other calls go through the op
+        impl at run time, approximated by the plan's launch."""
+        if plan.traced is not None and plan.host_probe is not None:
             probe = plan.host_probe
             return lambda: probe(call) if self.grads is None else probe(call, *self.grads)
-        if call.op != "attention":
+        if plan.traced is not None or call.op != "attention":
             return lambda: self.run(plan, call)
         from ..ops.launch import launch_op, plan_key
 
@@ -235,6 +236,16 @@ def gate(trial: Trial, call: AttnCall, expected, check: Callable[[object], tuple
         return GateResult("failed", describe(err))
     reason, error = check(got)
     return GateResult("wrong" if reason else "passed", reason, error, seconds)
+
+
+def gate_once(call: AttnCall, choice: str, direction: str, grad_lse: bool = False) -> GateResult:
+    """The gate for one candidate on fresh inputs shaped like ``call``'s: what a tune checks every candidate
+    with, for a decision that was not tuned in this process."""
+    gate_call = fresh_inputs(call, seed=1)
+    mode = Direction(direction, gate_call, grad_lse)
+    expected = mode.reference(gate_call)
+    return gate(candidate_trial(choice, mode), gate_call, expected,
+                lambda got: mode.check(got, expected, call.q.dtype))
 
 
 # ------------------------------------------------------------------------------------------- timing

@@ -2,7 +2,8 @@
 
 A timer turns zero-argument callables (the same kernel on rotating copies of the inputs, so that small
 problems are not timed out of a warm L2) into a *runner* whose ``sample()`` returns the mean time of
-one call in milliseconds. The tuner interleaves samples of all candidates round by round.
+one call in milliseconds. The tuner interleaves samples of all candidates round by round. ``host_ms(launch,
+device)`` gives the CPU time of one launch (:func:`host_ms`).
 
 - ``CudaGraphTimer`` (GPU default): captures ``fn`` into a CUDA graph and times replays with CUDA
   events, flushing L2 before each sample. Seed 001 (ExecuTorch): the decode threshold moved from 2048 to
@@ -17,12 +18,36 @@ benchmarks/tools/ compare it with a timer's figure to see launch gaps).
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
+from .measure import sync
+from .step_cost import WALL_CLOCK
+
 L2_FLUSH_BYTES = 256 << 20  # > 50 MB L2 of an H100 / 60 MB of an H200
+
+
+def host_ms(launch, device: torch.device, warmup: int = 3, bursts: int = 7, calls: int = 10) -> float:
+    """CPU time of one launch in steady state: ``warmup`` calls first (a plan records its replay, Triton
+    specializes), then the median of ``bursts`` bursts of ``calls`` launches, each short enough for the
+    launch queue so the CPU never waits for the GPU. Timed by this thread's CPU clock, so that what other
+    threads and processes take of the cores meanwhile (compile workers, Inductor's) is not charged to the
+    launch; the median, not the best burst, because a launch's CPU time itself moves between bursts (FA4's
+    through the launch op: 49-84 us per burst on an H200, 2026-11-29)."""
+    for _ in range(warmup):
+        launch()
+    per_call = []
+    for _ in range(bursts):
+        sync(device)
+        start = time.thread_time()
+        for _ in range(calls):
+            launch()
+        per_call.append((time.thread_time() - start) / calls)
+    sync(device)
+    return statistics.median(per_call) * 1e3
 
 
 class Runner:
@@ -32,7 +57,8 @@ class Runner:
 
 
 class WallClockTimer:
-    name = "wall-clock"
+    name = WALL_CLOCK
+    host_ms = staticmethod(host_ms)
 
     def __init__(self, inner_repeats: int = 1):
         self.inner_repeats = inner_repeats
@@ -56,6 +82,7 @@ class CudaGraphTimer:
     divided by the number of copies."""
 
     name = "cuda-graph"
+    host_ms = staticmethod(host_ms)
 
     def __init__(self, warmup: int = 3):
         self.warmup = warmup

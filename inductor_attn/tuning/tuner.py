@@ -27,21 +27,12 @@ which the benchmark shares):
    exceeds the tie margin, the larger of ``TIE_MARGIN`` and the noise. Among those, the fastest wins,
    and candidates within the tie margin of the fastest go by prior order: inside the noise, prior order
    decides, so two tunes agree.
-7. Compiled code: the same winner, unless its plan cannot be traced into the graph (it then runs its
-   Python launch through the thin op, see lowering/) and a traced candidate costs a step no more: each
-   one's device time plus its launch time. A compiled model keeps the host about as busy as the GPU, so a
-   launch's host time lands on the step's critical path even where its own kernel outlasts it
-   (benchmarks/RESULTS.md, Training: FA4's backward, 263 us of kernel for ~200 us of launch, beat cuDNN's
-   315 us per call and made a B4 L2k fwd+bwd step 0.44x eager SDPA). Where the program is device-bound
-   instead, this costs at most the winner's device-time lead, which is below the difference of the two
-   launch times whenever the rule changes the choice: the choice of least regret when the program's
-   boundness is unknown. Host time is measured only where the rule weighs it (an untraced winner, and the
-   traced candidates whose device time alone is below the winner's cost), as the CPU time of a launch as
-   compiled code makes it, by the launching thread's CPU clock (``host_ms``): through the thin op, or for a
-   traced form of aten calls (SDPA's kernels: 30-50 us per forward call on an H100 host, RESULTS.md,
-   Overhead) the calls Inductor's generated code makes (``Plan.host_probe``). A traced Triton kernel costs
-   Inductor's launcher only, counted as zero. Inside a compile the tune runs without the Python dispatcher
-   (lowering/emit.py, ``eager_mode``), which would put every aten call through Python.
+7. Host time: each candidate that was timed and passed gets its host time too, the CPU time of one launch as
+   compiled code makes it (``host_ms``, :func:`host_ms`): through the thin op for a plan without a traced form,
+   the calls Inductor's generated code makes for a traced form of aten calls (``Plan.host_probe``), and the
+   plan's launch for traced Triton kernels; the timer takes it (timing.host_ms). What compiled code runs is decided per compiled graph from both
+   figures (step_cost.py); eager calls run the winner. Inside a compile the tune runs without the Python
+   dispatcher (lowering/emit.py, ``eager_mode``), which would put every aten call through Python.
 """
 
 from __future__ import annotations
@@ -75,11 +66,11 @@ from .measure import (
 )
 from .settings import env_number
 from .stats import median, paired_bootstrap_speedup
+from .step_cost import TIE_MARGIN
 from .timing import default_timer
 
 log = logging.getLogger(__name__)
 
-TIE_MARGIN = 0.02
 DEFAULT_ROUNDS = 15
 SEARCHES = ("staged", "exhaustive")
 SEARCH_ENV, MARGIN_ENV = "INDUCTOR_ATTN_SEARCH", "INDUCTOR_ATTN_STAGE_MARGIN"
@@ -91,8 +82,8 @@ DEFAULT_STAGE_MARGIN = 1.25
 # 7.6% apart (issue 16). Top two closer than this are timed again to measure the noise.
 CLOSE = 0.10
 NOISE_SESSIONS = 2
-__all__ = ["CANDIDATE_ERRORS", "CandidateResult", "TuneResult", "compiled_choice", "default_rounds", "describe",
-           "fresh_inputs", "is_candidate_error", "strict", "tune"]
+__all__ = ["CANDIDATE_ERRORS", "CandidateResult", "TuneResult", "default_rounds", "describe", "fresh_inputs",
+           "is_candidate_error", "strict", "tune"]
 
 
 @dataclass
@@ -108,7 +99,7 @@ class CandidateResult:
     ci_high: float | None = None
     samples: list[float] = field(default_factory=list)
     note: str = ""
-    host_ms: float | None = None  # CPU time of one eager launch of its plan (best of several bursts)
+    host_ms: float | None = None  # CPU time of one launch as compiled code makes it (step 7, timing.host_ms)
     traced: bool | None = None  # compiled code launches its kernels itself (else through the launch op)
 
 
@@ -122,8 +113,6 @@ class TuneResult:
     timer: str
     candidates: list[CandidateResult]
     tuned_at: float = field(default_factory=time.time)
-    compiled_winner: str | None = None  # what compiled code runs (step 7 of the module doc); None: winner
-    compiled_why: str = ""
     search: str = ""  # how candidates were chosen for measuring (step 1), or what shortened the search
     noise: float | None = None  # between-session change of the top candidates' speedup (step 5); None: not close
     noise_note: str = ""
@@ -137,10 +126,14 @@ class TuneResult:
 
     @classmethod
     def from_json(cls, d: dict) -> TuneResult:
-        d = dict(d)
+        d = {k: v for k, v in d.items() if k not in LEGACY_FIELDS}
         d["problem"] = Problem.from_key(d["problem"])
         d["candidates"] = [CandidateResult(**c) for c in d["candidates"]]
         return cls(**d)
+
+
+# What records tuned before step 7 measured every candidate's host time held: one choice for all compiled code.
+LEGACY_FIELDS = ("compiled_winner", "compiled_why")
 
 
 def default_rounds() -> int:
@@ -278,25 +271,13 @@ class _Search:
             res.median_ms = median(res.samples)
             res.speedup, res.ci_low, res.ci_high = paired_bootstrap_speedup(base.samples, res.samples)
 
-    def host_times(self, winner: str, names: list[str]) -> None:
-        """Step 7's host times, where the rule weighs them: an untraced winner's (launched through the thin op),
-        and those of the traced candidates whose device time alone leaves them a chance against it, where
-        their traced form is aten calls (a traced Triton kernel costs Inductor's launcher, counted as
-        nothing). A traced winner needs none: a slow traced candidate's host probe waits for its kernels."""
-        plans = {name: self.mode.plan(self.call, name) for name in names}
-        for name, plan in plans.items():
-            self.results[name].traced = plan.traced is not None
-        won = self.results[winner]
-        if won.traced:
-            return
-        won.host_ms = self._launch_host_ms(winner, plans[winner])
-        for name, plan in plans.items():
+    def host_times(self, names: list[str]) -> None:
+        """Step 7: the host time of every candidate in ``names`` (timed and passed), and whether it is traced."""
+        for name in names:
+            plan = self.mode.plan(self.call, name)
             res = self.results[name]
-            if res.traced and plan.host_probe is not None and res.median_ms <= _step_cost(won):
-                res.host_ms = self._launch_host_ms(name, plan)
-
-    def _launch_host_ms(self, name: str, plan) -> float:
-        return _host_ms(self.mode.as_compiled_code_runs(plan, self.call, name), self.call.q.device)
+            res.traced = plan.traced is not None
+            res.host_ms = self.timer.host_ms(self.mode.as_compiled_code_runs(plan, self.call, name), self.call.q.device)
 
     # -- searches -----------------------------------------------------------------------------------
     def exhaustive(self) -> tuple[list[str], list[str]]:
@@ -445,68 +426,14 @@ def tune(call: AttnCall, candidates: list[Candidate], *, direction: str = "forwa
     noise, noise_note = state.agree(finalists)
     finals = [state.results[n] for n in finalists]
     winner, why = _choose(finals, max(TIE_MARGIN, noise or 0.0))
-    state.host_times(winner.name, finalists + others)
-    compiled, compiled_why = _choose_compiled(finals + [state.results[n] for n in others], winner)
+    with state.phase("host"):
+        state.host_times(finalists + others)
     return TuneResult(call.problem, direction, winner.name, default.name, why, timer.name, results,
-                      compiled_winner=compiled.name, compiled_why=compiled_why, search=described, noise=noise,
-                      noise_note=noise_note, seconds=_seconds(state, start))
+                      search=described, noise=noise, noise_note=noise_note, seconds=_seconds(state, start))
 
 
 def _seconds(state: _Search, start: float) -> dict[str, float]:
     return {**{k: round(v, 4) for k, v in state.seconds.items()}, "total": round(time.perf_counter() - start, 4)}
-
-
-def _host_ms(launch, device: torch.device, bursts: int = 3, calls: int = 5) -> float:
-    """CPU time of one launch: bursts short enough for the launch queue, so the CPU never waits for the GPU,
-    timed by this thread's CPU clock, so that what other threads and processes take of the cores meanwhile
-    (the tune's compile workers, Inductor's) is not charged to the launch (wall-clock bursts read 1.5-5x a
-    lone launch's time inside a tune, benchmarks/RESULTS.md, Training, 2026-11-28)."""
-    best = float("inf")
-    for _ in range(bursts):
-        sync(device)
-        start = time.thread_time()
-        for _ in range(calls):
-            launch()
-        best = min(best, (time.thread_time() - start) / calls)
-        sync(device)
-    return best * 1e3
-
-
-def _choose_compiled(timed: list[CandidateResult], winner: CandidateResult) -> tuple[CandidateResult, str]:
-    """Step 7 of the module doc: the winner, or the fastest traced candidate where the winner's host time
-    in compiled code would eat its device-time lead."""
-    if winner.traced is not False:
-        return winner, "the winner is launched by compiled code itself"
-    traced = [r for r in timed if r.traced]
-    if not traced:
-        return winner, "no candidate can be traced into compiled code"
-    best = min(traced, key=_step_cost)
-    how = (f"{winner.host_ms:.4f} ms of host time per launch for {winner.median_ms:.4f} ms on the device "
-           "(both count)")
-    theirs = f"{best.name} ({best.median_ms:.4f} ms, launched by compiled code"
-    theirs += f", {best.host_ms:.4f} ms of host)" if best.host_ms else ")"
-    if _step_cost(best) <= _step_cost(winner):
-        return best, f"{theirs} is no slower than {winner.name}, with its {how}"
-    return winner, f"faster than the fastest traced candidate {theirs} with its {how}"
-
-
-def _step_cost(r: CandidateResult) -> float:
-    """What a launch costs a step in step 7: device plus host time (None: Inductor's launcher, counted zero)."""
-    return r.median_ms + (r.host_ms or 0.0)
-
-
-def compiled_choice(record: dict) -> tuple[str, str] | None:
-    """Step 7 applied now to a stored record's measured candidates: (what compiled code runs, why), so that a
-    change of the rule reaches decisions stored or shipped before it. None where the record lacks what the
-    rule weighs (one finalist: no host times were measured). Records hold host times only where the rule
-    that measured them weighed them (``_Search.host_times``): a rule that weighs more needs new tunes."""
-    timed = [CandidateResult(**c) for c in record["candidates"]
-             if c["status"] == "passed" and c.get("median_ms") is not None]
-    winner = next((r for r in timed if r.name == record["winner"]), None)
-    if winner is None or (winner.traced is False and winner.host_ms is None):
-        return None
-    chosen, why = _choose_compiled(timed, winner)
-    return chosen.name, why
 
 
 def _choose(finals: list[CandidateResult], tie: float = TIE_MARGIN) -> tuple[CandidateResult, str]:

@@ -1,0 +1,169 @@
+"""What compiled code runs: the candidate that makes the user's step fastest, not the kernel alone.
+
+A tune measures two figures per candidate: its device time (CUDA-graph replays, the kernels alone) and its
+host time (the CPU time compiled code spends launching it, ``tuner.host_ms``). Which one matters depends on
+the program around the call:
+
+- **Under CUDA graphs** (``torch.compile(mode="reduce-overhead")``, cudagraph trees) a replay launches the
+  whole graph at once, so no launch costs host time: device time alone decides, and compiled code runs the
+  tuner's winner.
+- **With plain launches** the CPU issues kernels ahead of the GPU, so a step costs about the larger of its
+  total host time and its total device time, not their sum. A graph with ``n`` calls of a bucket running on
+  candidate c, and other work costing ``H`` of host and ``D`` of device time, costs
+  ``max(H + n * host_c, D + n * device_c)``. In a device-bound graph a launch's host time hides behind the
+  kernels and the fastest kernel wins; in a host-bound one (decode steps, small batches) the cheapest launch
+  does.
+
+The lowering estimates ``H`` and ``D`` for each graph it compiles (lowering/graph_cost.py) and decides every
+bucket of the graph together (:func:`choose_for_graph`). The tuner's winner stays unless another candidate
+makes the step faster by more than the tie margin, so a near-tie never flips between compiles.
+``cache explain`` prints the choice per regime (:func:`explain_choice`). An eager call runs the winner: it pays
+its own launch in any case, and a user who captures eager calls into a CUDA graph pays no host time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TIE_MARGIN = 0.02  # the tuner's: a candidate must make the step this much faster to replace the winner
+WALL_CLOCK = "wall-clock"  # timing.WallClockTimer's name
+
+
+@dataclass(frozen=True)
+class LaunchCost:
+    """One candidate's measured figures: ms of device time per call and ms of host time per launch."""
+
+    name: str
+    device_ms: float
+    host_ms: float
+
+
+@dataclass(frozen=True)
+class GraphWork:
+    """The host and device time (ms) of the rest of a graph: everything but the calls being decided."""
+
+    host_ms: float
+    device_ms: float
+
+
+def launch_costs(record: dict) -> list[LaunchCost]:
+    """The candidates of a tune record that passed the gate and carry both figures, in prior order. Records
+    tuned before host times were measured for every candidate hold them for a few only: those alone compete.
+    None from a wall-clock tune (CPU problems): its time already holds the launch, and the winner is best.
+    """
+    if record.get("timer") == WALL_CLOCK:
+        return []
+    return [LaunchCost(c["name"], c["median_ms"], c["host_ms"]) for c in record.get("candidates", ())
+            if c.get("status") == "passed" and c.get("median_ms") is not None and c.get("host_ms") is not None]
+
+
+def step_ms(cost: LaunchCost, calls: int, rest: GraphWork) -> float:
+    """What a graph costs with ``calls`` launches of ``cost`` besides ``rest``: the larger of host and device.
+
+    >>> step_ms(LaunchCost("c", 0.5, 0.1), 2, GraphWork(host_ms=3.0, device_ms=1.0))
+    3.2
+    """
+    return max(rest.host_ms + calls * cost.host_ms, rest.device_ms + calls * cost.device_ms)
+
+
+@dataclass
+class Bucket:
+    """The calls of one graph that share a decision: the tuner's ``winner``, the ``costs`` of its candidates
+    (empty when nothing was measured: the winner runs) and how many ``calls`` the graph makes."""
+
+    winner: str
+    costs: list[LaunchCost]
+    calls: int = 1
+
+
+def choose_for_graph(buckets: dict, rest: GraphWork | None) -> dict:
+    """``{bucket key: (choice, why)}`` for the calls of one compiled graph; ``rest`` is the graph's other work,
+    None under CUDA graphs. Buckets are decided one at a time against the others' current choices, repeated
+    until none changes (a few rounds: a change only moves the graph toward one bound)."""
+    if rest is None:
+        return {key: (b.winner, "under CUDA graphs a launch costs no host time: the fastest kernel")
+                for key, b in buckets.items()}
+    chosen = {key: _winner_cost(b) for key, b in buckets.items()}
+    whys = {key: "" for key in buckets}
+    for _ in range(len(buckets) + 1):
+        changed = False
+        for key, b in buckets.items():
+            if chosen[key] is None:
+                continue
+            others = _plus(rest, [(c, buckets[k].calls) for k, c in chosen.items() if k != key and c is not None])
+            pick, why = _choose(b, others)
+            changed |= pick != chosen[key]
+            chosen[key], whys[key] = pick, why
+        if not changed:
+            break
+    return {key: ((c.name if c is not None else b.winner), whys[key] or "no host time measured: the winner")
+            for (key, b), c in zip(buckets.items(), chosen.values())}
+
+
+def _winner_cost(bucket: Bucket) -> LaunchCost | None:
+    return next((c for c in bucket.costs if c.name == bucket.winner), None)
+
+
+def _plus(rest: GraphWork, launches) -> GraphWork:
+    return GraphWork(rest.host_ms + sum(n * c.host_ms for c, n in launches),
+                     rest.device_ms + sum(n * c.device_ms for c, n in launches))
+
+
+def _choose(bucket: Bucket, rest: GraphWork) -> tuple[LaunchCost, str]:
+    """The candidate of least step time, the winner while it is within the tie margin of it."""
+    winner = _winner_cost(bucket)
+    best = min(bucket.costs, key=lambda c: step_ms(c, bucket.calls, rest))
+    cost = {c.name: step_ms(c, bucket.calls, rest) for c in (winner, best)}
+    bound = "host" if rest.host_ms - rest.device_ms >= 0 else "device"
+    context = (f"the rest of the graph: {rest.host_ms:.3f} ms of host, {rest.device_ms:.3f} ms of device "
+               f"({bound}-bound), {bucket.calls} call(s)")
+    if cost[best.name] * (1 + TIE_MARGIN) >= cost[winner.name]:
+        return winner, f"the winner: the step costs {cost[winner.name]:.3f} ms with it ({context})"
+    return best, (f"step {cost[best.name]:.3f} ms against {cost[winner.name]:.3f} ms with the winner "
+                  f"{winner.name} ({best.device_ms:.4f} + {best.host_ms:.4f} ms of host against "
+                  f"{winner.device_ms:.4f} + {winner.host_ms:.4f}; {context})")
+
+
+def explain_choice(winner: str, costs: list[LaunchCost]) -> list[str]:
+    """Lines that say what compiled code runs for one call of the bucket: under CUDA graphs, and with plain
+    launches by how much host time ``H`` the rest of its graph spends beyond its device time ``D`` (very
+    negative: device-bound, positive: host-bound).
+
+    >>> for line in explain_choice("fa4", [LaunchCost("fa4", 0.014, 0.045), LaunchCost("sdpa", 0.023, 0.015)]):
+    ...     print(line)
+    under CUDA graphs: fa4 (device time only)
+    plain launches, H - D < -0.021 ms: fa4
+    plain launches, H - D >= -0.021 ms: sdpa
+    """
+    lines = [f"under CUDA graphs: {winner} (device time only)"]
+    bucket = Bucket(winner, costs)
+    if _winner_cost(bucket) is None:
+        return lines + ["plain launches: no host time measured for the winner; it runs"]
+    # each candidate's step cost bends where H - D = device - host: the choice can change only near those
+    bends = sorted({c.device_ms - c.host_ms for c in costs})
+    span = max(c.device_ms + c.host_ms for c in costs)
+    probes = [bends[0] - span, *bends, bends[-1] + span]
+    switches = []  # (H - D where the choice changes, choice from there on)
+    for a, b in zip(probes, probes[1:]):
+        if _plain_choice(bucket, a) != _plain_choice(bucket, b):
+            for _ in range(40):  # bisect to the switch
+                mid = (a + b) / 2
+                a, b = (mid, b) if _plain_choice(bucket, mid) == _plain_choice(bucket, a) else (a, mid)
+            switches.append((b, _plain_choice(bucket, b)))
+    first = _plain_choice(bucket, probes[0])
+    if not switches:
+        return lines + [f"plain launches: {first} whatever the rest of the graph"]
+    runs = [(None, first), *switches]
+    for (start, name), (end, _) in zip(runs, [*runs[1:], (None, None)]):
+        if start is None:
+            lines.append(f"plain launches, H - D < {end:.3f} ms: {name}")
+        elif end is None:
+            lines.append(f"plain launches, H - D >= {start:.3f} ms: {name}")
+        else:
+            lines.append(f"plain launches, {start:.3f} <= H - D < {end:.3f} ms: {name}")
+    return lines
+
+
+def _plain_choice(bucket: Bucket, slack: float) -> str:
+    """The choice for a graph whose other work spends ``slack`` ms more host than device time."""
+    return _choose(bucket, GraphWork(max(slack, 0.0), max(-slack, 0.0)))[0].name

@@ -1,0 +1,82 @@
+"""What compiled code runs: the candidate that makes the graph's step fastest (tuning/step_cost.py)."""
+
+import pytest
+
+from inductor_attn.tuning.step_cost import (Bucket, GraphWork, LaunchCost, choose_for_graph, explain_choice,
+                                            launch_costs)
+
+# B1 H32 L512 D128 causal on an H200 (issue 52): FA4's kernel is faster, its launch through our op dearer
+FA4 = LaunchCost("fa4:default", device_ms=0.0138, host_ms=0.082)
+FLASH = LaunchCost("sdpa:kernel=flash", device_ms=0.0229, host_ms=0.034)
+
+
+def _choice(rest, calls=1, winner=FA4.name, costs=(FA4, FLASH)):
+    return choose_for_graph({"k": Bucket(winner, list(costs), calls)}, rest)["k"][0]
+
+
+def test_under_cuda_graphs_the_winner_runs_whatever_its_launch_costs():
+    assert _choice(None) == FA4.name
+
+
+def test_a_device_bound_graph_runs_the_fastest_kernel():
+    assert _choice(GraphWork(host_ms=1.0, device_ms=5.0), calls=8) == FA4.name
+
+
+def test_a_host_bound_graph_runs_the_cheapest_launch():
+    assert _choice(GraphWork(host_ms=4.0, device_ms=0.6), calls=8) == FLASH.name
+
+
+def test_a_graph_of_the_call_alone_runs_what_makes_the_call_fastest():
+    # a compiled attention call alone: ~38 us of frame and guards, no other kernel
+    assert _choice(GraphWork(host_ms=0.038, device_ms=0.0)) == FLASH.name
+    big = [LaunchCost("fa4:default", 0.0686, 0.082), LaunchCost("sdpa:kernel=cudnn", 0.0822, 0.041)]  # L2048
+    assert _choice(GraphWork(host_ms=0.038, device_ms=0.0), costs=big) == "sdpa:kernel=cudnn"
+
+
+def test_the_winner_stays_within_the_tie_margin_of_the_best_step():
+    near = LaunchCost("b", device_ms=1.0, host_ms=0.0)
+    winner = LaunchCost("a", device_ms=0.99, host_ms=0.012)  # costs 1.0 + 1% more in a host-bound graph
+    assert _choice(GraphWork(1.0, 0.0), winner="a", costs=(winner, near)) == "a"
+
+
+def test_buckets_of_one_graph_are_decided_together():
+    """Two dear launches make the graph host-bound (3.5 ms of host against 3.0 of device); one cheap launch
+    makes it device-bound again (3.05), and the other bucket then keeps its fast kernel (both cheap: 3.1)."""
+    costs = [LaunchCost("fast", 1.0, 1.0), LaunchCost("cheap", 1.05, 0.1)]
+    buckets = {"fwd": Bucket("fast", costs, 1), "bwd": Bucket("fast", costs, 1)}
+    chosen = choose_for_graph(buckets, GraphWork(host_ms=1.5, device_ms=1.0))
+    assert sorted(choice for choice, _ in chosen.values()) == ["cheap", "fast"]
+    assert "host" in chosen["fwd"][1] or "host" in chosen["bwd"][1]
+
+
+def test_a_bucket_without_measured_host_times_runs_its_winner():
+    chosen = choose_for_graph({"k": Bucket("a", [], 3)}, GraphWork(5.0, 0.1))
+    assert chosen["k"][0] == "a" and "no host time" in chosen["k"][1]
+
+
+def test_records_give_the_candidates_that_passed_with_both_figures():
+    record = {"timer": "cuda-graph", "candidates": [
+        {"name": "a", "status": "passed", "median_ms": 1.0, "host_ms": 0.1},
+        {"name": "b", "status": "passed", "median_ms": 2.0, "host_ms": None},  # tuned before step 7 timed all
+        {"name": "c", "status": "wrong", "median_ms": None, "host_ms": None},
+        {"name": "d", "status": "passed", "median_ms": 0.5, "host_ms": 0.3}]}
+    assert launch_costs(record) == [LaunchCost("a", 1.0, 0.1), LaunchCost("d", 0.5, 0.3)]
+    assert launch_costs({**record, "timer": "wall-clock"}) == []  # a CPU time holds its launch already
+
+
+@pytest.mark.parametrize("slack_ms", [-0.5, -0.03, -0.02, 0.0, 0.2])
+def test_explain_predicts_the_choice_of_a_graph_for_its_host_minus_device_time(slack_ms):
+    lines = explain_choice(FA4.name, [FA4, FLASH])
+    assert lines[0] == f"under CUDA graphs: {FA4.name} (device time only)"
+    switch = float(lines[1].split("<")[1].split("ms")[0])
+    expected = FA4.name if slack_ms < switch else FLASH.name
+    rest = GraphWork(max(slack_ms, 0.0) + 1.0, max(-slack_ms, 0.0) + 1.0)  # the same slack on a larger graph
+    assert _choice(GraphWork(max(slack_ms, 0.0), max(-slack_ms, 0.0))) == expected
+    assert lines[1].endswith(FA4.name) and lines[2].endswith(FLASH.name) and len(lines) == 3
+    assert _choice(rest) in (FA4.name, FLASH.name)
+
+
+def test_explain_says_when_one_candidate_runs_whatever_the_graph():
+    best = LaunchCost("a", device_ms=0.01, host_ms=0.01)
+    lines = explain_choice("a", [best, LaunchCost("b", 0.02, 0.02)])
+    assert lines[1] == "plain launches: a whatever the rest of the graph"
