@@ -1,0 +1,278 @@
+"""What compiled code runs, against the best candidate and stock compiled SDPA, per prefill shape (GPU).
+
+    PYTHONPATH=. python benchmarks/tools/compiled_choice_gpu.py --out $OUT [--shapes 512c 2048c ...] [--training]
+    PYTHONPATH=. python benchmarks/tools/compiled_choice_gpu.py --out $OUT --spell
+
+Per shape, in one process with a fresh decision store: ``inductor_attn.attention`` compiled plainly and with
+``mode="reduce-overhead"`` (the first compile tunes), and stock compiled SDPA. Reported:
+
+- which candidate each compiled form runs (``inductor_attn.stats()``), its device time from the tune's record
+  against the best candidate's (the tuner times every SDPA backend and FA4 config as candidates), and whether
+  the call is device-bound (its kernel outlasts the chosen launch's host time);
+- wall us per call of the plain forms, ours and stock taking turns (``interleaved_wall_us``);
+- the host probe of every candidate the tune timed (``host_ms``, what the rule weighs) against a long loop of
+  the same launches (bursts of 50, median), and against the compiled call's own cost for a few forced choices
+  (a compiled call of that choice minus a compiled ``q + 1``): the probe must stand for what compiled code pays.
+
+``--training``: B4 Hq16/Hkv4 L2048 D64 causal, forward and backward compiled as one training step (plain):
+the kernels of both directions against each direction's best, and the step's wall time against stock's.
+
+Last, the cost of gating decisions not tuned in this process: the decisions are forgotten (as in a new process
+that finds them in the store) and each shape's first decision is timed, the gate of its winner included.
+
+``--spell``: a decode call (B1 H32/8 Lkv2k D128, kv_seqlens) compiled and tuned in a fresh process, then its
+first 400 calls in windows of 20 (us per call, the main thread's CPU time, the CPU time of this process's
+children and garbage collections per window) next to stock compiled SDPA's: whether a tune leaves anything
+that slows the calls after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import inductor_attn
+from inductor_attn.backends import AttnCall, plan_for
+from inductor_attn.bench.wallclock import interleaved_wall_us, own_code, warm
+from inductor_attn.device import device_info
+from inductor_attn.store.db import get_store
+from inductor_attn.tuning.measure import Direction
+
+SHAPES = {f"{n}{'c' if c else 'f'}": (1, 32, 32, n, 128, c) for n in (512, 2048, 8192) for c in (True, False)}
+FORCED = ("sdpa:kernel=cudnn", "sdpa:kernel=flash", "fa4:default")
+
+
+def _inputs(b, hq, hkv, n, d, requires_grad=False, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return tuple(torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen,
+                             requires_grad=requires_grad) for h in (hq, hkv, hkv))
+
+
+def _loop_host_us(fn, bursts: int = 10, calls: int = 50) -> float:
+    """Median per-call CPU time of bursts of ``calls`` launches (each burst starts on an idle device)."""
+    for _ in range(5):
+        fn()
+    per_call = []
+    for _ in range(bursts):
+        torch.cuda.synchronize()
+        start = time.thread_time()
+        for _ in range(calls):
+            fn()
+        per_call.append((time.thread_time() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(per_call)
+
+
+def _record(direction: str) -> dict:
+    rows = [r for r in get_store().rows() if r["op"].endswith(direction) and r["record"]["direction"] == direction]
+    return max(rows, key=lambda r: r["record"]["tuned_at"])
+
+
+def _choice_of(stats: dict, direction: str) -> str:
+    names = [k.split(" -> ")[1].split(" (")[0] for k in stats if k.startswith(f"attention/{direction} -> ")]
+    return names[-1] if names else "?"
+
+
+def _devices(rec: dict, choice: str) -> dict:
+    timed = {c["name"]: c for c in rec["candidates"] if c["status"] == "passed" and c.get("median_ms")}
+    best = min(timed.values(), key=lambda c: c["median_ms"])
+    chosen = timed.get(choice)
+    return {"choice": choice, "device_ms": chosen and chosen["median_ms"], "host_ms": chosen and chosen.get("host_ms"),
+            "best": best["name"], "best_ms": best["median_ms"],
+            "regret": chosen and chosen["median_ms"] / best["median_ms"] - 1}
+
+
+def probes(rec: dict, call: AttnCall, direction: str) -> list[dict]:
+    """Each timed candidate's probe (from the record) against a long loop of the same launches."""
+    mode = Direction(direction, call)
+    dev = device_info(call.q.device)
+    rows = []
+    for c in rec["candidates"]:
+        if c["status"] != "passed" or c.get("host_ms") is None or c["name"].startswith("reference"):
+            continue
+        plan = plan_for(call.problem, c["name"], dev, direction)
+        loop = _loop_host_us(mode.as_compiled_code_runs(plan, call, c["name"]))
+        rows.append({"name": c["name"], "device_us": c["median_ms"] * 1e3, "probe_us": c["host_ms"] * 1e3,
+                     "loop_us": loop, "probe_over_loop": c["host_ms"] * 1e3 / loop})
+    return rows
+
+
+def compiled_costs(call: AttnCall) -> dict:
+    """us per compiled call of each forced choice, minus a compiled ``q + 1``'s: what compiled code pays."""
+    op = torch.ops.inductor_attn.attention.default
+    floor_fn = torch.compile(own_code(lambda q, k, v: q + 1))
+    q, k, v = call.q, call.k, call.v
+    out = {"floor_us": _loop_host_us(lambda: floor_fn(q, k, v))}
+    for choice in FORCED:
+        def f(q, k, v, choice=choice):
+            return op(q, k, v, call.scale, call.causal, -1, -1, None, None, choice)[0]
+        try:
+            fn = torch.compile(own_code(f))
+            out[choice] = _loop_host_us(lambda: fn(q, k, v)) - out["floor_us"]
+        except Exception as err:  # noqa: BLE001 - a choice that cannot run this shape
+            out[choice] = f"{type(err).__name__}: {str(err)[:120]}"
+    return out
+
+
+def prefill(name: str, b, hq, hkv, n, d, causal, with_probes: bool) -> dict:
+    torch._dynamo.reset()
+    inductor_attn.reset_stats()
+    q, k, v = _inputs(b, hq, hkv, n, d)
+
+    def ours(q, k, v):
+        return inductor_attn.attention(q, k, v, causal=causal)
+
+    def stock(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    plain = torch.compile(own_code(ours), fullgraph=True)
+    warm(lambda: plain(q, k, v))
+    plain_choice = _choice_of(inductor_attn.stats(), "forward")
+    inductor_attn.reset_stats()
+    graphs = torch.compile(own_code(ours), fullgraph=True, mode="reduce-overhead")
+    warm(lambda: graphs(q, k, v))
+    graphs_choice = _choice_of(inductor_attn.stats(), "forward")
+    stock_fn = torch.compile(own_code(stock), fullgraph=True)
+    walls = interleaved_wall_us({"ours": lambda: plain(q, k, v), "stock": lambda: stock_fn(q, k, v)}, calls=200)
+    rec = _record("forward")["record"]
+    row = {"shape": name, "plain": _devices(rec, plain_choice), "reduce-overhead": _devices(rec, graphs_choice),
+           "wall_us": walls, "wall_ours_over_stock": walls["ours"] / walls["stock"]}
+    p = row["plain"]
+    row["plain"]["device_bound"] = bool(p["device_ms"] and p["host_ms"] and p["device_ms"] > p["host_ms"])
+    if with_probes:
+        call = AttnCall("attention", q, k, v, d ** -0.5, causal)
+        row["probes"] = probes(rec, call, "forward")
+        row["compiled_us"] = compiled_costs(call)
+    return row
+
+
+def foreign_gates(shapes: list[str]) -> dict:
+    """Seconds of each shape's first decision in a process that did not tune it (the gate of its winner)."""
+    from inductor_attn.tuning.decisions import decide, forget_decisions
+
+    forget_decisions()
+    out = {}
+    for name in shapes:
+        b, hq, hkv, n, d, causal = SHAPES[name]
+        call = AttnCall("attention", *_inputs(b, hq, hkv, n, d), d ** -0.5, causal)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        decide(call, device_info(call.q.device), "forward")
+        torch.cuda.synchronize()
+        out[name] = time.perf_counter() - start
+    return out
+
+
+def training() -> dict:
+    torch._dynamo.reset()
+    inductor_attn.reset_stats()
+    q, k, v = _inputs(4, 16, 4, 2048, 64, requires_grad=True)
+    grad = torch.randn_like(q)
+
+    def ours(q, k, v):
+        return inductor_attn.attention(q, k, v, causal=True)
+
+    def stock(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    steps = {}
+    for name, fn in (("ours", ours), ("stock", stock)):
+        compiled = torch.compile(own_code(fn), fullgraph=True)
+        steps[name] = warm(lambda c=compiled: torch.autograd.grad(c(q, k, v), (q, k, v), grad))
+        if name == "ours":
+            stats = inductor_attn.stats()
+    walls = interleaved_wall_us(steps, calls=50)
+    row = {"stats": stats, "wall_us": walls, "wall_ours_over_stock": walls["ours"] / walls["stock"]}
+    for direction in ("forward", "backward"):
+        rec = _record(direction)["record"]
+        row[direction] = _devices(rec, _choice_of(stats, direction))
+        call = AttnCall("attention", q.detach(), k.detach(), v.detach(), 64 ** -0.5, True)
+        row[f"{direction}_probes"] = probes(rec, call, direction)
+    return row
+
+
+def spell() -> dict:
+    """Windows of 20 calls right after a tune, ours and stock taking turns."""
+    import psutil
+
+    b, hq, hkv, n, d = 1, 32, 8, 2048, 128
+    q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lens = torch.tensor([1500], device="cuda", dtype=torch.int32)
+    mask = (torch.arange(n, device="cuda")[None, :] < lens[:, None])[:, None, None, :]
+    stock = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True))
+    warm(lambda: stock(q, k, v), 20)
+    ours = torch.compile(lambda q, k, v: inductor_attn.attention(q, k, v, kv_seqlens=lens))
+    start = time.perf_counter()
+    ours(q, k, v)
+    torch.cuda.synchronize()
+    tuned_s = time.perf_counter() - start
+    me, gcs = psutil.Process(), []
+    gc.callbacks.append(lambda phase, info: phase == "start" and gcs.append(info["generation"]))
+    fns = {"ours": lambda: ours(q, k, v), "stock": lambda: stock(q, k, v)}
+    windows = []
+    for r in range(20):
+        for name, fn in fns.items():
+            kids = me.children(recursive=True)
+            kid_cpu = sum(sum(c.cpu_times()[:2]) for c in kids)
+            seen = len(gcs)
+            torch.cuda.synchronize()
+            wall, cpu = time.perf_counter(), time.thread_time()
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+            windows.append({"round": r, "name": name, "us": (time.perf_counter() - wall) / 20 * 1e6,
+                            "cpu_us": (time.thread_time() - cpu) / 20 * 1e6, "children": len(kids),
+                            "children_cpu_s": sum(sum(c.cpu_times()[:2]) for c in me.children(recursive=True)
+                                                  if c.is_running()) - kid_cpu, "gcs": gcs[seen:]})
+    settled = {name: statistics.median(w["us"] for w in windows[-10:] if w["name"] == name) for name in fns}
+    first10 = {name: statistics.median(w["us"] for w in windows[:10] if w["name"] == name) for name in fns}
+    return {"tune_s": tuned_s, "first_200_median_us": first10, "settled_us": settled, "windows": windows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--probes", nargs="*", default=["512c", "2048c"], help="shapes whose probes are checked")
+    parser.add_argument("--training", action="store_true")
+    parser.add_argument("--spell", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("INDUCTOR_ATTN_CACHE_DIR", tempfile.mkdtemp())  # a fresh store: every shape tunes
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if args.spell:
+        result["spell"] = spell()
+        print(json.dumps({k: v for k, v in result["spell"].items() if k != "windows"}), flush=True)
+    else:
+        result["prefill"] = []
+        for name in args.shapes:
+            row = prefill(name, *SHAPES[name], with_probes=name in args.probes)
+            result["prefill"].append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "probes"}), flush=True)
+            for p in row.get("probes", []):
+                print(f"  probe {p['name'][:56]:56s} dev {p['device_us']:8.1f} probe {p['probe_us']:6.1f} "
+                      f"loop {p['loop_us']:6.1f} ratio {p['probe_over_loop']:.2f}", flush=True)
+        result["foreign_gate_s"] = foreign_gates(args.shapes)
+        print(json.dumps({"foreign_gate_s": result["foreign_gate_s"]}), flush=True)
+        if args.training:
+            result["training"] = row = training()
+            print(json.dumps({k: v for k, v in row.items() if not k.endswith("probes")}), flush=True)
+            for p in row["forward_probes"] + row["backward_probes"]:
+                print(f"  probe {p['name'][:56]:56s} dev {p['device_us']:8.1f} probe {p['probe_us']:6.1f} "
+                      f"loop {p['loop_us']:6.1f} ratio {p['probe_over_loop']:.2f}", flush=True)
+    name = "spell.json" if args.spell else "compiled_choice.json"
+    (args.out / name).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
