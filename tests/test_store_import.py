@@ -1,5 +1,7 @@
 """Decision files: an import is checked whole and written all or nothing; an export never destroys."""
 
+import dataclasses
+import functools
 import json
 import re
 import sqlite3
@@ -7,6 +9,7 @@ import sqlite3
 import pytest
 from test_store import _key, decision_row
 
+from inductor_attn.problem import Problem
 from inductor_attn.store import transfer
 from inductor_attn.store.db import DecisionStore
 from inductor_attn.store.schema import StoreError
@@ -41,15 +44,27 @@ def _unchanged(store, generation: str) -> None:
 
 BAD_FIELDS = [
     ("record", "garbage", "record"), ("record", 123, "record"), ("record", {}, "record"),
-    ("problem", "p1", "problem"), ("record.problem", "garbage", "record"),
+    ("problem", "p1", "problem"), ("record.problem", "garbage", "record.problem"),
     ("winner", 5, "winner"), ("winner", "no-colon", "winner"), ("versions", "2.13", "versions"),
     ("versions.torch", 2.13, "versions"), ("created", "yesterday", "created"), ("created", None, "created"),
     ("created", float("nan"), "created"), ("created", 10**400, "created"), ("created", -1.0, "created"),
     ("op", "varlen/forward", "op"), ("key", "k0001", "key"),
-    ("device", "", "device"), ("record.candidates", {}, "record"),
+    ("device", "", "device"), ("record.candidates", {}, "record.candidates"),
     ("record.candidates.0.median_ms", "fast", "record.candidates[0].median_ms"),
-    ("record.candidates.0.samples", [1.0, "x"], "record.candidates[0].samples"),
+    ("record.candidates.0.samples", [1.0, "x"], "record.candidates[0].samples[1]"),
     ("record.candidates.0.speedup", 10**400, "record.candidates[0].speedup"),
+    # fields that compiled code or `cache explain` reads: each crashed them once it was imported
+    ("record.compiled_winner", {"b": 1}, "record.compiled_winner"),
+    ("record.compiled_winner", ["b:x=1"], "record.compiled_winner"),
+    ("record.candidates.0.extra", 1, "record.candidates[0].extra"),
+    ("record.candidates.0.traced", "yes", "record.candidates[0].traced"),
+    ("record.candidates.0.host_ms", [0.1], "record.candidates[0].host_ms"),
+    ("record.tuned_at", "yesterday", "record.tuned_at"), ("record.tuned_at", 1e300, "record.tuned_at"),
+    ("record.seconds", [1.0], "record.seconds"), ("record.seconds", {"total": "long"}, "record.seconds.total"),
+    ("record.noise", "low", "record.noise"), ("record.host", 7, "record.host"), ("record.extra", 1, "record.extra"),
+    # a lone surrogate: valid JSON, but no UTF-8 text for SQLite or a terminal
+    ("device", "cpu\ud800", "device"), ("record.why", "\udc80", "record.why"),
+    ("versions.torch", "2.13\ud800", "versions"), ("record.candidates.0.reason", "\ud800", "record.candidates[0].reason"),
 ]
 
 
@@ -163,3 +178,22 @@ def test_export_replaces_the_target_keeping_its_permissions(tmp_path, store):
     assert store.export_json(target) == 1
     assert json.loads(target.read_text())["decisions"][0]["key"] == _key(100)
     assert target.stat().st_mode & 0o777 == 0o640
+
+
+def test_a_field_the_tuner_adds_to_its_record_is_accepted_and_checked(tmp_path, store, monkeypatch):
+    """The record's fields are the tuner's dataclasses' (schema.py), not a copy of them."""
+    from inductor_attn.store import schema
+    from inductor_attn.tuning import tuner
+
+    @dataclasses.dataclass
+    class Later(tuner.TuneResult):
+        launches: float | None = None
+
+    monkeypatch.setattr(tuner, "TuneResult", Later)
+    monkeypatch.setattr(schema, "_record_checker", functools.cache(schema._record_checker.__wrapped__))
+    result = Later(Problem.from_key(decision_row(1)["record"]["problem"]), "forward", "b:x=1", "a:default", "why",
+                   "fake", [tuner.CandidateResult("a:default", "passed", median_ms=1.0)], launches=3.0)
+    row = {**decision_row(1), "record": result.to_json()}
+    assert store.import_json(_export_file(tmp_path / "in.json", [row])) == 1
+    with pytest.raises(ValueError, match="field 'record.launches': must be a number or null, got str 'x'"):
+        store.import_json(_export_file(tmp_path / "bad.json", [_set(row, "record.launches", "x")]))
