@@ -8,6 +8,7 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 
@@ -142,6 +143,24 @@ def test_locked_store_is_skipped_with_a_warning_not_a_hang(tmp_path):
         holder.execute("ROLLBACK")
         holder.close()
     assert DecisionStore(path).get(_key(1)) is not None
+
+
+def test_a_fresh_store_that_another_process_is_setting_up_is_waited_for_not_disabled(tmp_path):
+    """While another connection writes a fresh file in its first journal mode, SQLite refuses the switch to
+    WAL at once ("database is locked", its busy handler is not called); a process that gave up there would
+    run without a store (no decisions saved, no claims) for its whole run."""
+    path = tmp_path / "d.sqlite"
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN IMMEDIATE")
+    release = threading.Timer(0.2, lambda: holder.execute("COMMIT"))
+    release.start()
+    try:
+        store = DecisionStore(path, timeout_s=10)
+        store.put(decision_row(1))
+    finally:
+        release.join()
+        holder.close()
+    assert store.broken is None and store.get(_key(1)) is not None
 
 
 def _writer(path: str, worker: int, n: int) -> None:

@@ -175,12 +175,26 @@ class DecisionStore:
         try:
             conn.execute(f"PRAGMA busy_timeout={int(self.timeout_s * 1000)}")
             if self.access == WRITE:
-                conn.execute("PRAGMA journal_mode=WAL")
-                conn.executescript(_SCHEMA)
+                self._set_up(conn)
         except BaseException:
             conn.close()
             raise
         return conn
+
+    def _set_up(self, conn: sqlite3.Connection) -> None:
+        """WAL mode and the tables. While another process writes a fresh file in its first journal mode,
+        SQLite refuses the switch to WAL at once ("database is locked": it does not call the busy handler
+        there), so the switch is retried here until the busy timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                conn.execute("PRAGMA journal_mode=WAL")
+                break
+            except sqlite3.OperationalError as err:
+                if "locked" not in str(err) or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.01)
+        conn.executescript(_SCHEMA)
 
     def _close(self, conn: sqlite3.Connection) -> None:
         conn.close()
