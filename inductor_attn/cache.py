@@ -248,8 +248,9 @@ def _shippable(row: dict) -> dict:
 
 
 def import_decisions(path: str | Path, store: DecisionStore | LayeredStore | None = None) -> int:
-    """Add the decisions of a JSON export to the writable store, all or none (rows with the same key are
-    replaced); returns how many were written. A bad file raises ValueError naming the row and the field."""
+    """Add the decisions of a JSON export to the writable store (rows with the same key are replaced);
+    returns how many were written. The whole file is checked first: a bad one raises ValueError naming the
+    row and the field, and nothing is written (store/transfer.py)."""
     from .tuning.decisions import forget_decisions
 
     forget_decisions()

@@ -5,6 +5,7 @@ import functools
 import json
 import re
 import sqlite3
+import tracemalloc
 
 import pytest
 from test_store import _key, decision_row
@@ -144,6 +145,45 @@ def test_an_import_is_one_transaction(tmp_path, store):
     with sqlite3.connect(store.path) as conn:
         assert conn.execute("SELECT count(*) FROM decisions").fetchone()[0] == 1
         assert conn.execute("SELECT value FROM meta WHERE name = 'generation'").fetchone()[0] == generation
+
+
+def test_a_large_import_is_streamed_and_written_in_bounded_transactions(tmp_path, store, monkeypatch):
+    """An import of 10^6 decisions held the write lock past other processes' busy timeout, and its whole file
+    in memory several times over: here 1,000 rows, in transactions of at most 50, read 16 KiB at a time."""
+    monkeypatch.setattr(transfer, "IMPORT_BATCH", 50)
+    monkeypatch.setattr(transfer, "CHUNK", 1 << 14)
+    store.import_json(_export_file(tmp_path / "warm.json", [decision_row(1)]))  # one-time allocations
+    transfer.write_export(tmp_path / "in.json", [decision_row(i) for i in range(1000, 2000)])
+    size = (tmp_path / "in.json").stat().st_size
+    batches = []
+    put_many = DecisionStore.put_many
+    monkeypatch.setattr(DecisionStore, "put_many", lambda self, rows: batches.append(len(rows)) or put_many(self, rows))
+    tracemalloc.start()
+    try:
+        assert store.import_json(tmp_path / "in.json") == 1000
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert batches == [50] * 20 and len(store.rows()) == 1002
+    assert peak < size / 2, f"{peak} bytes at the peak for a file of {size}"  # read whole: 3x the file
+
+
+@pytest.mark.parametrize("order", ["schema first", "decisions first"])
+def test_a_bad_row_is_found_before_anything_is_written_whatever_the_key_order(tmp_path, store, monkeypatch, order):
+    monkeypatch.setattr(transfer, "IMPORT_BATCH", 10)
+    rows = [decision_row(i) for i in range(50)]
+    rows[45] = _set(rows[45], "winner", 5)
+    content = {"schema": 1, "decisions": rows}
+    path = tmp_path / "in.json"
+    path.write_text(json.dumps(content, sort_keys=order == "decisions first"))
+    generation = store.generation()
+    with pytest.raises(ValueError, match=re.escape(f"{path}: decision 45: field 'winner'")):
+        store.import_json(path)
+    _unchanged(store, generation)
+    path.write_text(json.dumps({**content, "schema": 2}, sort_keys=order == "decisions first"))
+    with pytest.raises(ValueError, match="format version 2"):
+        store.import_json(path)
+    _unchanged(store, generation)
 
 
 # -- exports ---------------------------------------------------------------------------------------------

@@ -79,25 +79,42 @@ def check_row(row) -> dict:
 
 def check_export(data, source: str) -> list[dict]:
     """The rows of a parsed export file, each checked; ValueError names ``source``, the row and the field."""
-    if not isinstance(data, dict) or "schema" not in data:
+    if not isinstance(data, dict):
+        check_header(data, source)
+    check_header({k: v for k, v in data.items() if k != "decisions"}, source)
+    rows = check_decisions(data.get("decisions"), source)
+    seen: dict[str, int] = {}
+    return [check_decision(row, i, seen, source) for i, row in enumerate(rows)]
+
+
+def check_header(members, source: str) -> None:
+    """An export's top-level members other than ``decisions``: ``schema`` must be this format version."""
+    if not isinstance(members, dict) or "schema" not in members:
         raise ValueError(f"{source}: not an inductor_attn decision export (a JSON object with 'schema' and "
-                         f"'decisions'), got {_kind(data)}")
-    if data["schema"] != FORMAT_VERSION:
-        raise ValueError(f"{source}: format version {data['schema']!r}; this inductor_attn reads version "
+                         f"'decisions'), got {_kind(members)}")
+    if members["schema"] != FORMAT_VERSION:
+        raise ValueError(f"{source}: format version {members['schema']!r}; this inductor_attn reads version "
                          f"{FORMAT_VERSION}")
-    rows = data.get("decisions")
+
+
+def check_decisions(rows, source: str):
+    """``rows`` if the export's ``decisions`` member is a list."""
     if not isinstance(rows, list):
         raise ValueError(f"{source}: 'decisions' must be a list of rows, got {_kind(rows)}")
-    seen: dict[str, int] = {}
-    for i, row in enumerate(rows):
-        try:
-            check_row(row)
-        except RowError as err:
-            raise ValueError(f"{source}: decision {i}: {err}") from None
-        if row["key"] in seen:
-            raise ValueError(f"{source}: decision {i}: field 'key': repeats decision {seen[row['key']]}")
-        seen[row["key"]] = i
     return rows
+
+
+def check_decision(row, index: int, seen: dict[str, int], source: str) -> dict:
+    """Decision ``index`` of an export, checked; ``seen`` maps the keys of the decisions before it to their
+    index (a key may appear once)."""
+    try:
+        check_row(row)
+    except RowError as err:
+        raise ValueError(f"{source}: decision {index}: {err}") from None
+    if row["key"] in seen:
+        raise ValueError(f"{source}: decision {index}: field 'key': repeats decision {seen[row['key']]}")
+    seen[row["key"]] = index
+    return row
 
 
 def _kind(value) -> str:
