@@ -5,7 +5,8 @@ under Inductor's cache dir (``TORCHINDUCTOR_CACHE_DIR``, default ``/tmp/torchind
 
 Read-only stores: a store on a read-only path (a shared image, a container layer, a read-only mount) is
 opened read-only (``mode=ro``, or ``immutable=1`` where the directory is read-only too, since WAL mode
-cannot even read there otherwise) and its decisions are used. New decisions then go to an overlay: the
+cannot even read there otherwise, unless both its ``-wal`` and ``-shm`` are there) and its decisions are
+used. New decisions then go to an overlay: the
 store in Inductor's cache dir when that is writable and another file, else memory (this process only).
 ``get_store()`` returns the layers (layers.py) and logs one line saying where new decisions go.
 
@@ -88,8 +89,9 @@ def path_access(path: Path) -> str | None:
 
     WRITE: the file and its directory are writable (or the file can be created). READ (``mode=ro``):
     SQLite still needs the directory writable for the WAL index, or the log's ``-wal``/``-shm`` files there
-    to read. IMMUTABLE (``immutable=1``): a read-only directory and no log, so no lock or index file is
-    needed. None: no file, and none can be created.
+    to read. IMMUTABLE (``immutable=1``): a read-only directory and no log, or a log without the ``-shm``
+    index that SQLite needs to read it (the file is then read as of its last checkpoint), so no lock or
+    index file is needed. None: no file, and none can be created.
     """
     try:
         if not path.exists():
@@ -99,7 +101,7 @@ def path_access(path: Path) -> str | None:
     directory_writable = os.access(path.parent, os.W_OK)
     if directory_writable and os.access(path, os.W_OK):
         return WRITE
-    if directory_writable or _log_size(path) > 0:
+    if directory_writable or _log_size(path) > 0 and Path(f"{path}-shm").exists():
         return READ
     return IMMUTABLE
 
