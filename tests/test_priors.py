@@ -2,7 +2,9 @@
 used by decide() per mode, and named by `cache explain`."""
 
 import json
+import os
 import socket
+import warnings
 
 import pytest
 import torch
@@ -151,6 +153,24 @@ def test_the_package_reads_every_table_in_its_priors_directory_unless_turned_off
     assert table_paths() == sorted(PACKAGE_DIR.glob("*.json"))
     monkeypatch.setenv("INDUCTOR_ATTN_PRIORS", "off")
     assert table_paths() == []
+
+
+def test_a_fifo_among_the_tables_is_skipped_with_a_warning_instead_of_blocking(shipped, monkeypatch):
+    fifo = shipped.parent / "waiting.json"
+    os.mkfifo(fifo)  # reading it would block until something writes to it
+    monkeypatch.setenv("INDUCTOR_ATTN_PRIORS", str(shipped.parent))
+    with pytest.warns(RuntimeWarning, match=f"{fifo} is not a regular file; skipped"):
+        assert table_paths() == [shipped]
+
+
+def test_a_priors_path_that_does_not_exist_warns_once_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("INDUCTOR_ATTN_PRIORS", str(tmp_path / "nowhere"))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("default")
+        assert table_paths() == [] and table_paths() == []
+    assert [str(w.message) for w in record] == [
+        f"inductor_attn: INDUCTOR_ATTN_PRIORS names {tmp_path / 'nowhere'}, which does not exist: no shipped "
+        "decision tables are read"]
 
 
 def test_every_table_the_package_ships_reads_whole_and_says_what_measured_it():

@@ -61,14 +61,22 @@ def device_slug(name: str) -> str:
 
 def table_paths() -> list[Path]:
     """The tables this process reads: every ``*.json`` in the package's priors directory, or in what
-    ``INDUCTOR_ATTN_PRIORS`` names (a directory or one file); none when it is ``off``."""
+    ``INDUCTOR_ATTN_PRIORS`` names (a directory or one file); none when it is ``off``. A path it names that
+    does not exist, and anything but a regular file (a FIFO would block the read), give a warning."""
     where = os.environ.get(ENV_VAR)
     if where == "off":
         return []
     path = Path(where) if where else PACKAGE_DIR
-    if path.is_file():
-        return [path]
-    return sorted(path.glob("*.json")) if path.is_dir() else []
+    if not path.exists():
+        if where:
+            warnings.warn(f"inductor_attn: {ENV_VAR} names {path}, which does not exist: no shipped decision "
+                          "tables are read", RuntimeWarning, stacklevel=3)
+        return []
+    found = sorted(path.glob("*.json")) if path.is_dir() else [path]
+    for other in (p for p in found if not p.is_file()):
+        warnings.warn(f"inductor_attn: shipped decision table {other} is not a regular file; skipped",
+                      RuntimeWarning, stacklevel=3)
+    return [p for p in found if p.is_file()]
 
 
 class PriorTable:
