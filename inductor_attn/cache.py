@@ -55,11 +55,13 @@ def _layered(store) -> LayeredStore:
 
 def _stale_check():
     """``row -> reason or None``: does a row's versions still match this process's libraries and the
-    source of each registered backend? A stale row's key is never looked up again."""
+    source of each registered backend? A stale row's key is never looked up again. A shipped row is never
+    stale: it answers for its bucket whatever its versions (store/priors.py)."""
     from .backends import backends
 
     sources = {b.name: b.source_hash() for b in backends()}
-    return lambda row: stale_reason(row["versions"], versions_like(row["versions"]), sources)
+    return lambda row: None if is_shipped(row) else stale_reason(row["versions"], versions_like(row["versions"]),
+                                                                  sources)
 
 
 def list_decisions(store: DecisionStore | LayeredStore | None = None) -> list[dict]:
@@ -261,17 +263,18 @@ def doctor(store: DecisionStore | LayeredStore | None = None) -> tuple[str, bool
     """Check every layer: SQLite's integrity_check, damage found at open, rows that fail the schema, and
     the rows per library versions (stale or current). Returns (report, whether all is well)."""
     stale = _stale_check()
+    store = _layered(store)
     lines, healthy = [], True
     with warnings.catch_warnings():  # damage found at open is in the report
         warnings.simplefilter("ignore", RuntimeWarning)
-        reports = [layer.health() for layer in _layered(store).layers]
-    for report in reports:
-        lines += _health_lines(report, stale)
+        reports = [(layer.health(), layer is store.writable) for layer in store.layers]
+    for report, writable in reports:
+        lines += _health_lines(report, stale, writable)
         healthy &= report.error is None and report.integrity == ["ok"] and not report.bad and not report.damage
     return "\n".join(lines), healthy
 
 
-def _health_lines(report, stale) -> list[str]:
+def _health_lines(report, stale, writable: bool) -> list[str]:
     lines = [report.where]
     if report.error:
         return lines + [f"  unreadable: {report.error}"]
@@ -286,7 +289,8 @@ def _health_lines(report, stale) -> list[str]:
         lines.append(f"    {n:5d}  {label}{'  (current)' if label in current else ''}")
     n_stale = sum(1 for row in report.rows if stale(row))
     if n_stale:
-        lines.append(f"  {n_stale} stale (versions or backend sources changed): `cache prune` deletes them")
+        lines.append(f"  {n_stale} stale (versions or backend sources changed): "
+                     + ("`cache prune` deletes them" if writable else "a read-only store, which `cache prune` leaves"))
     return lines
 
 

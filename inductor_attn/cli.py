@@ -78,10 +78,12 @@ def _list(cache, store, args) -> int:
         marks = (f"  [stale: {r['stale']}]" if r["stale"] else "") + \
             ("  [read-only]" if r["store"] != store.writable.describe() else "")
         print(f"  {r['key'][:12]}  {r['op']:24s} {r['problem']:56s} -> {r['winner']}  {speedup}{marks}")
-    stale = sum(1 for r in rows if r["stale"])
+    stale = [r for r in rows if r["stale"]]
+    kept = sum(r["store"] != store.writable.describe() for r in stale)
     if stale:
-        print(f"{stale} stale: never looked up again, since versions or backend sources changed "
-              "(`python -m inductor_attn cache prune` deletes them)")
+        prune = "`python -m inductor_attn cache prune` deletes " + ("them" if not kept else "those of the writable store")
+        print(f"{len(stale)} stale: never looked up again, since versions or backend sources changed ("
+              + ("read-only stores keep them" if kept == len(stale) else prune) + ")")
     return 0
 
 

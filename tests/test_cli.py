@@ -9,10 +9,12 @@ import sys
 import pytest
 import torch
 from fakes import FakeBackend, FakeTimer
+from test_store import _simulate_read_only, decision_row
 
 import inductor_attn
 from inductor_attn.backends import only_backends
 from inductor_attn.cli import main
+from inductor_attn.store.db import DecisionStore
 from inductor_attn.store.keys import key_of
 from inductor_attn.tuning.decisions import forget_decisions
 
@@ -151,6 +153,22 @@ def test_list_marks_stale_rows_and_prune_deletes_them(one_decision, capsys):
     assert main(["cache", "prune"]) == 0
     assert capsys.readouterr().out == f"deleted 2 stale decisions from {_store_path()}\n"
     assert [r["key"] for r in inductor_attn.cache.list_decisions()] == [one_decision]
+
+
+def test_stale_rows_of_a_read_only_store_are_said_to_stay(tmp_path, monkeypatch, capsys):
+    image = tmp_path / "image" / "decisions.sqlite"
+    DecisionStore(image).put_many([decision_row(i) for i in range(2)])  # versions of no real install: stale
+    monkeypatch.setenv("INDUCTOR_ATTN_CACHE_DIR", str(image.parent))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    _simulate_read_only(monkeypatch, image, image.parent)
+    assert main(["cache", "list"]) == 0
+    assert "2 stale: never looked up again, since versions or backend sources changed (read-only stores keep " \
+           "them)" in capsys.readouterr().out
+    assert main(["cache", "doctor"]) == 0
+    assert "2 stale (versions or backend sources changed): a read-only store, which `cache prune` leaves" in \
+           capsys.readouterr().out
+    assert main(["cache", "prune"]) == 0
+    assert capsys.readouterr().out.endswith("kept 2 stale decisions of read-only stores\n")
 
 
 def test_doctor_checks_integrity_and_counts_rows_per_version(one_decision, capsys):

@@ -186,6 +186,21 @@ def test_every_table_the_package_ships_reads_whole_and_says_what_measured_it():
             assert row["device"] == meta["device_key"] and row["winner"] in shortlist(row, 100), row["key"]
 
 
+def test_shipped_decisions_are_never_called_stale_and_prune_never_talks_of_them(monkeypatch, capsys):
+    """The package's tables were measured with other versions than this machine's (a CUDA torch, other
+    kernel sources): they still answer for their buckets, so no command calls them stale."""
+    monkeypatch.delenv("INDUCTOR_ATTN_PRIORS")
+    assert len(get_store().rows()) == 20
+    assert main(["cache", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "20 decisions in" in out and "stale" not in out
+    main(["cache", "doctor"])
+    out = capsys.readouterr().out
+    assert out.count("(shipped, read-only") == 2 and "stale" not in out and "prune" not in out
+    assert main(["cache", "prune"]) == 0
+    assert capsys.readouterr().out == f"deleted 0 stale decisions from {get_store().path}\n"
+
+
 def test_cache_explain_says_where_each_decision_came_from(fakes, shipped):
     table_row = get_store().rows()[0]
     assert cache.origin(table_row) == f"shipped: cpu.json (cpu, torch {torch.__version__}, commit abc1234)"
