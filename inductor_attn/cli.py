@@ -194,7 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from .demo import run_demo
 
-        return run_demo(args.device)
+        try:
+            return run_demo(args.device)
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     with _one_line_warnings():
         return _cache(args)
 

@@ -188,6 +188,16 @@ def test_doctor_reports_an_unreadable_row_and_exits_1(one_decision, capsys):
     assert "0 decisions, 1 unreadable" in out and "field 'versions': is not JSON" in out
 
 
+@pytest.mark.parametrize("device, message", [
+    ("tpu", "--device must be cpu or cuda, got 'tpu'"),
+    ("cuda", "--device cuda needs a CUDA GPU, and torch finds none here (torch.cuda.is_available() is False)"),
+])
+def test_demo_on_a_device_it_cannot_run_on_is_a_one_line_error(monkeypatch, capsys, device, message):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["demo", "--device", device]) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+
+
 # -- each command imports only what it needs ------------------------------------------------------------
 HEAVY = ("torch._dynamo", "torch._inductor.compile_fx", "inductor_attn.bench", "inductor_attn.api", "matplotlib",
          "transformers")
