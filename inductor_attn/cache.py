@@ -299,7 +299,8 @@ def _library_label(versions: dict) -> str:
 
 
 def plot(path: str | Path, store: DecisionStore | LayeredStore | None = None) -> int:
-    """Draw each decision's winner and its speedup over the default (with the 95% CI) to a PNG."""
+    """Draw each decision's winner and its speedup over the default (with the 95% CI) to a PNG, one bar per
+    decision, labelled with its problem, op, device and key (``cache explain KEY`` tells more)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -314,22 +315,25 @@ def plot(path: str | Path, store: DecisionStore | LayeredStore | None = None) ->
     labels, speedups, lows, highs, winners = [], [], [], [], []
     for row in rows:
         w = _winner_result(row) or {}
-        labels.append(f"{short_problem(row['problem'])}\n{row['op']}")
+        labels.append(f"{short_problem(row['problem'])}\n{row['op']} on {row['device'].split('|')[0]}, "
+                      f"key {row['key'][:8]}")
         s = w.get("speedup") or 1.0
         speedups.append(s)
         lows.append(s - (w.get("ci_low") or s))
         highs.append((w.get("ci_high") or s) - s)
         winners.append(row["winner"].split(":")[0])
     colors = {name: f"C{i}" for i, name in enumerate(sorted(set(winners)))}
-    fig, ax = plt.subplots(figsize=(10, 0.5 * len(rows) + 1.5))
+    fig, ax = plt.subplots(figsize=(10, 0.5 * len(rows) + 1.5), layout="constrained")
     ys = range(len(rows))
     ax.barh(ys, speedups, xerr=[lows, highs], color=[colors[w] for w in winners], capsize=3)
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.set_yticks(list(ys), labels, fontsize=7)
     ax.set_xlabel("speedup of the winner over the default candidate (95% CI)")
-    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()], labels=list(colors),
-              title="winner", fontsize=7)
-    fig.tight_layout()
+    fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()], labels=list(colors),
+               title="winner", fontsize=7, loc="outside right upper")
+    # as wide as the longest label needs, plus room for the bars: the layout fits the rest
+    widest = max(label.get_window_extent(fig.canvas.get_renderer()).width for label in ax.get_yticklabels())
+    fig.set_figwidth(widest / fig.dpi + 8)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return len(rows)

@@ -198,6 +198,31 @@ def test_demo_on_a_device_it_cannot_run_on_is_a_one_line_error(monkeypatch, caps
     assert capsys.readouterr().err == f"error: {message}\n"
 
 
+def test_plot_labels_each_decision_apart_and_fits_them_in_the_picture(monkeypatch, tmp_path):
+    """The package's tables hold the same problems measured on an H100 and an H200."""
+    from matplotlib.figure import Figure
+
+    saved, labels, boxes = Figure.savefig, [], []
+
+    def savefig(fig, *args, **kwargs):
+        saved(fig, *args, **kwargs)
+        fig.set_dpi(kwargs.get("dpi", fig.dpi))  # as saved: text does not scale exactly with the resolution
+        fig.canvas.draw()
+        renderer, (ax,) = fig.canvas.get_renderer(), fig.axes
+        labels.extend(label.get_text() for label in ax.get_yticklabels())
+        boxes.extend((text, text.get_window_extent(renderer)) for text in
+                     [*ax.get_yticklabels(), ax.xaxis.label, *fig.legends])
+        boxes.append(("the figure", fig.bbox.frozen()))
+
+    monkeypatch.delenv("INDUCTOR_ATTN_PRIORS")
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    assert main(["cache", "plot", str(tmp_path / "d.png")]) == 0
+    assert len(set(labels)) == len(labels) == 20
+    *texts, (_, figure) = boxes
+    for text, box in texts:
+        assert figure.x0 <= box.x0 and box.x1 <= figure.x1 and figure.y0 <= box.y0 and box.y1 <= figure.y1, text
+
+
 # -- each command imports only what it needs ------------------------------------------------------------
 HEAVY = ("torch._dynamo", "torch._inductor.compile_fx", "inductor_attn.bench", "inductor_attn.api", "matplotlib",
          "transformers")
