@@ -13,12 +13,14 @@ import json
 import sys
 import warnings
 
+DESCRIPTION = ("torch.compile picks the fastest correct attention kernel per shape, by measurement: demo shows it, "
+               "cache inspects the decisions it keeps, bench measures it")
 BENCH_HELP = ("benchmark suite: autotuned vs SDPA default, backend defaults, hand rules, oracle (needs a GPU; "
               "--smoke runs tiny shapes anywhere)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m inductor_attn", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m inductor_attn", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="compile a small transformer block and show which kernels ran")
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")

@@ -239,6 +239,15 @@ def test_help_and_cache_list_import_neither_inductor_nor_bench(argv, tmp_path):
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["cache", "--help"], ["cache", "import", "--help"],
+                                  ["cache", "export-priors", "--help"], ["bench", "--help"]])
+def test_help_is_plain_text(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and out.startswith("usage: ") and "`" not in out
+
+
 def test_bench_options_are_still_parsed_and_listed(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["bench", "--help"])
