@@ -300,8 +300,12 @@ def _library_label(versions: dict) -> str:
 
 def plot(path: str | Path, store: DecisionStore | LayeredStore | None = None) -> int:
     """Draw each decision's winner and its speedup over the default (with the 95% CI) to a PNG, one bar per
-    decision, labelled with its problem, op, device and key (``cache explain KEY`` tells more)."""
-    import matplotlib
+    decision, labelled with its problem, op, device and key (``cache explain KEY`` tells more). Needs
+    matplotlib (the ``plot`` extra): ImportError without it."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("cache plot needs matplotlib: pip install 'inductor-attn[plot]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

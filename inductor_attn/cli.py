@@ -159,12 +159,13 @@ _CACHE_VERBS = {"list": _list, "show": _show, "explain": _explain, "clear": _cle
 
 
 def _cache(args) -> int:
-    """``cache`` with one-line errors: exit 2 for bad input (a file, a key), 1 for an unusable store."""
+    """``cache`` with one-line errors: exit 2 for bad input (a file, a key), 1 for an unusable store or a
+    missing optional dependency."""
     from .store.schema import StoreError
 
     try:
         return run_cache(args)
-    except StoreError as err:
+    except (StoreError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     except OSError as err:  # the file argument cannot be read or written

@@ -223,6 +223,12 @@ def test_plot_labels_each_decision_apart_and_fits_them_in_the_picture(monkeypatc
         assert figure.x0 <= box.x0 and box.x1 <= figure.x1 and figure.y0 <= box.y0 and box.y1 <= figure.y1, text
 
 
+def test_plot_without_matplotlib_is_a_one_line_error(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an install without the [plot] extra has
+    assert main(["cache", "plot", str(tmp_path / "d.png")]) == 1
+    assert capsys.readouterr().err == "error: cache plot needs matplotlib: pip install 'inductor-attn[plot]'\n"
+
+
 # -- each command imports only what it needs ------------------------------------------------------------
 HEAVY = ("torch._dynamo", "torch._inductor.compile_fx", "inductor_attn.bench", "inductor_attn.api", "matplotlib",
          "transformers")
