@@ -83,7 +83,7 @@ def _list(cache, store, args) -> int:
     stale = [r for r in rows if r["stale"]]
     kept = sum(r["store"] != store.writable.describe() for r in stale)
     if stale:
-        prune = "`python -m inductor_attn cache prune` deletes " + ("them" if not kept else "those of the writable store")
+        prune = "`python -m inductor_attn cache prune` deletes " + ("those of the writable store" if kept else "them")
         print(f"{len(stale)} stale: never looked up again, since versions or backend sources changed ("
               + ("read-only stores keep them" if kept == len(stale) else prune) + ")")
     return 0

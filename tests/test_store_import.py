@@ -65,7 +65,8 @@ BAD_FIELDS = [
     ("record.noise", "low", "record.noise"), ("record.host", 7, "record.host"), ("record.extra", 1, "record.extra"),
     # a lone surrogate: valid JSON, but no UTF-8 text for SQLite or a terminal
     ("device", "cpu\ud800", "device"), ("record.why", "\udc80", "record.why"),
-    ("versions.torch", "2.13\ud800", "versions"), ("record.candidates.0.reason", "\ud800", "record.candidates[0].reason"),
+    ("versions.torch", "2.13\ud800", "versions"),
+    ("record.candidates.0.reason", "\ud800", "record.candidates[0].reason"),
 ]
 
 
