@@ -79,16 +79,15 @@ def check_row(row) -> dict:
 
 def check_export(data, source: str) -> list[dict]:
     """The rows of a parsed export file, each checked; ValueError names ``source``, the row and the field."""
-    if not isinstance(data, dict):
-        check_header(data, source)
-    check_header({k: v for k, v in data.items() if k != "decisions"}, source)
+    check_header(data, source)
     rows = check_decisions(data.get("decisions"), source)
     seen: dict[str, int] = {}
     return [check_decision(row, i, seen, source) for i, row in enumerate(rows)]
 
 
 def check_header(members, source: str) -> None:
-    """An export's top-level members other than ``decisions``: ``schema`` must be this format version."""
+    """An export's top-level members (``decisions`` among them or not): ``schema`` must be this format
+    version."""
     if not isinstance(members, dict) or "schema" not in members:
         raise ValueError(f"{source}: not an inductor_attn decision export (a JSON object with 'schema' and "
                          f"'decisions'), got {_kind(members)}")
@@ -177,6 +176,8 @@ def _check_record(record) -> None:
     if not isinstance(record, dict):
         raise RowError("record", f"must be a JSON object (the tuner's record), got {_kind(record)}")
     _record_checker()(record, "record")
+    if "tuned_at" in record:  # cache explain formats it as a local time
+        _check_time(record["tuned_at"], "record.tuned_at")
 
 
 @functools.cache
@@ -204,8 +205,6 @@ def _fields_checker(cls, what: str, extra: dict | None = None):
             if name not in checks:
                 raise RowError(f"{field}.{name}", f"unknown (a {what} has only {', '.join(checks)})")
             _precisely(checks[name], item, field, f"{field}.{name}")
-        if "tuned_at" in value:
-            _check_time(value["tuned_at"], f"{field}.tuned_at")
 
     return check
 
