@@ -6,9 +6,9 @@ under Inductor's cache dir (``TORCHINDUCTOR_CACHE_DIR``, default ``/tmp/torchind
 Read-only stores: a store on a read-only path (a shared image, a container layer, a read-only mount) is
 opened read-only (``mode=ro``, or ``immutable=1`` where the directory is read-only too, since WAL mode
 cannot even read there otherwise, unless both its ``-wal`` and ``-shm`` are there) and its decisions are
-used. New decisions then go to an overlay: the
-store in Inductor's cache dir when that is writable and another file, else memory (this process only).
-``get_store()`` returns the layers (layers.py) and logs one line saying where new decisions go.
+used. New decisions then go to an overlay: the store in Inductor's cache dir when that is writable and
+another file, else memory (this process only). ``get_store()`` returns the layers (layers.py) and logs
+one line saying where new decisions go.
 
 Concurrency: WAL journal (readers never block the writer), a 30 s busy timeout, one short transaction
 per write, ``INSERT OR REPLACE`` per row. A corrupt, locked or unreadable file gives one warning, after
