@@ -55,11 +55,13 @@ def _layered(store) -> LayeredStore:
 
 def _stale_check():
     """``row -> reason or None``: does a row's versions still match this process's libraries and the
-    source of each registered backend? A stale row's key is never looked up again."""
+    source of each registered backend? A stale row's key is never looked up again. A shipped row is never
+    stale: it answers for its bucket whatever its versions (store/priors.py)."""
     from .backends import backends
 
     sources = {b.name: b.source_hash() for b in backends()}
-    return lambda row: stale_reason(row["versions"], versions_like(row["versions"]), sources)
+    return lambda row: None if is_shipped(row) else stale_reason(row["versions"], versions_like(row["versions"]),
+                                                                  sources)
 
 
 def list_decisions(store: DecisionStore | LayeredStore | None = None) -> list[dict]:
@@ -248,8 +250,9 @@ def _shippable(row: dict) -> dict:
 
 
 def import_decisions(path: str | Path, store: DecisionStore | LayeredStore | None = None) -> int:
-    """Add the decisions of a JSON export to the writable store, all or none (rows with the same key are
-    replaced); returns how many were written. A bad file raises ValueError naming the row and the field."""
+    """Add the decisions of a JSON export to the writable store (rows with the same key are replaced);
+    returns how many were written. The whole file is checked first: a bad one raises ValueError naming the
+    row and the field, and nothing is written (store/transfer.py)."""
     from .tuning.decisions import forget_decisions
 
     forget_decisions()
@@ -260,17 +263,18 @@ def doctor(store: DecisionStore | LayeredStore | None = None) -> tuple[str, bool
     """Check every layer: SQLite's integrity_check, damage found at open, rows that fail the schema, and
     the rows per library versions (stale or current). Returns (report, whether all is well)."""
     stale = _stale_check()
+    store = _layered(store)
     lines, healthy = [], True
     with warnings.catch_warnings():  # damage found at open is in the report
         warnings.simplefilter("ignore", RuntimeWarning)
-        reports = [layer.health() for layer in _layered(store).layers]
-    for report in reports:
-        lines += _health_lines(report, stale)
+        reports = [(layer.health(), layer is store.writable) for layer in store.layers]
+    for report, writable in reports:
+        lines += _health_lines(report, stale, writable)
         healthy &= report.error is None and report.integrity == ["ok"] and not report.bad and not report.damage
     return "\n".join(lines), healthy
 
 
-def _health_lines(report, stale) -> list[str]:
+def _health_lines(report, stale, writable: bool) -> list[str]:
     lines = [report.where]
     if report.error:
         return lines + [f"  unreadable: {report.error}"]
@@ -285,7 +289,8 @@ def _health_lines(report, stale) -> list[str]:
         lines.append(f"    {n:5d}  {label}{'  (current)' if label in current else ''}")
     n_stale = sum(1 for row in report.rows if stale(row))
     if n_stale:
-        lines.append(f"  {n_stale} stale (versions or backend sources changed): `cache prune` deletes them")
+        lines.append(f"  {n_stale} stale (versions or backend sources changed): "
+                     + ("`cache prune` deletes them" if writable else "a read-only store, which `cache prune` leaves"))
     return lines
 
 
@@ -294,8 +299,13 @@ def _library_label(versions: dict) -> str:
 
 
 def plot(path: str | Path, store: DecisionStore | LayeredStore | None = None) -> int:
-    """Draw each decision's winner and its speedup over the default (with the 95% CI) to a PNG."""
-    import matplotlib
+    """Draw each decision's winner and its speedup over the default (with the 95% CI) to a PNG, one bar per
+    decision, labelled with its problem, op, device and key (``cache explain KEY`` tells more). Needs
+    matplotlib (the ``plot`` extra): ImportError without it."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("cache plot needs matplotlib: pip install 'inductor-attn[plot]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -309,22 +319,25 @@ def plot(path: str | Path, store: DecisionStore | LayeredStore | None = None) ->
     labels, speedups, lows, highs, winners = [], [], [], [], []
     for row in rows:
         w = _winner_result(row) or {}
-        labels.append(f"{short_problem(row['problem'])}\n{row['op']}")
+        labels.append(f"{short_problem(row['problem'])}\n{row['op']} on {row['device'].split('|')[0]}, "
+                      f"key {row['key'][:8]}")
         s = w.get("speedup") or 1.0
         speedups.append(s)
         lows.append(s - (w.get("ci_low") or s))
         highs.append((w.get("ci_high") or s) - s)
         winners.append(row["winner"].split(":")[0])
     colors = {name: f"C{i}" for i, name in enumerate(sorted(set(winners)))}
-    fig, ax = plt.subplots(figsize=(10, 0.5 * len(rows) + 1.5))
+    fig, ax = plt.subplots(figsize=(10, 0.5 * len(rows) + 1.5), layout="constrained")
     ys = range(len(rows))
     ax.barh(ys, speedups, xerr=[lows, highs], color=[colors[w] for w in winners], capsize=3)
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.set_yticks(list(ys), labels, fontsize=7)
     ax.set_xlabel("speedup of the winner over the default candidate (95% CI)")
-    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()], labels=list(colors),
-              title="winner", fontsize=7)
-    fig.tight_layout()
+    fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()], labels=list(colors),
+               title="winner", fontsize=7, loc="outside right upper")
+    # as wide as the longest label needs, plus room for the bars: the layout fits the rest
+    widest = max(label.get_window_extent(fig.canvas.get_renderer()).width for label in ax.get_yticklabels())
+    fig.set_figwidth(widest / fig.dpi + 8)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return len(rows)

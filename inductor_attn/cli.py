@@ -13,12 +13,14 @@ import json
 import sys
 import warnings
 
+DESCRIPTION = ("torch.compile picks the fastest correct attention kernel per shape, by measurement: demo shows it, "
+               "cache inspects the decisions it keeps, bench measures it")
 BENCH_HELP = ("benchmark suite: autotuned vs SDPA default, backend defaults, hand rules, oracle (needs a GPU; "
               "--smoke runs tiny shapes anywhere)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m inductor_attn", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m inductor_attn", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="compile a small transformer block and show which kernels ran")
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -78,10 +80,12 @@ def _list(cache, store, args) -> int:
         marks = (f"  [stale: {r['stale']}]" if r["stale"] else "") + \
             ("  [read-only]" if r["store"] != store.writable.describe() else "")
         print(f"  {r['key'][:12]}  {r['op']:24s} {r['problem']:56s} -> {r['winner']}  {speedup}{marks}")
-    stale = sum(1 for r in rows if r["stale"])
+    stale = [r for r in rows if r["stale"]]
+    kept = sum(r["store"] != store.writable.describe() for r in stale)
     if stale:
-        print(f"{stale} stale: never looked up again, since versions or backend sources changed "
-              "(`python -m inductor_attn cache prune` deletes them)")
+        prune = "`python -m inductor_attn cache prune` deletes " + ("those of the writable store" if kept else "them")
+        print(f"{len(stale)} stale: never looked up again, since versions or backend sources changed ("
+              + ("read-only stores keep them" if kept == len(stale) else prune) + ")")
     return 0
 
 
@@ -155,12 +159,13 @@ _CACHE_VERBS = {"list": _list, "show": _show, "explain": _explain, "clear": _cle
 
 
 def _cache(args) -> int:
-    """``cache`` with one-line errors: exit 2 for bad input (a file, a key), 1 for an unusable store."""
+    """``cache`` with one-line errors: exit 2 for bad input (a file, a key), 1 for an unusable store or a
+    missing optional dependency."""
     from .store.schema import StoreError
 
     try:
         return run_cache(args)
-    except StoreError as err:
+    except (StoreError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     except OSError as err:  # the file argument cannot be read or written
@@ -192,7 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from .demo import run_demo
 
-        return run_demo(args.device)
+        try:
+            return run_demo(args.device)
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     with _one_line_warnings():
         return _cache(args)
 

@@ -33,6 +33,13 @@ class Block(nn.Module):
 
 
 def run_demo(device: str | None = None) -> int:
+    """Run the demo on ``device`` ("cpu" or "cuda"; None: cuda if available); ValueError for another device,
+    or cuda where there is none."""
+    if device not in (None, "cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda needs a CUDA GPU, and torch finds none here (torch.cuda.is_available() is "
+                         "False)")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(0)

@@ -9,10 +9,12 @@ import sys
 import pytest
 import torch
 from fakes import FakeBackend, FakeTimer
+from test_store import _simulate_read_only, decision_row
 
 import inductor_attn
 from inductor_attn.backends import only_backends
 from inductor_attn.cli import main
+from inductor_attn.store.db import DecisionStore
 from inductor_attn.store.keys import key_of
 from inductor_attn.tuning.decisions import forget_decisions
 
@@ -153,6 +155,22 @@ def test_list_marks_stale_rows_and_prune_deletes_them(one_decision, capsys):
     assert [r["key"] for r in inductor_attn.cache.list_decisions()] == [one_decision]
 
 
+def test_stale_rows_of_a_read_only_store_are_said_to_stay(tmp_path, monkeypatch, capsys):
+    image = tmp_path / "image" / "decisions.sqlite"
+    DecisionStore(image).put_many([decision_row(i) for i in range(2)])  # versions of no real install: stale
+    monkeypatch.setenv("INDUCTOR_ATTN_CACHE_DIR", str(image.parent))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    _simulate_read_only(monkeypatch, image, image.parent)
+    assert main(["cache", "list"]) == 0
+    assert "2 stale: never looked up again, since versions or backend sources changed (read-only stores keep " \
+           "them)" in capsys.readouterr().out
+    assert main(["cache", "doctor"]) == 0
+    assert "2 stale (versions or backend sources changed): a read-only store, which `cache prune` leaves" in \
+           capsys.readouterr().out
+    assert main(["cache", "prune"]) == 0
+    assert capsys.readouterr().out.endswith("kept 2 stale decisions of read-only stores\n")
+
+
 def test_doctor_checks_integrity_and_counts_rows_per_version(one_decision, capsys):
     inductor_attn.cache.get_store().put(_rewrite(one_decision, torch="1.0"))
     assert main(["cache", "doctor"]) == 0
@@ -170,6 +188,47 @@ def test_doctor_reports_an_unreadable_row_and_exits_1(one_decision, capsys):
     assert "0 decisions, 1 unreadable" in out and "field 'versions': is not JSON" in out
 
 
+@pytest.mark.parametrize("device, message", [
+    ("tpu", "--device must be cpu or cuda, got 'tpu'"),
+    ("cuda", "--device cuda needs a CUDA GPU, and torch finds none here (torch.cuda.is_available() is False)"),
+])
+def test_demo_on_a_device_it_cannot_run_on_is_a_one_line_error(monkeypatch, capsys, device, message):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["demo", "--device", device]) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+
+
+def test_plot_labels_each_decision_apart_and_fits_them_in_the_picture(monkeypatch, tmp_path):
+    """The package's tables hold the same problems measured on an H100 and an H200."""
+    from matplotlib.figure import Figure
+
+    saved, labels, boxes = Figure.savefig, [], []
+
+    def savefig(fig, *args, **kwargs):
+        saved(fig, *args, **kwargs)
+        fig.set_dpi(kwargs.get("dpi", fig.dpi))  # as saved: text does not scale exactly with the resolution
+        fig.canvas.draw()
+        renderer, (ax,) = fig.canvas.get_renderer(), fig.axes
+        labels.extend(label.get_text() for label in ax.get_yticklabels())
+        boxes.extend((text, text.get_window_extent(renderer)) for text in
+                     [*ax.get_yticklabels(), ax.xaxis.label, *fig.legends])
+        boxes.append(("the figure", fig.bbox.frozen()))
+
+    monkeypatch.delenv("INDUCTOR_ATTN_PRIORS")
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    assert main(["cache", "plot", str(tmp_path / "d.png")]) == 0
+    assert len(set(labels)) == len(labels) == 20
+    *texts, (_, figure) = boxes
+    for text, box in texts:
+        assert figure.x0 <= box.x0 and box.x1 <= figure.x1 and figure.y0 <= box.y0 and box.y1 <= figure.y1, text
+
+
+def test_plot_without_matplotlib_is_a_one_line_error(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an install without the [plot] extra has
+    assert main(["cache", "plot", str(tmp_path / "d.png")]) == 1
+    assert capsys.readouterr().err == "error: cache plot needs matplotlib: pip install 'inductor-attn[plot]'\n"
+
+
 # -- each command imports only what it needs ------------------------------------------------------------
 HEAVY = ("torch._dynamo", "torch._inductor.compile_fx", "inductor_attn.bench", "inductor_attn.api", "matplotlib",
          "transformers")
@@ -184,6 +243,15 @@ def test_help_and_cache_list_import_neither_inductor_nor_bench(argv, tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["cache", "--help"], ["cache", "import", "--help"],
+                                  ["cache", "export-priors", "--help"], ["bench", "--help"]])
+def test_help_is_plain_text(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and out.startswith("usage: ") and "`" not in out
 
 
 def test_bench_options_are_still_parsed_and_listed(capsys):

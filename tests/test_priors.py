@@ -2,11 +2,14 @@
 used by decide() per mode, and named by `cache explain`."""
 
 import json
+import os
 import socket
+import warnings
 
 import pytest
 import torch
 from fakes import FakeBackend, FakeTimer, small_call
+from test_store import decision_row
 
 import inductor_attn
 from inductor_attn import cache
@@ -16,7 +19,7 @@ from inductor_attn.device import DeviceInfo
 from inductor_attn.store import keys
 from inductor_attn.store.db import get_store
 from inductor_attn.store.priors import PACKAGE_DIR, PriorTable, device_slug, shortlist, table_paths
-from inductor_attn.store.transfer import read_export
+from inductor_attn.store.transfer import read_export, write_export
 from inductor_attn.tuning.decisions import decide, forget_decisions
 
 DEV = DeviceInfo("cpu", (0, 0), 2)
@@ -128,6 +131,23 @@ def test_an_unreadable_table_warns_once_and_is_skipped(fakes, tmp_path, monkeypa
     assert len(rec) == 1
 
 
+def test_with_an_unreadable_table_every_cache_command_warns_and_goes_on(tmp_path, monkeypatch, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema": 1, "decisions": [{"key": "x"}]}')
+    monkeypatch.setenv("INDUCTOR_ATTN_PRIORS", str(bad))
+    write_export(tmp_path / "in.json", [decision_row(i) for i in range(3)])
+    with pytest.warns(RuntimeWarning, match="bad.json is unusable"):
+        assert main(["cache", "import", str(tmp_path / "in.json")]) == 0
+        assert main(["cache", "export", str(tmp_path / "out.json")]) == 0
+        assert main(["cache", "list"]) == 0
+    out = capsys.readouterr()
+    assert f"imported 3 decisions into {get_store().path}" in out.out and "exported 3 decisions" in out.out
+    assert "3 decisions in" in out.out and out.err == ""
+    assert len(read_export(tmp_path / "out.json")) == 3
+    assert main(["cache", "doctor"]) == 1  # what doctor is for: it names the table
+    assert f"{bad} (shipped, read-only" in capsys.readouterr().out
+
+
 def test_the_package_reads_every_table_in_its_priors_directory_unless_turned_off(monkeypatch):
     monkeypatch.delenv("INDUCTOR_ATTN_PRIORS", raising=False)
     assert table_paths() == sorted(PACKAGE_DIR.glob("*.json"))
@@ -135,17 +155,50 @@ def test_the_package_reads_every_table_in_its_priors_directory_unless_turned_off
     assert table_paths() == []
 
 
+def test_a_fifo_among_the_tables_is_skipped_with_a_warning_instead_of_blocking(shipped, monkeypatch):
+    fifo = shipped.parent / "waiting.json"
+    os.mkfifo(fifo)  # reading it would block until something writes to it
+    monkeypatch.setenv("INDUCTOR_ATTN_PRIORS", str(shipped.parent))
+    with pytest.warns(RuntimeWarning, match=f"{fifo} is not a regular file; skipped"):
+        assert table_paths() == [shipped]
+
+
+def test_a_priors_path_that_does_not_exist_warns_once_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("INDUCTOR_ATTN_PRIORS", str(tmp_path / "nowhere"))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("default")
+        assert table_paths() == [] and table_paths() == []
+    assert [str(w.message) for w in record] == [
+        f"inductor_attn: INDUCTOR_ATTN_PRIORS names {tmp_path / 'nowhere'}, which does not exist: no shipped "
+        "decision tables are read"]
+
+
 def test_every_table_the_package_ships_reads_whole_and_says_what_measured_it():
     """A shipped table is measured, never made up: it names its GPU, versions, commit and command, and every
     decision in it is for that GPU and has a timed winner."""
     for path in sorted(PACKAGE_DIR.glob("*.json")):
         table = PriorTable(path)
-        assert table.broken is None, path
+        assert table.error is None, path
         meta = json.loads(path.read_text())
         assert meta["command"].startswith("python -m inductor_attn cache export-priors") and meta["commit"]
         assert path.stem == device_slug(meta["device"]) and meta["versions"]["torch"]
         for row in table.rows():
             assert row["device"] == meta["device_key"] and row["winner"] in shortlist(row, 100), row["key"]
+
+
+def test_shipped_decisions_are_never_called_stale_and_prune_never_talks_of_them(monkeypatch, capsys):
+    """The package's tables were measured with other versions than this machine's (a CUDA torch, other
+    kernel sources): they still answer for their buckets, so no command calls them stale."""
+    monkeypatch.delenv("INDUCTOR_ATTN_PRIORS")
+    assert len(get_store().rows()) == 20
+    assert main(["cache", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "20 decisions in" in out and "stale" not in out
+    main(["cache", "doctor"])
+    out = capsys.readouterr().out
+    assert out.count("(shipped, read-only") == 2 and "stale" not in out and "prune" not in out
+    assert main(["cache", "prune"]) == 0
+    assert capsys.readouterr().out == f"deleted 0 stale decisions from {get_store().path}\n"
 
 
 def test_cache_explain_says_where_each_decision_came_from(fakes, shipped):

@@ -3,6 +3,7 @@ decisions, in one process: other processes are played by child processes that on
 
 import doctest
 import logging
+import os
 import sqlite3
 import subprocess
 import sys
@@ -90,6 +91,24 @@ def test_a_claim_whose_process_died_is_ignored_at_once(fakes):
     assert decide(small_call(), DEV, "forward") == "b:x=1"
     assert time.monotonic() - start < 5 and a.calls + b.calls > runs
     assert _claims() == []  # taken over, then released
+
+
+def test_a_claim_whose_process_was_killed_but_not_yet_reaped_is_ignored_at_once(fakes, monkeypatch):
+    """A zombie still answers kill(pid, 0): its claim made the other ranks wait the whole claim timeout."""
+    monkeypatch.setenv(ranks.TIMEOUT_ENV, "8")  # a test that fails, fails in seconds
+    a, b = fakes
+    row = _stored_row_of_a_tune(small_call())
+    zombie = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        zombie.kill()
+        os.waitid(os.P_PID, zombie.pid, os.WEXITED | os.WNOWAIT)  # dead, and left unreaped
+        get_store().claim(row["key"], ranks._HOST, zombie.pid, lambda h: False)
+        runs = a.calls + b.calls
+        start = time.monotonic()
+        assert decide(small_call(), DEV, "forward") == "b:x=1"
+        assert time.monotonic() - start < 5 and a.calls + b.calls > runs
+    finally:
+        zombie.wait()
 
 
 def test_waiting_is_bounded_by_the_timeout_then_the_rank_tunes_and_says_so(fakes, other_process, monkeypatch,

@@ -8,6 +8,7 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 
@@ -144,6 +145,24 @@ def test_locked_store_is_skipped_with_a_warning_not_a_hang(tmp_path):
     assert DecisionStore(path).get(_key(1)) is not None
 
 
+def test_a_fresh_store_that_another_process_is_setting_up_is_waited_for_not_disabled(tmp_path):
+    """While another connection writes a fresh file in its first journal mode, SQLite refuses the switch to
+    WAL at once ("database is locked", its busy handler is not called); a process that gave up there would
+    run without a store (no decisions saved, no claims) for its whole run."""
+    path = tmp_path / "d.sqlite"
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN IMMEDIATE")
+    release = threading.Timer(0.2, lambda: holder.execute("COMMIT"))
+    release.start()
+    try:
+        store = DecisionStore(path, timeout_s=10)
+        store.put(decision_row(1))
+    finally:
+        release.join()
+        holder.close()
+    assert store.broken is None and store.get(_key(1)) is not None
+
+
 def _writer(path: str, worker: int, n: int) -> None:
     store = DecisionStore(path)
     for i in range(n):
@@ -233,6 +252,10 @@ def test_access_is_found_from_the_filesystem(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "access", lambda p, mode: Path(p) not in read_only)
     assert path_access(path) == "immutable"  # read-only directory, no log: WAL mode can only read immutable
     assert path_access(tmp_path / "absent" / "d.sqlite") is None
+    Path(f"{path}-wal").write_bytes(b"a log")
+    assert path_access(path) == "immutable"  # the same, with a log but no -shm to read it by
+    Path(f"{path}-shm").write_bytes(b"its index")
+    assert path_access(path) == "read"  # the log and its index exist: SQLite reads both read-only
     read_only.discard(tmp_path)
     assert path_access(path) == "read"  # read-only file in a writable directory
 
@@ -285,9 +308,11 @@ print(store.get(sys.argv[1])["winner"], len(store.rows()), store.describe(), sto
 """
 
 
-def test_a_wal_store_in_a_read_only_directory_is_readable_by_an_unprivileged_process(tmp_path):
+@pytest.mark.parametrize("log", [False, True], ids=["checkpointed", "a log without its -shm"])
+def test_a_wal_store_in_a_read_only_directory_is_readable_by_an_unprivileged_process(tmp_path, log):
     """The real thing, not a simulation: the directory and file are read-only to the process reading them
-    (as root, the reader runs as nobody, since root writes wherever it likes)."""
+    (as root, the reader runs as nobody, since root writes wherever it likes). A write-ahead log without its
+    index (-shm) cannot be read there, nor created: the file is read immutable, as of its last checkpoint."""
     prefix = []
     if os.geteuid() == 0:
         if shutil.which("setpriv") is None:
@@ -301,7 +326,11 @@ def test_a_wal_store_in_a_read_only_directory_is_readable_by_an_unprivileged_pro
     try:
         store_dir = root / "image"
         store_dir.mkdir()
-        _filled(store_dir / "decisions.sqlite", n=2)
+        if log:
+            _crash_copy(root / "live.sqlite", 3, store_dir / "decisions.sqlite")  # decision 0 was checkpointed
+            (store_dir / "decisions.sqlite-wal").chmod(0o444)
+        else:
+            _filled(store_dir / "decisions.sqlite", n=2)
         (store_dir / "decisions.sqlite").chmod(0o444)
         store_dir.chmod(0o555)
         scratch = root / "scratch"
@@ -310,10 +339,10 @@ def test_a_wal_store_in_a_read_only_directory_is_readable_by_an_unprivileged_pro
         root.chmod(0o755)
         env = {**os.environ, "INDUCTOR_ATTN_CACHE_DIR": str(store_dir), "TORCHINDUCTOR_CACHE_DIR": str(scratch),
                "HOME": str(scratch)}
-        done = subprocess.run([*prefix, sys.executable, "-c", _UNPRIVILEGED_READ, _key(1)], capture_output=True,
+        done = subprocess.run([*prefix, sys.executable, "-c", _UNPRIVILEGED_READ, _key(0)], capture_output=True,
                               text=True, env=env, cwd=str(scratch), timeout=300)
         assert done.returncode == 0, done.stderr
-        assert done.stdout.split()[:2] == ["b:x=1", "2"]
+        assert done.stdout.split()[:2] == ["b:x=1", "1" if log else "2"]
         assert "(read-only, immutable)" in done.stdout and done.stdout.strip().endswith("None")
         assert "is read-only: its decisions are used" in done.stderr
     finally:

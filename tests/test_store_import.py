@@ -1,12 +1,16 @@
 """Decision files: an import is checked whole and written all or nothing; an export never destroys."""
 
+import dataclasses
+import functools
 import json
 import re
 import sqlite3
+import tracemalloc
 
 import pytest
 from test_store import _key, decision_row
 
+from inductor_attn.problem import Problem
 from inductor_attn.store import transfer
 from inductor_attn.store.db import DecisionStore
 from inductor_attn.store.schema import StoreError
@@ -41,15 +45,28 @@ def _unchanged(store, generation: str) -> None:
 
 BAD_FIELDS = [
     ("record", "garbage", "record"), ("record", 123, "record"), ("record", {}, "record"),
-    ("problem", "p1", "problem"), ("record.problem", "garbage", "record"),
+    ("problem", "p1", "problem"), ("record.problem", "garbage", "record.problem"),
     ("winner", 5, "winner"), ("winner", "no-colon", "winner"), ("versions", "2.13", "versions"),
     ("versions.torch", 2.13, "versions"), ("created", "yesterday", "created"), ("created", None, "created"),
     ("created", float("nan"), "created"), ("created", 10**400, "created"), ("created", -1.0, "created"),
     ("op", "varlen/forward", "op"), ("key", "k0001", "key"),
-    ("device", "", "device"), ("record.candidates", {}, "record"),
+    ("device", "", "device"), ("record.candidates", {}, "record.candidates"),
     ("record.candidates.0.median_ms", "fast", "record.candidates[0].median_ms"),
-    ("record.candidates.0.samples", [1.0, "x"], "record.candidates[0].samples"),
+    ("record.candidates.0.samples", [1.0, "x"], "record.candidates[0].samples[1]"),
     ("record.candidates.0.speedup", 10**400, "record.candidates[0].speedup"),
+    # fields that compiled code or `cache explain` reads: each crashed them once it was imported
+    ("record.compiled_winner", {"b": 1}, "record.compiled_winner"),
+    ("record.compiled_winner", ["b:x=1"], "record.compiled_winner"),
+    ("record.candidates.0.extra", 1, "record.candidates[0].extra"),
+    ("record.candidates.0.traced", "yes", "record.candidates[0].traced"),
+    ("record.candidates.0.host_ms", [0.1], "record.candidates[0].host_ms"),
+    ("record.tuned_at", "yesterday", "record.tuned_at"), ("record.tuned_at", 1e300, "record.tuned_at"),
+    ("record.seconds", [1.0], "record.seconds"), ("record.seconds", {"total": "long"}, "record.seconds.total"),
+    ("record.noise", "low", "record.noise"), ("record.host", 7, "record.host"), ("record.extra", 1, "record.extra"),
+    # a lone surrogate: valid JSON, but no UTF-8 text for SQLite or a terminal
+    ("device", "cpu\ud800", "device"), ("record.why", "\udc80", "record.why"),
+    ("versions.torch", "2.13\ud800", "versions"),
+    ("record.candidates.0.reason", "\ud800", "record.candidates[0].reason"),
 ]
 
 
@@ -131,6 +148,45 @@ def test_an_import_is_one_transaction(tmp_path, store):
         assert conn.execute("SELECT value FROM meta WHERE name = 'generation'").fetchone()[0] == generation
 
 
+def test_a_large_import_is_streamed_and_written_in_bounded_transactions(tmp_path, store, monkeypatch):
+    """An import of 10^6 decisions held the write lock past other processes' busy timeout, and its whole file
+    in memory several times over: here 1,000 rows, in transactions of at most 50, read 16 KiB at a time."""
+    monkeypatch.setattr(transfer, "IMPORT_BATCH", 50)
+    monkeypatch.setattr(transfer, "CHUNK", 1 << 14)
+    store.import_json(_export_file(tmp_path / "warm.json", [decision_row(1)]))  # one-time allocations
+    transfer.write_export(tmp_path / "in.json", [decision_row(i) for i in range(1000, 2000)])
+    size = (tmp_path / "in.json").stat().st_size
+    batches = []
+    put_many = DecisionStore.put_many
+    monkeypatch.setattr(DecisionStore, "put_many", lambda self, rows: batches.append(len(rows)) or put_many(self, rows))
+    tracemalloc.start()
+    try:
+        assert store.import_json(tmp_path / "in.json") == 1000
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert batches == [50] * 20 and len(store.rows()) == 1002
+    assert peak < size / 2, f"{peak} bytes at the peak for a file of {size}"  # read whole: 3x the file
+
+
+@pytest.mark.parametrize("order", ["schema first", "decisions first"])
+def test_a_bad_row_is_found_before_anything_is_written_whatever_the_key_order(tmp_path, store, monkeypatch, order):
+    monkeypatch.setattr(transfer, "IMPORT_BATCH", 10)
+    rows = [decision_row(i) for i in range(50)]
+    rows[45] = _set(rows[45], "winner", 5)
+    content = {"schema": 1, "decisions": rows}
+    path = tmp_path / "in.json"
+    path.write_text(json.dumps(content, sort_keys=order == "decisions first"))
+    generation = store.generation()
+    with pytest.raises(ValueError, match=re.escape(f"{path}: decision 45: field 'winner'")):
+        store.import_json(path)
+    _unchanged(store, generation)
+    path.write_text(json.dumps({**content, "schema": 2}, sort_keys=order == "decisions first"))
+    with pytest.raises(ValueError, match="format version 2"):
+        store.import_json(path)
+    _unchanged(store, generation)
+
+
 # -- exports ---------------------------------------------------------------------------------------------
 def test_export_of_a_corrupt_store_raises_and_leaves_the_target_alone(tmp_path):
     target = tmp_path / "out.json"
@@ -163,3 +219,22 @@ def test_export_replaces_the_target_keeping_its_permissions(tmp_path, store):
     assert store.export_json(target) == 1
     assert json.loads(target.read_text())["decisions"][0]["key"] == _key(100)
     assert target.stat().st_mode & 0o777 == 0o640
+
+
+def test_a_field_the_tuner_adds_to_its_record_is_accepted_and_checked(tmp_path, store, monkeypatch):
+    """The record's fields are the tuner's dataclasses' (schema.py), not a copy of them."""
+    from inductor_attn.store import schema
+    from inductor_attn.tuning import tuner
+
+    @dataclasses.dataclass
+    class Later(tuner.TuneResult):
+        launches: float | None = None
+
+    monkeypatch.setattr(tuner, "TuneResult", Later)
+    monkeypatch.setattr(schema, "_record_checker", functools.cache(schema._record_checker.__wrapped__))
+    result = Later(Problem.from_key(decision_row(1)["record"]["problem"]), "forward", "b:x=1", "a:default", "why",
+                   "fake", [tuner.CandidateResult("a:default", "passed", median_ms=1.0)], launches=3.0)
+    row = {**decision_row(1), "record": result.to_json()}
+    assert store.import_json(_export_file(tmp_path / "in.json", [row])) == 1
+    with pytest.raises(ValueError, match="field 'record.launches': must be a number or null, got str 'x'"):
+        store.import_json(_export_file(tmp_path / "bad.json", [_set(row, "record.launches", "x")]))

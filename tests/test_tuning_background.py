@@ -13,22 +13,23 @@ from fakes import FakeBackend, FakeTimer, small_call
 import inductor_attn
 from inductor_attn.backends import AttnCall, only_backends
 from inductor_attn.device import DeviceInfo, device_info
+from inductor_attn.store import db
 from inductor_attn.store.db import get_store
-from inductor_attn.tuning import background, decisions
+from inductor_attn.store.layers import LayeredStore
+from inductor_attn.tuning import background, decisions, subproc
 from inductor_attn.tuning.decisions import decide, forget_decisions
-from inductor_attn.tuning.subproc import load_call
 
 DEV = DeviceInfo("cpu", (0, 0), 2)
 
 
 class InProcessWorker:
-    """What the worker process does, in this process; counts its tunes."""
+    """What the worker process does (its request handler), in this process; counts its tunes."""
 
     alive, tunes = True, 0
 
-    def request(self, op, timeout_s, call, direction, key, deterministic):
+    def request(self, op, timeout_s, **req):
         InProcessWorker.tunes += 1
-        return {"winner": decisions.tune_in_worker(load_call(call), direction, key, deterministic)}
+        return subproc._tune(req)
 
     def close(self):
         pass
@@ -88,6 +89,43 @@ def test_a_bucket_another_live_process_has_claimed_is_left_to_it(fakes, monkeypa
         assert decide(small_call(), DEV, "forward") == "b:x=2"
         background.wait(timeout_s=60)
     assert InProcessWorker.tunes == 0 and get_store().rows() == []
+
+
+@pytest.mark.parametrize("full", ["mkdtemp", "save_call"])
+def test_a_tune_that_cannot_be_queued_never_fails_the_call(fakes, monkeypatch, tmp_path, caplog, full):
+    """A full temporary filesystem: mkdtemp raises OSError, torch.save a RuntimeError ("basic_ios::clear")."""
+    def no_space(*args, **kwargs):
+        if full == "save_call":
+            raise RuntimeError("basic_ios::clear: iostream error")
+        raise OSError(28, "No space left on device")
+
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(background.tempfile, "tempdir", str(tmp_path / "tmp"))
+    monkeypatch.setattr(background.tempfile if full == "mkdtemp" else background, full, no_space)
+    with inductor_attn.tuning_mode("background"):
+        assert decide(small_call(), DEV, "forward") == "b:x=2"
+        assert background.wait(timeout_s=60)
+    assert "background tune of decision" in caplog.text and "could not be queued" in caplog.text
+    assert InProcessWorker.tunes == 0 and list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_a_tune_lands_here_when_the_workers_store_is_its_own_memory(fakes, monkeypatch):
+    """A read-only store and no writable overlay: the parent and its worker each keep new decisions in their
+    own memory, so the worker's decision must come back in its answer."""
+    monkeypatch.setitem(db._STORES, db.default_path(), LayeredStore(db.MemoryStore()))
+
+    class OwnMemoryWorker(InProcessWorker):
+        def request(self, op, timeout_s, **req):
+            with monkeypatch.context() as worker_process:
+                worker_process.setattr(db, "_STORES", {db.default_path(): LayeredStore(db.MemoryStore())})
+                return super().request(op, timeout_s, **req)
+
+    monkeypatch.setattr(background, "_worker", OwnMemoryWorker)
+    with inductor_attn.tuning_mode("background"):
+        assert decide(small_call(), DEV, "forward") == "b:x=2"
+        assert background.wait(timeout_s=60)
+        assert decide(small_call(), DEV, "forward") == "b:x=1"
+    assert [row["winner"] for row in get_store().rows()] == ["b:x=1"] and InProcessWorker.tunes == 1
 
 
 def test_a_worker_that_refuses_the_bucket_leaves_the_first_choice(fakes, caplog, monkeypatch):

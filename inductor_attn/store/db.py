@@ -5,9 +5,10 @@ under Inductor's cache dir (``TORCHINDUCTOR_CACHE_DIR``, default ``/tmp/torchind
 
 Read-only stores: a store on a read-only path (a shared image, a container layer, a read-only mount) is
 opened read-only (``mode=ro``, or ``immutable=1`` where the directory is read-only too, since WAL mode
-cannot even read there otherwise) and its decisions are used. New decisions then go to an overlay: the
-store in Inductor's cache dir when that is writable and another file, else memory (this process only).
-``get_store()`` returns the layers (layers.py) and logs one line saying where new decisions go.
+cannot even read there otherwise, unless both its ``-wal`` and ``-shm`` are there) and its decisions are
+used. New decisions then go to an overlay: the store in Inductor's cache dir when that is writable and
+another file, else memory (this process only). ``get_store()`` returns the layers (layers.py) and logs
+one line saying where new decisions go.
 
 Concurrency: WAL journal (readers never block the writer), a 30 s busy timeout, one short transaction
 per write, ``INSERT OR REPLACE`` per row. A corrupt, locked or unreadable file gives one warning, after
@@ -88,8 +89,9 @@ def path_access(path: Path) -> str | None:
 
     WRITE: the file and its directory are writable (or the file can be created). READ (``mode=ro``):
     SQLite still needs the directory writable for the WAL index, or the log's ``-wal``/``-shm`` files there
-    to read. IMMUTABLE (``immutable=1``): a read-only directory and no log, so no lock or index file is
-    needed. None: no file, and none can be created.
+    to read. IMMUTABLE (``immutable=1``): a read-only directory and no log, or a log without the ``-shm``
+    index that SQLite needs to read it (the file is then read as of its last checkpoint), so no lock or
+    index file is needed. None: no file, and none can be created.
     """
     try:
         if not path.exists():
@@ -99,7 +101,7 @@ def path_access(path: Path) -> str | None:
     directory_writable = os.access(path.parent, os.W_OK)
     if directory_writable and os.access(path, os.W_OK):
         return WRITE
-    if directory_writable or _log_size(path) > 0:
+    if directory_writable or _log_size(path) > 0 and Path(f"{path}-shm").exists():
         return READ
     return IMMUTABLE
 
@@ -175,12 +177,26 @@ class DecisionStore:
         try:
             conn.execute(f"PRAGMA busy_timeout={int(self.timeout_s * 1000)}")
             if self.access == WRITE:
-                conn.execute("PRAGMA journal_mode=WAL")
-                conn.executescript(_SCHEMA)
+                self._set_up(conn)
         except BaseException:
             conn.close()
             raise
         return conn
+
+    def _set_up(self, conn: sqlite3.Connection) -> None:
+        """WAL mode and the tables. While another process writes a fresh file in its first journal mode,
+        SQLite refuses the switch to WAL at once ("database is locked": it does not call the busy handler
+        there), so the switch is retried here until the busy timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                conn.execute("PRAGMA journal_mode=WAL")
+                break
+            except sqlite3.OperationalError as err:
+                if "locked" not in str(err) or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.01)
+        conn.executescript(_SCHEMA)
 
     def _close(self, conn: sqlite3.Connection) -> None:
         conn.close()

@@ -24,7 +24,7 @@ How decisions use them (tuning/decisions.py), for the same op, bucket and device
 A shipped row answers for its bucket whatever the library versions it was measured with (``match``):
 kernels rarely swap places between releases, and the shortlist is timed again here anyway. Its record
 carries ``origin`` ("shipped: <file> (...)"), which ``cache explain`` shows. A table that cannot be read
-gives one warning and is skipped.
+gives one warning and is skipped: everything else goes on without it, and ``cache doctor`` names it.
 """
 
 from __future__ import annotations
@@ -61,14 +61,22 @@ def device_slug(name: str) -> str:
 
 def table_paths() -> list[Path]:
     """The tables this process reads: every ``*.json`` in the package's priors directory, or in what
-    ``INDUCTOR_ATTN_PRIORS`` names (a directory or one file); none when it is ``off``."""
+    ``INDUCTOR_ATTN_PRIORS`` names (a directory or one file); none when it is ``off``. A path it names that
+    does not exist, and anything but a regular file (a FIFO would block the read), give a warning."""
     where = os.environ.get(ENV_VAR)
     if where == "off":
         return []
     path = Path(where) if where else PACKAGE_DIR
-    if path.is_file():
-        return [path]
-    return sorted(path.glob("*.json")) if path.is_dir() else []
+    if not path.exists():
+        if where:
+            warnings.warn(f"inductor_attn: {ENV_VAR} names {path}, which does not exist: no shipped decision "
+                          "tables are read", RuntimeWarning, stacklevel=3)
+        return []
+    found = sorted(path.glob("*.json")) if path.is_dir() else [path]
+    for other in (p for p in found if not p.is_file()):
+        warnings.warn(f"inductor_attn: shipped decision table {other} is not a regular file; skipped",
+                      RuntimeWarning, stacklevel=3)
+    return [p for p in found if p.is_file()]
 
 
 class PriorTable:
@@ -79,7 +87,7 @@ class PriorTable:
         self.path = Path(path)
         self._rows: list[dict] | None = None
         self._meta: dict = {}
-        self._broken: str | None = None
+        self._error: str | None = None
         self._generation: str | None = None
 
     def _load(self) -> list[dict]:
@@ -89,8 +97,8 @@ class PriorTable:
                 data = json.loads(self.path.read_bytes())
                 rows = check_export(data, str(self.path))
             except (OSError, ValueError) as err:
-                self._broken = f"{type(err).__name__}: {err}"
-                warnings.warn(f"inductor_attn: shipped decision table {self.path} is unusable ({self._broken}); "
+                self._error = f"{type(err).__name__}: {err}"
+                warnings.warn(f"inductor_attn: shipped decision table {self.path} is unusable ({self._error}); "
                               "continuing without it", RuntimeWarning, stacklevel=4)
                 return self._rows
             self._meta = {k: v for k, v in data.items() if k != "decisions"}
@@ -108,10 +116,15 @@ class PriorTable:
         self._load()
         return f"{self.path} (shipped, read-only: {self.summary()})"
 
+    # A store layer that is broken makes imports, exports and listings refuse (their result would be
+    # wrong); an unreadable table is only skipped with its warning, as if absent. ``error`` says why.
+    broken = None
+
     @property
-    def broken(self) -> str | None:
+    def error(self) -> str | None:
+        """Why the table cannot be read, or None."""
         self._load()
-        return self._broken
+        return self._error
 
     def get(self, key: str) -> dict | None:
         return next((row for row in self._load() if row["key"] == key), None)
@@ -141,8 +154,8 @@ class PriorTable:
         from .db import Health
 
         report = Health(self.describe())
-        if self.broken:
-            report.error = self.broken
+        if self.error:
+            report.error = self.error
         else:
             report.integrity, report.rows = ["ok"], self.rows()
         return report

@@ -1,13 +1,23 @@
 """The decision row schema: one check for every row that enters the store (tuner, import) or leaves it (reads).
 
 A row is a JSON object with exactly ``COLUMNS``; ``versions`` and ``record`` are JSON objects (TEXT in
-SQLite). The check covers what readers rely on: ``attention()`` uses ``winner``; ``cache list``/``explain``
-format the record's candidates and parse both problem keys; the key must be the hash of the fields it
-stands for, so a row can never answer for another problem. A row that fails raises ``RowError`` naming
-the field; the store skips such rows when reading, and an import refuses the whole file.
+SQLite). The check covers what readers rely on: ``attention()`` uses ``winner``; compiled code rebuilds
+the record's candidates as ``CandidateResult`` and weighs its ``compiled_winner``; ``cache list``/``explain``
+format every field of the record and parse both problem keys; the key must be the hash of the fields it
+stands for, so a row can never answer for another problem. The record's fields and their types are those
+of the tuner's ``TuneResult`` and ``CandidateResult`` (tuning/tuner.py), read from the dataclasses, so a
+field added there is accepted here; the fields without a default are required, the others may be absent
+(records from before they existed). Every string must be UTF-8 text (JSON can hold a lone surrogate,
+which SQLite and a terminal refuse). A row that fails raises ``RowError`` naming the field; the store
+skips such rows when reading, and an import refuses the whole file.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import typing
 
 from ..problem import Problem
 from .keys import key_of
@@ -16,8 +26,10 @@ from .keys import key_of
 # import of any other version is refused rather than guessed at.
 FORMAT_VERSION = 1
 COLUMNS = ("key", "op", "problem", "device", "versions", "winner", "record", "created")
-RECORD_STRINGS = ("problem", "winner", "default", "why", "timer")
-CANDIDATE_NUMBERS = ("error", "compile_s", "median_ms", "speedup", "ci_low", "ci_high", "host_ms")
+# A record field that is no TuneResult field: a shipped table's rows get it when read (priors.py), and
+# exports of a layered store carry it.
+ORIGIN = "origin"
+MAX_TIME_S = 1e12  # 31,000 years after the epoch: a larger time is no time (the time functions overflow)
 
 
 class RowError(ValueError):
@@ -67,25 +79,41 @@ def check_row(row) -> dict:
 
 def check_export(data, source: str) -> list[dict]:
     """The rows of a parsed export file, each checked; ValueError names ``source``, the row and the field."""
-    if not isinstance(data, dict) or "schema" not in data:
+    check_header(data, source)
+    rows = check_decisions(data.get("decisions"), source)
+    seen: dict[str, int] = {}
+    return [check_decision(row, i, seen, source) for i, row in enumerate(rows)]
+
+
+def check_header(members, source: str) -> None:
+    """An export's top-level members (``decisions`` among them or not): ``schema`` must be this format
+    version."""
+    if not isinstance(members, dict) or "schema" not in members:
         raise ValueError(f"{source}: not an inductor_attn decision export (a JSON object with 'schema' and "
-                         f"'decisions'), got {_kind(data)}")
-    if data["schema"] != FORMAT_VERSION:
-        raise ValueError(f"{source}: format version {data['schema']!r}; this inductor_attn reads version "
+                         f"'decisions'), got {_kind(members)}")
+    if members["schema"] != FORMAT_VERSION:
+        raise ValueError(f"{source}: format version {members['schema']!r}; this inductor_attn reads version "
                          f"{FORMAT_VERSION}")
-    rows = data.get("decisions")
+
+
+def check_decisions(rows, source: str):
+    """``rows`` if the export's ``decisions`` member is a list."""
     if not isinstance(rows, list):
         raise ValueError(f"{source}: 'decisions' must be a list of rows, got {_kind(rows)}")
-    seen: dict[str, int] = {}
-    for i, row in enumerate(rows):
-        try:
-            check_row(row)
-        except RowError as err:
-            raise ValueError(f"{source}: decision {i}: {err}") from None
-        if row["key"] in seen:
-            raise ValueError(f"{source}: decision {i}: field 'key': repeats decision {seen[row['key']]}")
-        seen[row["key"]] = i
     return rows
+
+
+def check_decision(row, index: int, seen: dict[str, int], source: str) -> dict:
+    """Decision ``index`` of an export, checked; ``seen`` maps the keys of the decisions before it to their
+    index (a key may appear once)."""
+    try:
+        check_row(row)
+    except RowError as err:
+        raise ValueError(f"{source}: decision {index}: {err}") from None
+    if row["key"] in seen:
+        raise ValueError(f"{source}: decision {index}: field 'key': repeats decision {seen[row['key']]}")
+    seen[row["key"]] = index
+    return row
 
 
 def _kind(value) -> str:
@@ -95,11 +123,22 @@ def _kind(value) -> str:
 def _text(value, field: str) -> str:
     if not isinstance(value, str) or not value:
         raise RowError(field, f"must be a non-empty string, got {_kind(value)}")
+    return _utf8(value, field)
+
+
+def _utf8(value: str, field: str) -> str:
+    if value.isascii():
+        return value
+    try:
+        value.encode()
+    except UnicodeEncodeError as err:
+        raise RowError(field, f"holds a lone surrogate {value[err.start]!r} at {err.start}, which is no UTF-8 "
+                              f"text, in {value!r:.60}") from None
     return value
 
 
 def _number(value, field: str, optional: bool = False) -> None:
-    if optional and value is None:
+    if type(value) is float or optional and value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise RowError(field, f"must be a number{' or null' if optional else ''}, got {_kind(value)}")
@@ -120,45 +159,119 @@ def _check_versions(versions) -> None:
     if not isinstance(versions, dict):
         raise RowError("versions", f"must be a JSON object, got {_kind(versions)}")
     for name, value in versions.items():
+        _utf8(name, "versions")
         if name == "sources":
             if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
                 raise RowError("versions", f"'sources' must map backend names to hashes, got {_kind(value)}")
+            for backend, digest in value.items():
+                _utf8(backend, "versions")
+                _utf8(digest, "versions")
         elif not isinstance(value, str):
             raise RowError("versions", f"{name!r} must be a version string, got {_kind(value)}")
+        else:
+            _utf8(value, "versions")
 
 
 def _check_record(record) -> None:
     if not isinstance(record, dict):
         raise RowError("record", f"must be a JSON object (the tuner's record), got {_kind(record)}")
-    for name in RECORD_STRINGS:
-        if not isinstance(record.get(name), str):
-            raise RowError("record", f"{name!r} must be a string, got {_kind(record.get(name))}")
-    _problem(record["problem"], "record")
-    candidates = record.get("candidates")
-    if not isinstance(candidates, list):
-        raise RowError("record", f"'candidates' must be a list, got {_kind(candidates)}")
-    for i, cand in enumerate(candidates):
-        _check_candidate(cand, f"record.candidates[{i}]")
+    _record_checker()(record, "record")
+    if "tuned_at" in record:  # cache explain formats it as a local time
+        _check_time(record["tuned_at"], "record.tuned_at")
 
 
-def _check_candidate(cand, where: str) -> None:
-    if not isinstance(cand, dict):
-        raise RowError(where, f"must be a JSON object, got {_kind(cand)}")
-    for name in ("name", "status"):
-        _text(cand.get(name), f"{where}.{name}")
-    for name in CANDIDATE_NUMBERS:
-        _number(cand.get(name), f"{where}.{name}", optional=True)
-    for name in ("reason", "note"):
-        if not isinstance(cand.get(name), (str, type(None))):
-            raise RowError(f"{where}.{name}", f"must be a string or null, got {_kind(cand.get(name))}")
-    samples = cand.get("samples", [])
-    if not isinstance(samples, list):
-        raise RowError(f"{where}.samples", f"must be a list of numbers, got {_kind(samples)}")
-    for sample in samples:
-        _number(sample, f"{where}.samples")
+@functools.cache
+def _record_checker():
+    """TuneResult's fields and ``origin``. Imported here, not at the top: the tuner imports the backends,
+    which import the store."""
+    from ..tuning.tuner import TuneResult
+
+    return _fields_checker(TuneResult, "record", {ORIGIN: str})
+
+
+def _fields_checker(cls, what: str, extra: dict | None = None):
+    """A check of a JSON object holding the fields of dataclass ``cls`` (and ``extra``: name -> type)."""
+    hints = typing.get_type_hints(cls)
+    checks = {f.name: _checker(hints[f.name]) for f in dataclasses.fields(cls)}
+    checks.update({name: _checker(hint) for name, hint in (extra or {}).items()})
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+
+    def check(value: dict, field: str) -> None:
+        missing = [name for name in required if name not in value]
+        if missing:
+            raise RowError(field, f"lacks {missing} (a {what} has {', '.join(checks)})")
+        for name, item in value.items():
+            if name not in checks:
+                raise RowError(f"{field}.{name}", f"unknown (a {what} has only {', '.join(checks)})")
+            _precisely(checks[name], item, field, f"{field}.{name}")
+
+    return check
+
+
+def _precisely(check, value, field: str, precise: str) -> None:
+    """``check(value, field)``; a failure is checked again under its own field's name: building every
+    name up front cost more than the checks themselves."""
+    try:
+        check(value, field)
+    except RowError:
+        check(value, precise)
+        raise
+
+
+@functools.cache
+def _checker(hint, nullable: bool = False):
+    """A function ``(value, field)`` that raises RowError unless ``value`` as JSON holds a field of type
+    ``hint``: str, float, bool, Problem (its key), a dataclass (a JSON object of its fields), ``list[X]``,
+    ``dict[str, X]`` or ``X | None``."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
+        inner = _checker(next(a for a in args if a is not type(None)), nullable=True)
+        return lambda value, field: value is None or inner(value, field)
+    or_null = " or null" if nullable else ""
+
+    def expect(kind: type, what: str):
+        def check(value, field):
+            if not isinstance(value, kind):
+                raise RowError(field, f"must be {what}{or_null}, got {_kind(value)}")
+        return check
+
+    if hint is str:
+        is_str = expect(str, "a string")
+        return lambda value, field: is_str(value, field) or _utf8(value, field)
+    if hint is float:
+        return lambda value, field: _number(value, field, optional=nullable)
+    if hint is bool:
+        return expect(bool, "true or false")
+    if hint is Problem:
+        return lambda value, field: _problem(_text(value, field), field)
+    if dataclasses.is_dataclass(hint):
+        is_object, fields = expect(dict, "a JSON object"), _fields_checker(hint, hint.__name__)
+        return lambda value, field: is_object(value, field) or fields(value, field)
+    if origin is list:
+        is_list, item = expect(list, "a list"), _checker(args[0])
+
+        def items(value, field):
+            is_list(value, field)
+            for i, x in enumerate(value):
+                _precisely(item, x, field, f"{field}[{i}]")
+        return items
+    if origin is dict and args[0] is str:
+        is_object, item = expect(dict, "a JSON object"), _checker(args[1])
+
+        def entries(value, field):
+            is_object(value, field)
+            for name, x in value.items():
+                _precisely(item, x, field, f"{field}.{_utf8(name, field)}")
+        return entries
+    raise TypeError(f"the schema cannot check a field of type {hint!r} (schema._checker)")
 
 
 def _check_created(created) -> None:
-    _number(created, "created")
-    if not 0 <= created < 1e12:  # also false for NaN; 1e12 s is 31,000 years away
-        raise RowError("created", f"must be a time in seconds since the epoch, got {created!r:.40}")
+    _check_time(created, "created")
+
+
+def _check_time(value, field: str) -> None:
+    _number(value, field)
+    if not 0 <= value < MAX_TIME_S:  # also false for NaN
+        raise RowError(field, f"must be a time in seconds since the epoch, got {value!r:.40}")

@@ -20,6 +20,9 @@ is compiled again, and under this mode the FX-graph-cache guard hashes the store
 write changes it), so the next compile bakes the new choice instead of replaying the old one; a new
 process reads it from the store.
 
+The worker answers with the decision it stored, which this process stores too where its own writable
+store lacks it: where no store file can be written, each process keeps new decisions in its own memory.
+
 The worker takes this process's ``INDUCTOR_ATTN_*`` settings when it starts; a tune after they changed
 (another store directory) goes to a new worker. It sees the backends that importing inductor_attn
 registers. A decision whose candidates include a backend registered at run time (``register_backend``)
@@ -53,7 +56,8 @@ _STATE: dict = {"thread": None, "worker": None}
 
 def schedule(call, direction: str, key: str, deterministic: bool) -> bool:
     """Queue a background tune of ``call``'s bucket, stored under decision ``key``; False if this process
-    had queued it already. The call's index tensors are copied now: the caller may reuse them."""
+    had queued it already, or it could not be queued (logged; the caller's call goes on with its first
+    choice). The call's index tensors are copied now: the caller may reuse them."""
     with _LOCK:
         if key in _SCHEDULED:
             return False
@@ -61,8 +65,16 @@ def schedule(call, direction: str, key: str, deterministic: bool) -> bool:
         if _STATE["thread"] is None:
             _STATE["thread"] = threading.Thread(target=_loop, name="inductor_attn-background-tuning", daemon=True)
             _STATE["thread"].start()
-    tmp = Path(tempfile.mkdtemp(prefix="inductor_attn_background_"))
-    save_call(call, tmp / "call.pt")
+    tmp = None
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix="inductor_attn_background_"))
+        save_call(call, tmp / "call.pt")
+    except (OSError, RuntimeError) as err:  # a full disk: torch.save raises RuntimeError ("basic_ios::clear")
+        log.warning("inductor_attn: background tune of decision %s could not be queued (%s: %s); this process "
+                    "keeps its first choice for the bucket", key[:12], type(err).__name__, err)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return False
     _QUEUE.put((key, direction, deterministic, tmp))
     return True
 
@@ -99,8 +111,10 @@ def _tune(key: str, direction: str, deterministic: bool, path: Path) -> None:
             _STATE["worker"] = None  # it exited with its CUDA context: the next tune starts another
         if "error" in reply:
             log.warning("inductor_attn: background tune of decision %s failed: %s", key[:12], reply["error"])
-        else:
-            log.info("inductor_attn: background tune of decision %s chose %s", key[:12], reply["winner"])
+            return
+        log.info("inductor_attn: background tune of decision %s chose %s", key[:12], reply["winner"])
+        if reply["row"] is not None and store.writable.get(key) is None:
+            store.put(reply["row"])  # the worker's writable store is not ours: each process's own memory
     except (TimeoutError, WorkerError):
         _STATE["worker"] = None  # killed or dead: the next tune starts another
         raise

@@ -7,9 +7,9 @@ with another rank's collective for another bucket, or waits for a partner that n
 - **Claims** (``tune_once``): processes that share a store file (the ranks of one node) tune each bucket
   once. The first to miss the store claims the bucket's key in the store's ``claims`` table; the others
   wait for its decision to appear and use it, so tuning cost is not multiplied by the ranks per node.
-  A claim is ignored when its process is dead (same host) or older than ``INDUCTOR_ATTN_CLAIM_TIMEOUT_S``
-  (default 300 s; one cold tune took 10-55 s on an H200, issue 16), and no rank waits longer than that
-  for one claim: then it tunes itself and says so.
+  A claim is ignored when its process is dead (same host; a zombie, killed but not yet reaped, counts as
+  dead) or older than ``INDUCTOR_ATTN_CLAIM_TIMEOUT_S`` (default 300 s; one cold tune took 10-55 s on an
+  H200, issue 16), and no rank waits longer than that for one claim: then it tunes itself and says so.
 - **One measurer per device**: ranks tune different buckets at once when they run on different GPUs,
   but ranks sharing one GPU (same CUDA device UUID) or measuring on the CPU of one host take turns
   through a second claim, ``device:<host>:<uuid>``: concurrent kernels would skew each other's timings.
@@ -56,8 +56,19 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # exists, owned by another user
-        return True
-    return True
+        pass
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """Killed or exited, but not yet reaped by its parent: ``kill(pid, 0)`` still finds it (Linux's /proc
+    says so; elsewhere it counts as alive until the claim times out)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:][:1] == b"Z"  # the state follows the command name, which may hold ")"
 
 
 def _stale(holder: dict, timeout_s: float) -> bool:

@@ -16,7 +16,8 @@ Requests (``call``: a file written by :func:`save_call`):
   backend's disk cache; answers ``{"seconds"}``.
 - ``{"op": "tune", "call", "direction", "deterministic", "key"}``: tune the call's bucket (under
   ``torch.use_deterministic_algorithms(deterministic)``) and store the decision under ``key``
-  (background mode, decisions.py); answers ``{"winner"}``.
+  (background mode, decisions.py); answers ``{"winner", "row"}``: the stored decision, or null where the
+  store could not be read back.
 
 A request that fails answers ``{"error": "Type: message", "bug": bool}``: ``bug`` is false for the errors
 that mean "this candidate cannot run here" (measure.is_candidate_error). One whose error left the worker's
@@ -177,10 +178,12 @@ def _compile(req: dict) -> dict:
 
 
 def _tune(req: dict) -> dict:
+    from ..store.db import get_store
     from .decisions import tune_in_worker
 
     call = load_call(Path(req["call"]))
-    return {"winner": tune_in_worker(call, req["direction"], req["key"], req["deterministic"])}
+    winner = tune_in_worker(call, req["direction"], req["key"], req["deterministic"])
+    return {"winner": winner, "row": get_store().get(req["key"])}
 
 
 def _error(err: Exception, req: dict) -> dict:
