@@ -1,8 +1,8 @@
 """The decision row schema: one check for every row that enters the store (tuner, import) or leaves it (reads).
 
 A row is a JSON object with exactly ``COLUMNS``; ``versions`` and ``record`` are JSON objects (TEXT in
-SQLite). The check covers what readers rely on: ``attention()`` uses ``winner``; compiled code rebuilds
-the record's candidates as ``CandidateResult`` and weighs its ``compiled_winner``; ``cache list``/``explain``
+SQLite). The check covers what readers rely on: ``attention()`` uses ``winner``; compiled code weighs the
+device and host times of the record's candidates (``CandidateResult``); ``cache list``/``explain``
 format every field of the record and parse both problem keys; the key must be the hash of the fields it
 stands for, so a row can never answer for another problem. The record's fields and their types are those
 of the tuner's ``TuneResult`` and ``CandidateResult`` (tuning/tuner.py), read from the dataclasses, so a
@@ -182,11 +182,11 @@ def _check_record(record) -> None:
 
 @functools.cache
 def _record_checker():
-    """TuneResult's fields and ``origin``. Imported here, not at the top: the tuner imports the backends,
-    which import the store."""
-    from ..tuning.tuner import TuneResult
+    """TuneResult's fields, ``origin`` and the fields of older records. Imported here, not at the top: the tuner
+    imports the backends, which import the store."""
+    from ..tuning.tuner import LEGACY_FIELDS, TuneResult
 
-    return _fields_checker(TuneResult, "record", {ORIGIN: str})
+    return _fields_checker(TuneResult, "record", {ORIGIN: str, **LEGACY_FIELDS})
 
 
 def _fields_checker(cls, what: str, extra: dict | None = None):

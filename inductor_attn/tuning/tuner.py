@@ -132,8 +132,9 @@ class TuneResult:
         return cls(**d)
 
 
-# What records tuned before step 7 measured every candidate's host time held: one choice for all compiled code.
-LEGACY_FIELDS = ("compiled_winner", "compiled_why")
+# What records tuned before step 7 measured every candidate's host time held, with their types: one choice for
+# all compiled code. Read, never used.
+LEGACY_FIELDS = {"compiled_winner": str | None, "compiled_why": str}
 
 
 def default_rounds() -> int:
