@@ -44,8 +44,16 @@ def block_sparse_mask_fn(call: AttnCall) -> MaskFn:
     return rows
 
 
+def _grouped_matmul(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """(B, Hkv, G, R, N) ``x`` @ (B, Hkv, N, M) ``y`` -> (B, Hkv, G, R, M): one matmul of G * R rows per kv head.
+    ``torch.matmul(x, y[:, :, None])`` broadcasts y over G by copying it G times (27x the time of this at
+    decode, B4 Hq32 Hkv8 Lk4096 D128 on a CPU)."""
+    b, h, g, r, n = x.shape
+    return torch.matmul(x.reshape(b, h, g * r, n), y).unflatten(2, (g, r))
+
+
 def _scores(qc, k, scale, mask):
-    s = torch.matmul(qc, k.transpose(-1, -2)[:, :, None]) * scale
+    s = _grouped_matmul(qc, k.transpose(-1, -2)) * scale
     return s if mask is None else s.masked_fill(~mask, float("-inf"))
 
 
@@ -66,7 +74,7 @@ def forward(q, k, v, scale: float, mask_fn: MaskFn | None, align: int = 1):
         m = torch.where(torch.isinf(m), 0.0, m)
         p = torch.exp(scores - m)
         denom = p.sum(-1, keepdim=True)
-        out[:, :, :, s:e] = torch.matmul(p, vf[:, :, None]) / torch.where(denom == 0, 1.0, denom)
+        out[:, :, :, s:e] = _grouped_matmul(p, vf) / torch.where(denom == 0, 1.0, denom)
         lse[:, :, :, s:e] = (m + torch.log(denom)).squeeze(-1)
     return out.reshape(b, hq, lq, dv).to(q.dtype), lse.reshape(b, hq, lq).to(torch.float32)
 
@@ -99,12 +107,12 @@ def backward(q, k, v, out, lse, grad_out, grad_lse, scale: float, mask_fn: MaskF
         p = torch.where(torch.isinf(row_lse), 0.0, torch.exp(scores - row_lse))
         doc = do[:, :, :, s:e]
         dv += torch.einsum("bhgqk,bhgqd->bhkd", p, doc)
-        dp = torch.matmul(doc, vf.transpose(-1, -2)[:, :, None])
+        dp = _grouped_matmul(doc, vf.transpose(-1, -2))
         shift = delta[:, :, :, s:e, None]
         if dl is not None:
             shift = shift - dl[:, :, :, s:e, None]
         ds = p * (dp - shift)
-        dq[:, :, :, s:e] = torch.matmul(ds, kf[:, :, None]) * scale
+        dq[:, :, :, s:e] = _grouped_matmul(ds, kf) * scale
         dk += torch.einsum("bhgqk,bhgqd->bhkd", ds, qc) * scale
     return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
