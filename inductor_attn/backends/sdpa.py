@@ -7,7 +7,8 @@ baseline every other candidate must beat.
 
 Masks: the aten ops' ``is_causal`` is upper-left aligned, so it is used only when Lq == Lk. Lower-right
 causal with Lq != Lk, windows, kv_seqlens and key_mask become an additive bias (B or 1, 1, Lq, Lk), which the
-flash kernel cannot take (pruned) and which is capped in size. GQA: flash and cuDNN get k/v as they
+flash kernel cannot take (pruned) and which is capped in size. With kv_seqlens the forward is pruned: keys past
+the lengths still enter P @ V (:data:`KV_SEQLENS_LEAK`). GQA: flash and cuDNN get k/v as they
 are; the efficient kernel gets them expanded (a copy, as SDPA's own enable_gqa path does for it).
 """
 
@@ -27,6 +28,10 @@ from .masks import dense_mask_fn
 KERNELS = ("cudnn", "flash", "efficient")
 _SDP_CHOICE = {1: "flash", 2: "efficient", 3: "cudnn"}  # torch.nn.attention.SDPBackend values
 MAX_BIAS_BYTES = 1 << 30
+# Measured on an H200 (bf16, NaN written into k and v past each length): the efficient and cuDNN kernels gave
+# NaN outputs at decode (Lq 1 and 4) and prefill. Their backward is left to the gate, which writes the same NaN.
+KV_SEQLENS_LEAK = ("SDPA's kernels are told kv_seqlens as an additive -inf bias: keys past kv_seqlens still enter "
+                   "P @ V with weight 0, and 0 * NaN (an unwritten cache slot) reaches the output")
 
 
 def _needs_bias(p: Problem) -> bool:
@@ -164,6 +169,8 @@ class SdpaBackend(Backend):
             return f"SDPA has no {p.op} entry point (a dense mask would be O(Lq x Lk))"
         if p.dtype == "float64":
             return "float64 runs on the reference only"
+        if p.has_kv_seqlens and direction == "forward":
+            return KV_SEQLENS_LEAK
         bias_bytes = (p.batch if p.has_kv_seqlens or p.has_key_mask else 1) * p.len_q * p.len_k * 2
         if _needs_bias(p) and bias_bytes > MAX_BIAS_BYTES:
             return f"this mask needs an additive bias of {bias_bytes >> 20} MiB (cap {MAX_BIAS_BYTES >> 20} MiB)"
