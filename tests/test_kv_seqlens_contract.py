@@ -60,11 +60,14 @@ PREFILL = Problem("attention", "bfloat16", "cuda", 2, 16, 2, 512, 2048, 256, 256
 
 @pytest.mark.parametrize("problem", [DECODE, PREFILL], ids=["decode", "prefill"])
 @pytest.mark.parametrize("backend", [sdpa.BACKEND, fa4.BACKEND], ids=lambda b: b.name)
-def test_backends_measured_to_leak_nan_past_kv_seqlens_are_pruned_for_such_calls(backend, problem, monkeypatch):
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_backends_measured_to_leak_nan_past_kv_seqlens_are_pruned_for_such_calls(backend, problem, direction,
+                                                                                  monkeypatch):
+    # pruned, not left to the gate: the off, heuristic and cache-only modes run no gate
     monkeypatch.setattr(fa4, "_load", lambda: fake_fa4())
-    reason = backend.supports(problem, SM90)
+    reason = backend.supports(problem, SM90, direction)
     assert reason is not None and "past kv_seqlens" in reason and "0 * NaN" in reason, reason
-    assert backend.supports(dataclasses.replace(problem, has_kv_seqlens=False), SM90) is None
+    assert backend.supports(dataclasses.replace(problem, has_kv_seqlens=False), SM90, direction) is None
 
 
 # -------------------------------------------------------------------------------------------------- the gate
@@ -105,8 +108,8 @@ def test_the_gate_drops_a_candidate_that_lets_nan_past_kv_seqlens_reach_its_outp
     assert result.winner == "clean:default" and dropped.status == "wrong"
     assert dropped.reason.startswith(LEAK_REASON + "output rel. error inf"), dropped.reason
     # without lengths nothing is NaN, and the same kernel is right and wins
-    call = random_call(2, 2, 2, 3, 12, 16, [5, 9], causal=True)
-    assert _tune_fakes(dataclasses.replace(call, kv_seqlens=None, _problem=None), clean, leaky).winner == "leaky:default"
+    unmasked = dataclasses.replace(random_call(2, 2, 2, 3, 12, 16, [5, 9], causal=True), kv_seqlens=None, _problem=None)
+    assert _tune_fakes(unmasked, clean, leaky).winner == "leaky:default"
 
 
 def test_a_candidate_wrong_for_another_reason_keeps_that_reason():
