@@ -109,10 +109,15 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, wind
         scale: softmax scale, default ``1 / sqrt(D)``: a float, int or NumPy real scalar.
         window: sliding window. ``w`` keeps keys within w positions before the (aligned) diagonal, and
             after it too unless causal; ``(left, right)`` sets both sides, -1 = unbounded.
-        kv_seqlens: int32 (B,): only the first ``kv_seqlens[b]`` keys of batch b are valid (KV cache).
+        kv_seqlens: int32 (B,): only the first ``kv_seqlens[b]`` keys of batch b are valid (KV cache). Keys
+            and values past a length never reach an output or a gradient, whatever they hold (NaN in an
+            unwritten cache slot included), and get zero gradients; backends that cannot keep this are pruned.
         key_mask: bool (B, Lk), any strides: key j of batch b may be attended only where True (a padding
             mask, or a decode mask with left padding). Combines with the arguments above; it does not
-            move the causal/window alignment. Runs on sdpa, triton_decode and reference.
+            move the causal/window alignment. Runs on sdpa, triton_decode and reference. Masked keys and
+            values must hold finite values, as in SDPA (a left-padded batch's pad tokens do): the output is
+            the same whatever finite values they hold, but a NaN or inf there may reach it (masked keys
+            still get weight 0 in P @ V). For memory that may hold anything, use ``kv_seqlens``.
         block_mask: a flex_attention ``BlockMask`` (or ``BlockSparseMask``); it carries the whole mask,
             so causal/window/kv_seqlens/key_mask must be left unset.
         return_lse: also return the float32 log-sum-exp (B, Hq, Lq).
@@ -243,7 +248,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
     Args:
         q: (total_q, Hq, D); k: (total_k, Hkv, D); v: (total_k, Hkv, Dv).
         cu_seqlens_q, cu_seqlens_k: int32 (num_seqs + 1,), starting at 0, non-decreasing, ending at
-            the totals. Sequence i is ``q[cu_seqlens_q[i]:cu_seqlens_q[i+1]]``.
+            the totals. Sequence i is ``q[cu_seqlens_q[i]:cu_seqlens_q[i+1]]``. A sequence's keys never
+            reach another sequence's outputs or gradients, whatever they hold (a padding sequence of no
+            queries may hold NaN).
         max_seqlen_q, max_seqlen_k: longest sequence; computed from cu_seqlens (a device sync) if None.
         causal, scale, window: as in :func:`attention`, aligned per sequence (lower-right).
         return_lse: also return the float32 lse of shape (Hq, total_q).

@@ -15,6 +15,7 @@ import torch
 from fakes import FakeBackend, FakeTimer
 from test_fa4 import fake_fa4
 
+from inductor_attn import attention
 from inductor_attn.api import make_call
 from inductor_attn.backends import AttnCall, enumerate_candidates, fa4, only_backends, sdpa
 from inductor_attn.device import device_info, parse_device_override
@@ -159,3 +160,38 @@ def test_no_varlen_candidate_reads_the_keys_between_two_sequences(direction):
     gated, failures = gate_every_candidate(padded, direction, expected_call=clean)
     assert not failures, "\n".join(failures)
     assert any(name.startswith("triton") for name in gated), gated
+
+
+# ------------------------------------------------------------------------ key_mask: masked keys hold finite values
+def left_padded(device="cpu", dtype=torch.float32, b=2, hq=4, hkv=2, lq=3, lk=40, d=16, pad=(7, 0)):
+    """q, k, v and a key_mask that masks each batch's first ``pad[b]`` keys (HF's left padding)."""
+    q = torch.randn(b, hq, lq, d, dtype=dtype, device=device)
+    k, v = (torch.randn(b, hkv, lk, d, dtype=dtype, device=device) for _ in range(2))
+    key_mask = torch.arange(lk, device=device) >= torch.tensor(pad, device=device)[:, None]
+    return q, k, v, key_mask
+
+
+def holding(x: torch.Tensor, key_mask: torch.Tensor, value: float) -> torch.Tensor:
+    return x.masked_fill(~key_mask[:, None, :, None], value)
+
+
+@pytest.mark.parametrize("value", [1e4, -1e4, 0.0])
+def test_masked_keys_may_hold_any_finite_values_on_every_key_mask_candidate(value):
+    torch.manual_seed(0)
+    q, k, v, key_mask = left_padded()
+    call = make_call(q, k, v, causal=True, key_mask=key_mask)
+    held = dataclasses.replace(call, k=holding(k, key_mask, value), v=holding(v, key_mask, value))
+    gated, failures = gate_every_candidate(held, "forward", expected_call=call)
+    assert not failures, "\n".join(failures)
+    assert any(name.startswith("triton_decode") for name in gated), gated
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_attention_with_a_key_mask_ignores_what_masked_keys_hold(compiled, reference_only):
+    torch.manual_seed(0)
+    q, k, v, key_mask = left_padded(lq=8)
+    fn = torch.compile(attention, fullgraph=True) if compiled else attention
+    want = fn(q, k, v, key_mask=key_mask)
+    for value in (1e4, -1e4):
+        got = fn(q, holding(k, key_mask, value), holding(v, key_mask, value), key_mask=key_mask)
+        torch.testing.assert_close(got, want)
