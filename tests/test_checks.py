@@ -354,3 +354,24 @@ def test_compiled_call_with_a_zero_size_matches_eager(fresh_dynamo):
     k, v = t(2, 2, 0, 16), t(2, 2, 0, 16)
     for compiled, eager in zip(fn(Q, k, v), attention(Q, k, v, return_lse=True)):
         torch.testing.assert_close(compiled, eager)
+
+
+COMPILED_CALLS = {
+    "attention": lambda s: attention(Q, K, V, scale=s),
+    "varlen": lambda s: varlen_attention(QV, KV, VV, CU_Q, CU_K, 6, 7, scale=s),
+    "block_mask": lambda s: attention(Q64, Q64, Q64, block_mask=SPARSE_64, scale=s),
+}
+
+
+@pytest.mark.parametrize("kind, scale", [("attention", float("nan")), ("attention", float("inf")),
+                                         ("attention", -float("inf")), ("varlen", float("inf")),
+                                         ("block_mask", float("nan"))])
+@pytest.mark.parametrize("dynamic", [None, True], ids=["dynamic_default", "dynamic"])
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_compiled_call_refuses_a_nan_or_infinite_scale_as_eager_calls_do(kind, scale, fullgraph, dynamic,
+                                                                         fresh_dynamo):
+    fn = torch.compile(COMPILED_CALLS[kind], fullgraph=fullgraph, dynamic=dynamic)
+    fn(0.5)
+    fn(0.25)  # a second value: automatic dynamic may trace the scale as a symbol from here
+    with pytest.raises(ValueError, match=rf"^scale must be finite, got {scale}"):
+        fn(scale)

@@ -154,8 +154,11 @@ def check_scale(scale) -> None:
         traced_numpy = torch.compiler.is_compiling() and type(scale).__module__ == "numpy"
         accepted = "; in compiled code pass float(scale)" if traced_numpy else " (an int or NumPy scalar works too)"
         fail(TypeError, f"scale must be a float, got {type(scale).__name__}{accepted}")
-    if torch.compiler.is_compiling():
-        return  # Dynamo may trace a float argument as a symbol: its value is not known here
+    if torch.compiler.is_dynamo_compiling():
+        # traced code (the public functions'), where Dynamo may trace a float argument as a symbol whose value is
+        # not known: the op's fake impl checks it at trace time, where the op's float argument has made it a
+        # value (a guard on that value: another scale traces again)
+        return
     if not math.isfinite(scale):
         fail(ValueError, f"scale must be finite, got {scale}")
     if float(scale) != scale:
