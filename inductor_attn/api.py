@@ -12,8 +12,8 @@ from .ops import BlockSparseMask, attention_op, block_sparse_attention_op, varle
 # The checks by name, not through their module: Dynamo reaches the module from the checks' own globals too, and
 # one object reached two ways gets a guard evaluated in Python on every compiled call.
 from .ops.checks import (KV_SEQLENS_VALUES, MAX_INT32, check_attention, check_attention_values, check_block_sparse,
-                         check_bool, check_kv_seqlens, check_scale, check_varlen, check_varlen_values, check_window,
-                         device_message, fail, refuse_to_trace)
+                         check_block_sparse_values, check_bool, check_kv_seqlens, check_scale, check_varlen,
+                         check_varlen_values, check_window, device_message, fail, refuse_to_trace)
 from .problem import default_scale
 
 # The compiled kv_seqlens check as the traced path writes it: the builtin and its text, read from this module alone.
@@ -102,6 +102,8 @@ def make_call(q, k, v, *, causal: bool = False, scale: float | None = None, wind
         scale = _scale(scale, q)
         sparse = _as_sparse(block_mask, q, k)
         check_block_sparse(q, k, v, sparse, scale)
+        if check_indices:
+            check_block_sparse_values(k, sparse)
         return AttnCall("block_sparse", q, k, v, scale, sparse=sparse)
     left, right = _window(window, causal)
     check_attention(q, k, v, scale, left, right, kv_seqlens, key_mask, allow_empty=True)
@@ -136,8 +138,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, wind
         block_mask: a flex_attention ``BlockMask`` (or ``BlockSparseMask``); it carries the whole mask,
             so causal/window/kv_seqlens/key_mask must be left unset.
         return_lse: also return the float32 log-sum-exp (B, Hq, Lq).
-        check_indices: check the values of ``kv_seqlens`` (in [0, Lk]): eagerly with a device sync and a
-            ValueError, in compiled code with a device-side assert. False skips both.
+        check_indices: check the values of ``kv_seqlens`` (in [0, Lk]) and of a ``BlockSparseMask``'s block
+            lists (counts within their slots, listed kv blocks within Lk): eagerly with a device sync and a
+            ValueError, in compiled code with device-side asserts. False skips both.
 
     Fully masked query rows give zeros and lse = -inf. Zero sizes (B, Hq, Lq or Lk of 0) run no kernel:
     empty outputs, or with Lk = 0 zeros and lse = -inf.

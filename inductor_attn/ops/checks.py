@@ -349,3 +349,30 @@ def check_block_sparse(q, k, v, sparse, scale) -> None:
         check_index_tensor("full_kv_indices", sparse.full_kv_indices, (b, h, m, n_full), q.device,
                            "[B, H, q_blocks, n]")
 
+
+def check_block_sparse_values(k, sparse) -> None:
+    """A (hand-made) mask's block lists: each count within its list's slots, each listed kv block within the
+    keys; a kernel would read past k otherwise. Unlisted slots may hold anything (flex's do). Eagerly a device
+    sync and a ValueError; compiled, device-side asserts."""
+    n_kv = -(-k.shape[2] // sparse.block_kv)
+    lists = [("kv_num_blocks", "kv_indices", sparse.kv_num_blocks, sparse.kv_indices)]
+    if sparse.full_kv_num_blocks is not None:
+        lists.append(("full_kv_num_blocks", "full_kv_indices", sparse.full_kv_num_blocks, sparse.full_kv_indices))
+    for count_name, index_name, count, index in lists:
+        slots = index.shape[-1]
+        listed_index = torch.where(torch.arange(slots, device=index.device) < count[..., None], index, 0)
+        if torch.compiler.is_compiling():
+            assert_on_device(((count >= 0) & (count <= slots)).all(),
+                             f"{count_name} values must be in [0, {index_name}.shape[-1]]")
+            assert_on_device(((listed_index >= 0) & (listed_index < n_kv)).all(),
+                             f"{index_name} values must be in [0, the kv blocks of k) where {count_name} lists them")
+            continue
+        lo, hi = torch.stack([count.min(), count.max()]).tolist()
+        if lo < 0 or hi > slots:
+            raise ValueError(f"{count_name} values must be in [0, {slots}] (the slots of {index_name}), got min {lo}, "
+                             f"max {hi}")
+        lo, hi = torch.stack([listed_index.min(), listed_index.max()]).tolist()
+        if lo < 0 or hi >= n_kv:
+            bad = index[(listed_index < 0) | (listed_index >= n_kv)]
+            raise ValueError(f"{index_name} values must be in [0, {n_kv}) (the kv blocks of k seq_len {k.shape[2]} at "
+                             f"block_kv {sparse.block_kv}) where {count_name} lists them, got {bad.unique().tolist()}")
