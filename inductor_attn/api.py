@@ -11,9 +11,9 @@ from .layout import conform
 from .ops import BlockSparseMask, attention_op, block_sparse_attention_op, varlen_attention_op
 # The checks by name, not through their module: Dynamo reaches the module from the checks' own globals too, and
 # one object reached two ways gets a guard evaluated in Python on every compiled call.
-from .ops.checks import (KV_SEQLENS_VALUES, check_attention, check_attention_values, check_block_sparse,
-                         check_kv_seqlens, check_scale, check_varlen, check_varlen_values, check_window,
-                         device_message, fail)
+from .ops.checks import (KV_SEQLENS_VALUES, MAX_INT32, check_attention, check_attention_values, check_block_sparse,
+                         check_block_sparse_values, check_bool, check_kv_seqlens, check_scale, check_varlen,
+                         check_varlen_values, check_window, device_message, fail, refuse_to_trace)
 from .problem import default_scale
 
 # The compiled kv_seqlens check as the traced path writes it: the builtin and its text, read from this module alone.
@@ -30,12 +30,17 @@ def _window(window, causal: bool) -> tuple[int, int]:
     if isinstance(window, int) and not isinstance(window, bool):
         if window < 0:
             fail(ValueError, f"window must be >= 0 (or None for unbounded), got {window}")
+        if window > MAX_INT32:
+            fail(ValueError, f"window must be at most {MAX_INT32} (None is unbounded), got {window}")
         return (window, 0) if causal else (window, window)
     if isinstance(window, (tuple, list)) and len(window) == 2:
         left, right = window
         check_window(left, right)
         return left, right
-    fail(TypeError, f"window must be None, an int or a (left, right) pair of ints, got {window!r}")
+    # torch.compile traces a NumPy scalar as an array, whose repr it cannot take
+    traced_numpy = torch.compiler.is_compiling() and type(window).__module__ == "numpy"
+    got = f"{type(window).__name__}; in compiled code pass int(window)" if traced_numpy else repr(window)
+    fail(TypeError, f"window must be None, an int or a (left, right) pair of ints, got {got}")
 
 
 def _scale(scale, q) -> float:
@@ -45,11 +50,17 @@ def _scale(scale, q) -> float:
     return scale if isinstance(scale, torch.SymFloat) else float(scale)
 
 
+# What a fullgraph compile of a call with a BlockMask reads first (a graph break is what Dynamo would say)
+_BLOCK_MASK_TRACED = ("block_mask: a flex_attention BlockMask is converted by running its mask_mod, a graph break; "
+                      "under fullgraph=True convert it first, outside the compiled function: "
+                      "inductor_attn.BlockSparseMask.from_block_mask(block_mask)")
+
+
 @torch.compiler.disable
 def _convert_block_mask(block_mask) -> BlockSparseMask:
-    # A graph break under torch.compile: the bitmaps come from running the mask_mod. The result is kept
-    # on the BlockMask, so a mask reused across layers is converted once. Convert outside the compiled
-    # region (BlockSparseMask.from_block_mask) to keep fullgraph=True.
+    # A graph break under torch.compile (refused under fullgraph=True with _BLOCK_MASK_TRACED): the bitmaps
+    # come from running the mask_mod. The result is kept on the BlockMask, so a mask reused across layers is
+    # converted once.
     cached = getattr(block_mask, "_inductor_attn_sparse", None)
     if cached is None:
         cached = BlockSparseMask.from_block_mask(block_mask)
@@ -72,13 +83,17 @@ def _as_sparse(block_mask, q, k) -> BlockSparseMask:
             ValueError,
             f"block_mask was built for (Q_LEN, KV_LEN) = {lengths}, but q/k have lengths ({q.shape[2]}, {k.shape[2]})"
         )
-    return _convert_block_mask(block_mask) if isinstance(block_mask, BlockMask) else block_mask
+    if isinstance(block_mask, BlockMask):
+        refuse_to_trace(TypeError, _BLOCK_MASK_TRACED)
+        return _convert_block_mask(block_mask)
+    return block_mask
 
 
 def make_call(q, k, v, *, causal: bool = False, scale: float | None = None, window=None,
               kv_seqlens: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
               block_mask=None, check_indices: bool = True) -> AttnCall:
     """Check and normalise :func:`attention`'s arguments into the call that backends run."""
+    check_bool("causal", causal)
     if block_mask is not None:
         if causal or window is not None or kv_seqlens is not None or key_mask is not None:
             fail(ValueError, "block_mask already encodes the mask: leave causal, window, kv_seqlens and "
@@ -87,6 +102,8 @@ def make_call(q, k, v, *, causal: bool = False, scale: float | None = None, wind
         scale = _scale(scale, q)
         sparse = _as_sparse(block_mask, q, k)
         check_block_sparse(q, k, v, sparse, scale)
+        if check_indices:
+            check_block_sparse_values(k, sparse)
         return AttnCall("block_sparse", q, k, v, scale, sparse=sparse)
     left, right = _window(window, causal)
     check_attention(q, k, v, scale, left, right, kv_seqlens, key_mask, allow_empty=True)
@@ -109,15 +126,21 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, wind
         scale: softmax scale, default ``1 / sqrt(D)``: a float, int or NumPy real scalar.
         window: sliding window. ``w`` keeps keys within w positions before the (aligned) diagonal, and
             after it too unless causal; ``(left, right)`` sets both sides, -1 = unbounded.
-        kv_seqlens: int32 (B,): only the first ``kv_seqlens[b]`` keys of batch b are valid (KV cache).
+        kv_seqlens: int32 (B,): only the first ``kv_seqlens[b]`` keys of batch b are valid (KV cache). Keys
+            and values past a length never reach an output or a gradient, whatever they hold (NaN in an
+            unwritten cache slot included), and get zero gradients; backends that cannot keep this are pruned.
         key_mask: bool (B, Lk), any strides: key j of batch b may be attended only where True (a padding
             mask, or a decode mask with left padding). Combines with the arguments above; it does not
-            move the causal/window alignment. Runs on sdpa, triton_decode and reference.
+            move the causal/window alignment. Runs on sdpa, triton_decode and reference. Masked keys and
+            values must hold finite values, as in SDPA (a left-padded batch's pad tokens do): the output is
+            the same whatever finite values they hold, but a NaN or inf there may reach it (masked keys
+            still get weight 0 in P @ V). For memory that may hold anything, use ``kv_seqlens``.
         block_mask: a flex_attention ``BlockMask`` (or ``BlockSparseMask``); it carries the whole mask,
             so causal/window/kv_seqlens/key_mask must be left unset.
         return_lse: also return the float32 log-sum-exp (B, Hq, Lq).
-        check_indices: check the values of ``kv_seqlens`` (in [0, Lk]): eagerly with a device sync and a
-            ValueError, in compiled code with a device-side assert. False skips both.
+        check_indices: check the values of ``kv_seqlens`` (in [0, Lk]) and of a ``BlockSparseMask``'s block
+            lists (counts within their slots, listed kv blocks within Lk): eagerly with a device sync and a
+            ValueError, in compiled code with device-side asserts. False skips both.
 
     Fully masked query rows give zeros and lse = -inf. Zero sizes (B, Hq, Lq or Lk of 0) run no kernel:
     empty outputs, or with Lk = 0 zeros and lse = -inf.
@@ -128,8 +151,11 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, wind
         # Traced by Dynamo, which guards every global and function a compiled call passes through and checks
         # those guards on every call: the op's fake impl makes the structural checks (check_attention, with the
         # same messages); the default scale skips check_scale (only _scale's default_scale runs) and the default
-        # window calls no helper. Zero sizes (which never reach the op) and non-tensor q, k, kv_seqlens take the
-        # checked path.
+        # window calls no helper, nor do flags that are bools. Zero sizes (which never reach the op) and non-tensor
+        # q, k, kv_seqlens take the checked path.
+        for name, flag in (("causal", causal), ("return_lse", return_lse), ("check_indices", check_indices)):
+            if flag is not True and flag is not False:
+                check_bool(name, flag)
         if scale is not None:
             check_scale(scale)
         left, right = (-1, -1) if window is None else _window(window, causal)
@@ -141,6 +167,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, wind
             _device_assert(((kv_seqlens >= 0) & (kv_seqlens <= k.shape[2])).all(), _KV_SEQLENS_ASSERT)
         out, lse = _ATTENTION(q, k, v, _scale(scale, q), causal, left, right, kv_seqlens, key_mask, "")
         return (out, lse) if return_lse else out
+    check_bool("return_lse", return_lse)
+    check_bool("check_indices", check_indices)
     call = make_call(q, k, v, causal=causal, scale=scale, window=window, kv_seqlens=kv_seqlens,
                      key_mask=key_mask, block_mask=block_mask, check_indices=check_indices)
     if _zero_size(q.shape[:3] + k.shape[2:3]):
@@ -243,7 +271,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
     Args:
         q: (total_q, Hq, D); k: (total_k, Hkv, D); v: (total_k, Hkv, Dv).
         cu_seqlens_q, cu_seqlens_k: int32 (num_seqs + 1,), starting at 0, non-decreasing, ending at
-            the totals. Sequence i is ``q[cu_seqlens_q[i]:cu_seqlens_q[i+1]]``.
+            the totals. Sequence i is ``q[cu_seqlens_q[i]:cu_seqlens_q[i+1]]``. A sequence's keys never
+            reach another sequence's outputs or gradients, whatever they hold (a padding sequence of no
+            queries may hold NaN).
         max_seqlen_q, max_seqlen_k: longest sequence; computed from cu_seqlens (a device sync) if None.
         causal, scale, window: as in :func:`attention`, aligned per sequence (lower-right).
         return_lse: also return the float32 lse of shape (Hq, total_q).
@@ -253,6 +283,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
 
     total_q, Hq or total_k of 0 run no kernel: empty outputs, or with no keys zeros and lse = -inf.
     """
+    for name, flag in (("causal", causal), ("return_lse", return_lse), ("check_indices", check_indices)):
+        check_bool(name, flag)
     left, right = _window(window, causal)
     check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right,
                  allow_empty=True)

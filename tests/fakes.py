@@ -14,6 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from inductor_attn.backends import REFERENCE, AttnCall, Backend, Config, Plan
+from inductor_attn.backends.masks import dense_mask_fn
 from inductor_attn.backends.reference import run_backward, run_forward
 
 
@@ -22,16 +23,17 @@ class FakeBackend(Backend):
     Its plans compute through the reference's torch code; with ``traceable=True`` they offer that code as
     their traced form too, so compiled graphs hold it (a stand-in for Triton and aten plans on the CPU);
     ``traced_host_s``: a forward traced form of aten calls (SDPA's) whose calls in compiled code spend that much
-    CPU time (its ``host_probe``)."""
+    CPU time (its ``host_probe``); ``leaks``: configs told the mask as an additive -inf bias, as SDPA's kernels are
+    told kv_seqlens (:func:`biased_forward`)."""
 
     has_backward = True
 
     def __init__(self, name: str, times: dict[str, tuple[float, float]], wrong=(), fail=(), prune=None,
                  supports_reason=None, heuristic=None, traceable=False, host_s=0.0, checks_kv_seqlens=False,
-                 traced_host_s=None):
+                 traced_host_s=None, leaks=()):
         self.name = name
         self.times = times
-        self.wrong, self.fail = set(wrong), set(fail)
+        self.wrong, self.fail, self.leaks = set(wrong), set(fail), set(leaks)
         self.prune_reasons = prune or {}
         self.supports_reason = supports_reason
         self.rule = heuristic
@@ -70,7 +72,7 @@ class FakeBackend(Backend):
         FakeTimer.last, FakeTimer.last_host_s = (self.name, cfg), self.host_s
         if cfg in self.fail:
             raise RuntimeError("CUDA error: launch failed (simulated)")
-        out, lse = run_forward(call)
+        out, lse = biased_forward(call) if cfg in self.leaks else run_forward(call)
         return (out + 1.0, lse) if cfg in self.wrong else (out, lse)
 
     def _backward(self, cfg, call, out, lse, grad_out, grad_lse):
@@ -79,6 +81,16 @@ class FakeBackend(Backend):
 
     def source_hash(self) -> str:
         return f"fake-{self.name}"
+
+
+def biased_forward(call: AttnCall):
+    """(out, lse) with the mask as an additive -inf bias on the scores (Hq == Hkv): keys it masks still enter
+    P @ V with weight 0, and 0 * NaN is NaN, so NaN past kv_seqlens reaches the output (as in SDPA's kernels)."""
+    lq, lk = call.q.shape[2], call.k.shape[2]
+    allowed = dense_mask_fn(lq, lk, call.causal, call.window_left, call.window_right, call.kv_seqlens, call.q.device,
+                            call.key_mask)(0, lq)[:, 0]
+    scores = call.q.float() @ call.k.float().transpose(-1, -2) * call.scale + torch.where(allowed, 0.0, float("-inf"))
+    return (torch.softmax(scores, -1) @ call.v.float()).to(call.q.dtype), torch.logsumexp(scores, -1)
 
 
 def _spin(seconds: float) -> None:

@@ -86,6 +86,19 @@ DENSE_CASES = {
                             r"window must be >= 0 \(or None for unbounded\), got -1"),
     "window_float": (lambda: attention(Q, K, V, window=(2.0, 1)), TypeError,
                      r"window_left must be an int \(-1 = unbounded\), got float"),
+    "window_beyond_int64": (lambda: attention(Q, K, V, window=2**64), ValueError,
+                            r"window must be at most 2147483647 \(None is unbounded\), got 18446744073709551616"),
+    "window_pair_beyond_int32": (lambda: attention(Q, K, V, window=(2**40, 0)), ValueError,
+                                 r"window_left must be at most 2147483647 \(-1 is unbounded\), got 1099511627776"),
+    "causal_str": (lambda: attention(Q, K, V, causal="yes"), TypeError,
+                   r"causal must be a bool \(True or False\), got str"),
+    "causal_none": (lambda: attention(Q, K, V, causal=None), TypeError, r"causal must be a bool .*, got NoneType"),
+    "causal_tensor": (lambda: attention(Q, K, V, causal=torch.tensor(True)), TypeError,
+                      r"causal must be a bool .*, got Tensor"),
+    "return_lse_str": (lambda: attention(Q, K, V, return_lse="no"), TypeError,
+                       r"return_lse must be a bool \(True or False\), got str"),
+    "check_indices_int": (lambda: attention(Q, K, V, check_indices=0), TypeError,
+                          r"check_indices must be a bool \(True or False\), got int"),
     "window_triple": (lambda: attention(Q, K, V, window=(1, 2, 3)), TypeError,
                       r"window must be None, an int or a \(left, right\) pair of ints, got \(1, 2, 3\)"),
     "scale_nan": (lambda: attention(Q, K, V, scale=float("nan")), ValueError, r"scale must be finite, got nan"),
@@ -186,6 +199,15 @@ VARLEN_CASES = {
                              r"max_seqlen_q \(3\) is smaller than the longest sequence \(6\)"),
     "max_seqlen_not_int": (lambda: varlen_attention(QV, KV, VV, CU_Q, CU_K, 6.0, 7), TypeError,
                            r"max_seqlen_q must be an int, got float"),
+    "window_beyond_int64": (lambda: varlen_attention(QV, KV, VV, CU_Q, CU_K, window=2**63), ValueError,
+                            r"window must be at most 2147483647 \(None is unbounded\), got 9223372036854775808"),
+    "max_seqlen_beyond_int64": (lambda: varlen_attention(QV, KV, VV, CU_Q, CU_K, 2**64, 7), ValueError,
+                                r"max_seqlen_q must be at most 2147483647 \(cu_seqlens are int32\), got "
+                                r"18446744073709551616"),
+    "causal_str": (lambda: varlen_attention(QV, KV, VV, CU_Q, CU_K, causal="no"), TypeError,
+                   r"causal must be a bool \(True or False\), got str"),
+    "return_lse_none": (lambda: varlen_attention(QV, KV, VV, CU_Q, CU_K, return_lse=None), TypeError,
+                        r"return_lse must be a bool \(True or False\), got NoneType"),
     "window_negative": (lambda: varlen_attention(QV, KV, VV, CU_Q, CU_K, window=(-3, 0)), ValueError,
                         r"window_left must be -1 \(unbounded\) or >= 0, got -3"),
 }
@@ -354,3 +376,61 @@ def test_compiled_call_with_a_zero_size_matches_eager(fresh_dynamo):
     k, v = t(2, 2, 0, 16), t(2, 2, 0, 16)
     for compiled, eager in zip(fn(Q, k, v), attention(Q, k, v, return_lse=True)):
         torch.testing.assert_close(compiled, eager)
+
+
+COMPILED_CALLS = {
+    "attention": lambda s: attention(Q, K, V, scale=s),
+    "varlen": lambda s: varlen_attention(QV, KV, VV, CU_Q, CU_K, 6, 7, scale=s),
+    "block_mask": lambda s: attention(Q64, Q64, Q64, block_mask=SPARSE_64, scale=s),
+}
+
+
+@pytest.mark.parametrize("kind, scale", [("attention", float("nan")), ("attention", float("inf")),
+                                         ("attention", -float("inf")), ("varlen", float("inf")),
+                                         ("block_mask", float("nan"))])
+@pytest.mark.parametrize("dynamic", [None, True], ids=["dynamic_default", "dynamic"])
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_compiled_call_refuses_a_nan_or_infinite_scale_as_eager_calls_do(kind, scale, fullgraph, dynamic,
+                                                                         fresh_dynamo):
+    fn = torch.compile(COMPILED_CALLS[kind], fullgraph=fullgraph, dynamic=dynamic)
+    fn(0.5)
+    fn(0.25)  # a second value: automatic dynamic may trace the scale as a symbol from here
+    with pytest.raises(ValueError, match=rf"^scale must be finite, got {scale}"):
+        fn(scale)
+
+
+COMPILED_BAD = {
+    "causal_str": (lambda q, k, v: attention(q, k, v, causal="yes"), TypeError, r"^causal must be a bool"),
+    "causal_tensor": (lambda q, k, v: attention(q, k, v, causal=torch.tensor(True)), TypeError,
+                      r"^causal must be a bool .*, got Tensor"),
+    "return_lse_str": (lambda q, k, v: attention(q, k, v, return_lse="no"), TypeError, r"^return_lse must be a bool"),
+    "window_beyond_int64": (lambda q, k, v: attention(q, k, v, window=2**64), ValueError,
+                            r"^window must be at most 2147483647"),
+    "window_pair_beyond_int32": (lambda q, k, v: attention(q, k, v, window=(3, 2**40)), ValueError,
+                                 r"^window_right must be at most 2147483647"),
+    "window_numpy_int": (lambda q, k, v: attention(q, k, v, window=np.int64(3)), TypeError,
+                         r"^window must be None, an int or a \(left, right\) pair of ints, got ndarray; in compiled "
+                         r"code pass int\(window\)"),
+    "varlen_causal_str": (lambda q, k, v: varlen_attention(QV, KV, VV, CU_Q, CU_K, 6, 7, causal="no"), TypeError,
+                          r"^causal must be a bool"),
+    "varlen_max_seqlen": (lambda q, k, v: varlen_attention(QV, KV, VV, CU_Q, CU_K, 6, 2**64), ValueError,
+                          r"^max_seqlen_k must be at most 2147483647"),
+}
+
+
+@pytest.mark.parametrize("call, error, message", COMPILED_BAD.values(), ids=COMPILED_BAD.keys())
+def test_compiled_call_refuses_bad_flags_and_out_of_range_sizes_naming_the_argument(call, error, message,
+                                                                                    fresh_dynamo):
+    with pytest.raises(error, match=message):
+        torch.compile(call, fullgraph=True)(Q, K, V)
+
+
+def test_a_block_mask_under_fullgraph_says_to_convert_it_first(fresh_dynamo):
+    block_mask = causal_block_mask(64, 64)
+    with pytest.raises(TypeError, match=r"^block_mask: a flex_attention BlockMask is converted by running its "
+                                        r"mask_mod, a graph break; under fullgraph=True convert it first, outside the "
+                                        r"compiled function: inductor_attn.BlockSparseMask.from_block_mask"):
+        torch.compile(lambda q, m: attention(q, q, q, block_mask=m), fullgraph=True)(Q64, block_mask)
+    # without fullgraph the graph breaks there and the call converts it, as an eager call does
+    torch.testing.assert_close(torch.compile(lambda q, m: attention(q, q, q, block_mask=m))(Q64, block_mask),
+                               attention(Q64, Q64, Q64, block_mask=block_mask))

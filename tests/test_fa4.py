@@ -119,7 +119,6 @@ def test_sm90_large_head_dim_and_decode_get_only_defaults(installed):
 @pytest.mark.parametrize("p, reason", [
     (prob(), "dense non-causal"),
     (prob("varlen", total_q=8192, total_k=8192, causal=True), "varlen MHA"),
-    (prob(causal=True, has_kv_seqlens=True), "varlen MHA"),
     (sparse_prob(), "block-sparse"),
 ])
 def test_sm100_prunes_clc_where_fa4_turns_it_off(installed, p, reason):
@@ -133,8 +132,6 @@ def test_sm100_prunes_clc_where_fa4_turns_it_off(installed, p, reason):
     (prob(window_left=256, window_right=0), True),  # local counts as masked, CLC stays on
     (prob("varlen", total_q=8192, total_k=8192), False),  # varlen MHA
     (prob("varlen", heads_kv=4, total_q=8192, total_k=8192), True),  # varlen GQA
-    (prob(heads_kv=4, has_kv_seqlens=True), True),  # seqused_k is varlen for FA4, but GQA
-    (prob(has_kv_seqlens=True, causal=True), False),  # varlen MHA
     (sparse_prob(block_q=256), False),
 ])
 def test_heuristic_reproduces_fa4_clc_rule(installed, p, clc):

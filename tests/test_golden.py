@@ -128,11 +128,10 @@ return (buf1, )""")
     def test_a_traceable_plan_is_compiled_into_the_wrapper_and_no_op_of_ours_runs(self):
         self._fakes(traceable=True)
         self.assertExpectedInline(launches(self._compiled_code()), """\
+extern_kernels.bmm(...)
 cpp_fused_0(...)
 extern_kernels.bmm(...)
 cpp_fused_1(...)
-extern_kernels.bmm(...)
-cpp_fused_2(...)
 return (reinterpret_tensor(buf0, (1, 4, 24, 16), (1536, 384, 16, 1), 0), )""")
 
     def test_the_pass_puts_a_triton_plans_kernel_launch_into_the_graph(self):
@@ -249,8 +248,7 @@ decision <key>  attention/forward
         self.assertExpectedInline(self._candidates("sm_90"), """\
 sdpa:kernel=efficient
 sdpa:kernel=cudnn
-sdpa:kernel=flash  [pruned: SDPA flash takes no mask: lower-right causal (Lq != Lk), windows, kv_seqlens and key_mask
-    need one]
+sdpa:kernel=flash  [pruned: SDPA flash takes no mask: lower-right causal (Lq != Lk), windows and key_mask need one]
 flex:-  [pruned: unmasked and plain causal attention are covered by sdpa, fa4 and triton at less tuning cost]
 fa4:default
 fa4:mma_pv_is_rs=False
@@ -281,8 +279,7 @@ reference:default""")
         self.assertExpectedInline(self._candidates("sm_100"), """\
 sdpa:kernel=efficient
 sdpa:kernel=cudnn
-sdpa:kernel=flash  [pruned: SDPA flash takes no mask: lower-right causal (Lq != Lk), windows, kv_seqlens and key_mask
-    need one]
+sdpa:kernel=flash  [pruned: SDPA flash takes no mask: lower-right causal (Lq != Lk), windows and key_mask need one]
 flex:-  [pruned: unmasked and plain causal attention are covered by sdpa, fa4 and triton at less tuning cost]
 fa4:clc=False,num_splits=1
 fa4:clc=True,num_splits=1

@@ -142,6 +142,68 @@ def test_check_indices_false_leaves_no_assert_in_compiled_code(reference_only):
     fn(*make_inputs("dense", ROWS["kv_seqlens_above_lk"].index_args))
 
 
+# ------------------------------------------------------------------------------- hand-made block masks
+def window_mask():
+    """A BlockSparseMask (causal, 70-key window: partial and full blocks, not packed documents) of 96 x 96 keys in
+    3 kv blocks of 32, and a q (k, v) for it."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    block_mask = create_block_mask(lambda b, h, q, k: (q >= k) & (q - k < 70), None, None, 96, 96, device="cpu",
+                                   BLOCK_SIZE=32)
+    sparse = inductor_attn.BlockSparseMask.from_block_mask(block_mask)
+    assert sparse.documents is None and sparse.full_kv_num_blocks.sum() > 0
+    return sparse, torch.randn(1, 2, 96, 16, generator=torch.Generator().manual_seed(0))
+
+
+def _edited(field: str, shift: int):
+    sparse, q = window_mask()
+    return dataclasses.replace(sparse, **{field: getattr(sparse, field) + shift}), q
+
+
+SPARSE_ROWS = {  # (field, shift, eager message, compiled message)
+    "kv_indices_past_lk": ("kv_indices", 7, r"kv_indices values must be in \[0, 3\) \(the kv blocks of k seq_len 96 at "
+                           r"block_kv 32\) where kv_num_blocks lists them, got \[7, 8, 9\]",
+                           r"kv_indices values must be in \[0, the kv blocks of k\) where kv_num_blocks lists them"),
+    "kv_indices_negative": ("kv_indices", -9, r"kv_indices values must be in \[0, 3\) .*got \[-9, -8, -7\]",
+                            r"kv_indices values must be in \[0, the kv blocks of k\)"),
+    "full_kv_indices_past_lk": ("full_kv_indices", 3, r"full_kv_indices values must be in \[0, 3\) .*where "
+                                r"full_kv_num_blocks lists them", r"full_kv_indices values must be in"),
+    "kv_num_blocks_past_slots": ("kv_num_blocks", 5, r"kv_num_blocks values must be in \[0, 2\] \(the slots of "
+                                 r"kv_indices\), got min 6, max 7",
+                                 r"kv_num_blocks values must be in \[0, kv_indices.shape\[-1\]\]"),
+    "full_kv_num_blocks_negative": ("full_kv_num_blocks", -2, r"full_kv_num_blocks values must be in \[0, 1\]",
+                                    r"full_kv_num_blocks values must be in"),
+}
+
+
+@pytest.mark.parametrize("row", SPARSE_ROWS.values(), ids=SPARSE_ROWS.keys())
+def test_a_hand_made_block_mask_with_out_of_range_lists_is_refused_eagerly(row):
+    field, shift, eager, _ = row
+    sparse, q = _edited(field, shift)
+    with pytest.raises(ValueError, match=eager):
+        inductor_attn.attention(q, q, q, block_mask=sparse)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row", SPARSE_ROWS.values(), ids=SPARSE_ROWS.keys())
+def test_a_hand_made_block_mask_with_out_of_range_lists_stops_a_compiled_call(row):
+    field, shift, _, message = row
+    sparse, q = _edited(field, shift)
+    torch._dynamo.reset()
+    inductor_attn.reset_stats()
+    with pytest.raises(RuntimeError, match=message):
+        torch.compile(lambda q, m: inductor_attn.attention(q, q, q, block_mask=m), fullgraph=True)(q, sparse)
+    assert not inductor_attn.stats(), "the op ran before the device-side assert stopped the call"
+
+
+def test_a_valid_block_mask_passes_the_checks_and_check_indices_false_skips_them(reference_only):
+    sparse, q = window_mask()
+    inductor_attn.attention(q, q, q, block_mask=sparse)
+    bad, q = _edited("kv_indices", 7)
+    with pytest.raises(RuntimeError, match="out of bounds"):  # unchecked, the reference's scatter meets it itself
+        inductor_attn.attention(q, q, q, block_mask=bad, check_indices=False)
+
+
 # ------------------------------------------------------------------------------------------ cost script
 def _values_only(op: str, check_indices: bool):
     """The index checks of ``op`` and one trivial kernel, without the attention op: the checks' own cost."""

@@ -400,3 +400,36 @@ def test_block_mask_gradients_match_naive_autograd_including_lse(p, dtype):
         return naive.attend(q, k, v, dense, 16**-0.5)
 
     grads_vs_oracle(inputs, run, oracle, dtype, p["seed"] + 1)
+
+
+# ---------------------------------------------------------------------------------- the kv_seqlens contract
+def nan_past(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """A copy of (B, H, Lk, D) ``x`` holding NaN in every key at or past ``lengths[b]``."""
+    past = torch.arange(x.shape[2]) >= lengths[:, None]
+    return x.masked_fill(past[:, None, :, None], float("nan"))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_nan_past_kv_seqlens_reaches_no_output_and_no_gradient(compiled):
+    # 0 * NaN is NaN: a masked key's zero weight times its NaN value (P @ V), or a NaN key times a zero
+    # gradient of its score (dS @ K), is enough to leak it
+    lengths = torch.tensor([5, 13, 1], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(21)
+    q, k, v = rand(gen, 3, 4, 4, 16), rand(gen, 3, 2, 13, 16), rand(gen, 3, 2, 13, 8)
+    grad_out, grad_lse = rand(gen, 3, 4, 4, 8), rand(gen, 3, 4, 4, dtype=torch.float32)
+
+    def run(q, k, v, lengths):
+        return inductor_attn.attention(q, k, v, causal=True, kv_seqlens=lengths, return_lse=True)
+
+    fn = torch.compile(run, fullgraph=True) if compiled else run
+    results = []
+    for keys, values in ((k, v), (nan_past(k, lengths), nan_past(v, lengths))):
+        leaves = [x.clone().requires_grad_() for x in (q, keys, values)]
+        out, lse = fn(*leaves, lengths)
+        results.append((out, lse, *torch.autograd.grad((out, lse), leaves, (grad_out, grad_lse))))
+    for name, clean, poisoned in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        assert not poisoned.isnan().any(), f"NaN past kv_seqlens reached {name}"
+        torch.testing.assert_close(poisoned, clean, rtol=1e-12, atol=1e-12)
+    past = (torch.arange(13) >= lengths[:, None])[:, None, :, None]
+    for grad in results[1][3:]:  # keys past the lengths get no gradient
+        assert not grad.masked_select(past).any()

@@ -94,7 +94,9 @@ def dense_mask(lq, lk, causal, wl, wr, kv_seqlens):
     return torch.stack([naive.dense_mask(lq, lk, causal, wl, wr, int(n)) for n in kv_seqlens])[:, None]
 
 
-def check_dense(monkeypatch, cfg=SMALL, dtype=torch.float32, use_dlse=True, **case):
+def check_dense(monkeypatch, cfg=SMALL, dtype=torch.float32, use_dlse=True, nan_past_lengths=False, **case):
+    """``nan_past_lengths``: our kernels see NaN in k and v past kv_seqlens (unwritten cache slots), the oracle
+    finite values."""
     shape = {k: case.pop(k) for k in ("b", "hq", "hkv", "lq", "lk", "d", "dv")}
     q, k, v, go, gl = dense_case(**shape, dtype=dtype)
     gl = gl if use_dlse else None
@@ -102,6 +104,9 @@ def check_dense(monkeypatch, cfg=SMALL, dtype=torch.float32, use_dlse=True, **ca
     mask = dense_mask(shape["lq"], shape["lk"], causal, wl, wr, kvl)
     scale = shape["d"] ** -0.5
     out, lse, want = oracle_grads(q, k, v, mask, scale, go, gl)
+    if nan_past_lengths:
+        past = (torch.arange(shape["lk"]) >= kvl[:, None])[:, None, :, None]
+        k, v = (x.masked_fill(past, float("nan")) for x in (k, v))
     call = AttnCall("attention", q, k, v, scale, causal, wl, wr, kvl)
     got = run_ours(call, cfg, out.to(dtype), lse.float(), go, gl, monkeypatch)
     for g, x in zip(got, (q, k, v)):
@@ -164,6 +169,15 @@ def test_kv_seqlens_without_causal_masks_keys_past_each_length(monkeypatch):
     for cfg in (SMALL, Config.of(bwd_block_m=16, bwd_block_n=16, bwd_dq="atomic")):
         dq, dk, dv = check_dense(monkeypatch, cfg=cfg, b=3, hq=2, hkv=1, lq=30, lk=45, d=16, dv=16,
                                  kv_seqlens=torch.tensor([0, 17, 45]))
+        assert dk[1, :, 17:].abs().max() == 0 and dv[1, :, 17:].abs().max() == 0
+
+
+def test_nan_past_kv_seqlens_reaches_no_gradient(monkeypatch):
+    """p is 0 past a length, but 0 * NaN is not: dP = V dO^T of a NaN value made dS, and with it dK (and an
+    atomic dQ), NaN."""
+    for cfg in (SMALL, Config.of(bwd_block_m=16, bwd_block_n=16, bwd_dq="atomic")):
+        dq, dk, dv = check_dense(monkeypatch, cfg=cfg, nan_past_lengths=True, b=3, hq=2, hkv=1, lq=30, lk=45, d=16,
+                                 dv=16, kv_seqlens=torch.tensor([0, 17, 45]))
         assert dk[1, :, 17:].abs().max() == 0 and dv[1, :, 17:].abs().max() == 0
 
 

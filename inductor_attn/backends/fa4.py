@@ -245,13 +245,13 @@ def split_candidates(p: Problem, sm_count: int) -> list[int]:
 
 def fa4_clc_off_reason(p: Problem) -> str | None:
     """Why FA4 would run CLC off whatever is requested (b36 interface.py: "CLC regressed for varlen MHA
-    and dense noncausal"), or None when a CLC request takes effect. FA4 counts ``seqused_k``
-    (our kv_seqlens) as varlen, and runs block-sparse masks with causal off."""
+    and dense noncausal"), or None when a CLC request takes effect. FA4 runs block-sparse masks with causal
+    off. (It counts ``seqused_k``, our kv_seqlens, as varlen too, but it is pruned for those.)"""
     if p.op == "block_sparse":
         return "flash-attn-4 turns CLC off for block-sparse masks (it runs them as dense non-causal)"
-    varlen = p.op == "varlen" or p.has_kv_seqlens
+    varlen = p.op == "varlen"
     if varlen and p.gqa_ratio == 1:
-        return "flash-attn-4 turns CLC off for varlen MHA (kv_seqlens count as varlen)"
+        return "flash-attn-4 turns CLC off for varlen MHA"
     if not varlen and not p.causal and not _is_local(p):
         return "flash-attn-4 turns CLC off for dense non-causal problems"
     return None
@@ -420,6 +420,13 @@ class FA4Backend(Backend):
         reason = _head_dim_reason(p, dev.arch)
         if reason:
             return reason
+        if p.has_kv_seqlens:
+            # measured on an H200 (b36, bf16, NaN written into k and v past each length), decode and prefill,
+            # every forward config; the backward multiplies the same zeros by V (in dP), and no gate runs in the
+            # off, heuristic and cache-only modes. The seqused_k plumbing stays: lifting this takes one line
+            return ("flash-attn-4 is told kv_seqlens as seqused_k, yet its last partial tile multiplies the zero "
+                    "weights of keys past kv_seqlens by their values (P @ V, dP = dO @ V^T): 0 * NaN (an unwritten "
+                    "cache slot) reaches the output")
         fa = _load()
         if isinstance(fa, str):
             return fa

@@ -6,9 +6,10 @@ also return the log-sum-exp. The first config is the kernel SDPA itself would pi
 baseline every other candidate must beat.
 
 Masks: the aten ops' ``is_causal`` is upper-left aligned, so it is used only when Lq == Lk. Lower-right
-causal with Lq != Lk, windows, kv_seqlens and key_mask become an additive bias (B or 1, 1, Lq, Lk), which the
-flash kernel cannot take (pruned) and which is capped in size. GQA: flash and cuDNN get k/v as they
-are; the efficient kernel gets them expanded (a copy, as SDPA's own enable_gqa path does for it).
+causal with Lq != Lk, windows and key_mask become an additive bias (B or 1, 1, Lq, Lk), which the flash kernel
+cannot take (pruned) and which is capped in size. Calls with kv_seqlens are pruned: keys masked by a bias still
+enter P @ V (:data:`KV_SEQLENS_LEAK`). GQA: flash and cuDNN get k/v as they are; the efficient kernel gets them
+expanded (a copy, as SDPA's own enable_gqa path does for it).
 """
 
 from __future__ import annotations
@@ -27,12 +28,17 @@ from .masks import dense_mask_fn
 KERNELS = ("cudnn", "flash", "efficient")
 _SDP_CHOICE = {1: "flash", 2: "efficient", 3: "cudnn"}  # torch.nn.attention.SDPBackend values
 MAX_BIAS_BYTES = 1 << 30
+# Measured on an H200 (bf16, NaN written into k and v past each length): the efficient and cuDNN kernels gave
+# NaN outputs at decode (Lq 1 and 4) and prefill. The backward multiplies the same zeros by V (in dP), and no
+# gate runs in the off, heuristic and cache-only modes: pruned for both directions.
+KV_SEQLENS_LEAK = ("SDPA's kernels would be told kv_seqlens as an additive -inf bias, but keys past kv_seqlens still "
+                   "enter P @ V (and dP = dO @ V^T) with weight 0, and 0 * NaN (an unwritten cache slot) reaches "
+                   "the output")
 
 
 def _needs_bias(p: Problem) -> bool:
     lower_right_causal = p.causal and p.len_q != p.len_k
-    return (lower_right_causal or p.window_left >= 0 or p.window_right >= 0 or p.has_kv_seqlens
-            or p.has_key_mask)
+    return lower_right_causal or p.window_left >= 0 or p.window_right >= 0 or p.has_key_mask
 
 
 def sdpa_default_kernel(p: Problem, dev: DeviceInfo) -> str:
@@ -73,8 +79,8 @@ def _bias(call: AttnCall) -> torch.Tensor:
     """Additive float mask (B or 1, 1, Lq, Lk) with -inf where the reference mask forbids; the last dim
     is padded to a multiple of 16 in memory (the efficient kernel wants aligned rows)."""
     lq, lk = call.q.shape[2], call.k.shape[2]
-    allowed = dense_mask_fn(lq, lk, call.causal, call.window_left, call.window_right, call.kv_seqlens,
-                            call.q.device, call.key_mask)(0, lq)[:, 0]  # (B or 1, 1, Lq, Lk)
+    allowed = dense_mask_fn(lq, lk, call.causal, call.window_left, call.window_right, None, call.q.device,
+                            call.key_mask)(0, lq)[:, 0]  # (B or 1, 1, Lq, Lk)
     padded = torch.empty(*allowed.shape[:-1], -(-lk // 16) * 16, dtype=call.q.dtype, device=call.q.device)
     bias = padded[..., :lk]
     bias.copy_(torch.where(allowed, 0.0, float("-inf")))
@@ -185,7 +191,9 @@ class SdpaBackend(Backend):
             return f"SDPA has no {p.op} entry point (a dense mask would be O(Lq x Lk))"
         if p.dtype == "float64":
             return "float64 runs on the reference only"
-        bias_bytes = (p.batch if p.has_kv_seqlens or p.has_key_mask else 1) * p.len_q * p.len_k * 2
+        if p.has_kv_seqlens:
+            return KV_SEQLENS_LEAK
+        bias_bytes = (p.batch if p.has_key_mask else 1) * p.len_q * p.len_k * 2
         if _needs_bias(p) and bias_bytes > MAX_BIAS_BYTES:
             return f"this mask needs an additive bias of {bias_bytes >> 20} MiB (cap {MAX_BIAS_BYTES >> 20} MiB)"
         return None
@@ -211,7 +219,7 @@ def _pruned(p: Problem, kernel: str, direction: str = "forward") -> str | None:
     if kernel in ("flash", "cudnn") and p.dtype == "float32":
         return f"SDPA {kernel} needs fp16/bf16"
     if kernel == "flash" and _needs_bias(p):
-        return "SDPA flash takes no mask: lower-right causal (Lq != Lk), windows, kv_seqlens and key_mask need one"
+        return "SDPA flash takes no mask: lower-right causal (Lq != Lk), windows and key_mask need one"
     if kernel == "flash" and p.head_dim != p.head_dim_v:
         return "SDPA flash needs the same head dim for q/k and v"
     return None

@@ -25,6 +25,9 @@ LAYOUTS = {4: "(batch, heads, seq_len, head_dim)", 3: "(total_tokens, heads, hea
 # Appended to device-side assert messages: the values cannot be printed from inside a kernel.
 _DEVICE_CHECK = "(checked on the device in compiled code; call eagerly to see the values)"
 KV_SEQLENS_VALUES = "kv_seqlens values must be in [0, k.shape[2]] (the k seq_len)"
+# Lengths and positions are int32 (kv_seqlens, cu_seqlens): no sequence is longer, and a window of more keys is
+# unbounded (-1). Larger Python ints would also overflow the ops' int64 arguments.
+MAX_INT32 = 2**31 - 1
 
 
 def fail(error: type[Exception], message: str) -> NoReturn:
@@ -47,6 +50,15 @@ def fail(error: type[Exception], message: str) -> NoReturn:
 @_compat.mark_constant_result  # Dynamo calls it with its constant arguments instead of tracing it
 def _raise_while_tracing(error: type[Exception], message: str) -> NoReturn:
     raise _traced_error(error)(message)
+
+
+@_compat.mark_constant_result  # Dynamo calls it while tracing; after a graph break, it runs eagerly
+def refuse_to_trace(error: type[Exception], message: str) -> None:
+    """For what compiled code cannot do but eager code can: raise ``error(message)`` while torch.compile traces,
+    and return when it runs eagerly. Under fullgraph=True the user reads ``message`` first (see :func:`fail`);
+    without, Dynamo breaks the graph at this call and runs it eagerly, where it returns."""
+    if _compat.dynamo_tracing():
+        raise _traced_error(error)(message)
 
 
 @functools.cache
@@ -132,6 +144,12 @@ def check_not_empty(sizes: dict[str, int]) -> None:
                              f"varlen_attention return empty outputs for zero sizes)")
 
 
+def check_bool(name: str, value) -> None:
+    """A flag: True or False only, never a truthy string or a tensor (whose truth is read on the host)."""
+    if value is not True and value is not False:
+        fail(TypeError, f"{name} must be a bool (True or False), got {type(value).__name__}")
+
+
 def check_window(window_left: int, window_right: int) -> None:
     # a SymInt: torch.compile made a window that changed between calls symbolic (decided at run time then)
     for name, w in (("window_left", window_left), ("window_right", window_right)):
@@ -139,6 +157,8 @@ def check_window(window_left: int, window_right: int) -> None:
             fail(TypeError, f"{name} must be an int (-1 = unbounded), got {type(w).__name__}")
         if w < -1:
             fail(ValueError, f"{name} must be -1 (unbounded) or >= 0, got {w}")
+        if w > MAX_INT32:
+            fail(ValueError, f"{name} must be at most {MAX_INT32} (-1 is unbounded), got {w}")
 
 
 def check_scale(scale) -> None:
@@ -154,8 +174,11 @@ def check_scale(scale) -> None:
         traced_numpy = torch.compiler.is_compiling() and type(scale).__module__ == "numpy"
         accepted = "; in compiled code pass float(scale)" if traced_numpy else " (an int or NumPy scalar works too)"
         fail(TypeError, f"scale must be a float, got {type(scale).__name__}{accepted}")
-    if torch.compiler.is_compiling():
-        return  # Dynamo may trace a float argument as a symbol: its value is not known here
+    if torch.compiler.is_dynamo_compiling():
+        # traced code (the public functions'), where Dynamo may trace a float argument as a symbol whose value is
+        # not known: the op's fake impl checks it at trace time, where the op's float argument has made it a
+        # value (a guard on that value: another scale traces again)
+        return
     if not math.isfinite(scale):
         fail(ValueError, f"scale must be finite, got {scale}")
     if float(scale) != scale:
@@ -252,6 +275,8 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
             fail(TypeError, f"{name} must be an int, got {type(m).__name__}")
         if m < 1:
             fail(ValueError, f"{name} must be >= 1, got {m}")
+        if m > MAX_INT32:
+            fail(ValueError, f"{name} must be at most {MAX_INT32} (cu_seqlens are int32), got {m}")
     check_scale(scale)
     check_window(window_left, window_right)
 
@@ -323,3 +348,31 @@ def check_block_sparse(q, k, v, sparse, scale) -> None:
         check_index_tensor("full_kv_num_blocks", sparse.full_kv_num_blocks, (b, h, m), q.device, "[B, H, q_blocks]")
         check_index_tensor("full_kv_indices", sparse.full_kv_indices, (b, h, m, n_full), q.device,
                            "[B, H, q_blocks, n]")
+
+
+def check_block_sparse_values(k, sparse) -> None:
+    """A (hand-made) mask's block lists: each count within its list's slots, each listed kv block within the
+    keys; a kernel would read past k otherwise. Unlisted slots may hold anything (flex's do). Eagerly a device
+    sync and a ValueError; compiled, device-side asserts."""
+    n_kv = -(-k.shape[2] // sparse.block_kv)
+    lists = [("kv_num_blocks", "kv_indices", sparse.kv_num_blocks, sparse.kv_indices)]
+    if sparse.full_kv_num_blocks is not None:
+        lists.append(("full_kv_num_blocks", "full_kv_indices", sparse.full_kv_num_blocks, sparse.full_kv_indices))
+    for count_name, index_name, count, index in lists:
+        slots = index.shape[-1]
+        listed_index = torch.where(torch.arange(slots, device=index.device) < count[..., None], index, 0)
+        if torch.compiler.is_compiling():
+            assert_on_device(((count >= 0) & (count <= slots)).all(),
+                             f"{count_name} values must be in [0, {index_name}.shape[-1]]")
+            assert_on_device(((listed_index >= 0) & (listed_index < n_kv)).all(),
+                             f"{index_name} values must be in [0, the kv blocks of k) where {count_name} lists them")
+            continue
+        lo, hi = torch.stack([count.min(), count.max()]).tolist()
+        if lo < 0 or hi > slots:
+            raise ValueError(f"{count_name} values must be in [0, {slots}] (the slots of {index_name}), got min {lo}, "
+                             f"max {hi}")
+        lo, hi = torch.stack([listed_index.min(), listed_index.max()]).tolist()
+        if lo < 0 or hi >= n_kv:
+            bad = index[(listed_index < 0) | (listed_index >= n_kv)]
+            raise ValueError(f"{index_name} values must be in [0, {n_kv}) (the kv blocks of k seq_len {k.shape[2]} at "
+                             f"block_kv {sparse.block_kv}) where {count_name} lists them, got {bad.unique().tolist()}")

@@ -5,8 +5,9 @@ is measured the way decisions are made:
 
 - a :class:`Trial` is anything that can run on a call: a candidate's plan (:func:`candidate_trial`, the
   code that ships) or, in the benchmark, a user's baseline;
-- :func:`gate` runs a trial once on fresh inputs after poisoning the allocator with NaN, records the
-  first call's wall time (JIT compilation included) and compares the outputs with the reference;
+- :func:`gate` runs a trial once on fresh inputs (:func:`gate_inputs`: NaN past kv_seqlens) after poisoning the
+  allocator with NaN, records the first call's wall time (JIT compilation included) and compares the outputs
+  with the reference;
 - :func:`time_trials` times trials that passed in interleaved rounds, one sample of each per round, on
   rotating copies of the inputs (:func:`input_copies`), with one timer (timing.py), so paired statistics
   apply (stats.py).
@@ -98,6 +99,28 @@ def fresh_inputs(call: AttnCall, seed: int) -> AttnCall:
         return filled_like(x, lambda t: t.normal_(generator=gen))
 
     return dataclasses.replace(call, q=like(call.q), k=like(call.k), v=like(call.v), _problem=call._problem)
+
+
+def gate_inputs(call: AttnCall, seed: int) -> AttnCall:
+    """:func:`fresh_inputs` with NaN in k and v past ``kv_seqlens``: what keys past a length hold must never reach
+    an output or a gradient (the kv_seqlens contract), so a candidate that lets it through fails the gate. Timing
+    inputs and the benchmark's gate keep finite values there (stock SDPA, a baseline, does not keep the contract)."""
+    fresh = fresh_inputs(call, seed)
+    if call.kv_seqlens is not None:
+        for x in (fresh.k, fresh.v):
+            _nan_past(x, call.kv_seqlens)
+    return fresh
+
+
+def _nan_past(x: torch.Tensor, lengths: torch.Tensor) -> None:
+    """Write NaN into every key of (B, H, Lk, D) ``x`` at or past ``lengths[b]``. A dim that ``x`` broadcasts
+    (stride 0, an ``expand``-ed head) is written once; where the batch or key dim broadcasts, one element is
+    also a key below some length, and nothing is written."""
+    written = x[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in x.stride())]
+    if (written.shape[0], written.shape[2]) != (x.shape[0], x.shape[2]):
+        return
+    past = torch.arange(x.shape[2], device=x.device) >= lengths[:, None]
+    written.masked_fill_(past[:, None, :, None], float("nan"))
 
 
 def input_copies(call: AttnCall) -> int:
@@ -235,13 +258,30 @@ def gate(trial: Trial, call: AttnCall, expected, check: Callable[[object], tuple
             log.warning("%s raised %s (a bug, please report): %s", trial.name, type(err).__name__, err)
         return GateResult("failed", describe(err))
     reason, error = check(got)
+    if reason is not None and call.kv_seqlens is not None and _passes_without_nan_tails(trial, call, check):
+        reason = f"NaN past kv_seqlens reached its results: {reason}"
     return GateResult("wrong" if reason else "passed", reason, error, seconds)
+
+
+def _passes_without_nan_tails(trial: Trial, call: AttnCall, check) -> bool:
+    """Whether ``call`` holds NaN (:func:`gate_inputs` wrote it past kv_seqlens) and ``trial`` passes with zeros
+    there instead: then that NaN is what failed it. Run only for a candidate that failed, so a passing one costs
+    nothing more."""
+    if not (call.k.isnan().any() or call.v.isnan().any()):
+        return False
+    finite = dataclasses.replace(call, k=call.k.nan_to_num(), v=call.v.nan_to_num(), _problem=call._problem)
+    try:
+        got = trial.bind(finite)()
+    except Exception as err:  # noqa: BLE001 - it ran on the NaN: an error now says nothing about the NaN
+        raise_if_context_lost(trial.name, err, call.q.device)
+        return False
+    return check(got)[0] is None
 
 
 def gate_once(call: AttnCall, choice: str, direction: str, grad_lse: bool = False) -> GateResult:
     """The gate for one candidate on fresh inputs shaped like ``call``'s: what a tune checks every candidate
     with, for a decision that was not tuned in this process."""
-    gate_call = fresh_inputs(call, seed=1)
+    gate_call = gate_inputs(call, seed=1)
     mode = Direction(direction, gate_call, grad_lse)
     expected = mode.reference(gate_call)
     return gate(candidate_trial(choice, mode), gate_call, expected,

@@ -59,6 +59,7 @@ from .measure import (
     describe,
     fresh_inputs,
     gate,
+    gate_inputs,
     is_candidate_error,
     strict,
     sync,
@@ -176,7 +177,7 @@ class _Search:
     def __init__(self, call: AttnCall, candidates: list[Candidate], direction: str, timer, rounds: int, tick,
                  grad_lse: bool):
         self.call, self.timer, self.rounds, self.tick = call, timer, rounds, tick
-        self.gate_call = fresh_inputs(call, seed=1)
+        self.gate_call = gate_inputs(call, seed=1)
         self.mode = Direction(direction, self.gate_call, grad_lse)
         self.expected = self.mode.reference(self.gate_call)
         self.cands = {c.name: c for c in candidates}

@@ -199,10 +199,13 @@ def bwd_dkdv(Q, K, V, DO, DQ, GRAD_K, GRAD_V, LSE2, DELTA, CU_Q, CU_K, KV_LENS, 
     else:  # dense kv_seqlens: keys past the length are stored too, as zero gradients
         store_len = lk * 0 + LK
     col_ok = cols < store_len
+    # keys past the length read as zeros: p is 0 there, but 0 times what they hold is NaN where they hold NaN
+    # (an unwritten cache slot), through dP = V dO^T into dS and with it dK and an atomic dQ
+    key_ok = cols < lk
     k = tl.load(K + b64 * s_kb + hkv * s_kh + (k0 + cols[:, None]) * s_kn + offs_d[None, :] * s_kd,
-                mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+                mask=key_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     v = tl.load(V + b64 * s_vb + hkv * s_vh + (k0 + cols[:, None]) * s_vn + offs_dv[None, :] * s_vd,
-                mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0).to(k.dtype)
+                mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0).to(k.dtype)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     off = lk - lq
