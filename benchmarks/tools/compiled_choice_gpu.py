@@ -21,9 +21,9 @@ Last, the cost of gating decisions not tuned in this process: the decisions are 
 that finds them in the store) and each shape's first decision is timed, the gate of its winner included.
 
 ``--spell``: a decode call (B1 H32/8 Lkv2k D128, kv_seqlens) compiled and tuned in a fresh process, then its
-first 400 calls in windows of 20 (us per call, the main thread's CPU time, the CPU time of this process's
-children and garbage collections per window) next to stock compiled SDPA's: whether a tune leaves anything
-that slows the calls after it.
+first 400 calls in windows of 20 (us per call, the main thread's CPU time, the GPU's SM clock, the CPU time of
+this process's children and garbage collections per window) next to stock compiled SDPA's: whether a tune
+leaves anything that slows the calls after it.
 """
 
 from __future__ import annotations
@@ -231,12 +231,21 @@ def spell() -> dict:
                 fn()
             torch.cuda.synchronize()
             windows.append({"round": r, "name": name, "us": (time.perf_counter() - wall) / 20 * 1e6,
-                            "cpu_us": (time.thread_time() - cpu) / 20 * 1e6, "children": len(kids),
+                            "cpu_us": (time.thread_time() - cpu) / 20 * 1e6, "sm_mhz": _sm_clock(),
+                            "children": len(kids),
                             "children_cpu_s": sum(sum(c.cpu_times()[:2]) for c in me.children(recursive=True)
                                                   if c.is_running()) - kid_cpu, "gcs": gcs[seen:]})
     settled = {name: statistics.median(w["us"] for w in windows[-10:] if w["name"] == name) for name in fns}
     first10 = {name: statistics.median(w["us"] for w in windows[:10] if w["name"] == name) for name in fns}
     return {"tune_s": tuned_s, "first_200_median_us": first10, "settled_us": settled, "windows": windows}
+
+
+def _sm_clock() -> int | None:
+    """The GPU's SM clock now (NVML), or None where NVML cannot be read."""
+    try:
+        return torch.cuda.clock_rate()
+    except Exception:  # noqa: BLE001 - NVML missing or not permitted: the windows go on without it
+        return None
 
 
 def main() -> None:
