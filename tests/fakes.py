@@ -22,15 +22,13 @@ class FakeBackend(Backend):
     """``times``: {config string: (mean ms, std ms)}; ``wrong``/``fail``: config strings that misbehave.
     Its plans compute through the reference's torch code; with ``traceable=True`` they offer that code as
     their traced form too, so compiled graphs hold it (a stand-in for Triton and aten plans on the CPU);
-    ``traced_host_s``: a forward traced form of aten calls (SDPA's) whose calls in compiled code spend that much
-    CPU time (its ``host_probe``); ``leaks``: configs told the mask as an additive -inf bias, as SDPA's kernels are
+    ``leaks``: configs told the mask as an additive -inf bias, as SDPA's kernels are
     told kv_seqlens (:func:`biased_forward`)."""
 
     has_backward = True
 
     def __init__(self, name: str, times: dict[str, tuple[float, float]], wrong=(), fail=(), prune=None,
-                 supports_reason=None, heuristic=None, traceable=False, host_s=0.0, checks_kv_seqlens=False,
-                 traced_host_s=None, leaks=()):
+                 supports_reason=None, heuristic=None, traceable=False, host_s=0.0, checks_kv_seqlens=False, leaks=()):
         self.name = name
         self.times = times
         self.wrong, self.fail, self.leaks = set(wrong), set(fail), set(leaks)
@@ -40,7 +38,6 @@ class FakeBackend(Backend):
         self.traceable = traceable
         self.host_s = host_s  # CPU time each eager launch spends (a Python launcher's)
         self.checks_kv_seqlens = checks_kv_seqlens  # its traced form asserts kv_seqlens values (FAKE_KERNEL_CHECK)
-        self.traced_host_s = traced_host_s
         self.calls = 0
         self.knobs = {k: (int, str, bool) for c in times for k, _ in Config.parse(c).params}
 
@@ -62,8 +59,6 @@ class FakeBackend(Backend):
             return Plan(launch)
         if self.checks_kv_seqlens:
             return Plan(launch, traced=_forward_checking_kv_seqlens, checks_kv_seqlens=True)
-        if self.traced_host_s is not None:
-            return Plan(launch, traced=run_forward, host_probe=functools.partial(_spun_forward, self.traced_host_s))
         return Plan(launch, traced=run_forward)
 
     def _forward(self, cfg, call):
@@ -99,12 +94,6 @@ def _spin(seconds: float) -> None:
         pass
 
 
-def _spun_forward(seconds: float, call: AttnCall):
-    _spin(seconds)
-    FakeTimer.last_host_s = seconds
-    return run_forward(call)
-
-
 FAKE_KERNEL_CHECK = "fake kernel: kv_seqlens out of range"
 
 
@@ -117,7 +106,7 @@ def _forward_checking_kv_seqlens(call: AttnCall, check_kv_seqlens: bool = False)
 
 class FakeTimer:
     """Samples each candidate's time from its backend's declared distribution (seeded per candidate), and gives
-    a launch the host time its backend declares (``host_s``, or ``traced_host_s`` for a host probe) rather than
+    a launch the host time its backend declares (``host_s``) rather than
     the CPU time the reference's computation takes on a busy test machine."""
 
     name = "fake"

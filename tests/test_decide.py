@@ -370,7 +370,7 @@ def test_cache_explain_says_what_compiled_code_runs_under_cuda_graphs_and_by_how
     """A decision made before every candidate's host time was measured (a record with the one compiled-code
     choice of the old rule) is read by today's rule; explain gives the winner under CUDA graphs and, with plain
     launches, the winner in device-bound graphs and the cheaper launch in host-bound ones."""
-    a = FakeBackend("a", {"default": (60.0, 0.01)}, traceable=True, traced_host_s=0.001)
+    a = FakeBackend("a", {"default": (60.0, 0.01)}, traceable=True, host_s=0.001)
     b = FakeBackend("b", {"default": (50.0, 0.01)}, host_s=0.025)  # 50 ms kernel, 25 ms launch
     monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b]))
     with only_backends(a, b), inductor_attn.tuning_mode("autotune"):
@@ -446,10 +446,10 @@ def test_compiled_code_never_runs_a_wrong_candidate_of_a_record_not_tuned_here(m
     from inductor_attn.lowering import emit
     from inductor_attn.tuning.step_cost import GraphWork
 
-    a = FakeBackend("a", {"default": (0.6, 0.01)}, traceable=True, traced_host_s=0.001)
+    a = FakeBackend("a", {"default": (0.6, 0.01)}, traceable=True, host_s=0.001)
     b = FakeBackend("b", {"default": (0.5, 0.01)}, host_s=0.02)  # the winner, behind a dear launch
     monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b]))
-    monkeypatch.setattr(emit, "graph_work", lambda graph, calls, dev: GraphWork(host_ms=10.0, device_ms=0.0))
+    monkeypatch.setattr(emit, "graph_work", lambda graph, calls, dev, training: GraphWork(host_ms=10.0, device_ms=0.0))
     call = small_call()
 
     def fn(q, k, v):

@@ -40,6 +40,12 @@ def test_views_and_tuple_items_cost_nothing_and_skipped_calls_are_left_out():
     assert work.host_ms == pytest.approx(graph_cost.GRAPH_CALL_MS + 2 * graph_cost.HOST_PER_NODE_MS)
 
 
+def test_a_graph_of_a_training_step_costs_more_host_time_to_call():
+    graph = _graph(lambda x: x * 2, (64,), dtype=torch.float32)
+    inference, training = (graph_cost.graph_work(graph, set(), H200, t).host_ms for t in (False, True))
+    assert training - inference == pytest.approx(graph_cost.TRAINING_GRAPH_CALL_MS - graph_cost.GRAPH_CALL_MS)
+
+
 def test_an_unknown_gpu_gets_rates_in_proportion_to_its_sms():
     flops, nbytes = graph_cost.device_rates(parse_device_override("NVIDIA RTX 9000:12.0:66"))
     assert flops == pytest.approx(790e12 / 2) and nbytes == pytest.approx(1.5e12)

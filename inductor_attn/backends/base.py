@@ -165,10 +165,6 @@ class Plan:
     compiled call. ``compile`` takes ``launch``'s arguments and compiles the kernels ``launch`` would run for
     them without running any (Triton's ``kernel.warmup``); the tuner calls it ahead of the gate while worker
     processes compile other candidates (tuning/precompile.py). None: the first launch compiles.
-    ``host_probe``: for a traced form of aten ops (SDPA's kernels), ``launch`` reduced to the calls Inductor's
-    generated code makes for it, without the views and layout checks compiling folds into the outputs'
-    strides; the tuner times a traced candidate's host cost in compiled code by it. None for a traced form of
-    Triton kernels: Inductor's own launcher, charged nothing.
     """
 
     launch: Callable[..., tuple[torch.Tensor, ...]]
@@ -177,7 +173,6 @@ class Plan:
     warm: bool = False
     compile: Callable[..., object] | None = None
     checks_kv_seqlens: bool = False
-    host_probe: Callable[..., object] | None = None
 
 
 class Backend:

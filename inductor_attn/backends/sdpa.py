@@ -97,10 +97,9 @@ def _scale_kwargs(call: AttnCall) -> dict:
     return {"scale": call.scale}
 
 
-def _launch(kernel: str, needs_bias: bool, call: AttnCall, with_lse: bool = True, raw: bool = False):
+def _launch(kernel: str, needs_bias: bool, call: AttnCall, with_lse: bool = True):
     """(out, lse); ``with_lse=False``: (out,) alone, cuDNN and efficient told not to compute the lse (flash always
-    does), as SDPA itself calls them for inference. ``raw``: the kernel's own outputs, no layout bookkeeping
-    (``Plan.host_probe``: compiled code folds it into the outputs' strides)."""
+    does), as SDPA itself calls them for inference."""
     q, k, v = call.q, call.k, call.v
     bias = _bias(call) if needs_bias else None
     is_causal = call.causal and bias is None
@@ -115,8 +114,6 @@ def _launch(kernel: str, needs_bias: bool, call: AttnCall, with_lse: bool = True
         if group > 1:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         out, lse = aten._scaled_dot_product_efficient_attention.default(q, k, v, bias, with_lse, 0.0, is_causal, **kw)[:2]
-    if raw:
-        return out, lse
     if not with_lse:
         return (conform(out, q),)
     b, h, lq = q.shape[:3]
@@ -124,12 +121,11 @@ def _launch(kernel: str, needs_bias: bool, call: AttnCall, with_lse: bool = True
     return conform(out, q), lse.reshape(b, h, -1)[..., :lq].float().contiguous()
 
 
-def _launch_backward(kernel: str, needs_bias: bool, call: AttnCall, out, lse, grad_out, grad_lse, raw: bool = False):
+def _launch_backward(kernel: str, needs_bias: bool, call: AttnCall, out, lse, grad_out, grad_lse):
     """dq, dk, dv from SDPA's backward kernels, fed with whichever forward made ``out`` and ``lse`` (any
     backend's: our lse contract is the natural-log float32 (B, H, Lq) these kernels take). Placeholders
     are None, which the op call passes as undefined tensors (no dropout: no RNG state; dense: no
-    cumulative lengths). A gradient of the lse is not something these kernels take (``takes_grad_lse``).
-    ``raw``: no layout bookkeeping, out and grad_out taken in q's layout as given (``Plan.host_probe``)."""
+    cumulative lengths). A gradient of the lse is not something these kernels take (``takes_grad_lse``)."""
     q, k, v = call.q, call.k, call.v
     bias = _bias(call) if needs_bias else None
     is_causal = call.causal and bias is None
@@ -146,8 +142,7 @@ def _launch_backward(kernel: str, needs_bias: bool, call: AttnCall, out, lse, gr
         # aten's cuDNN backward reuses a graph built for another grad_out layout: on torch 2.11 (H100) stock eager
         # SDPA's dq is off by 1.4 (rel.) for a BLHD grad_out after a BHLD one, and for BHLD after BLHD. With out
         # and grad_out always in q's layout (aten's own forward writes out so, pytorch #138354) it sees one
-        if not raw:
-            grad_out, out = conform(grad_out, q), conform(out, q)
+        grad_out, out = conform(grad_out, q), conform(out, q)
         dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward.default(
             grad_out, q, k, v, out, lse.unsqueeze(-1), None, None, bias, None, None, lq, lk, 0.0, is_causal, **kw)
     else:
@@ -160,8 +155,6 @@ def _launch_backward(kernel: str, needs_bias: bool, call: AttnCall, out, lse, gr
             [True, True, True, False], is_causal, **kw)[:3]
         if group > 1:  # gradients of the repeated heads, summed back onto each kv head
             dk, dv = (g.unflatten(1, (k.shape[1], group)).sum(2) for g in (dk, dv))
-    if raw:
-        return dq, dk, dv
     return conform(dq, q), conform(dk, k), conform(dv, v)
 
 
@@ -207,10 +200,9 @@ class SdpaBackend(Backend):
         # aten ops and the bias's torch ops: the graph can hold them
         if direction == "backward":
             launch = functools.partial(_launch_backward, cfg["kernel"], _needs_bias(p))
-            return Plan(launch, traced=launch, host_probe=functools.partial(launch, raw=True))
+            return Plan(launch, traced=launch)
         launch = functools.partial(_launch, cfg["kernel"], _needs_bias(p))
-        return Plan(launch, traced=launch, traced_out_only=functools.partial(launch, with_lse=False),
-                    host_probe=functools.partial(launch, raw=True))
+        return Plan(launch, traced=launch, traced_out_only=functools.partial(launch, with_lse=False))
 
 
 def _pruned(p: Problem, kernel: str, direction: str = "forward") -> str | None:

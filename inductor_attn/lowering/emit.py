@@ -93,7 +93,8 @@ def emit_plans(graph: torch.fx.Graph) -> None:
                 first_calls[key] = call
             buckets[key].calls += 1
         static.append((node, args, vals, call, direction, key))
-    chosen = _choose(graph, buckets, first_calls, {entry[0] for entry in static})
+    training = any(direction == "backward" or _lse_read(node) for node, _, _, _, direction, _ in static)
+    chosen = _choose(graph, buckets, first_calls, {entry[0] for entry in static}, training)
     checked_in_kernel = set()
     for node, args, vals, call, direction, key in static:
         choice = args["choice"] or chosen[key]
@@ -102,8 +103,7 @@ def emit_plans(graph: torch.fx.Graph) -> None:
         if plan.traced is not None:
             if plan.warm:
                 _warm(plan, call, direction)
-            lse_read = direction == "backward" or any(user.target is not operator.getitem or user.args[1] == 1
-                                                       for user in node.users)
+            lse_read = direction == "backward" or _lse_read(node)
             traced = plan.traced if lse_read or plan.traced_out_only is None else plan.traced_out_only
             if plan.checks_kv_seqlens and asserts.get(args["kv_seqlens"]):
                 traced = functools.partial(traced, check_kv_seqlens=True)
@@ -119,14 +119,20 @@ def emit_plans(graph: torch.fx.Graph) -> None:
                 _erase_with_dead_inputs(graph, check)
 
 
-def _choose(graph: torch.fx.Graph, buckets: dict, first_calls: dict, nodes: set) -> dict:
+def _lse_read(node: torch.fx.Node) -> bool:
+    """Whether anything reads a forward call's lse (its backward, or the user's ``return_lse``)."""
+    return any(user.target is not operator.getitem or user.args[1] == 1 for user in node.users)
+
+
+def _choose(graph: torch.fx.Graph, buckets: dict, first_calls: dict, nodes: set, training: bool) -> dict:
     """What compiled code runs for each bucket of this graph (step_cost.py): by device time under CUDA graphs,
-    by the estimated step time of this graph with plain launches (the rest of the graph: all but ``nodes``).
-    A candidate other than the winner, of a decision not tuned in this process, passes the gate here first."""
+    by the estimated step time of this graph with plain launches (the rest of the graph: all but ``nodes``;
+    ``training``: a graph of a training step). A candidate other than the winner, of a decision not tuned in
+    this process, passes the gate here first."""
     if not buckets:
         return {}
     device = next(iter(first_calls.values())).q.device
-    rest = None if cudagraphs_enabled() else graph_work(graph, nodes, device_info(device))
+    rest = None if cudagraphs_enabled() else graph_work(graph, nodes, device_info(device), training)
     chosen = {}
     for key, (choice, why) in choose_for_graph(buckets, rest).items():
         if choice != buckets[key].winner:

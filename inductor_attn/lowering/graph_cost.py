@@ -4,9 +4,13 @@
 Host: Inductor's generated code spends about the same CPU time per graph node, whatever the node: a kernel
 launch, an allocation or a fused group's share of one. Calibrated on stock ``torch.compile`` of the HF Llama
 steps of bench/models.py on an H200 host (2026-11-29): 458 nodes cost 4.30 ms of host per decode step (9.4 us a
-node), 411 nodes 4.84 ms per B4 L2048 prefill (11.8 us), plus the compiled frame's own call (guards, the
-wrapper: 38 us for a graph of one ``q + 1``). Nodes that Inductor folds into the outputs' strides (views,
-``getitem``) are not counted.
+node), 411 nodes 4.84 ms per B4 L2048 prefill (11.8 us), plus the graph's own call: 38 us for an inference
+graph of one ``q + 1`` (the compiled frame's guards, the wrapper), and about 450 us for each graph of a
+training step (AOTAutograd's wrappers around its forward, the autograd engine around its backward: a
+one-layer B4 H16/4 L2048 D64 fwd+bwd step of stock compile took 979 us per step on the host for 428 us of
+kernels, about 900 us of it outside its two attention launches). A graph is taken for one of a training step
+where it holds a backward call or a forward call whose lse it keeps (for the backward). Nodes that Inductor
+folds into the outputs' strides (views, ``getitem``) are not counted.
 
 Device: a roofline per node, floating-point work at the device's matrix rate (``torch.utils.flop_counter``'s
 formulas: matmuls, convolutions, SDPA) or its output bytes (and a matmul's inputs) at memory bandwidth,
@@ -30,6 +34,7 @@ from ..tuning.step_cost import GraphWork
 
 HOST_PER_NODE_MS = 0.010
 GRAPH_CALL_MS = 0.038
+TRAINING_GRAPH_CALL_MS = 0.45
 DEVICE_PER_NODE_MS = 0.001
 # (bf16 matrix FLOP/s, memory bytes/s) measured on this workplace's H200s (a large matmul on random data, a
 # device-to-device copy; KINDS.md, 2026-11-04); an H100 SXM has the same matrix rate and 3.35 TB/s of HBM3
@@ -51,8 +56,9 @@ def device_rates(dev: DeviceInfo) -> tuple[float, float]:
     return _PER_SM[0] * dev.sm_count, _PER_SM[1] * dev.sm_count
 
 
-def graph_work(graph: torch.fx.Graph, skip: set, dev: DeviceInfo) -> GraphWork:
-    """The estimated host and device ms of ``graph``'s nodes other than ``skip`` (the calls being decided)."""
+def graph_work(graph: torch.fx.Graph, skip: set, dev: DeviceInfo, training: bool = False) -> GraphWork:
+    """The estimated host and device ms of ``graph``'s nodes other than ``skip`` (the calls being decided);
+    ``training``: a graph of a training step (its call costs more host time)."""
     flops_per_s, bytes_per_s = device_rates(dev)
     nodes, device_ms = 0, 0.0
     for node in graph.nodes:
@@ -63,7 +69,8 @@ def graph_work(graph: torch.fx.Graph, skip: set, dev: DeviceInfo) -> GraphWork:
         if flops:
             nbytes += sum(_bytes(a.meta.get("val")) for a in node.all_input_nodes)
         device_ms += max(flops / flops_per_s, nbytes / bytes_per_s) * 1e3 + DEVICE_PER_NODE_MS
-    return GraphWork(host_ms=GRAPH_CALL_MS + nodes * HOST_PER_NODE_MS, device_ms=device_ms)
+    call_ms = TRAINING_GRAPH_CALL_MS if training else GRAPH_CALL_MS
+    return GraphWork(host_ms=call_ms + nodes * HOST_PER_NODE_MS, device_ms=device_ms)
 
 
 def _folded(node: torch.fx.Node) -> bool:

@@ -174,15 +174,12 @@ class Direction:
         return plan.launch(call) if self.grads is None else plan.launch(call, *self.grads)
 
     def as_compiled_code_runs(self, plan: Plan, call: AttnCall, choice: str) -> Callable[[], object]:
-        """``plan`` launched as compiled code launches it. A traced form of aten calls: its ``host_probe``, the
-        calls generated code makes. Traced Triton kernels: the plan's launch, the same kernels and allocations
-        through Triton's launcher where generated code uses Inductor's. A plan without a traced form: for an
-        attention call decided at compile time, through the ``inductor_attn::launch`` op (its dispatch and the
-        op's lookup cost host time that the plan's own launch does not show); other calls go through the op
-        impl at run time, approximated by the plan's launch."""
-        if plan.traced is not None and plan.host_probe is not None:
-            probe = plan.host_probe
-            return lambda: probe(call) if self.grads is None else probe(call, *self.grads)
+        """``plan`` launched as compiled code launches it. A traced form: the plan's launch, the kernels and
+        allocations the graph holds (through Triton's launcher or Python's aten calls, where generated code uses
+        Inductor's launcher and its own aten calls). A plan without a traced form: for an attention call decided
+        at compile time, through the ``inductor_attn::launch`` op (its dispatch and the op's lookup cost host
+        time that the plan's own launch does not show); other calls go through the op impl at run time,
+        approximated by the plan's launch."""
         if plan.traced is not None or call.op != "attention":
             return lambda: self.run(plan, call)
         from ..ops.launch import launch_op, plan_key
