@@ -141,6 +141,12 @@ def test_heuristic_reproduces_fa4_clc_rule(installed, p, clc):
     assert candidates(p, SM100)[f"fa4:{fa4.BACKEND.heuristic(p, SM100)}"] is None
 
 
+def test_sm90_varlen_is_pruned_for_reading_past_a_sequences_end(installed):
+    p = prob("varlen", total_q=8192, total_k=8192, causal=True)
+    assert "read the keys after a sequence's end" in candidates(p, SM90)["fa4:-"]
+    assert any(reason is None for reason in candidates(p, SM100).values())  # unmeasured there
+
+
 def test_gqa_adds_pack_gqa_false_on_sm90(installed):
     assert candidates(prob(heads_kv=4), SM90)["fa4:pack_gqa=False"] is None
     assert "fa4:pack_gqa=False" not in candidates(prob(), SM90)
