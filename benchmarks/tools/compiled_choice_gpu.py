@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/tools/compiled_choice_gpu.py --out $OUT [--shapes 512c 2048c ...] [--training]
     PYTHONPATH=. python benchmarks/tools/compiled_choice_gpu.py --out $OUT --spell
+    python benchmarks/tools/compiled_choice_gpu.py --report DIR --commit C --date D [--llama LABEL ...]
 
 Per shape, in one process with a fresh decision store: ``inductor_attn.attention`` compiled plainly and with
 ``mode="reduce-overhead"`` (the first compile tunes), and stock compiled SDPA. Reported:
@@ -24,6 +25,10 @@ that finds them in the store) and each shape's first decision is timed, the gate
 first 400 calls in windows of 20 (us per call, the main thread's CPU time, the GPU's SM clock, the CPU time of
 this process's children and garbage collections per window) next to stock compiled SDPA's: whether a tune
 leaves anything that slows the calls after it.
+
+``--report DIR``: the markdown section of benchmarks/RESULTS.md from a run's files in DIR: compiled_choice.json,
+spell.json, and llama.jsonl (one line per ``python -m inductor_attn.bench.models`` entry, labelled in order by
+``--llama``).
 """
 
 from __future__ import annotations
@@ -235,9 +240,8 @@ def spell() -> dict:
                             "children": len(kids),
                             "children_cpu_s": sum(sum(c.cpu_times()[:2]) for c in me.children(recursive=True)
                                                   if c.is_running()) - kid_cpu, "gcs": gcs[seen:]})
-    settled = {name: statistics.median(w["us"] for w in windows[-10:] if w["name"] == name) for name in fns}
-    first10 = {name: statistics.median(w["us"] for w in windows[:10] if w["name"] == name) for name in fns}
-    return {"tune_s": tuned_s, "first_200_median_us": first10, "settled_us": settled, "windows": windows}
+    return {"tune_s": tuned_s, "first_200_us": _spell_medians(windows, slice(0, 10)),
+            "last_100_us": _spell_medians(windows, slice(-5, None)), "windows": windows}
 
 
 def _sm_clock() -> int | None:
@@ -248,14 +252,88 @@ def _sm_clock() -> int | None:
         return None
 
 
+def report(run: Path, commit: str, date: str, llama_labels: list[str]) -> str:
+    """benchmarks/RESULTS.md's section for one run's files (see the module doc)."""
+    choice = json.loads((run / "compiled_choice.json").read_text())
+    lines = [f"{choice['device']}, torch {choice['torch']}, {date}, commit {commit}; command "
+             "`PYTHONPATH=. python benchmarks/tools/compiled_choice_gpu.py --out $OUT --shapes 512c 2048c 8192c "
+             "--probes 512c --training` (a fresh decision store; bf16, B1 H32 D128, `c` causal).", "",
+             "| shape | plain: runs | its kernel / best's | kernel outlasts its launch | wall, ours / stock compile "
+             "| reduce-overhead: runs | its kernel / best's |", "|---|---|---|---|---|---|---|"]
+    for row in choice["prefill"]:
+        plain, graphs = row["plain"], row["reduce-overhead"]
+        lines.append(f"| L{row['shape']} | `{plain['choice']}` | {1 + plain['regret']:.2f}x (`{plain['best']}`) | "
+                     f"{'yes' if plain['device_bound'] else 'no'} | {row['wall_ours_over_stock']:.2f}x "
+                     f"({row['wall_us']['ours']:.0f} / {row['wall_us']['stock']:.0f} us) | `{graphs['choice']}` | "
+                     f"{1 + graphs['regret']:.2f}x |")
+    if "training" in choice:
+        t = choice["training"]
+        lines += ["", "One-layer training step, B4 H16/4 L2048 D64 causal, forward and backward compiled (plain): "
+                  f"forward `{t['forward']['choice']}` ({1 + t['forward']['regret']:.2f}x the best kernel), "
+                  f"backward `{t['backward']['choice']}` ({1 + t['backward']['regret']:.2f}x); wall "
+                  f"{t['wall_ours_over_stock']:.2f}x stock compile's ({t['wall_us']['ours']:.0f} / "
+                  f"{t['wall_us']['stock']:.0f} us)."]
+    probes = [(row["shape"], p) for row in choice["prefill"] for p in row.get("probes", [])]
+    if "training" in choice:
+        probes += [(f"train {d}", p) for d in ("forward", "backward") for p in choice["training"][f"{d}_probes"]]
+    lines += ["", "Host probe (what the tune records) against a loop of 10 x 50 of the same launches (median):", "",
+              "| call | candidate | kernel us | probe us | loop us | probe / loop |", "|---|---|---|---|---|---|"]
+    lines += [f"| {shape} | `{p['name']}` | {p['device_us']:.1f} | {p['probe_us']:.1f} | {p['loop_us']:.1f} | "
+              f"{p['probe_over_loop']:.2f} |" for shape, p in probes]
+    for row in choice["prefill"]:
+        if "compiled_us" in row:
+            costs = ", ".join(f"`{k}` {v:.0f} us" for k, v in row["compiled_us"].items()
+                              if k != "floor_us" and isinstance(v, float))
+            lines += ["", f"What a compiled call of each choice costs over a compiled `q + 1` "
+                      f"({row['compiled_us']['floor_us']:.0f} us), L{row['shape']}: {costs}."]
+    if "foreign_gate_s" in choice:
+        gates = ", ".join(f"L{k} {v * 1e3:.0f} ms" for k, v in choice["foreign_gate_s"].items())
+        lines += ["", f"First decision of a bucket this process did not tune (its winner gated here): {gates}."]
+    llama = run / "llama.jsonl"
+    if llama.exists():
+        lines += ["", "HF Llama (8 layers, hidden 1024, 16/4 heads, bf16, random weights), stock `torch.compile` "
+                  "against `backend=\"inductor_attn\"`, each entry in a fresh process and store, plain launches "
+                  "(`python -m inductor_attn.bench.models overhead|training ...`):", "",
+                  "| entry | stock ms | ours ms | stock / ours |", "|---|---|---|---|"]
+        for label, line in zip(llama_labels, llama.read_text().splitlines()):
+            entry = json.loads(line)
+            lines.append(f"| {label} | {entry['stock_ms']:.2f} | {entry['ours_ms']:.2f} | "
+                         f"**{entry['stock_ms'] / entry['ours_ms']:.2f}x** |")
+    spell_path = run / "spell.json"
+    if spell_path.exists():
+        windows = json.loads(spell_path.read_text())["spell"]["windows"]
+        first, last = (_spell_medians(windows, part) for part in (slice(0, 10), slice(-5, None)))
+        lines += ["", "Calls right after a tune (decode B1 H32/8 Lkv2k D128, `--spell`), median us per call of the "
+                  f"first 200 / the last 100 of each: ours {first['ours']:.0f} / {last['ours']:.0f} "
+                  f"({first['ours'] / last['ours']:.2f}x), stock compile {first['stock']:.0f} / {last['stock']:.0f} "
+                  f"({first['stock'] / last['stock']:.2f}x); the main thread's CPU time per call rose with it, the "
+                  "SM clock stayed at its maximum, no garbage collection ran."]
+    return "\n".join(lines)
+
+
+def _spell_medians(windows: list[dict], part: slice) -> dict:
+    """Median us per call over the windows ``part`` of each function's own windows (20 calls a window)."""
+    names = dict.fromkeys(w["name"] for w in windows)
+    return {n: statistics.median(w["us"] for w in [w for w in windows if w["name"] == n][part]) for n in names}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--report", type=Path, metavar="DIR", help="print RESULTS.md's section for a run's files")
+    parser.add_argument("--commit", default="?")
+    parser.add_argument("--date", default="?")
+    parser.add_argument("--llama", nargs="*", default=[], help="labels of llama.jsonl's lines, in order")
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--probes", nargs="*", default=["512c", "2048c"], help="shapes whose probes are checked")
     parser.add_argument("--training", action="store_true")
     parser.add_argument("--spell", action="store_true")
     args = parser.parse_args()
+    if args.report:
+        print(report(args.report, args.commit, args.date, args.llama))
+        return
+    if args.out is None:
+        parser.error("--out is required to measure")
     os.environ.setdefault("INDUCTOR_ATTN_CACHE_DIR", tempfile.mkdtemp())  # a fresh store: every shape tunes
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}

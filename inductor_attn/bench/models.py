@@ -26,11 +26,11 @@ PREFILL_CALLS = 20
 DECODE_CALLS = 80  # per round; the warm-up's, the settling's and all rounds' steps fit in DECODE_ROOM
 DECODE_ROOM = 512
 # calls of each step after both compiled, before the timed rounds: in a process that just tuned, the next ~60-240
-# calls of either step ran slow (RESULTS.md, the thirty-first session)
+# calls of either step ran slow (H200, 2026-11-28; 1.6-1.8x for about 200 calls on 2026-11-29, stock's too)
 SETTLE_CALLS = 100
 ENTRY_TIMEOUT_S = 300  # a fresh process, a model and two compiles
 # max-autotune also benchmarks GEMM templates for both compiles: the B4 L2048 training entry took 507 s on an
-# H100 host with 16 cores (RESULTS.md, Training)
+# H100 host with 16 cores (2026-11)
 MAX_AUTOTUNE_TIMEOUT_S = 1200
 
 

@@ -42,7 +42,7 @@ from .._compat import size_hint, statically_known_true
 from .graph_edit import Emitter, Skip, ev
 
 # Opt-in: on an H100, our block-sparse kernels plus the per-call bitmaps ran slower than compiled flex on
-# sliding-window and document masks (benchmarks/flex_route_gpu.py, RESULTS.md), and which of the two
+# sliding-window and document masks (`bench --suite flex_route`, benchmarks/RESULTS.md), and which of the two
 # wins cannot be measured at compile time (the mask is run-time data), so flex keeps its calls by default.
 ROUTE_ENV = "INDUCTOR_ATTN_ROUTE_FLEX"
 

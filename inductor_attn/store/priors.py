@@ -11,7 +11,7 @@ How decisions use them (tuning/decisions.py), for the same op, bucket and device
   ``SHORTLIST_MARGIN`` of its winner (by median time, at most ``SHORTLIST``) are measured here, and the
   result is stored as a decision of this machine. A candidate further behind would have to gain more than
   that on a machine of the same model to matter, and each one costs a JIT compile (seconds for each FA4
-  config, benchmarks/RESULTS.md); when none of them runs here, the whole search runs. Candidates compile
+  config on an H100 or H200, 2026-11); when none of them runs here, the whole search runs. Candidates compile
   before timing (tuning/precompile.py: FA4's at once in workers, or one after another in this process when
   few; Triton's one after another in this process), so a long compile adds to a cold tune's wait: a
   near-tie whose recorded compile took more than ``SHORTLIST_COMPILE_FACTOR`` times the fastest

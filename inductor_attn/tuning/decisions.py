@@ -199,8 +199,8 @@ def _default_without_costly_imports(p: Problem, dev: DeviceInfo, direction: str,
 def _shipped_without_costly_imports(light: list[Candidate], prior: dict | None) -> list[Candidate] | None:
     """``light`` as the candidates to decide among, when the shipped decision ``prior`` for the bucket, whose
     winner runs here, names none of the left-out backends' configs, neither in its shortlist (what an
-    autotune times) nor as its winners (what cache-only and background run): FA4's import (about 3 s,
-    benchmarks/RESULTS.md) then stays out of a first compile that would not run FA4. Else None: the full
+    autotune times) nor as its winners (what cache-only and background run): FA4's import (about 3 s on
+    an H100, 2026-11) then stays out of a first compile that would not run FA4. Else None: the full
     enumeration follows."""
     if prior is None:
         return None
@@ -217,8 +217,8 @@ def _background_without_costly_imports(call: AttnCall, light: list[Candidate], f
                                        direction: str) -> tuple[str, None, str] | None:
     """Background mode's first answer when the shipped decision ``prior``'s winner is of a backend left out
     of ``light`` (FA4): the fastest candidate of its record among the backends enumerated here. The first
-    compile then neither imports FA4 nor waits for its JIT (together over 9 s on an H100, RESULTS.md,
-    Tuning cost); the background tune compiles FA4 in its worker and stores the decision that the next
+    compile then neither imports FA4 nor waits for its JIT (together over 9 s on an H100,
+    2026-11-26); the background tune compiles FA4 in its worker and stores the decision that the next
     compile or process bakes. None when the winner is not of a left-out backend."""
     left_out = {c.backend for c in light if c.pruned == LOOKUP_ONLY}
     if prior["winner"].split(":")[0] not in left_out:

@@ -53,7 +53,7 @@ DEFAULT_TIMEOUT_S = 60.0
 MAX_WORKERS = 8
 IDLE_S = 60.0  # a worker holds a CUDA context (about 0.5 GB): give it back soon after a burst of tunes
 # Fewer process jobs than this compile in this process unless a worker is idle: a fresh worker's start-up
-# and first FA4 compile took longer than a few compiles here (H100, benchmarks/RESULTS.md, Tuning cost).
+# and first FA4 compile took longer than a few compiles here (H100, 2026-11-26).
 MIN_WORKER_JOBS = 4
 
 
