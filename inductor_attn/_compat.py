@@ -13,13 +13,6 @@ import torch
 TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 
 
-def inductor_lowering():
-    """``register_lowering`` and ``fallback_handler`` (torch/_inductor/lowering.py, 2.11 and 2.13)."""
-    from torch._inductor.lowering import fallback_handler, register_lowering
-
-    return register_lowering, fallback_handler
-
-
 def inductor_cache_dir() -> str:
     """Inductor's cache dir (torch/_inductor/runtime/cache_dir_utils.py, 2.11 and 2.13)."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir

@@ -216,7 +216,6 @@ def test_not_installed_is_pruned_cleanly(monkeypatch):
     fa4._load.cache_clear()
     try:
         assert candidates(prob(), SM90) == {"fa4:-": "flash-attn-4 not installed"}
-        assert fa4.fa4_version() is None
         # the disk cache is switched on before the (attempted) import, under the user's cache dir
         assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
         assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] == "/tmp/xdg-test/inductor_attn/flash_attn_cute"

@@ -168,12 +168,6 @@ def _load() -> _FA4 | str:
     )
 
 
-def fa4_version() -> str | None:
-    """Installed flash-attn-4 version (for decision keys), None when it cannot be used."""
-    fa = _load()
-    return None if isinstance(fa, str) else fa.version
-
-
 # -------------------------------------------------------------------------------- problem geometry
 def _is_local(p: Problem) -> bool:
     """FA4's "local" (interface._resolve_causal_local_window): a left window, or a right one without causal."""
@@ -1083,6 +1077,6 @@ def _dsl_errors(fa: _FA4, label: str):
 
 BACKEND = FA4Backend()
 
-__all__ = ["FA4Backend", "BACKEND", "COPIES", "fa4_version", "fa4_clc_off_reason", "split_candidates",
+__all__ = ["FA4Backend", "BACKEND", "COPIES", "fa4_clc_off_reason", "split_candidates",
            "sm90_default_tile", "missing_kwargs", "family", "fwd_compile_cache_owners",
            "bwd_compile_cache_owners"]
