@@ -15,7 +15,7 @@ from inductor_attn import lowering
 from inductor_attn.backends import REFERENCE, only_backends
 from inductor_attn.lowering.graph_pass import DecisionPass
 from inductor_attn.ops import attention as attention_ops
-from inductor_attn.ops.checks import KV_SEQLENS_VALUES
+from inductor_attn.messages import KV_SEQLENS_VALUES
 
 
 def _fakes(monkeypatch, traceable=False):
@@ -410,7 +410,7 @@ def test_another_version_of_a_backend_library_moves_the_guard(monkeypatch):
     from inductor_attn.store import keys
 
     before = DecisionPass().uuid()
-    monkeypatch.setattr(keys, "library_versions", lambda: {"torch": "9.9.9", "flash-attn-4": "9.9.9"})
+    monkeypatch.setattr(keys, "library_versions", lambda requires: {"torch": "9.9.9", "flash-attn-4": "9.9.9"})
     assert DecisionPass().uuid() != before
 
 

@@ -22,7 +22,7 @@ from inductor_attn.backends import REFERENCE, AttnCall, Config, enumerate_candid
 from inductor_attn.backends import triton_decode as decode
 from inductor_attn.device import DeviceInfo, device_info, parse_device_override
 from inductor_attn.ops.attention import attention_op
-from inductor_attn.ops.checks import KV_SEQLENS_VALUES, device_message
+from inductor_attn.messages import KV_SEQLENS_VALUES, device_message
 from inductor_attn.problem import Problem
 from inductor_attn.tuning.correctness import check_output
 

@@ -161,7 +161,7 @@ class Plan:
     where the kernel can skip computing it; None: ``traced`` serves. ``checks_kv_seqlens``: ``traced`` (and
     ``traced_out_only``) take ``check_kv_seqlens=True``, and their kernel then stops at a device-side assert
     where a ``kv_seqlens`` value is outside [0, Lk], with the text of the API's compiled check
-    (checks.KV_SEQLENS_VALUES), which lowering then leaves out of the graph: one kernel launch less per
+    (messages.KV_SEQLENS_VALUES), which lowering then leaves out of the graph: one kernel launch less per
     compiled call. ``compile`` takes ``launch``'s arguments and compiles the kernels ``launch`` would run for
     them without running any (Triton's ``kernel.warmup``); the tuner calls it ahead of the gate while worker
     processes compile other candidates (tuning/precompile.py). None: the first launch compiles.

@@ -55,7 +55,7 @@ except ImportError:  # without them the kernels launch plainly (USE_PDL off)
 from .._compat import is_fake
 from ..device import DeviceInfo, smem_per_block
 from ..layout import empty_like_layout
-from ..ops.checks import KV_SEQLENS_VALUES, device_message
+from ..messages import KV_SEQLENS_VALUES, device_message
 from ..problem import Problem, next_power_of_two
 from .base import AttnCall, Backend, Candidate, Config, Plan
 from .triton_common import eager_launcher, graph_launcher, traceable, triton_errors, warmup_launcher
@@ -72,7 +72,7 @@ _LOG2E = 1.4426950408889634
 _SMEM_HEADROOM = 0.85
 
 
-# The text of the API's compiled kv_seqlens check (ops/checks.py), for the kernel's own assert of it.
+# The text of the API's compiled kv_seqlens check (messages.py), for the kernel's own assert of it.
 _KV_SEQLENS_ASSERT = tl.constexpr(device_message(KV_SEQLENS_VALUES)) if tl is not None else None
 
 

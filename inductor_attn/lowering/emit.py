@@ -43,7 +43,7 @@ from ..ops import (BACKWARD_OPS, FORWARD_OPS, attention_backward_op, attention_o
                    block_sparse_attention_backward_op, block_sparse_attention_op, varlen_attention_backward_op,
                    varlen_attention_op)
 from ..ops.attention import sparse_mask
-from ..ops.checks import KV_SEQLENS_VALUES, device_message
+from ..messages import KV_SEQLENS_VALUES, device_message
 from ..ops.launch import OWN_TENSORS, launch_op, plan_key
 from ..runtime import COMPILED, count_compiled, plan_for
 from ..tuning.step_cost import Bucket, choose_for_graph, launch_costs
@@ -147,7 +147,7 @@ def _choose(graph: torch.fx.Graph, buckets: dict, first_calls: dict, nodes: set,
 def _kv_seqlens_checks(graph: torch.fx.Graph):
     """({kv_seqlens node: the op calls that read it}, {kv_seqlens node: the device asserts of its values}). An
     assert is the API's (a traced ``attention`` call's, or checks.check_attention_values') when it has that
-    check's text (checks.KV_SEQLENS_VALUES through device_message) and its condition is computed from that one
+    check's text (messages.KV_SEQLENS_VALUES through device_message) and its condition is computed from that one
     node alone."""
     readers = defaultdict(set)
     for node in graph.nodes:

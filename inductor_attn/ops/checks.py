@@ -18,13 +18,11 @@ from typing import NoReturn
 import torch
 
 from .. import _compat
+from ..messages import KV_SEQLENS_VALUES, device_message
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 8, 256
 LAYOUTS = {4: "(batch, heads, seq_len, head_dim)", 3: "(total_tokens, heads, head_dim)"}
-# Appended to device-side assert messages: the values cannot be printed from inside a kernel.
-_DEVICE_CHECK = "(checked on the device in compiled code; call eagerly to see the values)"
-KV_SEQLENS_VALUES = "kv_seqlens values must be in [0, k.shape[2]] (the k seq_len)"
 # Lengths and positions are int32 (kv_seqlens, cu_seqlens): no sequence is longer, and a window of more keys is
 # unbounded (-1). Larger Python ints would also overflow the ops' int64 arguments.
 MAX_INT32 = 2**31 - 1
@@ -80,12 +78,6 @@ def assert_on_device(cond: torch.Tensor, message: str) -> None:
     traps, the message is printed by the device, and the host sees a device-side assert error). Inductor
     pastes the message into C++ and Python string literals: it must hold no quotes or backslashes."""
     _compat.assert_async(cond, device_message(message))
-
-
-def device_message(message: str) -> str:
-    """The text of the device-side assert that checks ``message``'s condition. lowering/ finds the assert of
-    :data:`KV_SEQLENS_VALUES` by it, and a kernel that makes the same check asserts with the same text."""
-    return f"{message} {_DEVICE_CHECK}"
 
 
 def _dtype_names(dtypes) -> str:
