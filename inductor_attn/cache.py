@@ -222,6 +222,7 @@ def export_priors(path: str | Path | None = None, store: DecisionStore | Layered
     from .bench.runner import git_commit
     from .device import device_info
     from .store.priors import PACKAGE_DIR, device_slug, write_table
+    from .backends.registry import required_distributions
     from .store.schema import COLUMNS
 
     dev = device or device_info("cuda" if torch.cuda.is_available() else "cpu")
@@ -235,7 +236,7 @@ def export_priors(path: str | Path | None = None, store: DecisionStore | Layered
         raise ValueError(f"no current decisions for {dev.key()} in {store.describe()}: tune first (`cache "
                          "export-priors --tune all` tunes the bench suites' workloads)")
     target = Path(path) if path is not None else PACKAGE_DIR / f"{device_slug(dev.name)}.json"
-    meta = {"device": dev.name, "device_key": dev.key(), "versions": library_versions(),
+    meta = {"device": dev.name, "device_key": dev.key(), "versions": library_versions(required_distributions()),
             "commit": commit or git_commit(), "command": command}
     write_table(target, rows, meta)
     return target, len(rows)

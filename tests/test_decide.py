@@ -87,7 +87,7 @@ def test_a_new_library_version_invalidates_stored_decisions(fakes, monkeypatch):
         decide(small_call(), DEV, "forward")
         runs = a.calls + b.calls
         forget_decisions()
-        monkeypatch.setattr(keys, "library_versions", lambda: {"torch": "9.9.9"})
+        monkeypatch.setattr(keys, "library_versions", lambda requires: {"torch": "9.9.9"})
         decide(small_call(), DEV, "forward")
         assert a.calls + b.calls > runs
     assert len(get_store().rows()) == 2

@@ -101,7 +101,7 @@ def test_cache_only_uses_the_shipped_decision_as_it_is(fakes, shipped):
 
 
 def test_a_shipped_decision_measured_with_other_versions_still_answers_for_its_bucket(shipped, monkeypatch):
-    monkeypatch.setattr(keys, "library_versions", lambda: {"torch": "9.9.9"})
+    monkeypatch.setattr(keys, "library_versions", lambda requires: {"torch": "9.9.9"})
     with inductor_attn.tuning_mode("cache-only"):
         assert decide(small_call(), DEV, "forward") == "b:x=1"
 

@@ -62,6 +62,11 @@ def only_backends(*backends: Backend):
         state["generation"] += 1
 
 
+def required_distributions() -> tuple[str, ...]:
+    """The distributions that the registered backends ``require`` (their versions enter decision keys)."""
+    return tuple(sorted({d for b in _REGISTRY.values() for d in b.requires}))
+
+
 def get_backend(name: str) -> Backend:
     try:
         return _REGISTRY[name]

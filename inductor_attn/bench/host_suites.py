@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ..store.db import default_path
+from ..backends.registry import required_distributions
 from ..store.keys import library_versions
 
 
@@ -32,7 +33,7 @@ def run_wallclock_suite(suite: str, *, smoke: bool, quick: bool, part: str, out:
             "command": command, "commit": commit or git_commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "versions": library_versions()}
+            "versions": library_versions(required_distributions())}
     if suite != "tuning-cost" and part in ("shipped", "background", "search"):
         print(f"error: --part {part} applies to bench --suite tuning-cost; {suite} takes all, ops or models",
               file=sys.stderr)

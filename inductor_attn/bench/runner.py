@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 from ..backends import AttnCall, Candidate, Config, backends, enumerate_candidates
+from ..backends.registry import required_distributions
 from ..device import DeviceInfo, device_info
 from ..store.db import default_path, get_store
 from ..store.keys import library_versions
@@ -523,7 +524,7 @@ def default_out_dir(suite: str, device_name: str, smoke: bool) -> Path:
 
 
 def run_meta(opts: Options, ctx: Context) -> dict:
-    versions = dict(library_versions())
+    versions = dict(library_versions(required_distributions()))
     if ctx.device.type == "cuda":
         versions["cudnn"] = str(torch.backends.cudnn.version())
     return {

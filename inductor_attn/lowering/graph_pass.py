@@ -63,7 +63,7 @@ class DecisionPass(_Base):
                  _rule_hash()]
         parts += [f"{b.name}={b.source_hash()}" for b in backends.backends()]
         # decisions are keyed on these too: a new FA4 brings new decisions, which a new row does not signal
-        parts += sorted(library_versions().items())
+        parts += sorted(library_versions(backends.registry.required_distributions()).items())
         if self.chained is not None:
             chained_uuid = getattr(self.chained, "uuid", lambda: None)()
             if chained_uuid is None:

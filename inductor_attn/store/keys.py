@@ -28,11 +28,10 @@ def _version(dist: str) -> str:
         return "absent"
 
 
-def library_versions() -> dict[str, str]:
-    """torch, this package, and every distribution a registered backend ``requires``."""
-    from ..backends import backends
-
-    return _versions(tuple(sorted({d for b in backends() for d in b.requires})))
+def library_versions(requires) -> dict[str, str]:
+    """torch, this package, and the distributions ``requires`` (those the registered backends require:
+    backends.registry.required_distributions)."""
+    return _versions(tuple(sorted(set(requires))))
 
 
 def versions_like(recorded: dict) -> dict[str, str]:
@@ -50,13 +49,15 @@ def _versions(dists: tuple[str, ...]) -> dict[str, str]:
     return {"torch": torch.__version__, "inductor_attn": __version__, **{d: _version(d) for d in dists}}
 
 
-def decision_fields(op: str, direction: str, problem: Problem, dev: DeviceInfo, sources: dict[str, str]) -> dict:
-    """The row fields that identify a decision, and ``key``, their hash."""
+def decision_fields(op: str, direction: str, problem: Problem, dev: DeviceInfo, sources: dict[str, str],
+                    requires) -> dict:
+    """The row fields that identify a decision, and ``key``, their hash; ``requires``: the distributions the
+    candidate backends require."""
     fields = {
         "op": f"{op}/{direction}",
         "problem": problem.bucket().key(),
         "device": dev.key(),
-        "versions": {**library_versions(), "sources": dict(sorted(sources.items()))},
+        "versions": {**library_versions(requires), "sources": dict(sorted(sources.items()))},
     }
     return {"key": key_of(fields), **fields}
 

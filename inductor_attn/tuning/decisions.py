@@ -4,7 +4,9 @@ Decisions are kept per (direction, bucket, device, mode) in memory, so once a bu
 costs one dict lookup. A decision this process did not tune (stored by another process, imported, shipped, or
 agreed with other ranks) runs only after its choice passed the tuner's correctness gate here, once per
 process and bucket (``_checked_here``): a foreign record cannot vouch for this machine's kernels and
-libraries. One that fails counts as failed here, and the bucket is decided again without it. Decisions are local to the process and never issue a collective: processes that
+libraries. One that fails counts as failed here, and the bucket is decided again without it.
+
+Decisions are local to the process and never issue a collective: processes that
 share a store tune each bucket once (the others wait for it), and ranks agree where they all meet, in
 ``sync_decisions()`` (see ranks.py; independent tunes can disagree: FlashInfer RFC #3920 saw 86 of 191
 keys differ).
@@ -25,7 +27,7 @@ import time
 import torch
 
 from ..backends import AttnCall, Candidate, enumerate_candidates, get_backend
-from ..backends.registry import LOOKUP_ONLY
+from ..backends.registry import LOOKUP_ONLY, required_distributions
 from ..device import DeviceInfo, device_info
 from ..problem import Problem
 from ..store.db import get_store
@@ -98,6 +100,12 @@ def _sources(cands: list[Candidate]) -> dict[str, str]:
     return {name: get_backend(name).source_hash() for name in {c.backend for c in cands}}
 
 
+def _fields(p: Problem, dev: DeviceInfo, direction: str, cands: list[Candidate], grad_lse: bool = False) -> dict:
+    """The decision's row fields and key (store/keys.py): the backends of ``cands`` name the sources, the
+    registered backends the library versions."""
+    return decision_fields(p.op, _variant(direction, grad_lse), p, dev, _sources(cands), required_distributions())
+
+
 def _capturing(call: AttnCall) -> bool:
     return call.q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
@@ -130,7 +138,7 @@ def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str, grad_lse: b
             light = None  # nothing was left out: the full way does the same work
     if light is not None:
         # the key names backends, not configs, so the lookup-only candidates give the full way's key
-        fields = decision_fields(p.op, _variant(direction, grad_lse), p, dev, _sources(light))
+        fields = _fields(p, dev, direction, light, grad_lse)
         hit = _stored_without_costly_imports(light, fields)
         if hit is not None:
             return hit
@@ -151,7 +159,7 @@ def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str, grad_lse: b
     runnable = {c.name for c in cands if c.pruned is None}
     if len(runnable) == 1 and light is None:
         return default_choice(cands), None, None
-    fields = decision_fields(p.op, _variant(direction, grad_lse), p, dev, _sources(cands))
+    fields = _fields(p, dev, direction, cands, grad_lse)
     store = get_store()
 
     def stored() -> dict | None:
@@ -276,7 +284,7 @@ def measure(call: AttnCall, direction: str = "forward", search: str | None = Non
     cands = enumerate_candidates(p, dev, direction)
     if sum(c.pruned is None for c in cands) < 2:
         return None
-    fields = decision_fields(p.op, _variant(direction), p, dev, _sources(cands))
+    fields = _fields(p, dev, direction, cands)
     store = get_store()
     return on_device(store, call.q.device, lambda: _measure(call, cands, direction, fields, store, None, search))
 
@@ -309,7 +317,7 @@ def tune_in_worker(call: AttnCall, direction: str, key: str, deterministic: bool
     p, dev = call.problem, device_info(call.q.device)
     torch.use_deterministic_algorithms(deterministic)
     cands = enumerate_candidates(p, dev, direction)
-    fields = decision_fields(p.op, _variant(direction), p, dev, _sources(cands))
+    fields = _fields(p, dev, direction, cands)
     if fields["key"] != key:
         raise RuntimeError(f"the worker's decision key differs from the parent's ({fields['key'][:12]} vs "
                            f"{key[:12]}): backends registered at run time, or other library versions, are not "
