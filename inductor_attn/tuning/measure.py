@@ -177,22 +177,12 @@ class Direction:
         """``plan`` launched as compiled code launches it. A traced form: the plan's launch, the kernels and
         allocations the graph holds (through Triton's launcher or Python's aten calls, where generated code uses
         Inductor's launcher and its own aten calls). A plan without a traced form: for an attention call decided
-        at compile time, through the ``inductor_attn::launch`` op (its dispatch and the op's lookup cost host
-        time that the plan's own launch does not show); other calls go through the op impl at run time,
-        approximated by the plan's launch."""
-        if plan.traced is not None or call.op != "attention":
+        at compile time, through the thin op that compiled code calls (:func:`thin_op_launch`: its dispatch and
+        lookup cost host time that the plan's own launch does not show); other calls go through the op impl at
+        run time, approximated by the plan's launch."""
+        if plan.traced is not None or call.op != "attention" or _THIN_OP_LAUNCH is None:
             return lambda: self.run(plan, call)
-        from ..ops.launch import launch_op, plan_key
-
-        from ..runtime import uncounted
-
-        tensors = [call.q, call.k, call.v, call.kv_seqlens, call.key_mask, *(self.grads or ())]
-        key = plan_key(self.direction, choice, call)
-
-        def launch():
-            with uncounted():
-                return launch_op(tensors, key)
-        return launch
+        return _THIN_OP_LAUNCH(self.direction, choice, call, *(self.grads or ()))
 
     def compile(self, plan: Plan, call: AttnCall):
         """Compile ``plan``'s kernels for ``call`` without running them (plans that can, see precompile.py)."""
@@ -211,6 +201,18 @@ class Direction:
             return check_output(got[0], got[1], want[0], want[1], dtype), rel_err(got[0], want[0])
         reasons = [check_tensor(name, g, w, dtype) for name, g, w in zip(("dq", "dk", "dv"), got, want)]
         return next((r for r in reasons if r), None), max(rel_err(g, w) for g, w in zip(got, want))
+
+
+# How compiled code launches a plan that has no traced form: given by ops/launch.py, which defines that op,
+# when it is imported (importing the package does), so that the tuner needs nothing of the ops.
+_THIN_OP_LAUNCH: Callable[..., Callable[[], object]] | None = None
+
+
+def thin_op_launch(make: Callable[..., Callable[[], object]]) -> None:
+    """Set ``make(direction, choice, call, *backward tensors) -> launch``: a zero-argument launch of the plan
+    of ``choice`` for ``call`` as compiled code makes it."""
+    global _THIN_OP_LAUNCH
+    _THIN_OP_LAUNCH = make
 
 
 def candidate_trial(choice: str, direction: Direction) -> Trial:
