@@ -108,12 +108,14 @@ def _launch(kernel: str, needs_bias: bool, call: AttnCall, with_lse: bool = True
     if kernel == "flash":
         out, lse = aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, is_causal, False, **kw)[:2]
     elif kernel == "cudnn":
-        out, lse = aten._scaled_dot_product_cudnn_attention.default(q, k, v, bias, with_lse, 0.0, is_causal, False, **kw)[:2]
+        out, lse = aten._scaled_dot_product_cudnn_attention.default(q, k, v, bias, with_lse, 0.0, is_causal, False,
+                                                                    **kw)[:2]
     else:
         group = q.shape[1] // k.shape[1]
         if group > 1:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        out, lse = aten._scaled_dot_product_efficient_attention.default(q, k, v, bias, with_lse, 0.0, is_causal, **kw)[:2]
+        out, lse = aten._scaled_dot_product_efficient_attention.default(q, k, v, bias, with_lse, 0.0, is_causal,
+                                                                        **kw)[:2]
     if not with_lse:
         return (conform(out, q),)
     b, h, lq = q.shape[:3]

@@ -31,8 +31,8 @@ which the benchmark shares):
    compiled code makes it (``host_ms``): through the thin op for a plan without a traced form, the plan's
    launch for a traced one; with autograd off, as compiled code runs (AOTAutograd's compiled forward runs
    inside an autograd.Function, the backward inside the engine: an aten call's autograd dispatch cost a cuDNN
-   forward 52 us against 24 in compiled code, H200). The timer takes it (timing.host_ms). What compiled code runs is decided per compiled graph from both
-   figures (step_cost.py); eager calls run the winner. Inside a compile the tune runs without the Python
+   forward 52 us against 24 in compiled code, H200). The timer takes it (timing.host_ms). What compiled code
+   runs is decided per compiled graph from both figures (step_cost.py); eager calls run the winner. Inside a compile the tune runs without the Python
    dispatcher (lowering/emit.py, ``eager_mode``), which would put every aten call through Python.
 """
 
