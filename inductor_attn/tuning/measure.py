@@ -95,8 +95,14 @@ def fresh_inputs(call: AttnCall, seed: int) -> AttnCall:
     """Same shapes, strides, dtypes and index tensors as ``call``, new random q/k/v (never zeros)."""
     gen = torch.Generator(device=call.q.device).manual_seed(seed)
 
+    def normal_(t: torch.Tensor) -> None:
+        if t.dtype.itemsize == 1:  # no normal_ kernel for fp8: drawn in float32 and rounded
+            t.copy_(torch.empty(t.shape, device=t.device).normal_(generator=gen))
+        else:
+            t.normal_(generator=gen)
+
     def like(x: torch.Tensor) -> torch.Tensor:
-        return filled_like(x, lambda t: t.normal_(generator=gen))
+        return filled_like(x, normal_)
 
     return dataclasses.replace(call, q=like(call.q), k=like(call.k), v=like(call.v), _problem=call._problem)
 
