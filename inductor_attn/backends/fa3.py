@@ -94,7 +94,7 @@ def split_candidates(p: Problem, sm_count: int) -> list[int]:
     >>> dec = Problem("attention", "bfloat16", "cuda", 1, 16, 2, 1, 16384, 256, 256)
     >>> split_candidates(dec, 132), split_candidates(Problem("attention", "bfloat16", "cuda", 4, 32, 8, 4096, 4096,
     ...                                                       128, 128), 132)
-    ([1, 16, 33, 66], [1])
+    ([1, 16, 32, 64], [1])
     """
     tiles = p.batch * p.heads_kv * -(-p.len_q * p.gqa_ratio // _BLOCK_M)
     n_blocks = -(-p.len_k // _BLOCK_N)
