@@ -139,6 +139,7 @@ def explain(key_prefix: str, store: DecisionStore | LayeredStore | None = None) 
         f"  winner:           {row['winner']}  (default {rec['default']})",
         f"  why:              {rec['why']}",
         *_compiled_lines(rec, row["winner"]),
+        *_pairing_lines(row),
         *_search_lines(rec),
         "",
         f"  {'candidate':44s} {'status':8s} {'median ms':>10s} {'speedup':>8s} {'95% CI':>15s} "
@@ -154,6 +155,35 @@ def explain(key_prefix: str, store: DecisionStore | LayeredStore | None = None) 
             f"{c.get('reason') or c.get('note') or ''}"
         )
     return "\n".join(lines)
+
+
+def library_of(choice: str, versions: dict) -> str:
+    """The library whose kernel a choice runs, with the version a decision row recorded: the first distribution
+    its backend ``requires``, torch for those that require none (SDPA, flex, the reference).
+
+    >>> library_of("sdpa:kernel=cudnn", {"torch": "2.13.0"})
+    'torch 2.13.0'
+    """
+    from .backends import backends
+
+    requires = next((b.requires for b in backends() if b.name == choice.partition(":")[0]), ())
+    dist = requires[0] if requires else "torch"
+    return f"{dist} {versions.get(dist, 'absent')}"
+
+
+def _pairing_lines(row: dict) -> list[str]:
+    """For a backward decision: whose forward out and lse the gate fed its candidates, and whether that forward
+    and the winner are of different libraries (a backward takes any forward's out and lse: layout.py)."""
+    rec = row["record"]
+    if rec.get("direction") != "backward":
+        return []
+    forward = rec.get("paired_with")
+    if not forward:
+        return ["  paired with:      the reference's out and lse (no forward was decided in the tuning process)"]
+    fwd, bwd = library_of(forward, row["versions"]), library_of(row["winner"], row["versions"])
+    cross = "out and lse cross libraries" if fwd.split()[0] != bwd.split()[0] else "one library"
+    return [f"  paired with:      forward {forward} ({fwd}), backward {row['winner']} ({bwd}): {cross}; gated as a "
+            f"pair (the forward's out and lse in, gradients against the reference's)"]
 
 
 def _search_lines(rec: dict) -> list[str]:

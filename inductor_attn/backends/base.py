@@ -5,7 +5,8 @@ A backend turns a problem into candidates, and a chosen candidate into a :class:
 - ``name``; ``requires``: distributions whose versions enter decision keys; ``sources``: files whose
   bytes are hashed into decision keys (editing a kernel invalidates its old timings, like Inductor's
   ``ExternKernelChoice.hash_key``); ``knobs``: the config keys it reads and their types;
-  ``takes_key_mask``: whether its plans apply ``AttnCall.key_mask``; ``takes_grad_lse``: whether its
+  ``takes_key_mask``: whether its plans apply ``AttnCall.key_mask``; ``takes_fp8``: whether they take
+  float8_e4m3fn q/k/v with ``AttnCall.descale``; ``takes_grad_lse``: whether its
   backward takes a gradient of the lse (a loss that uses the lse, not only the output).
 - ``supports(p, dev, direction) -> None | reason``: whether it can run this problem here at all.
 - ``configs(p, dev, direction) -> [Candidate]``: its knob settings, pruned ones with their reason.
@@ -119,6 +120,9 @@ class AttnCall:
     max_seqlen_k: int = 0
     sparse: BlockSparseMask | None = None
     key_mask: torch.Tensor | None = None
+    # fp8 calls (ops/fp8.py): the q, k, v descales as (B, Hkv) float32 views, and the dtype of the output
+    descale: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    out_dtype: torch.dtype | None = None
     _problem: Problem | None = field(default=None, repr=False)
 
     @property
@@ -183,6 +187,7 @@ class Backend:
     sources: tuple[Path, ...] = ()
     knobs: dict[str, type | tuple] = {}
     takes_key_mask: bool = False
+    takes_fp8: bool = False
     takes_grad_lse: bool = True
     has_backward: bool = False
     # a first launch in another process on the same device leaves the compiled kernels in a disk cache

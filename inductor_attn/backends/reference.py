@@ -154,8 +154,24 @@ def _mask(call: AttnCall):
                          call.kv_seqlens, call.q.device, call.key_mask), 1
 
 
+def dequantised(call: AttnCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An fp8 call's q, k, v in float32 times their descales ((B, Hkv): q head h takes its kv head's, h // G, as
+    FA3 reads ``q_descale``). Exact: an e4m3 value times a float32 descale rounds once, to float32's 24 bits."""
+    b, hkv = call.k.shape[:2]
+    groups = call.q.shape[1] // hkv
+    q_d, k_d, v_d = (d.expand(b, hkv).float()[:, :, None, None] for d in call.descale)
+    q = call.q.float() * q_d.repeat_interleave(groups, dim=1)
+    return q, call.k.float() * k_d, call.v.float() * v_d
+
+
 def run_forward(call: AttnCall):
-    """(out, lse) of any call, out in q's stride order (the ops' layout contract)."""
+    """(out, lse) of any call, out in q's stride order (the ops' layout contract). fp8 calls run on their
+    dequantised inputs (:func:`dequantised`) in float32, and the output is converted to ``call.out_dtype``."""
+    if call.descale is not None:
+        q, k, v = dequantised(call)
+        mask, _ = _mask(call)
+        out, lse = forward(q, k, v, call.scale, mask, 1, call.kv_seqlens)
+        return conform(out.to(call.out_dtype), call.q), lse
     if call.op != "varlen":
         mask, align = _mask(call)
         out, lse = forward(call.q, call.k, call.v, call.scale, mask, align, call.kv_seqlens)
@@ -198,6 +214,7 @@ class ReferenceBackend(Backend):
 
     name = "reference"
     takes_key_mask = True
+    takes_fp8 = True
     has_backward = True
 
     def supports(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> str | None:

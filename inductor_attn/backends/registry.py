@@ -2,8 +2,8 @@
 the first runnable candidate is the "default" that others must beat with a confident speedup.
 
 Built-in order: ``sdpa`` first (what F.scaled_dot_product_attention gives users today is the baseline
-for dense problems), then ``flex`` (the baseline for block masks), the kernels that must beat them, and
-``reference`` last (always runs, slowest). Adding a backend is its module plus one line in
+for dense problems), then ``flex`` (the baseline for block masks), the kernels that must beat them (``fa3``
+before ``fa4``: within the noise the prebuilt kernel wins, and a first compile pays no JIT), and ``reference`` last (always runs, slowest). Adding a backend is its module plus one line in
 :data:`BUILTIN`."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import functools
 from ..device import DeviceInfo
 from ..problem import Problem
 from .base import DIRECTIONS, Backend, Candidate, Plan, check_knobs
+from .fa3 import BACKEND as FA3
 from .fa4 import BACKEND as FA4
 from .flex import BACKEND as FLEX
 from .reference import BACKEND as REFERENCE
@@ -21,7 +22,7 @@ from .sdpa import BACKEND as SDPA
 from .triton_decode import BACKEND as TRITON_DECODE
 from .triton_flash.flash import BACKEND as TRITON_FLASH
 
-BUILTIN = (SDPA, FLEX, FA4, TRITON_FLASH, TRITON_DECODE, REFERENCE)
+BUILTIN = (SDPA, FLEX, FA3, FA4, TRITON_FLASH, TRITON_DECODE, REFERENCE)
 
 _REGISTRY: dict[str, Backend] = {}
 # bumped on every change of the registry, so caches keyed by backend name (ops/launch.py) notice it
@@ -112,6 +113,8 @@ def enumerate_candidates(p: Problem, dev: DeviceInfo, direction: str = "forward"
 def _unsupported(backend: Backend, p: Problem, dev: DeviceInfo, direction: str) -> str | None:
     if direction == "backward" and not backend.has_backward:
         return f"{backend.name} has no backward"
+    if p.dtype.startswith("float8") and not backend.takes_fp8:
+        return f"{backend.name} takes no fp8 inputs (fp8 runs on {_fp8_backends()})"
     reason = backend.supports(p, dev, direction)
     if reason is None and p.has_key_mask and not backend.takes_key_mask:
         reason = f"{backend.name} does not take key_mask (per-batch key masks run on {_key_mask_backends()})"
@@ -138,6 +141,10 @@ def _plan(backend: Backend, problem: Problem, cfg, dev: DeviceInfo, direction: s
 
 def _key_mask_backends() -> str:
     return ", ".join(b.name for b in _REGISTRY.values() if b.takes_key_mask)
+
+
+def _fp8_backends() -> str:
+    return ", ".join(b.name for b in _REGISTRY.values() if b.takes_fp8)
 
 
 for _backend in BUILTIN:

@@ -76,6 +76,7 @@ DEFAULT_COLUMNS = (
     ("sdpa cudnn", "sdpa", {"kernel": "cudnn"}),
     ("sdpa flash", "sdpa", {"kernel": "flash"}),
     ("sdpa efficient", "sdpa", {"kernel": "efficient"}),
+    ("fa3 unsplit", "fa3", {"num_splits": 1}),
     ("fa4 default", "fa4", None),
     ("flex Triton", "flex", {"backend": "TRITON"}),
     ("flex FLASH", "flex", {"backend": "FLASH"}),

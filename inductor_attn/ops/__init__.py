@@ -12,10 +12,11 @@ from .attention import (
     varlen_attention_backward_op,
     varlen_attention_op,
 )
+from .fp8 import fp8_attention_op
 from .launch import launch_op
 
 __all__ = [
     "BACKWARD_OPS", "FORWARD_OPS", "BlockSparseMask", "attention_op", "attention_backward_op",
     "varlen_attention_op", "varlen_attention_backward_op", "block_sparse_attention_op",
-    "block_sparse_attention_backward_op", "launch_op",
+    "block_sparse_attention_backward_op", "fp8_attention_op", "launch_op",
 ]

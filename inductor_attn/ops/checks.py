@@ -91,10 +91,10 @@ def check_tensor(name: str, x, ndim: int, layout: str) -> None:
         fail(ValueError, f"{name} must have {ndim} dims {layout}, got shape {tuple(x.shape)}")
 
 
-def check_same_dtype_device(tensors: dict[str, torch.Tensor]) -> None:
+def check_same_dtype_device(tensors: dict[str, torch.Tensor], dtypes=SUPPORTED_DTYPES) -> None:
     (first, ref), *rest = tensors.items()
-    if ref.dtype not in SUPPORTED_DTYPES:
-        fail(TypeError, f"{first} has dtype {ref.dtype}; supported dtypes are {_dtype_names(SUPPORTED_DTYPES)}")
+    if ref.dtype not in dtypes:
+        fail(TypeError, f"{first} has dtype {ref.dtype}; supported dtypes are {_dtype_names(dtypes)}")
     for name, t in rest:
         if t.dtype != ref.dtype:
             fail(TypeError, f"{name} has dtype {t.dtype} but {first} has {ref.dtype}; q, k and v must share one dtype")
@@ -112,11 +112,11 @@ def check_head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             fail(ValueError, f"{name} must be in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {size}")
 
 
-def check_qkv(q, k, v, ndim: int) -> None:
-    """q, k, v are tensors of the op's rank, one supported dtype and device, with head dims in range."""
+def check_qkv(q, k, v, ndim: int, dtypes=SUPPORTED_DTYPES) -> None:
+    """q, k, v are tensors of the op's rank, one of ``dtypes`` and one device, with head dims in range."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, x, ndim, LAYOUTS[ndim])
-    check_same_dtype_device({"q": q, "k": k, "v": v})
+    check_same_dtype_device({"q": q, "k": k, "v": v}, dtypes)
     check_head_dims(q, k, v)
 
 
@@ -193,10 +193,10 @@ def check_index_tensor(name: str, x, shape: tuple, device: torch.device, layout:
 
 
 def check_attention(q, k, v, scale, window_left, window_right, kv_seqlens, key_mask=None, *,
-                    allow_empty: bool = False) -> None:
+                    allow_empty: bool = False, dtypes=SUPPORTED_DTYPES) -> None:
     """Everything the ops need that does not read tensor values. ``allow_empty``: batch, heads and lengths
-    may be 0 (the public API answers those calls without a kernel)."""
-    check_qkv(q, k, v, 4)
+    may be 0 (the public API answers those calls without a kernel). ``dtypes``: those q, k, v may have."""
+    check_qkv(q, k, v, 4, dtypes)
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
         fail(ValueError, f"q, k, v must share the batch size, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
     if k.shape[2] != v.shape[2]:

@@ -3,6 +3,14 @@
 Tolerances are relative Frobenius errors ||out - ref|| / ||ref|| against a float64-accumulated
 reference, per input dtype (bf16 operands land between 1e-3 and 1e-2; the bounds leave room for the
 rounding of the output itself).
+
+fp8 (float8_e4m3fn) is measured against the reference of the *dequantised* inputs, so the inputs' own
+quantisation is not counted: what is left is the kernel's. FA3 rounds the softmax weights P to e4m3 for the
+second GEMM (3 mantissa bits: a relative rounding error uniform in +-2^-4, RMS 2^-4 / sqrt(3) = 3.6%), and
+with zero-mean values that error's share of ``P @ V`` stays near that RMS; the bfloat16 output adds 0.4%.
+So 3.7% is expected and the bound is 6e-2. To be confirmed on the GPU: benchmarks/tools/fp8_error.py
+prints the distribution of FA3 fp8's errors over shapes and seeds. The lse comes from the exact fp8 products
+accumulated in float32, so the fp16 bound serves.
 """
 
 from __future__ import annotations
@@ -14,8 +22,10 @@ TOLERANCES = {
     torch.float32: 1e-4,   # a tf32 dot (Triton's float32 default on GPUs) lands near 3e-4 of the inputs' scale
     torch.float16: 5e-3,
     torch.bfloat16: 2e-2,
+    torch.float8_e4m3fn: 6e-2,
 }
-LSE_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+LSE_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 1e-2,
+                 torch.float8_e4m3fn: 1e-3}
 POISON = float("nan")
 
 

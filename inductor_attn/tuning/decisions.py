@@ -258,10 +258,13 @@ def _measure(call: AttnCall, cands: list[Candidate], direction: str, fields: dic
     if prior is not None:
         cands, note = _shortlisted(cands, prior)
     runnable = sum(c.pruned is None for c in cands)
+    # autograd runs a bucket's forward before its backward: the backward's gate takes that forward's out and lse
+    dev = device_info(call.q.device)
+    forward = None if direction == "forward" else _MEMO.get(_memo_key(call, dev, "forward", False))
     with progress_ticker(f"tuning {call.problem.op} {direction}", total=runnable + default_rounds()) as tick:
         try:
             result = tune(call, cands, direction=direction, progress=tick,
-                          search="exhaustive" if note else search, note=note, grad_lse=grad_lse)
+                          search="exhaustive" if note else search, note=note, grad_lse=grad_lse, forward=forward)
         except NoCandidateRan:
             if not note:
                 raise

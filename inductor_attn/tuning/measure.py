@@ -95,8 +95,14 @@ def fresh_inputs(call: AttnCall, seed: int) -> AttnCall:
     """Same shapes, strides, dtypes and index tensors as ``call``, new random q/k/v (never zeros)."""
     gen = torch.Generator(device=call.q.device).manual_seed(seed)
 
+    def normal_(t: torch.Tensor) -> None:
+        if t.dtype.itemsize == 1:  # no normal_ kernel for fp8: drawn in float32 and rounded
+            t.copy_(torch.empty(t.shape, device=t.device).normal_(generator=gen))
+        else:
+            t.normal_(generator=gen)
+
     def like(x: torch.Tensor) -> torch.Tensor:
-        return filled_like(x, lambda t: t.normal_(generator=gen))
+        return filled_like(x, normal_)
 
     return dataclasses.replace(call, q=like(call.q), k=like(call.k), v=like(call.v), _problem=call._problem)
 
@@ -153,19 +159,41 @@ class Trial:
 
 class Direction:
     """What running a candidate means for forward or backward: its plan's launch (``launch(call)``, or
-    ``launch(call, out, lse, grad_out, grad_lse)`` with the reference's out and lse, a seeded ``grad_out``
-    and, where the loss uses the lse too, a seeded ``grad_lse``), and how outputs are checked."""
+    ``launch(call, out, lse, grad_out, grad_lse)`` with a forward's out and lse, a seeded ``grad_out``
+    and, where the loss uses the lse too, a seeded ``grad_lse``), and how outputs are checked.
 
-    def __init__(self, direction: str, call: AttnCall, grad_lse: bool = False):
+    A backward's out and lse come from ``forward`` (the choice that runs this problem's forward in this process)
+    where one is given and it runs, so the gate checks the pair, another library's forward included, against the
+    reference's gradients (computed from the reference's own out and lse); else from the reference. ``forward``
+    then says which forward was used (None: the reference's)."""
+
+    def __init__(self, direction: str, call: AttnCall, grad_lse: bool = False, forward: str | None = None):
         self.direction = direction
         self.dev = device_info(call.q.device)
-        self.grads = None
+        self.grads = self.reference_grads = self.forward = None
         if direction == "backward":
             out, lse = REFERENCE.run(call, None)
             gen = torch.Generator(device=call.q.device).manual_seed(7)
             grad_out = torch.empty_like(out).normal_(generator=gen)
             dlse = torch.empty_like(lse).normal_(generator=gen) if grad_lse else None
-            self.grads = (out, lse, grad_out, dlse)
+            self.grads = self.reference_grads = (out, lse, grad_out, dlse)
+            paired = self._forward_outputs(call, forward)
+            if paired is not None:
+                self.grads, self.forward = (*paired, grad_out, dlse), forward
+
+    def _forward_outputs(self, call: AttnCall, forward: str | None):
+        """(out, lse) of ``forward`` on ``call``, or None where there is none to pair, it is the reference, or it
+        cannot run here (then the reference's serve)."""
+        if not forward or forward.partition(":")[0] == REFERENCE.name:
+            return None
+        try:
+            return tuple(plan_for(call.problem, forward, self.dev, "forward").launch(call))
+        except Exception as err:
+            if not is_candidate_error(err, get_backend(forward.partition(":")[0])):
+                raise
+            log.warning("the backward's gate takes the reference's out and lse: forward %s raised %s", forward,
+                        describe(err))
+            return None
 
     def plan(self, call: AttnCall, choice: str) -> Plan:
         return plan_for(call.problem, choice, self.dev, self.direction)
@@ -190,7 +218,7 @@ class Direction:
 
     def reference(self, call: AttnCall):
         plan = REFERENCE.plan(call.problem, self.dev, None, self.direction)
-        return self.run(plan, call)
+        return plan.launch(call) if self.grads is None else plan.launch(call, *self.reference_grads)
 
     def check(self, got, want, dtype) -> tuple[str | None, float]:
         """(why ``got`` does not match ``want`` or None, its relative error). A forward that returns the

@@ -120,6 +120,7 @@ class TuneResult:
     noise_note: str = ""
     seconds: dict[str, float] = field(default_factory=dict)  # wall time per phase: compile, gate, timing, total
     host: str = field(default_factory=socket.gethostname)  # where it was measured (cache explain: "tuned here")
+    paired_with: str = ""  # a backward: the forward whose out and lse the gate fed it ("": the reference's)
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -176,10 +177,10 @@ class _Search:
     time of each phase."""
 
     def __init__(self, call: AttnCall, candidates: list[Candidate], direction: str, timer, rounds: int, tick,
-                 grad_lse: bool):
+                 grad_lse: bool, forward: str | None = None):
         self.call, self.timer, self.rounds, self.tick = call, timer, rounds, tick
         self.gate_call = gate_inputs(call, seed=1)
-        self.mode = Direction(direction, self.gate_call, grad_lse)
+        self.mode = Direction(direction, self.gate_call, grad_lse, forward)
         self.expected = self.mode.reference(self.gate_call)
         self.cands = {c.name: c for c in candidates}
         self.order = [c.name for c in candidates]  # prior order
@@ -407,15 +408,16 @@ class NoCandidateRan(RuntimeError):
 
 def tune(call: AttnCall, candidates: list[Candidate], *, direction: str = "forward", timer=None,
          rounds: int | None = None, progress=None, search: str | None = None, note: str = "",
-         grad_lse: bool = False) -> TuneResult:
+         grad_lse: bool = False, forward: str | None = None) -> TuneResult:
     """Measure ``candidates`` (prior order) on ``call``'s problem and pick one; see the module doc.
     ``note`` says what chose the candidates (a shipped decision's shortlist), recorded in ``search``.
-    ``grad_lse``: a backward whose loss uses the lse too (the gate then checks that gradient's part)."""
+    ``grad_lse``: a backward whose loss uses the lse too (the gate then checks that gradient's part).
+    ``forward``: a backward's forward choice, whose out and lse feed the candidates (measure.Direction)."""
     start = time.perf_counter()
     search = search or default_search()
     timer = timer or default_timer(call.q.device.type)
     state = _Search(call, candidates, direction, timer, rounds or default_rounds(), progress or (lambda: None),
-                    grad_lse)
+                    grad_lse, forward)
     margin = stage_margin()
     finalists, others = state.staged(margin) if search == "staged" else state.exhaustive()
     results = [state.results[n] for n in state.order]
@@ -427,14 +429,15 @@ def tune(call: AttnCall, candidates: list[Candidate], *, direction: str = "forwa
     if len(finalists) == 1:
         return TuneResult(call.problem, direction, default.name, default.name,
                           "the only candidate that ran and matched the reference", timer.name, results,
-                          search=described, seconds=_seconds(state, start))
+                          search=described, seconds=_seconds(state, start), paired_with=state.mode.forward or "")
     noise, noise_note = state.agree(finalists)
     finals = [state.results[n] for n in finalists]
     winner, why = _choose(finals, max(TIE_MARGIN, noise or 0.0))
     with state.phase("host"):
         state.host_times(finalists + others)
     return TuneResult(call.problem, direction, winner.name, default.name, why, timer.name, results,
-                      search=described, noise=noise, noise_note=noise_note, seconds=_seconds(state, start))
+                      search=described, noise=noise, noise_note=noise_note, seconds=_seconds(state, start),
+                      paired_with=state.mode.forward or "")
 
 
 def _seconds(state: _Search, start: float) -> dict[str, float]:

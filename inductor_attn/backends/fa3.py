@@ -1,0 +1,231 @@
+"""FlashAttention-3's prebuilt Hopper forward (the ``tokenspeed-fa3`` wheel) as a candidate, bf16/fp16 and fp8.
+
+What it is: the ``hopper/`` interface of Dao-AILab's FlashAttention-3 (``flash_attn_interface``), built for
+sm_90a against torch's stable ABI and CUDA 13 and shipped as the ``tokenspeed-fa3`` wheel (Apache-2.0). Its
+kernels are compiled ahead: the first import loads a 300 MB library (4.8 s on an H200, issue #53), and every
+shape after that takes 1-12 ms, with no JIT. Its build (``flash_attn_config.CONFIG``, 3.0.0.post20260810) has no
+backward, no softcap, head dims 64/128/192/256 with equal q/k and v dims, and fp8 e4m3, varlen, split-KV,
+pack-GQA and local windows on. Facts about calls are from that version's ``flash_attn_interface.py``.
+
+Knobs: ``num_splits`` (split-KV: 1, plus a few where the (batch, kv head, m-block) tiles leave SMs idle and the
+keys are long, :func:`split_candidates`) and ``pack_gqa`` (GQA heads packed into the m dimension; True and False
+where Hq != Hkv). FA3 turns packing on whenever it splits (``PackGQA = PackGQA_ || ... || Split`` in its
+``run_mha_fwd``), so a split config with ``pack_gqa=False`` would time the same kernel twice and is left out.
+
+The call goes straight to the op the interface wraps, ``torch.ops.flash_attn_3.fwd``, with its 35 positional
+arguments in the interface's order (checked against the op's schema at load): no per-call Python beyond a list.
+Our out buffer is passed in (FA3 writes it in place, as (B, L, H, D) views of our layout); FA3 allocates the lse,
+(B, H, Lq) or (H, total_q) float32 as our ops' contract has it (layout.py), so another library's backward takes it
+as it is. One difference: a row that no key may attend gets lse = +inf from FA3's non-split epilogue
+(``softmax.h``: ``Split ? -INFINITY : INFINITY``) and -inf in our contract; problems that can have such rows
+(causal with Lq > Lk, windows, kv_seqlens, varlen) turn +inf into -inf (:data:`_EMPTY_ROWS`).
+
+Layout: q, k, v reach FA3 as (B, L, H, D) transpose views (packed (total, H, D) for varlen). FA3 loads them with
+TMA, which needs a contiguous last dim, 16-byte aligned pointer and 16-byte multiples for every other stride; a
+tensor that is not so is copied (:func:`_as_fa3_takes`).
+
+Errors: FA3's checks are C++ ``STD_TORCH_CHECK``s, which reach Python as RuntimeError: the tuner's
+``CANDIDATE_ERRORS`` already count those as "cannot run here", so :meth:`FA3Backend.errors` adds nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+from dataclasses import dataclass
+
+import torch
+
+from ..device import DeviceInfo
+from ..layout import conform, empty_like_layout
+from ..problem import Problem
+from .base import AttnCall, Backend, Candidate, Config, Plan
+
+DISTRIBUTION = "tokenspeed-fa3"
+NOT_INSTALLED = f"{DISTRIBUTION} not installed (pip install 'inductor-attn[fa3]')"
+HEAD_DIMS = (64, 128, 192, 256)  # FLASHATTENTION_DISABLE_HDIM96 and both HDIMDIFF flags are set in its build
+DTYPES = ("bfloat16", "float16", "float8_e4m3fn")
+FWD_ARGUMENTS = 35  # flash_attn_3::fwd as _flash_attn_forward calls it (3.0.0.post20260810), ``sinks`` last
+# Tiles of FA3's sm_90 forward, for counting how many CTAs a problem fills (tile_size_fwd_sm90: 128-row m-blocks
+# for the head dims here, n-blocks of 80-176 keys; 128 is the middle)
+_BLOCK_M, _BLOCK_N = 128, 128
+_MAX_SPLITS = 128  # FA3's num_splits_heuristic caps at 128 too
+
+
+@dataclass(frozen=True)
+class _FA3:
+    """The loaded library: its forward op, version and build flags (``flash_attn_config.CONFIG``)."""
+
+    fwd: object
+    version: str
+    build_flags: dict
+
+
+@functools.cache
+def _load() -> _FA3 | str:
+    """Import tokenspeed-fa3 once (loads its 300 MB library); the reason in words if it cannot be used."""
+    try:
+        import flash_attn_interface  # noqa: F401  (registers torch.ops.flash_attn_3)
+        from flash_attn_config import CONFIG
+    except ModuleNotFoundError as err:
+        if err.name and err.name.split(".")[0] in ("flash_attn_interface", "flash_attn_3", "flash_attn_config"):
+            return NOT_INSTALLED
+        return f"{DISTRIBUTION} not importable: {err}"
+    except (ImportError, OSError, RuntimeError) as err:  # a wheel built for another CUDA or torch ABI
+        return f"{DISTRIBUTION} not importable: {type(err).__name__}: {str(err)[:200]}"
+    try:
+        version = importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    fwd = torch.ops.flash_attn_3.fwd.default
+    count = len(fwd._schema.arguments)
+    if count != FWD_ARGUMENTS:
+        return (f"{DISTRIBUTION} {version}: flash_attn_3::fwd takes {count} arguments, this backend passes the "
+                f"{FWD_ARGUMENTS} of 3.0.0.post20260810")
+    return _FA3(fwd, version, dict(CONFIG.get("build_flags", {})))
+
+
+def split_candidates(p: Problem, sm_count: int) -> list[int]:
+    """``num_splits`` values worth measuring: 1, plus the split that fills the SMs with the (batch, kv head,
+    m-block) tiles (GQA heads packed into the m dimension, as FA3 does when it splits) and its half and quarter,
+    when the tiles leave over a fifth of the SMs idle (FA3's own heuristic splits below 80% occupancy) and every
+    split keeps two or more n-blocks of keys.
+
+    >>> dec = Problem("attention", "bfloat16", "cuda", 1, 16, 2, 1, 16384, 256, 256)
+    >>> split_candidates(dec, 132), split_candidates(Problem("attention", "bfloat16", "cuda", 4, 32, 8, 4096, 4096,
+    ...                                                       128, 128), 132)
+    ([1, 16, 32, 64], [1])
+    """
+    tiles = p.batch * p.heads_kv * -(-p.len_q * p.gqa_ratio // _BLOCK_M)
+    n_blocks = -(-p.len_k // _BLOCK_N)
+    if tiles >= 0.8 * sm_count:
+        return [1]
+    fill = min(sm_count // tiles, n_blocks // 2, _MAX_SPLITS)
+    return sorted({1, *(s for s in (fill, fill // 2, fill // 4) if s >= 2)})
+
+
+def _empty_rows_possible(p: Problem) -> bool:
+    """Whether a query row may have no key to attend (FA3 gives it lse +inf, our contract -inf)."""
+    windowed = p.window_left >= 0 or p.window_right >= 0
+    return windowed or p.has_kv_seqlens or p.op == "varlen" or (p.causal and p.len_q > p.len_k)
+
+
+class FA3Backend(Backend):
+    """Forward only; compiled code runs the plan's launch through the thin op (no traced form: a C++ op)."""
+
+    name = "fa3"
+    requires = (DISTRIBUTION,)
+    knobs = {"num_splits": int, "pack_gqa": bool}
+    takes_fp8 = True
+    costly_import = True  # supports() imports flash_attn_interface, which loads a 300 MB library
+
+    def supports(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> str | None:
+        if p.device_type != "cuda":
+            return "needs a CUDA device"
+        if dev.arch != 90:
+            return f"{DISTRIBUTION} is built for sm_90a only, got sm_{dev.arch}"
+        if p.op == "block_sparse":
+            return f"{DISTRIBUTION} takes no block-sparse masks"
+        if p.dtype not in DTYPES:
+            return f"{DISTRIBUTION} takes {', '.join(DTYPES)}, got {p.dtype}"
+        if p.head_dim != p.head_dim_v or p.head_dim not in HEAD_DIMS:
+            return (f"{DISTRIBUTION} is built for head dims {', '.join(map(str, HEAD_DIMS))} with equal q/k and v "
+                    f"dims, got ({p.head_dim}, {p.head_dim_v})")
+        fa = _load()
+        if isinstance(fa, str):
+            return fa
+        flags = fa.build_flags
+        needs = {"FLASHATTENTION_DISABLE_FP8": p.dtype == "float8_e4m3fn",
+                 "FLASHATTENTION_DISABLE_FP16": p.dtype == "float16",
+                 "FLASHATTENTION_DISABLE_VARLEN": p.op == "varlen" or p.has_kv_seqlens,
+                 "FLASHATTENTION_DISABLE_LOCAL": p.window_left >= 0 or p.window_right >= 0}
+        lost = [flag for flag, needed in needs.items() if needed and flags.get(flag)]
+        if lost:
+            return f"{DISTRIBUTION} {fa.version} was built with {', '.join(lost)}"
+        return None
+
+    def configs(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> list[Candidate]:
+        splits = split_candidates(p, dev.sm_count)
+        if p.gqa_ratio == 1:
+            cfgs = [Config.of(num_splits=s) for s in splits]
+        else:
+            # FA3's own pick first (should_pack_gqa: packing when it fills the m-blocks better, as at decode)
+            packs = (True, False) if p.len_q < _BLOCK_M else (False, True)
+            cfgs = [Config.of(num_splits=1, pack_gqa=pack) for pack in packs]
+            cfgs += [Config.of(num_splits=s, pack_gqa=True) for s in splits if s > 1]
+        return [self.candidate(c, self._pruned(c)) for c in cfgs]
+
+    def _pruned(self, cfg: Config) -> str | None:
+        fa = _load()
+        flags = {} if isinstance(fa, str) else fa.build_flags
+        if cfg.get("num_splits", 1) > 1 and flags.get("FLASHATTENTION_DISABLE_SPLIT"):
+            return f"{DISTRIBUTION} was built with FLASHATTENTION_DISABLE_SPLIT"
+        if cfg.get("pack_gqa") and flags.get("FLASHATTENTION_DISABLE_PACKGQA"):
+            return f"{DISTRIBUTION} was built with FLASHATTENTION_DISABLE_PACKGQA"
+        return None
+
+    def load(self) -> None:
+        _load()
+
+    def plan(self, p: Problem, dev: DeviceInfo, cfg: Config, direction: str) -> Plan:
+        if direction != "forward":
+            raise NotImplementedError(f"{DISTRIBUTION} is built without a backward")
+        fa = _load()
+        if isinstance(fa, str):
+            raise RuntimeError(fa)
+        return Plan(_ForwardLaunch(fa.fwd, p, int(cfg.get("num_splits", 1)), cfg.get("pack_gqa")))
+
+
+def _as_fa3_takes(x: torch.Tensor, transpose: bool) -> torch.Tensor:
+    """(B, H, L, D) -> FA3's (B, L, H, D) as a view (packed tensors as they are), copied where TMA cannot load it:
+    the last dim not contiguous, the pointer or another stride not a multiple of 16 bytes, or a broadcast dim."""
+    view = x.transpose(1, 2) if transpose else x
+    per16 = 16 // view.element_size()
+    strides_ok = all(s % per16 == 0 and (s != 0 or n == 1) for s, n in zip(view.stride()[:-1], view.shape[:-1]))
+    if view.stride(-1) == 1 and view.data_ptr() % 16 == 0 and strides_ok:
+        return view
+    return view.clone(memory_format=torch.contiguous_format)  # contiguous() would keep a misaligned pointer
+
+
+def _int32(x: torch.Tensor | None) -> torch.Tensor | None:
+    return x if x is None or (x.dtype == torch.int32 and x.stride(0) == 1) else x.to(torch.int32).contiguous()
+
+
+class _ForwardLaunch:
+    """One plan's launch: q, k, v (and out) as FA3 takes them, then ``flash_attn_3::fwd`` with the arguments this
+    plan fixed. fp8 calls pass the descales (shape (B, Hkv), any strides) and get bfloat16 from FA3, converted to
+    the call's ``out_dtype`` where that is another."""
+
+    def __init__(self, fwd, p: Problem, num_splits: int, pack_gqa: bool | None):
+        self.fwd, self.num_splits, self.pack_gqa = fwd, num_splits, pack_gqa
+        self.dense = p.op != "varlen"
+        self.empty_rows = _empty_rows_possible(p)
+        self.fp8 = p.dtype == "float8_e4m3fn"
+
+    def __call__(self, call: AttnCall):
+        dense = self.dense
+        q, k, v = (_as_fa3_takes(x, dense) for x in (call.q, call.k, call.v))
+        out_dtype = torch.bfloat16 if self.fp8 else call.q.dtype  # what FA3 writes
+        out = empty_like_layout(call.q, (*call.q.shape[:-1], call.v.shape[-1]), out_dtype)
+        fa_out = out.transpose(1, 2) if dense else out
+        if fa_out.stride(-1) != 1:
+            fa_out = None  # q's layout has no contiguous head dim: FA3 allocates, conform() copies below
+        descales = call.descale if self.fp8 else (None, None, None)
+        varlen = (None, None) if dense else (_int32(call.cu_seqlens_q), _int32(call.cu_seqlens_k))
+        lengths = (None, None) if dense else (call.max_seqlen_q, call.max_seqlen_k)
+        got, lse = self.fwd(
+            q, k, v, None, None, None, fa_out, *varlen, None, None, _int32(call.kv_seqlens), *lengths,
+            None, None, None, None, None, None, *descales, call.scale, call.causal, call.window_left,
+            call.window_right, 0, 0.0, True, None, self.num_splits, self.pack_gqa, 0, None)[:2]
+        if fa_out is None:
+            out = conform(got.transpose(1, 2) if dense else got, call.q)
+        if self.empty_rows:
+            lse.masked_fill_(lse == float("inf"), float("-inf"))
+        if self.fp8 and call.out_dtype != out_dtype:
+            out = out.to(call.out_dtype)
+        return out, lse
+
+
+BACKEND = FA3Backend()
+
+__all__ = ["FA3Backend", "BACKEND", "DISTRIBUTION", "NOT_INSTALLED", "HEAD_DIMS", "split_candidates"]

@@ -1,0 +1,208 @@
+"""FlashAttention-3 (tokenspeed-fa3) through the fa3 backend on an H100/H200, against float64 references.
+
+Run on the GPU machine with the wheel: ``source .devfa3/install.sh && pytest -m gpu tests/test_fa3_gpu.py``
+(with FA4 too, for the pairing with FA4's backward: ``source .devdeps/unpack.sh`` first). Skipped without sm_90 or
+without the wheel (the reason is shown).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+
+import inductor_attn
+from inductor_attn.backends import REFERENCE, AttnCall, enumerate_candidates, fa3, fa4, get_backend, only_backends
+from inductor_attn.backends.reference import dequantised
+from inductor_attn.device import device_info
+from inductor_attn.tuning.correctness import TOLERANCES, check_output, check_tensor, rel_err
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def dev():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    info = device_info("cuda")
+    if info.arch != 90:
+        pytest.skip(f"tokenspeed-fa3 runs on sm_90 only, this is sm_{info.arch}")
+    loaded = fa3._load()
+    if isinstance(loaded, str):
+        pytest.skip(f"{loaded} (source .devfa3/install.sh on the GPU machine)")
+    return info
+
+
+def _poison(*like: torch.Tensor) -> None:
+    """NaN where the next allocations will likely land: a large block and a block of each size in ``like``."""
+    torch.full((64 << 20,), float("nan"), device="cuda")
+    for t in like:
+        torch.full(t.shape, float("nan"), dtype=t.dtype, device=t.device)
+
+
+def _dequantised64(call: AttnCall):
+    """An fp8 call's inputs times their descales, in float64 (exact: see reference.dequantised)."""
+    return tuple(x.double() for x in dequantised(call))
+
+
+def _float64(call: AttnCall) -> AttnCall:
+    return dataclasses.replace(call, q=call.q.double(), k=call.k.double(), v=call.v.double(), _problem=None)
+
+
+def dense_call(b, hq, hkv, lq, lk, d, dtype=torch.bfloat16, causal=False, left=-1, right=-1, kv_seqlens=None,
+               seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, hq, lq, d, device="cuda", dtype=dtype, generator=gen)
+    k, v = (torch.randn(b, hkv, lk, d, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+    return AttnCall("attention", q, k, v, d ** -0.5, causal, left, right, kv_seqlens)
+
+
+def _every_candidate_matches_float64(call: AttnCall, dev) -> list[str]:
+    """Run every runnable fa3 candidate for ``call`` on poisoned memory; each must match the float64 reference
+    (out and lse, lse in our layout: -inf on empty rows). Returns the candidates run."""
+    ref_out, ref_lse = REFERENCE.run(_float64(call), None)
+    ran = []
+    for cand in enumerate_candidates(call.problem, dev):
+        if cand.backend != "fa3":
+            continue
+        assert cand.pruned is None, cand
+        _poison(call.q, call.q[..., 0].float())
+        out, lse = fa3.BACKEND.plan(call.problem, dev, cand.config, "forward").launch(call)
+        assert out.dtype == call.q.dtype and lse.shape == ref_lse.shape and lse.is_contiguous()
+        reason = check_output(out, lse, ref_out, ref_lse.float(), call.q.dtype)
+        assert reason is None, f"{cand.name}: {reason}"
+        ran.append(cand.name)
+    assert ran
+    return ran
+
+
+DENSE = [
+    dict(b=2, hq=8, hkv=8, lq=1024, lk=1024, d=128),
+    dict(b=2, hq=8, hkv=2, lq=512, lk=512, d=64, causal=True),  # GQA
+    dict(b=1, hq=8, hkv=1, lq=256, lk=256, d=256),  # MQA
+    dict(b=2, hq=4, hkv=4, lq=100, lk=300, d=128, causal=True),  # causal Lq < Lk, lower-right
+    dict(b=2, hq=4, hkv=4, lq=300, lk=100, d=192, causal=True),  # Lq > Lk: empty rows, lse -inf
+    dict(b=2, hq=8, hkv=2, lq=512, lk=512, d=128, causal=True, left=64, right=0),  # sliding window
+    dict(b=1, hq=4, hkv=4, lq=200, lk=400, d=64, left=32, right=16),  # two-sided window
+    dict(b=1, hq=32, hkv=8, lq=1, lk=8192, d=128),  # decode: splits
+    dict(b=1, hq=16, hkv=2, lq=4, lk=16384, d=256, causal=True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", DENSE, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_every_fa3_candidate_matches_float64(dev, case, dtype):
+    _every_candidate_matches_float64(dense_call(**case, dtype=dtype), dev)
+
+
+def test_decode_tries_splits_and_packing(dev):
+    ran = _every_candidate_matches_float64(dense_call(1, 16, 2, 1, 16384, 256), dev)
+    assert "fa3:num_splits=1,pack_gqa=False" in ran and any("num_splits=1," not in n for n in ran)
+
+
+@pytest.mark.parametrize("lq", [1, 64, 300])
+def test_kv_seqlens_keys_past_a_length_never_reach_the_output(dev, lq):
+    lens = torch.tensor([1000, 0, 37], device="cuda", dtype=torch.int32)
+    call = dense_call(3, 8, 2, lq, 1024, 128, causal=True, kv_seqlens=lens)
+    for x in (call.k, call.v):
+        x.masked_fill_((torch.arange(1024, device="cuda") >= lens[:, None])[:, None, :, None], float("nan"))
+    _every_candidate_matches_float64(call, dev)
+
+
+def test_varlen_with_nan_in_a_padding_sequence_matches_float64(dev):
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    cu = torch.tensor([0, 100, 357, 357, 512], device="cuda", dtype=torch.int32)
+    cu_k = torch.tensor([0, 100, 357, 420, 575], device="cuda", dtype=torch.int32)
+    q = torch.randn(512, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(575, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    k[357:420] = float("nan")  # a sequence with keys and no queries: padding
+    v[357:420] = float("nan")
+    call = AttnCall("varlen", q, k, v, 128 ** -0.5, True, cu_seqlens_q=cu, cu_seqlens_k=cu_k, max_seqlen_q=257,
+                    max_seqlen_k=257)
+    _every_candidate_matches_float64(call, dev)
+
+
+def _backwards():
+    names = ["sdpa", "triton"]
+    if not isinstance(fa4._load(), str):
+        names.append("fa4")
+    return names
+
+
+@pytest.mark.parametrize("backward", ["sdpa", "triton", "fa4"])
+@pytest.mark.parametrize("case", [dict(b=2, hq=8, hkv=2, lq=512, lk=512, d=128, causal=True),
+                                  dict(b=2, hq=4, hkv=4, lq=256, lk=256, d=64)], ids=["gqa-causal", "mha"])
+def test_other_backends_backward_takes_fa3s_out_and_lse(dev, backward, case):
+    if backward not in _backwards():
+        pytest.skip("flash-attn-4 not importable here")
+    call = dense_call(**case)
+    first = next(c for c in enumerate_candidates(call.problem, dev) if c.backend == "fa3")
+    out, lse = fa3.BACKEND.plan(call.problem, dev, first.config, "forward").launch(call)
+    grad_out = torch.randn_like(out)
+    ref = _float64(call)
+    ref_out, ref_lse = REFERENCE.run(ref, None)
+    want = REFERENCE.backward(ref, None, ref_out, ref_lse, grad_out.double(), None)
+    cands = [c for c in enumerate_candidates(call.problem, dev, "backward") if c.backend == backward and not c.pruned]
+    if not cands:
+        pytest.skip(f"no {backward} backward runs this problem here")
+    for cand in cands:
+        _poison(call.q, call.k, call.v)
+        got = get_backend(backward).plan(call.problem, dev, cand.config, "backward").launch(call, out, lse, grad_out,
+                                                                                          None)
+        for name, g, w in zip(("dq", "dk", "dv"), got, want):
+            assert check_tensor(name, g, w, call.q.dtype) is None, f"{cand.name}: {check_tensor(name, g, w, call.q.dtype)}"
+
+
+def test_compiled_attention_with_fa3_forced_goes_through_the_launch_op(dev):
+    call = dense_call(2, 8, 2, 1024, 1024, 128, causal=True)
+    with only_backends(fa3.BACKEND, REFERENCE), inductor_attn.tuning_mode("autotune"):
+        fn = torch.compile(lambda q, k, v: inductor_attn.attention(q, k, v, causal=True), fullgraph=True)
+        out, (code,) = run_and_get_code(fn, call.q, call.k, call.v)
+        stats = inductor_attn.stats()
+    assert "inductor_attn.launch.default" in code
+    assert any("-> fa3:" in key for key in stats), stats
+    ref_out, _ = REFERENCE.run(_float64(call), None)
+    assert rel_err(out, ref_out) < TOLERANCES[torch.bfloat16]
+
+
+# ----------------------------------------------------------------------------------------------------- fp8
+def fp8_call(b, hq, hkv, lq, lk, d, causal=False, per_head=False, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", generator=gen).to(torch.float8_e4m3fn)
+               for h, n in ((hq, lq), (hkv, lk), (hkv, lk)))
+    shape = (b, hkv) if per_head else (1,)
+    descale = tuple((torch.rand(shape, device="cuda", generator=gen) + 0.5).expand(b, hkv) for _ in range(3))
+    return AttnCall("attention", q, k, v, d ** -0.5, causal, descale=descale, out_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("case", [dict(b=2, hq=8, hkv=8, lq=1024, lk=1024, d=128),
+                                  dict(b=2, hq=8, hkv=2, lq=512, lk=700, d=64, causal=True),
+                                  dict(b=1, hq=16, hkv=2, lq=1, lk=8192, d=256)],
+                         ids=["mha", "gqa-causal", "decode"])
+def test_fp8_candidates_are_within_the_fp8_bound_of_float64(dev, case, per_head):
+    call = fp8_call(**case, per_head=per_head)
+    q, k, v = _dequantised64(call)
+    ref_out, ref_lse = REFERENCE.run(AttnCall("attention", q, k, v, call.scale, call.causal), None)
+    for cand in enumerate_candidates(call.problem, dev):
+        if cand.backend != "fa3":
+            continue
+        _poison(call.q.float())
+        out, lse = fa3.BACKEND.plan(call.problem, dev, cand.config, "forward").launch(call)
+        assert out.dtype == torch.bfloat16
+        reason = check_output(out, lse, ref_out, ref_lse.float(), torch.float8_e4m3fn)
+        assert reason is None, f"{cand.name}: {reason}"
+
+
+def test_fp8_attention_public_call_runs_fa3(dev):
+    call = fp8_call(2, 8, 2, 1024, 1024, 128, causal=True)
+    descales = dict(zip(("q_descale", "k_descale", "v_descale"), (d[:1, :1].reshape(1) for d in call.descale)))
+    with inductor_attn.tuning_mode("autotune"):
+        inductor_attn.reset_stats()
+        out = inductor_attn.fp8_attention(call.q, call.k, call.v, **descales, causal=True)
+        assert any("-> fa3:" in key for key in inductor_attn.stats()), inductor_attn.stats()
+    q, k, v = _dequantised64(call)
+    ref_out, _ = REFERENCE.run(AttnCall("attention", q, k, v, call.scale, True), None)
+    assert rel_err(out, ref_out) < TOLERANCES[torch.float8_e4m3fn]
