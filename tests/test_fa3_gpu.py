@@ -102,16 +102,25 @@ def test_decode_tries_splits_and_packing(dev):
     assert "fa3:num_splits=1,pack_gqa=False" in ran and any("num_splits=1," not in n for n in ran)
 
 
+def _leaks(call: AttnCall, dev) -> bool:
+    """Whether fa3's unsplit plan, run anyway, lets the NaN in ``call``'s unused keys into the output."""
+    cfg = fa3.BACKEND.configs(dataclasses.replace(call.problem, has_kv_seqlens=False, op="attention"), dev)[0].config
+    out, _ = fa3.BACKEND.plan(call.problem, dev, cfg, "forward").launch(call)
+    return bool(out.isnan().any())
+
+
 @pytest.mark.parametrize("lq", [1, 64, 300])
-def test_kv_seqlens_keys_past_a_length_never_reach_the_output(dev, lq):
+def test_kv_seqlens_calls_prune_fa3_which_reads_keys_past_a_length(dev, lq):
     lens = torch.tensor([1000, 0, 37], device="cuda", dtype=torch.int32)
     call = dense_call(3, 8, 2, lq, 1024, 128, causal=True, kv_seqlens=lens)
     for x in (call.k, call.v):
         x.masked_fill_((torch.arange(1024, device="cuda") >= lens[:, None])[:, None, :, None], float("nan"))
-    _every_candidate_matches_float64(call, dev)
+    (cand,) = [c for c in enumerate_candidates(call.problem, dev) if c.backend == "fa3"]
+    assert "past kv_seqlens" in cand.pruned
+    assert _leaks(call, dev), "tokenspeed-fa3 no longer leaks NaN past kv_seqlens: lift fa3's prune"
 
 
-def test_varlen_with_nan_in_a_padding_sequence_matches_float64(dev):
+def test_varlen_calls_prune_fa3_which_reads_a_padding_sequence(dev):
     gen = torch.Generator(device="cuda").manual_seed(3)
     cu = torch.tensor([0, 100, 357, 357, 512], device="cuda", dtype=torch.int32)
     cu_k = torch.tensor([0, 100, 357, 420, 575], device="cuda", dtype=torch.int32)
@@ -121,7 +130,9 @@ def test_varlen_with_nan_in_a_padding_sequence_matches_float64(dev):
     v[357:420] = float("nan")
     call = AttnCall("varlen", q, k, v, 128 ** -0.5, True, cu_seqlens_q=cu, cu_seqlens_k=cu_k, max_seqlen_q=257,
                     max_seqlen_k=257)
-    _every_candidate_matches_float64(call, dev)
+    (cand,) = [c for c in enumerate_candidates(call.problem, dev) if c.backend == "fa3"]
+    assert "varlen" in cand.pruned
+    assert _leaks(call, dev), "tokenspeed-fa3's varlen no longer leaks a padding sequence's NaN: lift fa3's prune"
 
 
 def _backwards():

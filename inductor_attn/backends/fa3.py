@@ -128,6 +128,15 @@ class FA3Backend(Backend):
             return f"{DISTRIBUTION} takes no block-sparse masks"
         if p.dtype not in DTYPES:
             return f"{DISTRIBUTION} takes {', '.join(DTYPES)}, got {p.dtype}"
+        # measured on an H200 (3.0.0.post20260810, bf16; tests/test_fa3_gpu.py): like FA4's sm_90 kernels, FA3 is
+        # told kv_seqlens as seqused_k, yet multiplies the zero weights of its last tile's keys past a length by their
+        # values, and its varlen tiles run into the next sequence's keys: 0 * NaN reaches the output
+        if p.has_kv_seqlens:
+            return (f"{DISTRIBUTION} multiplies the zero weights of keys past kv_seqlens by their values in its last "
+                    "tile: 0 * NaN (an unwritten cache slot) reaches the output")
+        if p.op == "varlen":
+            return (f"{DISTRIBUTION}'s varlen kernel reads the keys after a sequence's end in its last tile: NaN in the "
+                    "next sequence (padding between sequences) reaches the output")
         if p.head_dim != p.head_dim_v or p.head_dim not in HEAD_DIMS:
             return (f"{DISTRIBUTION} is built for head dims {', '.join(map(str, HEAD_DIMS))} with equal q/k and v "
                     f"dims, got ({p.head_dim}, {p.head_dim_v})")
@@ -137,7 +146,6 @@ class FA3Backend(Backend):
         flags = fa.build_flags
         needs = {"FLASHATTENTION_DISABLE_FP8": p.dtype == "float8_e4m3fn",
                  "FLASHATTENTION_DISABLE_FP16": p.dtype == "float16",
-                 "FLASHATTENTION_DISABLE_VARLEN": p.op == "varlen" or p.has_kv_seqlens,
                  "FLASHATTENTION_DISABLE_LOCAL": p.window_left >= 0 or p.window_right >= 0}
         lost = [flag for flag, needed in needs.items() if needed and flags.get(flag)]
         if lost:
