@@ -34,7 +34,7 @@ import torch
 
 from ..block_mask import BlockSparseMask
 from ..device import DeviceInfo
-from ..problem import Problem
+from ..problem import Problem, next_power_of_two
 
 ConfigValue = int | bool | str
 DIRECTIONS = ("forward", "backward")
@@ -101,7 +101,10 @@ class AttnCall:
     """The tensors and arguments of one call of an op: what ``Plan.launch`` receives.
 
     Layouts: ``attention`` and ``block_sparse`` use (B, H, L, D) with any strides; ``varlen`` uses the
-    packed (total_tokens, H, D) with ``cu_seqlens_*``.
+    packed (total_tokens, H, D) with ``cu_seqlens_*``. ``paged``: q packed (total_q, Hq, D) by ``cu_seqlens_q``
+    (None: one query per sequence), k and v the page pools (num_blocks, page_size, Hkv, D) with any strides,
+    ``block_table`` int32 (num_seqs, pages per sequence), ``kv_seqlens`` int32 (num_seqs,), ``max_seqlen_k``
+    the longest kv length.
     """
 
     op: str
@@ -119,6 +122,7 @@ class AttnCall:
     max_seqlen_k: int = 0
     sparse: BlockSparseMask | None = None
     key_mask: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
     _problem: Problem | None = field(default=None, repr=False)
 
     @property
@@ -133,6 +137,12 @@ def problem_of(call: AttnCall) -> Problem:
     common = dict(op=call.op, dtype=str(q.dtype).removeprefix("torch."), device_type=q.device.type,
                   head_dim=q.shape[-1], head_dim_v=v.shape[-1], causal=bool(call.causal),
                   window_left=call.window_left, window_right=call.window_right)
+    if call.op == "paged":
+        # len_k is bucketed here already: the kernels read each sequence's length from kv_seqlens, and a serving
+        # loop whose longest sequence grows every step then builds no plan per step (plans are per problem)
+        return Problem(batch=call.block_table.shape[0], heads_q=q.shape[1], heads_kv=k.shape[2],
+                       len_q=call.max_seqlen_q, len_k=next_power_of_two(call.max_seqlen_k), total_q=q.shape[0],
+                       has_kv_seqlens=True, page_size=k.shape[1], **common)
     if call.op == "varlen":
         return Problem(batch=call.cu_seqlens_q.shape[0] - 1, heads_q=q.shape[1], heads_kv=k.shape[1],
                        len_q=call.max_seqlen_q, len_k=call.max_seqlen_k, total_q=q.shape[0],

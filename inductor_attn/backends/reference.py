@@ -15,6 +15,7 @@ from ..layout import conform
 from ..problem import Problem
 from .base import AttnCall, Backend, Config, Plan
 from .masks import MaskFn, dense_mask_fn
+from .pages import gather_packed, key_slots, query_starts
 
 # Bytes of float32 scores one chunk may hold (chunk x Lk x B x Hq x 4).
 _CHUNK_BYTES = 1 << 28
@@ -154,8 +155,23 @@ def _mask(call: AttnCall):
                          call.kv_seqlens, call.q.device, call.key_mask), 1
 
 
+def _paged_as_varlen(call: AttnCall) -> AttnCall:
+    """A paged call as varlen attention over the keys that exist, gathered out of the pages: what the pool holds
+    anywhere else (unreferenced pages, slots past a length) is never read."""
+    blocks, slots, exists = key_slots(call.block_table, call.kv_seqlens, call.k.shape[1])
+    k, v = (gather_packed(x, blocks, slots, exists) for x in (call.k, call.v))
+    lengths = call.kv_seqlens.to(torch.int32)
+    cu_k = torch.cat([lengths.new_zeros(1), lengths.cumsum(0, dtype=torch.int32)])
+    cu_q = query_starts(call.cu_seqlens_q, call.block_table.shape[0], call.q.device)
+    return AttnCall("varlen", call.q, k, v, call.scale, call.causal, call.window_left, call.window_right,
+                    cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=call.max_seqlen_q,
+                    max_seqlen_k=call.max_seqlen_k)
+
+
 def run_forward(call: AttnCall):
     """(out, lse) of any call, out in q's stride order (the ops' layout contract)."""
+    if call.op == "paged":
+        call = _paged_as_varlen(call)
     if call.op != "varlen":
         mask, align = _mask(call)
         out, lse = forward(call.q, call.k, call.v, call.scale, mask, align, call.kv_seqlens)
