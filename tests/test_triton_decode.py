@@ -206,7 +206,7 @@ def _problem(**kw) -> Problem:
 
 
 @pytest.mark.parametrize("kw, reason", [
-    (dict(op="varlen"), "split-K decode handles op 'attention' only, got 'varlen'"),
+    (dict(op="varlen"), "split-K decode handles ops 'attention' and 'paged' only, got 'varlen'"),
     (dict(len_q=4096), "split-K decode is for Lq <= 16, got 4096"),
     (dict(dtype="float64"), "dtype float64 not supported (float16, bfloat16, float32)"),
     (dict(head_dim=8, head_dim_v=8), "head_dim must be in [16, 256], got 8"),
