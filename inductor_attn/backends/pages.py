@@ -22,19 +22,27 @@ def query_starts(cu_seqlens_q: torch.Tensor | None, num_seqs: int, device: torch
     return torch.arange(num_seqs + 1, dtype=torch.int32, device=device)
 
 
-def key_slots(block_table: torch.Tensor, kv_seqlens: torch.Tensor, page_size: int):
-    """``(blocks, slots, exists)``, each (num_seqs, pages per sequence * page_size): key j of sequence b is slot
-    ``slots[b, j]`` of block ``blocks[b, j]`` where ``exists[b, j]``; elsewhere ``blocks`` is 0, whatever the
-    table holds there.
+def key_slots(block_table: torch.Tensor, kv_seqlens: torch.Tensor, page_size: int, right_aligned: bool = False):
+    """``(blocks, slots, exists)``, each (num_seqs, pages per sequence * page_size): position p of sequence b holds
+    slot ``slots[b, p]`` of block ``blocks[b, p]`` where ``exists[b, p]``; elsewhere ``blocks`` is 0, whatever the
+    table holds there. Position p is key p, or with ``right_aligned`` key p - (capacity - kv_seqlens[b]): the last
+    key at the last position, as in a left-padded batch.
 
-    >>> blocks, slots, exists = key_slots(torch.tensor([[5, -1]], dtype=torch.int32), torch.tensor([3]), 2)
-    >>> blocks.tolist(), slots.tolist(), exists.tolist()
-    ([[5, 5, 5, 0]], [[0, 1, 0, 1]], [[True, True, True, False]])
+    >>> table, lengths = torch.tensor([[5, 7, -1]], dtype=torch.int32), torch.tensor([3])
+    >>> [x.tolist() for x in key_slots(table, lengths, 2)]
+    [[[5, 5, 7, 0, 0, 0]], [[0, 1, 0, 1, 0, 1]], [[True, True, True, False, False, False]]]
+    >>> [x.tolist()[0][3:] for x in key_slots(table, lengths, 2, right_aligned=True)]
+    [[5, 5, 7], [0, 1, 0], [True, True, True]]
     """
-    keys = torch.arange(block_table.shape[1] * page_size, device=block_table.device)
-    exists = keys < kv_seqlens[:, None]
-    blocks = torch.where(exists, block_table.long().repeat_interleave(page_size, dim=1), 0)
-    return blocks, (keys % page_size).expand_as(blocks), exists
+    width = block_table.shape[1] * page_size
+    keys = torch.arange(width, device=block_table.device).expand(block_table.shape[0], width)
+    if right_aligned:
+        keys = keys - (width - kv_seqlens.long())[:, None]
+    exists = (keys >= 0) & (keys < kv_seqlens[:, None])
+    keys = keys.clamp(min=0)
+    pages = (keys // page_size).clamp(max=block_table.shape[1] - 1)
+    blocks = torch.where(exists, block_table.long().gather(1, pages), 0)
+    return blocks, keys % page_size, exists
 
 
 def gather_padded(cache: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor, exists: torch.Tensor):

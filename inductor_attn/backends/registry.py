@@ -2,9 +2,9 @@
 the first runnable candidate is the "default" that others must beat with a confident speedup.
 
 Built-in order: ``sdpa`` first (what F.scaled_dot_product_attention gives users today is the baseline
-for dense problems), then ``flex`` (the baseline for block masks), the kernels that must beat them, and
-``reference`` last (always runs, slowest). Adding a backend is its module plus one line in
-:data:`BUILTIN`."""
+for dense problems), ``paged_gather`` (pages gathered, then SDPA: the baseline for paged caches), then ``flex``
+(the baseline for block masks), the kernels that must beat them, and ``reference`` last (always runs,
+slowest). Adding a backend is its module plus one line in :data:`BUILTIN`."""
 
 from __future__ import annotations
 
@@ -16,12 +16,13 @@ from ..problem import Problem
 from .base import DIRECTIONS, Backend, Candidate, Plan, check_knobs
 from .fa4 import BACKEND as FA4
 from .flex import BACKEND as FLEX
+from .paged_gather import BACKEND as PAGED_GATHER
 from .reference import BACKEND as REFERENCE
 from .sdpa import BACKEND as SDPA
 from .triton_decode import BACKEND as TRITON_DECODE
 from .triton_flash.flash import BACKEND as TRITON_FLASH
 
-BUILTIN = (SDPA, FLEX, FA4, TRITON_FLASH, TRITON_DECODE, REFERENCE)
+BUILTIN = (SDPA, PAGED_GATHER, FLEX, FA4, TRITON_FLASH, TRITON_DECODE, REFERENCE)
 
 _REGISTRY: dict[str, Backend] = {}
 # bumped on every change of the registry, so caches keyed by backend name (ops/launch.py) notice it
