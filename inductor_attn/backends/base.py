@@ -7,6 +7,8 @@ A backend turns a problem into candidates, and a chosen candidate into a :class:
   ``ExternKernelChoice.hash_key``); ``knobs``: the config keys it reads and their types;
   ``takes_key_mask``: whether its plans apply ``AttnCall.key_mask``; ``takes_grad_lse``: whether its
   backward takes a gradient of the lse (a loss that uses the lse, not only the output).
+- ``ops``: the ops (Problem.op) it runs; the registry prunes the others without asking it. The default leaves
+  out ``paged``, the newest: a backend reads a paged cache (a block table, packed queries) only where it says so.
 - ``supports(p, dev, direction) -> None | reason``: whether it can run this problem here at all.
 - ``configs(p, dev, direction) -> [Candidate]``: its knob settings, pruned ones with their reason.
 - ``heuristic(p, dev) -> Config | None``: today's hand rule, if the backend has one.
@@ -189,6 +191,7 @@ class Backend:
     """Base class with the contract's defaults; see the module docstring."""
 
     name: str = "?"
+    ops: tuple[str, ...] = ("attention", "varlen", "block_sparse")
     requires: tuple[str, ...] = ()
     sources: tuple[Path, ...] = ()
     knobs: dict[str, type | tuple] = {}

@@ -44,11 +44,10 @@ def as_packed(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor):
 
 class PagedGatherBackend(Backend):
     name = "paged_gather"
+    ops = ("paged",)
     knobs = {"kernel": KERNELS}
 
     def supports(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> str | None:
-        if p.op != "paged":
-            return f"gathers pages for op 'paged' only, got {p.op!r}"
         if p.device_type != "cuda":
             return "needs a CUDA device (SDPA's kernels)"
         if p.dtype == "float64":

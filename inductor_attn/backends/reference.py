@@ -213,6 +213,7 @@ class ReferenceBackend(Backend):
     code must give the same numbers as eager, which Inductor's fusion of this math would not."""
 
     name = "reference"
+    ops = ("attention", "varlen", "block_sparse", "paged")
     takes_key_mask = True
     has_backward = True
 

@@ -113,6 +113,8 @@ def enumerate_candidates(p: Problem, dev: DeviceInfo, direction: str = "forward"
 def _unsupported(backend: Backend, p: Problem, dev: DeviceInfo, direction: str) -> str | None:
     if direction == "backward" and not backend.has_backward:
         return f"{backend.name} has no backward"
+    if p.op not in backend.ops:
+        return f"{backend.name} does not run op {p.op!r} (its ops: {', '.join(backend.ops)})"
     reason = backend.supports(p, dev, direction)
     if reason is None and p.has_key_mask and not backend.takes_key_mask:
         reason = f"{backend.name} does not take key_mask (per-batch key masks run on {_key_mask_backends()})"

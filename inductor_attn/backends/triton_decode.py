@@ -479,13 +479,12 @@ class TritonDecodeBackend(Backend):
     table, across page boundaries, so block_n does not depend on the page size); inference only (no backward)."""
 
     name = "triton_decode"
+    ops = ("attention", "paged")
     requires = ("triton",)
     knobs = {"block_n": int, "num_splits": int, "num_warps": int, "num_stages": int}
     takes_key_mask = True
 
     def supports(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> str | None:
-        if p.op not in ("attention", "paged"):
-            return f"split-K decode handles ops 'attention' and 'paged' only, got {p.op!r}"
         if p.len_q > MAX_LEN_Q:
             return f"split-K decode is for Lq <= {MAX_LEN_Q}, got {p.len_q}"
         if triton is None:
