@@ -45,9 +45,9 @@ def run_wallclock_suite(suite: str, *, smoke: bool, quick: bool, part: str, out:
     if suite != "tuning-cost" and budget_s is not None:
         print(f"error: --budget-s applies to bench --suite tuning-cost, not {suite}", file=sys.stderr)
         return 2
-    if suite in ("overhead", "paged") and shard != (1, 1):
-        print("error: --shard applies to bench --suite training and tuning-cost (and the kernel suites), not "
-              f"{suite}", file=sys.stderr)
+    if suite == "overhead" and shard != (1, 1):
+        print("error: --shard applies to bench --suite training, tuning-cost and paged (and the kernel suites), "
+              "not overhead", file=sys.stderr)
         return 2
     name = f"{suite}-{meta['device'].replace(' ', '_')}-{meta['date'][:16]}.json"
     path = out or default_path().parent / "bench" / name
@@ -59,7 +59,7 @@ def run_wallclock_suite(suite: str, *, smoke: bool, quick: bool, part: str, out:
         path.write_text(json.dumps({"meta": meta, **result}, indent=1, default=str))
 
     extra = ({"budget_s": budget_s, "shard": shard, "save": save} if suite == "tuning-cost" else
-             {"save": save, "shard": shard} if suite == "training" else {})
+             {"save": save, "shard": shard} if suite in ("training", "paged") else {})
     result = {"meta": meta, **module.run(smoke, quick, device, part, **extra)}
     save(result)
     label = "SMOKE (tiny shapes on this machine: not a measurement)" if smoke else meta["device"]
