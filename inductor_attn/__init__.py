@@ -13,7 +13,8 @@ from .ops import BlockSparseMask
 
 # public name -> module that defines it (a module itself when the name is the module's)
 _LAZY = {
-    "attention": "api", "varlen_attention": "api", "fp8_attention": "fp8", "candidates": "api", "run_candidate": "api",
+    "attention": "api", "varlen_attention": "api", "fp8_attention": "fp8", "paged_attention": "api",
+    "candidates": "api", "run_candidate": "api",
     "Candidate": "backends", "Config": "backends", "register_backend": "backends",
     "disable": "routing.enable", "enable": "routing.enable", "enabled": "routing.enable",
     "is_enabled": "routing.enable",
@@ -34,7 +35,8 @@ def _install_inductor_pass() -> None:
 ops.attention.ON_FIRST_TRACE.append(_install_inductor_pass)
 
 __all__ = [
-    "attention", "varlen_attention", "fp8_attention", "BlockSparseMask", "candidates", "run_candidate", "Candidate", "Config",
+    "attention", "varlen_attention", "fp8_attention", "paged_attention", "BlockSparseMask", "candidates",
+    "run_candidate", "Candidate", "Config",
     "register_backend", "set_mode", "tuning_mode", "MODES", "stats", "reset_stats", "cache", "__version__",
     "enable", "disable", "enabled", "is_enabled", "routing_report", "reset_routing_report", "sync_decisions",
 ]

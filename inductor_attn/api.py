@@ -12,8 +12,9 @@ from .ops import BlockSparseMask, attention_op, block_sparse_attention_op, varle
 # The checks by name, not through their module: Dynamo reaches the module from the checks' own globals too, and
 # one object reached two ways gets a guard evaluated in Python on every compiled call.
 from .ops.checks import (KV_SEQLENS_VALUES, MAX_INT32, check_attention, check_attention_values, check_block_sparse,
-                         check_block_sparse_values, check_bool, check_kv_seqlens, check_scale, check_varlen,
-                         check_varlen_values, check_window, device_message, fail, refuse_to_trace)
+                         check_block_sparse_values, check_bool, check_kv_seqlens, check_paged, check_paged_values,
+                         check_scale, check_varlen, check_varlen_values, check_window, device_message, fail,
+                         refuse_to_trace)
 from .problem import default_scale
 
 # The compiled kv_seqlens check as the traced path writes it: the builtin and its text, read from this module alone.
@@ -21,6 +22,10 @@ _device_assert = _compat.assert_async
 _KV_SEQLENS_ASSERT = device_message(KV_SEQLENS_VALUES)
 # The op's overload, one guard where its CustomOpDef (attention_op) costs Dynamo four
 _ATTENTION = torch.ops.inductor_attn.attention.default
+_PAGED = torch.ops.inductor_attn.paged_attention.default
+# Page layouts: how a pool's dims are ordered. HND pools (FlashInfer's) are viewed as NHD: the kernels take strides.
+PAGE_LAYOUTS = {"NHD": "(num_blocks, page_size, kv_heads, head_dim)",
+                "HND": "(num_blocks, kv_heads, page_size, head_dim)"}
 
 
 def _window(window, causal: bool) -> tuple[int, int]:
@@ -306,3 +311,58 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
 def _bhld(x: torch.Tensor) -> torch.Tensor:
     """Packed (total, H, D) as one (1, H, total, D) sequence."""
     return x.transpose(0, 1).unsqueeze(0)
+
+
+def paged_attention(q, k_cache, v_cache, block_table, kv_seqlens, *, cu_seqlens_q=None, max_seqlen_q: int | None = None,
+                    max_seqlen_k: int | None = None, causal: bool = True, scale: float | None = None, window=None,
+                    layout: str = "NHD", return_lse: bool = False, check_indices: bool = True):
+    """Attention over a KV cache kept in pages (serving: decode and chunked prefill), forward only.
+
+    Args:
+        q: (total_q, Hq, D), the new tokens of every sequence packed by ``cu_seqlens_q``.
+        k_cache, v_cache: the page pools, (num_blocks, page_size, Hkv, D) and (..., Dv) for ``layout="NHD"``
+            (vLLM, FlashAttention), (num_blocks, Hkv, page_size, D) for ``"HND"`` (FlashInfer); any strides.
+            1 <= page_size <= 256; Hq a multiple of Hkv (GQA/MQA).
+        block_table: int32 (num_seqs, pages per sequence): key j of sequence b is slot ``j % page_size`` of page
+            ``block_table[b, j // page_size]``. Entries past a sequence's last page are never read (may hold -1).
+        kv_seqlens: int32 (num_seqs,): sequence b's keys, its new tokens included (FlashAttention's
+            ``seqused_k``; ``cache_seqlens`` after the append). Keys past it and pages the table does not reach
+            never reach an output, whatever they hold.
+        cu_seqlens_q: int32 (num_seqs + 1,) as in :func:`varlen_attention`; None: one query per sequence (decode).
+        max_seqlen_q: the most queries of one sequence; None: 1 for decode, else read from cu_seqlens_q (a host
+            sync, and a graph break in compiled code: pass it there).
+        max_seqlen_k: the longest kv length, which picks the tuning bucket (powers of two); None: the table's
+            capacity, ``block_table.shape[1] * page_size`` (no host sync).
+        causal: queries are the last tokens of their sequence: query i of a sequence with n queries and L keys sees
+            keys j <= i + L - n (lower-right, per sequence). Decode is the same either way.
+        scale, window: as in :func:`attention`, aligned per sequence.
+        return_lse: also return the float32 lse of shape (Hq, total_q).
+        check_indices: check kv_seqlens (in [0, max_seqlen_k]), the block ids of the pages they reach (in
+            [0, num_blocks)) and cu_seqlens_q: eagerly with a device sync and a ValueError, in compiled code with
+            device-side asserts. False skips them.
+
+    Returns out (total_q, Hq, Dv). A query row that sees no key gives zeros (lse -inf).
+    """
+    for name, flag in (("causal", causal), ("return_lse", return_lse), ("check_indices", check_indices)):
+        check_bool(name, flag)
+    if layout not in PAGE_LAYOUTS:
+        fail(ValueError, f"layout must be one of {', '.join(f'{k!r} {v}' for k, v in PAGE_LAYOUTS.items())}, "
+                         f"got {layout!r}")
+    if layout == "HND":
+        k_cache, v_cache = (x.transpose(1, 2) if isinstance(x, torch.Tensor) and x.dim() == 4 else x
+                            for x in (k_cache, v_cache))
+    left, right = _window(window, causal)
+    check_paged(q, k_cache, v_cache, block_table, kv_seqlens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale, left,
+                right)
+    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
+        fail(ValueError, "paged_attention is forward only (serving has no backward): q, k_cache and v_cache must not "
+                         "require grad; call it under torch.no_grad() or torch.inference_mode()")
+    if max_seqlen_q is None:
+        max_seqlen_q = 1 if cu_seqlens_q is None else int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    if max_seqlen_k is None:
+        max_seqlen_k = block_table.shape[1] * k_cache.shape[1]
+    if check_indices:
+        check_paged_values(k_cache, block_table, kv_seqlens, cu_seqlens_q, q, max_seqlen_q, max_seqlen_k)
+    out, lse = _PAGED(q, k_cache, v_cache, block_table, kv_seqlens, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
+                      _scale(scale, q), causal, left, right, "")
+    return (out, lse) if return_lse else out

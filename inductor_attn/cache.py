@@ -42,6 +42,8 @@ def short_problem(problem_key: str) -> str:
         label += " kv_seqlens"
     if p.has_key_mask:
         label += " key_mask"
+    if p.op == "paged":
+        label += f" page{p.page_size} total_q{p.total_q}"
     if p.op == "block_sparse":
         density = "?" if p.density < 0 else f"{p.density:.2f}"
         label += f" blocks{p.block_q}x{p.block_kv} density{density}"

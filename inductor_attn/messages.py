@@ -6,6 +6,9 @@ with it (backends/triton_decode.py), and lowering/ finds the graph's assert by i
 """
 
 KV_SEQLENS_VALUES = "kv_seqlens values must be in [0, k.shape[2]] (the k seq_len)"
+# paged_attention's checks of its index values (ops/checks.py: eager ValueErrors say the same with the values)
+PAGED_KV_SEQLENS_VALUES = "kv_seqlens values must be in [0, max_seqlen_k] (default block_table.shape[1] * page_size)"
+PAGED_BLOCK_IDS = "block_table values must be in [0, num_blocks) in the pages that kv_seqlens reaches"
 # Appended to device-side assert messages: the values cannot be printed from inside a kernel.
 _DEVICE_CHECK = "(checked on the device in compiled code; call eagerly to see the values)"
 

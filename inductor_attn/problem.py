@@ -11,7 +11,10 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-OPS = ("attention", "varlen", "block_sparse")
+OPS = ("attention", "varlen", "block_sparse", "paged")
+# Fields added after decisions were first stored: left out of ``key()`` at their default, so the keys of every
+# problem that does not use them (and the shipped tables' rows) stay what they were.
+_KEY_OPTIONAL = {"page_size": 0}
 
 
 def next_power_of_two(n: int) -> int:
@@ -50,6 +53,10 @@ class Problem:
     For block-sparse problems ``density`` is the fraction of (q block, kv block) pairs that are listed
     and ``partial_fraction`` the fraction of listed pairs that need the mask evaluated; both are -1 when
     unknown (a flex_attention call routed in a compiled graph, whose block mask is run-time data).
+    For paged problems (a KV cache in pages, ops/paged.py) ``batch`` is the number of sequences, ``len_q`` the
+    longest query run, ``total_q`` the packed query tokens, ``len_k`` the longest kv length (rounded up to a
+    power of two already: kernels read each sequence's length from ``kv_seqlens``) and ``page_size`` the keys
+    per page; ``total_k`` is 0 (the page pool's size does not change which kernel is fastest).
     """
 
     op: str
@@ -73,6 +80,7 @@ class Problem:
     block_kv: int = 0
     density: float = 1.0
     partial_fraction: float = 0.0
+    page_size: int = 0
 
     def __post_init__(self):
         if self.op not in OPS:
@@ -98,8 +106,10 @@ class Problem:
         return _bucket(self)
 
     def key(self) -> str:
-        """Stable string form (field=value, in declaration order) used in decision keys."""
-        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+        """Stable string form (field=value, in declaration order) used in decision keys; a field of
+        ``_KEY_OPTIONAL`` at its default is left out."""
+        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                        if _KEY_OPTIONAL.get(f.name, None) != getattr(self, f.name))
 
     @classmethod
     def from_key(cls, key: str) -> Problem:
@@ -131,6 +141,9 @@ class Problem:
         elif self.op == "varlen":
             pairs = self.batch * kept_pairs(self.total_q // max(self.batch, 1), self.total_k // max(self.batch, 1),
                                             self.causal, self.window_left, self.window_right)
+        elif self.op == "paged":  # every sequence counted at the longest kv length
+            pairs = self.batch * kept_pairs(self.total_q // max(self.batch, 1), self.len_k, self.causal,
+                                            self.window_left, self.window_right)
         else:
             pairs = self.batch * kept_pairs(self.len_q, self.len_k, self.causal, self.window_left,
                                             self.window_right)

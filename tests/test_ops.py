@@ -85,6 +85,30 @@ def test_forward_op_passes_opcheck_with_grad_inputs(op, make_args, dtype):
     opcheck(op, make_args(dtype, True), test_utils=ALL_CHECKS)
 
 
+def paged_args(dtype, chunked: bool):
+    """3 sequences of 7, 0 and 12 keys in pages of 4 (pool of 8 pages; -1 past each sequence's last page)."""
+    table = torch.tensor([[5, 0, -1, -1], [-1, -1, -1, -1], [2, 7, 1, -1]], dtype=torch.int32)
+    lens = torch.tensor([7, 0, 12], dtype=torch.int32)
+    k, v = rand(8, 4, 2, 16, dtype=dtype, seed=1), rand(8, 4, 2, 8, dtype=dtype, seed=2)
+    if not chunked:
+        return (rand(3, 4, 16, dtype=dtype), k, v, table, lens, None, 1, 16, 0.25, True, -1, -1, "")
+    cu = torch.tensor([0, 3, 3, 5], dtype=torch.int32)
+    return (rand(5, 4, 16, dtype=dtype), k, v, table, lens, cu, 3, 16, 0.25, True, 2, 0, "")
+
+
+# Forward-only ops (serving): checked without inputs that require grad
+FORWARD_ONLY_CASES = {
+    "paged_attention_decode": (OPS.paged_attention.default, lambda dt: paged_args(dt, chunked=False)),
+    "paged_attention_chunked_window": (OPS.paged_attention.default, lambda dt: paged_args(dt, chunked=True)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("op, make_args", FORWARD_ONLY_CASES.values(), ids=FORWARD_ONLY_CASES.keys())
+def test_forward_only_op_passes_opcheck(op, make_args, dtype):
+    opcheck(op, make_args(dtype), test_utils=ALL_CHECKS)
+
+
 def test_forward_op_passes_opcheck_without_grad_inputs():
     opcheck(OPS.attention.default, dense_args(torch.float32, False, causal=True), test_utils=ALL_CHECKS)
 
@@ -116,7 +140,7 @@ def test_backward_op_passes_opcheck(forward, backward, n_inputs, make_args, with
 
 
 def test_every_op_is_covered_by_opcheck():
-    forward = {op for op, _ in FORWARD_CASES.values()}
+    forward = {op for op, _ in (*FORWARD_CASES.values(), *FORWARD_ONLY_CASES.values())}
     backward = {bwd for _, bwd, _, _ in BACKWARD_CASES.values()}
     assert forward == {op._opoverload for op in FORWARD_OPS}
     assert backward == {op._opoverload for op in BACKWARD_OPS}

@@ -43,7 +43,7 @@ def test_problem_key_round_trips():
 
 def test_unknown_op_is_refused():
     with pytest.raises(ValueError, match="Problem.op must be one of"):
-        _p(op="paged")
+        _p(op="dense")
 
 
 def test_causal_flops_count_lower_right_pairs():

@@ -206,14 +206,15 @@ def _problem(**kw) -> Problem:
 
 
 @pytest.mark.parametrize("kw, reason", [
-    (dict(op="varlen"), "split-K decode handles op 'attention' only, got 'varlen'"),
+    (dict(op="varlen"), "triton_decode does not run op 'varlen' (its ops: attention, paged)"),
     (dict(len_q=4096), "split-K decode is for Lq <= 16, got 4096"),
     (dict(dtype="float64"), "dtype float64 not supported (float16, bfloat16, float32)"),
     (dict(head_dim=8, head_dim_v=8), "head_dim must be in [16, 256], got 8"),
     (dict(head_dim_v=512), "head_dim_v must be in [16, 256], got 512"),
 ])
 def test_supports_explains_what_it_cannot_run(kw, reason):
-    assert decode.BACKEND.supports(_problem(**kw), H100) == reason
+    listed = enumerate_candidates(_problem(**kw), H100)
+    assert [c.pruned for c in listed if c.backend == "triton_decode"] == [reason]
 
 
 def test_supports_decode_shapes_including_lq16_and_non_pow2_head_dim():

@@ -8,6 +8,8 @@ A backend turns a problem into candidates, and a chosen candidate into a :class:
   ``takes_key_mask``: whether its plans apply ``AttnCall.key_mask``; ``takes_fp8``: whether they take
   float8_e4m3fn q/k/v with ``AttnCall.descale``; ``takes_grad_lse``: whether its
   backward takes a gradient of the lse (a loss that uses the lse, not only the output).
+- ``ops``: the ops (Problem.op) it runs; the registry prunes the others without asking it. The default leaves
+  out ``paged``, the newest: a backend reads a paged cache (a block table, packed queries) only where it says so.
 - ``supports(p, dev, direction) -> None | reason``: whether it can run this problem here at all.
 - ``configs(p, dev, direction) -> [Candidate]``: its knob settings, pruned ones with their reason.
 - ``heuristic(p, dev) -> Config | None``: today's hand rule, if the backend has one.
@@ -35,7 +37,7 @@ import torch
 
 from ..block_mask import BlockSparseMask
 from ..device import DeviceInfo
-from ..problem import Problem
+from ..problem import Problem, next_power_of_two
 
 ConfigValue = int | bool | str
 DIRECTIONS = ("forward", "backward")
@@ -102,7 +104,10 @@ class AttnCall:
     """The tensors and arguments of one call of an op: what ``Plan.launch`` receives.
 
     Layouts: ``attention`` and ``block_sparse`` use (B, H, L, D) with any strides; ``varlen`` uses the
-    packed (total_tokens, H, D) with ``cu_seqlens_*``.
+    packed (total_tokens, H, D) with ``cu_seqlens_*``. ``paged``: q packed (total_q, Hq, D) by ``cu_seqlens_q``
+    (None: one query per sequence), k and v the page pools (num_blocks, page_size, Hkv, D) with any strides,
+    ``block_table`` int32 (num_seqs, pages per sequence), ``kv_seqlens`` int32 (num_seqs,), ``max_seqlen_k``
+    the longest kv length.
     """
 
     op: str
@@ -123,6 +128,7 @@ class AttnCall:
     # fp8 calls (ops/fp8.py): the q, k, v descales as (B, Hkv) float32 views, and the dtype of the output
     descale: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     out_dtype: torch.dtype | None = None
+    block_table: torch.Tensor | None = None
     _problem: Problem | None = field(default=None, repr=False)
 
     @property
@@ -137,6 +143,12 @@ def problem_of(call: AttnCall) -> Problem:
     common = dict(op=call.op, dtype=str(q.dtype).removeprefix("torch."), device_type=q.device.type,
                   head_dim=q.shape[-1], head_dim_v=v.shape[-1], causal=bool(call.causal),
                   window_left=call.window_left, window_right=call.window_right)
+    if call.op == "paged":
+        # len_k is bucketed here already: the kernels read each sequence's length from kv_seqlens, and a serving
+        # loop whose longest sequence grows every step then builds no plan per step (plans are per problem)
+        return Problem(batch=call.block_table.shape[0], heads_q=q.shape[1], heads_kv=k.shape[2],
+                       len_q=call.max_seqlen_q, len_k=next_power_of_two(call.max_seqlen_k), total_q=q.shape[0],
+                       has_kv_seqlens=True, page_size=k.shape[1], **common)
     if call.op == "varlen":
         return Problem(batch=call.cu_seqlens_q.shape[0] - 1, heads_q=q.shape[1], heads_kv=k.shape[1],
                        len_q=call.max_seqlen_q, len_k=call.max_seqlen_k, total_q=q.shape[0],
@@ -183,6 +195,7 @@ class Backend:
     """Base class with the contract's defaults; see the module docstring."""
 
     name: str = "?"
+    ops: tuple[str, ...] = ("attention", "varlen", "block_sparse")
     requires: tuple[str, ...] = ()
     sources: tuple[Path, ...] = ()
     knobs: dict[str, type | tuple] = {}

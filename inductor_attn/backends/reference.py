@@ -15,6 +15,7 @@ from ..layout import conform
 from ..problem import Problem
 from .base import AttnCall, Backend, Config, Plan
 from .masks import MaskFn, dense_mask_fn
+from .pages import gather_packed, key_slots, query_starts
 
 # Bytes of float32 scores one chunk may hold (chunk x Lk x B x Hq x 4).
 _CHUNK_BYTES = 1 << 28
@@ -164,6 +165,19 @@ def dequantised(call: AttnCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return q, call.k.float() * k_d, call.v.float() * v_d
 
 
+def _paged_as_varlen(call: AttnCall) -> AttnCall:
+    """A paged call as varlen attention over the keys that exist, gathered out of the pages: what the pool holds
+    anywhere else (unreferenced pages, slots past a length) is never read."""
+    blocks, slots, exists = key_slots(call.block_table, call.kv_seqlens, call.k.shape[1])
+    k, v = (gather_packed(x, blocks, slots, exists) for x in (call.k, call.v))
+    lengths = call.kv_seqlens.to(torch.int32)
+    cu_k = torch.cat([lengths.new_zeros(1), lengths.cumsum(0, dtype=torch.int32)])
+    cu_q = query_starts(call.cu_seqlens_q, call.block_table.shape[0], call.q.device)
+    return AttnCall("varlen", call.q, k, v, call.scale, call.causal, call.window_left, call.window_right,
+                    cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=call.max_seqlen_q,
+                    max_seqlen_k=call.max_seqlen_k)
+
+
 def run_forward(call: AttnCall):
     """(out, lse) of any call, out in q's stride order (the ops' layout contract). fp8 calls run on their
     dequantised inputs (:func:`dequantised`) in float32, and the output is converted to ``call.out_dtype``."""
@@ -172,6 +186,8 @@ def run_forward(call: AttnCall):
         mask, _ = _mask(call)
         out, lse = forward(q, k, v, call.scale, mask, 1, call.kv_seqlens)
         return conform(out.to(call.out_dtype), call.q), lse
+    if call.op == "paged":
+        call = _paged_as_varlen(call)
     if call.op != "varlen":
         mask, align = _mask(call)
         out, lse = forward(call.q, call.k, call.v, call.scale, mask, align, call.kv_seqlens)
@@ -213,6 +229,7 @@ class ReferenceBackend(Backend):
     code must give the same numbers as eager, which Inductor's fusion of this math would not."""
 
     name = "reference"
+    ops = ("attention", "varlen", "block_sparse", "paged")
     takes_key_mask = True
     takes_fp8 = True
     has_backward = True

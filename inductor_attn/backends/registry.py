@@ -2,9 +2,10 @@
 the first runnable candidate is the "default" that others must beat with a confident speedup.
 
 Built-in order: ``sdpa`` first (what F.scaled_dot_product_attention gives users today is the baseline
-for dense problems), then ``flex`` (the baseline for block masks), the kernels that must beat them (``fa3``
-before ``fa4``: within the noise the prebuilt kernel wins, and a first compile pays no JIT), and ``reference`` last (always runs, slowest). Adding a backend is its module plus one line in
-:data:`BUILTIN`."""
+for dense problems), ``paged_gather`` (pages gathered, then SDPA: the baseline for paged caches), then ``flex``
+(the baseline for block masks), the kernels that must beat them (``fa3`` before ``fa4``: within the noise the
+prebuilt kernel wins, and a first compile pays no JIT), and ``reference`` last (always runs, slowest). Adding a
+backend is its module plus one line in :data:`BUILTIN`."""
 
 from __future__ import annotations
 
@@ -17,12 +18,13 @@ from .base import DIRECTIONS, Backend, Candidate, Plan, check_knobs
 from .fa3 import BACKEND as FA3
 from .fa4 import BACKEND as FA4
 from .flex import BACKEND as FLEX
+from .paged_gather import BACKEND as PAGED_GATHER
 from .reference import BACKEND as REFERENCE
 from .sdpa import BACKEND as SDPA
 from .triton_decode import BACKEND as TRITON_DECODE
 from .triton_flash.flash import BACKEND as TRITON_FLASH
 
-BUILTIN = (SDPA, FLEX, FA3, FA4, TRITON_FLASH, TRITON_DECODE, REFERENCE)
+BUILTIN = (SDPA, PAGED_GATHER, FLEX, FA3, FA4, TRITON_FLASH, TRITON_DECODE, REFERENCE)
 
 _REGISTRY: dict[str, Backend] = {}
 # bumped on every change of the registry, so caches keyed by backend name (ops/launch.py) notice it
@@ -113,6 +115,8 @@ def enumerate_candidates(p: Problem, dev: DeviceInfo, direction: str = "forward"
 def _unsupported(backend: Backend, p: Problem, dev: DeviceInfo, direction: str) -> str | None:
     if direction == "backward" and not backend.has_backward:
         return f"{backend.name} has no backward"
+    if p.op not in backend.ops:
+        return f"{backend.name} does not run op {p.op!r} (its ops: {', '.join(backend.ops)})"
     if p.dtype.startswith("float8") and not backend.takes_fp8:
         return f"{backend.name} takes no fp8 inputs (fp8 runs on {_fp8_backends()})"
     reason = backend.supports(p, dev, direction)

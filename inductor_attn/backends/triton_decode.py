@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -84,13 +85,13 @@ def _jit(**options):
 # Lengths, split counts and windows change between calls (every decode step without kv_seqlens): never
 # specialise on their values, or Triton would compile a variant for Lk == 1 and for Lk % 16 == 0. The key
 # mask's strides (its batch stride is Lk) likewise.
-@_jit(do_not_specialize=["LK", "NUM_SPLITS", "NUM_M_BLOCKS", "WINDOW_LEFT", "WINDOW_RIGHT", "smb", "smn"])
+@_jit(do_not_specialize=["LK", "NUM_SPLITS", "NUM_M_BLOCKS", "WINDOW_LEFT", "WINDOW_RIGHT", "smb", "smn", "slh"])
 def _decode_partial(
-    Q, K, V, SEQLENS, KEY_MASK, OUT, LSE,
-    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, smn, sob, soh, som, sod,
+    Q, K, V, SEQLENS, KEY_MASK, OUT, LSE, TABLE, CU_Q,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, smn, sob, soh, som, sod, slb, slh, slm, stb,
     qk_scale, HKV, G, LQ, LK, D, DV, NUM_SPLITS, NUM_M_BLOCKS, WINDOW_LEFT, WINDOW_RIGHT,
     HAS_SEQLENS: tl.constexpr, CHECK_SEQLENS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, HAS_CU_Q: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SINGLE: tl.constexpr, WRITE_LSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PRECISION: tl.constexpr, DOT_IN_F32: tl.constexpr, USE_PDL: tl.constexpr,
@@ -118,10 +119,12 @@ def _decode_partial(
             tl.device_assert((n >= 0) & (n <= LK), _KV_SEQLENS_ASSERT)
     else:
         n = LK
+    # This batch's queries: rows q0 .. q0 + lq - 1 of the packed queries (paged chunked prefill), else all LQ
+    q0, lq = _query_run(CU_Q, b, LQ, HAS_CU_Q)
     # Keys any row may see: [lo, n). The left window bound of the first query is the lowest.
     lo = 0
     if HAS_LEFT:
-        lo = tl.maximum(n - LQ - WINDOW_LEFT, 0)
+        lo = tl.maximum(n - lq - WINDOW_LEFT, 0)
     # Balanced split of the visible blocks: each split gets floor or ceil(nblk / NUM_SPLITS) blocks,
     # so none is empty while NUM_SPLITS <= nblk; the ones beyond write lse = -inf.
     nblk = tl.cdiv(n - lo, BLOCK_N)
@@ -129,21 +132,22 @@ def _decode_partial(
     end = tl.minimum(lo + ((split + 1) * nblk // NUM_SPLITS) * BLOCK_N, n)
 
     rows = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < G * LQ
     g = rows // LQ
     i = rows % LQ
-    diag = i + n - LQ  # lower-right aligned: query i's own position among the keys
+    row_ok = (rows < G * LQ) & (i < lq)
+    diag = i + n - lq  # lower-right aligned: query i's own position among the keys
+    q_row = (q0 + i).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     d_ok = offs_d < D
     dv_ok = offs_dv < DV
     h = hkv * G + g
-    q = tl.load(Q + b * sqb + h[:, None] * sqh + i[:, None] * sqm + offs_d[None, :] * sqd,
+    q = tl.load(Q + b * sqb + h[:, None] * sqh + q_row[:, None] * sqm + offs_d[None, :] * sqd,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_IN_F32:  # interpreter only: its tl.dot multiplies the raw bits of bf16 (triton#11584)
         q = q.to(tl.float32)
-    k_base = K + b * skb + hkv * skh
-    v_base = V + b * svb + hkv * svh
+    k_base = K + hkv * skh
+    v_base = V + hkv * svh
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -152,7 +156,15 @@ def _decode_partial(
     for s0 in range(start, end, BLOCK_N):
         keys = s0 + offs_n
         key_ok = keys < end
-        k = tl.load(k_base + keys[:, None] * skn + offs_d[None, :] * skd,
+        if PAGE_SIZE > 0:  # key j in slot j % PAGE_SIZE of its page; pages past the keys are never read
+            page = tl.load(TABLE + b * stb + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+            slot = keys % PAGE_SIZE
+            k_rows = page * skb + slot * skn
+            v_rows = page * svb + slot * svn
+        else:
+            k_rows = b * skb + keys * skn
+            v_rows = b * svb + keys * svn
+        k = tl.load(k_base + k_rows[:, None] + offs_d[None, :] * skd,
                     mask=key_ok[:, None] & d_ok[None, :], other=0.0)
         if DOT_IN_F32:
             k = k.to(tl.float32)
@@ -171,7 +183,7 @@ def _decode_partial(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + keys[:, None] * svn + offs_dv[None, :] * svd,
+        v = tl.load(v_base + v_rows[:, None] + offs_dv[None, :] * svd,
                     mask=key_ok[:, None] & dv_ok[None, :], other=0.0)
         p_op = p.to(v.dtype)  # P @ V on the tensor cores in the input dtype, like FlashAttention
         if DOT_IN_F32:  # rounded to the input dtype first, so the interpreter sees the GPU's numerics
@@ -183,14 +195,14 @@ def _decode_partial(
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-    # (b, hkv, row) -> flat (b, h, i) row of lse and the workspace: (b * Hq + hkv * G + g) * Lq + i
+    # (b, hkv, row) -> flat (b, h, i) row of the workspace: (b * Hq + hkv * G + g) * Lq + i
     out_row = (b * HKV + hkv) * G * LQ + rows.to(tl.int64)
     store_ok = row_ok[:, None] & dv_ok[None, :]
     if SINGLE:
-        o_ptr = OUT + b * sob + h[:, None] * soh + i[:, None].to(tl.int64) * som + offs_dv[None, :] * sod
+        o_ptr = OUT + b * sob + h[:, None] * soh + q_row[:, None] * som + offs_dv[None, :] * sod
         tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=store_ok)
         if WRITE_LSE:
-            tl.store(LSE + out_row, lse2 * 0.6931471805599453, mask=row_ok)
+            tl.store(LSE + b * slb + h * slh + q_row * slm, lse2 * 0.6931471805599453, mask=row_ok)
     else:
         ws_row = out_row * NUM_SPLITS + split
         tl.store(OUT + ws_row[:, None] * DV + offs_dv[None, :], out, mask=store_ok)
@@ -198,8 +210,18 @@ def _decode_partial(
 
 
 @_jit()
-def _decode_combine(WS_O, WS_LSE, OUT, LSE, sob, soh, som, sod, HQ, LQ, NUM_SPLITS: tl.constexpr, DV,
-                    WRITE_LSE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr, USE_PDL: tl.constexpr):
+def _query_run(CU_Q, b, LQ, HAS_CU_Q: tl.constexpr):
+    """(first packed row, rows) of batch b's queries: from cu_seqlens_q, else (0, LQ) with b's own q stride."""
+    if HAS_CU_Q:
+        q0 = tl.load(CU_Q + b).to(tl.int32)
+        return q0, tl.load(CU_Q + b + 1).to(tl.int32) - q0
+    return 0, LQ
+
+
+@_jit(do_not_specialize=["slh"])
+def _decode_combine(WS_O, WS_LSE, OUT, LSE, CU_Q, sob, soh, som, sod, slb, slh, slm, HQ, LQ,
+                    NUM_SPLITS: tl.constexpr, DV, HAS_CU_Q: tl.constexpr, WRITE_LSE: tl.constexpr,
+                    BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr, USE_PDL: tl.constexpr):
     # Program (row, chunk) merges BLOCK_DC output columns of one row. Splitting Dv across programs keeps
     # this latency-bound step short: B1 Hq16 Lq1 is only 16 rows, and one program per row would read
     # all num_splits x Dv partials (64 KiB at 64 splits, D256) alone. Every chunk recomputes the row's
@@ -210,6 +232,13 @@ def _decode_combine(WS_O, WS_LSE, OUT, LSE, sob, soh, som, sod, HQ, LQ, NUM_SPLI
         gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
+    b = row // (HQ * LQ)
+    h = (row // LQ) % HQ
+    i = row % LQ
+    q0, lq = _query_run(CU_Q, b, LQ, HAS_CU_Q)
+    if i >= lq:  # a padded row of a sequence with fewer queries than LQ
+        return
+    q_row = q0 + i
     offs_s = tl.arange(0, BLOCK_S)
     s_ok = offs_s < NUM_SPLITS
     offs_d = chunk * BLOCK_DC + tl.arange(0, BLOCK_DC)
@@ -222,12 +251,12 @@ def _decode_combine(WS_O, WS_LSE, OUT, LSE, sob, soh, som, sod, HQ, LQ, NUM_SPLI
     total = tl.sum(w, 0)
     empty = total == 0.0
     out = tl.sum(w[:, None] * o, 0) / tl.where(empty, 1.0, total)
-    o_ptr = OUT + (row // (HQ * LQ)) * sob + ((row // LQ) % HQ) * soh + (row % LQ) * som + offs_d * sod
+    o_ptr = OUT + b * sob + h * soh + q_row * som + offs_d * sod
     tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=d_ok)
     if WRITE_LSE:
         if chunk == 0:
             lse = tl.where(empty, float("-inf"), (m + tl.log2(tl.where(empty, 1.0, total))) * 0.6931471805599453)
-            tl.store(LSE + row, lse)
+            tl.store(LSE + b * slb + h * slh + q_row * slm, lse)
 
 
 # ------------------------------------------------------------------------------------------- sizes
@@ -349,8 +378,9 @@ class DecodePlan:
     @staticmethod
     def outputs(call: AttnCall):
         q = call.q
+        lse_shape = (q.shape[1], q.shape[0]) if call.op == "paged" else q.shape[:-1]
         return (empty_like_layout(q, (*q.shape[:-1], call.v.shape[-1])),
-                torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device))
+                torch.empty(lse_shape, dtype=torch.float32, device=q.device))
 
     def run(self, call: AttnCall, out, lse, ws=None, *, launcher=None, pdl=None, check_kv_seqlens=False):
         """Write the attention of ``call`` into ``out`` (B, Hq, Lq, Dv; any strides) and ``lse`` (B, Hq, Lq;
@@ -359,8 +389,8 @@ class DecodePlan:
         launcher = launcher or eager_launcher
         pdl = self.pdl if pdl is None else pdl
         q, k, v = call.q, call.k, call.v
-        b, hq, lq, d = q.shape
-        hkv, lk, dv = k.shape[1], k.shape[2], v.shape[-1]
+        g = _Geometry.of(call, out)
+        b, hq, lq, hkv, lk, d, dv = g.b, q.shape[1], g.lq, g.hkv, g.lk, q.shape[-1], v.shape[-1]
         splits = self.splits
         right = 0 if call.causal else call.window_right
         single = splits == 1
@@ -371,13 +401,16 @@ class DecodePlan:
         key_mask = _mask_bytes(call.key_mask) if call.key_mask is not None else lse
         mask_strides = call.key_mask.stride() if call.key_mask is not None else (0, 0)
         pdl_kw = {"launch_pdl": True} if pdl else {}
+        table = call.block_table if call.block_table is not None else lse  # unread unless PAGE_SIZE > 0
+        cu_q = call.cu_seqlens_q if call.cu_seqlens_q is not None else lse  # unread unless HAS_CU_Q
         launcher(_decode_partial)[(self.m_blocks * splits * b * hkv,)](
-            q, k, v, seqlens, key_mask, target_o, target_lse, *q.stride(), *k.stride(), *v.stride(), *mask_strides,
-            *out.stride(), call.scale * _LOG2E, hkv, hq // hkv, lq, lk, d, dv, splits, self.m_blocks,
+            q, k, v, seqlens, key_mask, target_o, target_lse, table, cu_q, *g.q, *g.k, *g.v, *mask_strides,
+            *g.out, *g.lse, g.table, call.scale * _LOG2E, hkv, hq // hkv, lq, lk, d, dv, splits, self.m_blocks,
             max(call.window_left, 0), max(right, 0),
             HAS_SEQLENS=call.kv_seqlens is not None, CHECK_SEQLENS=check_kv_seqlens and call.kv_seqlens is not None,
             HAS_KEY_MASK=call.key_mask is not None,
-            HAS_LEFT=call.window_left >= 0, HAS_RIGHT=right >= 0,
+            HAS_LEFT=call.window_left >= 0, HAS_RIGHT=right >= 0, HAS_CU_Q=call.cu_seqlens_q is not None,
+            PAGE_SIZE=g.page_size,
             SINGLE=single, WRITE_LSE=write_lse,
             BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_D=_block_d(d), BLOCK_DV=_block_d(dv),
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -388,8 +421,49 @@ class DecodePlan:
             # up to 128 splits x 64 columns (32 KiB of float32) per program, in one pass
             block_dc = min(64, _block_d(dv))
             launcher(_decode_combine)[(b * hq * lq, -(-dv // block_dc))](
-                target_o, target_lse, out, lse, *out.stride(), hq, lq, splits, dv, WRITE_LSE=write_lse,
-                BLOCK_S=next_power_of_two(splits), BLOCK_DC=block_dc, USE_PDL=pdl, num_warps=4, **pdl_kw)
+                target_o, target_lse, out, lse, cu_q, *g.out, *g.lse, hq, lq, splits, dv,
+                HAS_CU_Q=call.cu_seqlens_q is not None, WRITE_LSE=write_lse, BLOCK_S=next_power_of_two(splits),
+                BLOCK_DC=block_dc, USE_PDL=pdl, num_warps=4, **pdl_kw)
+
+
+class _Geometry(NamedTuple):
+    """A call's sizes and the strides the kernels take, (batch, head, query row, dim) for q and out, (batch, head,
+    key, dim) for k and v, (batch, head, query row) for the lse. Paged calls: q and out are packed (total_q, Hq, D):
+    a decode batch's row is its token (batch stride, query stride 0), a chunked prefill's rows start at
+    cu_seqlens_q[b] (batch stride 0); k and v are pools whose "batch" is the page and "key" the slot."""
+
+    b: int
+    lq: int
+    hkv: int
+    lk: int
+    page_size: int
+    q: tuple
+    k: tuple
+    v: tuple
+    out: tuple
+    lse: tuple
+    table: int
+
+    @staticmethod
+    def of(call: AttnCall, out: torch.Tensor) -> _Geometry:
+        q, k, v = call.q, call.k, call.v
+        if call.op != "paged":
+            b, hq, lq = q.shape[:3]
+            return _Geometry(b, lq, k.shape[1], k.shape[2], 0, q.stride(), k.stride(), v.stride(), out.stride(),
+                             (hq * lq, lq, 1), 0)
+        total = q.shape[0]
+
+        def rows(x: torch.Tensor) -> tuple:
+            if call.cu_seqlens_q is None:
+                return x.stride(0), x.stride(1), 0, x.stride(2)
+            return 0, x.stride(1), x.stride(0), x.stride(2)
+
+        def pool(x: torch.Tensor) -> tuple:
+            return x.stride(0), x.stride(2), x.stride(1), x.stride(3)
+
+        lse_strides = (1, total, 0) if call.cu_seqlens_q is None else (0, total, 1)
+        return _Geometry(call.block_table.shape[0], call.max_seqlen_q, k.shape[2], call.max_seqlen_k, k.shape[1],
+                         rows(q), pool(k), pool(v), rows(out), lse_strides, call.block_table.stride(0))
 
 
 def _mask_bytes(key_mask: torch.Tensor) -> torch.Tensor:
@@ -401,16 +475,16 @@ def _mask_bytes(key_mask: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------ backend
 class TritonDecodeBackend(Backend):
-    """Split-K flash-decoding for Lq <= 16; inference only (no backward)."""
+    """Split-K flash-decoding for Lq <= 16 over a contiguous cache or a paged one (keys read through the block
+    table, across page boundaries, so block_n does not depend on the page size); inference only (no backward)."""
 
     name = "triton_decode"
+    ops = ("attention", "paged")
     requires = ("triton",)
     knobs = {"block_n": int, "num_splits": int, "num_warps": int, "num_stages": int}
     takes_key_mask = True
 
     def supports(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> str | None:
-        if p.op != "attention":
-            return f"split-K decode handles op 'attention' only, got {p.op!r}"
         if p.len_q > MAX_LEN_Q:
             return f"split-K decode is for Lq <= {MAX_LEN_Q}, got {p.len_q}"
         if triton is None:

@@ -6,7 +6,8 @@
   quality.py runs the second tune and the compile-time measurement.
 - flex_route (flex_route.py): compiled ``flex_attention`` against the same call routed by inductor_attn.
 - Wall-clock suites (host_suites.py): overhead (host time per compiled call, end-to-end models),
-  training (fwd+bwd steps, end-to-end training), tuning-cost (what tuning adds to a compile, cold and warm).
+  training (fwd+bwd steps, end-to-end training), tuning-cost (what tuning adds to a compile, cold and warm),
+  paged (paged.py: paged-cache decode GB/s against a copy floor and our contiguous decode; chunked prefill TF/s).
 
 Results go to ``--out`` or to the decision store's directory, never into the source tree; report.py
 writes JSON, markdown and plots, and ``--report`` merges results or updates benchmarks/RESULTS.md. On a
@@ -25,7 +26,7 @@ from pathlib import Path
 # "all" is the four forward suites; backward and flex_route run on their own
 KERNEL_SUITES = ("dense", "decode", "varlen", "block_sparse", "backward", "flex_route", "all")
 # suites that time whole calls as a user's wall clock sees them (wallclock.py), not kernels
-WALLCLOCK_SUITES = ("overhead", "training", "tuning-cost")
+WALLCLOCK_SUITES = ("overhead", "training", "tuning-cost", "paged")
 SUITE_CHOICES = KERNEL_SUITES + WALLCLOCK_SUITES
 
 

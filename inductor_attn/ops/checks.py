@@ -18,11 +18,13 @@ from typing import NoReturn
 import torch
 
 from .. import _compat
-from ..messages import KV_SEQLENS_VALUES, device_message
+from ..messages import KV_SEQLENS_VALUES, PAGED_BLOCK_IDS, PAGED_KV_SEQLENS_VALUES, device_message
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 8, 256
 LAYOUTS = {4: "(batch, heads, seq_len, head_dim)", 3: "(total_tokens, heads, head_dim)"}
+PAGES = "(num_blocks, page_size, kv_heads, head_dim)"
+MAX_PAGE_SIZE = 256
 # Lengths and positions are int32 (kv_seqlens, cu_seqlens): no sequence is longer, and a window of more keys is
 # unbounded (-1). Larger Python ints would also overflow the ops' int64 arguments.
 MAX_INT32 = 2**31 - 1
@@ -276,23 +278,25 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 def check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
     """cu_seqlens start at 0, never decrease, end at the total and respect max_seqlen. Eagerly a device sync
     and a ValueError; compiled, device-side asserts."""
-    for name, cu, x, max_len in (("cu_seqlens_q", cu_seqlens_q, q, max_seqlen_q),
-                                 ("cu_seqlens_k", cu_seqlens_k, k, max_seqlen_k)):
-        if torch.compiler.is_compiling():
-            _assert_cu_seqlens(name, cu, x.shape[0], max_len)
-            continue
-        values = cu.tolist()
-        if values[0] != 0:
-            raise ValueError(f"{name} must start at 0, got {values[0]}")
-        lengths = [b - a for a, b in zip(values, values[1:])]
-        if min(lengths) < 0:
-            raise ValueError(f"{name} must be non-decreasing (monotone), got {values}")
-        if values[-1] != x.shape[0]:
-            raise ValueError(
-                f"{name}[-1] must equal the total tokens of {name[-1]} ({x.shape[0]}), got {values[-1]}"
-            )
-        if max(lengths) > max_len:
-            raise ValueError(f"max_seqlen_{name[-1]} ({max_len}) is smaller than the longest sequence ({max(lengths)})")
+    check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
+    check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
+
+
+def check_cu_seqlens_values(name: str, cu: torch.Tensor, total, max_len) -> None:
+    """One side of :func:`check_varlen_values` (``name`` ends in q or k: the side its messages name)."""
+    if torch.compiler.is_compiling():
+        _assert_cu_seqlens(name, cu, total, max_len)
+        return
+    values = cu.tolist()
+    if values[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {values[0]}")
+    lengths = [b - a for a, b in zip(values, values[1:])]
+    if min(lengths) < 0:
+        raise ValueError(f"{name} must be non-decreasing (monotone), got {values}")
+    if values[-1] != total:
+        raise ValueError(f"{name}[-1] must equal the total tokens of {name[-1]} ({total}), got {values[-1]}")
+    if max(lengths) > max_len:
+        raise ValueError(f"max_seqlen_{name[-1]} ({max_len}) is smaller than the longest sequence ({max(lengths)})")
 
 
 def _assert_cu_seqlens(name: str, cu: torch.Tensor, total, max_len) -> None:
@@ -368,3 +372,75 @@ def check_block_sparse_values(k, sparse) -> None:
             bad = index[(listed_index < 0) | (listed_index >= n_kv)]
             raise ValueError(f"{index_name} values must be in [0, {n_kv}) (the kv blocks of k seq_len {k.shape[2]} at "
                              f"block_kv {sparse.block_kv}) where {count_name} lists them, got {bad.unique().tolist()}")
+
+
+def check_paged(q, k_cache, v_cache, block_table, kv_seqlens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale,
+                window_left, window_right) -> None:
+    """Everything the paged op needs that does not read tensor values: k_cache and v_cache in the (vLLM,
+    FlashAttention) page layout, int32 tables and lengths of one sequence count. The public API passes None
+    for max_seqlen_q/k (defaults filled in after this check) and for scale (the default)."""
+    check_tensor("q", q, 3, LAYOUTS[3])
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(name, x, 4, PAGES)
+    check_same_dtype_device({"q": q, "k_cache": k_cache, "v_cache": v_cache})
+    check_head_dims(q, k_cache, v_cache)
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        fail(ValueError, f"k_cache and v_cache must share (num_blocks, page_size, kv_heads), got "
+                         f"{tuple(k_cache.shape[:3])} and {tuple(v_cache.shape[:3])}")
+    check_heads(q.shape[1], k_cache.shape[2], v_cache.shape[2])
+    page_size = k_cache.shape[1]
+    if not 1 <= page_size <= MAX_PAGE_SIZE:
+        fail(ValueError, f"page_size (k_cache.shape[1] in the NHD layout) must be in [1, {MAX_PAGE_SIZE}], got "
+                         f"{page_size}")
+    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
+        got = tuple(block_table.shape) if isinstance(block_table, torch.Tensor) else type(block_table).__name__
+        fail(ValueError if isinstance(block_table, torch.Tensor) else TypeError,
+             f"block_table must be an int32 torch.Tensor of shape (num_seqs, pages per sequence), got {got}")
+    num_seqs, pages = block_table.shape
+    check_index_tensor("block_table", block_table, (num_seqs, pages), q.device, "(num_seqs, pages per sequence)")
+    check_index_tensor("kv_seqlens", kv_seqlens, (num_seqs,), q.device, "(num_seqs,), one per block_table row")
+    check_not_empty({"num_seqs (block_table.shape[0])": num_seqs, "block_table.shape[1]": pages,
+                     "num_blocks": k_cache.shape[0], "q tokens": q.shape[0], "q heads": q.shape[1]})
+    if cu_seqlens_q is None:
+        if q.shape[0] != num_seqs:
+            fail(ValueError, f"without cu_seqlens_q, q holds one token per sequence: q.shape[0] must equal "
+                             f"block_table.shape[0] ({num_seqs}), got {q.shape[0]}")
+    else:
+        check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
+        if cu_seqlens_q.shape[0] != num_seqs + 1:
+            fail(ValueError, f"cu_seqlens_q must have shape (num_seqs + 1,) = ({num_seqs + 1},), got "
+                             f"{tuple(cu_seqlens_q.shape)}")
+    for name, m, most in (("max_seqlen_q", max_seqlen_q, q.shape[0]),
+                          ("max_seqlen_k", max_seqlen_k, pages * page_size)):
+        if m is None:
+            continue
+        if not isinstance(m, (int, torch.SymInt)) or isinstance(m, bool):
+            fail(TypeError, f"{name} must be an int, got {type(m).__name__}")
+        if m < 1 or m > most:
+            what = "q tokens" if name == "max_seqlen_q" else "block_table.shape[1] * page_size"
+            fail(ValueError, f"{name} must be in [1, {what}] = [1, {most}], got {m}")
+    check_scale(scale)
+    check_window(window_left, window_right)
+
+
+def check_paged_values(k_cache, block_table, kv_seqlens, cu_seqlens_q, q, max_seqlen_q, max_seqlen_k) -> None:
+    """kv_seqlens in [0, max_seqlen_k]; the block ids of the pages they reach in [0, num_blocks); cu_seqlens_q as
+    varlen's. Table entries past a sequence's last page may hold anything. Eagerly a device sync and a ValueError;
+    compiled, device-side asserts."""
+    num_blocks, page_size = k_cache.shape[0], k_cache.shape[1]
+    reached = torch.arange(block_table.shape[1], device=block_table.device) * page_size < kv_seqlens[:, None]
+    ids = torch.where(reached, block_table, 0)
+    if cu_seqlens_q is not None:
+        check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
+    if torch.compiler.is_compiling():
+        assert_on_device(((kv_seqlens >= 0) & (kv_seqlens <= max_seqlen_k)).all(), PAGED_KV_SEQLENS_VALUES)
+        assert_on_device(((ids >= 0) & (ids < num_blocks)).all(), PAGED_BLOCK_IDS)
+        return
+    lo, hi, id_lo, id_hi = torch.stack([kv_seqlens.min(), kv_seqlens.max(), ids.min(), ids.max()]).tolist()
+    if lo < 0 or hi > max_seqlen_k:
+        raise ValueError(f"kv_seqlens values must be in [0, {max_seqlen_k}] (max_seqlen_k; default "
+                         f"block_table.shape[1] * page_size), got min {lo}, max {hi}")
+    if id_lo < 0 or id_hi >= num_blocks:
+        bad = block_table[reached & ((block_table < 0) | (block_table >= num_blocks))]
+        raise ValueError(f"block_table values must be in [0, {num_blocks}) (the blocks of k_cache) in the pages that "
+                         f"kv_seqlens reaches, got {bad.unique().tolist()}")

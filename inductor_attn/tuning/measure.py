@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..backends import REFERENCE, AttnCall, Plan, get_backend, plan_for
+from ..backends.pages import key_slots, unused_slots
 from ..device import device_info
-from ..layout import filled_like
+from ..layout import empty_like_layout, filled_like
 from .correctness import POISON, check_output, check_tensor, rel_err
 
 log = logging.getLogger(__name__)
@@ -104,15 +105,35 @@ def fresh_inputs(call: AttnCall, seed: int) -> AttnCall:
     def like(x: torch.Tensor) -> torch.Tensor:
         return filled_like(x, normal_)
 
+    if call.op == "paged":
+        return _fresh_pages(call, gen, like)
     return dataclasses.replace(call, q=like(call.q), k=like(call.k), v=like(call.v), _problem=call._problem)
 
 
+def _fresh_pages(call: AttnCall, gen: torch.Generator, like) -> AttnCall:
+    """A paged call's fresh inputs in a pool of its own: the pages its table rows can name, each once, in random
+    order (a fragmented cache), plus one page that no row names; pools in the call's stride order (NHD or HND)
+    and the call's lengths. A server's whole pool (most of the GPU's memory) is never copied."""
+    num_seqs, width = call.block_table.shape
+    pool = (num_seqs * width + 1, *call.k.shape[1:])
+    order = torch.randperm(pool[0], generator=gen, device=gen.device)[: num_seqs * width]
+    k, v = (empty_like_layout(x, (*pool[:3], x.shape[3])).normal_(generator=gen) for x in (call.k, call.v))
+    return dataclasses.replace(call, q=like(call.q), k=k, v=v, block_table=order.view(num_seqs, width).int(),
+                               _problem=call._problem)
+
+
 def gate_inputs(call: AttnCall, seed: int) -> AttnCall:
-    """:func:`fresh_inputs` with NaN in k and v past ``kv_seqlens``: what keys past a length hold must never reach
-    an output or a gradient (the kv_seqlens contract), so a candidate that lets it through fails the gate. Timing
-    inputs and the benchmark's gate keep finite values there (stock SDPA, a baseline, does not keep the contract)."""
+    """:func:`fresh_inputs` with NaN in k and v past ``kv_seqlens`` (for a paged call: in every slot of the pool
+    that holds no key of a sequence): what keys past a length hold must never reach an output or a gradient (the
+    kv_seqlens contract), so a candidate that lets it through fails the gate. Timing inputs and the benchmark's
+    gate keep finite values there (stock SDPA, a baseline, does not keep the contract)."""
     fresh = fresh_inputs(call, seed)
-    if call.kv_seqlens is not None:
+    if call.op == "paged":
+        slots = key_slots(fresh.block_table, fresh.kv_seqlens, fresh.k.shape[1])
+        unused = unused_slots(fresh.k.shape[0], fresh.k.shape[1], *slots)
+        for x in (fresh.k, fresh.v):
+            x[unused] = float("nan")
+    elif call.kv_seqlens is not None:
         for x in (fresh.k, fresh.v):
             _nan_past(x, call.kv_seqlens)
     return fresh

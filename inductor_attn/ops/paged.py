@@ -1,0 +1,49 @@
+"""``inductor_attn::paged_attention``: attention over a KV cache kept in pages, for serving.
+
+Forward only: serving runs no backward, and no candidate has one (the public function refuses inputs that
+require grad). The layout is vLLM's and FlashAttention's: queries packed (total_q, Hq, D) by ``cu_seqlens_q``
+(None: one query per sequence, decode), pools ``k_cache``/``v_cache`` (num_blocks, page_size, Hkv, D) with any
+strides (FlashInfer's HND pools arrive as transposed views), ``block_table`` int32 (num_seqs, pages per
+sequence), ``kv_seqlens`` int32 (num_seqs,). Returns ``(out, lse)``: out (total_q, Hq, Dv) in q's stride order,
+lse float32 (Hq, total_q) as varlen's. ``choice`` as for the other ops (ops/attention.py). Compiled code keeps
+this op call and decides at run time, per bucket (lowering/emit.py sets ``COMPILED``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import runtime
+from ..backends import AttnCall
+from ..layout import empty_like_layout
+from ..runtime import COMPILED
+from . import checks
+from .attention import LIB, _lse_like, _on_trace
+
+
+def paged_call(q, k_cache, v_cache, block_table, kv_seqlens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale,
+               causal, window_left, window_right) -> AttnCall:
+    return AttnCall("paged", q, k_cache, v_cache, scale, causal, window_left, window_right, kv_seqlens,
+                    cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                    block_table=block_table)
+
+
+@torch.library.custom_op(f"{LIB}::paged_attention", mutates_args=())
+def paged_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, kv_seqlens: Tensor,
+                       cu_seqlens_q: Tensor | None, max_seqlen_q: int, max_seqlen_k: int, scale: float, causal: bool,
+                       window_left: int, window_right: int, choice: str) -> tuple[Tensor, Tensor]:
+    args = (q, k_cache, v_cache, block_table, kv_seqlens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale, causal,
+            window_left, window_right)
+    if choice != COMPILED:
+        checks.check_paged(*args[:9], window_left, window_right)
+    return runtime.forward(paged_call(*args), choice)
+
+
+@paged_attention_op.register_fake
+def _(q, k_cache, v_cache, block_table, kv_seqlens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale, causal,
+      window_left, window_right, choice):
+    checks.check_paged(q, k_cache, v_cache, block_table, kv_seqlens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale,
+                       window_left, window_right)
+    _on_trace()
+    return empty_like_layout(q, (q.shape[0], q.shape[1], v_cache.shape[-1])), _lse_like(q, q.shape[1], q.shape[0], None)

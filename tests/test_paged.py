@@ -1,0 +1,213 @@
+"""paged_attention on the CPU: the op, its checks, the reference and the gate's NaN, split-K decode through
+Triton's interpreter, the gather baseline's rewrite, and compiled serving loops that never recompile.
+
+Every cache holds NaN wherever no key of a sequence lives (tests/paged_inputs.py): a candidate that reads an
+unreferenced page, a slot past a length or a table entry past a sequence's last page fails."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import paged_inputs as pi
+import pytest
+import torch
+
+import inductor_attn
+from inductor_attn.backends import REFERENCE, Config, enumerate_candidates
+from inductor_attn.backends import triton_decode as decode
+from inductor_attn.backends.pages import key_slots, unused_slots
+from inductor_attn.backends.paged_gather import BACKEND as GATHER
+from inductor_attn.backends.paged_gather import as_packed, dense_call
+from inductor_attn.device import device_info
+from inductor_attn.ops.paged import paged_call
+from inductor_attn.problem import Problem
+from inductor_attn.tuning.correctness import check_output, check_tensor
+from inductor_attn.tuning.measure import gate_inputs, gate_once
+
+CASES = {
+    "decode_gqa_page16": pi.PagedCase(),
+    "decode_page1_mqa": pi.PagedCase(kv_lens=(9, 3, 1), page_size=1, hq=4, hkv=1),
+    "decode_empty_sequence": pi.PagedCase(kv_lens=(20, 0, 7), page_size=8),
+    "chunked_prefill_causal": pi.PagedCase(kv_lens=(40, 21, 6), q_lens=(5, 1, 6), page_size=8, hq=6, hkv=3),
+    "chunked_prefill_window_hnd": pi.PagedCase(kv_lens=(33, 18), q_lens=(4, 3), page_size=4, window=(6, 0),
+                                               layout="HND"),
+    "page256_bf16": pi.PagedCase(kv_lens=(300, 2), page_size=256, dtype=torch.bfloat16),
+}
+
+
+def _call(case: pi.PagedCase, x: pi.PagedInputs, dtype=None):
+    k, v = (c.transpose(1, 2) if case.layout == "HND" else c for c in (x.k_cache, x.v_cache))
+    cast = (lambda t: t.to(dtype)) if dtype else (lambda t: t)
+    return paged_call(cast(x.q), cast(k), cast(v), x.block_table, x.kv_seqlens, x.cu_seqlens_q, case.max_seqlen_q,
+                      x.block_table.shape[1] * case.page_size, case.d ** -0.5, case.causal, *case.window)
+
+
+def _poisoned(call):
+    out, lse = decode.DecodePlan.outputs(call)
+    return out.fill_(float("nan")), lse.fill_(float("nan"))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_paged_attention_matches_a_naive_page_by_page_oracle(name):
+    case = CASES[name]
+    x = pi.make(case)
+    out, lse = inductor_attn.paged_attention(x.q, x.k_cache, x.v_cache, x.block_table, x.kv_seqlens,
+                                             return_lse=True, **x.kwargs(case))
+    ref_out, ref_lse = pi.oracle(case, x, case.d ** -0.5)
+    assert check_output(out, lse, ref_out, ref_lse, case.dtype) is None
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_float64_reference_matches_the_oracle_exactly_enough(name):
+    case = CASES[name]
+    x = pi.make(case)
+    out, lse = REFERENCE.run(_call(case, x, torch.float64), None)
+    ref_out, ref_lse = pi.oracle(case, x, case.d ** -0.5)
+    assert check_tensor("output", out, ref_out, torch.float64) is None
+    torch.testing.assert_close(lse, ref_lse.float())  # the lse is float32 by the ops' contract
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n].max_seqlen_q <= decode.MAX_LEN_Q])
+@pytest.mark.parametrize("splits,block_n", [(1, 16), (4, 16), (2, 32)])
+def test_split_k_decode_reads_pages_through_the_table(name, splits, block_n):
+    case = CASES[name]
+    x = pi.make(case)
+    call = _call(case, x)
+    out, lse = _poisoned(call)
+    decode.DecodePlan(call.problem, device_info("cpu"), Config.of(block_n=block_n, num_splits=splits,
+                                                                  num_warps=4)).run(call, out, lse)
+    ref_out, ref_lse = pi.oracle(case, x, case.d ** -0.5)
+    assert check_output(out, lse, ref_out, ref_lse, case.dtype) is None
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if len(set(CASES[n].q_lens or (1,))) == 1])
+def test_the_gather_baselines_dense_call_is_the_paged_call(name):
+    # on the CPU the dense call runs on the reference (the baseline's SDPA kernels need CUDA)
+    case = CASES[name]
+    x = pi.make(case)
+    call = _call(case, x, torch.float64)
+    out, lse = as_packed(*REFERENCE.run(dense_call(call), None), call.q)
+    ref_out, ref_lse = pi.oracle(case, x, case.d ** -0.5)
+    assert check_tensor("output", out, ref_out, torch.float64) is None
+    torch.testing.assert_close(lse, ref_lse.float())
+
+
+def test_candidates_of_a_paged_decode():
+    case = CASES["decode_gqa_page16"]
+    call = _call(case, pi.make(case))
+    listed = {c.name: c.pruned for c in enumerate_candidates(call.problem, device_info("cpu"))}
+    assert listed["reference:default"] is None
+    assert listed["paged_gather:-"] == "needs a CUDA device (SDPA's kernels)"
+    assert any(name.startswith("triton_decode:") and why is None for name, why in listed.items())
+    assert GATHER.supports(dataclasses.replace(call.problem, device_type="cuda", total_q=3, batch=2),
+                           device_info("cpu")).startswith("needs as many queries in every sequence")
+
+
+def test_gate_inputs_hold_nan_wherever_no_key_lives_and_nowhere_else():
+    case = CASES["chunked_prefill_causal"]
+    call = _call(case, pi.make(case))
+    fresh = gate_inputs(call, seed=1)
+    blocks, slots, exists = key_slots(fresh.block_table, fresh.kv_seqlens, case.page_size)
+    unused = unused_slots(fresh.k.shape[0], case.page_size, blocks, slots, exists)
+    assert fresh.k.shape[0] == fresh.block_table.numel() + 1  # a pool of its own, one page named by no row
+    for pool in (fresh.k, fresh.v):
+        assert pool[unused].isnan().all() and not pool[~unused].isnan().any()
+    assert gate_once(call, "reference:default", "forward").status == "passed"
+
+
+def test_gate_drops_a_candidate_that_reads_past_the_lengths():
+    case = CASES["decode_gqa_page16"]
+    call = _call(case, pi.make(case))
+
+    class Leaky(type(REFERENCE)):
+        name = "leaky"
+
+        def plan(self, p, dev, cfg, direction):
+            def launch(c):  # right, but weighs every slot of the pages the table names by 0, as P @ V does
+                out, lse = REFERENCE.run(c, None)
+                return out + 0 * c.k[c.block_table.clamp(min=0)].sum(), lse
+            return dataclasses.replace(REFERENCE.plan(p, dev, cfg, direction), launch=launch)
+
+    from inductor_attn.backends import only_backends
+
+    with only_backends(Leaky(), REFERENCE):
+        result = gate_once(call, "leaky:default", "forward")
+    assert result.status == "wrong" and "NaN past kv_seqlens" in result.reason
+
+
+def test_problem_key_and_bucket():
+    case = CASES["decode_gqa_page16"]
+    p = _call(case, pi.make(case)).problem
+    assert (p.op, p.page_size, p.batch, p.len_q, p.len_k, p.total_q) == ("paged", 16, 2, 1, 64, 2)
+    assert Problem.from_key(p.key()) == p
+    assert "page_size" not in Problem("attention", "float16", "cpu", 1, 4, 2, 1, 64, 32, 32).key()
+    grown = dataclasses.replace(p, len_k=50, batch=3)
+    assert grown.bucket() == dataclasses.replace(p, batch=4).bucket()
+
+
+def _raises(error, match, **overrides):
+    case = CASES["decode_gqa_page16"]
+    x = pi.make(case)
+    args = dict(q=x.q, k_cache=x.k_cache, v_cache=x.v_cache, block_table=x.block_table, kv_seqlens=x.kv_seqlens)
+    args |= overrides
+    with pytest.raises(error, match=match):
+        inductor_attn.paged_attention(**args)
+
+
+def test_bad_arguments_are_named():
+    x = pi.make(CASES["decode_gqa_page16"])
+    table, lens = x.block_table, x.kv_seqlens
+    _raises(TypeError, "block_table must have dtype int32", block_table=table.long())
+    _raises(ValueError, r"block_table must be an int32 torch.Tensor of shape \(num_seqs, pages", block_table=table[0])
+    _raises(ValueError, r"kv_seqlens must have shape \(2,\)", kv_seqlens=lens[:1])
+    _raises(TypeError, "kv_seqlens must have dtype int32", kv_seqlens=lens.long())
+    _raises(ValueError, r"kv_seqlens values must be in \[0, 64\]", kv_seqlens=torch.tensor([65, 1], dtype=torch.int32))
+    _raises(ValueError, r"kv_seqlens values must be in \[0, 64\].*min -1", kv_seqlens=torch.tensor([3, -1],
+                                                                                                   dtype=torch.int32))
+    bad = table.clone()
+    bad[0, 0] = 10_000
+    _raises(ValueError, r"block_table values must be in \[0, 7\).*\[10000\]", block_table=bad)
+    _raises(ValueError, r"page_size .* must be in \[1, 256\], got 300", k_cache=torch.zeros(2, 300, 2, 32).half(),
+            v_cache=torch.zeros(2, 300, 2, 32).half())
+    _raises(ValueError, r"q heads \(4\) must be a multiple of k/v heads \(3\)",
+            k_cache=torch.zeros(6, 16, 3, 32).half(), v_cache=torch.zeros(6, 16, 3, 32).half())
+    _raises(ValueError, "k_cache and v_cache must share", v_cache=torch.zeros(6, 8, 2, 32).half())
+    _raises(ValueError, "q.shape\\[0\\] must equal block_table.shape\\[0\\] \\(2\\)", q=x.q[:1])
+    _raises(ValueError, "layout must be one of", layout="NDH")
+    _raises(ValueError, "forward only", q=x.q.float().requires_grad_(), k_cache=x.k_cache.float(),
+            v_cache=x.v_cache.float())
+
+
+def test_table_entries_past_the_last_page_may_hold_anything():
+    case = CASES["decode_gqa_page16"]
+    x = pi.make(case)
+    assert (x.block_table[:, -1] == -1).all()  # what transformers writes there
+    inductor_attn.paged_attention(x.q, x.k_cache, x.v_cache, x.block_table, x.kv_seqlens)
+
+
+def _serving_loop(fn, steps: int, grow: bool):
+    """Decode steps whose lengths grow by one token each step, in a pool and a table of fixed sizes; with ``grow``
+    the table gets wider and the pool larger too. Returns the outputs and their float64 oracles."""
+    results = []
+    for step in range(steps):
+        sizes = dict(spare_pages=1) if grow else dict(width=16, num_blocks=40)
+        case = pi.PagedCase(kv_lens=(5 + step, 30 + 3 * step), page_size=4, d=16, **sizes)
+        x = pi.make(case, seed=step)
+        out = fn(x.q, x.k_cache, x.v_cache, x.block_table, x.kv_seqlens)
+        results.append((out, pi.oracle(case, x, case.d ** -0.5)[0]))
+    return results
+
+
+@pytest.mark.parametrize("grow,dynamic", [(False, None), (True, True)])
+def test_a_compiled_serving_loop_compiles_once(grow, dynamic, fresh_compile):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("inductor")
+
+    @torch.compile(backend=counter, dynamic=dynamic, fullgraph=True)
+    def step(q, k, v, table, lens):
+        return inductor_attn.paged_attention(q, k, v, table, lens)
+
+    for out, ref in _serving_loop(step, 6, grow):
+        assert (out.double() - ref).norm() / ref.norm() < 5e-3
+    assert counter.frame_count == 1

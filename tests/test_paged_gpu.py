@@ -1,0 +1,101 @@
+"""paged_attention on a GPU: every candidate against a float64 oracle on fresh random inputs, outputs poisoned
+with NaN, NaN in every pool slot that holds no key; page sizes 1 to 256, GQA, chunked prefill; the tuner's choice;
+a compiled serving loop that never recompiles."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import paged_inputs as pi
+import pytest
+import torch
+
+import inductor_attn
+from inductor_attn.backends import enumerate_candidates, plan_for
+from inductor_attn.device import device_info
+from inductor_attn.ops.paged import paged_call
+from inductor_attn.tuning.correctness import check_output
+
+pytestmark = pytest.mark.gpu
+
+CASES = {
+    "decode_page1_gqa": pi.PagedCase(kv_lens=(70, 3, 0, 129), page_size=1, hq=8, hkv=2, d=64, dtype=torch.bfloat16),
+    "decode_page16_mqa_d128": pi.PagedCase(kv_lens=(1000, 17, 512), page_size=16, hq=16, hkv=1, d=128),
+    "decode_page64_d256": pi.PagedCase(kv_lens=(4097, 64, 1), page_size=64, hq=16, hkv=2, d=256,
+                                       dtype=torch.bfloat16),
+    "decode_page256_hnd": pi.PagedCase(kv_lens=(3000, 255, 257), page_size=256, hq=32, hkv=8, d=128,
+                                       layout="HND", dtype=torch.bfloat16),
+    "prefill_equal_chunks_page16": pi.PagedCase(kv_lens=(300, 40, 16), q_lens=(8, 8, 8), page_size=16, hq=8, hkv=2,
+                                                d=128, dtype=torch.bfloat16),
+    "prefill_ragged_chunks_window_page64": pi.PagedCase(kv_lens=(500, 90), q_lens=(16, 3), page_size=64, hq=4,
+                                                        hkv=4, d=64, window=(100, 0)),
+    "prefill_chunk64_page16": pi.PagedCase(kv_lens=(700, 64), q_lens=(64, 64), page_size=16, hq=8, hkv=2, d=128,
+                                           dtype=torch.bfloat16),
+}
+
+
+def _call(case, x):
+    k, v = (c.transpose(1, 2) if case.layout == "HND" else c for c in (x.k_cache, x.v_cache))
+    return paged_call(x.q, k, v, x.block_table, x.kv_seqlens, x.cu_seqlens_q, case.max_seqlen_q,
+                      x.block_table.shape[1] * case.page_size, case.d ** -0.5, case.causal, *case.window)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_every_candidate_matches_float64(name):
+    case = CASES[name]
+    x = pi.make(case, device="cuda")
+    call = _call(case, x)
+    ref_out, ref_lse = pi.oracle(case, x, case.d ** -0.5)
+    dev = device_info(call.q.device)
+    ran = []
+    for cand in enumerate_candidates(call.problem, dev):
+        if cand.pruned is not None:
+            continue
+        torch.full((1 << 26,), float("nan"), device="cuda")  # freed memory the outputs may be given: NaN
+        out, lse = plan_for(call.problem, cand.name, dev, "forward").launch(call)
+        reason = check_output(out.cpu(), lse.cpu(), ref_out, ref_lse, case.dtype)
+        assert reason is None, f"{cand.name}: {reason}"
+        ran.append(cand.backend)
+    assert "reference" in ran
+    if case.max_seqlen_q <= 16:
+        assert "triton_decode" in ran
+    if len(set(case.q_lens or (1,))) == 1 and case.dtype != torch.float32:
+        assert "paged_gather" in ran
+
+
+@pytest.mark.parametrize("name", ["decode_page16_mqa_d128", "prefill_equal_chunks_page16"])
+def test_the_tuned_choice_matches_float64(name, monkeypatch):
+    monkeypatch.setenv("INDUCTOR_ATTN_MODE", "autotune")
+    case = CASES[name]
+    x = pi.make(case, device="cuda")
+    out, lse = inductor_attn.paged_attention(x.q, x.k_cache, x.v_cache, x.block_table, x.kv_seqlens,
+                                             return_lse=True, **x.kwargs(case))
+    ref_out, ref_lse = pi.oracle(case, x, case.d ** -0.5)
+    assert check_output(out.cpu(), lse.cpu(), ref_out, ref_lse, case.dtype) is None
+    assert any(key.startswith("paged/forward") for key in inductor_attn.stats())
+
+
+def test_a_compiled_serving_loop_never_recompiles_nor_retunes(monkeypatch, fresh_compile):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from inductor_attn.tuning import decisions
+
+    monkeypatch.setenv("INDUCTOR_ATTN_MODE", "autotune")
+    counter = CompileCounterWithBackend("inductor")
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def step(q, k, v, table, lens):
+        return inductor_attn.paged_attention(q, k, v, table, lens)
+
+    base = pi.PagedCase(kv_lens=(600, 100), page_size=16, hq=16, hkv=2, d=128, dtype=torch.bfloat16, width=64,
+                        num_blocks=140)
+    x = pi.make(base, device="cuda")
+    for i in range(40):  # lengths grow by one token per step; pool and table keep their sizes
+        case = dataclasses.replace(base, kv_lens=(600 + i, 100 + i))
+        x = pi.make(case, device="cuda", seed=i)
+        out = step(x.q, x.k_cache, x.v_cache, x.block_table, x.kv_seqlens)
+        if i % 13 == 0:
+            ref = pi.oracle(case, x, case.d ** -0.5)[0]
+            assert (out.cpu().double() - ref).norm() / ref.norm() < 2e-2
+    assert counter.frame_count == 1
+    assert len([key for key in decisions._MEMO if key[1].op == "paged"]) == 1  # one bucket, tuned once
