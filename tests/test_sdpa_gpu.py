@@ -58,7 +58,8 @@ def test_every_sdpa_backward_kernel_matches_the_reference_whatever_the_layouts(k
     call = AttnCall("attention", q, k, v, 128 ** -0.5, causal=True)
     direction = Direction("backward", call)
     out, lse, grad_out, _ = direction.grads
-    direction.grads = (laid_out(out, out_layout), lse, laid_out(grad_out, grad_layout), None)
+    direction.grads = direction.reference_grads = (laid_out(out, out_layout), lse, laid_out(grad_out, grad_layout),
+                                                   None)
     got = direction.run(direction.plan(call, f"sdpa:kernel={kernel}"), call)
     reason, err = direction.check(got, direction.reference(call), torch.bfloat16)
     assert reason is None, (kernel, out_layout, grad_layout, err)
@@ -82,3 +83,21 @@ def test_the_cudnn_backward_stays_right_when_grad_outs_layout_changes_between_ca
         direction.grads = (out, lse, g, None)
         reason, err = direction.check(direction.run(plan, call), want, torch.bfloat16)
         assert reason is None, (layout, err)
+
+
+@pytest.mark.parametrize("kernel", ["efficient", "cudnn"])
+def test_a_row_whose_every_key_is_masked_gives_zero_out_minus_inf_lse_and_zero_grads(kernel):
+    from inductor_attn.backends import AttnCall, Config
+    from inductor_attn.backends.sdpa import BACKEND as SDPA
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 64, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    key_mask = torch.ones(2, 64, dtype=torch.bool, device="cuda")
+    key_mask[1] = False  # the second sequence has no key: a paged sequence of length 0 comes here so
+    ref_out, ref_lse = inductor_attn.run_candidate("reference:default", q, k, v, key_mask=key_mask, return_lse=True)
+    call = AttnCall("attention", q, k, v, 64 ** -0.5, key_mask=key_mask)
+    out, lse = SDPA.run(call, Config.of(kernel=kernel))
+    assert check_output(out, lse, ref_out, ref_lse, torch.bfloat16) is None
+    assert (lse[1] == float("-inf")).all() and (out[1] == 0).all()
+    grads = SDPA.backward(call, Config.of(kernel=kernel), out, lse, torch.randn_like(out), None)
+    assert all(g.isfinite().all() for g in grads) and all((g[1] == 0).all() for g in grads[:1])

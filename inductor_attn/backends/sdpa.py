@@ -120,7 +120,12 @@ def _launch(kernel: str, needs_bias: bool, call: AttnCall, with_lse: bool = True
         return (conform(out, q),)
     b, h, lq = q.shape[:3]
     # lse layouts differ: flash (B, H, Lq), cuDNN (B, H, Lq, 1), efficient padded to 32 rows
-    return conform(out, q), lse.reshape(b, h, -1)[..., :lq].float().contiguous()
+    lse = lse.reshape(b, h, -1)[..., :lq].float()
+    if kernel == "efficient" and bias is not None:
+        # a row whose every key is masked: the efficient kernel's lse there is not -inf, our contract's (and the
+        # reference's) value (a paged sequence of length 0 showed it, H200); its out there is 0
+        lse = lse.masked_fill(bias[:, :1].isneginf().all(-1), float("-inf"))
+    return conform(out, q), lse.contiguous()
 
 
 def _launch_backward(kernel: str, needs_bias: bool, call: AttnCall, out, lse, grad_out, grad_lse):
@@ -151,7 +156,8 @@ def _launch_backward(kernel: str, needs_bias: bool, call: AttnCall, out, lse, gr
         kr, vr = (k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)) if group > 1 else (k, v)
         # the efficient kernels keep the lse padded to whole 32-row blocks (its forward returns it so)
         padded = lse.new_zeros(*lse.shape[:-1], -(-lq // 32) * 32)
-        padded[..., :lq] = lse
+        # rows with no key: +inf makes the kernel's exp(s - lse) 0 there, where -inf - (-inf) would give NaN
+        padded[..., :lq] = lse if bias is None else lse.masked_fill(lse == float("-inf"), float("inf"))
         dq, dk, dv = aten._scaled_dot_product_efficient_attention_backward.default(
             grad_out, q, kr, vr, bias, _rows_heads_interleaved(out), padded, None, None, 0.0,
             [True, True, True, False], is_causal, **kw)[:3]
