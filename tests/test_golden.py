@@ -250,6 +250,7 @@ sdpa:kernel=efficient
 sdpa:kernel=cudnn
 sdpa:kernel=flash  [pruned: SDPA flash takes no mask: lower-right causal (Lq != Lk), windows and key_mask need one]
 flex:-  [pruned: unmasked and plain causal attention are covered by sdpa, fa4 and triton at less tuning cost]
+fa3:-  [pruned: tokenspeed-fa3 not installed (pip install 'inductor-attn[fa3]')]
 fa4:default
 fa4:mma_pv_is_rs=False
 fa4:intra_wg_overlap=False
@@ -281,6 +282,7 @@ sdpa:kernel=efficient
 sdpa:kernel=cudnn
 sdpa:kernel=flash  [pruned: SDPA flash takes no mask: lower-right causal (Lq != Lk), windows and key_mask need one]
 flex:-  [pruned: unmasked and plain causal attention are covered by sdpa, fa4 and triton at less tuning cost]
+fa3:-  [pruned: tokenspeed-fa3 is built for sm_90a only, got sm_100]
 fa4:clc=False,num_splits=1
 fa4:clc=True,num_splits=1
 triton:block_m=128,block_n=64,num_stages=3,num_warps=8,pack_gqa=True,schedule=tile,tma=True

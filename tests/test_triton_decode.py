@@ -206,7 +206,6 @@ def _problem(**kw) -> Problem:
 
 
 @pytest.mark.parametrize("kw, reason", [
-    (dict(op="varlen"), "triton_decode does not run op 'varlen' (its ops: attention, paged)"),
     (dict(len_q=4096), "split-K decode is for Lq <= 16, got 4096"),
     (dict(dtype="float64"), "dtype float64 not supported (float16, bfloat16, float32)"),
     (dict(head_dim=8, head_dim_v=8), "head_dim must be in [16, 256], got 8"),
@@ -215,6 +214,10 @@ def _problem(**kw) -> Problem:
 def test_supports_explains_what_it_cannot_run(kw, reason):
     listed = enumerate_candidates(_problem(**kw), H100)
     assert [c.pruned for c in listed if c.backend == "triton_decode"] == [reason]
+
+
+def test_a_backend_that_does_not_run_an_op_is_no_candidate_for_it():
+    assert not [c for c in enumerate_candidates(_problem(op="varlen"), H100) if c.backend == "triton_decode"]
 
 
 def test_supports_decode_shapes_including_lq16_and_non_pow2_head_dim():

@@ -93,6 +93,8 @@ def enumerate_candidates(p: Problem, dev: DeviceInfo, direction: str = "forward"
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
     out: list[Candidate] = []
     for backend in _REGISTRY.values():
+        if p.op not in backend.ops:  # not a candidate at all: nor listed, nor its source in the decision key
+            continue
         if lookup_only and backend.costly_import:
             out.append(Candidate(backend.name, None, LOOKUP_ONLY))
             continue
@@ -115,8 +117,6 @@ def enumerate_candidates(p: Problem, dev: DeviceInfo, direction: str = "forward"
 def _unsupported(backend: Backend, p: Problem, dev: DeviceInfo, direction: str) -> str | None:
     if direction == "backward" and not backend.has_backward:
         return f"{backend.name} has no backward"
-    if p.op not in backend.ops:
-        return f"{backend.name} does not run op {p.op!r} (its ops: {', '.join(backend.ops)})"
     if p.dtype.startswith("float8") and not backend.takes_fp8:
         return f"{backend.name} takes no fp8 inputs (fp8 runs on {_fp8_backends()})"
     reason = backend.supports(p, dev, direction)
