@@ -72,6 +72,19 @@ def test_a_shipped_decision_shortens_the_autotune_to_the_candidates_close_to_its
     assert row["record"]["search"].startswith("the candidates within 3% of the winner of the shipped decision")
 
 
+def test_a_backend_the_table_never_measured_has_its_first_candidate_timed_too(fakes, shipped, monkeypatch):
+    # a backend installed or added after the table was made (FA3's wheel next to tables measured without it)
+    a, b = fakes
+    c = FakeBackend("c", {"default": (0.3, 1e-4), "y=2": (0.2, 1e-4)})
+    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b, c]))
+    with only_backends(a, b, c), inductor_attn.tuning_mode("autotune"):
+        assert decide(small_call(), DEV, "forward") == "c:default"
+        record = get_store().writable.rows()[0]["record"]
+    status = {c["name"]: c["status"] for c in record["candidates"]}
+    assert [n for n, s in status.items() if s == "passed"] == ["b:x=1", "b:x=2", "c:default"]
+    assert record["search"].endswith("and the first candidate of each backend it never measured (c), timed here")
+
+
 def test_a_near_tie_whose_compile_took_much_longer_than_the_winners_is_left_out_of_the_shortlist(shipped):
     # a near-tie compiling 13 s next to a 3 s winner would set the cold tune's wait (worker compiles run side by side)
     data = json.loads(shipped.read_text())

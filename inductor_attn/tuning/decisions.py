@@ -26,12 +26,12 @@ import time
 
 import torch
 
-from ..backends import AttnCall, Candidate, enumerate_candidates, get_backend
+from ..backends import AttnCall, Candidate, backends, enumerate_candidates, get_backend
 from ..backends.registry import LOOKUP_ONLY, required_distributions
 from ..device import DeviceInfo, device_info
 from ..problem import Problem
 from ..store.db import get_store
-from ..store.keys import decision_fields
+from ..store.keys import decision_fields, library_versions
 from ..store.priors import (SHORTLIST, SHORTLIST_COMPILE_FACTOR, SHORTLIST_COMPILE_FLOOR_S, SHORTLIST_MARGIN,
                             is_shipped, shipped_match, shortlist)
 from . import background
@@ -214,7 +214,7 @@ def _shipped_without_costly_imports(light: list[Candidate], prior: dict | None) 
         return None
     left_out = {c.backend for c in light if c.pruned == LOOKUP_ONLY}
     names = {*_shortlist_of(prior), prior["winner"]}
-    if any(name.split(":")[0] in left_out for name in names):
+    if any(name.split(":")[0] in left_out for name in names) or left_out & _unmeasured_backends(prior):
         return None
     if prior["winner"] not in {c.name for c in light if c.pruned is None}:
         return None
@@ -303,9 +303,25 @@ def _shortlisted(cands: list[Candidate], prior: dict) -> tuple[list[Candidate], 
     floor_s = SHORTLIST_COMPILE_FACTOR * SHORTLIST_COMPILE_FLOOR_S
     scope = (f"within {SHORTLIST_MARGIN:.0%} of the winner of the shipped decision and compiling within "
              f"{SHORTLIST_COMPILE_FACTOR:g}x its time, at least {floor_s:g} s (at most {SHORTLIST}; {origin})")
+    # a table cannot shortlist a backend it never measured (one installed or added after it was made): each
+    # such backend's first runnable candidate (its own pick: configs come in its order) is timed too
+    unmeasured = _unmeasured_backends(prior)
+    new = {}
+    for c in cands:
+        if c.pruned is None and c.backend in unmeasured:
+            new.setdefault(c.backend, c.name)
+    if new:
+        keep |= set(new.values())
+        scope += f", and the first candidate of each backend it never measured ({', '.join(sorted(new))})"
     why = f"not timed again: not {scope}"
     shortened = [c if c.name in keep or c.pruned else dataclasses.replace(c, pruned=why) for c in cands]
     return shortened, f"the candidates {scope}, timed here"
+
+
+def _unmeasured_backends(prior: dict) -> set[str]:
+    """Registered backends whose distributions are installed and that ``prior``'s record never names."""
+    seen = {c["name"].split(":")[0] for c in prior["record"]["candidates"]}
+    return {b.name for b in backends() if b.name not in seen and "absent" not in library_versions(b.requires).values()}
 
 
 def _shortlist_of(prior: dict) -> list[str]:
