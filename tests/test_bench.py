@@ -739,3 +739,21 @@ def test_the_reduce_overhead_paths_get_copies_marked_static_and_the_others_the_i
     for name, args in seen.items():
         marked = [getattr(x, "_dynamo_static_input_type", None) is not None for x in args]
         assert all(marked) if name.endswith("reduce-overhead") else not any(marked), name
+
+
+def test_a_paged_suite_result_writes_its_own_section_with_the_fastest_candidate_against_the_floors(tmp_path):
+    data = {"meta": {"device": "NVIDIA H200", "date": "2026-11-29 02:49 UTC", "commit": "abc1234",
+                     "command": "python -m inductor_attn bench --suite paged", "versions": {"torch": "2.11.0"}},
+            "rows": [{"shape": "decode B1 H4/2 D32 Lkv96 page16", "kv_bytes": 1e6, "flops": 1e9, "candidates": {
+                "triton_decode:a": {"status": "passed", "ms": 0.01},
+                "paged_gather:kernel=cudnn": {"status": "passed", "ms": 0.1},
+                "reference:default": {"status": "passed", "ms": 1.0},
+                "copy floor": {"status": "floor", "ms": None, "failed": "RuntimeError: x"},
+                "contiguous decode (ours)": {"status": "floor", "ms": 0.008}}}]}
+    path = tmp_path / "RESULTS.md"
+    path.write_text(f"{report.SECTIONS_BEGIN}\n{report.SECTIONS_END}\n")
+    assert report.is_paged(data) and not report.is_paged(_result())
+    assert report.update_paged_section(data, path) == "Paged KV cache on NVIDIA H200"
+    text = path.read_text()
+    assert "- 2026-11-29 02:49 UTC, commit abc1234: `python -m inductor_attn bench --suite paged`; torch 2.11.0\n" in text
+    assert "| decode B1 H4/2 D32 Lkv96 page16 | `triton_decode:a` | 100 | 10 | 125 | 0.80 | failed |" in text

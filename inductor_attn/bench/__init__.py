@@ -20,6 +20,7 @@ its parser here.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -84,6 +85,17 @@ def main(args: argparse.Namespace, command: str) -> int:
         from . import report
         from .runner import repo_root
 
+        loaded = [json.loads(Path(p).read_text()) for p in args.report]
+        if any(report.is_paged(d) for d in loaded):  # the paged suite's own files: RESULTS.md only
+            if not all(report.is_paged(d) for d in loaded) or args.out is not None:
+                print("error: paged.json files are reported alone, into benchmarks/RESULTS.md", file=sys.stderr)
+                return 2
+            if any(d["meta"].get("smoke") for d in loaded):
+                print("error: smoke results are not measurements: they never go into RESULTS.md", file=sys.stderr)
+                return 2
+            path = repo_root() / "benchmarks" / "RESULTS.md"
+            print(f"updated {path}: " + "; ".join(report.update_paged_section(d, path) for d in loaded))
+            return 0
         result = report.load(args.report)
         if args.out is None:
             path = repo_root() / "benchmarks" / "RESULTS.md"

@@ -148,3 +148,35 @@ def table(result: dict) -> str:
             share = "" if prefill or not copy_gbs else f"{rate / copy_gbs:.2f}"
             lines.append(f"| {row['shape']} | {name} | {ms:.4f} | {rate:.{1 if prefill else 0}f} | {share} | |")
     return "\n".join(lines)
+
+
+def summary(result: dict) -> str:
+    """Markdown for RESULTS.md, one line per shape: the fastest candidate and its GB/s (decode) or TF/s (chunked
+    prefill), the gather-then-SDPA baseline's best, our decode over a contiguous copy of the same keys, and the
+    copy floor's GB/s (read + write)."""
+    lines = ["| shape | fastest candidate | its GB/s or TF/s | gather + SDPA | contiguous decode (ours) | fastest / "
+             "contiguous | copy floor GB/s |", "|---|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        prefill = row["shape"].startswith("prefill")
+
+        def rate(ms):
+            return None if ms is None else row["flops"] / ms / 1e9 if prefill else row["kv_bytes"] / ms / 1e6
+
+        timed = {n: c["ms"] for n, c in row["candidates"].items() if c.get("ms") is not None}
+        floors = {n for n, c in row["candidates"].items() if c.get("status") == "floor"}
+        ours = {n: ms for n, ms in timed.items() if n not in floors and not n.startswith("reference")}
+        if not ours:
+            continue
+        best = min(ours, key=ours.get)
+        gather = min((ms for n, ms in ours.items() if n.startswith("paged_gather")), default=None)
+        contiguous = timed.get("contiguous decode (ours)")
+        copy = timed.get("copy floor")
+        floor = _num(copy and 2 * row["kv_bytes"] / copy / 1e6) if copy or "copy floor" not in floors else "failed"
+        cells = [row["shape"], f"`{best}`", _num(rate(ours[best])), _num(rate(gather)), _num(rate(contiguous)),
+                 f"{contiguous / ours[best]:.2f}" if contiguous else "", floor]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _num(x) -> str:
+    return "" if x is None else f"{x:.0f}" if x >= 10 else f"{x:.1f}"

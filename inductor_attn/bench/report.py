@@ -23,7 +23,8 @@ SETUP_COLUMNS = ("workload", "density", "create_block_mask s", "compiled", "conv
 TUNE_COLUMNS = ("workload", "first tune", "s", "second tune", "s", "same", "difference inside CIs")
 COMPILE_COLUMNS = ("workload", "autotune, warm store: s", "off: s", "added s", "new decisions")
 KIND_TITLES = {"dense": "Dense", "decode": "Decode", "varlen": "Varlen (packed)", "block_sparse": "Block-sparse",
-               "backward": "Backward (forward + backward kernels)", "flex_route": "flex_attention routed"}
+               "backward": "Backward (forward + backward kernels)", "flex_route": "flex_attention routed",
+               "paged": "Paged KV cache"}
 SMOKE_BANNER = "**Smoke run: tiny shapes, possibly on a CPU. These numbers mean nothing.**"
 # benchmarks/RESULTS.md: `bench --report` rewrites the sections between these two lines
 SECTIONS_BEGIN = "<!-- bench sections: `python -m inductor_attn bench --report` replaces one per suite and device -->"
@@ -135,7 +136,37 @@ def update_results_md(result: dict, path: Path) -> list[str]:
     around them stay. Returns the headings written."""
     if _smoke(result):
         raise ValueError("smoke results are not measurements: they never go into RESULTS.md")
-    path = Path(path)
+    runs = result.get("runs") or [result["meta"]]
+    sections, written = {}, []
+    for kind in KIND_TITLES:
+        mine = [r for r in result["rows"] if r["kind"] == kind]
+        for device in sorted({runs[r.get("run", 0)]["device"] for r in mine}):
+            rows = [r for r in mine if runs[r.get("run", 0)]["device"] == device]
+            metas = [runs[i] for i in sorted({r.get("run", 0) for r in rows})]
+            sections[(kind, device)] = _results_section(kind, device, _suite_tables(kind, rows), metas)
+            written.append(f"{KIND_TITLES[kind]} on {device}")
+    _replace_sections(Path(path), sections)
+    return written
+
+
+def is_paged(data: dict) -> bool:
+    """Whether ``data`` is what ``bench --suite paged`` writes (paged.json), not a schema-1 result."""
+    return "schema" not in data and "meta" in data and all("kv_bytes" in r for r in data.get("rows", ()))
+
+
+def update_paged_section(data: dict, path: Path) -> str:
+    """Replace (or add) the paged suite's section for its device in the RESULTS.md at ``path``."""
+    from .paged import summary
+
+    meta = data["meta"]
+    _replace_sections(Path(path), {("paged", meta["device"]): _results_section("paged", meta["device"],
+                                                                               summary(data), [meta])})
+    return f"{KIND_TITLES['paged']} on {meta['device']}"
+
+
+def _replace_sections(path: Path, new: dict) -> None:
+    """Write ``new`` ({(suite, device): section}) over those sections of RESULTS.md, keeping the others and the
+    hand-written text around them."""
     text = path.read_text()
     if SECTIONS_BEGIN not in text or SECTIONS_END not in text:
         raise ValueError(f"{path} has no bench sections block: expected the lines {SECTIONS_BEGIN!r} and "
@@ -143,29 +174,21 @@ def update_results_md(result: dict, path: Path) -> list[str]:
     head, rest = text.split(SECTIONS_BEGIN, 1)
     body, tail = rest.split(SECTIONS_END, 1)
     sections = {(m["suite"], m["device"]): m.group(0) for m in _SECTION.finditer(body)}
-    runs = result.get("runs") or [result["meta"]]
-    written = []
-    for kind in KIND_TITLES:
-        mine = [r for r in result["rows"] if r["kind"] == kind]
-        for device in sorted({runs[r.get("run", 0)]["device"] for r in mine}):
-            rows = [r for r in mine if runs[r.get("run", 0)]["device"] == device]
-            metas = [runs[i] for i in sorted({r.get("run", 0) for r in rows})]
-            sections[(kind, device)] = _results_section(kind, device, rows, metas)
-            written.append(f"{KIND_TITLES[kind]} on {device}")
+    sections.update(new)
     order = list(KIND_TITLES)
     ordered = sorted(sections.items(), key=lambda item: (order.index(item[0][0]) if item[0][0] in order else
                                                            len(order), item[0][1]))
     body = "\n" + "\n".join(section for _, section in ordered) + "\n"
     path.write_text(head + SECTIONS_BEGIN + body + SECTIONS_END + tail)
-    return written
 
 
-def _results_section(kind: str, device: str, rows: list[dict], metas: list[dict]) -> str:
+def _results_section(kind: str, device: str, tables: str, metas: list[dict]) -> str:
     """One RESULTS.md section: heading, where every number comes from, the tables."""
     provenance = [f"- {m['date']}, commit {m['commit']}: `{m['command']}`; "
-                  + ", ".join(f"{k} {v}" for k, v in m["versions"].items()) + f"; {m['timer']} timer" for m in metas]
+                  + ", ".join(f"{k} {v}" for k, v in m["versions"].items())
+                  + (f"; {m['timer']} timer" if "timer" in m else "") for m in metas]
     return (f"<!-- bench {kind} on {device} -->\n### {KIND_TITLES[kind]}: {device}\n\n" + "\n".join(provenance)
-            + "\n\n" + _suite_tables(kind, rows) + "\n<!-- /bench -->\n")
+            + "\n\n" + tables + "\n<!-- /bench -->\n")
 
 
 def render_results_md(result: dict) -> str:
