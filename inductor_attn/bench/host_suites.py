@@ -24,10 +24,10 @@ def run_wallclock_suite(suite: str, *, smoke: bool, quick: bool, part: str, out:
         print(f"error: bench --suite {suite} measures GPU calls and needs a CUDA GPU; add --smoke for a CPU run "
               "of the harness (its numbers mean nothing)", file=sys.stderr)
         return 2
-    from . import overhead, paged, training, tuning_cost
+    from . import fp8, overhead, paged, training, tuning_cost
     from .runner import git_commit
 
-    module = {"overhead": overhead, "training": training, "tuning-cost": tuning_cost, "paged": paged}[suite]
+    module = {"overhead": overhead, "training": training, "tuning-cost": tuning_cost, "paged": paged, "fp8": fp8}[suite]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     meta = {"suite": suite, "smoke": smoke, "quick": quick, "part": part, "shard": f"{shard[0]}/{shard[1]}",
             "command": command, "commit": commit or git_commit(),
@@ -46,7 +46,7 @@ def run_wallclock_suite(suite: str, *, smoke: bool, quick: bool, part: str, out:
         print(f"error: --budget-s applies to bench --suite tuning-cost, not {suite}", file=sys.stderr)
         return 2
     if suite == "overhead" and shard != (1, 1):
-        print("error: --shard applies to bench --suite training, tuning-cost and paged (and the kernel suites), "
+        print("error: --shard applies to bench --suite training, tuning-cost, paged and fp8 (and the kernel suites), "
               "not overhead", file=sys.stderr)
         return 2
     name = f"{suite}-{meta['device'].replace(' ', '_')}-{meta['date'][:16]}.json"
@@ -59,7 +59,7 @@ def run_wallclock_suite(suite: str, *, smoke: bool, quick: bool, part: str, out:
         path.write_text(json.dumps({"meta": meta, **result}, indent=1, default=str))
 
     extra = ({"budget_s": budget_s, "shard": shard, "save": save} if suite == "tuning-cost" else
-             {"save": save, "shard": shard} if suite in ("training", "paged") else {})
+             {"save": save, "shard": shard} if suite in ("training", "paged", "fp8") else {})
     result = {"meta": meta, **module.run(smoke, quick, device, part, **extra)}
     save(result)
     label = "SMOKE (tiny shapes on this machine: not a measurement)" if smoke else meta["device"]
