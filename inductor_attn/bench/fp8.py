@@ -106,18 +106,6 @@ def run_shape(s: Shape, device: torch.device, rounds: int) -> dict:
     return row
 
 
-def run(smoke: bool, quick: bool, device: torch.device, part: str = "all", save=None,
-        shard: tuple[int, int] = (1, 1)) -> dict:
-    """Every shape (``shard`` (k, n): every n-th from the k-th, 1-based), saved after each one."""
-    rounds, (k, n) = 3 if smoke else 15, shard
-    rows = []
-    for s in shapes(quick, smoke)[k - 1::n]:
-        rows.append(run_shape(s, device, rounds))
-        if save is not None:
-            save({"rows": rows})
-    return {"rows": rows}
-
-
 def summary(result: dict) -> str:
     """Markdown, one line per shape: each side's kernel and TF/s, fp8 / bf16, and the errors."""
     lines = ["| shape | bf16 choice | TF/s | fp8 choice | TF/s | fp8 / bf16 | fp8 err vs dequantised | fp8 err vs bf16 "
