@@ -353,13 +353,15 @@ def _fp8_refusal(plan: _Plan) -> str | None:
 def fp8_kernel_missing(p: Problem, dev: DeviceInfo) -> str | None:
     """Why ``p`` (a call in its own dtype) should not run as fp8 on ``dev``: a kernel other than the reference runs
     it, and none but the reference runs its fp8 form; None otherwise (on a CPU the reference is all either has)."""
-    def fast(problem):
-        cands = enumerate_candidates(problem, dev)
+    def fast(problem, lookup_only):
+        cands = enumerate_candidates(problem, dev, lookup_only=lookup_only)
         return [c for c in cands if c.backend != REFERENCE.name and c.pruned is None], cands
 
-    if not fast(p)[0]:
+    # the call's own dtype: backends that are cheap to import answer (sdpa runs wherever CUDA does), and a compile
+    # imports no FA4 for it; fp8's only fast kernel is FA3's, whose library the fp8 call loads anyway
+    if not fast(p, lookup_only=True)[0]:
         return None
-    runnable, cands = fast(dataclasses.replace(p, dtype="float8_e4m3fn"))
+    runnable, cands = fast(dataclasses.replace(p, dtype="float8_e4m3fn"), lookup_only=False)
     if runnable:
         return None
     why = "; ".join(f"{c.backend}: {c.pruned}" for c in cands if c.backend != REFERENCE.name)
