@@ -1,4 +1,4 @@
-"""The public fp8 entry point: :func:`fp8_attention` (docs/using.md, "fp8 attention")."""
+"""The public fp8 entry points: :func:`fp8_attention` and :func:`quantize` (docs/using.md, "fp8 attention")."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import torch
 from .api import _scale, _window
 from .ops.checks import check_bool
 from .ops.fp8 import check_fp8, check_fp8_values, fp8_attention_op, refuse_grad
+
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 
 def fp8_attention(q, k, v, *, q_descale, k_descale, v_descale, causal: bool = False, scale: float | None = None,
@@ -38,3 +40,43 @@ def fp8_attention(q, k, v, *, q_descale, k_descale, v_descale, causal: bool = Fa
         check_fp8_values(descales)
     out, lse = fp8_attention_op(q, k, v, *descales, _scale(scale, q), causal, left, right, out_dtype, "")
     return (out, lse) if return_lse else out
+
+
+def quantize(x: torch.Tensor, heads_kv: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x8, descale)``: ``x`` divided by ``descale = amax(|x|) / 448`` and rounded to float8_e4m3fn, so that its
+    largest magnitude lands on e4m3's largest value and ``x8 * descale`` is ``x`` to e4m3's 3 mantissa bits.
+
+    Args:
+        x: (B, H, L, D) floating point.
+        heads_kv: None: one descale for the whole tensor, shape (). An int: one per (batch, kv head), shape
+            (B, heads_kv), each from the amax over the H / heads_kv heads that share a kv head (q's heads of one
+            GQA group share one ``q_descale`` in FA3), as :func:`fp8_attention` takes them.
+
+    An all-zero group gets the smallest normal float32 as its descale (not 0: the division would give NaN).
+    Infinite or NaN values in ``x`` make their group's descale infinite or NaN, which :func:`fp8_attention`
+    refuses when it checks values.
+
+    >>> x = torch.tensor([[[[1.0, -2.0]], [[0.5, 0.25]]]])  # (B=1, H=2, L=1, D=2)
+    >>> x8, d = quantize(x, heads_kv=2)
+    >>> d.tolist(), (x8.float() * d[:, :, None, None]).tolist() == x.tolist()
+    ([[0.004464285913854837, 0.0011160714784637094]], True)
+    """
+    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dim() != 4:
+        raise TypeError(f"x must be a floating point (B, H, L, D) torch.Tensor, got "
+                        f"{getattr(x, 'dtype', type(x).__name__)} of shape {tuple(getattr(x, 'shape', ()))}")
+    batch, heads = x.shape[:2]
+    # a SymInt too: the routing pass quantises with k's head count, symbolic under dynamic shapes
+    if heads_kv is not None and (isinstance(heads_kv, bool) or not isinstance(heads_kv, (int, torch.SymInt))
+                                 or heads_kv < 1 or heads % heads_kv):
+        raise ValueError(f"heads_kv must be None or a positive int dividing x's {heads} heads, got {heads_kv!r}")
+    amax = x.abs().amax(dim=(2, 3)).float()  # (B, H): no copy of a strided x
+    if heads_kv is None:
+        amax = amax.amax()
+    else:
+        amax = amax.unflatten(1, (heads_kv, heads // heads_kv)).amax(-1)
+    descale = (amax / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    per_head = descale if heads_kv is None else (
+        descale[:, :, None].expand(batch, heads_kv, heads // heads_kv).reshape(batch, heads)[:, :, None, None])
+    # e4m3fn has no infinity: a value past 448 would become NaN, and the division may round just past it
+    x8 = (x.float() / per_head).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return x8, descale

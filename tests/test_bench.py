@@ -742,7 +742,7 @@ def test_the_reduce_overhead_paths_get_copies_marked_static_and_the_others_the_i
 
 
 def test_a_paged_suite_result_writes_its_own_section_with_the_fastest_candidate_against_the_floors(tmp_path):
-    data = {"meta": {"device": "NVIDIA H200", "date": "2026-11-29 02:49 UTC", "commit": "abc1234",
+    data = {"meta": {"suite": "paged", "device": "NVIDIA H200", "date": "2026-11-29 02:49 UTC", "commit": "abc1234",
                      "command": "python -m inductor_attn bench --suite paged", "versions": {"torch": "2.11.0"}},
             "rows": [{"shape": "decode B1 H4/2 D32 Lkv96 page16", "kv_bytes": 1e6, "flops": 1e9, "candidates": {
                 "triton_decode:a": {"status": "passed", "ms": 0.01},
@@ -752,8 +752,28 @@ def test_a_paged_suite_result_writes_its_own_section_with_the_fastest_candidate_
                 "contiguous decode (ours)": {"status": "floor", "ms": 0.008}}}]}
     path = tmp_path / "RESULTS.md"
     path.write_text(f"{report.SECTIONS_BEGIN}\n{report.SECTIONS_END}\n")
-    assert report.is_paged(data) and not report.is_paged(_result())
-    assert report.update_paged_section(data, path) == "Paged KV cache on NVIDIA H200"
+    assert report.summary_suite(data) == "paged" and report.summary_suite(_result()) is None
+    assert report.update_summary_section(data, path) == "Paged KV cache on NVIDIA H200"
     text = path.read_text()
     assert "- 2026-11-29 02:49 UTC, commit abc1234: `python -m inductor_attn bench --suite paged`; torch 2.11.0\n" in text
     assert "| decode B1 H4/2 D32 Lkv96 page16 | `triton_decode:a` | 100 | 10 | 125 | 0.80 | failed |" in text
+
+
+def test_the_fp8_suites_smoke_run_measures_both_sides_and_its_result_reports_into_results_md(tmp_path, capsys):
+    out = tmp_path / "fp8.json"
+    assert main(["bench", "--suite", "fp8", "--smoke", "--commit", "deadbee", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert report.summary_suite(data) == "fp8" and len(data["rows"]) == 2
+    for row in data["rows"]:
+        bf16, fp8 = row["trials"]["bf16: attention"], row["trials"]["fp8: fp8_attention"]
+        assert fp8["choice"] == "reference:default" and bf16["choice"] and bf16["ms"] > 0 and fp8["ms"] > 0
+        # the reference is exact on the dequantised inputs; quantising the inputs costs a few percent
+        assert fp8["err_vs_dequantised"] < 1e-5 and 1e-2 < fp8["err_vs_bf16_inputs"] < 6e-2
+    assert "| B1 H4/2 L64 D32 causal | `" in capsys.readouterr().out
+    path = tmp_path / "RESULTS.md"
+    path.write_text(f"{report.SECTIONS_BEGIN}\n{report.SECTIONS_END}\n")
+    assert main(["bench", "--report", str(out)]) == 2  # a smoke run is no measurement
+    data["meta"].update(smoke=False, device="NVIDIA H200")
+    assert report.update_summary_section(data, path) == "fp8 attention against our bf16 choice on NVIDIA H200"
+    assert "<!-- bench fp8 on NVIDIA H200 -->" in path.read_text()
+    assert "| B1 H2 L96 D32 full | `" in path.read_text()

@@ -7,7 +7,8 @@
 - flex_route (flex_route.py): compiled ``flex_attention`` against the same call routed by inductor_attn.
 - Wall-clock suites (host_suites.py): overhead (host time per compiled call, end-to-end models),
   training (fwd+bwd steps, end-to-end training), tuning-cost (what tuning adds to a compile, cold and warm),
-  paged (paged.py: paged-cache decode GB/s against a copy floor and our contiguous decode; chunked prefill TF/s).
+  paged (paged.py: paged-cache decode GB/s against a copy floor and our contiguous decode; chunked prefill TF/s),
+  fp8 (fp8.py: fp8_attention against our bf16 choice on dense prefill, TF/s and errors).
 
 Results go to ``--out`` or to the decision store's directory, never into the source tree; report.py
 writes JSON, markdown and plots, and ``--report`` merges results or updates benchmarks/RESULTS.md. On a
@@ -26,8 +27,9 @@ from pathlib import Path
 
 # "all" is the four forward suites; backward and flex_route run on their own
 KERNEL_SUITES = ("dense", "decode", "varlen", "block_sparse", "backward", "flex_route", "all")
-# suites that time whole calls as a user's wall clock sees them (wallclock.py), not kernels
-WALLCLOCK_SUITES = ("overhead", "training", "tuning-cost", "paged")
+# suites run by host_suites.py, each writing one results file of its own: those that time whole calls as a user's
+# wall clock sees them (wallclock.py), and paged and fp8, which time user calls and kernels the tuner's way
+WALLCLOCK_SUITES = ("overhead", "training", "tuning-cost", "paged", "fp8")
 SUITE_CHOICES = KERNEL_SUITES + WALLCLOCK_SUITES
 
 
@@ -86,15 +88,16 @@ def main(args: argparse.Namespace, command: str) -> int:
         from .runner import repo_root
 
         loaded = [json.loads(Path(p).read_text()) for p in args.report]
-        if any(report.is_paged(d) for d in loaded):  # the paged suite's own files: RESULTS.md only
-            if not all(report.is_paged(d) for d in loaded) or args.out is not None:
-                print("error: paged.json files are reported alone, into benchmarks/RESULTS.md", file=sys.stderr)
+        if any(report.summary_suite(d) for d in loaded):  # paged's and fp8's own files: RESULTS.md only
+            if not all(report.summary_suite(d) for d in loaded) or args.out is not None:
+                print(f"error: the results files of bench --suite {' or '.join(report.SUMMARY_SUITES)} are reported "
+                      "alone, into benchmarks/RESULTS.md", file=sys.stderr)
                 return 2
             if any(d["meta"].get("smoke") for d in loaded):
                 print("error: smoke results are not measurements: they never go into RESULTS.md", file=sys.stderr)
                 return 2
             path = repo_root() / "benchmarks" / "RESULTS.md"
-            print(f"updated {path}: " + "; ".join(report.update_paged_section(d, path) for d in loaded))
+            print(f"updated {path}: " + "; ".join(report.update_summary_section(d, path) for d in loaded))
             return 0
         result = report.load(args.report)
         if args.out is None:

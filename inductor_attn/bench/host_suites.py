@@ -1,4 +1,4 @@
-"""Running the wall-clock suites (overhead.py, tuning_cost.py) and writing what they measured.
+"""Running the suites of bench/__init__.py's ``WALLCLOCK_SUITES`` and writing what they measured.
 
 Results go to ``--out`` (default: ``<decision store dir>/bench/<suite>-<device>-<time>.json``, never the
 source tree), with the device, date, commit, versions and command inside; the markdown table is printed.
@@ -24,10 +24,11 @@ def run_wallclock_suite(suite: str, *, smoke: bool, quick: bool, part: str, out:
         print(f"error: bench --suite {suite} measures GPU calls and needs a CUDA GPU; add --smoke for a CPU run "
               "of the harness (its numbers mean nothing)", file=sys.stderr)
         return 2
-    from . import overhead, paged, training, tuning_cost
+    from . import fp8, overhead, paged, training, tuning_cost
     from .runner import git_commit
 
-    module = {"overhead": overhead, "training": training, "tuning-cost": tuning_cost, "paged": paged}[suite]
+    module = {"overhead": overhead, "training": training, "tuning-cost": tuning_cost, "paged": paged,
+              "fp8": fp8}[suite]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     meta = {"suite": suite, "smoke": smoke, "quick": quick, "part": part, "shard": f"{shard[0]}/{shard[1]}",
             "command": command, "commit": commit or git_commit(),
@@ -46,8 +47,8 @@ def run_wallclock_suite(suite: str, *, smoke: bool, quick: bool, part: str, out:
         print(f"error: --budget-s applies to bench --suite tuning-cost, not {suite}", file=sys.stderr)
         return 2
     if suite == "overhead" and shard != (1, 1):
-        print("error: --shard applies to bench --suite training, tuning-cost and paged (and the kernel suites), "
-              "not overhead", file=sys.stderr)
+        print("error: --shard applies to bench --suite training, tuning-cost, paged and fp8 (and the kernel "
+              "suites), not overhead", file=sys.stderr)
         return 2
     name = f"{suite}-{meta['device'].replace(' ', '_')}-{meta['date'][:16]}.json"
     path = out or default_path().parent / "bench" / name
@@ -58,12 +59,28 @@ def run_wallclock_suite(suite: str, *, smoke: bool, quick: bool, part: str, out:
     def save(result: dict) -> None:
         path.write_text(json.dumps({"meta": meta, **result}, indent=1, default=str))
 
-    extra = ({"budget_s": budget_s, "shard": shard, "save": save} if suite == "tuning-cost" else
-             {"save": save, "shard": shard} if suite in ("training", "paged") else {})
-    result = {"meta": meta, **module.run(smoke, quick, device, part, **extra)}
+    if suite in ("paged", "fp8"):
+        measured = _run_shapes(module, smoke, quick, device, save, shard)
+    else:
+        extra = ({"budget_s": budget_s, "shard": shard, "save": save} if suite == "tuning-cost" else
+                 {"save": save, "shard": shard} if suite == "training" else {})
+        measured = module.run(smoke, quick, device, part, **extra)
+    result = {"meta": meta, **measured}
     save(result)
     label = "SMOKE (tiny shapes on this machine: not a measurement)" if smoke else meta["device"]
     print(f"bench --suite {suite}: {label}, {meta['date']}, commit {meta['commit']}")
     print(module.table(result))
     print(f"wrote {path}")
     return 0
+
+
+def _run_shapes(module, smoke: bool, quick: bool, device: torch.device, save, shard: tuple[int, int]) -> dict:
+    """A suite of shapes (paged.py, fp8.py: ``shapes(quick, smoke)`` and ``run_shape(shape, device, rounds)``):
+    every shape (``shard`` (k, n): every n-th from the k-th, 1-based), saved after each one so that a run
+    stopped from outside keeps what it measured."""
+    rounds, (k, n) = 3 if smoke else 15, shard
+    rows = []
+    for s in module.shapes(quick, smoke)[k - 1::n]:
+        rows.append(module.run_shape(s, device, rounds))
+        save({"rows": rows})
+    return {"rows": rows}

@@ -113,19 +113,6 @@ def run_shape(s: Shape, device: torch.device, rounds: int) -> dict:
     return row
 
 
-def run(smoke: bool, quick: bool, device: torch.device, part: str = "all", save=None,
-        shard: tuple[int, int] = (1, 1)) -> dict:
-    """Every shape (``shard`` (k, n): every n-th from the k-th, 1-based), saved after each one so that a run
-    stopped from outside keeps what it measured."""
-    rounds, (k, n) = 3 if smoke else 15, shard
-    rows = []
-    for s in shapes(quick, smoke)[k - 1::n]:
-        rows.append(run_shape(s, device, rounds))
-        if save is not None:
-            save({"rows": rows})
-    return {"rows": rows}
-
-
 def table(result: dict) -> str:
     """Markdown: per shape, each candidate's time and GB/s (decode) or TF/s (chunked prefill), its share of the
     copy floor's GB/s, and the best candidate against our contiguous decode."""

@@ -10,6 +10,7 @@ one section, replaced by the newest result (:func:`update_results_md`).
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import re
@@ -24,7 +25,9 @@ TUNE_COLUMNS = ("workload", "first tune", "s", "second tune", "s", "same", "diff
 COMPILE_COLUMNS = ("workload", "autotune, warm store: s", "off: s", "added s", "new decisions")
 KIND_TITLES = {"dense": "Dense", "decode": "Decode", "varlen": "Varlen (packed)", "block_sparse": "Block-sparse",
                "backward": "Backward (forward + backward kernels)", "flex_route": "flex_attention routed",
-               "paged": "Paged KV cache"}
+               "paged": "Paged KV cache", "fp8": "fp8 attention against our bf16 choice"}
+# suites whose results file (host_suites.py) holds rows of its own: its module's summary() is its RESULTS.md table
+SUMMARY_SUITES = ("paged", "fp8")
 SMOKE_BANNER = "**Smoke run: tiny shapes, possibly on a CPU. These numbers mean nothing.**"
 # benchmarks/RESULTS.md: `bench --report` rewrites the sections between these two lines
 SECTIONS_BEGIN = "<!-- bench sections: `python -m inductor_attn bench --report` replaces one per suite and device -->"
@@ -149,19 +152,20 @@ def update_results_md(result: dict, path: Path) -> list[str]:
     return written
 
 
-def is_paged(data: dict) -> bool:
-    """Whether ``data`` is what ``bench --suite paged`` writes (paged.json), not a schema-1 result."""
-    return "schema" not in data and "meta" in data and all("kv_bytes" in r for r in data.get("rows", ()))
+def summary_suite(data: dict) -> str | None:
+    """The suite of ``SUMMARY_SUITES`` whose results file ``data`` is, or None (a schema-1 result)."""
+    suite = data.get("meta", {}).get("suite")
+    return suite if "schema" not in data and suite in SUMMARY_SUITES else None
 
 
-def update_paged_section(data: dict, path: Path) -> str:
-    """Replace (or add) the paged suite's section for its device in the RESULTS.md at ``path``."""
-    from .paged import summary
-
-    meta = data["meta"]
-    _replace_sections(Path(path), {("paged", meta["device"]): _results_section("paged", meta["device"],
-                                                                               summary(data), [meta])})
-    return f"{KIND_TITLES['paged']} on {meta['device']}"
+def update_summary_section(data: dict, path: Path) -> str:
+    """Replace (or add) the section of ``data``'s suite (one of ``SUMMARY_SUITES``) for its device in the
+    RESULTS.md at ``path``."""
+    suite, meta = summary_suite(data), data["meta"]
+    module = importlib.import_module(f".{suite}", __package__)  # lazy: the suites import the tuner
+    _replace_sections(Path(path), {(suite, meta["device"]): _results_section(suite, meta["device"],
+                                                                             module.summary(data), [meta])})
+    return f"{KIND_TITLES[suite]} on {meta['device']}"
 
 
 def _replace_sections(path: Path, new: dict) -> None:

@@ -40,11 +40,25 @@ masks, lower bounds (sliding windows) with Lq > 1, dropout, non-constant scales.
 
 One documented difference: a query row the mask leaves empty gives zeros (our convention, api.py); SDPA's
 math kernel gives NaN there.
+
+fp8, only with ``enable(fp8=True)``: a routed call becomes q, k, v quantised to float8_e4m3fn in the graph, one
+descale per (batch, kv head) (fp8.quantize), and ``fp8_attention`` with the call's dtype as its out_dtype, unless
+(said in the report's "not fp8: ..."):
+- q, k or v requires grad: fp8_attention is forward only. Decided per call from Dynamo's example values, which
+  carry requires_grad as eager would (False under ``torch.no_grad()``/``inference_mode``), so a training graph
+  keeps every call in its own dtype and an inference graph quantises;
+- it takes kv_seqlens or a key mask (fp8_attention takes neither);
+- the device has kernels for the call's own dtype but none but the reference for its fp8 form (no FA3 wheel, not
+  sm_90, a head dim FA3 lacks): the reference dequantises to float32, far slower than what the call had.
+Per (batch, kv head) rather than per tensor: each sequence's scales come from its own values, so a sequence's
+result does not depend on what else is in the batch, and one head's outliers cost the other heads no precision.
+The amax costs the same, and FA3 takes (B, Hkv) descales as they are.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -58,7 +72,11 @@ import torch
 import torch.fx
 
 from .._compat import custom_graph_pass_base, size_hint, statically_known_true
-from ..problem import default_scale
+from ..backends import REFERENCE, enumerate_candidates
+from ..device import DeviceInfo, device_info
+from .. import fp8 as fp8_entry
+from ..fp8 import quantize
+from ..problem import Problem, default_scale
 from . import flex_route, graph_edit, mask_proof
 from .graph_edit import Emitter, Skip, ev
 
@@ -104,6 +122,7 @@ class _Plan:
     kv_constant: int | None = None
     key_mask: torch.fx.Node | None = None  # a mask the same for every query and head: passed as key_mask
     what: str = "dense"
+    fp8: bool = False  # run as fp8_attention on quantised q, k, v (enable(fp8=True), _with_fp8)
 
 
 # ------------------------------------------------------------------------------------------ analysis
@@ -309,6 +328,46 @@ def plan_sdpa(node: torch.fx.Node, analysis: mask_proof.MaskAnalysis) -> _Plan:
         return _Plan(q, k, v, scale, **_key_mask_plan(mask, shape, qe, ke, ve, unproven))
 
 
+def _with_fp8(plan: _Plan) -> _Plan:
+    """``plan`` run as fp8 where it can be, else with the reason it is not in ``what``."""
+    refusal = _fp8_refusal(plan)
+    plan.fp8 = refusal is None
+    plan.what += ", fp8" if plan.fp8 else f"; not fp8: {refusal}"
+    return plan
+
+
+def _fp8_refusal(plan: _Plan) -> str | None:
+    if any(ev(t).requires_grad for t in (plan.q, plan.k, plan.v)):
+        return "q/k/v require grad and fp8_attention is forward only"
+    if plan.key_mask is not None:
+        return "fp8_attention takes no key mask"
+    if plan.kv_from_mask is not None or plan.kv_constant is not None:
+        return "fp8_attention takes no kv_seqlens"
+    qe, ke, ve = (ev(t) for t in (plan.q, plan.k, plan.v))
+    p = Problem("attention", str(qe.dtype).removeprefix("torch."), qe.device.type, _hint(qe.shape[0]),
+                _hint(qe.shape[1]), _hint(ke.shape[1]), _hint(qe.shape[2]), _hint(ke.shape[2]), _hint(qe.shape[3]),
+                _hint(ve.shape[3]), causal=plan.causal)
+    return fp8_kernel_missing(p, device_info(qe.device))
+
+
+def fp8_kernel_missing(p: Problem, dev: DeviceInfo) -> str | None:
+    """Why ``p`` (a call in its own dtype) should not run as fp8 on ``dev``: a kernel other than the reference runs
+    it, and none but the reference runs its fp8 form; None otherwise (on a CPU the reference is all either has)."""
+    def fast(problem, lookup_only):
+        cands = enumerate_candidates(problem, dev, lookup_only=lookup_only)
+        return [c for c in cands if c.backend != REFERENCE.name and c.pruned is None], cands
+
+    # the call's own dtype: backends that are cheap to import answer (sdpa runs wherever CUDA does), and a compile
+    # imports no FA4 for it; fp8's only fast kernel is FA3's, whose library the fp8 call loads anyway
+    if not fast(p, lookup_only=True)[0]:
+        return None
+    runnable, cands = fast(dataclasses.replace(p, dtype="float8_e4m3fn"), lookup_only=False)
+    if runnable:
+        return None
+    why = "; ".join(f"{c.backend}: {c.pruned}" for c in cands if c.backend != REFERENCE.name)
+    return f"no fp8 kernel but the reference here ({why or 'no fp8 backend registered'})"
+
+
 # ------------------------------------------------------------------------------------------ emission
 def _as_4d(emit: Emitter, mask: torch.fx.Node) -> torch.fx.Node:
     ndim = ev(mask).dim()
@@ -396,13 +455,27 @@ def _emit(graph: torch.fx.Graph, node: torch.fx.Node, plan: _Plan, emitted: dict
         else:  # dynamic head_dim: SDPA's default scale, computed from the size at run time
             root = emit("call_function", operator.pow, emit("call_method", "size", plan.q, 3), 0.5)
             scale = emit("call_function", operator.truediv, 1.0, root)
-    op = torch.ops.inductor_attn.attention.default
-    result = emit("call_function", op, plan.q, plan.k, plan.v, scale, plan.causal, -1, -1, kv, key_mask, "")
+    if plan.fp8:
+        result = _emit_fp8(emit, plan, scale)
+    else:
+        op = torch.ops.inductor_attn.attention.default
+        result = emit("call_function", op, plan.q, plan.k, plan.v, scale, plan.causal, -1, -1, kv, key_mask, "")
     out = emit("call_function", operator.getitem, result, 0)
     node.replace_all_uses_with(out)
     graph.erase_node(node)
     if key is not None and not reused:
         emitted[key] = (key_mask, kv)
+
+
+def _emit_fp8(emit: Emitter, plan: _Plan, scale) -> torch.fx.Node:
+    """fp8_attention on q, k, v quantised per (batch, kv head), out in q's dtype. The descales' values are not
+    checked (no device assert): they are amaxes, finite and >= 0 unless the inputs hold inf or NaN, which the
+    unquantised call would have spread into its output as well."""
+    heads_kv = emit("call_method", "size", plan.k, 1)
+    quantised = [emit("call_function", quantize, x, heads_kv) for x in (plan.q, plan.k, plan.v)]
+    x8, descales = ([emit("call_function", operator.getitem, t, i) for t in quantised] for i in (0, 1))
+    op = torch.ops.inductor_attn.fp8_attention.default
+    return emit("call_function", op, *x8, *descales, scale, plan.causal, -1, -1, ev(plan.q).dtype, "")
 
 
 def _shared_key(plan: _Plan, seen: dict) -> tuple | None:
@@ -419,8 +492,9 @@ def _shared_key(plan: _Plan, seen: dict) -> tuple | None:
 
 
 # ------------------------------------------------------------------------------------------ the pass
-def rewrite_graph(graph: torch.fx.Graph) -> int:
-    """Rewrite provably equivalent SDPA and flex_attention calls in ``graph``; returns how many."""
+def rewrite_graph(graph: torch.fx.Graph, fp8: bool = False) -> int:
+    """Rewrite provably equivalent SDPA and flex_attention calls in ``graph``; returns how many. ``fp8``: SDPA
+    calls that can run as fp8 do (the module docstring says which)."""
     from .. import ops  # noqa: F401  (registers torch.ops.inductor_attn.*)
 
     analysis = mask_proof.MaskAnalysis()
@@ -432,7 +506,8 @@ def rewrite_graph(graph: torch.fx.Graph) -> int:
             kind, plan_fn = "flex_attention", flex_route.plan_flex
             emit_fn = functools.partial(flex_route.emit_flex, bits_memo=bits_memo)
         elif node.op == "call_function" and node.target in SDPA_TARGETS:
-            kind, plan_fn = "sdpa", lambda n: plan_sdpa(n, analysis)
+            kind = "sdpa"
+            plan_fn = (lambda n: _with_fp8(plan_sdpa(n, analysis))) if fp8 else (lambda n: plan_sdpa(n, analysis))
             emit_fn = functools.partial(_emit, emitted=emitted, seen=seen)
         else:
             continue
@@ -449,15 +524,17 @@ def rewrite_graph(graph: torch.fx.Graph) -> int:
     return rewritten
 
 
-_SOURCES = tuple(Path(m.__file__) for m in (mask_proof, graph_edit, flex_route)) + (Path(__file__),)
+# what the rewritten graph is made of (fp8_entry: the quantisation it emits)
+_SOURCES = tuple(Path(m.__file__) for m in (mask_proof, graph_edit, flex_route, fp8_entry)) + (Path(__file__),)
 
 
 class RewritePass(custom_graph_pass_base()):
     """``pre_grad_custom_pass`` that runs the pass it replaced (``chained``: None, a pass, or a list of
-    passes), then :func:`rewrite_graph`."""
+    passes), then :func:`rewrite_graph` (with ``fp8``)."""
 
-    def __init__(self, chained=None):
+    def __init__(self, chained=None, fp8: bool = False):
         self.chained = chained
+        self.fp8 = fp8
 
     def _chain(self) -> tuple:
         if self.chained is None:
@@ -467,7 +544,7 @@ class RewritePass(custom_graph_pass_base()):
     def __call__(self, graph: torch.fx.Graph) -> None:
         for p in self._chain():
             p(graph)
-        rewrite_graph(graph)
+        rewrite_graph(graph, self.fp8)
 
     def uuid(self):
         """Changes with this rewrite's source and the chained passes' uuids; None (no FX graph caching)
@@ -477,6 +554,7 @@ class RewritePass(custom_graph_pass_base()):
         h = hashlib.sha256(__version__.encode())
         h.update(str(flex_route.routing_requested()).encode())  # the settings change the rewritten graph
         h.update(",".join(sorted(routed_device_types())).encode())
+        h.update(f"fp8={self.fp8}".encode())
         for path in _SOURCES:
             h.update(path.read_bytes())
         for p in self._chain():
