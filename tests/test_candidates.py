@@ -33,7 +33,7 @@ def _signature(backend, p: Problem, dev, cfg, direction: str):
     if backend is triton_decode.BACKEND:
         return triton_decode._knobs(p, dev, cfg)
     if backend is fa4.BACKEND:
-        knobs = tuple(sorted(fa4._knobs(cfg).items()))
+        knobs = tuple(sorted(fa4.launch.knob_kwargs(cfg).items()))
         return knobs + (cfg.get("clc"), cfg.get("deterministic"))
     if backend is flex.BACKEND:
         return tuple(sorted(flex.kernel_options(cfg).items()))
@@ -46,7 +46,7 @@ def _signature(backend, p: Problem, dev, cfg, direction: str):
 def _fa4_installed(monkeypatch):
     from test_fa4 import fake_fa4
 
-    monkeypatch.setattr(fa4, "_load", lambda: fake_fa4())
+    monkeypatch.setattr(fa4.library, "load", lambda: fake_fa4())
     monkeypatch.setattr(sdpa, "sdpa_default_kernel", lambda p, dev: "cudnn")  # asks the GPU otherwise
 
 

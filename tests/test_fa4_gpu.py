@@ -23,7 +23,7 @@ FA4, REF = fa4.BACKEND, reference.BACKEND
 
 @pytest.fixture(scope="module")
 def dev():
-    loaded = fa4._load()
+    loaded = fa4.library.load()
     if isinstance(loaded, str):
         pytest.skip(f'{loaded} (pip install ".[fa4]" on a CUDA machine)')
     return device_info("cuda")
