@@ -1,6 +1,6 @@
 """flash-attn-4 (CuTe DSL) as a candidate, with the scheduler knobs it has on each architecture.
 
-Modules: ``library`` (importing FA4 and guarding the private API we use), ``rules`` (what FA4 takes and picks,
+Modules: ``loading`` (importing FA4 and guarding the private API we use), ``rules`` (what FA4 takes and picks,
 restated so pruning needs no import), ``launch`` (a plan's calls, replayed through backends/replay.py after the
 first), and the backend here.
 
@@ -10,7 +10,7 @@ What is tuned (all facts from the flash-attn-4 4.0.0b36 source, ``flash_attn/cut
   and ``pack_gqa=False`` for GQA. Those are private keyword arguments of ``_flash_attn_fwd``: they are
   checked with ``inspect.signature`` at first use and configs that need a moved one are pruned.
 - sm_100/sm_110: the CLC tile scheduler on/off and ``num_splits`` (split-KV). CLC is not a parameter:
-  see :func:`library.clc_scheduler` for how one call gets it. Unmeasured here (no Blackwell GPU); the code
+  see :func:`loading.clc_scheduler` for how one call gets it. Unmeasured here (no Blackwell GPU); the code
   paths are exercised by simulating the device (``INDUCTOR_ATTN_DEVICE=sm_100``).
 On sm_90 the CLC and split configs still appear, pruned with "CLC needs sm_100" and
 "split-KV not supported on sm_90 by flash-attn-4" (``_flash_attn_fwd`` asserts "SplitKV not supported
@@ -27,7 +27,7 @@ Block-sparse: our :class:`BlockSparseMask` maps onto ``BlockSparseTensorsTorch``
 CuTe function that reads our per-block bitmaps through ``aux_tensors`` (``launch._bitmap_mask_mod``).
 
 Compilation: FA4 JIT-compiles each configuration on first use (1-3 s on an H200, anchors README). Its
-disk cache is switched on before the first import unless the user configured it (:func:`library.load`).
+disk cache is switched on before the first import unless the user configured it (:func:`loading.load`).
 
 Backward: ``_flash_attn_bwd`` on sm_90 picks its tiles itself, so ``deterministic`` is its only knob.
 """
@@ -41,13 +41,20 @@ import torch
 from ...device import DeviceInfo
 from ...problem import Problem
 from .. import replay
-from ..base import Backend, Candidate, Config, Plan
-from . import library
+from ..base import Backend, Candidate, Config, Library, Plan, Takes
+from . import loading
 from .launch import COPIES, BackwardLaunch, ForwardLaunch, knob_kwargs
-from .library import (BWD_KWARGS, CLC_SWITCH, FWD_KWARGS, KNOB_KWARGS, bwd_compile_cache_owners,
+from .loading import (BWD_KWARGS, CLC_SWITCH, FWD_KWARGS, KNOB_KWARGS, bwd_compile_cache_owners,
                       fwd_compile_cache_owners, missing_kwargs)
 from .rules import (LAUNCH_FAILURE, SM90_ALTERNATIVES, fa4_clc_off_reason, family, head_dim_reason, parse_tile,
                     sm90_default_tile, sm90_sparse_reason, sm100_sparse_reason, split_candidates)
+
+
+def _errors() -> tuple[type[BaseException], ...]:
+    """CuTe DSL's compile and launch errors, which do not derive from RuntimeError."""
+    fa = loading.load()
+    return () if isinstance(fa, str) else fa.dsl_errors
+
 
 # ------------------------------------------------------------------------------------------ backend
 class FA4Backend(Backend):
@@ -55,15 +62,16 @@ class FA4Backend(Backend):
     one thin op, and on sm_90 that launch calls FA4's compiled kernel directly (:class:`ForwardLaunch`)."""
 
     name = "fa4"
-    requires = ("flash-attn-4", "nvidia-cutlass-dsl")
     # every module of this package, and what they import from outside it that runs FA4's kernels
     sources = (*sorted(Path(__file__).parent.glob("*.py")), Path(__file__).parent.with_name("block_bitmap.py"),
                Path(replay.__file__))
     knobs = {"tile_mn": str, "mma_pv_is_rs": bool, "intra_wg_overlap": bool, "pack_gqa": bool, "clc": bool,
              "num_splits": int, "deterministic": bool}
-    has_backward = True
-    compiles_to_disk = True  # _enable_disk_cache turns FA4's disk cache on unless the user set it either way
-    costly_import = True  # supports() imports flash_attn.cute, and with it the CuTe DSL
+    takes = Takes(backward=True)
+    # supports() imports flash_attn.cute, and with it the CuTe DSL (costly_import); load() turns FA4's disk
+    # cache on unless the user set it either way (compiles_to_disk)
+    library = Library(distributions=("flash-attn-4", "nvidia-cutlass-dsl"), errors=_errors,
+                      costly_import=True, load=loading.load, compiles_to_disk=True)
 
     # ---------------------------------------------------------------- enumeration (imports FA4 once)
     def supports(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> str | None:
@@ -89,7 +97,7 @@ class FA4Backend(Backend):
             # the sm_100 kernels are unmeasured
             return ("flash-attn-4's sm_90 varlen kernels read the keys after a sequence's end in its last tile: NaN "
                     "in the next sequence (padding between sequences) reaches the output")
-        fa = library.load()
+        fa = loading.load()
         if isinstance(fa, str):
             return fa
         lost = missing_kwargs(fa.fwd_params, FWD_KWARGS)
@@ -121,7 +129,7 @@ class FA4Backend(Backend):
                 cfgs.append(Config.of(pack_gqa=False))
             # shown so users see why they are not tried here; the one equal to FA4's default is left out
             cfgs += [c for c in scheduler if c != Config.of(clc=False, num_splits=1)]
-        return [self.candidate(c, self._pruned(p, dev, c)) for c in cfgs]
+        return [Candidate(self.name, c, self._pruned(p, dev, c)) for c in cfgs]
 
     def _backward_configs(self) -> list[Candidate]:
         """The backward's one real knob. b36's ``_flash_attn_bwd`` replaces its tile arguments with its
@@ -129,7 +137,7 @@ class FA4Backend(Backend):
         ``deterministic`` (no atomics in dK/dV across GQA heads, fixed dQ order) changes the kernel. It is
         the one config under ``torch.use_deterministic_algorithms(True)``, and otherwise left out: it
         is the slower variant of the same kernel."""
-        return [self.candidate(Config.of(deterministic=torch.are_deterministic_algorithms_enabled()))]
+        return [Candidate(self.name, Config.of(deterministic=torch.are_deterministic_algorithms_enabled()))]
 
     def _splits(self, p: Problem, dev: DeviceInfo) -> list[int]:
         return [1] if p.op == "block_sparse" else split_candidates(p, dev.sm_count)
@@ -140,7 +148,7 @@ class FA4Backend(Backend):
             return "CLC needs sm_100"
         if cfg.get("num_splits", 1) > 1 and family(arch) == "sm90":
             return "split-KV not supported on sm_90 by flash-attn-4"
-        fa = library.load()
+        fa = loading.load()
         if isinstance(fa, str):
             return fa
         moved = missing_kwargs(fa.fwd_params, KNOB_KWARGS & {k for k, _ in cfg.params})
@@ -174,14 +182,7 @@ class FA4Backend(Backend):
             return Config.of(clc=fa4_clc_off_reason(p) is None, num_splits=1)
         return None
 
-    def errors(self) -> tuple[type[BaseException], ...]:
-        fa = library.load()
-        return () if isinstance(fa, str) else fa.dsl_errors
-
     # ------------------------------------------------------------------------------------ plans
-    def load(self) -> None:
-        library.load()
-
     def plan(self, p: Problem, dev: DeviceInfo, cfg: Config, direction: str) -> Plan:
         if direction == "backward" and p.op == "block_sparse":
             raise NotImplementedError("flash-attn-4 block-sparse backward is not wired (see supports())")

@@ -14,8 +14,8 @@ from ...layout import empty_like_layout
 from ..base import AttnCall, Config
 from ..block_bitmap import slot_table
 from ..replay import Recording, Replay, Replays, checked_replay, quick_key
-from . import library
-from .library import FA4
+from . import loading
+from .loading import FA4
 from .rules import parse_tile
 
 log = logging.getLogger(__name__)
@@ -203,11 +203,11 @@ class ForwardLaunch:
         return self._through_fa4(call, out, lse, values)
 
     def _through_fa4(self, call: AttnCall, out: torch.Tensor, lse: torch.Tensor, values: tuple):
-        fa = library.loaded()
+        fa = loading.loaded()
         args, kw, values = _forward_args(fa, self.knobs, call, values)
         wanted = self.thin and self.replays.wants(values)
-        recording = Recording(library.fwd_compile_cache_owners(fa)) if wanted else None
-        with (library.clc_scheduler(fa.utils, self.clc), library.dsl_errors(fa, self.label),
+        recording = Recording(loading.fwd_compile_cache_owners(fa)) if wanted else None
+        with (loading.clc_scheduler(fa.utils, self.clc), loading.dsl_errors(fa, self.label),
               recording or contextlib.nullcontext()):
             result = fa.interface._flash_attn_fwd(*args, **kw)
         # b36 returns (out, lse, ...) and writes the buffers we passed; take FA4's lse if it made its own
@@ -274,7 +274,7 @@ class BackwardLaunch:
         return values, self.replays.get(values) if into_ours and self.replays.by_layout else None, into_ours, False
 
     def _through_fa4(self, call: AttnCall, values: tuple, grads, into_ours: bool):
-        fa = library.loaded()
+        fa = loading.loaded()
         dense = call.op != "varlen"
         q, k, v, o, do, lse, grad_lse, seqused, *fa_grads = values[:11]
         kw = dict(softmax_scale=call.scale, causal=call.causal, dlse=grad_lse, deterministic=self.deterministic)
@@ -287,8 +287,8 @@ class BackwardLaunch:
         if into_ours:
             kw.update(dq=fa_grads[0], dk=fa_grads[1], dv=fa_grads[2])  # FA4 writes into ours: no copy back
         wanted = self.thin and into_ours and self.replays.wants(values)
-        recording = Recording(library.bwd_compile_cache_owners(fa)) if wanted else None
-        with library.dsl_errors(fa, self.label), recording or contextlib.nullcontext():
+        recording = Recording(loading.bwd_compile_cache_owners(fa)) if wanted else None
+        with loading.dsl_errors(fa, self.label), recording or contextlib.nullcontext():
             got = fa.interface._flash_attn_bwd(q, k, v, o, do, lse, **kw)[:3]
         for grad, fa_grad, result in zip(grads, fa_grads, got):
             if result.data_ptr() != fa_grad.data_ptr():  # FA4 made its own buffer
