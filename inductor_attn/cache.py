@@ -59,9 +59,9 @@ def _stale_check():
     """``row -> reason or None``: does a row's versions still match this process's libraries and the
     source of each registered backend? A stale row's key is never looked up again. A shipped row is never
     stale: it answers for its bucket whatever its versions (store/priors.py)."""
-    from .backends import backends
+    from .backends import backends, source_hash
 
-    sources = {b.name: b.source_hash() for b in backends()}
+    sources = {b.name: source_hash(b) for b in backends()}
     return lambda row: None if is_shipped(row) else stale_reason(row["versions"], versions_like(row["versions"]),
                                                                   sources)
 
@@ -161,14 +161,14 @@ def explain(key_prefix: str, store: DecisionStore | LayeredStore | None = None) 
 
 def library_of(choice: str, versions: dict) -> str:
     """The library whose kernel a choice runs, with the version a decision row recorded: the first distribution
-    its backend ``requires``, torch for those that require none (SDPA, flex, the reference).
+    of its backend's library, torch for those that list none (SDPA, flex, the reference).
 
     >>> library_of("sdpa:kernel=cudnn", {"torch": "2.13.0"})
     'torch 2.13.0'
     """
     from .backends import backends
 
-    requires = next((b.requires for b in backends() if b.name == choice.partition(":")[0]), ())
+    requires = next((b.library.distributions for b in backends() if b.name == choice.partition(":")[0]), ())
     dist = requires[0] if requires else "torch"
     return f"{dist} {versions.get(dist, 'absent')}"
 

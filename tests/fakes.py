@@ -13,7 +13,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from inductor_attn.backends import REFERENCE, AttnCall, Backend, Config, Plan
+from inductor_attn.backends import REFERENCE, AttnCall, Backend, Candidate, Config, Plan, Takes, run_backend_backward
 from inductor_attn.backends.masks import dense_mask_fn
 from inductor_attn.backends.reference import run_backward, run_forward
 
@@ -25,7 +25,7 @@ class FakeBackend(Backend):
     ``leaks``: configs told the mask as an additive -inf bias, as SDPA's kernels are
     told kv_seqlens (:func:`biased_forward`)."""
 
-    has_backward = True
+    takes = Takes(backward=True)
 
     def __init__(self, name: str, times: dict[str, tuple[float, float]], wrong=(), fail=(), prune=None,
                  supports_reason=None, heuristic=None, traceable=False, host_s=0.0, checks_kv_seqlens=False, leaks=()):
@@ -45,7 +45,7 @@ class FakeBackend(Backend):
         return self.supports_reason
 
     def configs(self, p, dev, direction="forward"):
-        return [self.candidate(Config.parse(c), self.prune_reasons.get(c)) for c in self.times]
+        return [Candidate(self.name, Config.parse(c), self.prune_reasons.get(c)) for c in self.times]
 
     def heuristic(self, p, dev):
         return None if self.rule is None else Config.parse(self.rule)
@@ -72,7 +72,7 @@ class FakeBackend(Backend):
 
     def _backward(self, cfg, call, out, lse, grad_out, grad_lse):
         FakeTimer.last, FakeTimer.last_host_s = (self.name, cfg), self.host_s
-        return REFERENCE.backward(call, None, out, lse, grad_out, grad_lse)
+        return run_backend_backward(REFERENCE, call, None, out, lse, grad_out, grad_lse)
 
     def source_hash(self) -> str:
         return f"fake-{self.name}"
@@ -150,14 +150,14 @@ class AtenCpuFlash(Backend):
     Plain MHA, causal, no window or lengths; the kernels return q's layout only for (B, L, H, D) strides."""
 
     name = "aten_cpu_flash"
-    has_backward = True
+    takes = Takes(backward=True)
     knobs = {}
 
     def supports(self, p, dev, direction="forward"):
         return None
 
     def configs(self, p, dev, direction="forward"):
-        return [self.candidate(Config.of())]
+        return [Candidate(self.name, Config.of())]
 
     def plan(self, p, dev, cfg, direction):
         if direction == "backward":

@@ -8,7 +8,8 @@ import torch
 from fakes import ComputingOps, stub_triton_compile
 
 import inductor_attn
-from inductor_attn.backends import REFERENCE, Backend, Config, Plan, only_backends, register_backend, unregister_backend
+from inductor_attn.backends import (REFERENCE, Backend, Candidate, Config, Plan, only_backends, register_backend,
+                                    unregister_backend)
 from inductor_attn.backends.base import AttnCall, check_knobs
 from inductor_attn.backends.reference import run_forward
 
@@ -23,7 +24,8 @@ class Toy(Backend):
         return None if p.op == "attention" else "toy runs dense attention only"
 
     def configs(self, p, dev, direction="forward"):
-        return [self.candidate(Config.of(unroll=1)), self.candidate(Config.of(unroll=2), "unroll 2 is for show")]
+        return [Candidate(self.name, Config.of(unroll=1)),
+                Candidate(self.name, Config.of(unroll=2), "unroll 2 is for show")]
 
     def plan(self, p, dev, cfg, direction):
         return Plan(run_forward, traced=run_forward)

@@ -16,7 +16,7 @@ from fakes import FakeBackend
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
 from inductor_attn import BlockSparseMask
-from inductor_attn.backends import REFERENCE, AttnCall, Candidate, only_backends
+from inductor_attn.backends import REFERENCE, AttnCall, Candidate, Library, only_backends
 from inductor_attn.backends.reference import dense_mask_fn
 from inductor_attn.bench import flex_route, metrics, quality, report, runner, suites
 from inductor_attn.cli import main
@@ -467,8 +467,7 @@ def test_a_candidate_failing_with_an_error_its_backend_declares_is_reported_in_s
         pass
 
     class Kernels(FakeBackend):
-        def errors(self):
-            return (OutOfResources,)
+        library = Library(errors=lambda: (OutOfResources,))
 
         def _forward(self, cfg, call):
             if cfg == "tile=big":

@@ -33,7 +33,7 @@ def _signature(backend, p: Problem, dev, cfg, direction: str):
     if backend is triton_decode.BACKEND:
         return triton_decode._knobs(p, dev, cfg)
     if backend is fa4.BACKEND:
-        knobs = tuple(sorted(fa4._knobs(cfg).items()))
+        knobs = tuple(sorted(fa4.launch.knob_kwargs(cfg).items()))
         return knobs + (cfg.get("clc"), cfg.get("deterministic"))
     if backend is flex.BACKEND:
         return tuple(sorted(flex.kernel_options(cfg).items()))
@@ -46,7 +46,7 @@ def _signature(backend, p: Problem, dev, cfg, direction: str):
 def _fa4_installed(monkeypatch):
     from test_fa4 import fake_fa4
 
-    monkeypatch.setattr(fa4, "_load", lambda: fake_fa4())
+    monkeypatch.setattr(fa4.loading, "load", lambda: fake_fa4())
     monkeypatch.setattr(sdpa, "sdpa_default_kernel", lambda p, dev: "cudnn")  # asks the GPU otherwise
 
 
@@ -56,7 +56,7 @@ def _fa4_installed(monkeypatch):
 def test_no_two_runnable_configs_of_a_backend_launch_the_same_kernel(problem, device, direction):
     p, dev = PROBLEMS[problem], DEVICES[device]
     for backend in (flash.BACKEND, triton_decode.BACKEND, fa4.BACKEND, flex.BACKEND, sdpa.BACKEND):
-        if direction == "backward" and not backend.has_backward:
+        if direction == "backward" and not backend.takes.backward:
             continue
         if backend.supports(p, dev, direction) is not None:
             continue

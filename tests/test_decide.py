@@ -9,7 +9,7 @@ from fakes import FakeBackend, FakeTimer, small_call
 
 import inductor_attn
 from inductor_attn import cache
-from inductor_attn.backends import AttnCall, only_backends
+from inductor_attn.backends import AttnCall, Library, only_backends
 from inductor_attn.device import DeviceInfo
 from inductor_attn.store import keys
 from inductor_attn.store.db import get_store
@@ -252,7 +252,7 @@ def test_running_out_of_device_memory_is_raised_and_keeps_the_choice():
 class _CostlyImport(FakeBackend):
     """A backend whose enumeration would import a large library (as FA4's imports flash_attn.cute)."""
 
-    costly_import = True
+    library = Library(costly_import=True)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -38,9 +38,9 @@ def no_cuda(monkeypatch):
 def test_a_simulated_gpu_lists_every_backends_candidates_without_touching_cuda(problem, simulated, direction,
                                                                                monkeypatch, no_cuda):
     monkeypatch.setenv("INDUCTOR_ATTN_DEVICE", simulated)
-    monkeypatch.setattr(fa4, "_load", lambda: fake_fa4())  # FA4 "installed": its enumeration runs too
+    monkeypatch.setattr(fa4.loading, "load", lambda: fake_fa4())  # FA4 "installed": its enumeration runs too
     dev = device_info("cuda")
     cands = enumerate_candidates(PROBLEMS[problem], dev, direction)
     listed = {c.backend for c in cands}
-    assert listed == {b.name for b in backends() if PROBLEMS[problem].op in b.ops}
+    assert listed == {b.name for b in backends() if PROBLEMS[problem].op in b.takes.ops}
     assert any(c.pruned is None for c in cands)

@@ -13,7 +13,7 @@ from fakes import FakeBackend, FakeTimer, small_call
 
 import inductor_attn
 from inductor_attn import cache
-from inductor_attn.backends import Config, enumerate_candidates, fa3, only_backends, registry
+from inductor_attn.backends import Config, Library, Takes, enumerate_candidates, fa3, only_backends, registry
 from inductor_attn.device import DeviceInfo, parse_device_override
 from inductor_attn.problem import Problem
 from inductor_attn.store.db import get_store
@@ -213,8 +213,8 @@ def test_fp8_compiled_errors_are_the_eager_ones():
 class ForwardOnly(FakeBackend):
     """A forward-only backend of another library, as fa3 is."""
 
-    has_backward = False
-    requires = ("tokenspeed-fa3",)
+    takes = Takes()
+    library = Library(distributions=("tokenspeed-fa3",))
 
 
 def test_explain_says_a_backward_was_gated_with_another_librarys_forward(monkeypatch):

@@ -14,7 +14,8 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import inductor_attn
-from inductor_attn.backends import REFERENCE, AttnCall, enumerate_candidates, fa3, fa4, get_backend, only_backends
+from inductor_attn.backends import (REFERENCE, AttnCall, enumerate_candidates, fa3, fa4, get_backend, only_backends,
+                                    run_backend, run_backend_backward)
 from inductor_attn.backends.reference import dequantised
 from inductor_attn.device import device_info
 from inductor_attn.tuning.correctness import TOLERANCES, check_output, check_tensor, rel_err
@@ -62,7 +63,7 @@ def dense_call(b, hq, hkv, lq, lk, d, dtype=torch.bfloat16, causal=False, left=-
 def _every_candidate_matches_float64(call: AttnCall, dev) -> list[str]:
     """Run every runnable fa3 candidate for ``call`` on poisoned memory; each must match the float64 reference
     (out and lse, lse in our layout: -inf on empty rows). Returns the candidates run."""
-    ref_out, ref_lse = REFERENCE.run(_float64(call), None)
+    ref_out, ref_lse = run_backend(REFERENCE, _float64(call), None)
     ran = []
     for cand in enumerate_candidates(call.problem, dev):
         if cand.backend != "fa3":
@@ -137,7 +138,7 @@ def test_varlen_calls_prune_fa3_which_reads_a_padding_sequence(dev):
 
 def _backwards():
     names = ["sdpa", "triton"]
-    if not isinstance(fa4._load(), str):
+    if not isinstance(fa4.loading.load(), str):
         names.append("fa4")
     return names
 
@@ -153,8 +154,8 @@ def test_other_backends_backward_takes_fa3s_out_and_lse(dev, backward, case):
     out, lse = fa3.BACKEND.plan(call.problem, dev, first.config, "forward").launch(call)
     grad_out = torch.randn_like(out)
     ref = _float64(call)
-    ref_out, ref_lse = REFERENCE.run(ref, None)
-    want = REFERENCE.backward(ref, None, ref_out, ref_lse, grad_out.double(), None)
+    ref_out, ref_lse = run_backend(REFERENCE, ref, None)
+    want = run_backend_backward(REFERENCE, ref, None, ref_out, ref_lse, grad_out.double(), None)
     cands = [c for c in enumerate_candidates(call.problem, dev, "backward") if c.backend == backward and not c.pruned]
     if not cands:
         pytest.skip(f"no {backward} backward runs this problem here")
@@ -174,7 +175,7 @@ def test_compiled_attention_with_fa3_forced_goes_through_the_launch_op(dev):
         stats = inductor_attn.stats()
     assert "inductor_attn.launch.default" in code
     assert any("-> fa3:" in key for key in stats), stats
-    ref_out, _ = REFERENCE.run(_float64(call), None)
+    ref_out, _ = run_backend(REFERENCE, _float64(call), None)
     assert rel_err(out, ref_out) < TOLERANCES[torch.bfloat16]
 
 
@@ -196,7 +197,7 @@ def fp8_call(b, hq, hkv, lq, lk, d, causal=False, per_head=False, seed=0):
 def test_fp8_candidates_are_within_the_fp8_bound_of_float64(dev, case, per_head):
     call = fp8_call(**case, per_head=per_head)
     q, k, v = _dequantised64(call)
-    ref_out, ref_lse = REFERENCE.run(AttnCall("attention", q, k, v, call.scale, call.causal), None)
+    ref_out, ref_lse = run_backend(REFERENCE, AttnCall("attention", q, k, v, call.scale, call.causal), None)
     for cand in enumerate_candidates(call.problem, dev):
         if cand.backend != "fa3":
             continue
@@ -215,5 +216,5 @@ def test_fp8_attention_public_call_runs_fa3(dev):
         out = inductor_attn.fp8_attention(call.q, call.k, call.v, **descales, causal=True)
         assert any("-> fa3:" in key for key in inductor_attn.stats()), inductor_attn.stats()
     q, k, v = _dequantised64(call)
-    ref_out, _ = REFERENCE.run(AttnCall("attention", q, k, v, call.scale, True), None)
+    ref_out, _ = run_backend(REFERENCE, AttnCall("attention", q, k, v, call.scale, True), None)
     assert rel_err(out, ref_out) < TOLERANCES[torch.float8_e4m3fn]

@@ -2,7 +2,7 @@
 CLC heuristic, the guard on FA4's private signature, and how calls are assembled (with a fake FA4).
 
 flash-attn-4 cannot be imported here (its CuTe DSL wheels need the GPU machine's Python), so the
-enumeration tests replace ``fa4._load`` with a fake; the signature guard reads the installed or
+enumeration tests replace ``fa4.loading.load`` with a fake; the signature guard reads the installed or
 unpacked FA4 (inspect when importable, else its source) and skips only when there is none.
 """
 
@@ -22,7 +22,8 @@ import pytest
 import torch
 from blocked_imports import run_without
 
-from inductor_attn.backends import Config, enumerate_candidates, fa4, only_backends
+from inductor_attn.backends import Config, enumerate_candidates, fa4, only_backends, run_backend, run_backend_backward
+from inductor_attn.backends import replay as record_replay
 from inductor_attn.backends.base import AttnCall
 from inductor_attn.backends.block_bitmap import bitmap_lookup, slot_table
 from inductor_attn.block_mask import BlockSparseMask
@@ -50,21 +51,21 @@ def sparse_prob(**kw) -> Problem:
     return prob("block_sparse", **base)
 
 
-def fake_fa4(**overrides) -> fa4._FA4:
+def fake_fa4(**overrides) -> fa4.loading.FA4:
     base = dict(interface=None, utils=None, block_sparsity=None, version="test",
-                fwd_params=fa4.FWD_KWARGS | fa4.KNOB_KWARGS, bwd_params=fa4.BWD_KWARGS, has_clc_switch=True,
-                has_sparse_block_size=True, dsl_errors=())
+                fwd_params=fa4.loading.FWD_KWARGS | fa4.loading.KNOB_KWARGS, bwd_params=fa4.loading.BWD_KWARGS,
+                has_clc_switch=True, has_sparse_block_size=True, dsl_errors=())
     base.update(overrides)
-    return fa4._FA4(**base)
+    return fa4.loading.FA4(**base)
 
 
 @pytest.fixture
 def installed(monkeypatch):
     """FA4 "installed": a fake load result; returns a setter for variants."""
-    monkeypatch.setattr(fa4, "_load", lambda: fake_fa4())
+    monkeypatch.setattr(fa4.loading, "load", lambda: fake_fa4())
 
     def use(**overrides):
-        monkeypatch.setattr(fa4, "_load", lambda: fake_fa4(**overrides))
+        monkeypatch.setattr(fa4.loading, "load", lambda: fake_fa4(**overrides))
 
     return use
 
@@ -189,14 +190,14 @@ def test_supports_backward_excludes_block_sparse(installed):
 
 
 def test_moved_private_kwarg_prunes_only_the_configs_that_use_it(installed):
-    installed(fwd_params=fa4.FWD_KWARGS | {"mma_pv_is_rs", "intra_wg_overlap", "pack_gqa", "num_splits"})
+    installed(fwd_params=fa4.loading.FWD_KWARGS | {"mma_pv_is_rs", "intra_wg_overlap", "pack_gqa", "num_splits"})
     cands = candidates(prob(causal=True), SM90)
     assert cands["fa4:default"] is None and cands["fa4:mma_pv_is_rs=False"] is None
     assert cands["fa4:tile_mn=128x176"] == "flash-attn-4 test: _flash_attn_fwd no longer takes tile_mn"
 
 
 def test_missing_core_kwarg_or_clc_switch_is_a_reason(installed):
-    installed(fwd_params=(fa4.FWD_KWARGS - {"lse"}) | fa4.KNOB_KWARGS)
+    installed(fwd_params=(fa4.loading.FWD_KWARGS - {"lse"}) | fa4.loading.KNOB_KWARGS)
     assert fa4.BACKEND.supports(prob(), SM90) == "flash-attn-4 test: _flash_attn_fwd no longer takes lse"
     installed(has_clc_switch=False)
     assert "to switch CLC per call" in candidates(prob(causal=True), SM100)["fa4:clc=True,num_splits=1"]
@@ -213,14 +214,14 @@ def test_not_installed_is_pruned_cleanly(monkeypatch):
     monkeypatch.delenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", raising=False)
     monkeypatch.delenv("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", "/tmp/xdg-test")
-    fa4._load.cache_clear()
+    fa4.loading.load.cache_clear()
     try:
         assert candidates(prob(), SM90) == {"fa4:-": "flash-attn-4 not installed"}
         # the disk cache is switched on before the (attempted) import, under the user's cache dir
         assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
         assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] == "/tmp/xdg-test/inductor_attn/flash_attn_cute"
     finally:
-        fa4._load.cache_clear()
+        fa4.loading.load.cache_clear()
 
 
 def test_a_store_lookup_lists_fa4_by_name_without_importing_it(monkeypatch):
@@ -228,7 +229,7 @@ def test_a_store_lookup_lists_fa4_by_name_without_importing_it(monkeypatch):
     from inductor_attn.backends.registry import LOOKUP_ONLY
 
     loads = []
-    monkeypatch.setattr(fa4, "_load", lambda: loads.append(1) or fake_fa4())
+    monkeypatch.setattr(fa4.loading, "load", lambda: loads.append(1) or fake_fa4())
     with only_backends(fa4.BACKEND):
         for dev in (SM90, SM100):
             assert [(c.name, c.pruned) for c in enumerate_candidates(prob(), dev, lookup_only=True)] == \
@@ -241,13 +242,13 @@ def test_disk_cache_settings_of_the_user_are_kept(monkeypatch):
     _hide_flash_attn(monkeypatch)
     monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "0")
     monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "/somewhere")
-    fa4._load.cache_clear()
+    fa4.loading.load.cache_clear()
     try:
-        fa4._load()
+        fa4.loading.load()
         assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "0"
         assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] == "/somewhere"
     finally:
-        fa4._load.cache_clear()
+        fa4.loading.load.cache_clear()
 
 
 def test_candidate_names_are_unique_and_parse_back(installed):
@@ -300,17 +301,17 @@ def test_installed_fa4_still_takes_the_private_kwargs_we_pass(fa4_src):
     else:
         fwd = _source_params(fa4_src / "interface.py", "_flash_attn_fwd")
         bwd = _source_params(fa4_src / "interface.py", "_flash_attn_bwd")
-    assert fa4.missing_kwargs(fwd, fa4.FWD_KWARGS | fa4.KNOB_KWARGS) == []
-    assert fa4.missing_kwargs(bwd, fa4.BWD_KWARGS) == []
+    assert fa4.missing_kwargs(fwd, fa4.loading.FWD_KWARGS | fa4.loading.KNOB_KWARGS) == []
+    assert fa4.missing_kwargs(bwd, fa4.loading.BWD_KWARGS) == []
 
 
 def test_installed_fa4_reads_the_clc_switch_through_utils_on_every_call(fa4_src):
     utils_tree = ast.parse((fa4_src / "utils.py").read_text())
-    assert any(isinstance(n, ast.FunctionDef) and n.name == fa4.CLC_SWITCH for n in utils_tree.body)
+    assert any(isinstance(n, ast.FunctionDef) and n.name == fa4.loading.CLC_SWITCH for n in utils_tree.body)
     fwd = next(n for n in ast.walk(ast.parse((fa4_src / "interface.py").read_text()))
                if isinstance(n, ast.FunctionDef) and n.name == "_flash_attn_fwd")
     calls = [n for n in ast.walk(fwd) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-             and n.func.attr == fa4.CLC_SWITCH and getattr(n.func.value, "id", None) == "utils"]
+             and n.func.attr == fa4.loading.CLC_SWITCH and getattr(n.func.value, "id", None) == "utils"]
     assert calls, "_flash_attn_fwd no longer calls utils._get_use_clc_scheduler_default(): fix _clc_scheduler"
 
 
@@ -369,13 +370,13 @@ def test_sm90_default_tile_matches_fa4(fa4_src):
 def test_clc_switch_is_swapped_for_one_call_and_restored():
     mod = types.SimpleNamespace(_get_use_clc_scheduler_default=lambda: False)
     original = mod._get_use_clc_scheduler_default
-    with fa4._clc_scheduler(mod, True):
+    with fa4.loading.clc_scheduler(mod, True):
         assert mod._get_use_clc_scheduler_default() is True
     assert mod._get_use_clc_scheduler_default is original
-    with pytest.raises(ZeroDivisionError), fa4._clc_scheduler(mod, True):
+    with pytest.raises(ZeroDivisionError), fa4.loading.clc_scheduler(mod, True):
         1 / 0  # noqa: B018
     assert mod._get_use_clc_scheduler_default is original
-    with fa4._clc_scheduler(mod, None):
+    with fa4.loading.clc_scheduler(mod, None):
         assert mod._get_use_clc_scheduler_default is original
 
 
@@ -401,7 +402,7 @@ def _use_recorder(monkeypatch, **kw) -> Recorder:
     utils = types.SimpleNamespace(_get_use_clc_scheduler_default=lambda: False)
     rec = Recorder(utils, **kw)
     sparsity = types.SimpleNamespace(BlockSparseTensorsTorch=lambda **f: types.SimpleNamespace(**f))
-    monkeypatch.setattr(fa4, "_load", lambda: fake_fa4(interface=rec, utils=utils, block_sparsity=sparsity))
+    monkeypatch.setattr(fa4.loading, "load", lambda: fake_fa4(interface=rec, utils=utils, block_sparsity=sparsity))
     return rec
 
 
@@ -411,7 +412,7 @@ def test_run_passes_transposed_views_and_returns_our_layout(monkeypatch, returns
     q = torch.randn(2, 8, 64, 64, dtype=torch.bfloat16)
     k, v = torch.randn(2, 2, 80, 64, dtype=torch.bfloat16), torch.randn(2, 2, 80, 64, dtype=torch.bfloat16)
     before = sum(fa4.COPIES.values())
-    out, lse = fa4.BACKEND.run(AttnCall("attention", q, k, v, 0.125, causal=True, window_left=32),
+    out, lse = run_backend(fa4.BACKEND, AttnCall("attention", q, k, v, 0.125, causal=True, window_left=32),
                                Config.of(clc=True, num_splits=2))
     fq, fk, fv, kw, clc = rec.calls[0]
     assert fq.shape == (2, 64, 8, 64) and fq.data_ptr() == q.data_ptr()  # a view, no copy
@@ -427,7 +428,7 @@ def test_run_copies_and_counts_a_layout_fa4_cannot_take(monkeypatch):
     q = torch.randn(1, 2, 64, 16).transpose(-1, -2).contiguous().transpose(-1, -2).to(torch.float16)
     k = v = torch.randn(1, 2, 64, 16, dtype=torch.float16)
     before = fa4.COPIES["q"]
-    fa4.BACKEND.run(AttnCall("attention", q, k, v, 0.25), Config())
+    run_backend(fa4.BACKEND, AttnCall("attention", q, k, v, 0.25), Config())
     assert fa4.COPIES["q"] == before + 1 and rec.calls[0][0].stride(-1) == 1
 
 
@@ -435,22 +436,22 @@ def test_a_contiguous_view_at_a_misaligned_address_is_copied_to_an_aligned_one()
     storage = torch.randn(2 * 4 * 8 * 16 + 4, dtype=torch.float16)
     q = storage[4:].view(2, 8, 4, 16).transpose(1, 2)  # FA4's view of it is contiguous, 8 bytes off 16
     before = fa4.COPIES["q"]
-    taken = fa4._fa4_layout(q, "q", True)
-    assert fa4.COPIES["q"] == before + 1 and fa4._aligned(taken) and torch.equal(taken, q.transpose(1, 2))
+    taken = fa4.launch._fa4_layout(q, "q", True)
+    assert fa4.COPIES["q"] == before + 1 and fa4.launch._aligned(taken) and torch.equal(taken, q.transpose(1, 2))
 
 
 def test_run_varlen_and_kv_seqlens_arguments(monkeypatch):
     rec = _use_recorder(monkeypatch)
     q = torch.randn(30, 4, 32, dtype=torch.float16)
     cu = torch.tensor([0, 10, 30], dtype=torch.int32)
-    out, lse = fa4.BACKEND.run(AttnCall("varlen", q, q, q, 0.2, cu_seqlens_q=cu, cu_seqlens_k=cu,
+    out, lse = run_backend(fa4.BACKEND, AttnCall("varlen", q, q, q, 0.2, cu_seqlens_q=cu, cu_seqlens_k=cu,
                                         max_seqlen_q=20, max_seqlen_k=20), Config.of(pack_gqa=False))
     fq, _, _, kw, _ = rec.calls[0]
     assert fq.data_ptr() == q.data_ptr() and kw["cu_seqlens_q"] is cu and kw["max_seqlen_k"] == 20
     assert kw["pack_gqa"] is False and out.shape == (30, 4, 32) and lse.shape == (4, 30)
     qd = torch.randn(3, 4, 1, 32, dtype=torch.float16)
     kd = torch.randn(3, 4, 50, 32, dtype=torch.float16)
-    fa4.BACKEND.run(AttnCall("attention", qd, kd, kd, 0.2, kv_seqlens=torch.tensor([5, 50, 0])), Config())
+    run_backend(fa4.BACKEND, AttnCall("attention", qd, kd, kd, 0.2, kv_seqlens=torch.tensor([5, 50, 0])), Config())
     seqused = rec.calls[1][3]["seqused_k"]
     assert seqused.dtype == torch.int32 and seqused.tolist() == [5, 50, 0]
 
@@ -464,10 +465,10 @@ def _causal_sparse_mask(lq=256, lk=256, block=64) -> BlockSparseMask:
 
 def test_run_block_sparse_passes_fa4_tensors_and_bitmap_aux(monkeypatch):
     rec = _use_recorder(monkeypatch)
-    monkeypatch.setattr(fa4, "_bitmap_mask_mod", lambda *geometry: ("mask_mod", geometry))
+    monkeypatch.setattr(fa4.launch, "_bitmap_mask_mod", lambda *geometry: ("mask_mod", geometry))
     sparse = _causal_sparse_mask()
     q = torch.randn(1, 2, 256, 64, dtype=torch.bfloat16)
-    fa4.BACKEND.run(AttnCall("block_sparse", q, q, q, 0.125, sparse=sparse), Config())
+    run_backend(fa4.BACKEND, AttnCall("block_sparse", q, q, q, 0.125, sparse=sparse), Config())
     kw = rec.calls[0][3]
     t = kw["block_sparse_tensors"]
     assert t.mask_block_cnt is sparse.kv_num_blocks and t.full_block_idx is sparse.full_kv_indices
@@ -511,10 +512,10 @@ def test_dsl_errors_become_runtime_errors(monkeypatch):
             raise DSLError("\nerror[CUDA_LAUNCH_INVALID_CONFIG]: CUDA launch failed")
 
     utils = types.SimpleNamespace(_get_use_clc_scheduler_default=lambda: False)
-    monkeypatch.setattr(fa4, "_load", lambda: fake_fa4(interface=Failing(), utils=utils, dsl_errors=(DSLError,)))
+    monkeypatch.setattr(fa4.loading, "load", lambda: fake_fa4(interface=Failing(), utils=utils, dsl_errors=(DSLError,)))
     q = torch.randn(1, 1, 16, 16, dtype=torch.float16)
     with pytest.raises(RuntimeError, match=r"flash-attn-4 \[tile_mn=128x176\] DSLError: error\[CUDA_LAUNCH"):
-        fa4.BACKEND.run(AttnCall("attention", q, q, q, 0.25), Config.of(tile_mn="128x176"))
+        run_backend(fa4.BACKEND, AttnCall("attention", q, q, q, 0.25), Config.of(tile_mn="128x176"))
 
 
 def _compiling_interface(kernel_calls: list):
@@ -539,7 +540,7 @@ def _compiling_interface(kernel_calls: list):
 def _fwd_plan(monkeypatch, kernel_calls):
     interface = _compiling_interface(kernel_calls)
     utils = types.SimpleNamespace(_get_use_clc_scheduler_default=lambda: False)
-    monkeypatch.setattr(fa4, "_load", lambda: fake_fa4(interface=interface, utils=utils))
+    monkeypatch.setattr(fa4.loading, "load", lambda: fake_fa4(interface=interface, utils=utils))
     q = torch.randn(1, 2, 16, 16, dtype=torch.float16)
     return interface, fa4.BACKEND.plan(AttnCall("attention", q, q, q, 0.25).problem, SM90, Config(), "forward")
 
@@ -599,7 +600,7 @@ def test_varlen_forward_replays_with_the_calls_cu_seqlens_and_keys_on_max_seqlen
     _flash_attn_fwd.compile_cache = {}
     interface = types.SimpleNamespace(_flash_attn_fwd=_flash_attn_fwd)
     utils = types.SimpleNamespace(_get_use_clc_scheduler_default=lambda: False)
-    monkeypatch.setattr(fa4, "_load", lambda: fake_fa4(interface=interface, utils=utils))
+    monkeypatch.setattr(fa4.loading, "load", lambda: fake_fa4(interface=interface, utils=utils))
 
     def call(seed, cu_q, cu_k, longest):
         q, k, v = _qkv(seed, (16, 2, 16))
@@ -633,13 +634,14 @@ def test_backward_uses_views_and_returns_our_layout(monkeypatch):
     k = torch.randn(2, 2, 48, 16, dtype=torch.float16)
     call = AttnCall("attention", q, k, k, 0.25, causal=True)
     out, lse = torch.randn_like(q), torch.randn(2, 4, 32)
-    dq, dk, dv = fa4.BACKEND.backward(call, Config(), out, lse, None, torch.ones(2, 4, 32))
+    dq, dk, dv = run_backend_backward(fa4.BACKEND, call, Config(), out, lse, None, torch.ones(2, 4, 32))
     fq, fk, _, kw, _ = rec.calls[0]
     assert fq.data_ptr() == q.data_ptr() and kw["causal"] and kw["dlse"].shape == (2, 4, 32)
     assert dq.shape == q.shape and dk.shape == k.shape and bool((dq == 3).all()) and bool((dv == 5).all())
     with pytest.raises(NotImplementedError, match="block-sparse backward"):
-        fa4.BACKEND.backward(AttnCall("block_sparse", q, q, q, 0.25, sparse=_causal_sparse_mask(32, 32, 32)),
-                             Config(), out, lse, None, None)
+        sparse = _causal_sparse_mask(32, 32, 32)
+        run_backend_backward(fa4.BACKEND, AttnCall("block_sparse", q, q, q, 0.25, sparse=sparse), Config(), out, lse,
+                             None, None)
 
 
 def test_importing_the_fa4_backend_needs_no_optional_dependency():
@@ -655,14 +657,14 @@ def test_a_replayed_forward_call_skips_the_layout_work_from_its_second_replay_on
     _, plan = _fwd_plan(monkeypatch, [])
     plan.launch(AttnCall("attention", *_qkv(0), 0.25))  # through FA4, recorded, checked
     plan.launch(AttnCall("attention", *_qkv(1), 0.25))  # the replay, found by the full layout key
-    full_way = fa4._layout, fa4._buffers
-    monkeypatch.setattr(fa4, "_layout", lambda values: pytest.fail("built the full layout key"))
-    monkeypatch.setattr(fa4, "_buffers", lambda call: pytest.fail("computed the outputs' layout"))
+    full_way = record_replay.layout_key, fa4.launch._buffers
+    monkeypatch.setattr(record_replay, "layout_key", lambda values: pytest.fail("built the full layout key"))
+    monkeypatch.setattr(fa4.launch, "_buffers", lambda call: pytest.fail("computed the outputs' layout"))
     q, k, v = _qkv(2)
     out, lse = plan.launch(AttnCall("attention", q, k, v, 0.25))
     assert torch.equal(out, q * 0.25 + v) and bool((lse == 1.0).all()) and out.stride() == q.stride()
-    monkeypatch.setattr(fa4, "_layout", full_way[0])
-    monkeypatch.setattr(fa4, "_buffers", full_way[1])
+    monkeypatch.setattr(record_replay, "layout_key", full_way[0])
+    monkeypatch.setattr(fa4.launch, "_buffers", full_way[1])
     q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in _qkv(3))  # (B, L, H, D) memory
     out, _ = plan.launch(AttnCall("attention", q, k, v, 0.25))
     assert torch.equal(out, q * 0.25 + v) and out.stride() == q.stride() and len(plan.launch.replays.by_layout) == 2
@@ -739,8 +741,8 @@ def _want_grads(call: AttnCall, out, grad_out):
 
 
 def _bwd_plan(monkeypatch, interface):
-    monkeypatch.setattr(fa4, "_load", lambda: fake_fa4(interface=interface))
-    monkeypatch.setattr(fa4, "bwd_compile_cache_owners", lambda fa: [
+    monkeypatch.setattr(fa4.loading, "load", lambda: fake_fa4(interface=interface))
+    monkeypatch.setattr(fa4.loading, "bwd_compile_cache_owners", lambda fa: [
         fa.interface._bwd_preprocess, fa.interface._flash_attn_bwd_main, fa.interface._bwd_postprocess_convert])
     return fa4.BACKEND.plan(_bwd_call(0).problem, SM90, Config(), "backward")
 
@@ -766,8 +768,8 @@ def test_a_replayed_backward_call_skips_the_layout_work_from_its_second_replay_o
     plan = _bwd_plan(monkeypatch, _compiling_backward([]))
     for seed in range(3):
         if seed == 2:
-            monkeypatch.setattr(fa4, "_layout", lambda values: pytest.fail("built the full layout key"))
-            monkeypatch.setattr(fa4, "empty_like_layout", lambda *a: pytest.fail("computed the grads' layout"))
+            monkeypatch.setattr(record_replay, "layout_key", lambda values: pytest.fail("built the full layout key"))
+            monkeypatch.setattr(fa4.launch, "empty_like_layout", lambda *a: pytest.fail("computed the grads' layout"))
         call = _bwd_call(seed)
         out, grad_out = torch.randn_like(call.q), torch.randn_like(call.q)
         grads = plan.launch(call, out, torch.zeros(1, 2, 16), grad_out, None)
@@ -844,7 +846,7 @@ def test_a_buffer_read_through_a_max_keeps_its_zeroing_unless_a_kernel_clears_it
         fn(*args)
     replay = _recorded(calls, (x, out))
     fresh = torch.empty_like(x)
-    checked = fa4._checked_replay(replay, (x, fresh), (out,), (fresh,), "test")
+    checked = record_replay.checked_replay(replay, (x, fresh), (out,), (fresh,), "test")
     assert checked is not None and checked.scratch[0][3] == (not cleared)
 
 
@@ -861,7 +863,7 @@ def _checked_write_where_small(buf_value: float):
     _write_where_small(x, buf, out)
     replay = _recorded([(_write_where_small, (x, buf, out))], (x, out))
     fresh = torch.empty_like(x)
-    return replay, fa4._checked_replay(replay, (x, fresh), (out,), (fresh,), "test")
+    return replay, record_replay.checked_replay(replay, (x, fresh), (out,), (fresh,), "test")
 
 
 def test_each_poisoned_run_of_the_check_starts_from_nan_filled_outputs():
@@ -923,9 +925,9 @@ def test_backward_values_that_fa4_would_copy_are_copied_before_it_sees_them(monk
     assert all(t.data_ptr() % 16 == 0 and t.is_contiguous() for t in seen)
 
 
-def _recorded(calls: list, values: tuple) -> fa4._Replay | None:
+def _recorded(calls: list, values: tuple) -> record_replay.Replay | None:
     """A replay rebuilt from ``calls`` (kernel, args) as a recording would have noted them over ``values``."""
-    recording = fa4._Recording([])
+    recording = record_replay.Recording([])
     recording.thread = threading.get_ident()
     for fn, args in calls:
         recording.note(fn, args)
@@ -957,6 +959,8 @@ def test_a_replay_allocates_fa4s_buffers_again_zeroed_where_they_were_handed_ove
     q = torch.randn(2, 16, dtype=torch.float16)
     semaphores, accum = torch.zeros(4, dtype=torch.int32), torch.full((2, 16), 3.0)
     replay = _recorded([(_kernel, (q, semaphores, accum)), (_kernel, (accum, 0.5))], (q,))
-    assert replay is not None and [kind for kind, _ in replay.steps[0][1]] == [fa4._ROLE, fa4._SCRATCH, fa4._SCRATCH]
+    kinds = [kind for kind, _ in replay.steps[0][1]] if replay is not None else None
+    assert kinds == [record_replay.ROLE, record_replay.SCRATCH, record_replay.SCRATCH]
     assert replay.scratch == [((4,), (1,), torch.int32, True), ((2, 16), (16, 1), torch.float32, False)]
-    assert replay.steps[1][1] == [(fa4._SCRATCH, 1), (fa4._CONST, 0.5)]  # one buffer, one role, across kernels
+    # one buffer, one role, across kernels
+    assert replay.steps[1][1] == [(record_replay.SCRATCH, 1), (record_replay.CONST, 0.5)]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
-from inductor_attn.backends import Config, fa4, reference
+from inductor_attn.backends import Config, fa4, reference, run_backend, run_backend_backward
 from inductor_attn.backends.base import AttnCall
 from inductor_attn.block_mask import BlockSparseMask
 from inductor_attn.device import device_info
@@ -23,7 +23,7 @@ FA4, REF = fa4.BACKEND, reference.BACKEND
 
 @pytest.fixture(scope="module")
 def dev():
-    loaded = fa4._load()
+    loaded = fa4.loading.load()
     if isinstance(loaded, str):
         pytest.skip(f'{loaded} (pip install ".[fa4]" on a CUDA machine)')
     return device_info("cuda")
@@ -41,8 +41,8 @@ def dense_call(b, hq, hkv, lq, lk, d, dtype, causal=False, left=-1, right=-1, kv
 
 
 def assert_matches_reference(call: AttnCall, cfg=Config()):
-    out, lse = FA4.run(call, cfg)
-    ref_out, ref_lse = REF.run(call, Config())
+    out, lse = run_backend(FA4, call, cfg)
+    ref_out, ref_lse = run_backend(REF, call, Config())
     reason = check_output(out, lse, ref_out, ref_lse, call.q.dtype)
     assert reason is None, f"{cfg}: {reason}"
     return out, lse
@@ -177,8 +177,8 @@ BACKWARD = [
 
 
 def _grads_match(call, out, lse, grad_out, grad_lse):
-    got = FA4.backward(call, Config(), out, lse, grad_out, grad_lse)
-    want = REF.backward(call, Config(), out, lse, grad_out, grad_lse)
+    got = run_backend_backward(FA4, call, Config(), out, lse, grad_out, grad_lse)
+    want = run_backend_backward(REF, call, Config(), out, lse, grad_out, grad_lse)
     for name, g, w in zip(("dq", "dk", "dv"), got, want):
         assert g.shape == w.shape, name
         reason = check_tensor(name, g, w, call.q.dtype)
@@ -191,7 +191,7 @@ def _grads_match(call, out, lse, grad_out, grad_lse):
 def test_dense_backward_matches_reference(dev, case, dtype, with_grad_lse):
     call = dense_call(dtype=dtype, **case)
     assert FA4.supports(call.problem, dev, "backward") is None
-    out, lse = FA4.run(call, Config())
+    out, lse = run_backend(FA4, call, Config())
     gen = torch.Generator(device="cuda").manual_seed(4)
     grad_out = torch.randn(out.shape, device="cuda", dtype=dtype, generator=gen)
     grad_lse = torch.randn(lse.shape, device="cuda", generator=gen) if with_grad_lse else None
@@ -205,11 +205,11 @@ def test_varlen_and_kv_seqlens_backward_match_reference(dev, dtype):
     q, k, v = (rand(512, 4, 64, dtype=dtype, gen=gen) for _ in range(3))
     call = AttnCall("varlen", q, k, v, 0.125, True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=257,
                     max_seqlen_k=257)
-    out, lse = FA4.run(call, Config())
+    out, lse = run_backend(FA4, call, Config())
     _grads_match(call, out, lse, torch.randn_like(out), None)
     lens = torch.tensor([300, 77], device="cuda", dtype=torch.int32)
     call = dense_call(2, 4, 4, 64, 300, 64, dtype, causal=True, kv_seqlens=lens)
-    out, lse = FA4.run(call, Config())
+    out, lse = run_backend(FA4, call, Config())
     _grads_match(call, out, lse, torch.randn_like(out), None)
 
 
@@ -237,12 +237,12 @@ def test_varlen_replays_match_the_reference_with_new_documents(dev):
         bwd = bwd or FA4.plan(call.problem, dev, Config(), "backward").launch
         _poison(call.q, call.q[..., 0].float().t())
         out, lse = fwd(call)
-        ref_out, ref_lse = REF.run(call, Config())
+        ref_out, ref_lse = run_backend(REF, call, Config())
         assert check_output(out, lse, ref_out, ref_lse, dtype) is None, f"call {i}"
         grad_out = torch.randn_like(out)
         _poison(call.q, call.k, call.v)
         got = bwd(call, out, lse, grad_out, None)
-        want = REF.backward(call, Config(), out, lse, grad_out, None)
+        want = run_backend_backward(REF, call, Config(), out, lse, grad_out, None)
         for name, g, w in zip(("dq", "dk", "dv"), got, want):
             assert check_tensor(name, g, w, dtype) is None, f"backward, call {i}: {check_tensor(name, g, w, dtype)}"
     if fa4.family(dev.arch) == "sm90":
@@ -274,13 +274,13 @@ def test_recorded_kernel_replays_match_the_reference_on_new_inputs(dev, case, de
     for i, call in enumerate(calls):
         _poison(call.q, call.q[..., 0].float())
         out, lse = fwd(call)
-        ref_out, ref_lse = REF.run(call, Config())
+        ref_out, ref_lse = run_backend(REF, call, Config())
         assert check_output(out, lse, ref_out, ref_lse, dtype) is None, f"forward, call {i}"
         grad_out = torch.randn_like(out)
         grad_lse = torch.randn_like(lse) if with_grad_lse else None
         _poison(call.q, call.k, call.v)
         got = bwd(call, out, lse, grad_out, grad_lse)
-        want = REF.backward(call, Config(), out, lse, grad_out, grad_lse)
+        want = run_backend_backward(REF, call, Config(), out, lse, grad_out, grad_lse)
         for name, g, w in zip(("dq", "dk", "dv"), got, want):
             assert check_tensor(name, g, w, dtype) is None, f"backward, call {i}: {check_tensor(name, g, w, dtype)}"
         if fa4.family(dev.arch) == "sm90":
@@ -303,7 +303,7 @@ def test_a_backward_replay_recorded_over_zeroed_memory_zeroes_only_what_fa4s_ker
         grad_out = torch.randn_like(out)
         _poison(call.q, call.k, call.v, value=0.0 if i == 0 else float("nan"))
         got = bwd(call, out, lse, grad_out, None)
-        want = REF.backward(call, Config(), out, lse, grad_out, None)
+        want = run_backend_backward(REF, call, Config(), out, lse, grad_out, None)
         for name, g, w in zip(("dq", "dk", "dv"), got, want):
             assert check_tensor(name, g, w, dtype) is None, f"backward, call {i}: {check_tensor(name, g, w, dtype)}"
     if fa4.family(dev.arch) == "sm90":

@@ -11,7 +11,7 @@ import torch
 from blocked_imports import run_without
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
-from inductor_attn.backends import Config, enumerate_candidates, flex, only_backends, reference
+from inductor_attn.backends import Config, enumerate_candidates, flex, only_backends, reference, run_backend
 from inductor_attn.backends.base import AttnCall
 from inductor_attn.block_mask import BlockSparseMask
 from inductor_attn.device import parse_device_override
@@ -167,7 +167,7 @@ def test_compiled_flex_with_our_block_mask_matches_the_reference():
     sparse = BlockSparseMask.from_block_mask(create_block_mask(doc_mask, 1, 2, 256, 256, device="cpu",
                                                                BLOCK_SIZE=64))
     out = flex._compiled()(q, k, v, block_mask=flex.to_flex_block_mask(sparse), scale=0.25)
-    want, _ = reference.BACKEND.run(AttnCall("block_sparse", q, k, v, 0.25, sparse=sparse), Config())
+    want, _ = run_backend(reference.BACKEND, AttnCall("block_sparse", q, k, v, 0.25, sparse=sparse), Config())
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
@@ -191,8 +191,8 @@ def _gpu_sparse_call(dtype, heads, hkv, d=64):
 def _assert_matches_reference(call, cfg):
     from inductor_attn.tuning.correctness import check_output
 
-    out, lse = flex.BACKEND.run(call, cfg)
-    want = reference.BACKEND.run(call, Config())
+    out, lse = run_backend(flex.BACKEND, call, cfg)
+    want = run_backend(reference.BACKEND, call, Config())
     reason = check_output(out, lse, *want, call.q.dtype)
     assert reason is None, f"{cfg}: {reason}"
 

@@ -244,7 +244,7 @@ decision <key>  attention/forward
         return wrap("\n".join(f"{c.name}  [pruned: {c.pruned}]" if c.pruned else c.name for c in cands))
 
     def test_candidates_and_pruned_reasons_on_a_simulated_h100(self):
-        self.scope.enter_context(mock.patch.object(fa4, "_load", lambda: fake_fa4()))  # FA4 "installed"
+        self.scope.enter_context(mock.patch.object(fa4.loading, "load", lambda: fake_fa4()))  # FA4 "installed"
         self.assertExpectedInline(self._candidates("sm_90"), """\
 sdpa:kernel=efficient
 sdpa:kernel=cudnn
@@ -276,7 +276,7 @@ triton_decode:-  [pruned: split-K decode is for Lq <= 16, got 1024]
 reference:default""")
 
     def test_candidates_and_pruned_reasons_on_a_simulated_b200(self):
-        self.scope.enter_context(mock.patch.object(fa4, "_load", lambda: fake_fa4()))  # FA4 "installed"
+        self.scope.enter_context(mock.patch.object(fa4.loading, "load", lambda: fake_fa4()))  # FA4 "installed"
         self.assertExpectedInline(self._candidates("sm_100"), """\
 sdpa:kernel=efficient
 sdpa:kernel=cudnn
@@ -300,7 +300,7 @@ triton_decode:-  [pruned: split-K decode is for Lq <= 16, got 1024]
 reference:default""")
 
     def test_without_flash_attn_4_its_entry_says_it_is_not_installed(self):
-        self.scope.enter_context(mock.patch.object(fa4, "_load", lambda: "flash-attn-4 not installed"))
+        self.scope.enter_context(mock.patch.object(fa4.loading, "load", lambda: "flash-attn-4 not installed"))
         self.scope.enter_context(only_backends(fa4.BACKEND))
         self.assertExpectedInline(self._candidates("sm_90") + "\n" + self._candidates("sm_100"), """\
 fa4:-  [pruned: flash-attn-4 not installed]

@@ -65,7 +65,7 @@ PREFILL = Problem("attention", "bfloat16", "cuda", 2, 16, 2, 512, 2048, 256, 256
 def test_backends_measured_to_leak_nan_past_kv_seqlens_are_pruned_for_such_calls(backend, problem, direction,
                                                                                   monkeypatch):
     # pruned, not left to the gate: the off, heuristic and cache-only modes run no gate
-    monkeypatch.setattr(fa4, "_load", lambda: fake_fa4())
+    monkeypatch.setattr(fa4.loading, "load", lambda: fake_fa4())
     reason = backend.supports(problem, SM90, direction)
     assert reason is not None and "past kv_seqlens" in reason and "0 * NaN" in reason, reason
     assert backend.supports(dataclasses.replace(problem, has_kv_seqlens=False), SM90, direction) is None

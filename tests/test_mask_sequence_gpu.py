@@ -20,7 +20,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 import inductor_attn
-from inductor_attn.backends import REFERENCE, AttnCall, enumerate_candidates
+from inductor_attn.backends import REFERENCE, AttnCall, enumerate_candidates, run_backend
 from inductor_attn.block_mask import BlockSparseMask
 from inductor_attn.device import device_info
 from inductor_attn.tuning.correctness import check_output, check_tensor
@@ -81,7 +81,7 @@ def _call(batch, hq, hkv, length, block, mask_mod, per_head, seed):
 
 def _float64_reference(call: AttnCall):
     exact = dataclasses.replace(call, q=call.q.double(), k=call.k.double(), v=call.v.double(), _problem=None)
-    return REFERENCE.run(exact, None)
+    return run_backend(REFERENCE, exact, None)
 
 
 def _out_of_resources(reason: str) -> bool:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import inductor_attn
-from inductor_attn.backends import REFERENCE, Config, enumerate_candidates
+from inductor_attn.backends import REFERENCE, Config, enumerate_candidates, run_backend
 from inductor_attn.backends import triton_decode as decode
 from inductor_attn.backends.pages import key_slots, unused_slots
 from inductor_attn.backends.paged_gather import BACKEND as GATHER
@@ -61,7 +61,7 @@ def test_paged_attention_matches_a_naive_page_by_page_oracle(name):
 def test_float64_reference_matches_the_oracle_exactly_enough(name):
     case = CASES[name]
     x = pi.make(case)
-    out, lse = REFERENCE.run(_call(case, x, torch.float64), None)
+    out, lse = run_backend(REFERENCE, _call(case, x, torch.float64), None)
     ref_out, ref_lse = pi.oracle(case, x, case.d ** -0.5)
     assert check_tensor("output", out, ref_out, torch.float64) is None
     torch.testing.assert_close(lse, ref_lse.float())  # the lse is float32 by the ops' contract
@@ -86,7 +86,7 @@ def test_the_gather_baselines_dense_call_is_the_paged_call(name):
     case = CASES[name]
     x = pi.make(case)
     call = _call(case, x, torch.float64)
-    out, lse = as_packed(*REFERENCE.run(dense_call(call), None), call.q)
+    out, lse = as_packed(*run_backend(REFERENCE, dense_call(call), None), call.q)
     ref_out, ref_lse = pi.oracle(case, x, case.d ** -0.5)
     assert check_tensor("output", out, ref_out, torch.float64) is None
     torch.testing.assert_close(lse, ref_lse.float())
@@ -124,7 +124,7 @@ def test_gate_drops_a_candidate_that_reads_past_the_lengths():
 
         def plan(self, p, dev, cfg, direction):
             def launch(c):  # right, but weighs every slot of the pages the table names by 0, as P @ V does
-                out, lse = REFERENCE.run(c, None)
+                out, lse = run_backend(REFERENCE, c, None)
                 return out + 0 * c.k[c.block_table.clamp(min=0)].sum(), lse
             return dataclasses.replace(REFERENCE.plan(p, dev, cfg, direction), launch=launch)
 

@@ -15,7 +15,7 @@ import torch
 from fakes import FakeBackend, FakeTimer, small_call
 
 import inductor_attn
-from inductor_attn.backends import only_backends
+from inductor_attn.backends import Takes, only_backends
 from inductor_attn.device import DeviceInfo
 from inductor_attn.store.db import get_store
 from inductor_attn.tuning import decisions, ranks
@@ -223,7 +223,7 @@ def test_sync_decisions_without_torch_distributed_does_nothing(fakes):
 
 def test_an_agreed_backward_choice_must_take_the_lse_gradient_where_the_bucket_needs_it(fakes, monkeypatch, caplog):
     a, b = fakes
-    monkeypatch.setattr(b, "takes_grad_lse", False, raising=False)
+    monkeypatch.setattr(b, "takes", Takes(backward=True, grad_lse=False), raising=False)
     assert decide(small_call(), DEV, "backward", grad_lse=True) == "a:default"
     ((memo_key, _, _),) = decision_entries()
     adopt_decisions({memo_key: ("b:x=1", None)})

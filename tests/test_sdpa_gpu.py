@@ -87,7 +87,7 @@ def test_the_cudnn_backward_stays_right_when_grad_outs_layout_changes_between_ca
 
 @pytest.mark.parametrize("kernel", ["efficient", "cudnn"])
 def test_a_row_whose_every_key_is_masked_gives_zero_out_minus_inf_lse_and_zero_grads(kernel):
-    from inductor_attn.backends import AttnCall, Config
+    from inductor_attn.backends import AttnCall, Config, run_backend, run_backend_backward
     from inductor_attn.backends.sdpa import BACKEND as SDPA
 
     torch.manual_seed(0)
@@ -96,8 +96,8 @@ def test_a_row_whose_every_key_is_masked_gives_zero_out_minus_inf_lse_and_zero_g
     key_mask[1] = False  # the second sequence has no key: a paged sequence of length 0 comes here so
     ref_out, ref_lse = inductor_attn.run_candidate("reference:default", q, k, v, key_mask=key_mask, return_lse=True)
     call = AttnCall("attention", q, k, v, 64 ** -0.5, key_mask=key_mask)
-    out, lse = SDPA.run(call, Config.of(kernel=kernel))
+    out, lse = run_backend(SDPA, call, Config.of(kernel=kernel))
     assert check_output(out, lse, ref_out, ref_lse, torch.bfloat16) is None
     assert (lse[1] == float("-inf")).all() and (out[1] == 0).all()
-    grads = SDPA.backward(call, Config.of(kernel=kernel), out, lse, torch.randn_like(out), None)
+    grads = run_backend_backward(SDPA, call, Config.of(kernel=kernel), out, lse, torch.randn_like(out), None)
     assert all(g.isfinite().all() for g in grads) and all((g[1] == 0).all() for g in grads[:1])

@@ -18,7 +18,8 @@ import pytest
 import torch
 from blocked_imports import run_without
 
-from inductor_attn.backends import REFERENCE, AttnCall, Config, enumerate_candidates, only_backends
+from inductor_attn.backends import (REFERENCE, AttnCall, Config, enumerate_candidates, only_backends, run_backend,
+                                    run_backend_backward)
 from inductor_attn.backends import triton_decode as decode
 from inductor_attn.device import DeviceInfo, device_info, parse_device_override
 from inductor_attn.ops.attention import attention_op
@@ -79,7 +80,7 @@ def _key_mask(case: Case, gen: torch.Generator) -> torch.Tensor | None:
 
 def float64_reference(call: AttnCall):
     exact = dataclasses.replace(call, q=call.q.double(), k=call.k.double(), v=call.v.double(), _problem=None)
-    return REFERENCE.run(exact, Config())
+    return run_backend(REFERENCE, exact, Config())
 
 
 def run_poisoned(call: AttnCall, cfg: Config):
@@ -272,9 +273,9 @@ def test_default_config_fills_the_gpu_with_splits_but_not_past_the_kv_blocks():
 
 
 def test_backend_is_inference_only():
-    assert decode.BACKEND.has_backward is False
+    assert decode.BACKEND.takes.backward is False
     with pytest.raises(NotImplementedError):
-        decode.BACKEND.backward(None, Config(), None, None, None, None)
+        run_backend_backward(decode.BACKEND, None, Config(), None, None, None, None)
 
 
 def test_module_doctests_pass():

@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_triton_decode import float64_reference, run_poisoned
 
-from inductor_attn.backends import AttnCall, Config
+from inductor_attn.backends import AttnCall, Config, run_backend
 from inductor_attn.backends import triton_decode as decode
 from inductor_attn.device import device_info
 from inductor_attn.tuning.correctness import check_output
@@ -145,10 +145,10 @@ def test_fully_masked_rows_give_zero_output_and_minus_inf_lse():
 def test_cuda_graph_replay_matches_a_plain_call():
     case = Case(b=2, hq=16, hkv=2, lq=1, lk=2048, d=128, mask="causal_seqlens", splits=16)
     call = _call(case)
-    plain_out, plain_lse = decode.BACKEND.run(call, case.cfg())  # compiles
+    plain_out, plain_lse = run_backend(decode.BACKEND, call, case.cfg())  # compiles
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out, lse = decode.BACKEND.run(call, case.cfg())
+        out, lse = run_backend(decode.BACKEND, call, case.cfg())
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, plain_out) and torch.equal(lse, plain_lse)

@@ -13,7 +13,8 @@ import pytest
 import torch
 from blocked_imports import run_without
 
-from inductor_attn.backends import enumerate_candidates, only_backends
+from inductor_attn.backends import (enumerate_candidates, only_backends, run_backend, run_backend_backward,
+                                    source_hash)
 from inductor_attn.backends.base import AttnCall, Config
 from inductor_attn.backends.triton_flash import flash
 from inductor_attn.block_mask import BlockSparseMask
@@ -94,7 +95,7 @@ def oracle_varlen(call: AttnCall):
 
 
 def check_dense(call: AttnCall, cfg: Config):
-    out, lse = flash.BACKEND.run(call, cfg)
+    out, lse = run_backend(flash.BACKEND, call, cfg)
     ref = oracle_dense(call.q, call.k, call.v, call.scale, call.causal, call.window_left, call.window_right,
                        call.kv_seqlens)
     assert_matches(out, lse, *ref, call.q.dtype)
@@ -159,7 +160,7 @@ def test_output_follows_q_stride_order_and_lse_is_contiguous():
     torch.manual_seed(3)
     q = rand(2, 9, 4, 16).transpose(1, 2)  # (B, L, H, D) memory
     call = AttnCall("attention", q, rand(2, 2, 11, 16), rand(2, 2, 11, 24), 0.25, True)
-    out, lse = flash.BACKEND.run(call, small())
+    out, lse = run_backend(flash.BACKEND, call, small())
     assert out.shape == (2, 4, 9, 24) and out.stride() == empty_like_layout(q, out.shape).stride()
     assert lse.is_contiguous()
     assert_matches(out, lse, *oracle_dense(call.q, call.k, call.v, 0.25, True), torch.float32)
@@ -168,7 +169,7 @@ def test_output_follows_q_stride_order_and_lse_is_contiguous():
 def test_fully_masked_rows_give_zero_output_and_neg_inf_lse():
     torch.manual_seed(4)
     call = dense_case(1, 2, 2, 20, 8, 16, 16, causal=True)  # rows 0..11 see no key
-    out, lse = flash.BACKEND.run(call, small())
+    out, lse = run_backend(flash.BACKEND, call, small())
     assert torch.equal(out[:, :, :12], torch.zeros_like(out[:, :, :12]))
     assert torch.isneginf(lse[:, :, :12]).all() and torch.isfinite(lse[:, :, 12:]).all()
 
@@ -180,7 +181,7 @@ def test_kv_tiles_outside_the_band_are_never_read():
     clean = (call.k.clone(), call.v.clone())
     call.k[:, :, :32] = float("nan")
     call.v[:, :, :32] = float("nan")
-    out, lse = flash.BACKEND.run(call, small())
+    out, lse = run_backend(flash.BACKEND, call, small())
     ref = oracle_dense(call.q, *clean, call.scale, True, 4)
     assert_matches(out, lse, *ref, torch.float32)
 
@@ -193,7 +194,7 @@ def test_nan_keys_past_kv_seqlens_never_reach_the_output(tma):
     clean = (call.k.clone(), call.v.clone())
     call.k[0, :, 5:] = call.v[0, :, 5:] = float("nan")
     call.k[1, :, 20:] = call.v[1, :, 20:] = float("nan")
-    out, lse = flash.BACKEND.run(call, small(tma=tma))
+    out, lse = run_backend(flash.BACKEND, call, small(tma=tma))
     assert_matches(out, lse, *oracle_dense(call.q, *clean, call.scale, kv_lens=call.kv_seqlens), torch.float32)
 
 
@@ -233,7 +234,7 @@ VARLEN = {
 def test_varlen_matches_naive(case, variant):
     torch.manual_seed(7)
     call = varlen_case(**VARLEN[case])
-    out, lse = flash.BACKEND.run(call, VARIANTS[variant])
+    out, lse = run_backend(flash.BACKEND, call, VARIANTS[variant])
     assert_matches(out, lse, *oracle_varlen(call), torch.float32)
 
 
@@ -277,7 +278,7 @@ SPARSE = {
 
 
 def check_sparse(call: AttnCall, cfg: Config):
-    out, lse = flash.BACKEND.run(call, cfg)
+    out, lse = run_backend(flash.BACKEND, call, cfg)
     ref = naive.attend(call.q, call.k, call.v, call.sparse.dense_mask(), call.scale)
     assert_matches(out, lse, *ref, call.q.dtype)
 
@@ -330,7 +331,7 @@ def test_unlisted_sparse_blocks_are_never_read():
     call = sparse_case(_skips_block_1, 1, 2, 2, 64, 192, 16, 64)
     clean = (call.k.clone(), call.v.clone())
     call.k[:, :, 64:128] = call.v[:, :, 64:128] = float("nan")
-    out, lse = flash.BACKEND.run(call, Config.of(block_m=64, block_n=64, num_warps=4, num_stages=2,
+    out, lse = run_backend(flash.BACKEND, call, Config.of(block_m=64, block_n=64, num_warps=4, num_stages=2,
                                                  schedule="tile"))
     assert_matches(out, lse, *naive.attend(call.q, *clean, call.sparse.dense_mask(), call.scale), torch.float32)
 
@@ -375,7 +376,7 @@ def test_tiles_left_out_of_the_list_are_never_read():
     call = sparse_case(_skips_first_tile, 1, 1, 1, 130, 128, 16, 128)
     clean = (call.k.clone(), call.v.clone())
     call.k[:, :, :32] = call.v[:, :, :32] = float("nan")
-    out, lse = flash.BACKEND.run(call, TILE_LIST)
+    out, lse = run_backend(flash.BACKEND, call, TILE_LIST)
     assert_matches(out, lse, *naive.attend(call.q, *clean, call.sparse.dense_mask(), call.scale), torch.float32)
 
 
@@ -486,11 +487,12 @@ def test_without_triton_the_backend_imports_and_gives_a_reason():
     """The registry imports this module on every install: with triton's import refused, importing it
     and asking supports() must work (fresh interpreter, no TRITON_INTERPRET)."""
     code = (
+        "from inductor_attn.backends import source_hash\n"
         "from inductor_attn.backends.triton_flash import flash\n"
         "from inductor_attn.device import parse_device_override\n"
         "from inductor_attn.problem import Problem\n"
         "p = Problem('attention', 'bfloat16', 'cuda', 1, 8, 2, 512, 512, 128, 128)\n"
-        "print(flash.BACKEND.supports(p, parse_device_override('sm_90')), flash.BACKEND.source_hash() != '')\n"
+        "print(flash.BACKEND.supports(p, parse_device_override('sm_90')), source_hash(flash.BACKEND) != '')\n"
     )
     assert run_without(("triton",), code) == "triton is not installed True"
 
@@ -503,14 +505,14 @@ def test_candidates_enumerate_without_duplicates():
 
 @pytest.mark.parametrize("index", [0, 1, 2])
 def test_source_hash_covers_the_forward_and_backward_kernel_modules(monkeypatch, tmp_path, index):
-    before = flash.BACKEND.source_hash()
+    before = source_hash(flash.BACKEND)
     sources = list(flash.BACKEND.sources)
     at = sources.index(flash.KERNEL_SOURCES[index])
     edited = tmp_path / sources[at].name
     edited.write_bytes(sources[at].read_bytes() + b"# edited\n")
     sources[at] = edited
     monkeypatch.setattr(flash.BACKEND, "sources", tuple(sources))
-    assert flash.BACKEND.source_hash() != before
+    assert source_hash(flash.BACKEND) != before
 
 
 def test_backward_is_delegated_lazily_to_flash_bwd(monkeypatch):
@@ -519,6 +521,6 @@ def test_backward_is_delegated_lazily_to_flash_bwd(monkeypatch):
     fake.backward = lambda *args: seen.append(args) or "grads"
     monkeypatch.setitem(sys.modules, fake.__name__, fake)
     call = dense_case(1, 1, 1, 4, 4, 16, 16)
-    assert flash.BACKEND.has_backward
-    assert flash.BACKEND.backward(call, small(), "out", "lse", "dout", None) == "grads"
+    assert flash.BACKEND.takes.backward
+    assert run_backend_backward(flash.BACKEND, call, small(), "out", "lse", "dout", None) == "grads"
     assert seen == [(small(), flash.eager_launcher, call, "out", "lse", "dout", None)]

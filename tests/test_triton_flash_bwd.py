@@ -15,7 +15,7 @@ import pytest
 import torch
 from fakes import ComputingOps, stub_triton_compile
 
-from inductor_attn.backends import reference
+from inductor_attn.backends import reference, run_backend, run_backend_backward
 from inductor_attn.backends.base import AttnCall, Config
 from inductor_attn.backends.triton_common import eager_launcher, warmup_launcher
 from inductor_attn.block_mask import BlockSparseMask, pack_bits
@@ -145,9 +145,9 @@ def test_window_edges_sweep_matches_reference():
         q, k, v = torch.randn(1, 1, lq, 16, generator=gen), torch.randn(1, 1, lk, 16, generator=gen), \
             torch.randn(1, 1, lk, 16, generator=gen)
         call = AttnCall("attention", q, k, v, 0.25, False, wl, wr)
-        out, lse = reference.BACKEND.run(call, Config())
+        out, lse = run_backend(reference.BACKEND, call, Config())
         go, gl = torch.randn(out.shape, generator=gen), torch.randn(lse.shape, generator=gen)
-        want = reference.BACKEND.backward(call, Config(), out, lse, go, gl)
+        want = run_backend_backward(reference.BACKEND, call, Config(), out, lse, go, gl)
         cfg = Config.of(bwd_block_m=16, bwd_block_n=16, bwd_dq=mode)
         got = flash_bwd.backward(cfg, eager_launcher, call, out, lse, go, gl)
         floor = 1e-2 * want[2].norm()
@@ -248,9 +248,9 @@ def test_varlen_matches_reference_including_empty_sequences(monkeypatch):
                                                          bwd_kv_split=2))):
         call = AttnCall("varlen", q, k, v, 0.3, causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=35,
                         max_seqlen_k=40)
-        out, lse = reference.BACKEND.run(call, Config())
+        out, lse = run_backend(reference.BACKEND, call, Config())
         go, gl = torch.randn(out.shape, generator=gen), torch.randn(lse.shape, generator=gen)
-        want = reference.BACKEND.backward(call, Config(), out, lse, go, gl)
+        want = run_backend_backward(reference.BACKEND, call, Config(), out, lse, go, gl)
         assert_close(run_ours(call, cfg, out, lse, go, gl, monkeypatch), want, torch.float32)
 
 
@@ -297,9 +297,9 @@ def test_block_sparse_matches_reference(case, monkeypatch):
         torch.randn(2, 2, 75, 24, generator=gen)
     sparse = random_block_mask(*c["mask_bh"], 70, 75, c["bq"], c["bk"], with_full=c.get("with_full", True))
     call = AttnCall("block_sparse", q, k, v, 0.3, sparse=sparse)
-    out, lse = reference.BACKEND.run(call, Config())
+    out, lse = run_backend(reference.BACKEND, call, Config())
     go, gl = torch.randn(out.shape, generator=gen), torch.randn(lse.shape, generator=gen)
-    want = reference.BACKEND.backward(call, Config(), out, lse, go, gl)
+    want = run_backend_backward(reference.BACKEND, call, Config(), out, lse, go, gl)
     assert_close(run_ours(call, c["cfg"], out, lse, go, gl, monkeypatch), want, torch.float32)
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_triton_flash_bwd import assert_close, dense_mask, flash_bwd, oracle_grads, random_block_mask, run_ours
 
-from inductor_attn.backends import reference
+from inductor_attn.backends import reference, run_backend, run_backend_backward
 from inductor_attn.backends.base import AttnCall, Config
 from inductor_attn.backends.triton_common import eager_launcher
 from inductor_attn.block_mask import BlockSparseMask
@@ -95,9 +95,9 @@ def test_varlen_matches_reference(dtype, causal, monkeypatch):
                     max_seqlen_q=323, max_seqlen_k=310)
     f64 = AttnCall("varlen", q.double(), k.double(), v.double(), 128 ** -0.5, causal, cu_seqlens_q=cu_q,
                    cu_seqlens_k=cu_k, max_seqlen_q=323, max_seqlen_k=310)
-    out, lse = reference.BACKEND.run(f64, Config())
+    out, lse = run_backend(reference.BACKEND, f64, Config())
     go, gl = torch.randn(out.shape, generator=gen, device="cuda"), torch.randn(lse.shape, generator=gen, device="cuda")
-    want = reference.BACKEND.backward(f64, Config(), out, lse, go, gl)
+    want = run_backend_backward(reference.BACKEND, f64, Config(), out, lse, go, gl)
     for cfg in (Config(), Config.of(bwd_dq="atomic", bwd_kv_split=2)):
         got = run_ours(call, cfg, out.to(dtype), lse.float(), go.to(dtype), gl, monkeypatch)
         assert_close(got, want, dtype)
@@ -153,7 +153,7 @@ def test_random_block_masks_with_partial_bitmaps(mask_bh, monkeypatch):
 # ---------------------------------------------------------------------------- determinism, graphs
 def _forward(call, dtype):
     gen = torch.Generator(device="cuda").manual_seed(9)
-    out, lse = reference.BACKEND.run(call, Config())
+    out, lse = run_backend(reference.BACKEND, call, Config())
     go = torch.randn(out.shape, generator=gen, device="cuda").to(dtype)
     return out, lse, go, torch.randn(lse.shape, generator=gen, device="cuda")
 
@@ -182,7 +182,7 @@ def test_backward_is_cuda_graph_capturable(monkeypatch):
     q, k, v, go, gl = _inputs(1, 8, 2, 700, 700, 64, 64, torch.bfloat16, 4)
     for call in (AttnCall("attention", q, k, v, 0.125, True),
                  AttnCall("block_sparse", q, k, v, 0.125, sparse=_flex_mask("doc_window", 700, 700, 8, 128))):
-        out, lse = reference.BACKEND.run(call, Config())
+        out, lse = run_backend(reference.BACKEND, call, Config())
         cfg = Config.of(bwd_dq="atomic", bwd_kv_split=2)
         eager = flash_bwd.backward(cfg, eager_launcher, call, out, lse, go, gl)
         stream = torch.cuda.Stream()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from inductor_attn.backends import run_backend
 from inductor_attn.backends.base import AttnCall, Config
 from inductor_attn.backends.reference import BACKEND as REFERENCE
 from inductor_attn.backends.triton_flash import flash
@@ -52,10 +53,10 @@ def runnable_configs(call: AttnCall) -> list[Config]:
 
 
 def check(call: AttnCall, cfgs: list[Config]):
-    ref_out, ref_lse = REFERENCE.run(as_float64(call), Config())
+    ref_out, ref_lse = run_backend(REFERENCE, as_float64(call), Config())
     failures = {}
     for cfg in cfgs:
-        out, lse = flash.BACKEND.run(call, cfg)
+        out, lse = run_backend(flash.BACKEND, call, cfg)
         assert out.stride() == empty_like_layout(call.q, out.shape).stride() and lse.is_contiguous()
         reason = check_output(out, lse, ref_out, ref_lse, call.q.dtype)
         if reason:
@@ -144,7 +145,7 @@ def test_every_listed_config_compiles_and_matches(case):
 def test_fully_masked_rows_give_zero_and_neg_inf():
     torch.manual_seed(3)
     call = dense(1, 4, 2, 300, 100, 64, causal=True)  # rows 0..199 see no key
-    out, lse = flash.BACKEND.run(call, runnable_configs(call)[0])
+    out, lse = run_backend(flash.BACKEND, call, runnable_configs(call)[0])
     assert torch.equal(out[:, :, :200], torch.zeros_like(out[:, :, :200]))
     assert torch.isneginf(lse[:, :, :200]).all() and torch.isfinite(lse[:, :, 200:]).all()
 
@@ -153,11 +154,11 @@ def test_run_allocates_only_out_and_lse():
     torch.manual_seed(4)
     call = dense(2, 8, 2, 1024, 1024, 128, causal=True)
     for cfg in first_of_each_schedule(runnable_configs(call)):
-        flash.BACKEND.run(call, cfg)  # compile first
+        run_backend(flash.BACKEND, call, cfg)  # compile first
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        out, lse = flash.BACKEND.run(call, cfg)
+        out, lse = run_backend(flash.BACKEND, call, cfg)
         torch.cuda.synchronize()
         expected = out.numel() * out.element_size() + lse.numel() * lse.element_size()
         assert torch.cuda.max_memory_allocated() - before <= expected + 4096, str(cfg)
@@ -247,6 +248,6 @@ def test_persistent_launch_records_occupancy():
     torch.manual_seed(7)
     call = dense(2, 8, 8, 1024, 1024, 64)
     cfg = next(c for c in runnable_configs(call) if c["schedule"] == "persistent")
-    flash.BACKEND.run(call, cfg)
+    run_backend(flash.BACKEND, call, cfg)
     assert flash._PER_SM, "the compiled kernel's registers/shared memory were not read"
     assert all(1 <= n <= 16 for n in flash._PER_SM.values())

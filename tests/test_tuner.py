@@ -10,7 +10,7 @@ import pytest
 import torch
 from fakes import FakeBackend, FakeTimer
 
-from inductor_attn.backends import AttnCall, enumerate_candidates, only_backends
+from inductor_attn.backends import AttnCall, Library, Takes, enumerate_candidates, only_backends
 from inductor_attn.device import DeviceInfo
 from inductor_attn.tuning import measure
 from inductor_attn.tuning.tuner import tune
@@ -158,7 +158,7 @@ def test_first_call_time_is_recorded_apart_from_run_time():
 
 def test_backward_tuning_gates_gradients_and_skips_forward_only_backends():
     class ForwardOnly(FakeBackend):
-        has_backward = False
+        takes = Takes()
 
     a = FakeBackend("a", {"default": (1.0, 0.01)})
     b = ForwardOnly("b", {"default": (0.1, 0.01)})
@@ -182,8 +182,7 @@ def test_errors_a_backend_declares_count_as_failed_candidates_even_in_strict_mod
         pass
 
     class Kernels(FakeBackend):
-        def errors(self):
-            return (OutOfResources,)
+        library = Library(errors=lambda: (OutOfResources,))
 
     backend = Kernels("k", {"default": (1.0, 0.01)})
     assert is_candidate_error(OutOfResources("shared memory 300000 > 232448"), backend)

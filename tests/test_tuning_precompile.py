@@ -13,7 +13,7 @@ import pytest
 import torch
 from fakes import FakeBackend
 
-from inductor_attn.backends import AttnCall
+from inductor_attn.backends import AttnCall, Library
 from inductor_attn.block_mask import BlockSparseMask
 from inductor_attn.tuning import precompile
 from inductor_attn.tuning.subproc import Worker, WorkerError, load_call, save_call
@@ -207,9 +207,9 @@ def test_a_worker_imports_the_costly_libraries_of_the_backends_before_it_says_re
 
     loaded = []
     cheap, costly = FakeBackend("cheap", {"default": (1.0, 0.0)}), FakeBackend("costly", {"default": (1.0, 0.0)})
-    costly.costly_import = True
     for backend in (cheap, costly):
-        monkeypatch.setattr(backend, "load", lambda name=backend.name: loaded.append(name))
+        monkeypatch.setattr(backend, "library", Library(costly_import=backend is costly,
+                                                        load=lambda name=backend.name: loaded.append(name)))
     monkeypatch.setattr("inductor_attn.backends.backends", lambda: [cheap, costly])
     subproc.load_costly_libraries()
     assert loaded == ["costly"]

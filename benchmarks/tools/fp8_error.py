@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from inductor_attn.backends import REFERENCE, AttnCall, enumerate_candidates, fa3
+from inductor_attn.backends import REFERENCE, AttnCall, enumerate_candidates, fa3, run_backend
 from inductor_attn.backends.reference import dequantised
 from inductor_attn.device import device_info
 from inductor_attn.tuning.correctness import LSE_TOLERANCE, TOLERANCES, rel_err
@@ -50,7 +50,7 @@ def main(seeds: int) -> None:
         for seed in range(seeds):
             call = fp8_call(*shape, seed)
             q, k, v = (x.double() for x in dequantised(call))
-            ref_out, ref_lse = REFERENCE.run(AttnCall("attention", q, k, v, call.scale, call.causal), None)
+            ref_out, ref_lse = run_backend(REFERENCE, AttnCall("attention", q, k, v, call.scale, call.causal), None)
             for cand in enumerate_candidates(call.problem, dev):
                 if cand.backend == "fa3" and cand.pruned is None:
                     out, lse = fa3.BACKEND.plan(call.problem, dev, cand.config, "forward").launch(call)

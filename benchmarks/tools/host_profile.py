@@ -541,10 +541,10 @@ def compare(steps: dict, calls: int, taking_turns: bool = False) -> None:
 
 
 def fa4_anatomy(direction: str, launch, run, q) -> None:
-    """Host us of an FA4 plan's launch (backends/fa4.py) that replays its recorded kernel calls: the whole
+    """Host us of an FA4 plan's launch (backends/fa4/) that replays its recorded kernel calls: the whole
     launch, its replay, the replay's scratch buffers alone, and each compiled CuTe kernel called with the
     arguments the replay gave it; the launch less the replay is our argument preparation."""
-    from inductor_attn.backends.fa4 import _Replay
+    from inductor_attn.backends.replay import Replay
 
     replays = [r for r in launch.replays.by_layout.values() if r is not None]
     if len(replays) != 1:
@@ -555,7 +555,7 @@ def fa4_anatomy(direction: str, launch, run, q) -> None:
     replay.steps = [(lambda *args, fn=fn: made.append((fn, args)) or fn(*args), specs) for fn, specs in steps]
     run()
     replay.steps = steps
-    scratch = _Replay([], replay.scratch)
+    scratch = Replay([], replay.scratch)
     zeroed = sum(z for *_, z in replay.scratch)
     rows = {"whole launch": run,
             f"scratch buffers alone ({len(replay.scratch)}, {zeroed} zeroed)": lambda: scratch((q,))}

@@ -1,28 +1,30 @@
 """The backend contract: what a kernel family implements to become a tuning candidate.
 
-A backend turns a problem into candidates, and a chosen candidate into a :class:`Plan`:
+A backend turns a problem into candidates, and a chosen candidate into a :class:`Plan`. It sets:
 
-- ``name``; ``requires``: distributions whose versions enter decision keys; ``sources``: files whose
-  bytes are hashed into decision keys (editing a kernel invalidates its old timings, like Inductor's
-  ``ExternKernelChoice.hash_key``); ``knobs``: the config keys it reads and their types;
-  ``takes_key_mask``: whether its plans apply ``AttnCall.key_mask``; ``takes_fp8``: whether they take
-  float8_e4m3fn q/k/v with ``AttnCall.descale``; ``takes_grad_lse``: whether its
-  backward takes a gradient of the lse (a loss that uses the lse, not only the output).
-- ``ops``: the ops (Problem.op) it runs; the registry prunes the others without asking it. The default leaves
-  out ``paged``, the newest: a backend reads a paged cache (a block table, packed queries) only where it says so.
+- ``name``: the prefix of its candidates' names; ``knobs``: the config keys it reads and their types;
+  ``sources``: files whose bytes are hashed into decision keys (default: its module; editing a kernel
+  invalidates its old timings, like Inductor's ``ExternKernelChoice.hash_key``).
+- ``takes`` (:class:`Takes`): the ops it runs and what else its plans take (key masks, fp8, a backward, a
+  gradient of the lse); the registry prunes the rest without asking it.
+- ``library`` (:class:`Library`): the library its kernels come from, where that is not torch: the
+  distributions whose versions enter decision keys, its errors that mean "cannot run here", and whether
+  importing it is costly or its compiled kernels land in a disk cache other processes read.
+
+And implements:
+
 - ``supports(p, dev, direction) -> None | reason``: whether it can run this problem here at all.
 - ``configs(p, dev, direction) -> [Candidate]``: its knob settings, pruned ones with their reason.
 - ``heuristic(p, dev) -> Config | None``: today's hand rule, if the backend has one.
-- ``errors() -> tuple of exception types`` that mean "this candidate cannot run here" (compile, launch
-  and resource failures of its library); anything else a candidate raises is a bug and is reported.
 - ``plan(p, dev, cfg, direction) -> Plan``: everything Python decides for (problem, config, device),
   done once. ``Plan.launch`` only allocates outputs and launches kernels.
-- Compiling ahead (optional, tuning/precompile.py): a plan whose kernels can be compiled without running
-  them offers ``Plan.compile``; a backend whose first launch leaves its compiled kernels in a disk cache
-  that other processes read sets ``compiles_to_disk``, and the tuner then compiles its candidates in
-  worker processes. Either way the tuner compiles a stage's candidates before gating them.
 
-Nothing in enumeration raises for an unsupported problem: reasons are returned.
+Compiling ahead (optional, tuning/precompile.py): a plan whose kernels can be compiled without running
+them offers ``Plan.compile``; a backend whose library sets ``compiles_to_disk`` has its candidates compiled
+in worker processes. Either way the tuner compiles a stage's candidates before gating them.
+
+Nothing in enumeration raises for an unsupported problem: reasons are returned. Tests and benchmarks run a
+backend in one step with :func:`run_backend` and :func:`run_backend_backward`.
 """
 
 from __future__ import annotations
@@ -191,26 +193,56 @@ class Plan:
     checks_kv_seqlens: bool = False
 
 
+@dataclass(frozen=True)
+class Takes:
+    """What a backend's plans take beyond dense attention forward; the registry prunes the rest without asking
+    the backend. ``ops``: the ops (Problem.op) it runs; the default leaves out ``paged``, the newest: a backend
+    reads a paged cache (a block table, packed queries) only where it says so. ``key_mask``: its plans apply
+    ``AttnCall.key_mask``. ``fp8``: they take float8_e4m3fn q/k/v with ``AttnCall.descale``. ``backward``: it has
+    backward plans. ``grad_lse``: its backward takes a gradient of the lse (a loss that uses the lse, not only the
+    output)."""
+
+    ops: tuple[str, ...] = ("attention", "varlen", "block_sparse")
+    key_mask: bool = False
+    fp8: bool = False
+    backward: bool = False
+    grad_lse: bool = True
+
+
+def _nothing() -> tuple:
+    return ()
+
+
+@dataclass(frozen=True)
+class Library:
+    """The library a backend's kernels come from, where that is not torch itself.
+
+    ``distributions``: whose versions enter decision keys. ``errors() -> tuple of exception types`` that mean
+    "this candidate cannot run here" (the library's compile, launch and resource failures; called when a
+    candidate fails, so it may import the library). ``costly_import``: enumerating the backend imports a large
+    library (FA4's CuTe DSL stack): a store lookup leaves it out (registry.enumerate_candidates ``lookup_only``),
+    so a process whose decisions name other backends never imports it; ``load()`` then imports it, and a compile
+    worker calls it before it says ready, so that its first job is a compile, not an import.
+    ``compiles_to_disk``: a first launch in another process on the same device leaves the compiled kernels in a
+    disk cache that this process's first launch loads (FA4's CuTe DSL cache): tuning/precompile.py then
+    compiles the candidates of plans without ``Plan.compile`` in worker processes.
+    """
+
+    distributions: tuple[str, ...] = ()
+    errors: Callable[[], tuple[type[BaseException], ...]] = _nothing
+    costly_import: bool = False
+    load: Callable[[], object] = _nothing
+    compiles_to_disk: bool = False
+
+
 class Backend:
     """Base class with the contract's defaults; see the module docstring."""
 
     name: str = "?"
-    ops: tuple[str, ...] = ("attention", "varlen", "block_sparse")
-    requires: tuple[str, ...] = ()
-    sources: tuple[Path, ...] = ()
     knobs: dict[str, type | tuple] = {}
-    takes_key_mask: bool = False
-    takes_fp8: bool = False
-    takes_grad_lse: bool = True
-    has_backward: bool = False
-    # a first launch in another process on the same device leaves the compiled kernels in a disk cache
-    # that this process's first launch loads (FA4's CuTe DSL cache): tuning/precompile.py then compiles
-    # the candidates of plans without ``compile`` in worker processes
-    compiles_to_disk: bool = False
-    # enumerating this backend imports a large library (FA4's CuTe DSL stack): a store lookup leaves it out
-    # (registry.enumerate_candidates ``lookup_only``), so a process whose decisions name other backends
-    # never imports it
-    costly_import: bool = False
+    sources: tuple[Path, ...] = ()
+    takes: Takes = Takes()
+    library: Library = Library()  # torch's own kernels: nothing to import, torch's errors
 
     def supports(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> str | None:
         raise NotImplementedError
@@ -221,36 +253,31 @@ class Backend:
     def heuristic(self, p: Problem, dev: DeviceInfo) -> Config | None:
         return None
 
-    def errors(self) -> tuple[type[BaseException], ...]:
-        return ()
-
-    def load(self) -> None:
-        """Import the library this backend's kernels need, where that is costly (``costly_import``); a
-        compile worker does it before it says ready, so that its first job is a compile, not an import."""
-
     def plan(self, p: Problem, dev: DeviceInfo, cfg: Config, direction: str) -> Plan:
         raise NotImplementedError
 
-    # conveniences for tests and benchmarks: plan and launch in one step (the runtime caches plans)
-    def run(self, call: AttnCall, cfg: Config | None):
-        return self.plan(call.problem, _device(call), cfg or Config(), "forward").launch(call)
 
-    def backward(self, call: AttnCall, cfg: Config | None, out, lse, grad_out, grad_lse):
-        if not self.has_backward:
-            raise NotImplementedError(f"backend {self.name} has no backward")
-        return self.plan(call.problem, _device(call), cfg or Config(), "backward").launch(
-            call, out, lse, grad_out, grad_lse)
+def source_hash(backend: Backend) -> str:
+    """Hash of ``backend.sources`` (default: its class's module): editing a kernel invalidates its decisions."""
+    files = backend.sources or (Path(inspect.getfile(type(backend))),)
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(Path(path).read_bytes())
+    return digest.hexdigest()[:16]
 
-    def candidate(self, cfg: Config, pruned: str | None = None) -> Candidate:
-        return Candidate(self.name, cfg, pruned)
 
-    def source_hash(self) -> str:
-        """Hash of ``sources`` (default: this backend's module): editing a kernel invalidates its decisions."""
-        files = self.sources or (Path(inspect.getfile(type(self))),)
-        digest = hashlib.sha256()
-        for path in files:
-            digest.update(Path(path).read_bytes())
-        return digest.hexdigest()[:16]
+# conveniences for tests and benchmarks: plan and launch in one step (the runtime caches plans)
+def run_backend(backend: Backend, call: AttnCall, cfg: Config | None):
+    """``backend``'s forward of ``call`` with ``cfg`` (None: the default config): ``(out, lse)``."""
+    return backend.plan(call.problem, _device(call), cfg or Config(), "forward").launch(call)
+
+
+def run_backend_backward(backend: Backend, call: AttnCall, cfg: Config | None, out, lse, grad_out, grad_lse):
+    """``backend``'s backward of ``call`` with ``cfg`` (None: the default config): ``(dq, dk, dv)``."""
+    if not backend.takes.backward:
+        raise NotImplementedError(f"backend {backend.name} has no backward")
+    return backend.plan(call.problem, _device(call), cfg or Config(), "backward").launch(
+        call, out, lse, grad_out, grad_lse)
 
 
 def _device(call: AttnCall) -> DeviceInfo:

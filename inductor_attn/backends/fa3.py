@@ -25,7 +25,7 @@ TMA, which needs a contiguous last dim, 16-byte aligned pointer and 16-byte mult
 tensor that is not so is copied (:func:`_as_fa3_takes`).
 
 Errors: FA3's checks are C++ ``STD_TORCH_CHECK``s, which reach Python as RuntimeError: the tuner's
-``CANDIDATE_ERRORS`` already count those as "cannot run here", so :meth:`FA3Backend.errors` adds nothing.
+``CANDIDATE_ERRORS`` already count those as "cannot run here", so its ``library`` declares no errors.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch
 from ..device import DeviceInfo
 from ..layout import conform, empty_like_layout
 from ..problem import Problem
-from .base import AttnCall, Backend, Candidate, Config, Plan
+from .base import AttnCall, Backend, Candidate, Config, Library, Plan, Takes
 
 DISTRIBUTION = "tokenspeed-fa3"
 NOT_INSTALLED = f"{DISTRIBUTION} not installed (pip install 'inductor-attn[fa3]')"
@@ -114,10 +114,10 @@ class FA3Backend(Backend):
     """Forward only; compiled code runs the plan's launch through the thin op (no traced form: a C++ op)."""
 
     name = "fa3"
-    requires = (DISTRIBUTION,)
     knobs = {"num_splits": int, "pack_gqa": bool}
-    takes_fp8 = True
-    costly_import = True  # supports() imports flash_attn_interface, which loads a 300 MB library
+    takes = Takes(fp8=True)
+    # supports() imports flash_attn_interface, which loads a 300 MB library
+    library = Library(distributions=(DISTRIBUTION,), costly_import=True, load=_load)
 
     def supports(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> str | None:
         if p.device_type != "cuda":
@@ -161,7 +161,7 @@ class FA3Backend(Backend):
             packs = (True, False) if p.len_q < _BLOCK_M else (False, True)
             cfgs = [Config.of(num_splits=1, pack_gqa=pack) for pack in packs]
             cfgs += [Config.of(num_splits=s, pack_gqa=True) for s in splits if s > 1]
-        return [self.candidate(c, self._pruned(c)) for c in cfgs]
+        return [Candidate(self.name, c, self._pruned(c)) for c in cfgs]
 
     def _pruned(self, cfg: Config) -> str | None:
         fa = _load()
@@ -171,9 +171,6 @@ class FA3Backend(Backend):
         if cfg.get("pack_gqa") and flags.get("FLASHATTENTION_DISABLE_PACKGQA"):
             return f"{DISTRIBUTION} was built with FLASHATTENTION_DISABLE_PACKGQA"
         return None
-
-    def load(self) -> None:
-        _load()
 
     def plan(self, p: Problem, dev: DeviceInfo, cfg: Config, direction: str) -> Plan:
         if direction != "forward":

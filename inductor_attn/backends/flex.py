@@ -88,7 +88,7 @@ class FlexBackend(Backend):
             cfgs = [Config.of(backend="TRITON"), Config.of(backend="FLASH")]
         else:
             cfgs = [Config.of(backend="TRITON"), *TRITON_TILES, Config.of(backend="FLASH")]
-        return [self.candidate(c, _pruned(p, dev, c)) for c in cfgs]
+        return [Candidate(self.name, c, _pruned(p, dev, c)) for c in cfgs]
 
     def plan(self, p: Problem, dev: DeviceInfo, cfg: Config, direction: str) -> Plan:
         return Plan(functools.partial(_launch, kernel_options(cfg), cfg["backend"] == "FLASH"))

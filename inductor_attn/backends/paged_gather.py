@@ -18,7 +18,7 @@ import torch
 
 from ..device import DeviceInfo
 from ..problem import Problem
-from .base import AttnCall, Backend, Candidate, Config, Plan
+from .base import AttnCall, Backend, Candidate, Config, Plan, Takes
 from ..layout import conform
 from .pages import gather_padded, key_slots
 
@@ -44,7 +44,7 @@ def as_packed(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor):
 
 class PagedGatherBackend(Backend):
     name = "paged_gather"
-    ops = ("paged",)
+    takes = Takes(ops=("paged",))
     knobs = {"kernel": KERNELS}
 
     def supports(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> str | None:
@@ -59,7 +59,8 @@ class PagedGatherBackend(Backend):
 
     def configs(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> list[Candidate]:
         pruned = "SDPA cudnn needs fp16/bf16" if p.dtype == "float32" else None
-        return [self.candidate(Config.of(kernel="efficient")), self.candidate(Config.of(kernel="cudnn"), pruned)]
+        return [Candidate(self.name, Config.of(kernel="efficient")),
+                Candidate(self.name, Config.of(kernel="cudnn"), pruned)]
 
     def plan(self, p: Problem, dev: DeviceInfo, cfg: Config, direction: str) -> Plan:
         from .registry import plan_for  # the registry imports this module

@@ -13,7 +13,7 @@ import torch
 from ..device import DeviceInfo
 from ..layout import conform
 from ..problem import Problem
-from .base import AttnCall, Backend, Config, Plan
+from .base import AttnCall, Backend, Config, Plan, Takes
 from .masks import MaskFn, dense_mask_fn
 from .pages import gather_packed, key_slots, query_starts
 
@@ -229,10 +229,7 @@ class ReferenceBackend(Backend):
     code must give the same numbers as eager, which Inductor's fusion of this math would not."""
 
     name = "reference"
-    ops = ("attention", "varlen", "block_sparse", "paged")
-    takes_key_mask = True
-    takes_fp8 = True
-    has_backward = True
+    takes = Takes(ops=("attention", "varlen", "block_sparse", "paged"), key_mask=True, fp8=True, backward=True)
 
     def supports(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> str | None:
         return None

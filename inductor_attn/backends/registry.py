@@ -66,8 +66,8 @@ def only_backends(*backends: Backend):
 
 
 def required_distributions() -> tuple[str, ...]:
-    """The distributions that the registered backends ``require`` (their versions enter decision keys)."""
-    return tuple(sorted({d for b in _REGISTRY.values() for d in b.requires}))
+    """The distributions of the registered backends' libraries (their versions enter decision keys)."""
+    return tuple(sorted({d for b in _REGISTRY.values() for d in b.library.distributions}))
 
 
 def get_backend(name: str) -> Backend:
@@ -87,19 +87,19 @@ LOOKUP_ONLY = "not enumerated for a store lookup (its enumeration imports a larg
 def enumerate_candidates(p: Problem, dev: DeviceInfo, direction: str = "forward",
                          grad_lse: bool = False, lookup_only: bool = False) -> list[Candidate]:
     """Every (backend, config) for ``p`` in prior order, each with its pruned reason or None. ``grad_lse``:
-    a backward whose loss uses the lse too. ``lookup_only``: backends with ``costly_import`` are listed by
-    name only, pruned with ``LOOKUP_ONLY`` (the decision key names backends, not their configs)."""
+    a backward whose loss uses the lse too. ``lookup_only``: backends whose library has ``costly_import`` are listed
+    by name only, pruned with ``LOOKUP_ONLY`` (the decision key names backends, not their configs)."""
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
     out: list[Candidate] = []
     for backend in _REGISTRY.values():
-        if p.op not in backend.ops:  # not a candidate at all: nor listed, nor its source in the decision key
+        if p.op not in backend.takes.ops:  # not a candidate at all: nor listed, nor its source in the decision key
             continue
-        if lookup_only and backend.costly_import:
+        if lookup_only and backend.library.costly_import:
             out.append(Candidate(backend.name, None, LOOKUP_ONLY))
             continue
         reason = _unsupported(backend, p, dev, direction)
-        if reason is None and grad_lse and not backend.takes_grad_lse:
+        if reason is None and grad_lse and not backend.takes.grad_lse:
             reason = f"{backend.name}'s backward takes no gradient of the lse (the loss uses the lse here)"
         if reason is not None:
             out.append(Candidate(backend.name, None, reason))
@@ -115,12 +115,12 @@ def enumerate_candidates(p: Problem, dev: DeviceInfo, direction: str = "forward"
 
 
 def _unsupported(backend: Backend, p: Problem, dev: DeviceInfo, direction: str) -> str | None:
-    if direction == "backward" and not backend.has_backward:
+    if direction == "backward" and not backend.takes.backward:
         return f"{backend.name} has no backward"
-    if p.dtype.startswith("float8") and not backend.takes_fp8:
+    if p.dtype.startswith("float8") and not backend.takes.fp8:
         return f"{backend.name} takes no fp8 inputs (fp8 runs on {_fp8_backends()})"
     reason = backend.supports(p, dev, direction)
-    if reason is None and p.has_key_mask and not backend.takes_key_mask:
+    if reason is None and p.has_key_mask and not backend.takes.key_mask:
         reason = f"{backend.name} does not take key_mask (per-batch key masks run on {_key_mask_backends()})"
     return reason
 
@@ -144,11 +144,11 @@ def _plan(backend: Backend, problem: Problem, cfg, dev: DeviceInfo, direction: s
 
 
 def _key_mask_backends() -> str:
-    return ", ".join(b.name for b in _REGISTRY.values() if b.takes_key_mask)
+    return ", ".join(b.name for b in _REGISTRY.values() if b.takes.key_mask)
 
 
 def _fp8_backends() -> str:
-    return ", ".join(b.name for b in _REGISTRY.values() if b.takes_fp8)
+    return ", ".join(b.name for b in _REGISTRY.values() if b.takes.fp8)
 
 
 for _backend in BUILTIN:

@@ -22,7 +22,7 @@ from .._compat import fused_sdp_choice
 from ..device import DeviceInfo
 from ..layout import conform
 from ..problem import Problem, default_scale
-from .base import AttnCall, Backend, Candidate, Config, Plan
+from .base import AttnCall, Backend, Candidate, Config, Plan, Takes
 from .masks import dense_mask_fn
 
 KERNELS = ("cudnn", "flash", "efficient")
@@ -132,7 +132,7 @@ def _launch_backward(kernel: str, needs_bias: bool, call: AttnCall, out, lse, gr
     """dq, dk, dv from SDPA's backward kernels, fed with whichever forward made ``out`` and ``lse`` (any
     backend's: our lse contract is the natural-log float32 (B, H, Lq) these kernels take). Placeholders
     are None, which the op call passes as undefined tensors (no dropout: no RNG state; dense: no
-    cumulative lengths). A gradient of the lse is not something these kernels take (``takes_grad_lse``)."""
+    cumulative lengths). A gradient of the lse is not something these kernels take (``Takes.grad_lse``)."""
     q, k, v = call.q, call.k, call.v
     bias = _bias(call) if needs_bias else None
     is_causal = call.causal and bias is None
@@ -181,9 +181,7 @@ def _rows_heads_interleaved(out: torch.Tensor) -> torch.Tensor:
 class SdpaBackend(Backend):
     name = "sdpa"
     knobs = {"kernel": KERNELS}
-    takes_key_mask = True
-    takes_grad_lse = False
-    has_backward = True
+    takes = Takes(key_mask=True, backward=True, grad_lse=False)
 
     def supports(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> str | None:
         if p.device_type != "cuda":
@@ -202,7 +200,7 @@ class SdpaBackend(Backend):
     def configs(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> list[Candidate]:
         first = sdpa_default_kernel(p, dev)
         cfgs = [Config.of(kernel=k) for k in (first, *(k for k in KERNELS if k != first))]
-        return [self.candidate(c, _pruned(p, c["kernel"], direction)) for c in cfgs]
+        return [Candidate(self.name, c, _pruned(p, c["kernel"], direction)) for c in cfgs]
 
     def plan(self, p: Problem, dev: DeviceInfo, cfg: Config, direction: str) -> Plan:
         # aten ops and the bias's torch ops: the graph can hold them

@@ -9,6 +9,8 @@ import os
 
 import torch
 
+from .base import Library
+
 
 @functools.cache
 def triton_available() -> bool:
@@ -59,3 +61,6 @@ def triton_errors() -> tuple[type[BaseException], ...]:
     from triton.runtime.errors import OutOfResources
 
     return CompilationError, OutOfResources
+
+
+TRITON = Library(distributions=("triton",), errors=triton_errors)

@@ -58,8 +58,8 @@ from ..device import DeviceInfo, smem_per_block
 from ..layout import empty_like_layout
 from ..messages import KV_SEQLENS_VALUES, device_message
 from ..problem import Problem, next_power_of_two
-from .base import AttnCall, Backend, Candidate, Config, Plan
-from .triton_common import eager_launcher, graph_launcher, traceable, triton_errors, warmup_launcher
+from .base import AttnCall, Backend, Candidate, Config, Plan, Takes
+from .triton_common import TRITON, eager_launcher, graph_launcher, traceable, warmup_launcher
 
 MAX_LEN_Q = 16
 SPLITS = tuple(2 ** i for i in range(8))  # 1 .. 128
@@ -479,10 +479,9 @@ class TritonDecodeBackend(Backend):
     table, across page boundaries, so block_n does not depend on the page size); inference only (no backward)."""
 
     name = "triton_decode"
-    ops = ("attention", "paged")
-    requires = ("triton",)
     knobs = {"block_n": int, "num_splits": int, "num_warps": int, "num_stages": int}
-    takes_key_mask = True
+    takes = Takes(ops=("attention", "paged"), key_mask=True)
+    library = TRITON
 
     def supports(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> str | None:
         if p.len_q > MAX_LEN_Q:
@@ -507,7 +506,7 @@ class TritonDecodeBackend(Backend):
         sweep = [Config.of(block_n=base["block_n"], num_splits=s, num_warps=base["num_warps"]) for s in SPLITS]
         others = [Config.of(block_n=n, num_splits=base["num_splits"], num_warps=w)
                   for n in BLOCK_NS for w in NUM_WARPS]
-        return [self.candidate(c, _pruned(p, dev, c)) for c in dict.fromkeys([base, *sweep, *others])]
+        return [Candidate(self.name, c, _pruned(p, dev, c)) for c in dict.fromkeys([base, *sweep, *others])]
 
     def heuristic(self, p: Problem, dev: DeviceInfo) -> Config | None:
         """Today's hand rule (ExecuTorch, seed 001): split-K iff L_kv >= 256, with
@@ -518,9 +517,6 @@ class TritonDecodeBackend(Backend):
         base = _default_config(p, dev)
         return Config.of(block_n=base["block_n"], num_splits=max(s for s in SPLITS if s <= want),
                          num_warps=base["num_warps"])
-
-    def errors(self) -> tuple[type[BaseException], ...]:
-        return triton_errors()
 
     def plan(self, p: Problem, dev: DeviceInfo, cfg: Config, direction: str) -> Plan:
         decode = DecodePlan(p, dev, cfg)

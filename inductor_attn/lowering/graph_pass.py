@@ -61,7 +61,7 @@ class DecisionPass(_Base):
             return uuid.uuid4().hex
         parts = [__version__, token, mode, os.environ.get(MODE_ENV, ""), os.environ.get(DEVICE_ENV, ""),
                  _rule_hash()]
-        parts += [f"{b.name}={b.source_hash()}" for b in backends.backends()]
+        parts += [f"{b.name}={backends.source_hash(b)}" for b in backends.backends()]
         # decisions are keyed on these too: a new FA4 brings new decisions, which a new row does not signal
         parts += sorted(library_versions(backends.registry.required_distributions()).items())
         if self.chained is not None:

@@ -4,8 +4,8 @@ Fields (any change gives a new key, so an old decision is simply never found aga
 - op and direction ("attention/forward"): different ops, different kernels;
 - the bucketed Problem (problem.py decides what "the same shape" means);
 - device name, compute capability and SM count: a decision on an H100 says nothing about a B200;
-- versions of torch (SDPA/cuDNN dispatch, Inductor), this package, and the distributions each
-  registered backend ``requires`` (triton's code generation, FA4's nvidia-cutlass-dsl and flash-attn-4);
+- versions of torch (SDPA/cuDNN dispatch, Inductor), this package, and the distributions of each
+  registered backend's library (triton's code generation, FA4's nvidia-cutlass-dsl and flash-attn-4);
 - a hash of each candidate backend's module source (like Inductor's ExternKernelChoice.hash_key):
   editing a kernel invalidates the timings taken with the old one.
 """

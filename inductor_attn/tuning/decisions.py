@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from ..backends import AttnCall, Candidate, backends, enumerate_candidates, get_backend
+from ..backends import AttnCall, Candidate, backends, enumerate_candidates, get_backend, source_hash
 from ..backends.registry import LOOKUP_ONLY, required_distributions
 from ..device import DeviceInfo, device_info
 from ..problem import Problem
@@ -97,7 +97,7 @@ def heuristic_choice(p: Problem, dev: DeviceInfo, cands: list[Candidate]) -> str
 
 
 def _sources(cands: list[Candidate]) -> dict[str, str]:
-    return {name: get_backend(name).source_hash() for name in {c.backend for c in cands}}
+    return {name: source_hash(get_backend(name)) for name in {c.backend for c in cands}}
 
 
 def _fields(p: Problem, dev: DeviceInfo, direction: str, cands: list[Candidate], grad_lse: bool = False) -> dict:
@@ -321,7 +321,8 @@ def _shortlisted(cands: list[Candidate], prior: dict) -> tuple[list[Candidate], 
 def _unmeasured_backends(prior: dict) -> set[str]:
     """Registered backends whose distributions are installed and that ``prior``'s record never names."""
     seen = {c["name"].split(":")[0] for c in prior["record"]["candidates"]}
-    return {b.name for b in backends() if b.name not in seen and "absent" not in library_versions(b.requires).values()}
+    return {b.name for b in backends()
+            if b.name not in seen and "absent" not in library_versions(b.library.distributions).values()}
 
 
 def _shortlist_of(prior: dict) -> list[str]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..backends import REFERENCE, AttnCall, Plan, get_backend, plan_for
+from ..backends import REFERENCE, AttnCall, Plan, get_backend, plan_for, run_backend
 from ..backends.pages import key_slots, unused_slots
 from ..device import device_info
 from ..layout import empty_like_layout, filled_like
@@ -36,7 +36,7 @@ from .correctness import POISON, check_output, check_tensor, rel_err
 log = logging.getLogger(__name__)
 
 # Exceptions that mean "this candidate cannot run this problem here": launch, resource and library
-# assertion errors (CUDA errors are RuntimeErrors), plus what each backend declares in ``errors()``
+# assertion errors (CUDA errors are RuntimeErrors), plus what each backend's library declares in ``errors()``
 # (Triton's CompilationError and OutOfResources, CuTe DSL's errors: they derive from Exception only).
 # Anything else is a bug in our code and is re-raised in strict mode.
 CANDIDATE_ERRORS = (RuntimeError, AssertionError, ValueError, NotImplementedError, MemoryError)
@@ -45,7 +45,7 @@ MAX_COPIES = 8
 
 
 def is_candidate_error(err: BaseException, backend) -> bool:
-    return isinstance(err, CANDIDATE_ERRORS + tuple(backend.errors()))
+    return isinstance(err, CANDIDATE_ERRORS + tuple(backend.library.errors()))
 
 
 def strict() -> bool:
@@ -193,7 +193,7 @@ class Direction:
         self.dev = device_info(call.q.device)
         self.grads = self.reference_grads = self.forward = None
         if direction == "backward":
-            out, lse = REFERENCE.run(call, None)
+            out, lse = run_backend(REFERENCE, call, None)
             gen = torch.Generator(device=call.q.device).manual_seed(7)
             grad_out = torch.empty_like(out).normal_(generator=gen)
             dlse = torch.empty_like(lse).normal_(generator=gen) if grad_lse else None

@@ -7,7 +7,7 @@ JIT compilation is most of a cold tune (issue 16: seven problems took 140 s with
   while worker processes compile the candidates below. Whether threads, as Inductor's max-autotune
   precompiles its template choices with (select_algorithm.py, ``make_precompile_fn``), would shorten a
   cold full search is not measured; a shipped table shortlists at most two candidates;
-- plans without it, of backends with ``compiles_to_disk`` (FA4: its CuTe DSL front end is Python that
+- plans without it, of backends whose library has ``compiles_to_disk`` (FA4: its CuTe DSL front end is Python that
   holds the GIL, and fa4.py serializes compiles under a lock), compile in worker processes
   (subproc.py), as Inductor compiles its generated kernels in a pool of subprocesses
   (async_compile.py): each worker runs the candidate's first launch, which leaves the kernels in the

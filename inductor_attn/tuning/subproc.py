@@ -206,8 +206,8 @@ def load_costly_libraries() -> None:
     from ..backends import backends
 
     for backend in backends():
-        if backend.costly_import:
-            backend.load()
+        if backend.library.costly_import:
+            backend.library.load()
 
 
 def main() -> int:

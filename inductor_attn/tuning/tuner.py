@@ -233,7 +233,7 @@ class _Search:
                 continue
             if plan.compile is not None:
                 compiles[name] = lambda p=plan: self.mode.compile(p, self.gate_call)
-            elif get_backend(self.cands[name].backend).compiles_to_disk:
+            elif get_backend(self.cands[name].backend).library.compiles_to_disk:
                 processes[name] = (name, self.mode.direction)
                 here[name] = lambda p=plan: self.mode.run(p, self.gate_call)
         return precompile.compile_all(compiles, processes, self.gate_call, here)
@@ -299,7 +299,8 @@ class _Search:
         default = self.runnable()[0]
         # workers for stage 2, started while stage 1 runs: a backend compiling in processes is searched
         # whenever it comes close, and on Hopper FA4 does
-        precompile.prestart(sum(len(names) - 1 for b, names in groups.items() if get_backend(b).compiles_to_disk))
+        precompile.prestart(sum(len(names) - 1 for b, names in groups.items()
+                                if get_backend(b).library.compiles_to_disk))
         reps = self._representatives(groups, default)
         stage1 = self.passed([*reps.values(), default])
         if len(stage1) < 2:  # one backend runs here: its knobs are the whole search

@@ -17,8 +17,8 @@ import torch
 from ...device import DeviceInfo, device_info, smem_per_block
 from ...layout import broadcast_strides, empty_like_layout
 from ...problem import Problem, next_power_of_two
-from ..base import AttnCall, Backend, Candidate, Config, Plan
-from ..triton_common import eager_launcher, graph_launcher, traceable, triton_available, triton_errors, warmup_launcher
+from ..base import AttnCall, Backend, Candidate, Config, Plan, Takes
+from ..triton_common import TRITON, eager_launcher, graph_launcher, traceable, triton_available, warmup_launcher
 
 # kernel files read (not imported) for the decision key: forward kernel and the backward it delegates to
 KERNEL_SOURCES = [Path(__file__).with_name(n) for n in ("flash_kernel.py", "flash_bwd.py", "flash_bwd_kernels.py")]
@@ -108,14 +108,14 @@ def _fits_registers(p: Problem, tile, schedule: str) -> bool:
 
 class TritonFlashBackend(Backend):
     name = "triton"
-    requires = ("triton",)
     # kernel files are read, not imported, so computing a decision key never needs triton
     sources = (Path(__file__), *KERNEL_SOURCES)
     knobs = {"block_m": int, "block_n": int, "num_warps": int, "num_stages": int,
              "schedule": ("tile", "persistent", "lpt"), "pack_gqa": bool, "tma": bool, "tile_list": bool,
              "bwd_block_m": int, "bwd_block_n": int, "bwd_warps": int, "bwd_stages": int,
              "bwd_dq": ("separate", "atomic"), "bwd_kv_split": int, "deterministic": bool}
-    has_backward = True
+    takes = Takes(backward=True)
+    library = TRITON
 
     def supports(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> str | None:
         reason = self._forward_unsupported(p, dev)
@@ -153,8 +153,8 @@ class TritonFlashBackend(Backend):
         if direction == "backward":
             from .flash_bwd import backward_candidates
 
-            return [self.candidate(c, reason) for c, reason in backward_candidates(p, dev)]
-        return [self.candidate(c, self._pruned(p, dev, c)) for c in self._forward_configs(p, dev)]
+            return [Candidate(self.name, c, reason) for c, reason in backward_candidates(p, dev)]
+        return [Candidate(self.name, c, self._pruned(p, dev, c)) for c in self._forward_configs(p, dev)]
 
     def _forward_configs(self, p: Problem, dev: DeviceInfo) -> list[Config]:
         pack = None if p.op == "block_sparse" or p.gqa_ratio == 1 else True
@@ -225,9 +225,6 @@ class TritonFlashBackend(Backend):
             return (f"accumulator + scores hold ~{regs} fp32 values per thread; above {limit} "
                     f"{cfg['schedule']} programs spill registers")
         return None
-
-    def errors(self) -> tuple[type[BaseException], ...]:
-        return triton_errors()
 
     def plan(self, p: Problem, dev: DeviceInfo, cfg: Config, direction: str) -> Plan:
         if direction == "backward":
