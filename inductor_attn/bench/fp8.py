@@ -17,7 +17,7 @@ import dataclasses
 import torch
 
 from .. import api
-from ..backends import REFERENCE, AttnCall
+from ..backends import REFERENCE, AttnCall, run_backend
 from ..fp8 import fp8_attention, quantize
 from ..problem import default_scale
 from ..runtime import reset_stats, stats
@@ -74,7 +74,8 @@ def _fp8_trial() -> Trial:
 
 
 def _float64(q, k, v, call: AttnCall) -> torch.Tensor:
-    return REFERENCE.run(AttnCall("attention", q.double(), k.double(), v.double(), call.scale, call.causal), None)[0]
+    call64 = AttnCall("attention", q.double(), k.double(), v.double(), call.scale, call.causal)
+    return run_backend(REFERENCE, call64, None)[0]
 
 
 def run_shape(s: Shape, device: torch.device, rounds: int) -> dict:
