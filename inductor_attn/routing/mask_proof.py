@@ -19,6 +19,7 @@ its creation and its use. ``mutation_free`` checks that for the nodes a proof re
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass, field
 
@@ -265,24 +266,12 @@ def _compare(an, node, swap: bool, strict: bool):
     return Mask(diff.shape, (Bound(diff.coefs, base, diff.free_dims),))
 
 
-@_handles(*_fn(operator.le, torch.le), *_method("le", "__le__"))
-def _le(an, node):
-    return _compare(an, node, swap=False, strict=False)
-
-
-@_handles(*_fn(operator.lt, torch.lt), *_method("lt", "__lt__"))
-def _lt(an, node):
-    return _compare(an, node, swap=False, strict=True)
-
-
-@_handles(*_fn(operator.ge, torch.ge), *_method("ge", "__ge__"))
-def _ge(an, node):
-    return _compare(an, node, swap=True, strict=False)
-
-
-@_handles(*_fn(operator.gt, torch.gt), *_method("gt", "__gt__"))
-def _gt(an, node):
-    return _compare(an, node, swap=True, strict=True)
+# a <= b and a < b; a >= b and a > b are the same with the operands swapped
+for _targets, _names, _swap, _strict in ((_fn(operator.le, torch.le), ("le", "__le__"), False, False),
+                                         (_fn(operator.lt, torch.lt), ("lt", "__lt__"), False, True),
+                                         (_fn(operator.ge, torch.ge), ("ge", "__ge__"), True, False),
+                                         (_fn(operator.gt, torch.gt), ("gt", "__gt__"), True, True)):
+    _handles(*_targets, *_method(*_names))(functools.partial(_compare, swap=_swap, strict=_strict))
 
 
 def realign(m: Mask, shape: tuple) -> Mask:
