@@ -626,7 +626,7 @@ def test_overhead_smoke_times_every_right_path_of_a_case_in_alternating_rounds(r
 
     result = overhead.run(smoke=True, quick=True, device=torch.device("cpu"), part="ops")
     for row in result["rows"]:
-        assert set(row["paths"]) == set(overhead.paths(overhead.Case(*overhead.SMOKE[0])))
+        assert set(row["paths"]) == set(overhead.paths(overhead.SMOKE[0]))
         for numbers in row["paths"].values():
             assert numbers["rel_err_vs_eager_sdpa"] < 2e-2 and numbers["host_us"] > 0 and numbers["wall_us"] > 0
         # the routed paths run stock's code through the rewrite, which routes the call to our op
@@ -726,7 +726,7 @@ def test_the_reduce_overhead_paths_get_copies_marked_static_and_the_others_the_i
     from inductor_attn.bench import overhead
 
     seen = {}
-    case = overhead.Case(*overhead.SMOKE[0])
+    case = overhead.SMOKE[0]
     real_paths = overhead.paths
 
     def paths(c):
