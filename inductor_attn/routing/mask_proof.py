@@ -219,14 +219,21 @@ def _combine(a: Index, b: Index, sign: int, shape: tuple) -> Index:
     return _index(shape, tuple(x + sign * y for x, y in zip(ca, cb)), base, fa | fb)
 
 
-def _binary_index(an: MaskAnalysis, node, sign: int):
+def _index_operands(an: MaskAnalysis, node, extra_args: str) -> tuple[Index, Index] | Unknown:
+    """The indexes of a binary op's two operands, or why the proof cannot follow it (``extra_args``: the
+    reason when the op has other arguments than two operands)."""
     args = _args(node)
     if len(args) != 2 or node.kwargs:
-        return Unknown("add/sub with extra arguments (alpha, out) is not followed")
+        return Unknown(extra_args)
     a, b = an.operand_index(args[0]), an.operand_index(args[1])
-    for v in (a, b):
-        if isinstance(v, Unknown):
-            return v
+    return next((v for v in (a, b) if isinstance(v, Unknown)), (a, b))
+
+
+def _binary_index(an: MaskAnalysis, node, sign: int):
+    operands = _index_operands(an, node, "add/sub with extra arguments (alpha, out) is not followed")
+    if isinstance(operands, Unknown):
+        return operands
+    a, b = operands
     if not isinstance(_example(node), torch.Tensor):
         return Unknown("arithmetic on Python scalars")
     return _combine(a, b, sign, _shape(node))
@@ -251,13 +258,10 @@ def _neg(an, node):
 
 
 def _compare(an, node, swap: bool, strict: bool):
-    args = _args(node)
-    if len(args) != 2 or node.kwargs:
-        return Unknown("comparison with extra arguments")
-    a, b = an.operand_index(args[0]), an.operand_index(args[1])
-    for v in (a, b):
-        if isinstance(v, Unknown):
-            return v
+    operands = _index_operands(an, node, "comparison with extra arguments")
+    if isinstance(operands, Unknown):
+        return operands
+    a, b = operands
     if swap:
         a, b = b, a
     # integers: a < b  <=>  a - b + 1 <= 0
