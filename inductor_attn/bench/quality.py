@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from ..tuning.measure import sync
 from .suites import Workload
 
 COMPILE_RESERVE_S = 90  # kept for the compile-time step when the second tune gets its deadline
@@ -160,8 +161,7 @@ def _tune_worker(workloads: list[Workload], out: Path) -> None:
         with tuning_mode("autotune"):
             start = time.perf_counter()
             choice = decide(call, dev, w.direction)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            sync(device)
         line = {"name": w.name, "choice": choice, "tune_s": time.perf_counter() - start,
                 "record": stored_record(call.problem, w.direction)}
         with out.open("a") as f:
@@ -192,8 +192,7 @@ def _compile_worker(workloads: list[Workload], out: Path) -> None:
         before = len(get_store().rows())
         start = time.perf_counter()
         torch.compile(attend, fullgraph=True, dynamic=False)(call.q, call.k, call.v, call.kv_seqlens)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync(device)
         line = {"name": w.name, "compile_s": time.perf_counter() - start,
                 "new_decisions": len(get_store().rows()) - before}
         with out.open("a") as f:

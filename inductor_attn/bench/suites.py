@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..tuning.measure import sync
+
 KINDS = ("dense", "decode", "varlen", "block_sparse")
 DIRECTIONS = ("forward", "backward")
 PATTERNS = ("uniform", "staircase", "longtail", "bimodal", "spiky")
@@ -424,15 +426,12 @@ def _build_sparse(w: Workload, q, k, v, device) -> Built:
     create = torch.compile(create_block_mask) if compiled else create_block_mask
     start = time.perf_counter()
     block_mask = create(mask_mod, 1, heads, w.len_q, w.len_k, device=device, BLOCK_SIZE=w.block)
-    _sync(device)
+    sync(device)
     created = time.perf_counter()
     sparse = BlockSparseMask.from_block_mask(block_mask)
-    _sync(device)
+    sync(device)
     setup = {"create_block_mask_s": created - start, "create_block_mask_compiled": compiled,
              "convert_s": time.perf_counter() - created}
     return Built(make_call(q, k, v, block_mask=sparse), block_mask=block_mask, setup_s=setup)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

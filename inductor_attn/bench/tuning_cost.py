@@ -55,6 +55,7 @@ from typing import Callable
 
 import torch
 
+from ..tuning.measure import sync
 from . import suites
 from .runner import whole_record
 from .suites import Workload
@@ -282,11 +283,6 @@ def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def first_call(w: Workload, call, compiled: bool):
     """A function that makes the user's first call of ``w`` (built as ``call``): compiled (dense, decode) or
     eager."""
@@ -308,7 +304,7 @@ def first_call(w: Workload, call, compiled: bool):
 def _timed(fn, device: torch.device) -> float:
     start = time.perf_counter()
     fn()
-    _sync(device)
+    sync(device)
     return time.perf_counter() - start
 
 
