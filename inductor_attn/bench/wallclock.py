@@ -9,12 +9,14 @@ run eagerly or compiled. Shared by the overhead, training and model suites.
   something the bursts do not show); ``interleaved_wall_us`` and ``interleaved_measure``
   time several functions in alternating rounds, so that a slow spell of the host (another process, a
   clock change) falls on all of them rather than on whichever ran then;
-- kernel_us: the summed duration of the GPU kernels one call launches (torch.profiler), the device time.
+- kernel_us: the summed duration of the GPU kernels one call launches (torch.profiler), the device time;
+  ``kernel_ms`` splits it by kernel.
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 import statistics
 import time
 import types
@@ -128,6 +130,19 @@ def kernel_us(fn: Callable[[], object], calls: int = 10) -> float | None:
     if not torch.cuda.is_available():
         return None
     return sum(e.device_time_total for e in kernel_events(fn, calls)) / calls
+
+
+def kernel_ms(fns: list[Callable[[], object]], calls: int = 20) -> dict[str, float]:
+    """Device time per call of each kernel that ``fns`` launch, in ms by kernel name: plain launches cycling
+    through ``fns`` (give input copies larger than L2 together), after one warm-up call of each. The
+    calibration tools of benchmarks/tools/ compare it with a timer's figure to see launch gaps."""
+    for fn in fns:
+        fn()
+    turns = itertools.cycle(fns)
+    per_kernel: dict[str, float] = {}
+    for e in kernel_events(lambda: next(turns)(), calls):
+        per_kernel[e.name] = per_kernel.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3 / calls
+    return per_kernel
 
 
 def own_code(fn: Callable) -> Callable:
