@@ -38,10 +38,10 @@ import triton.language as tl
 
 from inductor_attn.backends import AttnCall, Config, get_backend, plan_for
 from inductor_attn.bench.runner import git_commit
+from inductor_attn.bench.wallclock import kernel_ms
 from inductor_attn.block_mask import BlockSparseMask
 from inductor_attn.device import device_info
 from inductor_attn.tuning.correctness import rel_err
-from inductor_attn.bench.wallclock import kernel_ms
 
 DTYPE, D, WINDOW = torch.bfloat16, 128, 256
 B, H, L = 4, 32, 4096

@@ -132,4 +132,3 @@ class CudaGraphTimer:
 
 def default_timer(device_type: str):
     return CudaGraphTimer() if device_type == "cuda" else WallClockTimer()
-
