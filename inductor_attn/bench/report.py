@@ -58,11 +58,11 @@ METHOD = """\
   share of the device-to-device copy bandwidth (bytes read + written) measured at the start of the run.
 - Speedups are ratios of medians with a paired bootstrap 95% CI over rounds (`tuning/stats.py`). The
   oracle is the fastest candidate that passed; regret = autotuned time / oracle time - 1.
-- Tuning quality: the decisions of this process are compared with those of a second process tuning the
-  same workloads on its own empty store; a difference counts as "inside the noise" when, in both tunes'
-  own records, the two winners' medians lie within the tuner's tie margin. Compile time added: `torch.compile` of a function
-  calling `inductor_attn.attention` in a new process with the store warm, minus the same in `off` mode
-  (FX graph cache off in both, kernel caches as the run left them).
+- Tuning quality: the decisions of this process are compared with those of a second process tuning the same
+  workloads on its own empty store; a difference counts as "inside the noise" when, in both tunes' own
+  records, the two winners' medians lie within the tuner's tie margin. Compile time added: `torch.compile` of
+  a function calling `inductor_attn.attention` in a new process with the store warm, minus the same in `off`
+  mode (FX graph cache off in both, kernel caches as the run left them).
 """
 
 
@@ -410,7 +410,8 @@ def _quality_section(q: dict | None) -> str:
         differ = len(tunes) - same
         text = (f"Two fresh tunes in two processes, each on its own empty store: {same} of {len(tunes)} "
                 f"decisions identical ({100 * same / len(tunes):.0f}%)")
-        parts.append(text + (f"; of the {differ} that differ, {inside} lie inside the tuner's tie margin (noise)." if differ else "."))
+        parts.append(text + (f"; of the {differ} that differ, {inside} lie inside the tuner's tie margin (noise)."
+                             if differ else "."))
         parts.append(_table(TUNE_COLUMNS, [[t["name"], f"`{t['first']}`", _num(t.get("first_s"), ".1f"),
                                             f"`{t['second']}`", _num(t.get("second_s"), ".1f"),
                                             "yes" if t["same"] else "no",
