@@ -14,8 +14,8 @@
   ``create_block_mask`` and converted with ``BlockSparseMask.from_block_mask``; both times are kept,
   because mask construction can cost more than the attention (NSA thread).
 - backward: dense problems timed as a training step's attention, forward and backward (``direction``
-  "backward"); the shapes of the retired benchmarks/flash_bwd_gpu.py plus GQA and D64. Not part of
-  ``all``: ``all`` is the four forward suites.
+  "backward"); the two shapes of the backward script these suites replaced, plus GQA and D64. Not part
+  of ``all``: ``all`` is the four forward suites.
 
 ``quick`` marks the representative subset that ``bench --quick`` runs (3 dense, 3 decode, 2 varlen, 2
 block-sparse). Every workload of a suite falls in its own decision bucket (problem.py), so each one's
@@ -201,7 +201,7 @@ SUITES: dict[str, tuple[Workload, ...]] = {
         _sparse("sliding_window", 512, 2, 16, 16, 8192, 64, block=64),
     ),
     "backward": (
-        _backward(4, 32, 32, 4096, 128, True, quick=True),  # benchmarks/flash_bwd_gpu.py's two shapes
+        _backward(4, 32, 32, 4096, 128, True, quick=True),  # the replaced backward script's two shapes
         _backward(2, 32, 32, 8192, 128, False),
         _backward(4, 32, 8, 4096, 128, True, quick=True),  # GQA: dK/dV sum over the query heads of a group
         _backward(4, 16, 16, 4096, 64, True),
