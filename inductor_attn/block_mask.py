@@ -9,7 +9,7 @@ Built once from a flex_attention ``BlockMask`` (same meaning of its fields):
   kv block. Slot ``s`` holds the bitmap of ``kv_indices[..., s]``.
 
 ``density`` and ``partial_fraction`` (see ``Problem``) are -1 when unknown: a flex_attention call routed
-in a compiled graph (lowering/flex_route.py) builds the bitmaps in the graph and never reads them back.
+in a compiled graph (routing/flex_route.py) builds the bitmaps in the graph and never reads them back.
 
 ``documents`` is set when the mask is exactly packed documents (each query sees the keys of its own
 document, up to itself when causal), found once per conversion: such a mask then runs as varlen attention

@@ -1,4 +1,4 @@
-"""The flex_attention rewrite (lowering/flex_route.py): flex calls with a block mask and no score_mod
+"""The flex_attention rewrite (routing/flex_route.py): flex calls with a block mask and no score_mod
 run on our block-sparse op, with the partial-block bitmaps computed in the graph from the mask_mod.
 
 Most tests run the rewritten Dynamo graph eagerly (no Inductor, ~1 s each) against a float64 reference

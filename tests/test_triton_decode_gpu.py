@@ -122,7 +122,7 @@ BENCH_SHAPES = [(1, 32, 16, 256, 256), (1, 32, 16, 256, 4096), (1, 32, 16, 256, 
 
 @pytest.mark.parametrize("shape", BENCH_SHAPES, ids=[f"b{b}-h{hq}x{hkv}-d{d}-lk{lk}" for b, hq, hkv, d, lk in BENCH_SHAPES])
 def test_benchmark_shapes_every_runnable_config_compiles_and_matches(shape):
-    """The configs that benchmarks/decode_gpu.py times: none may fail to compile (shared memory) or be wrong."""
+    """Decode shapes of benchmark size: no runnable config may fail to compile (shared memory) or be wrong."""
     b, hq, hkv, d, lk = shape
     call = _call(Case(b=b, hq=hq, hkv=hkv, lq=1, lk=lk, d=d))
     ref = float64_reference(call)

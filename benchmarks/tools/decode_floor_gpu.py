@@ -32,8 +32,9 @@ import triton.language as tl
 from inductor_attn.backends import AttnCall, get_backend, plan_for
 from inductor_attn.bench.metrics import decode_bytes
 from inductor_attn.bench.runner import git_commit, measure_copy_gbps
+from inductor_attn.bench.wallclock import kernel_ms
 from inductor_attn.device import device_info
-from inductor_attn.tuning.timing import CudaGraphTimer, kernel_ms
+from inductor_attn.tuning.timing import CudaGraphTimer
 
 SHAPES = [(1, 32, 16, 256, 4096), (1, 32, 16, 256, 16384), (1, 16, 2, 256, 16384)]  # (B, Hq, Hkv, D, Lkv)
 READ_PROGRAMS = (128, 256, 512, 1024, 2048)

@@ -240,7 +240,7 @@ def write_code(out_dir: str, steps: dict) -> dict[str, list]:
     return paths
 
 
-OVERHEAD_CASE_NAMES = tuple(case[0] for case in overhead.CASES)
+OVERHEAD_CASE_NAMES = tuple(case.name for case in overhead.CASES)
 
 
 def _on(inputs, fn):
@@ -266,8 +266,8 @@ def case_code(out_dir: str, case_name: str, mode: str = "default") -> None:
 def _case(case_name: str, mode: str) -> tuple:
     """One of the overhead suite's calls: the case, its inputs as the suite's ``mode`` paths take them (static
     for reduce-overhead) and {"stock": SDPA, "ours": attention} as the suite writes them (bench/overhead.py)."""
-    case = overhead.Case(*next(c for c in overhead.CASES if c[0] == case_name))
-    inputs = case.inputs(torch.device("cuda"), torch.bfloat16)
+    case = next(c for c in overhead.CASES if c.name == case_name)
+    inputs = overhead.case_inputs(case, torch.device("cuda"), torch.bfloat16)
     if mode == "reduce-overhead":
         inputs = overhead.static_inputs(inputs)
     return case, inputs, {"stock": overhead.sdpa_user(case), "ours": overhead.ours_user(case)}
@@ -349,7 +349,7 @@ def guard_peel(case_name: str, mode: str, rounds: int = 3) -> None:
     from inductor_attn.problem import default_scale
 
     case, inputs, fns = _case(case_name, mode)
-    kv_seqlens = (lambda n: n) if case.decode else (lambda n: None)  # as the suite's ours passes them
+    kv_seqlens = (lambda n: n) if case.kind == "decode" else (lambda n: None)  # as the suite's ours passes them
     op, scale = torch.ops.inductor_attn.attention.default, default_scale(case.head_dim)
     fns["ours, check_indices=False"] = lambda q, k, v, n: inductor_attn.attention(
         q, k, v, causal=case.causal, kv_seqlens=kv_seqlens(n), check_indices=False)
@@ -399,7 +399,7 @@ def call_layers(case, inputs, fns: dict, modules: dict, mode: str = "default") -
         **{f"{name}: Dynamo frame + guards only": _on(inputs, fn) for name, fn in guards.items()},
         **{f"{name}: generated module's call alone": generated(path) for name, path in modules.items()},
     }
-    if not case.decode:
+    if case.kind != "decode":
         q, k, v, _ = inputs
         cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention.default
         steps["aten cuDNN call, no lse"] = lambda: cudnn(q, k, v, None, False, 0.0, True)

@@ -8,7 +8,7 @@ Problem of issue #4's block-sparse target: B4 H32 L4096 D128 bf16, causal window
 shared memory; which tiles depends on the granularity it skips at: the tile list visits the 32- or 64-key
 tiles that hold a visible key, flex visits whole 128-key mask blocks.
 
-Rows, each timed as device time per call from the profiler (``tuning.timing.kernel_ms``: all kernels of
+Rows, each timed as device time per call from the profiler (``bench.wallclock.kernel_ms``: all kernels of
 a call summed, launch gaps and host time excluded):
 1. flex_attention compiled with mode max-autotune-no-cudagraphs (the issue's baseline);
 2. our runnable block-sparse Triton configs with 64-row tiles (tile list and block walk), through their
@@ -38,10 +38,10 @@ import triton.language as tl
 
 from inductor_attn.backends import AttnCall, Config, get_backend, plan_for
 from inductor_attn.bench.runner import git_commit
+from inductor_attn.bench.wallclock import kernel_ms
 from inductor_attn.block_mask import BlockSparseMask
 from inductor_attn.device import device_info
 from inductor_attn.tuning.correctness import rel_err
-from inductor_attn.tuning.timing import kernel_ms
 
 DTYPE, D, WINDOW = torch.bfloat16, 128, 256
 B, H, L = 4, 32, 4096

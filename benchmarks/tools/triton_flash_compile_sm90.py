@@ -28,7 +28,7 @@ from inductor_attn.problem import Problem
 
 SM90 = parse_device_override("sm_90")
 POINTERS = ("Q", "K", "V", "O", "LSE", "KV_LENS", "CU_Q", "CU_K", "FULL_CNT", "FULL_IDX", "PART_CNT", "PART_IDX",
-            "BITS")
+            "BITS", "TILES")
 UNIT_STRIDES = ("sq_d", "sk_d", "sv_d", "so_d", "sl_m", "sbt_w")
 SIZES = ("len_q", "len_k", "window_left", "window_right", "heads_prog", "num_m", "num_bh", "num_tiles", "lpt_heads")
 ELEM = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}

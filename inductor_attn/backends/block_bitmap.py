@@ -41,9 +41,9 @@ def bitmap_lookup(slot_of: torch.Tensor, bits: torch.Tensor, block_q: int, block
 
     Written with the operations flex's FLASH (CuTe DSL) template lowers in torch 2.11: ``torch.clamp``
     (its ``minimum``), ``&`` with a constant (an i32 vector the DSL rejects) and an index that is a
-    constant failed there on an H100 (benchmarks/flex_flash_probe.py), so the cap is arithmetic, the bit
-    test a remainder (C-style or floored, ``!= 0`` reads the bit either way) and broadcast batch/head
-    dims are dropped instead of indexed with 0.
+    constant failed there on an H100 (a probe script: ``git show 9bf7835^:benchmarks/flex_flash_probe.py``),
+    so the cap is arithmetic, the bit test a remainder (C-style or floored, ``!= 0`` reads the bit either
+    way) and broadcast batch/head dims are dropped instead of indexed with 0.
     """
     lead = []  # batch/head indices of the dims that are not broadcast; broadcast ones are dropped
     for index in (b, h):

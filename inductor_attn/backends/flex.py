@@ -38,11 +38,12 @@ TRITON_TILES = (
     Config.of(backend="TRITON", block_m=64, block_n=64, num_warps=4, num_stages=2),
 )
 # flex FLASH is pruned for every block mask (measured on an H100 with torch 2.11, 2026-11-22): it did not
-# lower our partial-block bitmap lookup in any form tried (benchmarks/flex_flash_probe.py: no `minimum`,
-# a DSL error on `& 1`, "Expected TensorSSA" for a constant index, a layout error for a 2-D index into a
-# captured tensor), and on a mask without partial blocks (flex's no-op mask_mod) it ran but its output
-# was off by a relative error of 0.72 (tests/test_flex.py, 064fe16/b862701). It stays a candidate for
-# sliding windows, where it matched. FA4 runs block masks directly (the fa4 backend).
+# lower our partial-block bitmap lookup in any form tried (a probe script, `git show
+# 9bf7835^:benchmarks/flex_flash_probe.py`: no `minimum`, a DSL error on `& 1`, "Expected TensorSSA" for a
+# constant index, a layout error for a 2-D index into a captured tensor), and on a mask without partial
+# blocks (flex's no-op mask_mod) it ran but its output was off by a relative error of 0.72
+# (tests/test_flex.py, 064fe16/b862701). It stays a candidate for sliding windows, where it matched. FA4
+# runs block masks directly (the fa4 backend).
 _FLASH_BLOCK_MASK_REASON = ("flex FLASH (torch 2.11, H100) failed on our block masks: no lowering of the bitmap "
                             "lookup, wrong output without partial blocks; the fa4 backend runs block masks directly")
 # flex_attention compiles once per (config, shape); dynamo's default limit of 8 entries per function

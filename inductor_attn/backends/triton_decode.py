@@ -24,7 +24,7 @@ The work:
   ``griddepcontrol``): a kernel may be launched while the one before it in the stream still runs and
   waits (``gdc_wait``) before touching memory. At decode sizes the kernels run 3-30 us, so the launch
   gaps were a visible share: on an H100 the two kernels took 26.2 + 2.5 us of device time against 32.1 us
-  per call in graph replay (B1 Hq32 Hkv16 D256 Lkv4096, benchmarks/decode_floor_gpu.py).
+  per call in graph replay (B1 Hq32 Hkv16 D256 Lkv4096, benchmarks/tools/decode_floor_gpu.py).
 
 Workspace (the partial outputs, float32): allocated per call from PyTorch's caching allocator, so the
 steady state never calls cudaMalloc and a captured CUDA graph holds it as a static buffer of its pool:
@@ -329,8 +329,8 @@ def workspace(device: torch.device, b: int, hq: int, lq: int, dv: int, splits: i
 @functools.lru_cache(maxsize=1024)
 def _knobs(p: Problem, dev: DeviceInfo, cfg: Config) -> tuple[int, int, int, int]:
     """(num_splits, block_n, num_warps, num_stages) of a config; missing knobs come from the default.
-    ``num_stages`` is not in the tuned configs (2 or 3 from shared memory), but a config may set it:
-    benchmarks/decode_gpu.py --stages sweeps it."""
+    ``num_stages`` is not in the tuned configs (2 or 3 from shared memory), but a config may set it, to
+    sweep it by hand."""
     full = dict(_default_config(p, dev).params) | dict(cfg.params)
     block_n = int(full["block_n"])
     stages = int(full.get("num_stages", _num_stages(p, block_n, dev)))

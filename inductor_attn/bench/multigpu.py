@@ -44,6 +44,8 @@ from pathlib import Path
 
 import torch
 
+from ..tuning.measure import sync
+
 RUNS = ("stock", "cold", "warm", "single-cold", "single-warm", "fault", "restart")
 COLLECTIVE_TIMEOUT_S = 600
 LAUNCH_TIMEOUT_S = 1500
@@ -186,11 +188,6 @@ def _worker(device_type: str, out: Path, plugin: bool, kill_rank: int | None) ->
     dist.destroy_process_group()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _train(device: torch.device, rank: int, world: int, steps: int = 5) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -210,7 +207,7 @@ def _train(device: torch.device, rank: int, world: int, steps: int = 5) -> dict:
     mine = ids(rank)
     start = time.perf_counter()
     compiled(input_ids=mine, labels=mine).loss.backward()
-    _sync(device)
+    sync(device)
     first_step_s = time.perf_counter() - start
     got = [p.grad.detach().clone() for p in model.parameters()]
     for r in range(world):  # DDP averages the ranks' gradients: the same in one process, eagerly
@@ -219,12 +216,12 @@ def _train(device: torch.device, rank: int, world: int, steps: int = 5) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     times = []
     for _ in range(steps):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         compiled(input_ids=mine, labels=mine).loss.backward()
         opt.step()
-        _sync(device)
+        sync(device)
         times.append((time.perf_counter() - start) * 1e3)
     return {"length": mine.shape[1], "first_step_s": first_step_s, "step_ms": statistics.median(times),
             "grad_rel_err": worst_rel_err(got, want)}
@@ -252,14 +249,14 @@ def _decode(device: torch.device, rank: int, plugin: bool, calls: int = 20) -> d
     fn = torch.compile(_decode_ours if plugin else _decode_stock)
     start = time.perf_counter()
     out = fn(q, k, v, lengths)
-    _sync(device)
+    sync(device)
     first_call_s = time.perf_counter() - start
     ref = _decode_stock(*(t.double() for t in (q, k, v)), lengths)
     times = []
     for _ in range(calls):
         start = time.perf_counter()
         fn(q, k, v, lengths)
-        _sync(device)
+        sync(device)
         times.append((time.perf_counter() - start) * 1e3)
     return {"kv_lengths": lengths.tolist(), "first_call_s": first_call_s, "call_ms": statistics.median(times),
             "rel_err": ((out.double() - ref).norm() / ref.norm()).item()}

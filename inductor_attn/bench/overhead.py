@@ -45,59 +45,48 @@ from ..routing.rewrite import routing_report
 from ..tuning import decide
 from ..tuning.modes import tuning_mode
 from . import suites
+from .suites import Workload
 from .wallclock import host_us, interleaved_measure, model_part, own_code
 
-CASES = (
-    # name, batch, heads_q, heads_kv, len_q, len_k, head_dim, causal, decode (kv_seqlens)
-    ("decode B1 H32/8 Lkv2k D128", 1, 32, 8, 1, 2048, 128, False, True),
-    ("decode B8 H32/8 Lkv4k D128", 8, 32, 8, 1, 4096, 128, False, True),
-    ("decode B1 H16/2 Lkv8k D256", 1, 16, 2, 1, 8192, 256, False, True),
-    ("prefill B1 H16/4 L512 D64 causal", 1, 16, 4, 512, 512, 64, True, False),
-    ("prefill B4 H16/4 L1k D128 causal", 4, 16, 4, 1024, 1024, 128, True, False),
+CASES = (  # the labels keep the names of earlier results files (Workload.name would add "Lq1" to decode)
+    Workload("decode", 1, 32, 8, 1, 2048, 128, label="decode B1 H32/8 Lkv2k D128"),
+    Workload("decode", 8, 32, 8, 1, 4096, 128, label="decode B8 H32/8 Lkv4k D128"),
+    Workload("decode", 1, 16, 2, 1, 8192, 256, label="decode B1 H16/2 Lkv8k D256"),
+    Workload("dense", 1, 16, 4, 512, 512, 64, causal=True, label="prefill B1 H16/4 L512 D64 causal"),
+    Workload("dense", 4, 16, 4, 1024, 1024, 128, causal=True, label="prefill B4 H16/4 L1k D128 causal"),
 )
-SMOKE = (("decode B1 H4/2 Lkv64 D16", 1, 4, 2, 1, 64, 16, False, True),
-         ("prefill B1 H4/2 L32 D16 causal", 1, 4, 2, 32, 32, 16, True, False))
+SMOKE = (Workload("decode", 1, 4, 2, 1, 64, 16, label="decode B1 H4/2 Lkv64 D16"),
+         Workload("dense", 1, 4, 2, 32, 32, 16, causal=True, label="prefill B1 H4/2 L32 D16 causal"))
 
 
-@dataclasses.dataclass
-class Case:
-    name: str
-    batch: int
-    heads_q: int
-    heads_kv: int
-    len_q: int
-    len_k: int
-    head_dim: int
-    causal: bool
-    decode: bool
-
-    def inputs(self, device, dtype):
-        gen = torch.Generator(device=device).manual_seed(0)
-        q, k, v = (torch.randn(self.batch, h, n, self.head_dim, device=device, dtype=dtype, generator=gen)
-                   for h, n in ((self.heads_q, self.len_q), (self.heads_kv, self.len_k), (self.heads_kv, self.len_k)))
-        # a KV cache filled to different lengths per sequence
-        lens = torch.linspace(self.len_k // 2, self.len_k, self.batch, device=device).to(torch.int32)
-        return q, k, v, lens
+def case_inputs(case: Workload, device, dtype) -> tuple:
+    """q, k, v and the cache lengths of a case (decode passes them as ``kv_seqlens``, prefill ignores them)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(case.batch, h, n, case.head_dim, device=device, dtype=dtype, generator=gen)
+               for h, n in ((case.heads_q, case.len_q), (case.heads_kv, case.len_k), (case.heads_kv, case.len_k)))
+    # a KV cache filled to different lengths per sequence
+    lens = torch.linspace(case.len_k // 2, case.len_k, case.batch, device=device).to(torch.int32)
+    return q, k, v, lens
 
 
-def sdpa_user(case: Case):
+def sdpa_user(case: Workload):
     """What a model does without inductor_attn: SDPA, with the cache mask built from lengths in the call."""
     def fn(q, k, v, lens):
         mask = None
-        if case.decode:
+        if case.kind == "decode":
             mask = (torch.arange(k.shape[2], device=q.device)[None, :] < lens[:, None])[:, None, None, :]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=case.causal and mask is None,
                                               enable_gqa=q.shape[1] != k.shape[1])
     return fn
 
 
-def ours_user(case: Case):
+def ours_user(case: Workload):
     def fn(q, k, v, lens):
-        return attention(q, k, v, causal=case.causal, kv_seqlens=lens if case.decode else None)
+        return attention(q, k, v, causal=case.causal, kv_seqlens=lens if case.kind == "decode" else None)
     return fn
 
 
-def paths(case: Case) -> dict:
+def paths(case: Workload) -> dict:
     """Each compiled path compiles its own copy of the function (``own_code``), as a user compiles once."""
     sdpa, ours = sdpa_user(case), ours_user(case)
     return {
@@ -123,9 +112,9 @@ def static_inputs(inputs: tuple) -> tuple:
     return copies
 
 
-def run_case(case: Case, device, dtype) -> dict:
+def run_case(case: Workload, device, dtype) -> dict:
     torch._dynamo.reset()
-    inputs = case.inputs(device, dtype)
+    inputs = case_inputs(case, device, dtype)
     pinned = static_inputs(inputs)
     expected = sdpa_user(case)(*inputs).float()
     row = {"case": case.name, "paths": {}}
@@ -177,7 +166,7 @@ def run(smoke: bool, quick: bool, device: torch.device, part: str = "all") -> di
     with ``quick`` (it compiles the model eight times)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     ops = part in ("all", "ops")
-    rows = [run_case(Case(*c), device, dtype) for c in (SMOKE if smoke else CASES)] if ops else []
+    rows = [run_case(c, device, dtype) for c in (SMOKE if smoke else CASES)] if ops else []
     from .models import llama_overhead
 
     wanted = part in ("all", "models") and not smoke and not quick and device.type == "cuda"

@@ -21,7 +21,7 @@ from . import flex_route
 MAIN_COLUMNS = ("workload", "unit", "baseline", "autotuned", "autotuned / baseline (95% CI)", "tune s",
                 "heuristic", "heuristic / baseline (95% CI)", "oracle", "regret (95% CI)")
 SETUP_COLUMNS = ("workload", "density", "create_block_mask s", "compiled", "convert s", "kept pairs")
-TUNE_COLUMNS = ("workload", "first tune", "s", "second tune", "s", "same", "difference inside CIs")
+TUNE_COLUMNS = ("workload", "first tune", "s", "second tune", "s", "same", "difference inside the noise")
 COMPILE_COLUMNS = ("workload", "autotune, warm store: s", "off: s", "added s", "new decisions")
 KIND_TITLES = {"dense": "Dense", "decode": "Decode", "varlen": "Varlen (packed)", "block_sparse": "Block-sparse",
                "backward": "Backward (forward + backward kernels)", "flex_route": "flex_attention routed",
@@ -61,11 +61,11 @@ METHOD = """\
   share of the device-to-device copy bandwidth (bytes read + written) measured at the start of the run.
 - Speedups are ratios of medians with a paired bootstrap 95% CI over rounds (`tuning/stats.py`). The
   oracle is the fastest candidate that passed; regret = autotuned time / oracle time - 1.
-- Tuning quality: the decisions of this process are compared with those of a second process tuning the
-  same workloads on its own empty store; a difference counts as "inside CIs" when, in both tunes' own
-  records, the two winners' speedup intervals overlap. Compile time added: `torch.compile` of a function
-  calling `inductor_attn.attention` in a new process with the store warm, minus the same in `off` mode
-  (FX graph cache off in both, kernel caches as the run left them).
+- Tuning quality: the decisions of this process are compared with those of a second process tuning the same
+  workloads on its own empty store; a difference counts as "inside the noise" when, in both tunes' own
+  records, the two winners' medians lie within the tuner's tie margin. Compile time added: `torch.compile` of
+  a function calling `inductor_attn.attention` in a new process with the store warm, minus the same in `off`
+  mode (FX graph cache off in both, kernel caches as the run left them).
 """
 
 
@@ -410,15 +410,16 @@ def _quality_section(q: dict | None) -> str:
     tunes = q.get("tunes") or []
     if tunes:
         same = sum(t["same"] for t in tunes)
-        inside = sum(bool(t.get("inside_ci")) for t in tunes if not t["same"])
+        inside = sum(bool(t.get("inside_noise")) for t in tunes if not t["same"])
         differ = len(tunes) - same
         text = (f"Two fresh tunes in two processes, each on its own empty store: {same} of {len(tunes)} "
                 f"decisions identical ({100 * same / len(tunes):.0f}%)")
-        parts.append(text + (f"; of the {differ} that differ, {inside} lie inside the CIs." if differ else "."))
+        parts.append(text + (f"; of the {differ} that differ, {inside} lie inside the tuner's tie margin (noise)."
+                             if differ else "."))
         parts.append(_table(TUNE_COLUMNS, [[t["name"], f"`{t['first']}`", _num(t.get("first_s"), ".1f"),
                                             f"`{t['second']}`", _num(t.get("second_s"), ".1f"),
                                             "yes" if t["same"] else "no",
-                                            "" if t["same"] else ("yes" if t.get("inside_ci") else "no")]
+                                            "" if t["same"] else ("yes" if t.get("inside_noise") else "no")]
                                            for t in tunes]))
     comp = q.get("compile") or []
     if comp:

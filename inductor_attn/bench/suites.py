@@ -14,8 +14,8 @@
   ``create_block_mask`` and converted with ``BlockSparseMask.from_block_mask``; both times are kept,
   because mask construction can cost more than the attention (NSA thread).
 - backward: dense problems timed as a training step's attention, forward and backward (``direction``
-  "backward"); the shapes of the retired benchmarks/flash_bwd_gpu.py plus GQA and D64. Not part of
-  ``all``: ``all`` is the four forward suites.
+  "backward"); the two shapes of the backward script these suites replaced, plus GQA and D64. Not part
+  of ``all``: ``all`` is the four forward suites.
 
 ``quick`` marks the representative subset that ``bench --quick`` runs (3 dense, 3 decode, 2 varlen, 2
 block-sparse). Every workload of a suite falls in its own decision bucket (problem.py), so each one's
@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+from ..tuning.measure import sync
 
 KINDS = ("dense", "decode", "varlen", "block_sparse")
 DIRECTIONS = ("forward", "backward")
@@ -199,7 +201,7 @@ SUITES: dict[str, tuple[Workload, ...]] = {
         _sparse("sliding_window", 512, 2, 16, 16, 8192, 64, block=64),
     ),
     "backward": (
-        _backward(4, 32, 32, 4096, 128, True, quick=True),  # benchmarks/flash_bwd_gpu.py's two shapes
+        _backward(4, 32, 32, 4096, 128, True, quick=True),  # the replaced backward script's two shapes
         _backward(2, 32, 32, 8192, 128, False),
         _backward(4, 32, 8, 4096, 128, True, quick=True),  # GQA: dK/dV sum over the query heads of a group
         _backward(4, 16, 16, 4096, 64, True),
@@ -424,15 +426,12 @@ def _build_sparse(w: Workload, q, k, v, device) -> Built:
     create = torch.compile(create_block_mask) if compiled else create_block_mask
     start = time.perf_counter()
     block_mask = create(mask_mod, 1, heads, w.len_q, w.len_k, device=device, BLOCK_SIZE=w.block)
-    _sync(device)
+    sync(device)
     created = time.perf_counter()
     sparse = BlockSparseMask.from_block_mask(block_mask)
-    _sync(device)
+    sync(device)
     setup = {"create_block_mask_s": created - start, "create_block_mask_compiled": compiled,
              "convert_s": time.perf_counter() - created}
     return Built(make_call(q, k, v, block_mask=sparse), block_mask=block_mask, setup_s=setup)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

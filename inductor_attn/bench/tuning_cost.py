@@ -55,7 +55,9 @@ from typing import Callable
 
 import torch
 
+from ..tuning.measure import sync
 from . import suites
+from .quality import compare_tunes
 from .runner import whole_record
 from .suites import Workload
 
@@ -177,40 +179,6 @@ def _worker(verb: str, workloads: list[Workload], env: dict, deadline: float, sm
     return {d["name"]: d for d in lines}
 
 
-# ------------------------------------------------------------------------------------------ compare
-def compare_tunes(first: dict[str, dict], second: dict[str, dict]) -> list[dict]:
-    """Per workload both tunes decided: the choices, whether they agree, and for a difference whether it
-    lies inside both records' tie margins."""
-    out = []
-    for name, a in first.items():
-        b = second.get(name)
-        if b is None:
-            continue
-        records = (a["record"] or {}, b["record"] or {})  # no record: one candidate ran, nothing was tuned
-        item = {"name": name, "first": a["choice"], "second": b["choice"], "same": a["choice"] == b["choice"],
-                "first_s": a["tune_s"], "second_s": b["tune_s"], "noise": [rec.get("noise") for rec in records]}
-        if not item["same"]:
-            item["inside_noise"] = all(inside_noise(rec, a["choice"], b["choice"]) for rec in records)
-        out.append(item)
-    return out
-
-
-def inside_noise(record: dict, x: str, y: str) -> bool:
-    """Whether candidates ``x`` and ``y`` are within ``record``'s tie margin of each other.
-
-    >>> rec = {"noise": 0.05, "candidates": [{"name": "a", "median_ms": 1.0}, {"name": "b", "median_ms": 1.04}]}
-    >>> inside_noise(rec, "a", "b"), inside_noise({**rec, "noise": None}, "a", "b")
-    (True, False)
-    """
-    from ..tuning.tuner import TIE_MARGIN
-
-    medians = {c["name"]: c.get("median_ms") for c in record.get("candidates", [])}
-    if not medians.get(x) or not medians.get(y):
-        return False
-    ratio = max(medians[x], medians[y]) / min(medians[x], medians[y])
-    return ratio <= 1 + max(TIE_MARGIN, record.get("noise") or 0.0)
-
-
 def summarize(result: dict) -> dict:
     """The numbers the issue's targets name."""
     summary: dict = {}
@@ -282,11 +250,6 @@ def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def first_call(w: Workload, call, compiled: bool):
     """A function that makes the user's first call of ``w`` (built as ``call``): compiled (dense, decode) or
     eager."""
@@ -308,7 +271,7 @@ def first_call(w: Workload, call, compiled: bool):
 def _timed(fn, device: torch.device) -> float:
     start = time.perf_counter()
     fn()
-    _sync(device)
+    sync(device)
     return time.perf_counter() - start
 
 

@@ -9,12 +9,14 @@ run eagerly or compiled. Shared by the overhead, training and model suites.
   something the bursts do not show); ``interleaved_wall_us`` and ``interleaved_measure``
   time several functions in alternating rounds, so that a slow spell of the host (another process, a
   clock change) falls on all of them rather than on whichever ran then;
-- kernel_us: the summed duration of the GPU kernels one call launches (torch.profiler), the device time.
+- kernel_us: the summed duration of the GPU kernels one call launches (torch.profiler), the device time;
+  ``kernel_ms`` splits it by kernel.
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 import statistics
 import time
 import types
@@ -22,24 +24,21 @@ from collections.abc import Callable
 
 import torch
 
+from ..tuning.measure import sync
+
 BURST = 50  # calls per host-time burst: under the launch queue depth even at ~10 kernels a call
 KERNEL_ROUNDS = 3  # profiles per function in interleaved_measure (each a profiler session of 10 calls)
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def host_us(fn: Callable[[], object], bursts: int = 5) -> float:
     best = float("inf")
     for _ in range(bursts):
-        _sync()
+        sync()
         start = time.perf_counter()
         for _ in range(BURST):
             fn()
         best = min(best, (time.perf_counter() - start) / BURST)
-        _sync()
+        sync()
     return best * 1e6
 
 
@@ -56,12 +55,12 @@ def _plain_run(fn: Callable[[], object], calls: int) -> tuple[float, float]:
     """(wall, loop host) us per call of ``calls`` plain launches: until the device finished, and until the last
     call returned. Loop host near wall with kernels well below it: the run waited on the host, at a rate
     the short bursts of ``host_us`` may not show; loop host well below wall: the device was the bound."""
-    _sync()
+    sync()
     start = time.perf_counter()
     for _ in range(calls):
         fn()
     issued = time.perf_counter()
-    _sync()
+    sync()
     end = time.perf_counter()
     return (end - start) / calls * 1e6, (issued - start) / calls * 1e6
 
@@ -118,11 +117,11 @@ def kernel_events(fn: Callable[[], object], calls: int = 10) -> list:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    _sync()
+    sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
-        _sync()
+        sync()
     return [e for e in prof.events() if e.device_type == DeviceType.CUDA]
 
 
@@ -131,6 +130,19 @@ def kernel_us(fn: Callable[[], object], calls: int = 10) -> float | None:
     if not torch.cuda.is_available():
         return None
     return sum(e.device_time_total for e in kernel_events(fn, calls)) / calls
+
+
+def kernel_ms(fns: list[Callable[[], object]], calls: int = 20) -> dict[str, float]:
+    """Device time per call of each kernel that ``fns`` launch, in ms by kernel name: plain launches cycling
+    through ``fns`` (give input copies larger than L2 together), after one warm-up call of each. The
+    calibration tools of benchmarks/tools/ compare it with a timer's figure to see launch gaps."""
+    for fn in fns:
+        fn()
+    turns = itertools.cycle(fns)
+    per_kernel: dict[str, float] = {}
+    for e in kernel_events(lambda: next(turns)(), calls):
+        per_kernel[e.name] = per_kernel.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3 / calls
+    return per_kernel
 
 
 def own_code(fn: Callable) -> Callable:
@@ -144,7 +156,7 @@ def warm(fn: Callable[[], object], calls: int = 5) -> Callable[[], object]:
     """Call ``fn`` a few times (compiles, tunes, records CUDA graphs) and return it."""
     for _ in range(calls):
         fn()
-    _sync()
+    sync()
     return fn
 
 
@@ -180,9 +192,9 @@ def peak_memory(fn: Callable[[], object]) -> int | None:
     """Peak GPU bytes allocated during one call, above what was allocated before it."""
     if not torch.cuda.is_available():
         return None
-    _sync()
+    sync()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     fn()
-    _sync()
+    sync()
     return torch.cuda.max_memory_allocated() - before

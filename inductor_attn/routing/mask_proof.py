@@ -19,6 +19,7 @@ its creation and its use. ``mutation_free`` checks that for the nodes a proof re
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass, field
 
@@ -218,14 +219,21 @@ def _combine(a: Index, b: Index, sign: int, shape: tuple) -> Index:
     return _index(shape, tuple(x + sign * y for x, y in zip(ca, cb)), base, fa | fb)
 
 
-def _binary_index(an: MaskAnalysis, node, sign: int):
+def _index_operands(an: MaskAnalysis, node, extra_args: str) -> tuple[Index, Index] | Unknown:
+    """The indexes of a binary op's two operands, or why the proof cannot follow it (``extra_args``: the
+    reason when the op has other arguments than two operands)."""
     args = _args(node)
     if len(args) != 2 or node.kwargs:
-        return Unknown("add/sub with extra arguments (alpha, out) is not followed")
+        return Unknown(extra_args)
     a, b = an.operand_index(args[0]), an.operand_index(args[1])
-    for v in (a, b):
-        if isinstance(v, Unknown):
-            return v
+    return next((v for v in (a, b) if isinstance(v, Unknown)), (a, b))
+
+
+def _binary_index(an: MaskAnalysis, node, sign: int):
+    operands = _index_operands(an, node, "add/sub with extra arguments (alpha, out) is not followed")
+    if isinstance(operands, Unknown):
+        return operands
+    a, b = operands
     if not isinstance(_example(node), torch.Tensor):
         return Unknown("arithmetic on Python scalars")
     return _combine(a, b, sign, _shape(node))
@@ -250,13 +258,10 @@ def _neg(an, node):
 
 
 def _compare(an, node, swap: bool, strict: bool):
-    args = _args(node)
-    if len(args) != 2 or node.kwargs:
-        return Unknown("comparison with extra arguments")
-    a, b = an.operand_index(args[0]), an.operand_index(args[1])
-    for v in (a, b):
-        if isinstance(v, Unknown):
-            return v
+    operands = _index_operands(an, node, "comparison with extra arguments")
+    if isinstance(operands, Unknown):
+        return operands
+    a, b = operands
     if swap:
         a, b = b, a
     # integers: a < b  <=>  a - b + 1 <= 0
@@ -265,24 +270,12 @@ def _compare(an, node, swap: bool, strict: bool):
     return Mask(diff.shape, (Bound(diff.coefs, base, diff.free_dims),))
 
 
-@_handles(*_fn(operator.le, torch.le), *_method("le", "__le__"))
-def _le(an, node):
-    return _compare(an, node, swap=False, strict=False)
-
-
-@_handles(*_fn(operator.lt, torch.lt), *_method("lt", "__lt__"))
-def _lt(an, node):
-    return _compare(an, node, swap=False, strict=True)
-
-
-@_handles(*_fn(operator.ge, torch.ge), *_method("ge", "__ge__"))
-def _ge(an, node):
-    return _compare(an, node, swap=True, strict=False)
-
-
-@_handles(*_fn(operator.gt, torch.gt), *_method("gt", "__gt__"))
-def _gt(an, node):
-    return _compare(an, node, swap=True, strict=True)
+# a <= b and a < b; a >= b and a > b are the same with the operands swapped
+for _targets, _names, _swap, _strict in ((_fn(operator.le, torch.le), ("le", "__le__"), False, False),
+                                         (_fn(operator.lt, torch.lt), ("lt", "__lt__"), False, True),
+                                         (_fn(operator.ge, torch.ge), ("ge", "__ge__"), True, False),
+                                         (_fn(operator.gt, torch.gt), ("gt", "__gt__"), True, True)):
+    _handles(*_targets, *_method(*_names))(functools.partial(_compare, swap=_swap, strict=_strict))
 
 
 def realign(m: Mask, shape: tuple) -> Mask:

@@ -53,8 +53,13 @@ def strict() -> bool:
     return os.environ.get("INDUCTOR_ATTN_STRICT") == "1"
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
+def sync(device: torch.device | None = None) -> None:
+    """Wait for the work queued on ``device`` (a CPU has none). None: the current GPU's, where there is one
+    (bench's wall-clock timers, which time whatever their function runs on)."""
+    if device is None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    elif device.type == "cuda":
         torch.cuda.synchronize(device)
 
 

@@ -12,8 +12,7 @@ device)`` gives the CPU time of one launch (:func:`host_ms`).
 - ``WallClockTimer``: CPU problems (perf_counter around the call).
 - Tests use their own fake timers with known distributions (see tests/test_tuner.py).
 
-:func:`kernel_ms` is not a timer: it splits a call's device time by kernel (the calibration tools in
-benchmarks/tools/ compare it with a timer's figure to see launch gaps).
+A call's device time split by kernel (torch.profiler) is bench/wallclock.py's ``kernel_ms``, not a timer.
 """
 
 from __future__ import annotations
@@ -133,22 +132,3 @@ class CudaGraphTimer:
 
 def default_timer(device_type: str):
     return CudaGraphTimer() if device_type == "cuda" else WallClockTimer()
-
-
-def kernel_ms(fns: list[Callable[[], object]], calls: int = 20) -> dict[str, float]:
-    """Device time per call of each kernel that ``fns`` launch, from torch.profiler: plain launches cycling
-    through ``fns`` (give input copies larger than L2 together), after one warm-up call of each."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(calls):
-            fns[i % len(fns)]()
-        torch.cuda.synchronize()
-    per_kernel: dict[str, float] = {}
-    for e in prof.events():
-        if str(e.device_type).endswith("CUDA"):
-            per_kernel[e.name] = per_kernel.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3 / calls
-    return per_kernel

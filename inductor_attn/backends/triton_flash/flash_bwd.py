@@ -93,7 +93,7 @@ def unsupported_reason(p: Problem) -> str | None:
 # (block_m, block_n, warps, stages, also list atomic dQ) per padded head dim, most promising first.
 # Starting points from Triton tutorial 06 (32 x 128 for dK/dV, swapped for dQ), cut to tiles whose dK/dV
 # kernel compiles for sm_90 without spilling: compiled with triton 3.9 + ptxas 13 on a CPU machine by
-# benchmarks/flash_bwd_compile_sm90.py (bf16 causal GQA). d=128: 16x128 8 warps 0 B (atomic 0 B), 32x128
+# benchmarks/tools/flash_bwd_compile_sm90.py (bf16 causal GQA). d=128: 16x128 8 warps 0 B (atomic 0 B), 32x128
 # 20 B (atomic 180 B), 32x64 8 warps 0 B (atomic 28 B), while 64x64 spills 248 B and any 4-warp 128-key
 # tile spills > 2 KiB; d=256: only 32-key tiles with 8 warps stay at 0 B (16x64: 164 B). Speed is
 # unmeasured: the tuner measures these; the list only bounds the search.

@@ -193,10 +193,7 @@ def _expand_bits(words, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _sparse_rows(acc, m_i, l_i, q, k_base, v_base, kv_at, len_k, b, hq, qb, rows_in_block, m,
-                 FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BITS, TILES,
-                 sfc_b, sfc_h, sfc_m, sfi_b, sfi_h, sfi_m, sfi_s,
-                 spc_b, spc_h, spc_m, spi_b, spi_h, spi_m, spi_s,
-                 sbt_b, sbt_h, sbt_m, sbt_s, sbt_r, sbt_w, st_b, st_h, st_m,
+                 FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BITS, TILES, sparse_strides,
                  sk_n, sk_d, sv_n, sv_d, qk_scale,
                  BLOCK_N: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_DV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, HAS_FULL: tl.constexpr,
@@ -210,7 +207,12 @@ def _sparse_rows(acc, m_i, l_i, q, k_base, v_base, kv_at, len_k, b, hq, qb, rows
     113 KiB at 64x64, 3 stages, sm_90), one program per SM instead of two.
 
     With ``TILE_LIST`` the program walks row tile ``m``'s list from :func:`sparse_tile_list_kernel`
-    instead: only its non-empty tiles, full and partial in one loop (one pipeline to fill)."""
+    instead: only its non-empty tiles, full and partial in one loop (one pipeline to fill).
+
+    ``sparse_strides`` are the strides of the block lists, bitmaps and tile lists, as the kernel takes them
+    (a tuple, so that the kernel and _tile pass them on in one argument)."""
+    (sfc_b, sfc_h, sfc_m, sfi_b, sfi_h, sfi_m, sfi_s, spc_b, spc_h, spc_m, spi_b, spi_h, spi_m, spi_s,
+     sbt_b, sbt_h, sbt_m, sbt_s, sbt_r, sbt_w, st_b, st_h, st_m) = sparse_strides
     SUB: tl.constexpr = BLOCK_KV // BLOCK_N
     idx_base = PART_IDX + b * spi_b + hq * spi_h + qb * spi_m
     bits_base = BITS + b * sbt_b + hq * sbt_h + qb * sbt_m + rows_in_block[:, None] * sbt_r
@@ -300,14 +302,9 @@ def sparse_tile_list_kernel(TILES, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BITS,
 
 
 @triton.jit
-def _tile(tile, Q, K, V, O, LSE, KV_LENS, CU_Q, CU_K,
-          FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BITS, TILES,
-          sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
-          so_b, so_h, so_m, so_d, sl_b, sl_h, sl_m,
-          sfc_b, sfc_h, sfc_m, sfi_b, sfi_h, sfi_m, sfi_s,
-          spc_b, spc_h, spc_m, spi_b, spi_h, spi_m, spi_s,
-          sbt_b, sbt_h, sbt_m, sbt_s, sbt_r, sbt_w, st_b, st_h, st_m,
-          len_q, len_k, qk_scale, window_left, window_right,
+def _tile(tile, Q, K, V, O, LSE, KV_LENS, CU_Q, CU_K, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BITS, TILES,
+          sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, so_b, so_h, so_m, so_d,
+          sl_b, sl_h, sl_m, sparse_strides, len_q, len_k, qk_scale, window_left, window_right,
           heads_prog, num_m, num_bh, lpt_heads,
           GROUP: tl.constexpr, PACK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
@@ -369,9 +366,7 @@ def _tile(tile, Q, K, V, O, LSE, KV_LENS, CU_Q, CU_K,
             qb = row0 // BLOCK_Q
             acc, m_i, l_i = _sparse_rows(
                 acc, m_i, l_i, q, k_base, v_base, kv_at, len_k, b, hp, qb, rows - qb * BLOCK_Q, m,
-                FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BITS, TILES,
-                sfc_b, sfc_h, sfc_m, sfi_b, sfi_h, sfi_m, sfi_s, spc_b, spc_h, spc_m, spi_b, spi_h, spi_m, spi_s,
-                sbt_b, sbt_h, sbt_m, sbt_s, sbt_r, sbt_w, st_b, st_h, st_m, sk_n, sk_d, sv_n, sv_d, qk_scale,
+                FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BITS, TILES, sparse_strides, sk_n, sk_d, sv_n, sv_d, qk_scale,
                 BLOCK_N, BLOCK_KV, BLOCK_D, BLOCK_DV, D, DV, HAS_FULL, EVEN_N, TILE_LIST, TMA, DOT_PREC)
         else:
             pos_last = tl.minimum(row0 + BLOCK_M - 1, len_q_b * PACK - 1) // PACK
@@ -408,13 +403,14 @@ def flash_fwd_kernel(Q, K, V, O, LSE, KV_LENS, CU_Q, CU_K,
     """Forward of every tile assigned to this program; see the module docstring for the layouts."""
     # Inductor's launcher types a Python float argument as fp64 (eager Triton: fp32); keep the math fp32
     qk_scale = tl.cast(qk_scale, tl.float32)
+    sparse_strides = (sfc_b, sfc_h, sfc_m, sfi_b, sfi_h, sfi_m, sfi_s, spc_b, spc_h, spc_m, spi_b, spi_h, spi_m,
+                      spi_s, sbt_b, sbt_h, sbt_m, sbt_s, sbt_r, sbt_w, st_b, st_h, st_m)
     pid = tl.program_id(0)
     if SCHEDULE == 0:
         _tile(pid, Q, K, V, O, LSE, KV_LENS, CU_Q, CU_K, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BITS, TILES,
               sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, so_b, so_h, so_m, so_d,
-              sl_b, sl_h, sl_m, sfc_b, sfc_h, sfc_m, sfi_b, sfi_h, sfi_m, sfi_s, spc_b, spc_h, spc_m,
-              spi_b, spi_h, spi_m, spi_s, sbt_b, sbt_h, sbt_m, sbt_s, sbt_r, sbt_w, st_b, st_h, st_m,
-              len_q, len_k, qk_scale, window_left, window_right, heads_prog, num_m, num_bh, lpt_heads,
+              sl_b, sl_h, sl_m, sparse_strides, len_q, len_k, qk_scale, window_left, window_right, heads_prog,
+              num_m, num_bh, lpt_heads,
               GROUP, PACK, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, D, DV, MODE, SCHEDULE, HAS_LEFT, HAS_RIGHT,
               HAS_KV_LENS, HAS_FULL, BLOCK_Q, BLOCK_KV, EVEN_N, TILE_LIST, TMA, DOT_PREC)
     else:
@@ -423,8 +419,7 @@ def flash_fwd_kernel(Q, K, V, O, LSE, KV_LENS, CU_Q, CU_K,
         for tile in range(pid, num_tiles, tl.num_programs(0)):
             _tile(tile, Q, K, V, O, LSE, KV_LENS, CU_Q, CU_K, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BITS, TILES,
                   sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, so_b, so_h, so_m, so_d,
-                  sl_b, sl_h, sl_m, sfc_b, sfc_h, sfc_m, sfi_b, sfi_h, sfi_m, sfi_s, spc_b, spc_h, spc_m,
-                  spi_b, spi_h, spi_m, spi_s, sbt_b, sbt_h, sbt_m, sbt_s, sbt_r, sbt_w, st_b, st_h, st_m,
-                  len_q, len_k, qk_scale, window_left, window_right, heads_prog, num_m, num_bh, lpt_heads,
+                  sl_b, sl_h, sl_m, sparse_strides, len_q, len_k, qk_scale, window_left, window_right, heads_prog,
+              num_m, num_bh, lpt_heads,
                   GROUP, PACK, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, D, DV, MODE, SCHEDULE, HAS_LEFT,
                   HAS_RIGHT, HAS_KV_LENS, HAS_FULL, BLOCK_Q, BLOCK_KV, EVEN_N, TILE_LIST, TMA, DOT_PREC)
