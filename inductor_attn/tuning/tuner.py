@@ -63,7 +63,6 @@ from .measure import (
     gate_inputs,
     is_candidate_error,
     strict,
-    sync,
     time_trials,
 )
 from .settings import env_number
