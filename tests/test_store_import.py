@@ -223,17 +223,16 @@ def test_export_replaces_the_target_keeping_its_permissions(tmp_path, store):
 
 def test_a_field_the_tuner_adds_to_its_record_is_accepted_and_checked(tmp_path, store, monkeypatch):
     """The record's fields are the tuner's dataclasses' (schema.py), not a copy of them."""
-    from inductor_attn.store import schema
-    from inductor_attn.tuning import tuner
+    from inductor_attn.store import record, schema
 
     @dataclasses.dataclass
-    class Later(tuner.TuneResult):
+    class Later(record.TuneResult):
         launches: float | None = None
 
-    monkeypatch.setattr(tuner, "TuneResult", Later)
+    monkeypatch.setattr(record, "TuneResult", Later)
     monkeypatch.setattr(schema, "_record_checker", functools.cache(schema._record_checker.__wrapped__))
     result = Later(Problem.from_key(decision_row(1)["record"]["problem"]), "forward", "b:x=1", "a:default", "why",
-                   "fake", [tuner.CandidateResult("a:default", "passed", median_ms=1.0)], launches=3.0)
+                   "fake", [record.CandidateResult("a:default", "passed", median_ms=1.0)], launches=3.0)
     row = {**decision_row(1), "record": result.to_json()}
     assert store.import_json(_export_file(tmp_path / "in.json", [row])) == 1
     with pytest.raises(ValueError, match="field 'record.launches': must be a number or null, got str 'x'"):

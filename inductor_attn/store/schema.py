@@ -20,6 +20,7 @@ import types
 import typing
 
 from ..problem import Problem
+from . import record
 from .keys import key_of
 
 # Version of the row format, written as "schema" in exports. Bump it when a field changes meaning; an
@@ -182,11 +183,8 @@ def _check_record(record) -> None:
 
 @functools.cache
 def _record_checker():
-    """TuneResult's fields, ``origin`` and the fields of older records. Imported here, not at the top: the tuner
-    imports the backends, which import the store."""
-    from ..tuning.tuner import LEGACY_FIELDS, TuneResult
-
-    return _fields_checker(TuneResult, "record", {ORIGIN: str, **LEGACY_FIELDS})
+    """TuneResult's fields (record.py), ``origin`` and the fields of older records."""
+    return _fields_checker(record.TuneResult, "record", {ORIGIN: str, **record.LEGACY_FIELDS})
 
 
 def _fields_checker(cls, what: str, extra: dict | None = None):
