@@ -27,6 +27,26 @@ def empty_like_layout(like: torch.Tensor, size, dtype=None) -> torch.Tensor:
     return torch.empty_permuted(size, stride_order(like), dtype=dtype or like.dtype, device=like.device)
 
 
+# ops whose queries come packed, (total_q, H, D) by cu_seqlens_q: their lse is (H, total_q), the others' (B, H, Lq)
+PACKED_OPS = ("varlen", "paged")
+
+
+def new_out(q: torch.Tensor, v: torch.Tensor, dtype=None) -> torch.Tensor:
+    """A forward's empty ``out``: q's shape with v's head dim, in q's stride order, q's dtype unless given."""
+    return empty_like_layout(q, (*q.shape[:-1], v.shape[-1]), dtype)
+
+
+def new_outputs(op: str, q: torch.Tensor, v: torch.Tensor, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A forward's empty ``(out, lse)`` for op ``op`` (:func:`new_out`; lse float32, contiguous)."""
+    lse_shape = (q.shape[1], q.shape[0]) if op in PACKED_OPS else q.shape[:-1]
+    return new_out(q, v, dtype), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+def new_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+    """A backward's empty ``[dq, dk, dv]``, each in its input's shape and stride order."""
+    return [empty_like_layout(x, x.shape) for x in (q, k, v)]
+
+
 def layout_strides(like: torch.Tensor, size) -> tuple:
     """The strides of ``empty_like_layout(like, size)``, without allocating: contiguous in ``like``'s stride
     order, each dim's stride the product of the sizes inside it, a size of 0 counted as 1 (c10's

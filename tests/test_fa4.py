@@ -769,7 +769,7 @@ def test_a_replayed_backward_call_skips_the_layout_work_from_its_second_replay_o
     for seed in range(3):
         if seed == 2:
             monkeypatch.setattr(record_replay, "layout_key", lambda values: pytest.fail("built the full layout key"))
-            monkeypatch.setattr(fa4.launch, "empty_like_layout", lambda *a: pytest.fail("computed the grads' layout"))
+            monkeypatch.setattr(fa4.launch, "new_grads", lambda *a: pytest.fail("computed the grads' layout"))
         call = _bwd_call(seed)
         out, grad_out = torch.randn_like(call.q), torch.randn_like(call.q)
         grads = plan.launch(call, out, torch.zeros(1, 2, 16), grad_out, None)

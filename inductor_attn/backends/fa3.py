@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from ..device import DeviceInfo
-from ..layout import conform, empty_like_layout
+from ..layout import conform, new_out
 from ..problem import Problem
 from .base import AttnCall, Backend, Candidate, Config, Library, Plan, Takes
 
@@ -211,7 +211,7 @@ class _ForwardLaunch:
         dense = self.dense
         q, k, v = (_as_fa3_takes(x, dense) for x in (call.q, call.k, call.v))
         out_dtype = torch.bfloat16 if self.fp8 else call.q.dtype  # what FA3 writes
-        out = empty_like_layout(call.q, (*call.q.shape[:-1], call.v.shape[-1]), out_dtype)
+        out = new_out(call.q, call.v, out_dtype)
         fa_out = out.transpose(1, 2) if dense else out
         if fa_out.stride(-1) != 1:
             fa_out = None  # q's layout has no contiguous head dim: FA3 allocates, conform() copies below

@@ -55,7 +55,7 @@ except ImportError:  # without them the kernels launch plainly (USE_PDL off)
 
 from .._compat import is_fake
 from ..device import DeviceInfo, smem_per_block
-from ..layout import empty_like_layout
+from ..layout import new_outputs
 from ..messages import KV_SEQLENS_VALUES, device_message
 from ..problem import Problem, next_power_of_two
 from .base import AttnCall, Backend, Candidate, Config, Plan, Takes
@@ -377,10 +377,7 @@ class DecodePlan:
 
     @staticmethod
     def outputs(call: AttnCall):
-        q = call.q
-        lse_shape = (q.shape[1], q.shape[0]) if call.op == "paged" else q.shape[:-1]
-        return (empty_like_layout(q, (*q.shape[:-1], call.v.shape[-1])),
-                torch.empty(lse_shape, dtype=torch.float32, device=q.device))
+        return new_outputs(call.op, call.q, call.v)
 
     def run(self, call: AttnCall, out, lse, ws=None, *, launcher=None, pdl=None, check_kv_seqlens=False):
         """Write the attention of ``call`` into ``out`` (B, Hq, Lq, Dv; any strides) and ``lse`` (B, Hq, Lq;

@@ -22,7 +22,7 @@ from torch import Tensor
 from .. import runtime
 from ..backends import AttnCall
 from ..block_mask import BlockSparseMask
-from ..layout import empty_like_layout
+from ..layout import new_grads, new_outputs
 from ..runtime import COMPILED
 from . import checks
 
@@ -32,11 +32,6 @@ LIB = "inductor_attn"
 # installs its Inductor pass there, so importing inductor_attn changes no Inductor config and stays cheap.
 ON_FIRST_TRACE: list = []
 _TRACED = threading.Event()
-
-
-def _lse_like(q: Tensor, heads: int, rows: int, batch: int | None) -> Tensor:
-    shape = (heads, rows) if batch is None else (batch, heads, rows)
-    return q.new_empty(shape, dtype=torch.float32)
 
 
 def _on_trace() -> None:
@@ -62,8 +57,7 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, wi
 def _(q, k, v, scale, causal, window_left, window_right, kv_seqlens, key_mask, choice):
     checks.check_attention(q, k, v, scale, window_left, window_right, kv_seqlens, key_mask)
     _on_trace()
-    b, h, lq, _ = q.shape
-    return empty_like_layout(q, (b, h, lq, v.shape[-1])), _lse_like(q, h, lq, b)
+    return new_outputs("attention", q, v)
 
 
 @torch.library.custom_op(f"{LIB}::attention_backward", mutates_args=())
@@ -79,7 +73,7 @@ def attention_backward_op(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, 
 @attention_backward_op.register_fake
 def _(grad_out, grad_lse, q, k, v, out, lse, scale, causal, window_left, window_right, kv_seqlens, key_mask,
       choice):
-    return empty_like_layout(q, q.shape), empty_like_layout(k, k.shape), empty_like_layout(v, v.shape)
+    return tuple(new_grads(q, k, v))
 
 
 def _attention_setup(ctx, inputs, output):
@@ -119,7 +113,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, ca
     checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
                         window_right)
     _on_trace()
-    return empty_like_layout(q, (q.shape[0], q.shape[1], v.shape[-1])), _lse_like(q, q.shape[1], q.shape[0], None)
+    return new_outputs("varlen", q, v)
 
 
 @torch.library.custom_op(f"{LIB}::varlen_attention_backward", mutates_args=())
@@ -137,7 +131,7 @@ def varlen_attention_backward_op(grad_out: Tensor, grad_lse: Tensor | None, q: T
 @varlen_attention_backward_op.register_fake
 def _(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
       causal, window_left, window_right, choice):
-    return empty_like_layout(q, q.shape), empty_like_layout(k, k.shape), empty_like_layout(v, v.shape)
+    return tuple(new_grads(q, k, v))
 
 
 def _varlen_setup(ctx, inputs, output):
@@ -183,8 +177,7 @@ def _(q, k, v, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, p
                          block_q, block_kv, density, partial_fraction)
     checks.check_block_sparse(q, k, v, sparse, scale)
     _on_trace()
-    b, h, lq, _ = q.shape
-    return empty_like_layout(q, (b, h, lq, v.shape[-1])), _lse_like(q, h, lq, b)
+    return new_outputs("block_sparse", q, v)
 
 
 @torch.library.custom_op(f"{LIB}::block_sparse_attention_backward", mutates_args=())
@@ -203,7 +196,7 @@ def block_sparse_attention_backward_op(grad_out: Tensor, grad_lse: Tensor | None
 @block_sparse_attention_backward_op.register_fake
 def _(grad_out, grad_lse, q, k, v, out, lse, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
       partial_bits, block_q, block_kv, scale, density, partial_fraction, choice):
-    return empty_like_layout(q, q.shape), empty_like_layout(k, k.shape), empty_like_layout(v, v.shape)
+    return tuple(new_grads(q, k, v))
 
 
 def _sparse_setup(ctx, inputs, output):

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .. import runtime
 from ..backends import AttnCall
-from ..layout import empty_like_layout
+from ..layout import new_outputs
 from .checks import _dtype_names, assert_on_device, check_attention, fail
 
 FP8_DTYPES = (torch.float8_e4m3fn,)  # what FA3's fp8 kernels read (its build has no e5m2, no fnuz)
@@ -87,5 +87,4 @@ def fp8_attention_op(q: Tensor, k: Tensor, v: Tensor, q_descale: Tensor, k_desca
 @fp8_attention_op.register_fake
 def _(q, k, v, q_descale, k_descale, v_descale, scale, causal, window_left, window_right, out_dtype, choice):
     check_fp8(q, k, v, (q_descale, k_descale, v_descale), scale, window_left, window_right, out_dtype)
-    b, h, lq, _ = q.shape
-    return empty_like_layout(q, (b, h, lq, v.shape[-1]), out_dtype), q.new_empty((b, h, lq), dtype=torch.float32)
+    return new_outputs("attention", q, v, out_dtype)

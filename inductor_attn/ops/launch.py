@@ -26,7 +26,7 @@ from .. import runtime
 from ..backends import AttnCall, registry
 from ..tuning import measure
 from ..device import device_info
-from ..layout import empty_like_layout
+from ..layout import new_grads, new_outputs
 from ..problem import Problem
 from .attention import sparse_mask
 
@@ -88,10 +88,9 @@ def _call(p: Problem, scale: float, q, k, v, kv_seqlens, key_mask, own) -> AttnC
 def _launch_fake(tensors, plan: str):
     q, k, v = tensors[:3]
     if plan.startswith("forward|"):
-        varlen = plan.split("|", 3)[3].startswith("op=varlen,")  # its lse is (H, total_q), others' (B, H, Lq)
-        lse_shape = (q.shape[1], q.shape[0]) if varlen else q.shape[:-1]
-        return [empty_like_layout(q, (*q.shape[:-1], v.shape[-1])), q.new_empty(lse_shape, dtype=torch.float32)]
-    return [empty_like_layout(x, x.shape) for x in (q, k, v)]
+        op = plan.split("|", 3)[3].split(",", 1)[0].removeprefix("op=")  # the problem key starts with its op
+        return list(new_outputs(op, q, v))
+    return new_grads(q, k, v)
 
 
 _LIB.impl("launch", _launch, "CompositeExplicitAutograd")

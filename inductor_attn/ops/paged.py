@@ -16,10 +16,10 @@ from torch import Tensor
 
 from .. import runtime
 from ..backends import AttnCall
-from ..layout import empty_like_layout
+from ..layout import new_outputs
 from ..runtime import COMPILED
 from . import checks
-from .attention import LIB, _lse_like, _on_trace
+from .attention import LIB, _on_trace
 
 
 def paged_call(q, k_cache, v_cache, block_table, kv_seqlens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale,
@@ -46,4 +46,4 @@ def _(q, k_cache, v_cache, block_table, kv_seqlens, cu_seqlens_q, max_seqlen_q, 
     checks.check_paged(q, k_cache, v_cache, block_table, kv_seqlens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale,
                        window_left, window_right)
     _on_trace()
-    return empty_like_layout(q, (q.shape[0], q.shape[1], v_cache.shape[-1])), _lse_like(q, q.shape[1], q.shape[0], None)
+    return new_outputs("paged", q, v_cache)

@@ -10,7 +10,7 @@ from collections import Counter
 
 import torch
 
-from ...layout import empty_like_layout
+from ...layout import new_grads, new_outputs
 from ..base import AttnCall, Config
 from ..block_bitmap import slot_table
 from ..replay import Recording, Replay, Replays, checked_replay, quick_key
@@ -164,10 +164,7 @@ def _call_values(call: AttnCall, out: torch.Tensor, lse: torch.Tensor) -> tuple:
 
 def _buffers(call: AttnCall) -> tuple[torch.Tensor, torch.Tensor]:
     """A forward's empty (out, lse): out in q's stride order, lse (B, H, L), or (H, total) for varlen."""
-    q = call.q
-    out = empty_like_layout(q, (*q.shape[:-1], call.v.shape[-1]))
-    lse_shape = (q.shape[1], q.shape[0]) if call.op == "varlen" else q.shape[:-1]
-    return out, torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    return new_outputs(call.op, call.q, call.v)
 
 
 class ForwardLaunch:
@@ -247,7 +244,7 @@ class BackwardLaunch:
                                           checked=False))
             _zero_unused_keys(call, grads)
             return tuple(grads)
-        grads = [empty_like_layout(x, x.shape) for x in (call.q, call.k, call.v)]
+        grads = new_grads(call.q, call.k, call.v)
         tensors = (call.q, call.k, call.v, out, grad_out, lse, grad_lse, grads)
         values, replay, into_ours, as_given = self._replayed(call, tensors)
         if replay is not None:
@@ -295,7 +292,7 @@ class BackwardLaunch:
                 grad.copy_(result.transpose(1, 2) if dense else result)
         if recording is not None:
             _zero_unused_keys(call, grads)
-            fresh = [empty_like_layout(x, x.shape) for x in (call.q, call.k, call.v)]
+            fresh = new_grads(call.q, call.k, call.v)
             fresh_values = (*values[:8], *(_fa4_layout(g, "grad", dense) for g in fresh), *values[11:])
             self.replays.add(values, checked_replay(recording.replay(values, scratch=True), fresh_values, grads, fresh,
                                                     f"flash-attn-4 [{self.label}]",

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from ...device import DeviceInfo, device_info, smem_per_block
-from ...layout import broadcast_strides, empty_like_layout
+from ... import layout
+from ...layout import broadcast_strides
 from ...problem import Problem, next_power_of_two
 from ..base import AttnCall, Backend, Candidate, Config, Plan, Takes
 from ..triton_common import TRITON, eager_launcher, graph_launcher, traceable, triton_available, warmup_launcher
@@ -254,10 +255,7 @@ def new_outputs(call: AttnCall) -> tuple[torch.Tensor, torch.Tensor]:
     """The only allocations of a forward: ``out`` in q's stride order (the ops' layout contract, so the
     dispatcher never copies it; the kernel writes any strides) and a contiguous float32 ``lse``. Tests
     wrap this to poison both."""
-    q = call.q
-    out = empty_like_layout(q, (*q.shape[:-1], call.v.shape[-1]))
-    lse_shape = (q.shape[1], q.shape[0]) if call.op == "varlen" else q.shape[:-1]
-    return out, torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    return layout.new_outputs(call.op, call.q, call.v)
 
 
 def _bhld_strides(x: torch.Tensor, varlen: bool) -> tuple[int, ...]:
