@@ -777,3 +777,13 @@ def test_the_fp8_suites_smoke_run_measures_both_sides_and_its_result_reports_int
     assert report.update_summary_section(data, path) == "fp8 attention against our bf16 choice on NVIDIA H200"
     assert "<!-- bench fp8 on NVIDIA H200 -->" in path.read_text()
     assert "| B1 H2 L96 D32 full | `" in path.read_text()
+
+
+def test_report_draws_each_suites_plot_beside_results_md_and_links_it(tmp_path):
+    path = tmp_path / "RESULTS.md"
+    path.write_text(f"{report.SECTIONS_BEGIN}\n{report.SECTIONS_END}\n")
+    report.update_results_md(_result(), path)
+    text = path.read_text()
+    for kind in ("dense", "decode"):
+        name = f"plots/{kind}-nvidia-h100-80gb-hbm3.png"
+        assert f"[{name}]({name})" in text and (tmp_path / name).stat().st_size > 0

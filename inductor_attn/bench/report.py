@@ -146,10 +146,29 @@ def update_results_md(result: dict, path: Path) -> list[str]:
         for device in sorted({runs[r.get("run", 0)]["device"] for r in mine}):
             rows = [r for r in mine if runs[r.get("run", 0)]["device"] == device]
             metas = [runs[i] for i in sorted({r.get("run", 0) for r in rows})]
-            sections[(kind, device)] = _results_section(kind, device, _suite_tables(kind, rows), metas)
+            tables = _section_plot(kind, device, rows, Path(path)) + _suite_tables(kind, rows)
+            sections[(kind, device)] = _results_section(kind, device, tables, metas)
             written.append(f"{KIND_TITLES[kind]} on {device}")
     _replace_sections(Path(path), sections)
     return written
+
+
+PLOTS = "plots"  # beside RESULTS.md, git-ignored: drawn again by every `bench --report`
+
+
+def _section_plot(kind: str, device: str, rows: list[dict], results_md: Path) -> str:
+    """Draw one suite's speedups per shape (autotuned, hand rule and oracle against the row's baseline) into
+    ``plots/<suite>-<device>.png`` beside RESULTS.md; the markdown line that links it, or "" (nothing to draw,
+    or no matplotlib)."""
+    plt = _pyplot()
+    fig = None if plt is None else _plot_speedups(plt, [r for r in rows if r["status"] == "ok"])
+    if fig is None:
+        return ""
+    name = f"{kind}-{re.sub(r'[^a-z0-9]+', '-', device.lower()).strip('-')}.png"
+    path = results_md.parent / PLOTS / name
+    path.parent.mkdir(exist_ok=True)
+    _save(plt, fig, path)
+    return f"Plot (drawn by `bench --report`, not committed): [{PLOTS}/{name}]({PLOTS}/{name})\n\n"
 
 
 def summary_suite(data: dict) -> str | None:
@@ -436,12 +455,8 @@ def _quality_section(q: dict | None) -> str:
 def write_plots(result: dict, out_dir: Path) -> list[Path]:
     """speedups.png, decode_bandwidth.png and tuning.png (each only when there is something to draw);
     none when matplotlib is missing (its absence is noted in the JSON's meta)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         result["meta"]["plots"] = "skipped: matplotlib is not installed"
         return []
     ok = [r for r in result["rows"] if r["status"] == "ok" and r["kind"] != "flex_route"]
@@ -450,12 +465,27 @@ def write_plots(result: dict, out_dir: Path) -> list[Path]:
                        ("tuning.png", _plot_tuning)):
         fig = draw(plt, ok)
         if fig is not None:
-            path = Path(out_dir) / name
-            fig.tight_layout()
-            fig.savefig(path, dpi=80)
-            plt.close(fig)
-            paths.append(path)
+            paths.append(_save(plt, fig, Path(out_dir) / name))
     return paths
+
+
+def _pyplot():
+    """matplotlib's pyplot on the file-only backend, or None where matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
 
 
 def _bars(plt, labels, series, xlabel, ref=None):
@@ -498,6 +528,11 @@ def _plot_speedups(plt, rows):
         ax.errorbar(xs, ys, xerr=[lows, highs], fmt=marker, markersize=4, capsize=2, label=mode)
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.set_xscale("log")
+    from matplotlib.ticker import FuncFormatter
+
+    ticks = FuncFormatter(lambda x, _: f"{x:.3g}x")  # 1.2x, not log scale's 1.2 x 10^0
+    ax.xaxis.set_major_formatter(ticks)
+    ax.xaxis.set_minor_formatter(ticks)
     ax.set_yticks(range(len(rows)), [r["name"] for r in rows], fontsize=6)
     ax.invert_yaxis()
     ax.set_xlabel("speedup over the row's baseline (95% CI, log scale)", fontsize=8)
