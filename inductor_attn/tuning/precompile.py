@@ -8,7 +8,7 @@ JIT compilation is most of a cold tune (issue 16: seven problems took 140 s with
   precompiles its template choices with (select_algorithm.py, ``make_precompile_fn``), would shorten a
   cold full search is not measured; a shipped table shortlists at most two candidates;
 - plans without it, of backends whose library has ``compiles_to_disk`` (FA4: its CuTe DSL front end is Python that
-  holds the GIL, and fa4.py serializes compiles under a lock), compile in worker processes
+  holds the GIL, and a recorded first launch holds backends/replay.py's lock), compile in worker processes
   (subproc.py), as Inductor compiles its generated kernels in a pool of subprocesses
   (async_compile.py): each worker runs the candidate's first launch, which leaves the kernels in the
   disk cache that this process's first launch then loads. A fresh worker's start (an interpreter, a CUDA
