@@ -39,7 +39,7 @@ def new_out(q: torch.Tensor, v: torch.Tensor, dtype=None) -> torch.Tensor:
 def new_outputs(op: str, q: torch.Tensor, v: torch.Tensor, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
     """A forward's empty ``(out, lse)`` for op ``op`` (:func:`new_out`; lse float32, contiguous)."""
     lse_shape = (q.shape[1], q.shape[0]) if op in PACKED_OPS else q.shape[:-1]
-    return new_out(q, v, dtype), q.new_empty(lse_shape, dtype=torch.float32)
+    return new_out(q, v, dtype), torch.empty(lse_shape, dtype=torch.float32, device=q.device)
 
 
 def new_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
