@@ -91,6 +91,14 @@ class Problem:
         return self.heads_q // self.heads_kv
 
     @property
+    def may_have_empty_rows(self) -> bool:
+        """Whether a query row may have no key to attend (the ops' contract: out 0, lse -inf there): windows, key
+        masks, lengths, packed or block-sparse rows, causal with Lq > Lk (lower-right)."""
+        windowed = self.window_left >= 0 or self.window_right >= 0
+        return (windowed or self.has_key_mask or self.has_kv_seqlens or self.op != "attention"
+                or (self.causal and self.len_q > self.len_k))
+
+    @property
     def is_decode(self) -> bool:
         """Few query rows per sequence: the split-K regime (Lq 1..16)."""
         return self.op != "block_sparse" and self.len_q <= 16

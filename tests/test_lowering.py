@@ -294,8 +294,8 @@ def test_a_traced_sdpa_plan_keeps_views_and_copies_nothing(direction):
     def launch(q, k, v, out, lse, grad):
         call = AttnCall("attention", q, k, v, 0.125, True, -1, -1, None)
         if direction != "backward":
-            return tuple(sdpa._launch("cudnn", False, call, with_lse=direction == "forward"))
-        return tuple(sdpa._launch_backward("cudnn", False, call, out, lse, grad, None))
+            return tuple(sdpa._launch("cudnn", False, False, call, with_lse=direction == "forward"))
+        return tuple(sdpa._launch_backward("cudnn", False, False, call, out, lse, grad, None))
 
     graph = trace_functional(launch, [q, k, v, out, lse, grad]).graph
     targets = {str(n.target) for n in graph.nodes if n.op == "call_function"}
@@ -321,7 +321,7 @@ def _traced_sdpa_backward_args(kernel: str, layouts: dict) -> list:
 
     def launch(q, k, v, out, lse, grad):
         call = AttnCall("attention", q, k, v, 0.125, True, -1, -1, None)
-        return tuple(sdpa._launch_backward(kernel, False, call, out, lse, grad, None))
+        return tuple(sdpa._launch_backward(kernel, False, False, call, out, lse, grad, None))
 
     graph = trace_functional(launch, [q, k, v, out, lse, grad]).graph
     (bwd,) = [n for n in graph.nodes if f"{kernel}_attention_backward" in str(n.target)]
@@ -360,7 +360,7 @@ def test_a_traced_sdpa_call_names_the_scale_only_where_it_is_not_the_ops_default
         q, k, v = (torch.empty(2, 8, 256, 64, dtype=torch.bfloat16, device="meta") for _ in range(3))
 
     def launch(q, k, v):
-        return tuple(sdpa._launch("cudnn", False, AttnCall("attention", q, k, v, scale, True, -1, -1, None)))
+        return tuple(sdpa._launch("cudnn", False, False, AttnCall("attention", q, k, v, scale, True, -1, -1, None)))
 
     (cudnn,) = [n for n in trace_functional(launch, [q, k, v]).graph.nodes if "cudnn" in str(n.target)]
     assert cudnn.kwargs == ({} if scale == 64 ** -0.5 else {"scale": scale})

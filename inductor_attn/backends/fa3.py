@@ -104,12 +104,6 @@ def split_candidates(p: Problem, sm_count: int) -> list[int]:
     return sorted({1, *(s for s in (fill, fill // 2, fill // 4) if s >= 2)})
 
 
-def _empty_rows_possible(p: Problem) -> bool:
-    """Whether a query row may have no key to attend (FA3 gives it lse +inf, our contract -inf)."""
-    windowed = p.window_left >= 0 or p.window_right >= 0
-    return windowed or p.has_kv_seqlens or p.op == "varlen" or (p.causal and p.len_q > p.len_k)
-
-
 class FA3Backend(Backend):
     """Forward only; compiled code runs the plan's launch through the thin op (no traced form: a C++ op)."""
 
@@ -135,8 +129,8 @@ class FA3Backend(Backend):
             return (f"{DISTRIBUTION} multiplies the zero weights of keys past kv_seqlens by their values in its last "
                     "tile: 0 * NaN (an unwritten cache slot) reaches the output")
         if p.op == "varlen":
-            return (f"{DISTRIBUTION}'s varlen kernel reads the keys after a sequence's end in its last tile: NaN in the "
-                    "next sequence (padding between sequences) reaches the output")
+            return (f"{DISTRIBUTION}'s varlen kernel reads the keys after a sequence's end in its last tile: NaN in "
+                    "the next sequence (padding between sequences) reaches the output")
         if p.head_dim != p.head_dim_v or p.head_dim not in HEAD_DIMS:
             return (f"{DISTRIBUTION} is built for head dims {', '.join(map(str, HEAD_DIMS))} with equal q/k and v "
                     f"dims, got ({p.head_dim}, {p.head_dim_v})")
@@ -204,7 +198,7 @@ class _ForwardLaunch:
     def __init__(self, fwd, p: Problem, num_splits: int, pack_gqa: bool | None):
         self.fwd, self.num_splits, self.pack_gqa = fwd, num_splits, pack_gqa
         self.dense = p.op != "varlen"
-        self.empty_rows = _empty_rows_possible(p)
+        self.empty_rows = p.may_have_empty_rows  # FA3 gives such rows lse +inf, our contract -inf
         self.fp8 = p.dtype == "float8_e4m3fn"
 
     def __call__(self, call: AttnCall):

@@ -97,7 +97,7 @@ def _scale_kwargs(call: AttnCall) -> dict:
     return {"scale": call.scale}
 
 
-def _launch(kernel: str, needs_bias: bool, call: AttnCall, with_lse: bool = True):
+def _launch(kernel: str, needs_bias: bool, empty_rows: bool, call: AttnCall, with_lse: bool = True):
     """(out, lse); ``with_lse=False``: (out,) alone, cuDNN and efficient told not to compute the lse (flash always
     does), as SDPA itself calls them for inference."""
     q, k, v = call.q, call.k, call.v
@@ -121,14 +121,15 @@ def _launch(kernel: str, needs_bias: bool, call: AttnCall, with_lse: bool = True
     b, h, lq = q.shape[:3]
     # lse layouts differ: flash (B, H, Lq), cuDNN (B, H, Lq, 1), efficient padded to 32 rows
     lse = lse.reshape(b, h, -1)[..., :lq].float()
-    if kernel == "efficient" and bias is not None:
+    if kernel == "efficient" and empty_rows:
         # a row whose every key is masked: the efficient kernel's lse there is not -inf, our contract's (and the
         # reference's) value (a paged sequence of length 0 showed it, H200); its out there is 0
         lse = lse.masked_fill(bias[:, :1].isneginf().all(-1), float("-inf"))
     return conform(out, q), lse.contiguous()
 
 
-def _launch_backward(kernel: str, needs_bias: bool, call: AttnCall, out, lse, grad_out, grad_lse):
+def _launch_backward(kernel: str, needs_bias: bool, empty_rows: bool, call: AttnCall, out, lse, grad_out,
+                     grad_lse):
     """dq, dk, dv from SDPA's backward kernels, fed with whichever forward made ``out`` and ``lse`` (any
     backend's: our lse contract is the natural-log float32 (B, H, Lq) these kernels take). Placeholders
     are None, which the op call passes as undefined tensors (no dropout: no RNG state; dense: no
@@ -157,7 +158,7 @@ def _launch_backward(kernel: str, needs_bias: bool, call: AttnCall, out, lse, gr
         # the efficient kernels keep the lse padded to whole 32-row blocks (its forward returns it so)
         padded = lse.new_zeros(*lse.shape[:-1], -(-lq // 32) * 32)
         # rows with no key: +inf makes the kernel's exp(s - lse) 0 there, where -inf - (-inf) would give NaN
-        padded[..., :lq] = lse if bias is None else lse.masked_fill(lse == float("-inf"), float("inf"))
+        padded[..., :lq] = lse.masked_fill(lse == float("-inf"), float("inf")) if empty_rows else lse
         dq, dk, dv = aten._scaled_dot_product_efficient_attention_backward.default(
             grad_out, q, kr, vr, bias, _rows_heads_interleaved(out), padded, None, None, 0.0,
             [True, True, True, False], is_causal, **kw)[:3]
@@ -205,9 +206,9 @@ class SdpaBackend(Backend):
     def plan(self, p: Problem, dev: DeviceInfo, cfg: Config, direction: str) -> Plan:
         # aten ops and the bias's torch ops: the graph can hold them
         if direction == "backward":
-            launch = functools.partial(_launch_backward, cfg["kernel"], _needs_bias(p))
+            launch = functools.partial(_launch_backward, cfg["kernel"], _needs_bias(p), p.may_have_empty_rows)
             return Plan(launch, traced=launch)
-        launch = functools.partial(_launch, cfg["kernel"], _needs_bias(p))
+        launch = functools.partial(_launch, cfg["kernel"], _needs_bias(p), p.may_have_empty_rows)
         return Plan(launch, traced=launch, traced_out_only=functools.partial(launch, with_lse=False))
 
 
