@@ -21,11 +21,14 @@ from ..device import DeviceInfo
 from ..problem import Problem
 
 
+ABSENT = "absent"  # the version recorded for a distribution that is not installed
+
+
 def _version(dist: str) -> str:
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
-        return "absent"
+        return ABSENT
 
 
 def library_versions(requires) -> dict[str, str]:

@@ -31,7 +31,7 @@ from ..backends.registry import LOOKUP_ONLY, required_distributions
 from ..device import DeviceInfo, device_info
 from ..problem import Problem
 from ..store.db import get_store
-from ..store.keys import decision_fields, library_versions
+from ..store.keys import ABSENT, decision_fields, library_versions
 from ..store.priors import (SHORTLIST, SHORTLIST_COMPILE_FACTOR, SHORTLIST_COMPILE_FLOOR_S, SHORTLIST_MARGIN,
                             is_shipped, shipped_match, shortlist)
 from . import background
@@ -322,7 +322,7 @@ def _unmeasured_backends(prior: dict) -> set[str]:
     """Registered backends whose distributions are installed and that ``prior``'s record never names."""
     seen = {c["name"].split(":")[0] for c in prior["record"]["candidates"]}
     return {b.name for b in backends()
-            if b.name not in seen and "absent" not in library_versions(b.library.distributions).values()}
+            if b.name not in seen and ABSENT not in library_versions(b.library.distributions).values()}
 
 
 def _shortlist_of(prior: dict) -> list[str]:
