@@ -198,8 +198,9 @@ def stored_record(problem, direction: str = "forward") -> dict | None:
         return None
     cands = [{k: c.get(k) for k in ("name", "status", "reason", "median_ms", "speedup", "ci_low", "ci_high",
                                      "compile_s")} for c in rec["candidates"]]
+    # the noise too: quality.inside_noise reads it (the tie margin the tuner itself applied)
     return {"winner": rec["winner"], "default": rec["default"], "why": rec["why"], "timer": rec["timer"],
-            "candidates": cands}
+            "noise": rec.get("noise"), "candidates": cands}
 
 
 def decisions(call: AttnCall, dev: DeviceInfo, direction: str = "forward") -> dict:
