@@ -85,6 +85,14 @@ def test_forward_op_passes_opcheck_with_grad_inputs(op, make_args, dtype):
     opcheck(op, make_args(dtype, True), test_utils=ALL_CHECKS)
 
 
+def fp8_args(out_dtype):
+    """GQA q/k/v rounded to float8_e4m3fn, per-tensor and per-(batch, kv head) descales, causal."""
+    q, k, v = (rand(*shape, dtype=torch.float32, seed=seed).to(torch.float8_e4m3fn)
+               for shape, seed in (((2, 4, 6, 16), 0), ((2, 2, 9, 16), 1), ((2, 2, 9, 16), 2)))
+    descales = (torch.tensor([0.5]), torch.full((2, 2), 0.25), torch.tensor(2.0))
+    return (q, k, v, *descales, 0.25, True, -1, -1, out_dtype, "")
+
+
 def paged_args(dtype, chunked: bool):
     """3 sequences of 7, 0 and 12 keys in pages of 4 (pool of 8 pages; -1 past each sequence's last page)."""
     table = torch.tensor([[5, 0, -1, -1], [-1, -1, -1, -1], [2, 7, 1, -1]], dtype=torch.int32)
@@ -107,6 +115,13 @@ FORWARD_ONLY_CASES = {
 @pytest.mark.parametrize("op, make_args", FORWARD_ONLY_CASES.values(), ids=FORWARD_ONLY_CASES.keys())
 def test_forward_only_op_passes_opcheck(op, make_args, dtype):
     opcheck(op, make_args(dtype), test_utils=ALL_CHECKS)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_fp8_op_passes_opcheck(out_dtype):
+    # all but test_schema, which compares the inputs before and after with allclose: not implemented for
+    # float8_e4m3fn on the CPU (torch 2.13)
+    opcheck(OPS.fp8_attention.default, fp8_args(out_dtype), test_utils=ALL_CHECKS[1:])
 
 
 def test_forward_op_passes_opcheck_without_grad_inputs():
@@ -140,7 +155,7 @@ def test_backward_op_passes_opcheck(forward, backward, n_inputs, make_args, with
 
 
 def test_every_op_is_covered_by_opcheck():
-    forward = {op for op, _ in (*FORWARD_CASES.values(), *FORWARD_ONLY_CASES.values())}
+    forward = {op for op, _ in (*FORWARD_CASES.values(), *FORWARD_ONLY_CASES.values())} | {OPS.fp8_attention.default}
     backward = {bwd for _, bwd, _, _ in BACKWARD_CASES.values()}
     assert forward == {op._opoverload for op in FORWARD_OPS}
     assert backward == {op._opoverload for op in BACKWARD_OPS}

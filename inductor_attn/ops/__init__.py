@@ -1,6 +1,6 @@
 """Custom ops (no optional dependencies): importing this registers schemas, fake impls and autograd, and
 the thin ``launch`` op that compiled code calls for plans it cannot hold as traced kernels. ``FORWARD_OPS``: every
-forward op, the paged one (ops/paged.py, forward only) included."""
+forward op, the forward-only paged (ops/paged.py) and fp8 (ops/fp8.py) ones included."""
 
 from ..block_mask import BlockSparseMask
 from .attention import (
@@ -17,7 +17,7 @@ from .fp8 import fp8_attention_op
 from .launch import launch_op
 from .paged import paged_attention_op
 
-FORWARD_OPS = _DENSE_FORWARD_OPS + (paged_attention_op,)
+FORWARD_OPS = _DENSE_FORWARD_OPS + (paged_attention_op, fp8_attention_op)
 
 __all__ = [
     "BACKWARD_OPS", "FORWARD_OPS", "BlockSparseMask", "attention_op", "attention_backward_op",
