@@ -182,9 +182,11 @@ class ForwardLaunch:
         self.replays = Replays()
 
     def __call__(self, call: AttnCall):
-        quick = quick_key((call.q, call.k, call.v, call.kv_seqlens, call.cu_seqlens_q, call.cu_seqlens_k),
-                          (call.scale, call.max_seqlen_q, call.max_seqlen_k))
-        known = self.replays.known.get(quick)
+        known = None
+        if self.replays.by_layout:  # something was recorded (never, for a plan that is not thin): the quick key
+            quick = quick_key((call.q, call.k, call.v, call.kv_seqlens, call.cu_seqlens_q, call.cu_seqlens_k),
+                              (call.scale, call.max_seqlen_q, call.max_seqlen_k))
+            known = self.replays.known.get(quick)
         if known is not None:  # the steady state: allocate, view, launch
             out, lse = known.outputs(call.q.device)
             known.replay(_call_values(call, out, lse))
@@ -234,10 +236,12 @@ class BackwardLaunch:
     def __call__(self, call: AttnCall, out, lse, grad_out, grad_lse):
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        quick = quick_key((call.q, call.k, call.v, out, grad_out, lse, grad_lse, call.kv_seqlens,
-                           call.cu_seqlens_q, call.cu_seqlens_k),
-                          (call.scale, call.max_seqlen_q, call.max_seqlen_k))
-        known = self.replays.known.get(quick)
+        known = None
+        if self.replays.by_layout:  # as in the forward: no quick key before something was recorded
+            quick = quick_key((call.q, call.k, call.v, out, grad_out, lse, grad_lse, call.kv_seqlens,
+                               call.cu_seqlens_q, call.cu_seqlens_k),
+                              (call.scale, call.max_seqlen_q, call.max_seqlen_k))
+            known = self.replays.known.get(quick)
         if known is not None:  # the steady state: allocate, view, launch
             grads = known.outputs(call.q.device)
             known.replay(_backward_values(call, call.q, call.k, call.v, out, grad_out, lse, grad_lse, grads,
