@@ -74,9 +74,6 @@ class FakeBackend(Backend):
         FakeTimer.last, FakeTimer.last_host_s = (self.name, cfg), self.host_s
         return run_backend_backward(REFERENCE, call, None, out, lse, grad_out, grad_lse)
 
-    def source_hash(self) -> str:
-        return f"fake-{self.name}"
-
 
 def biased_forward(call: AttnCall):
     """(out, lse) with the mask as an additive -inf bias on the scores (Hq == Hkv): keys it masks still enter
@@ -174,9 +171,6 @@ class AtenCpuFlash(Backend):
     def _backward(call, out, lse, grad_out, grad_lse):
         return tuple(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, call.q, call.k, call.v, out, lse, 0.0, call.causal))
-
-    def source_hash(self) -> str:
-        return "fake-aten-cpu-flash"
 
 
 class ComputingOps(TorchDispatchMode):

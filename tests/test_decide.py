@@ -93,15 +93,17 @@ def test_a_new_library_version_invalidates_stored_decisions(fakes, monkeypatch):
     assert len(get_store().rows()) == 2
 
 
-def test_an_edited_kernel_source_invalidates_its_decisions(fakes, monkeypatch):
+def test_an_edited_kernel_source_invalidates_its_decisions(fakes, monkeypatch, tmp_path):
     a, b = fakes
+    kernel = tmp_path / "kernel.py"
+    kernel.write_text("v1")
+    monkeypatch.setattr(b, "sources", (kernel,))  # the files hashed into b's decision keys
     with inductor_attn.tuning_mode("autotune"):
         decide(small_call(), DEV, "forward")
-        runs = a.calls + b.calls
         forget_decisions()
-        monkeypatch.setattr(b, "source_hash", lambda: "edited")
+        kernel.write_text("v2")
         decide(small_call(), DEV, "forward")
-        assert a.calls + b.calls > runs
+    assert len(get_store().writable.rows()) == 2  # a second tune under a new key, not the first decision
 
 
 def test_a_stored_winner_that_is_no_longer_runnable_is_retuned(fakes, monkeypatch):
