@@ -118,10 +118,10 @@ def _unsupported(backend: Backend, p: Problem, dev: DeviceInfo, direction: str) 
     if direction == "backward" and not backend.takes.backward:
         return f"{backend.name} has no backward"
     if p.dtype.startswith("float8") and not backend.takes.fp8:
-        return f"{backend.name} takes no fp8 inputs (fp8 runs on {_fp8_backends()})"
+        return f"{backend.name} takes no fp8 inputs (fp8 runs on {_backends_taking('fp8')})"
     reason = backend.supports(p, dev, direction)
     if reason is None and p.has_key_mask and not backend.takes.key_mask:
-        reason = f"{backend.name} does not take key_mask (per-batch key masks run on {_key_mask_backends()})"
+        reason = f"{backend.name} does not take key_mask (per-batch key masks run on {_backends_taking('key_mask')})"
     return reason
 
 
@@ -143,12 +143,9 @@ def _plan(backend: Backend, problem: Problem, cfg, dev: DeviceInfo, direction: s
     return backend.plan(problem, dev, cfg, direction)
 
 
-def _key_mask_backends() -> str:
-    return ", ".join(b.name for b in _REGISTRY.values() if b.takes.key_mask)
-
-
-def _fp8_backends() -> str:
-    return ", ".join(b.name for b in _REGISTRY.values() if b.takes.fp8)
+def _backends_taking(what: str) -> str:
+    """The registered backends whose ``takes`` has ``what`` (key_mask, fp8), for a pruned reason's text."""
+    return ", ".join(b.name for b in _REGISTRY.values() if getattr(b.takes, what))
 
 
 for _backend in BUILTIN:
