@@ -153,7 +153,7 @@ def fake_mode_of(values):
 
 
 def trace_functional(fn, args):
-    """``fn`` traced on fake ``args`` into a functional FX graph, with Inductor's decompositions (the way
+    """``fn`` traced on ``args`` (fake, or real ones: then it runs) into a functional FX graph, with Inductor's decompositions (the way
     Inductor's pattern matcher traces replacements: torch/_inductor/pattern_matcher.py ``fwd_only``).
     ``torch.library.wrap_triton`` launches become ``triton_kernel_wrapper_functional`` nodes. Views stay
     views, as in ``fwd_only``'s graphs: functionalized away, each became a copy kernel in the compiled
@@ -164,7 +164,7 @@ def trace_functional(fn, args):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     functional = torch.func.functionalize(fn, remove="mutations")
-    with fake_mode_of(args):
+    with fake_mode_of(args) or contextlib.nullcontext():  # real tensors: traced by running it
         return make_fx(functional, select_decomp_table(), tracing_mode="real")(*args)
 
 

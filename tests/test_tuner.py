@@ -259,6 +259,35 @@ def test_host_time_of_an_untraced_candidate_goes_through_the_launch_op_and_is_no
     assert runtime.stats() == {}
 
 
+def test_a_traced_plan_of_aten_ops_is_timed_as_generated_code_calls_them():
+    """Compiled code calls the aten ops of a traced plan (SDPA's) by their overloads, not the plan's Python: the
+    host probe times those calls (an FX graph's code), which give the plan's outputs, forward and backward. A
+    traced form holding anything else (a Triton kernel through wrap_triton, here a higher-order op) is None."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=gen) for _ in range(3))
+    call = AttnCall("attention", q, k, v, 8 ** -0.5, causal=True)
+
+    def forward(c):
+        s = (c.q @ c.k.transpose(-1, -2) * c.scale).tril()
+        return s.softmax(-1) @ c.v, s.logsumexp(-1)
+
+    out, lse = forward(call)
+    for got, want in zip(measure._aten_calls_of(forward, call, None)(), (out, lse)):
+        torch.testing.assert_close(got, want)
+
+    def backward(c, out, lse, grad_out, grad_lse):
+        return grad_out @ c.v.transpose(-1, -2), c.k * 2, c.v + out
+
+    grads = (out, lse, torch.randn(out.shape, generator=gen), None)
+    for got, want in zip(measure._aten_calls_of(backward, call, grads)(), backward(call, *grads)):
+        torch.testing.assert_close(got, want)
+
+    def branching(c):
+        return (torch.cond(c.q.sum() > 0, lambda x: x * 2, lambda x: x - 1, (c.q,)),)
+
+    assert measure._aten_calls_of(branching, call, None) is None
+
+
 # --- staged search -------------------------------------------------------------------------------
 def _staged_backends():
     a = FakeBackend("a", {"default": (1.0, 0.01)})

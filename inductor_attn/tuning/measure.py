@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import os
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .._compat import trace_functional
 from ..backends import REFERENCE, AttnCall, Plan, get_backend, plan_for, run_backend
 from ..backends.pages import key_slots, unused_slots
 from ..device import device_info
@@ -228,14 +230,19 @@ class Direction:
         return plan.launch(call) if self.grads is None else plan.launch(call, *self.grads)
 
     def as_compiled_code_runs(self, plan: Plan, call: AttnCall, choice: str) -> Callable[[], object]:
-        """``plan`` launched as compiled code launches it. A traced form: the plan's launch, the kernels and
-        allocations the graph holds (through Triton's launcher or Python's aten calls, where generated code uses
-        Inductor's launcher and its own aten calls). A plan without a traced form: for an attention call decided
+        """``plan`` launched as compiled code launches it. A traced form of aten ops alone (SDPA's plans): those ops
+        called one after the other as generated code calls them (:func:`_aten_calls_of`), not the plan's Python
+        (through which an SDPA launch cost 35 us a call against 19-25 in compiled code, H200, 2026-11-29). A
+        traced form with Triton kernels: the plan's launch (Triton's launcher, where generated code uses
+        Inductor's, cheaper: an overestimate). A plan without a traced form: for an attention call decided
         at compile time, through the thin op that compiled code calls (:func:`thin_op_launch`: its dispatch and
         lookup cost host time that the plan's own launch does not show); other calls (fp8 among them: compiled code
         calls ``fp8_attention`` itself) go through the op impl at run time, approximated by the plan's launch."""
+        if plan.traced is not None:  # on a GPU: a CPU tune's wall-clock timer weighs no host time (step_cost.py)
+            generated = _aten_calls_of(plan.traced, call, self.grads) if call.q.is_cuda else None
+            return generated if generated is not None else lambda: self.run(plan, call)
         thin = call.op == "attention" and call.descale is None and _THIN_OP_LAUNCH is not None
-        if plan.traced is not None or not thin:
+        if not thin:
             return lambda: self.run(plan, call)
         return _THIN_OP_LAUNCH(self.direction, choice, call, *(self.grads or ()))
 
@@ -256,6 +263,32 @@ class Direction:
             return check_output(got[0], got[1], want[0], want[1], dtype), rel_err(got[0], want[0])
         reasons = [check_tensor(name, g, w, dtype) for name, g, w in zip(("dq", "dk", "dv"), got, want)]
         return next((r for r in reasons if r), None), max(rel_err(g, w) for g, w in zip(got, want))
+
+
+def _aten_calls_of(traced, call: AttnCall, grads) -> Callable[[], object] | None:
+    """A zero-argument run of ``traced`` on ``call`` (and a backward's ``grads``: out, lse, grad_out, grad_lse)
+    traced into an FX graph as lowering/emit.py traces it, where that graph holds aten ops alone: its generated
+    Python calls each op by its overload, as Inductor's generated code calls the extern kernels of the graph.
+    None where it holds anything else (a Triton kernel through ``wrap_triton``)."""
+    names = [n for n in ("q", "k", "v", "kv_seqlens", "key_mask") if getattr(call, n) is not None]
+    extra = list(grads or ())
+    present = [i for i, g in enumerate(extra) if g is not None]
+
+    def launch(*tensors):
+        c = dataclasses.replace(call, **dict(zip(names, tensors)))
+        if grads is None:
+            return tuple(traced(c))
+        given = list(extra)
+        for i, t in zip(present, tensors[len(names):]):
+            given[i] = t
+        return tuple(traced(c, *given))
+
+    args = [getattr(call, n) for n in names] + [extra[i] for i in present]
+    graph = trace_functional(launch, args)
+    if any(n.op == "call_function" and not isinstance(n.target, torch._ops.OpOverload) and n.target is not operator.getitem
+           for n in graph.graph.nodes):
+        return None
+    return lambda: graph.forward(*args)
 
 
 # How compiled code launches a plan that has no traced form: given by ops/launch.py, which defines that op,
