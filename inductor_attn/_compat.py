@@ -163,8 +163,12 @@ def trace_functional(fn, args):
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    from torch._subclasses.fake_tensor import FakeTensor
+
     functional = torch.func.functionalize(fn, remove="mutations")
-    with fake_mode_of(args) or contextlib.nullcontext():  # real tensors: traced by running it
+    # real tensors are traced by running them, also inside a compile, whose fake mode ``fake_mode_of`` finds
+    fake = any(isinstance(a, FakeTensor) for a in args)
+    with fake_mode_of(args) if fake else contextlib.nullcontext():
         return make_fx(functional, select_decomp_table(), tracing_mode="real")(*args)
 
 

@@ -1,5 +1,6 @@
 """The tuner's decisions on fake backends with known time distributions (no kernels, CPU only)."""
 
+import contextlib
 import dataclasses
 import functools
 import re
@@ -259,6 +260,19 @@ def test_host_time_of_an_untraced_candidate_goes_through_the_launch_op_and_is_no
     assert runtime.stats() == {}
 
 
+@contextlib.contextmanager
+def _in_a_compile():
+    """As lowering/emit.py tunes: inside a compile's tracing context and fake mode, under ``eager_mode``."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from inductor_attn._compat import eager_mode
+
+    fake_mode = FakeTensorMode()
+    with tracing(TracingContext(fake_mode)), fake_mode, eager_mode():
+        yield
+
+
 def test_a_traced_plan_of_aten_ops_is_timed_as_generated_code_calls_them():
     """Compiled code calls the aten ops of a traced plan (SDPA's) by their overloads, not the plan's Python: the
     host probe times those calls (an FX graph's code), which give the plan's outputs, forward and backward. A
@@ -274,6 +288,9 @@ def test_a_traced_plan_of_aten_ops_is_timed_as_generated_code_calls_them():
     out, lse = forward(call)
     for got, want in zip(measure._aten_calls_of(forward, call, None)(), (out, lse)):
         torch.testing.assert_close(got, want)
+    with _in_a_compile():  # where compile-time decisions tune: the compile's fake mode is not the tensors'
+        for got, want in zip(measure._aten_calls_of(forward, call, None)(), (out, lse)):
+            torch.testing.assert_close(got, want)
 
     def backward(c, out, lse, grad_out, grad_lse):
         return grad_out @ c.v.transpose(-1, -2), c.k * 2, c.v + out
