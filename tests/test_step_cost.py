@@ -64,6 +64,20 @@ def test_records_give_the_candidates_that_passed_with_both_figures():
     assert launch_costs({**record, "timer": "wall-clock"}) == []  # a CPU time holds its launch already
 
 
+def test_configs_of_one_backend_and_launch_path_share_its_host_time():
+    """A knob changes the kernel, not the Python that launches it: a config's lower probe is noise, and a
+    host-bound graph keeps the tuner's winner rather than a slower config of the same backend."""
+    record = {"timer": "cuda-graph", "candidates": [
+        {"name": "fa4:default", "status": "passed", "median_ms": 0.0138, "host_ms": 0.060, "traced": False},
+        {"name": "fa4:tile=1", "status": "passed", "median_ms": 0.0174, "host_ms": 0.036, "traced": False},
+        {"name": "fa4:tile=2", "status": "passed", "median_ms": 0.0167, "host_ms": 0.057, "traced": False},
+        {"name": "sdpa:kernel=flash", "status": "passed", "median_ms": 0.023, "host_ms": 0.046, "traced": True}]}
+    costs = launch_costs(record)
+    assert [c.host_ms for c in costs] == pytest.approx([0.057, 0.057, 0.057, 0.046])
+    chosen = choose_for_graph({"k": Bucket("fa4:default", costs)}, GraphWork(host_ms=0.038, device_ms=0.0))
+    assert chosen["k"][0] == "fa4:default"
+
+
 @pytest.mark.parametrize("slack_ms", [-0.5, -0.03, -0.02, 0.0, 0.2])
 def test_explain_predicts_the_choice_of_a_graph_for_its_host_minus_device_time(slack_ms):
     lines = explain_choice(FA4.name, [FA4, FLASH])
