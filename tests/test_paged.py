@@ -173,6 +173,8 @@ def test_bad_arguments_are_named():
             k_cache=torch.zeros(6, 16, 3, 32).half(), v_cache=torch.zeros(6, 16, 3, 32).half())
     _raises(ValueError, "k_cache and v_cache must share", v_cache=torch.zeros(6, 8, 2, 32).half())
     _raises(ValueError, "q.shape\\[0\\] must equal block_table.shape\\[0\\] \\(2\\)", q=x.q[:1])
+    _raises(ValueError, r"q.shape\[0\] \(5\) must be at most num_seqs \* max_seqlen_q \(2 \* 2\)",
+            q=torch.cat([x.q, x.q, x.q[:1]]), cu_seqlens_q=torch.tensor([0, 2, 5], dtype=torch.int32), max_seqlen_q=2)
     _raises(ValueError, "layout must be one of", layout="NDH")
     _raises(ValueError, "forward only", q=x.q.float().requires_grad_(), k_cache=x.k_cache.float(),
             v_cache=x.v_cache.float())
