@@ -230,11 +230,12 @@ class Direction:
     def as_compiled_code_runs(self, plan: Plan, call: AttnCall, choice: str) -> Callable[[], object]:
         """``plan`` launched as compiled code launches it. A traced form: the plan's launch, the kernels and
         allocations the graph holds (through Triton's launcher or Python's aten calls, where generated code uses
-        Inductor's launcher and its own aten calls). A plan without a traced form: for an attention call decided
-        at compile time, through the thin op that compiled code calls (:func:`thin_op_launch`: its dispatch and
-        lookup cost host time that the plan's own launch does not show); other calls (fp8 among them: compiled code
-        calls ``fp8_attention`` itself) go through the op impl at run time, approximated by the plan's launch."""
-        thin = call.op == "attention" and call.descale is None and _THIN_OP_LAUNCH is not None
+        Inductor's launcher and its own aten calls). A plan without a traced form: for a call decided at compile
+        time (dense attention, paged), through the thin op that compiled code calls (:func:`thin_op_launch`: its
+        dispatch and lookup cost host time that the plan's own launch does not show); other calls (fp8 among them:
+        compiled code calls ``fp8_attention`` itself) go through the op impl at run time, approximated by the plan's
+        launch."""
+        thin = call.op in ("attention", "paged") and call.descale is None and _THIN_OP_LAUNCH is not None
         if plan.traced is not None or not thin:
             return lambda: self.run(plan, call)
         return _THIN_OP_LAUNCH(self.direction, choice, call, *(self.grads or ()))
