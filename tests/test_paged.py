@@ -92,6 +92,48 @@ def test_the_gather_baselines_dense_call_is_the_paged_call(name):
     torch.testing.assert_close(lse, ref_lse.float())
 
 
+def test_split_k_decode_rebuilds_a_calls_geometry_only_when_its_strides_change(monkeypatch):
+    """A serving loop's steps share one geometry per plan; a pool in another layout (same problem) gets its own."""
+    built, build = [], decode._Geometry.of
+    monkeypatch.setattr(decode._Geometry, "of", staticmethod(lambda call, out: built.append(1) or build(call, out)))
+    plan = None
+    for layout, seed in (("NHD", 0), ("NHD", 1), ("HND", 2), ("NHD", 3)):
+        case = dataclasses.replace(CASES["decode_gqa_page16"], layout=layout)
+        x = pi.make(case, seed=seed)
+        call = _call(case, x)
+        plan = plan or decode.DecodePlan(call.problem, device_info("cpu"), Config.of(block_n=16, num_splits=2,
+                                                                                     num_warps=4))
+        out, lse = _poisoned(call)
+        plan.run(call, out, lse)
+        ref_out, ref_lse = pi.oracle(case, x, case.d ** -0.5)
+        assert check_output(out, lse, ref_out, ref_lse, case.dtype) is None, (layout, seed)
+    assert len(built) == 3
+
+
+def test_the_gather_baseline_looks_up_sdpas_plan_once_per_table_width(monkeypatch):
+    """Per launch, no dense Problem built and no plan looked up; a wider table (a dense call of another length)
+    gets its own. SDPA's kernels need CUDA: here the dense call runs on the reference."""
+    from inductor_attn.backends import registry
+
+    looked_up = []
+
+    def plan_for(problem, choice, dev, direction):
+        looked_up.append((choice, problem.len_k))
+        return REFERENCE.plan(problem, dev, None, direction)
+
+    monkeypatch.setattr(registry, "plan_for", plan_for)
+    plan = None
+    for width, seed in ((5, 0), (5, 1), (6, 2), (5, 3)):  # 80 and 96 keys: one problem (its len_k is 128)
+        case = dataclasses.replace(CASES["decode_gqa_page16"], width=width)
+        x = pi.make(case, seed=seed)
+        call = _call(case, x)
+        plan = plan or GATHER.plan(call.problem, device_info("cpu"), Config.of(kernel="efficient"), "forward")
+        out, lse = plan.launch(call)
+        ref_out, ref_lse = pi.oracle(case, x, case.d ** -0.5)
+        assert check_output(out, lse, ref_out, ref_lse, case.dtype) is None
+    assert looked_up == [("sdpa:kernel=efficient", 80), ("sdpa:kernel=efficient", 96)]
+
+
 def test_candidates_of_a_paged_decode():
     case = CASES["decode_gqa_page16"]
     call = _call(case, pi.make(case))
