@@ -6,6 +6,7 @@ each of its configs has a known time distribution that FakeTimer samples from a 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 import time
@@ -15,21 +16,25 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from inductor_attn.backends import REFERENCE, AttnCall, Backend, Candidate, Config, Plan, Takes, run_backend_backward
 from inductor_attn.backends.masks import dense_mask_fn
+from inductor_attn.backends.paged_gather import as_packed, dense_call
 from inductor_attn.backends.reference import run_backward, run_forward
 
 
 class FakeBackend(Backend):
     """``times``: {config string: (mean ms, std ms)}; ``wrong``/``fail``: config strings that misbehave.
     Its plans compute through the reference's torch code; with ``traceable=True`` they offer that code as
-    their traced form too, so compiled graphs hold it (a stand-in for Triton and aten plans on the CPU);
-    ``leaks``: configs told the mask as an additive -inf bias, as SDPA's kernels are
-    told kv_seqlens (:func:`biased_forward`)."""
+    their traced form too, so compiled graphs hold it (a stand-in for Triton and aten plans on the CPU; for paged
+    calls :func:`paged_forward`); ``leaks``: configs told the mask as an additive -inf bias, as SDPA's kernels are
+    told kv_seqlens (:func:`biased_forward`); ``ops``: the ops it takes (None: ``Takes``'s default)."""
 
     takes = Takes(backward=True)
 
     def __init__(self, name: str, times: dict[str, tuple[float, float]], wrong=(), fail=(), prune=None,
-                 supports_reason=None, heuristic=None, traceable=False, host_s=0.0, checks_kv_seqlens=False, leaks=()):
+                 supports_reason=None, heuristic=None, traceable=False, host_s=0.0, checks_kv_seqlens=False, leaks=(),
+                 ops=None):
         self.name = name
+        if ops is not None:
+            self.takes = dataclasses.replace(self.takes, ops=ops)
         self.times = times
         self.wrong, self.fail, self.leaks = set(wrong), set(fail), set(leaks)
         self.prune_reasons = prune or {}
@@ -59,7 +64,7 @@ class FakeBackend(Backend):
             return Plan(launch)
         if self.checks_kv_seqlens:
             return Plan(launch, traced=_forward_checking_kv_seqlens, checks_kv_seqlens=True)
-        return Plan(launch, traced=run_forward)
+        return Plan(launch, traced=paged_forward if p.op == "paged" else run_forward)
 
     def _forward(self, cfg, call):
         self.calls += 1
@@ -83,6 +88,13 @@ def biased_forward(call: AttnCall):
                             call.key_mask)(0, lq)[:, 0]
     scores = call.q.float() @ call.k.float().transpose(-1, -2) * call.scale + torch.where(allowed, 0.0, float("-inf"))
     return (torch.softmax(scores, -1) @ call.v.float()).to(call.q.dtype), torch.logsumexp(scores, -1)
+
+
+def paged_forward(call: AttnCall):
+    """A paged call's (out, lse) in torch ops that ``make_fx`` can trace (the reference's gathers the keys that
+    exist: a shape from the lengths' values): the gather baseline's dense call, pages gathered right-aligned with
+    a key mask (backends/paged_gather.py), through the reference. As many queries in every sequence."""
+    return as_packed(*run_forward(dense_call(call)), call.q)
 
 
 def _spin(seconds: float) -> None:

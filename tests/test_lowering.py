@@ -496,7 +496,7 @@ def copies_of_traced_triton_plans():
 
 
 @pytest.mark.parametrize("kernels", ["triton backward", "triton backward, kv_seqlens", "triton forward",
-                                     "triton_decode forward, kv_seqlens"])
+                                     "triton_decode forward, kv_seqlens", "triton_decode paged forward"])
 def test_traced_triton_plans_write_only_their_own_buffers_so_compiled_code_copies_nothing(
         kernels, copies_of_traced_triton_plans):
     """torch's analysis of what a user kernel writes decides which of its tensors compiled code copies before

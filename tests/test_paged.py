@@ -92,6 +92,48 @@ def test_the_gather_baselines_dense_call_is_the_paged_call(name):
     torch.testing.assert_close(lse, ref_lse.float())
 
 
+def test_split_k_decode_rebuilds_a_calls_geometry_only_when_its_strides_change(monkeypatch):
+    """A serving loop's steps share one geometry per plan; a pool in another layout (same problem) gets its own."""
+    built, build = [], decode._Geometry.of
+    monkeypatch.setattr(decode._Geometry, "of", staticmethod(lambda call, out: built.append(1) or build(call, out)))
+    plan = None
+    for layout, seed in (("NHD", 0), ("NHD", 1), ("HND", 2), ("NHD", 3)):
+        case = dataclasses.replace(CASES["decode_gqa_page16"], layout=layout)
+        x = pi.make(case, seed=seed)
+        call = _call(case, x)
+        plan = plan or decode.DecodePlan(call.problem, device_info("cpu"), Config.of(block_n=16, num_splits=2,
+                                                                                     num_warps=4))
+        out, lse = _poisoned(call)
+        plan.run(call, out, lse)
+        ref_out, ref_lse = pi.oracle(case, x, case.d ** -0.5)
+        assert check_output(out, lse, ref_out, ref_lse, case.dtype) is None, (layout, seed)
+    assert len(built) == 3
+
+
+def test_the_gather_baseline_looks_up_sdpas_plan_once_per_table_width(monkeypatch):
+    """Per launch, no dense Problem built and no plan looked up; a wider table (a dense call of another length)
+    gets its own. SDPA's kernels need CUDA: here the dense call runs on the reference."""
+    from inductor_attn.backends import registry
+
+    looked_up = []
+
+    def plan_for(problem, choice, dev, direction):
+        looked_up.append((choice, problem.len_k))
+        return REFERENCE.plan(problem, dev, None, direction)
+
+    monkeypatch.setattr(registry, "plan_for", plan_for)
+    plan = None
+    for width, seed in ((5, 0), (5, 1), (6, 2), (5, 3)):  # 80 and 96 keys: one problem (its len_k is 128)
+        case = dataclasses.replace(CASES["decode_gqa_page16"], width=width)
+        x = pi.make(case, seed=seed)
+        call = _call(case, x)
+        plan = plan or GATHER.plan(call.problem, device_info("cpu"), Config.of(kernel="efficient"), "forward")
+        out, lse = plan.launch(call)
+        ref_out, ref_lse = pi.oracle(case, x, case.d ** -0.5)
+        assert check_output(out, lse, ref_out, ref_lse, case.dtype) is None
+    assert looked_up == [("sdpa:kernel=efficient", 80), ("sdpa:kernel=efficient", 96)]
+
+
 def test_candidates_of_a_paged_decode():
     case = CASES["decode_gqa_page16"]
     call = _call(case, pi.make(case))
@@ -173,6 +215,8 @@ def test_bad_arguments_are_named():
             k_cache=torch.zeros(6, 16, 3, 32).half(), v_cache=torch.zeros(6, 16, 3, 32).half())
     _raises(ValueError, "k_cache and v_cache must share", v_cache=torch.zeros(6, 8, 2, 32).half())
     _raises(ValueError, "q.shape\\[0\\] must equal block_table.shape\\[0\\] \\(2\\)", q=x.q[:1])
+    _raises(ValueError, r"q.shape\[0\] \(5\) must be at most num_seqs \* max_seqlen_q \(2 \* 2\)",
+            q=torch.cat([x.q, x.q, x.q[:1]]), cu_seqlens_q=torch.tensor([0, 2, 5], dtype=torch.int32), max_seqlen_q=2)
     _raises(ValueError, "layout must be one of", layout="NDH")
     _raises(ValueError, "forward only", q=x.q.float().requires_grad_(), k_cache=x.k_cache.float(),
             v_cache=x.v_cache.float())
@@ -211,3 +255,135 @@ def test_a_compiled_serving_loop_compiles_once(grow, dynamic, fresh_compile):
     for out, ref in _serving_loop(step, 6, grow):
         assert (out.double() - ref).norm() / ref.norm() < 5e-3
     assert counter.frame_count == 1
+
+
+# ------------------------------------------------------------------------- decided while compiling
+def _paged_fakes(monkeypatch, traceable: bool):
+    """a (slower) and b (faster), both taking paged calls; b's plans traced into graphs where ``traceable``."""
+    from fakes import FakeBackend, FakeTimer
+
+    from inductor_attn.backends import only_backends
+
+    a = FakeBackend("a", {"default": (1.0, 0.01)}, ops=("attention", "paged"))
+    b = FakeBackend("b", {"x=1": (0.5, 0.01)}, traceable=traceable, ops=("attention", "paged"))
+    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b]))
+    return only_backends(a, b, REFERENCE)
+
+
+def _tunes(monkeypatch) -> list:
+    """The problems the tuner measures from now on, one entry per tune."""
+    from inductor_attn.tuning import decisions
+
+    tuned, real_tune = [], decisions.tune
+    monkeypatch.setattr(decisions, "tune", lambda call, *a, **kw: tuned.append(call.problem)
+                        or real_tune(call, *a, **kw))
+    return tuned
+
+
+def _paged_step(q, k, v, table, lens):
+    return inductor_attn.paged_attention(q, k, v, table, lens, return_lse=True)
+
+
+def _check_against_the_oracle(case, x, out, lse):
+    ref_out, ref_lse = pi.oracle(case, x, case.d ** -0.5)
+    assert check_output(out, lse, ref_out, ref_lse, case.dtype) is None
+
+
+@pytest.mark.parametrize("traceable", [False, True])
+def test_a_static_paged_call_is_decided_while_compiling(traceable, monkeypatch, fresh_compile):
+    """No paged op call is left in compiled code: the plan's traced form is inlined (no op of ours runs), or the
+    thin launch op names the plan decided at compile time."""
+    from torch._inductor.utils import run_and_get_code
+
+    case = pi.PagedCase(kv_lens=(37, 5, 0), page_size=4, d=16, width=12)
+    x = pi.make(case)
+    tuned = _tunes(monkeypatch)
+    with _paged_fakes(monkeypatch, traceable), inductor_attn.tuning_mode("autotune"):
+        (out, lse), (code,) = run_and_get_code(torch.compile(_paged_step, fullgraph=True), x.q, x.k_cache,
+                                               x.v_cache, x.block_table, x.kv_seqlens)
+    assert "inductor_attn.paged_attention" not in code
+    if traceable:
+        assert "torch.ops.inductor_attn" not in code
+        assert inductor_attn.stats() == {"paged/forward -> b:x=1 (launched by compiled code, per graph)": 1}
+    else:
+        assert "torch.ops.inductor_attn.launch.default(" in code and "'forward|b:x=1|0.25,48|op=paged," in code
+        assert inductor_attn.stats() == {"paged/forward -> b:x=1": 1}
+    assert [p.op for p in tuned] == ["paged"]
+    _check_against_the_oracle(case, x, out, lse)
+
+
+def test_the_representative_paged_call_is_valid_and_fills_the_capacity():
+    """The call tuned while compiling: a table naming pages of the pool, each once while there are enough,
+    lengths in [1, max_seqlen_k], query runs that sum to q's tokens with none over max_seqlen_q."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from inductor_attn.lowering import emit
+    from inductor_attn.ops.checks import check_paged_values
+
+    with FakeTensorMode():
+        q = torch.empty(12, 4, 16, dtype=torch.float16)
+        pools = [torch.empty(n, 8, 2, 16, dtype=torch.float16) for n in (40, 5)]
+        table, lens, cu = (torch.empty(3, 5, dtype=torch.int32), torch.empty(3, dtype=torch.int32),
+                           torch.empty(4, dtype=torch.int32))
+    for pool in pools:
+        vals = dict(q=q, k_cache=pool, v_cache=pool, block_table=table, kv_seqlens=lens, cu_seqlens_q=cu,
+                    max_seqlen_q=6, max_seqlen_k=37, scale=0.25, causal=True, window_left=-1, window_right=-1)
+        call = emit._concrete_call("paged", vals)
+        check_paged_values(call.k, call.block_table, call.kv_seqlens, call.cu_seqlens_q, call.q, 6, 37)
+        assert call.cu_seqlens_q.tolist() == [0, 4, 8, 12]
+        if pool.shape[0] >= table.numel():
+            assert call.block_table.unique().numel() == table.numel()
+        assert (call.problem.op, call.problem.len_k, call.problem.page_size) == ("paged", 64, 8)
+        assert (call.kv_seqlens >= 1).all() and (call.kv_seqlens <= 37).all()
+
+
+def test_a_named_triton_decode_choice_reads_pages_through_the_launch_op(fresh_compile):
+    """Under Triton's interpreter split-K decode has no traced form: the launch op runs its paged plan."""
+    from torch._inductor.utils import run_and_get_code
+
+    case = pi.PagedCase(kv_lens=(37, 5, 20), page_size=4, hq=4, hkv=2, d=16, q_lens=(2, 1, 2))
+    x = pi.make(case)
+    choice = "triton_decode:block_n=16,num_splits=2,num_warps=4"
+    op = torch.ops.inductor_attn.paged_attention
+
+    def fn(q, k, v, table, lens, cu):
+        return op(q, k, v, table, lens, cu, 2, table.shape[1] * 4, case.d ** -0.5, True, -1, -1, choice)
+
+    (out, lse), (code,) = run_and_get_code(torch.compile(fn, fullgraph=True), x.q, x.k_cache, x.v_cache,
+                                           x.block_table, x.kv_seqlens, x.cu_seqlens_q)
+    assert f"'forward|{choice}|" in code and "inductor_attn.paged_attention" not in code
+    assert inductor_attn.stats() == {f"paged/forward -> {choice}": 1}
+    _check_against_the_oracle(case, x, out, lse)
+
+
+@pytest.mark.parametrize("traceable", [False, True])
+def test_a_compiled_serving_loop_compiles_once_and_tunes_each_bucket_once(traceable, monkeypatch, fresh_compile):
+    """50 decode steps whose lengths grow by one token each, over three layers in two buckets (page sizes 4 and 8),
+    pools and tables of fixed sizes: one compile, one tune per bucket, every step's outputs right."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("inductor")
+    tuned = _tunes(monkeypatch)
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def step(q, layers, lens):
+        return [inductor_attn.paged_attention(q, k, v, table, lens) for k, v, table in layers]
+
+    with _paged_fakes(monkeypatch, traceable), inductor_attn.tuning_mode("autotune"):
+        for i in range(50):
+            cases = [pi.PagedCase(kv_lens=(5 + i, 9 + i), page_size=ps, d=16, width=64 // ps,
+                                  num_blocks=2 * (64 // ps) + 3) for ps in (4, 8, 4)]
+            first = pi.make(cases[0], seed=3 * i)
+            inputs = [first] + [dataclasses.replace(pi.make(case, seed=3 * i + j), q=first.q)
+                                for j, case in enumerate(cases[1:], 1)]
+            outs = step(first.q, [(x.k_cache, x.v_cache, x.block_table) for x in inputs], first.kv_seqlens)
+            if i % 7 == 0 or i == 49:
+                for case, x, out in zip(cases, inputs, outs):
+                    ref = pi.oracle(case, x, case.d ** -0.5)[0]
+                    assert check_tensor("output", out, ref, case.dtype) is None
+    assert counter.frame_count == 1
+    assert sorted(p.page_size for p in tuned) == [4, 8]
+    # decided while compiling: the plan runs from generated code, or from the launch op with no decision per call
+    assert inductor_attn.stats() == ({"paged/forward -> b:x=1 (launched by compiled code, per graph)": 3}
+                                     if traceable else {"paged/forward -> b:x=1": 150})
+    assert len(inductor_attn.cache.list_decisions()) == 2

@@ -1,6 +1,6 @@
 """paged_attention on a GPU: every candidate against a float64 oracle on fresh random inputs, outputs poisoned
 with NaN, NaN in every pool slot that holds no key; page sizes 1 to 256, GQA, chunked prefill; the tuner's choice;
-a compiled serving loop that never recompiles."""
+a compiled serving loop that never recompiles; a static compiled call runs split-K decode from generated code."""
 
 from __future__ import annotations
 
@@ -99,3 +99,47 @@ def test_a_compiled_serving_loop_never_recompiles_nor_retunes(monkeypatch, fresh
             assert (out.cpu().double() - ref).norm() / ref.norm() < 2e-2
     assert counter.frame_count == 1
     assert len([key for key in decisions._MEMO if key[1].op == "paged"]) == 1  # one bucket, tuned once
+
+
+@pytest.mark.parametrize("name, return_lse", [("decode_page16_mqa_d128", False), ("decode_page256_hnd", True),
+                                              ("prefill_ragged_chunks_window_page64", True)])
+def test_a_static_compiled_paged_call_launches_split_k_decode_from_generated_code(name, return_lse, fresh_compile):
+    """Decided while compiling and traced into the graph: no paged op and no launch op left, the kernels of the
+    chosen split-K config launched by Inductor's code (an inference call: no lse buffer), outputs right with NaN
+    in every pool slot that holds no key, also at a later step whose lengths grew (no recompile)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from inductor_attn.backends import REFERENCE, get_backend, only_backends
+    from inductor_attn.tuning.correctness import check_tensor
+
+    case = CASES[name]
+    grown = tuple(n + 5 for n in case.kv_lens)
+    pages = [-(-n // case.page_size) for n in grown]
+    steps = [dataclasses.replace(case, kv_lens=lens, width=max(pages) + 1, num_blocks=sum(pages) + 3)
+             for lens in (case.kv_lens, grown)]  # the same shapes at both steps
+    inputs = [pi.make(step_case, device="cuda", seed=i) for i, step_case in enumerate(steps)]
+    kwargs = {key: value for key, value in inputs[0].kwargs(case).items() if key != "cu_seqlens_q"}
+
+    def fn(q, k, v, table, lens, cu):
+        return inductor_attn.paged_attention(q, k, v, table, lens, cu_seqlens_q=cu, return_lse=return_lse, **kwargs)
+
+    compiled = torch.compile(fn, fullgraph=True)
+    with only_backends(get_backend("triton_decode"), REFERENCE), inductor_attn.tuning_mode("autotune"):
+        for i, (step_case, x) in enumerate(zip(steps, inputs)):
+            args = (x.q, x.k_cache, x.v_cache, x.block_table, x.kv_seqlens, x.cu_seqlens_q)
+            torch.full((1 << 26,), float("nan"), device="cuda")  # freed memory the outputs may be given: NaN
+            if i == 0:
+                result, (code,) = run_and_get_code(compiled, *args)
+            else:
+                result = compiled(*args)
+            ref_out, ref_lse = pi.oracle(step_case, x, case.d ** -0.5)
+            if return_lse:
+                assert check_output(result[0].cpu(), result[1].cpu(), ref_out, ref_lse, case.dtype) is None, i
+            else:
+                assert check_tensor("output", result.cpu(), ref_out, case.dtype) is None, i
+    assert "torch.ops.inductor_attn" not in code and "_decode_partial" in code, code
+    if not return_lse:  # traced_out_only: no (Hq, total_q) lse buffer
+        assert f"empty_strided_cuda(({case.hq}, {inputs[0].q.shape[0]}), " not in code, code
+    (ran, graphs), = inductor_attn.stats().items()
+    assert ran.startswith("paged/forward -> triton_decode:"), ran
+    assert ran.endswith("(launched by compiled code, per graph)") and graphs == 1, ran

@@ -19,9 +19,11 @@ from inductor_attn.backends.triton_common import graph_launcher
 from inductor_attn.backends.triton_flash.flash_bwd import backward
 from inductor_attn.device import DeviceInfo
 from inductor_attn.ops.attention import AttnCall
+from inductor_attn.ops.paged import paged_call
 
 H100 = DeviceInfo("NVIDIA H100", (9, 0), 132)
-CASES = ("triton backward", "triton backward, kv_seqlens", "triton forward", "triton_decode forward, kv_seqlens")
+CASES = ("triton backward", "triton backward, kv_seqlens", "triton forward", "triton_decode forward, kv_seqlens",
+         "triton_decode paged forward")
 
 
 class Sm90Target:
@@ -39,6 +41,21 @@ def _traced_forward(backend: str, problem):
     return next(plan.traced for plan in plans if plan.traced is not None)
 
 
+def _paged_launch():
+    """A paged decode's traced split-K launch and its meta arguments: B2 Hq16 Hkv4 D64, 16-key pages, a
+    (num_blocks, page_size, Hkv, D) pool, 16 pages per sequence."""
+    with FakeTensorMode():
+        q = torch.empty(2, 16, 64, dtype=torch.bfloat16, device="meta")
+        k, v = (torch.empty(40, 16, 4, 64, dtype=torch.bfloat16, device="meta") for _ in range(2))
+        table, lens = (torch.empty(*shape, dtype=torch.int32, device="meta") for shape in ((2, 16), (2,)))
+
+    def call_of(q, k, v, table, lens):
+        return paged_call(q, k, v, table, lens, None, 1, 256, 0.125, True, -1, -1)
+
+    traced = _traced_forward("triton_decode", call_of(q, k, v, table, lens).problem)
+    return (lambda *args: tuple(traced(call_of(*args)))), [q, k, v, table, lens]
+
+
 def copies(case: str) -> dict:
     decode, with_lens = case.startswith("triton_decode"), case.endswith("kv_seqlens")
     with FakeTensorMode():
@@ -49,7 +66,9 @@ def copies(case: str) -> dict:
     def call_of(q, k, v, lens):
         return AttnCall("attention", q, k, v, 0.125, not decode, -1, -1, lens if with_lens else None)
 
-    if case.startswith("triton backward"):
+    if case == "triton_decode paged forward":
+        launch, args = _paged_launch()
+    elif case.startswith("triton backward"):
         cfg = Config.of(bwd_block_m=32, bwd_block_n=128, bwd_dq="separate", bwd_stages=3, bwd_warps=4)
 
         def launch(q, k, v, lens, out, lse, grad):

@@ -66,10 +66,17 @@ class PagedGatherBackend(Backend):
         from .registry import plan_for  # the registry imports this module
 
         choice = f"sdpa:kernel={cfg['kernel']}"
+        # SDPA's plan of the dense call, by pages per sequence: the one size of it that p leaves open. Looked up
+        # once, not per launch (a Problem built and hashed per call)
+        dense_plans = {}
 
         def launch(call: AttnCall):
             dense = dense_call(call)
-            return as_packed(*plan_for(dense.problem, choice, dev, "forward").launch(dense), call.q)
+            width = call.block_table.shape[1]
+            found = dense_plans.get(width)
+            if found is None:
+                found = dense_plans[width] = plan_for(dense.problem, choice, dev, "forward")
+            return as_packed(*found.launch(dense), call.q)
 
         return Plan(launch)
 

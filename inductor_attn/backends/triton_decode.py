@@ -339,7 +339,9 @@ def _knobs(p: Problem, dev: DeviceInfo, cfg: Config) -> tuple[int, int, int, int
 
 class DecodePlan:
     """Split count, tiles and grids of one (problem, config), fixed once; a launch reads strides and
-    allocates ``out`` (in q's stride order), ``lse`` and, with more than one split, the workspace."""
+    allocates ``out`` (in q's stride order), ``lse`` and, with more than one split, the workspace. The call's
+    geometry (:class:`_Geometry`) is kept from one launch to the next while what the problem leaves open of it
+    stays the same: a serving loop's steps build it once."""
 
     def __init__(self, p: Problem, dev: DeviceInfo, cfg: Config):
         self.splits, self.block_n, self.num_warps, self.stages = _knobs(p, dev, cfg)
@@ -348,6 +350,7 @@ class DecodePlan:
         self.m_blocks = -(-g * p.len_q // self.block_m)
         self.interpret = os.environ.get("TRITON_INTERPRET") == "1"
         self.pdl = not self.interpret and dev.arch >= 90 and gdc_wait is not None
+        self._geometry = None  # (_Geometry.open_of the last call, its geometry)
 
     def launch(self, call: AttnCall):
         out, lse = self.outputs(call)
@@ -379,6 +382,13 @@ class DecodePlan:
     def outputs(call: AttnCall):
         return new_outputs(call.op, call.q, call.v)
 
+    def geometry(self, call: AttnCall, out) -> _Geometry:
+        key = _Geometry.open_of(call, out)
+        last = self._geometry
+        if last is None or last[0] != key:
+            last = self._geometry = (key, _Geometry.of(call, out))  # one assignment: threads may share the plan
+        return last[1]
+
     def run(self, call: AttnCall, out, lse, ws=None, *, launcher=None, pdl=None, check_kv_seqlens=False):
         """Write the attention of ``call`` into ``out`` (B, Hq, Lq, Dv; any strides) and ``lse`` (B, Hq, Lq;
         float32, contiguous; None: not computed). Tests hand in outputs (and a workspace ``ws`` from
@@ -386,7 +396,7 @@ class DecodePlan:
         launcher = launcher or eager_launcher
         pdl = self.pdl if pdl is None else pdl
         q, k, v = call.q, call.k, call.v
-        g = _Geometry.of(call, out)
+        g = self.geometry(call, out)
         b, hq, lq, hkv, lk, d, dv = g.b, q.shape[1], g.lq, g.hkv, g.lk, q.shape[-1], v.shape[-1]
         splits = self.splits
         right = 0 if call.causal else call.window_right
@@ -440,6 +450,16 @@ class _Geometry(NamedTuple):
     out: tuple
     lse: tuple
     table: int
+
+    @staticmethod
+    def open_of(call: AttnCall, out: torch.Tensor) -> tuple:
+        """What :meth:`of` reads that a plan's problem leaves open (the problem fixes every size): the strides, and
+        for a paged call the table's row stride, max_seqlen_k (the problem holds its power of two) and whether
+        its queries come in runs (cu_seqlens_q). Equal for two calls of one plan: equal geometries."""
+        strides = call.q.stride(), call.k.stride(), call.v.stride(), out.stride()
+        if call.op != "paged":
+            return strides
+        return *strides, call.block_table.stride(0), call.max_seqlen_k, call.cu_seqlens_q is None
 
     @staticmethod
     def of(call: AttnCall, out: torch.Tensor) -> _Geometry:

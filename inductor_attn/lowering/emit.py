@@ -1,12 +1,14 @@
 """Compile-time decisions and plan emission for the op calls whose choice shapes alone can make.
 
-Dense ``attention`` and ``attention_backward`` calls with static shapes are decided here, while the
-graph is compiled: a store hit, or tuning on fresh random inputs of the exact shapes and strides. A
-``kv_seqlens`` or ``key_mask`` argument gets representative values (random lengths over the whole cache,
-a mostly-open mask): the kernels' relative speed depends on the shapes, not on those values. Which candidate
-runs is decided for the whole graph from each candidate's device and host time (tuning/step_cost.py): the
-tuner's winner under CUDA graphs, the one that makes this graph's estimated step fastest with plain
-launches (graph_cost.py). Each call is then replaced by its plan:
+Dense ``attention`` and ``attention_backward`` calls and ``paged_attention`` calls with static shapes are
+decided here, while the graph is compiled: a store hit, or tuning on fresh random inputs of the exact shapes and
+strides. A ``kv_seqlens`` or ``key_mask`` argument gets representative values (random lengths over the whole
+cache, a mostly-open mask), a paged call a block table naming the pool's pages in random order and queries
+spread evenly over its sequences: the kernels' relative speed depends on the shapes, not on those values (a
+serving loop's lengths change every step, its shapes never). Which candidate runs is decided for the whole graph
+from each candidate's device and host time (tuning/step_cost.py): the tuner's winner under CUDA graphs, the one
+that makes this graph's estimated step fastest with plain launches (graph_cost.py). Each call is then replaced
+by its plan:
 
 - a plan with ``traced`` (Triton kernels through ``wrap_triton``, SDPA's aten ops): its kernels and torch
   ops, traced with ``make_fx``, so Inductor's generated code launches them: no Python of ours per call (a
@@ -17,7 +19,8 @@ launches (graph_cost.py). Each call is then replaced by its plan:
 The API's compiled check of ``kv_seqlens`` values is a device-side assert in the graph (a reduction kernel
 of its own). Where every attention call reading that ``kv_seqlens`` got a plan whose kernel can make the
 same check (``Plan.checks_kv_seqlens``: split-K decode), the kernels assert instead and the graph's assert
-goes: one launch less per call.
+goes: one launch less per call. The paged API's asserts (lengths in [0, max_seqlen_k], the block ids that the
+lengths reach) are other checks, with texts of their own, and stay.
 
 Varlen and block-sparse calls are decided at run time, on their real lengths and masks, at one cached lookup
 per call (runtime.py). With static shapes their problem is known while compiling (a mask's density is a
@@ -40,9 +43,10 @@ from ..backends import AttnCall
 from ..device import device_info
 from ..layout import filled_like
 from ..ops import (BACKWARD_OPS, FORWARD_OPS, attention_backward_op, attention_op,
-                   block_sparse_attention_backward_op, block_sparse_attention_op, varlen_attention_backward_op,
-                   varlen_attention_op)
+                   block_sparse_attention_backward_op, block_sparse_attention_op, paged_attention_op,
+                   varlen_attention_backward_op, varlen_attention_op)
 from ..ops.attention import sparse_mask
+from ..ops.paged import paged_call
 from ..messages import KV_SEQLENS_VALUES, device_message
 from ..ops.launch import OWN_TENSORS, launch_op, plan_key
 from ..runtime import COMPILED, count_compiled, plan_for
@@ -51,10 +55,11 @@ from .graph_cost import graph_work
 
 log = logging.getLogger(__name__)
 
-_DIRECTION = {attention_op._opoverload: "forward", attention_backward_op._opoverload: "backward"}
 _ALL_OPS = {op._opoverload for op in FORWARD_OPS + BACKWARD_OPS}
-_FORWARD_TENSORS = ("q", "k", "v", "kv_seqlens", "key_mask")
-_BACKWARD_TENSORS = _FORWARD_TENSORS + ("out", "lse", "grad_out", "grad_lse")
+# ops decided while compiling where their shapes are static: op -> (op kind, direction)
+_COMPILE_TIME = {attention_op._opoverload: ("attention", "forward"),
+                 attention_backward_op._opoverload: ("attention", "backward"),
+                 paged_attention_op._opoverload: ("paged", "forward")}
 # ops decided at run time, whose problem static shapes fix while compiling: op -> (op kind, direction)
 _RUN_TIME = {block_sparse_attention_op._opoverload: ("block_sparse", "forward"),
              block_sparse_attention_backward_op._opoverload: ("block_sparse", "backward"),
@@ -64,7 +69,7 @@ _RUN_TIME = {block_sparse_attention_op._opoverload: ("block_sparse", "forward"),
 
 def emit_plans(graph: torch.fx.Graph) -> None:
     readers, asserts = _kv_seqlens_checks(graph)
-    static = []  # (node, args, vals, call, direction, bucket key or None for a named choice)
+    static = []  # (node, args, vals, call, op, direction, bucket key or None for a named choice)
     buckets: dict[tuple, Bucket] = {}
     first_calls: dict[tuple, AttnCall] = {}
     for node in list(graph.nodes):
@@ -72,17 +77,17 @@ def emit_plans(graph: torch.fx.Graph) -> None:
             continue
         args = _bind(node)
         vals = {name: a.meta.get("val") if isinstance(a, torch.fx.Node) else a for name, a in args.items()}
-        direction = _DIRECTION.get(node.target)
-        if direction is None or not _static(vals):
-            if not args["choice"] and node.target in _RUN_TIME and _static_scalars(vals):
+        if node.target not in _COMPILE_TIME or not _static(vals):
+            if not args["choice"] and node.target in _RUN_TIME and _static(vals):
                 op, direction = _RUN_TIME[node.target]
-                names = (_BACKWARD_TENSORS if direction == "backward" else _FORWARD_TENSORS) + OWN_TENSORS[op]
                 key = plan_key(direction, COMPILED, _run_time_call(op, vals))
-                _replace_outputs(graph, node, _emit_launch(graph, node, key, args, vals, names))
+                outputs = _emit_launch(graph, node, key, args, vals, _tensor_names(op, direction))
+                _replace_outputs(graph, node, outputs)
             elif not args["choice"]:  # decided at run time; the fake impl has checked the arguments
                 _set_choice(node, COMPILED)
             continue
-        call = _concrete_call(vals)
+        op, direction = _COMPILE_TIME[node.target]
+        call = _concrete_call(op, vals)
         key = None
         if not args["choice"]:
             grad_lse = args.get("grad_lse") is not None
@@ -92,14 +97,14 @@ def emit_plans(graph: torch.fx.Graph) -> None:
                 buckets[key] = Bucket(winner, launch_costs(record) if record else [], calls=0)
                 first_calls[key] = call
             buckets[key].calls += 1
-        static.append((node, args, vals, call, direction, key))
-    training = any(direction == "backward" or _lse_read(node) for node, _, _, _, direction, _ in static)
+        static.append((node, args, vals, call, op, direction, key))
+    training = any(direction == "backward" or _lse_read(node) for node, _, _, _, _, direction, _ in static)
     chosen = _choose(graph, buckets, first_calls, {entry[0] for entry in static}, training)
     checked_in_kernel = set()
-    for node, args, vals, call, direction, key in static:
+    for node, args, vals, call, op, direction, key in static:
         choice = args["choice"] or chosen[key]
         plan = plan_for(call.problem, choice, device_info(call.q.device), direction)
-        names = _BACKWARD_TENSORS if direction == "backward" else _FORWARD_TENSORS
+        names = _tensor_names(op, direction)
         if plan.traced is not None:
             if plan.warm:
                 _warm(plan, call, direction)
@@ -108,8 +113,8 @@ def emit_plans(graph: torch.fx.Graph) -> None:
             if plan.checks_kv_seqlens and asserts.get(args["kv_seqlens"]):
                 traced = functools.partial(traced, check_kv_seqlens=True)
                 checked_in_kernel.add(node)
-            outputs = _inline_traced(graph, node, traced, args, vals, names, direction)
-            count_compiled("attention", direction, choice)
+            outputs = _inline_traced(graph, node, traced, op, args, vals, names, direction)
+            count_compiled(op, direction, choice)
         else:
             outputs = _emit_launch(graph, node, plan_key(direction, choice, call), args, vals, names)
         _replace_outputs(graph, node, outputs)
@@ -209,15 +214,19 @@ def _set_choice(node: torch.fx.Node, choice: str) -> None:
 
 
 def _static(vals: dict) -> bool:
-    """Shapes and window sizes known while compiling (not symbolic): the choice can be baked."""
-    return (all(isinstance(s, int) for name in ("q", "k", "v") for s in vals[name].shape)
-            and all(isinstance(vals[name], int) for name in ("window_left", "window_right")))
-
-
-def _static_scalars(vals: dict) -> bool:
-    """Every shape and scalar argument known while compiling (no SymInt or SymFloat)."""
+    """Every shape and scalar argument known while compiling (no SymInt or SymFloat): the problem, and with it the
+    choice, can be baked. A paged call's lengths and block ids are values, never shapes."""
     return all(isinstance(s, int) for v in vals.values() if isinstance(v, torch.Tensor) for s in v.shape) and all(
         type(v) in (int, float, bool, str) for v in vals.values() if v is not None and not isinstance(v, torch.Tensor))
+
+
+def _tensor_names(op: str, direction: str) -> tuple[str, ...]:
+    """The op's tensor arguments in the launch op's order (ops/launch.py): q, k, v (a paged call's pools),
+    kv_seqlens, key_mask (absent from ops without one), a backward's out, lse, grad_out, grad_lse, then the op's
+    own."""
+    qkv = ("q", "k_cache", "v_cache") if op == "paged" else ("q", "k", "v")
+    grads = ("out", "lse", "grad_out", "grad_lse") if direction == "backward" else ()
+    return (*qkv, "kv_seqlens", "key_mask", *grads, *OWN_TENSORS[op])
 
 
 def _run_time_call(op: str, vals: dict) -> AttnCall:
@@ -232,26 +241,43 @@ def _run_time_call(op: str, vals: dict) -> AttnCall:
     return AttnCall("block_sparse", q, k, v, vals["scale"], sparse=sparse)
 
 
-def _concrete_call(vals: dict) -> AttnCall:
+def _concrete_call(op: str, vals: dict) -> AttnCall:
     """Real tensors with the call's shapes, strides and dtypes: fresh normal q/k/v (the tuner makes its own
-    copies), lengths drawn over the whole cache, a key mask with 90% of keys open."""
+    copies), lengths drawn over the whole cache (a paged call's: up to max_seqlen_k), a key mask with 90% of keys
+    open; a paged call's block table and query runs from :func:`_page_indices`."""
     q = vals["q"]
+    capacity = vals["max_seqlen_k"] if op == "paged" else vals["k"].shape[2]
     with eager_mode():
         gen = torch.Generator(device=q.device).manual_seed(0)
 
         def like(x):
-            if x is None:
-                return None
             if x.dtype == torch.bool:
                 return filled_like(x, lambda t: t.copy_(torch.rand(t.shape, generator=gen, device=t.device) < 0.9))
             if not x.dtype.is_floating_point:
-                return filled_like(x, lambda t: t.copy_(torch.randint(1, vals["k"].shape[2] + 1, t.shape,
-                                                                      generator=gen, device=t.device)))
+                return filled_like(x, lambda t: t.copy_(torch.randint(1, capacity + 1, t.shape, generator=gen,
+                                                                      device=t.device)))
             return filled_like(x, lambda t: t.normal_(generator=gen))
 
-        return AttnCall("attention", like(q), like(vals["k"]), like(vals["v"]), float(vals["scale"]),
-                        bool(vals["causal"]), int(vals["window_left"]), int(vals["window_right"]),
-                        like(vals["kv_seqlens"]), key_mask=like(vals["key_mask"]))
+        tensors = {name: like(vals[name]) for name in _tensor_names(op, "forward")
+                   if vals.get(name) is not None and name not in OWN_TENSORS[op]}
+        if op == "paged":
+            tensors |= _page_indices(vals, gen)
+        return _call_of(op, vals, tensors)
+
+
+def _page_indices(vals: dict, gen: torch.Generator) -> dict:
+    """A paged call's representative index tensors: a block table that names the pool's pages in random order,
+    each once while the pool has enough of them (past that some are named twice, as shared prefixes are), and
+    where the call has one, cu_seqlens_q spreading the queries evenly over the sequences (none gets more than
+    max_seqlen_q: checks.check_paged). Contiguous, as the tuner's own fresh tables are (tuning/measure.py)."""
+    table = vals["block_table"]
+    (num_seqs, width), pool, device = table.shape, vals["k_cache"].shape[0], table.device
+    order = torch.randperm(pool, generator=gen, device=device)
+    indices = {"block_table": order[torch.arange(num_seqs * width, device=device) % pool].view(num_seqs, width).int()}
+    if vals["cu_seqlens_q"] is not None:
+        starts = torch.arange(num_seqs + 1, device=device) * vals["q"].shape[0] // num_seqs
+        indices["cu_seqlens_q"] = starts.int()
+    return indices
 
 
 def _decide(call: AttnCall, direction: str, grad_lse: bool) -> tuple[str, dict | None]:
@@ -278,18 +304,23 @@ def _warm(plan, call: AttnCall, direction: str) -> None:
             plan.launch(call, out, torch.zeros(call.q.shape[:-1], device=call.q.device), torch.zeros_like(out), None)
 
 
-def _call_of(args: dict, tensors: dict) -> AttnCall:
-    return AttnCall("attention", tensors["q"], tensors["k"], tensors["v"], float(args["scale"]),
-                    bool(args["causal"]), int(args["window_left"]), int(args["window_right"]),
-                    tensors.get("kv_seqlens"), key_mask=tensors.get("key_mask"))
+def _call_of(op: str, args: dict, tensors: dict) -> AttnCall:
+    """The call of op ``op`` with the scalars of ``args`` and ``tensors`` (by argument name; absent: None)."""
+    scalars = float(args["scale"]), bool(args["causal"]), int(args["window_left"]), int(args["window_right"])
+    if op == "paged":
+        return paged_call(tensors["q"], tensors["k_cache"], tensors["v_cache"], tensors["block_table"],
+                          tensors["kv_seqlens"], tensors.get("cu_seqlens_q"), int(args["max_seqlen_q"]),
+                          int(args["max_seqlen_k"]), *scalars)
+    return AttnCall("attention", tensors["q"], tensors["k"], tensors["v"], *scalars, tensors.get("kv_seqlens"),
+                    key_mask=tensors.get("key_mask"))
 
 
-def _inline_traced(graph, node, traced, args: dict, vals: dict, names, direction: str):
+def _inline_traced(graph, node, traced, op: str, args: dict, vals: dict, names, direction: str):
     present = [n for n in names if args.get(n) is not None]
 
     def launch(*tensors):
         t = dict(zip(present, tensors))
-        call = _call_of(args, t)
+        call = _call_of(op, args, t)
         if direction == "forward":
             return tuple(traced(call))
         return tuple(traced(call, t["out"], t["lse"], t.get("grad_out"), t.get("grad_lse")))

@@ -419,6 +419,11 @@ def check_paged(q, k_cache, v_cache, block_table, kv_seqlens, cu_seqlens_q, max_
         if m < 1 or m > most:
             what = "q tokens" if name == "max_seqlen_q" else "block_table.shape[1] * page_size"
             fail(ValueError, f"{name} must be in [1, {what}] = [1, {most}], got {m}")
+    # a shape no cu_seqlens_q values can satisfy (each sequence at most max_seqlen_q queries, q.shape[0] in all):
+    # refused while tracing, where compiled code's representative call (lowering/emit.py) spreads them evenly
+    if cu_seqlens_q is not None and max_seqlen_q is not None and q.shape[0] > num_seqs * max_seqlen_q:
+        fail(ValueError, f"q.shape[0] ({q.shape[0]}) must be at most num_seqs * max_seqlen_q ({num_seqs} * "
+                         f"{max_seqlen_q}): cu_seqlens_q gives no sequence more than max_seqlen_q queries")
     check_scale(scale)
     check_window(window_left, window_right)
 

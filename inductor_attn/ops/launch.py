@@ -2,9 +2,12 @@
 
 lowering/emit.py replaces an op call decided at compile time by this op where the chosen plan has no
 traced form (FA4's CuTe DSL kernels, Triton configs with host-side TMA descriptors, the reference). Its
-string argument names the plan: direction, choice, scale and the exact problem, so a fresh process that
-replays the compiled code from Inductor's cache rebuilds the plan from it. Per call the op parses nothing
+string argument names the plan: direction, choice, scale (and a paged call's max_seqlen_k) and the exact
+problem, so a fresh process that replays the compiled code from Inductor's cache rebuilds the plan from it. Per call the op parses nothing
 and checks nothing (the fake impl checked at trace time): one dictionary lookup, then the plan's launch.
+
+Paged calls decided at compile time whose plan has no traced form (the gather baseline, the reference) come
+here too, their block_table and cu_seqlens_q last, as an op's own tensors.
 
 Block-sparse and varlen calls with static shapes have a problem known while compiling (a mask's density is
 a constant of the graph) but are decided on their real index tensors: their plan string names the choice
@@ -35,25 +38,30 @@ _LIB.define("launch(Tensor?[] tensors, str plan) -> Tensor[]")
 
 
 def plan_key(direction: str, choice: str, call) -> str:
-    """The ``plan`` argument: everything the plan and the call's scalars depend on.
+    """The ``plan`` argument: everything the plan and the call's scalars depend on: direction, choice, the scalars
+    that the problem does not hold (the scale; a paged call's max_seqlen_k, which its problem holds rounded up to
+    a power of two) and the problem.
 
     Tensors (in order): q, k, v, kv_seqlens, key_mask, for the backward out, lse, grad_out, grad_lse, then
     the op's own (``OWN_TENSORS``).
     """
-    return "|".join((direction, choice, repr(float(call.scale)), call.problem.key()))
+    scalars = repr(float(call.scale)) + (f",{int(call.max_seqlen_k)}" if call.op == "paged" else "")
+    return "|".join((direction, choice, scalars, call.problem.key()))
 
 
 OWN_TENSORS = {"attention": (), "varlen": ("cu_seqlens_q", "cu_seqlens_k"),
                "block_sparse": ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
-                                "partial_bits")}
+                                "partial_bits"),
+               "paged": ("block_table", "cu_seqlens_q")}
 _PLANS: dict[tuple[str, int], tuple] = {}  # (plan string, device index) -> what a call needs
 
 
 def _resolve(plan: str, device: torch.device) -> tuple:
-    direction, choice, scale, problem = plan.split("|", 3)
+    direction, choice, scalars, problem = plan.split("|", 3)
+    scale, _, max_seqlen_k = scalars.partition(",")
     p = Problem.from_key(problem)
     launch = None if choice == runtime.COMPILED else runtime.plan_for(p, choice, device_info(device), direction).launch
-    return launch, float(scale), p, (p.op, direction, choice), registry.state["generation"]
+    return launch, (float(scale), int(max_seqlen_k or 0)), p, (p.op, direction, choice), registry.state["generation"]
 
 
 def _launch(tensors, plan: str):
@@ -62,10 +70,10 @@ def _launch(tensors, plan: str):
     found = _PLANS.get(key)
     if found is None or found[4] != registry.state["generation"]:
         found = _PLANS[key] = _resolve(plan, q.device)
-    launch, scale, p, stat, _ = found
+    launch, scalars, p, stat, _ = found
     end = len(tensors) - len(OWN_TENSORS[p.op])  # the op's own tensors come last
     rest, own = tensors[5:end], tensors[end:]
-    call = _call(p, scale, q, k, v, kv_seqlens, key_mask, own)
+    call = _call(p, scalars, q, k, v, kv_seqlens, key_mask, own)
     if launch is None:  # decided here, per call, on the real tensors
         run = runtime.forward if stat[1] == "forward" else runtime.backward
         return list(run(call, runtime.COMPILED, *rest))
@@ -74,13 +82,18 @@ def _launch(tensors, plan: str):
     return result
 
 
-def _call(p: Problem, scale: float, q, k, v, kv_seqlens, key_mask, own) -> AttnCall:
+def _call(p: Problem, scalars: tuple[float, int], q, k, v, kv_seqlens, key_mask, own) -> AttnCall:
+    scale, max_seqlen_k = scalars
     if p.op == "block_sparse":
         sparse = sparse_mask(q, k, *own, p.block_q, p.block_kv, p.density, p.partial_fraction)
         return AttnCall("block_sparse", q, k, v, scale, sparse=sparse, _problem=p)
     if p.op == "varlen":
         return AttnCall("varlen", q, k, v, scale, p.causal, p.window_left, p.window_right, cu_seqlens_q=own[0],
                         cu_seqlens_k=own[1], max_seqlen_q=p.len_q, max_seqlen_k=p.len_k, _problem=p)
+    if p.op == "paged":
+        return AttnCall("paged", q, k, v, scale, p.causal, p.window_left, p.window_right, kv_seqlens,
+                        cu_seqlens_q=own[1], max_seqlen_q=p.len_q, max_seqlen_k=max_seqlen_k, block_table=own[0],
+                        _problem=p)
     return AttnCall("attention", q, k, v, scale, p.causal, p.window_left, p.window_right, kv_seqlens,
                     key_mask=key_mask, _problem=p)
 
@@ -99,9 +112,10 @@ launch_op = torch.ops.inductor_attn.launch.default
 
 
 def _as_compiled_code_launches(direction: str, choice: str, call, *grads):
-    """A launch of ``choice``'s plan for the attention ``call`` through this op, as compiled code makes it, left
-    out of ``stats`` (the tuner times a candidate's host cost by it)."""
-    tensors = [call.q, call.k, call.v, call.kv_seqlens, call.key_mask, *grads]
+    """A launch of ``choice``'s plan for ``call`` (of an op decided at compile time: attention, paged) through this
+    op, as compiled code makes it, left out of ``stats`` (the tuner times a candidate's host cost by it)."""
+    tensors = [call.q, call.k, call.v, call.kv_seqlens, call.key_mask, *grads,
+               *(getattr(call, name) for name in OWN_TENSORS[call.op])]
     key = plan_key(direction, choice, call)
 
     def launch():

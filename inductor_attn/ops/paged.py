@@ -5,8 +5,9 @@ require grad). The layout is vLLM's and FlashAttention's: queries packed (total_
 (None: one query per sequence, decode), pools ``k_cache``/``v_cache`` (num_blocks, page_size, Hkv, D) with any
 strides (FlashInfer's HND pools arrive as transposed views), ``block_table`` int32 (num_seqs, pages per
 sequence), ``kv_seqlens`` int32 (num_seqs,). Returns ``(out, lse)``: out (total_q, Hq, Dv) in q's stride order,
-lse float32 (Hq, total_q) as varlen's. ``choice`` as for the other ops (ops/attention.py). Compiled code keeps
-this op call and decides at run time, per bucket (lowering/emit.py sets ``COMPILED``).
+lse float32 (Hq, total_q) as varlen's. ``choice`` as for the other ops (ops/attention.py). Compiled code with
+static shapes decides while compiling and replaces this op call by the chosen plan (lowering/emit.py); with
+dynamic shapes it keeps the call and decides at run time, per bucket (choice ``COMPILED``).
 """
 
 from __future__ import annotations

@@ -234,14 +234,15 @@ class Direction:
         called one after the other as generated code calls them (:func:`_aten_calls_of`), not the plan's Python
         (through which an SDPA launch cost 35 us a call against 19-25 in compiled code, H200, 2026-11-29). A
         traced form with Triton kernels: the plan's launch (Triton's launcher, where generated code uses
-        Inductor's, cheaper: an overestimate). A plan without a traced form: for an attention call decided
-        at compile time, through the thin op that compiled code calls (:func:`thin_op_launch`: its dispatch and
-        lookup cost host time that the plan's own launch does not show); other calls (fp8 among them: compiled code
-        calls ``fp8_attention`` itself) go through the op impl at run time, approximated by the plan's launch."""
+        Inductor's, cheaper: an overestimate). A plan without a traced form: for a call decided at compile time
+        (dense attention, paged), through the thin op that compiled code calls (:func:`thin_op_launch`: its
+        dispatch and lookup cost host time that the plan's own launch does not show); other calls (fp8 among them:
+        compiled code calls ``fp8_attention`` itself) go through the op impl at run time, approximated by the plan's
+        launch."""
         if plan.traced is not None:  # on a GPU: a CPU tune's wall-clock timer weighs no host time (step_cost.py)
             generated = _aten_calls_of(plan.traced, call, self.grads) if call.q.is_cuda else None
             return generated if generated is not None else lambda: self.run(plan, call)
-        thin = call.op == "attention" and call.descale is None and _THIN_OP_LAUNCH is not None
+        thin = call.op in ("attention", "paged") and call.descale is None and _THIN_OP_LAUNCH is not None
         if not thin:
             return lambda: self.run(plan, call)
         return _THIN_OP_LAUNCH(self.direction, choice, call, *(self.grads or ()))
@@ -270,7 +271,8 @@ def _aten_calls_of(traced, call: AttnCall, grads) -> Callable[[], object] | None
     traced into an FX graph as lowering/emit.py traces it, where that graph holds aten ops alone: its generated
     Python calls each op by its overload, as Inductor's generated code calls the extern kernels of the graph.
     None where it holds anything else (a Triton kernel through ``wrap_triton``)."""
-    names = [n for n in ("q", "k", "v", "kv_seqlens", "key_mask") if getattr(call, n) is not None]
+    names = [n for n in ("q", "k", "v", "kv_seqlens", "key_mask", "block_table", "cu_seqlens_q", "cu_seqlens_k")
+             if getattr(call, n) is not None]
     extra = list(grads or ())
     present = [i for i, g in enumerate(extra) if g is not None]
 
