@@ -797,3 +797,10 @@ def test_the_stored_record_keeps_the_noise_that_inside_noise_reads(monkeypatch):
     monkeypatch.setattr(runner, "whole_record", lambda problem, direction: rec)
     stored = runner.stored_record(None)
     assert stored["noise"] == 0.05 and quality.inside_noise(stored, "a", "b")
+
+
+def test_the_paged_suites_quick_run_is_its_representative_shapes_only():
+    from inductor_attn.bench import paged
+
+    quick, full = paged.shapes(quick=True, smoke=False), paged.shapes(quick=False, smoke=False)
+    assert quick == [s for s in full if s.quick] and 0 < len(quick) < len(full)

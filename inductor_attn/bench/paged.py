@@ -49,8 +49,8 @@ def shapes(quick: bool, smoke: bool) -> list[Shape]:
         for batch in (1, 8, 32):
             for hq, hkv, d in ((32, 8, 128), (16, 2, 256)):
                 for length in (1024, 16384):
-                    quick = length == 16384 and (batch, hkv) in ((1, 2), (8, 8))
-                    out.append(Shape(batch, hq, hkv, d, length, page, quick=quick))
+                    representative = length == 16384 and (batch, hkv) in ((1, 2), (8, 8))
+                    out.append(Shape(batch, hq, hkv, d, length, page, quick=representative))
         out.append(Shape(4, 32, 8, 128, 4096, page, chunk=16, quick=page == 64))
     return [s for s in out if s.quick] if quick else out
 
