@@ -18,7 +18,7 @@ from torch.nn.attention.flex_attention import create_block_mask, create_mask
 from inductor_attn import BlockSparseMask
 from inductor_attn.backends import REFERENCE, AttnCall, Candidate, Library, only_backends
 from inductor_attn.backends.reference import dense_mask_fn
-from inductor_attn.bench import flex_route, metrics, quality, report, runner, suites
+from inductor_attn.bench import flex_route, metrics, models, quality, report, runner, suites
 from inductor_attn.cli import main
 from inductor_attn.device import DeviceInfo
 from inductor_attn.problem import Problem
@@ -41,7 +41,7 @@ def _problem(w: suites.Workload) -> Problem:
 
 
 # -------------------------------------------------------------------------------------- definitions
-@pytest.mark.parametrize("module", [measure, suites, metrics], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [measure, suites, metrics, models], ids=lambda m: m.__name__)
 def test_doctest_examples_hold(module):
     assert doctest.testmod(module).failed == 0
 
@@ -804,3 +804,66 @@ def test_the_paged_suites_quick_run_is_its_representative_shapes_only():
 
     quick, full = paged.shapes(quick=True, smoke=False), paged.shapes(quick=False, smoke=False)
     assert quick == [s for s in full if s.quick] and 0 < len(quick) < len(full)
+
+
+def test_the_paged_suites_smoke_run_measures_a_serving_loop_and_reports_it(tmp_path, capsys):
+    """Shapes and a serving loop of compiled decode steps, paged and contiguous: each compiled once, their last
+    outputs agreeing, nothing compiled or tuned once timed; then its section of RESULTS.md."""
+    out = tmp_path / "paged.json"
+    assert main(["bench", "--suite", "paged", "--smoke", "--part", "ops", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert len(data["rows"]) == 2 and "continuous_batching" not in data
+    (loop,) = data["serving"]
+    assert set(loop["paths"]) == {"paged", "contiguous"} and loop["paged_vs_contiguous_err"] < 1e-5
+    assert loop["compiles_after_first_pass"] == loop["tunes_after_first_pass"] == 0
+    for path in loop["paths"].values():
+        assert path["compiles"] == 1 and {"host_us", "wall_us", "loop_host_us", "first_pass_s"} <= set(path)
+    assert "| serving loop |" in capsys.readouterr().out
+    path = tmp_path / "RESULTS.md"
+    path.write_text(f"{report.SECTIONS_BEGIN}\n{report.SECTIONS_END}\n")
+    assert main(["bench", "--report", str(out)]) == 2  # a smoke run is no measurement
+    data["meta"].update(smoke=False, device="NVIDIA H200")
+    assert report.update_summary_section(data, path) == "Paged KV cache on NVIDIA H200"
+    assert "| B2 H4/2 D32 page16 Lkv44->51, 8 steps | paged | 1 |" in path.read_text()
+
+
+def test_the_paged_suites_model_part_runs_continuous_batching_on_each_attention(tmp_path, monkeypatch, capsys):
+    """transformers' generate_batch on a tiny model with our attention (its decode fast path on: paged calls) and
+    with transformers' own paths, greedy tokens compared with eager generate's, a path without its module
+    skipped. The entries run in this process here (``isolated`` starts a process per entry: seconds each)."""
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(models, "isolated", lambda kind, *args: models._ENTRIES[kind](*args))
+    out = tmp_path / "paged.json"
+    assert main(["bench", "--suite", "paged", "--smoke", "--part", "models", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    cb = data["continuous_batching"]
+    assert data["rows"] == [] and "serving" not in data and cb["new_tokens"] == models.CB_SMOKE["new_tokens"]
+    ours, impls = cb["implementations"]["inductor_attn"], cb["implementations"]
+    assert ours["ran"] == ["inductor_attn_flash"] and ours["identical"] == ours["sequences"] == cb["prompts"]
+    assert {key.split(" -> ")[0] for key in ours["kernels"]} == {"varlen/forward", "paged/forward"}
+    assert impls["sdpa"]["asked"] in models.BUILT_IN["sdpa"][0] and "identical" in impls["eager"]
+    assert all("tokens" not in r for r in impls.values())  # compared, then dropped
+    if not torch.cuda.is_available():  # flash_attn only ever comes with a GPU
+        assert impls["flash_attention_2"] == {"skipped": "flash_attn is not installed"}
+    printed = capsys.readouterr().out
+    assert "| inductor_attn | `inductor_attn_flash` | `inductor_attn_flash` |" in printed
+    assert "| sdpa | `paged\\|sdpa` |" in printed
+
+
+def test_a_serving_loops_first_pass_counts_the_buckets_it_tuned_and_the_timed_passes_none(monkeypatch):
+    """Fake backends for the contiguous decode (none takes paged calls, so the paged loop has one candidate and
+    nothing to tune): its first pass tunes its one bucket once, and the timed passes find it decided."""
+    from fakes import FakeTimer
+
+    from inductor_attn import tuning_mode
+    from inductor_attn.bench import paged
+
+    a, b = FakeBackend("a", {"default": (1.0, 0.01)}), FakeBackend("b", {"x=1": (0.5, 0.01)})
+    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b]))
+    torch._dynamo.reset()
+    with only_backends(a, b, REFERENCE), tuning_mode("autotune"):
+        (loop,) = paged.serving(smoke=True, device=torch.device("cpu"))
+    torch._dynamo.reset()
+    assert (loop["paths"]["contiguous"]["tunes"], loop["paths"]["paged"]["tunes"]) == (1, 0)
+    assert loop["compiles_after_first_pass"] == loop["tunes_after_first_pass"] == 0
+    assert b.calls > a.calls  # the winner ran the steps
