@@ -753,7 +753,7 @@ def test_a_paged_suite_result_writes_its_own_section_with_the_fastest_candidate_
     path = tmp_path / "RESULTS.md"
     path.write_text(f"{report.SECTIONS_BEGIN}\n{report.SECTIONS_END}\n")
     assert report.summary_suite(data) == "paged" and report.summary_suite(_result()) is None
-    assert report.update_summary_section(data, path) == "Paged KV cache on NVIDIA H200"
+    assert report.update_summary_sections([data], path) == ["Paged KV cache on NVIDIA H200"]
     text = path.read_text()
     assert "- 2026-11-29 02:49 UTC, commit abc1234: `python -m inductor_attn bench --suite paged`; torch 2.11.0\n" in text
     assert "| decode B1 H4/2 D32 Lkv96 page16 | `triton_decode:a` | 100 | 10 | 125 | 0.80 | failed |" in text
@@ -774,7 +774,7 @@ def test_the_fp8_suites_smoke_run_measures_both_sides_and_its_result_reports_int
     path.write_text(f"{report.SECTIONS_BEGIN}\n{report.SECTIONS_END}\n")
     assert main(["bench", "--report", str(out)]) == 2  # a smoke run is no measurement
     data["meta"].update(smoke=False, device="NVIDIA H200")
-    assert report.update_summary_section(data, path) == "fp8 attention against our bf16 choice on NVIDIA H200"
+    assert report.update_summary_sections([data], path) == ["fp8 attention against our bf16 choice on NVIDIA H200"]
     assert "<!-- bench fp8 on NVIDIA H200 -->" in path.read_text()
     assert "| B1 H2 L96 D32 full | `" in path.read_text()
 
@@ -823,7 +823,7 @@ def test_the_paged_suites_smoke_run_measures_a_serving_loop_and_reports_it(tmp_p
     path.write_text(f"{report.SECTIONS_BEGIN}\n{report.SECTIONS_END}\n")
     assert main(["bench", "--report", str(out)]) == 2  # a smoke run is no measurement
     data["meta"].update(smoke=False, device="NVIDIA H200")
-    assert report.update_summary_section(data, path) == "Paged KV cache on NVIDIA H200"
+    assert report.update_summary_sections([data], path) == ["Paged KV cache on NVIDIA H200"]
     assert "| B2 H4/2 D32 page16 Lkv44->51, 8 steps | paged | 1 |" in path.read_text()
 
 
@@ -867,3 +867,23 @@ def test_a_serving_loops_first_pass_counts_the_buckets_it_tuned_and_the_timed_pa
     assert (loop["paths"]["contiguous"]["tunes"], loop["paths"]["paged"]["tunes"]) == (1, 0)
     assert loop["compiles_after_first_pass"] == loop["tunes_after_first_pass"] == 0
     assert b.calls > a.calls  # the winner ran the steps
+
+
+def test_the_results_files_of_one_suite_and_device_make_one_section(tmp_path):
+    """``bench --suite paged --part ops`` and ``--part models`` write two files; reported together, their parts
+    share the device's section, each file's provenance listed."""
+    from inductor_attn.bench import paged
+
+    meta = {"suite": "paged", "device": "NVIDIA H200", "date": "2026-11-29 05:00 UTC", "commit": "abc1234",
+            "versions": {"torch": "2.11.0"}}
+    loop = {"loop": "B1 H32/8 D128 page16 Lkv4096->5095", "steps": 1000, "error": "RuntimeError: x"}
+    ops = {"meta": {**meta, "command": "bench --suite paged --part ops"}, "rows": [], "serving": [loop]}
+    cb = {"skipped": "transformers is not installed"}
+    client = {"meta": {**meta, "command": "bench --suite paged --part models"}, "rows": [], "continuous_batching": cb}
+    path = tmp_path / "RESULTS.md"
+    path.write_text(f"{report.SECTIONS_BEGIN}\n{report.SECTIONS_END}\n")
+    assert report.update_summary_sections([ops, client], path) == ["Paged KV cache on NVIDIA H200"]
+    text = path.read_text()
+    assert text.count("<!-- bench paged on NVIDIA H200 -->") == 1 and "`bench --suite paged --part models`" in text
+    assert "| B1 H32/8 D128 page16 Lkv4096->5095, 1000 steps | | | | | | | | RuntimeError: x |" in text
+    assert paged.client_table(cb) in text and "`bench --suite paged --part ops`" in text

@@ -99,7 +99,7 @@ def main(args: argparse.Namespace, command: str) -> int:
                 print("error: smoke results are not measurements: they never go into RESULTS.md", file=sys.stderr)
                 return 2
             path = repo_root() / "benchmarks" / "RESULTS.md"
-            print(f"updated {path}: " + "; ".join(report.update_summary_section(d, path) for d in loaded))
+            print(f"updated {path}: " + "; ".join(report.update_summary_sections(loaded, path)))
             return 0
         result = report.load(args.report)
         if args.out is None:
