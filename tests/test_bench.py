@@ -18,7 +18,7 @@ from torch.nn.attention.flex_attention import create_block_mask, create_mask
 from inductor_attn import BlockSparseMask
 from inductor_attn.backends import REFERENCE, AttnCall, Candidate, Library, only_backends
 from inductor_attn.backends.reference import dense_mask_fn
-from inductor_attn.bench import flex_route, metrics, quality, report, runner, suites
+from inductor_attn.bench import flex_route, metrics, models, quality, report, runner, suites
 from inductor_attn.cli import main
 from inductor_attn.device import DeviceInfo
 from inductor_attn.problem import Problem
@@ -41,7 +41,7 @@ def _problem(w: suites.Workload) -> Problem:
 
 
 # -------------------------------------------------------------------------------------- definitions
-@pytest.mark.parametrize("module", [measure, suites, metrics], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [measure, suites, metrics, models], ids=lambda m: m.__name__)
 def test_doctest_examples_hold(module):
     assert doctest.testmod(module).failed == 0
 
@@ -753,7 +753,7 @@ def test_a_paged_suite_result_writes_its_own_section_with_the_fastest_candidate_
     path = tmp_path / "RESULTS.md"
     path.write_text(f"{report.SECTIONS_BEGIN}\n{report.SECTIONS_END}\n")
     assert report.summary_suite(data) == "paged" and report.summary_suite(_result()) is None
-    assert report.update_summary_section(data, path) == "Paged KV cache on NVIDIA H200"
+    assert report.update_summary_sections([data], path) == ["Paged KV cache on NVIDIA H200"]
     text = path.read_text()
     assert "- 2026-11-29 02:49 UTC, commit abc1234: `python -m inductor_attn bench --suite paged`; torch 2.11.0\n" in text
     assert "| decode B1 H4/2 D32 Lkv96 page16 | `triton_decode:a` | 100 | 10 | 125 | 0.80 | failed |" in text
@@ -774,7 +774,7 @@ def test_the_fp8_suites_smoke_run_measures_both_sides_and_its_result_reports_int
     path.write_text(f"{report.SECTIONS_BEGIN}\n{report.SECTIONS_END}\n")
     assert main(["bench", "--report", str(out)]) == 2  # a smoke run is no measurement
     data["meta"].update(smoke=False, device="NVIDIA H200")
-    assert report.update_summary_section(data, path) == "fp8 attention against our bf16 choice on NVIDIA H200"
+    assert report.update_summary_sections([data], path) == ["fp8 attention against our bf16 choice on NVIDIA H200"]
     assert "<!-- bench fp8 on NVIDIA H200 -->" in path.read_text()
     assert "| B1 H2 L96 D32 full | `" in path.read_text()
 
@@ -797,3 +797,93 @@ def test_the_stored_record_keeps_the_noise_that_inside_noise_reads(monkeypatch):
     monkeypatch.setattr(runner, "whole_record", lambda problem, direction: rec)
     stored = runner.stored_record(None)
     assert stored["noise"] == 0.05 and quality.inside_noise(stored, "a", "b")
+
+
+def test_the_paged_suites_quick_run_is_its_representative_shapes_only():
+    from inductor_attn.bench import paged
+
+    quick, full = paged.shapes(quick=True, smoke=False), paged.shapes(quick=False, smoke=False)
+    assert quick == [s for s in full if s.quick] and 0 < len(quick) < len(full)
+
+
+def test_the_paged_suites_smoke_run_measures_a_serving_loop_and_reports_it(tmp_path, capsys):
+    """Shapes and a serving loop of compiled decode steps, paged and contiguous: each compiled once, their last
+    outputs agreeing, nothing compiled or tuned once timed; then its section of RESULTS.md."""
+    out = tmp_path / "paged.json"
+    assert main(["bench", "--suite", "paged", "--smoke", "--part", "ops", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert len(data["rows"]) == 2 and "continuous_batching" not in data
+    (loop,) = data["serving"]
+    assert set(loop["paths"]) == {"paged", "contiguous"} and loop["paged_vs_contiguous_err"] < 1e-5
+    assert loop["compiles_after_first_pass"] == loop["tunes_after_first_pass"] == 0
+    for path in loop["paths"].values():
+        assert path["compiles"] == 1 and {"host_us", "wall_us", "loop_host_us", "first_pass_s"} <= set(path)
+    assert "| serving loop |" in capsys.readouterr().out
+    path = tmp_path / "RESULTS.md"
+    path.write_text(f"{report.SECTIONS_BEGIN}\n{report.SECTIONS_END}\n")
+    assert main(["bench", "--report", str(out)]) == 2  # a smoke run is no measurement
+    data["meta"].update(smoke=False, device="NVIDIA H200")
+    assert report.update_summary_sections([data], path) == ["Paged KV cache on NVIDIA H200"]
+    assert "| B2 H4/2 D32 page16 Lkv44->51, 8 steps | paged | 1 |" in path.read_text()
+
+
+def test_the_paged_suites_model_part_runs_continuous_batching_on_each_attention(tmp_path, monkeypatch, capsys):
+    """transformers' generate_batch on a tiny model with our attention (its decode fast path on: paged calls) and
+    with transformers' own paths, greedy tokens compared with eager generate's, a path without its module
+    skipped. The entries run in this process here (``isolated`` starts a process per entry: seconds each)."""
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(models, "isolated", lambda kind, *args: models._ENTRIES[kind](*args))
+    out = tmp_path / "paged.json"
+    assert main(["bench", "--suite", "paged", "--smoke", "--part", "models", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    cb = data["continuous_batching"]
+    assert data["rows"] == [] and "serving" not in data and cb["new_tokens"] == models.CB_SMOKE["new_tokens"]
+    ours, impls = cb["implementations"]["inductor_attn"], cb["implementations"]
+    assert ours["ran"] == ["inductor_attn_flash"] and ours["identical"] == ours["sequences"] == cb["prompts"]
+    assert {key.split(" -> ")[0] for key in ours["kernels"]} == {"varlen/forward", "paged/forward"}
+    assert impls["sdpa"]["asked"] in models.BUILT_IN["sdpa"][0] and "identical" in impls["eager"]
+    assert all("tokens" not in r for r in impls.values())  # compared, then dropped
+    if not torch.cuda.is_available():  # flash_attn only ever comes with a GPU
+        assert impls["flash_attention_2"] == {"skipped": "flash_attn is not installed"}
+    printed = capsys.readouterr().out
+    assert "| inductor_attn | `inductor_attn_flash` | `inductor_attn_flash` |" in printed
+    assert "| sdpa | `paged\\|sdpa` |" in printed
+
+
+def test_a_serving_loops_first_pass_counts_the_buckets_it_tuned_and_the_timed_passes_none(monkeypatch):
+    """Fake backends for the contiguous decode (none takes paged calls, so the paged loop has one candidate and
+    nothing to tune): its first pass tunes its one bucket once, and the timed passes find it decided."""
+    from fakes import FakeTimer
+
+    from inductor_attn import tuning_mode
+    from inductor_attn.bench import paged
+
+    a, b = FakeBackend("a", {"default": (1.0, 0.01)}), FakeBackend("b", {"x=1": (0.5, 0.01)})
+    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b]))
+    torch._dynamo.reset()
+    with only_backends(a, b, REFERENCE), tuning_mode("autotune"):
+        (loop,) = paged.serving(smoke=True, device=torch.device("cpu"))
+    torch._dynamo.reset()
+    assert (loop["paths"]["contiguous"]["tunes"], loop["paths"]["paged"]["tunes"]) == (1, 0)
+    assert loop["compiles_after_first_pass"] == loop["tunes_after_first_pass"] == 0
+    assert b.calls > a.calls  # the winner ran the steps
+
+
+def test_the_results_files_of_one_suite_and_device_make_one_section(tmp_path):
+    """``bench --suite paged --part ops`` and ``--part models`` write two files; reported together, their parts
+    share the device's section, each file's provenance listed."""
+    from inductor_attn.bench import paged
+
+    meta = {"suite": "paged", "device": "NVIDIA H200", "date": "2026-11-29 05:00 UTC", "commit": "abc1234",
+            "versions": {"torch": "2.11.0"}}
+    loop = {"loop": "B1 H32/8 D128 page16 Lkv4096->5095", "steps": 1000, "error": "RuntimeError: x"}
+    ops = {"meta": {**meta, "command": "bench --suite paged --part ops"}, "rows": [], "serving": [loop]}
+    cb = {"skipped": "transformers is not installed"}
+    client = {"meta": {**meta, "command": "bench --suite paged --part models"}, "rows": [], "continuous_batching": cb}
+    path = tmp_path / "RESULTS.md"
+    path.write_text(f"{report.SECTIONS_BEGIN}\n{report.SECTIONS_END}\n")
+    assert report.update_summary_sections([ops, client], path) == ["Paged KV cache on NVIDIA H200"]
+    text = path.read_text()
+    assert text.count("<!-- bench paged on NVIDIA H200 -->") == 1 and "`bench --suite paged --part models`" in text
+    assert "| B1 H32/8 D128 page16 Lkv4096->5095, 1000 steps | | | | | | | | RuntimeError: x |" in text
+    assert paged.client_table(cb) in text and "`bench --suite paged --part ops`" in text

@@ -7,7 +7,8 @@
 - flex_route (flex_route.py): compiled ``flex_attention`` against the same call routed by inductor_attn.
 - Wall-clock suites (host_suites.py): overhead (host time per compiled call, end-to-end models),
   training (fwd+bwd steps, end-to-end training), tuning-cost (what tuning adds to a compile, cold and warm),
-  paged (paged.py: paged-cache decode GB/s against a copy floor and our contiguous decode; chunked prefill TF/s),
+  paged (paged.py: paged-cache decode GB/s against a copy floor and our contiguous decode; chunked prefill TF/s;
+  serving loops of compiled decode steps; transformers' continuous batching on our attention, models.py),
   fp8 (fp8.py: fp8_attention against our bf16 choice on dense prefill, TF/s and errors).
 
 Results go to ``--out`` or to the decision store's directory, never into the source tree; report.py
@@ -70,7 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tiny float32 shapes: checks the harness (on a CPU too); the numbers mean nothing")
     parser.add_argument("--part", default="all",
                         choices=("all", "ops", "models", "shipped", "background", "search"),
-                        help="overhead/training suites: only the attention calls (ops) or only the HF Llama part; "
+                        help="overhead/training/paged suites: only the attention calls (ops; paged: its shapes and "
+                             "serving loops) or only the HF Llama part (paged: transformers' continuous batching); "
                              "tuning-cost: only cold and warm first calls with the shipped decision tables "
                              "(shipped), the cold one in background mode (background); only agreement and regret "
                              "(search)")
@@ -97,7 +99,7 @@ def main(args: argparse.Namespace, command: str) -> int:
                 print("error: smoke results are not measurements: they never go into RESULTS.md", file=sys.stderr)
                 return 2
             path = repo_root() / "benchmarks" / "RESULTS.md"
-            print(f"updated {path}: " + "; ".join(report.update_summary_section(d, path) for d in loaded))
+            print(f"updated {path}: " + "; ".join(report.update_summary_sections(loaded, path)))
             return 0
         result = report.load(args.report)
         if args.out is None:

@@ -46,6 +46,10 @@ def run_wallclock_suite(suite: str, *, smoke: bool, quick: bool, part: str, out:
     if suite != "tuning-cost" and budget_s is not None:
         print(f"error: --budget-s applies to bench --suite tuning-cost, not {suite}", file=sys.stderr)
         return 2
+    if suite == "fp8" and part != "all":
+        print(f"error: --part {part} applies to the overhead, training, paged and tuning-cost suites, not fp8",
+              file=sys.stderr)
+        return 2
     if suite == "overhead" and shard != (1, 1):
         print("error: --shard applies to bench --suite training, tuning-cost, paged and fp8 (and the kernel "
               "suites), not overhead", file=sys.stderr)
@@ -60,7 +64,9 @@ def run_wallclock_suite(suite: str, *, smoke: bool, quick: bool, part: str, out:
         path.write_text(json.dumps({"meta": meta, **result}, indent=1, default=str))
 
     if suite in ("paged", "fp8"):
-        measured = _run_shapes(module, smoke, quick, device, save, shard)
+        measured = _run_shapes(module, smoke, quick, device, save, shard) if part in ("all", "ops") else {"rows": []}
+        if suite == "paged" and shard[0] == 1:  # the serving loops and the model run once, not in every shard
+            measured.update(paged.run_loops_and_model(smoke, part, device, lambda more: save({**measured, **more})))
     else:
         extra = ({"budget_s": budget_s, "shard": shard, "save": save} if suite == "tuning-cost" else
                  {"save": save, "shard": shard} if suite == "training" else {})

@@ -4,13 +4,20 @@ Random weights (no download), bf16, built from a LlamaConfig. Both variants comp
 object; attention reaches our ops through the SDPA rewrite (routing/). Wall time per call with plain
 launches (``default``) and with CUDA graphs (``reduce-overhead``), after warm-up; each entry (a phase or
 size, and a mode) in a fresh process.
+
+Continuous batching (``bench --suite paged``): transformers' ``generate_batch`` on the same model with our attention
+(hf_paged.py) and with transformers' own paged paths, tokens per second and greedy tokens against eager ``generate``
+(:func:`continuous_batching`), each path in a fresh process too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -193,7 +200,171 @@ def training_steps(label: str, mode: str) -> tuple[dict, dict]:
     return steps, row
 
 
-_ENTRIES = {"overhead": _overhead_entry, "training": _training_entry}
+# transformers' continuous batching (``generate_batch``): a fixed batch of prompts, 4 of each length (the eager
+# reference batches equal lengths, unpadded), greedy, no end-of-sequence token (random weights: every request
+# generates all its tokens)
+CB_LENGTHS = (128, 183, 238, 293, 347, 402, 457, 512)
+CB_PER_LENGTH = 4
+CB_NEW_TOKENS = 128
+CB_SMOKE = dict(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, lengths=(5, 9), per_length=2,
+                new_tokens=4)
+CB_SMOKE_CACHE = dict(num_blocks=16, max_batch_tokens=64)
+# transformers' own paged paths: the names to ask for, in order, and the module the path needs. 5.17 takes the
+# "paged|" prefix (without it, continuous batching switches sdpa to a flash path where one is installed); 5.24
+# drops it (deprecated) and keeps sdpa when told not to switch (``auto_switch_to_flash``); a later version may
+# refuse it, hence the plain name after it. A flash path without its module would fetch a kernel from the Hub.
+BUILT_IN = {"sdpa": (("paged|sdpa", "sdpa"), None), "eager": (("paged|eager",), None),
+            "flash_attention_2": (("paged|flash_attention_2", "flash_attention_2"), "flash_attn"),
+            "flash_attention_3": (("paged|flash_attention_3", "flash_attention_3"), "flash_attn_interface")}
+OURS = "inductor_attn"
+
+
+def cb_workload(smoke: bool) -> tuple[dict, list[list[int]], int]:
+    """The model size, the prompts (seeded token ids, in length order) and the new tokens per prompt."""
+    size = {k: v for k, v in CB_SMOKE.items() if k in SIZE} if smoke else SIZE
+    lengths = CB_SMOKE["lengths"] if smoke else CB_LENGTHS
+    per_length = CB_SMOKE["per_length"] if smoke else CB_PER_LENGTH
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 32000, (n,), generator=gen).tolist() for n in lengths for _ in range(per_length)]
+    return size, prompts, CB_SMOKE["new_tokens"] if smoke else CB_NEW_TOKENS
+
+
+def continuous_batching(smoke: bool) -> dict:
+    """tokens/s of ``generate_batch`` with our attention (hf_paged, its decode fast path turned on) and with each
+    of transformers' built-in paged paths, and whether each one's greedy tokens are those of eager ``generate``;
+    each in a fresh process (``isolated``; compile state and the fast path's switch stay there). A path whose
+    module is not installed is skipped with the reason, and all of them without transformers."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        return {"skipped": "transformers is not installed"}
+    size = "smoke" if smoke else "full"
+    _, prompts, new_tokens = cb_workload(smoke)
+    reference = isolated("continuous", "reference", size)
+    expected = reference.pop("tokens", None)
+    out = {"prompts": len(prompts), "prompt_lengths": sorted({len(p) for p in prompts}), "new_tokens": new_tokens,
+           "reference": reference, "implementations": {}}
+    for name in (OURS, *BUILT_IN):
+        module = BUILT_IN.get(name, ((), None))[1]
+        if module is not None and importlib.util.find_spec(module) is None:
+            out["implementations"][name] = {"skipped": f"{module} is not installed"}
+            continue
+        result = isolated("continuous", name, size)
+        tokens = result.pop("tokens", None)
+        if tokens is not None and expected is not None:
+            result.update(agreement(tokens, expected))
+        out["implementations"][name] = result
+    return out
+
+
+def agreement(got: list[list[int]], expected: list[list[int]]) -> dict:
+    """How many sequences are token for token the expected ones, and the first position where any differs.
+
+    >>> agreement([[1, 2], [3, 4]], [[1, 2], [3, 5]])
+    {'identical': 1, 'sequences': 2, 'first_difference': 1}
+    """
+    firsts = [next((i for i, (a, b) in enumerate(zip(g, e)) if a != b), None if len(g) == len(e) else
+                   min(len(g), len(e))) for g, e in zip(got, expected)]
+    differ = [i for i in firsts if i is not None]
+    return {"identical": len(firsts) - len(differ), "sequences": len(expected),
+            "first_difference": min(differ, default=None)}
+
+
+def _continuous_entry(implementation: str, size: str) -> dict:
+    """``reference``: eager ``generate``'s greedy tokens, one batch per prompt length. Else ``generate_batch``
+    with ``implementation`` (``OURS`` or a ``BUILT_IN`` key), twice on one manager: the first call warms up
+    (CUDA graphs, compiles, tunes: ``first_run_s``), the second is timed: new tokens per second. Records the
+    attention implementations that ran (transformers may switch), the tokens, and for ours the kernels."""
+    import transformers
+
+    smoke = size == "smoke"
+    model_size, prompts, new_tokens = cb_workload(smoke)
+    device, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
+    model = build_llama(**model_size, max_len=max(map(len, prompts)) + new_tokens, device=device, dtype=dtype).eval()
+    model.generation_config.eos_token_id = None
+    greedy = transformers.GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                                           pad_token_id=0)
+    if implementation == "reference":
+        return {"tokens": _eager_tokens(model, prompts, greedy), "transformers": transformers.__version__}
+    ran = set()
+    model.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda module, args: ran.add(module.config._attn_implementation))
+    asked = _ask_for(model, implementation)
+    fields = {f.name for f in dataclasses.fields(transformers.ContinuousBatchingConfig)}
+    # on a CPU, transformers sizes the cache from the host's memory (10 s of allocating here): a smoke run's is tiny
+    wanted = {"auto_switch_to_flash": False, **(CB_SMOKE_CACHE if smoke else {})}
+    config = transformers.ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in fields})
+
+    def generate() -> tuple[list[list[int]], float]:
+        start = time.perf_counter()
+        results = model.generate_batch(inputs=prompts, generation_config=greedy, continuous_batching_config=config,
+                                       persistent_manager=True)
+        seconds = time.perf_counter() - start
+        failed = [r.error for r in results.values() if r.error]
+        if failed or len(results) != len(prompts):
+            raise RuntimeError(f"{len(failed)} of {len(prompts)} requests failed, {len(prompts) - len(results)} "
+                               f"missing: {(failed or ['-'])[0]}")
+        by_prompt = {tuple(r.prompt_ids): r.generated_tokens for r in results.values()}
+        return [by_prompt[tuple(p)] for p in prompts], seconds
+
+    from .. import reset_stats, stats
+
+    reset_stats()
+    with _fast_path(implementation == OURS):
+        _, first_s = generate()
+        tokens, seconds = generate()
+    return {"asked": asked, "ran": sorted(ran), "tokens_per_s": sum(map(len, tokens)) / seconds,
+            "timed_s": seconds, "first_run_s": first_s, "transformers": transformers.__version__,
+            "kernels": stats() if implementation == OURS else None, "tokens": tokens}
+
+
+def _ask_for(model, implementation: str) -> str:
+    """Make ``implementation`` the model's attention; the name that was taken."""
+    if implementation == OURS:
+        from ..hf_paged import use
+
+        use(model)
+        return model.config._attn_implementation
+    errors = []
+    for name in BUILT_IN[implementation][0]:
+        try:
+            model.set_attn_implementation(name)
+            return name
+        except (ValueError, ImportError) as err:  # this transformers takes another spelling
+            errors.append(f"{name}: {err}")
+    raise RuntimeError(f"transformers took none of the names of {implementation}: " + "; ".join(errors))
+
+
+@contextlib.contextmanager
+def _fast_path(on: bool):
+    """transformers turns its decode fast path (block table, paged decode) on only for FlashAttention 2/3 on CUDA
+    or XPU; for ours it is turned on here, as tests/test_hf_paged.py does."""
+    if not on:
+        yield
+        return
+    from transformers.generation.continuous_batching import initialization
+
+    check = initialization.ensure_decode_fast_path_is_available
+    initialization.ensure_decode_fast_path_is_available = lambda *args: None
+    try:
+        yield
+    finally:
+        initialization.ensure_decode_fast_path_is_available = check
+
+
+def _eager_tokens(model, prompts: list[list[int]], greedy) -> list[list[int]]:
+    """Eager ``generate``'s greedy tokens for each prompt, the prompts of one length in one batch (no padding)."""
+    tokens = {}
+    for length in sorted({len(p) for p in prompts}):
+        group = [p for p in prompts if len(p) == length]
+        ids = torch.tensor(group, device=model.device)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=greedy)
+        tokens.update({tuple(p): row[length:].tolist() for p, row in zip(group, out)})
+    return [tokens[tuple(p)] for p in prompts]
+
+
+_ENTRIES = {"overhead": _overhead_entry, "training": _training_entry, "continuous": _continuous_entry}
 
 
 def isolated(kind: str, *args: str, timeout_s: float = ENTRY_TIMEOUT_S) -> dict:

@@ -177,14 +177,23 @@ def summary_suite(data: dict) -> str | None:
     return suite if "schema" not in data and suite in SUMMARY_SUITES else None
 
 
-def update_summary_section(data: dict, path: Path) -> str:
-    """Replace (or add) the section of ``data``'s suite (one of ``SUMMARY_SUITES``) for its device in the
-    RESULTS.md at ``path``."""
-    suite, meta = summary_suite(data), data["meta"]
-    module = importlib.import_module(f".{suite}", __package__)  # lazy: the suites import the tuner
-    _replace_sections(Path(path), {(suite, meta["device"]): _results_section(suite, meta["device"],
-                                                                             module.summary(data), [meta])})
-    return f"{KIND_TITLES[suite]} on {meta['device']}"
+def update_summary_sections(datas: list[dict], path: Path) -> list[str]:
+    """Replace (or add) the section of each suite (of ``SUMMARY_SUITES``) and device of the results files ``datas``
+    in the RESULTS.md at ``path``; the titles of those sections. The files of one suite and device (its shards, its
+    ``--part``s) make one section: their rows in turn, each other part from the last file that has it."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for data in datas:
+        groups.setdefault((summary_suite(data), data["meta"]["device"]), []).append(data)
+    sections = {}
+    for (suite, device), group in groups.items():
+        merged = {"rows": [row for data in group for row in data["rows"]]}
+        for data in group:
+            merged.update({k: v for k, v in data.items() if k not in ("meta", "rows")})
+        module = importlib.import_module(f".{suite}", __package__)  # lazy: the suites import the tuner
+        sections[(suite, device)] = _results_section(suite, device, module.summary(merged),
+                                                     [data["meta"] for data in group])
+    _replace_sections(Path(path), sections)
+    return [f"{KIND_TITLES[suite]} on {device}" for suite, device in sections]
 
 
 def _replace_sections(path: Path, new: dict) -> None:

@@ -9,6 +9,9 @@ run eagerly or compiled. Shared by the overhead, training and model suites.
   something the bursts do not show); ``interleaved_wall_us`` and ``interleaved_measure``
   time several functions in alternating rounds, so that a slow spell of the host (another process, a
   clock change) falls on all of them rather than on whichever ran then;
+- loops whose calls differ (a serving loop's decode steps, each one token longer): ``interleaved_loops``
+  runs each loop from its start, once plainly (wall and loop host us) and once in bursts (``burst_host_us``,
+  this thread's CPU time per call over every call);
 - kernel_us: the summed duration of the GPU kernels one call launches (torch.profiler), the device time;
   ``kernel_ms`` splits it by kernel.
 """
@@ -104,6 +107,41 @@ def interleaved_measure(fns: dict[str, Callable[[], object]], rounds: int = 5,
             kernel[name].append(kernel_us(fns[name]))
     return {name: {"host_us": min(host[name]), **_median_run(wall[name]),
                    "kernel_us": statistics.median(kernel[name]) if kernel[name] else None} for name in fns}
+
+
+def burst_host_us(fn: Callable[[], object], calls: int) -> float:
+    """This thread's CPU time per call over ``calls`` calls of ``fn``, issued in bursts of ``BURST`` with the device
+    synchronized between bursts (untimed), so the CPU never waits for the device. The mean over every call, not
+    the best burst as in ``host_us``: a loop's calls differ (one adds a page, one crosses a bucket), and a step
+    that costs more belongs in its figure. The thread's clock, as the tuner's ``host_ms``, so that what other
+    threads and processes take of the cores (compile workers) is not charged to the loop."""
+    spent = 0.0
+    for done in range(0, calls, BURST):
+        sync()
+        start = time.thread_time()
+        for _ in range(min(BURST, calls - done)):
+            fn()
+        spent += time.thread_time() - start
+    sync()
+    return spent / calls * 1e6
+
+
+def interleaved_loops(loops: dict[str, tuple[Callable[[], object], Callable[[], object]]], calls: int,
+                      rounds: int = 3) -> dict[str, dict]:
+    """``loops``: name -> (step, restart), a step that moves its loop on by one call (a decode step) and what
+    puts the loop back at its start. Per round, the loops taking turns as in ``interleaved_wall_us``: restart,
+    one plain run of ``calls`` steps (``wall_us`` and ``loop_host_us``, :func:`_plain_run`), restart, the same
+    steps in bursts (``host_us``: :func:`burst_host_us`); the median round's wall and loop host us, and the median
+    host us."""
+    plain: dict[str, list[tuple[float, float]]] = {name: [] for name in loops}
+    host: dict[str, list[float]] = {name: [] for name in loops}
+    for name in _turns(list(loops), rounds):
+        step, restart = loops[name]
+        restart()
+        plain[name].append(_plain_run(step, calls))
+        restart()
+        host[name].append(burst_host_us(step, calls))
+    return {name: {"host_us": statistics.median(host[name]), **_median_run(plain[name])} for name in loops}
 
 
 def _median_run(runs: list[tuple[float, float]]) -> dict:
