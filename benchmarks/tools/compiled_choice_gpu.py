@@ -255,9 +255,13 @@ def _sm_clock() -> int | None:
 def report(run: Path, commit: str, date: str, llama_labels: list[str]) -> str:
     """benchmarks/RESULTS.md's section for one run's files (see the module doc)."""
     choice = json.loads((run / "compiled_choice.json").read_text())
+    shapes = [row["shape"] for row in choice["prefill"]]
+    probed = [row["shape"] for row in choice["prefill"] if row.get("probes")]
+    command = (f"--shapes {' '.join(shapes)} --probes {' '.join(probed) or '-'}"
+               + (" --training" if "training" in choice else ""))
     lines = [f"{choice['device']}, torch {choice['torch']}, {date}, commit {commit}; command "
-             "`PYTHONPATH=. python benchmarks/tools/compiled_choice_gpu.py --out $OUT --shapes 512c 2048c 8192c "
-             "--probes 512c --training` (a fresh decision store; bf16, B1 H32 D128, `c` causal).", "",
+             f"`PYTHONPATH=. python benchmarks/tools/compiled_choice_gpu.py --out $OUT {command}` (a fresh decision "
+             "store; bf16, B1 H32 D128, `c` causal).", "",
              "| shape | plain: runs | its kernel / best's | kernel outlasts its launch | wall, ours / stock compile "
              "| reduce-overhead: runs | its kernel / best's |", "|---|---|---|---|---|---|---|"]
     for row in choice["prefill"]:
@@ -303,18 +307,22 @@ def report(run: Path, commit: str, date: str, llama_labels: list[str]) -> str:
     if spell_path.exists():
         windows = json.loads(spell_path.read_text())["spell"]["windows"]
         first, last = (_spell_medians(windows, part) for part in (slice(0, 10), slice(-5, None)))
+        cpu_first, cpu_last = (_spell_medians(windows, part, "cpu_us") for part in (slice(0, 10), slice(-5, None)))
+        clocks = sorted({w["sm_mhz"] for w in windows})
+        gcs = sum(len(w["gcs"]) for w in windows)
         lines += ["", "Calls right after a tune (decode B1 H32/8 Lkv2k D128, `--spell`), median us per call of the "
                   f"first 200 / the last 100 of each: ours {first['ours']:.0f} / {last['ours']:.0f} "
                   f"({first['ours'] / last['ours']:.2f}x), stock compile {first['stock']:.0f} / {last['stock']:.0f} "
-                  f"({first['stock'] / last['stock']:.2f}x); the main thread's CPU time per call rose with it, the "
-                  "SM clock stayed at its maximum, no garbage collection ran."]
+                  f"({first['stock'] / last['stock']:.2f}x); the main thread's CPU us per call, ours "
+                  f"{cpu_first['ours']:.0f} / {cpu_last['ours']:.0f}; SM clock {clocks[0]}-{clocks[-1]} MHz; "
+                  f"{gcs} garbage collections."]
     return "\n".join(lines)
 
 
-def _spell_medians(windows: list[dict], part: slice) -> dict:
-    """Median us per call over the windows ``part`` of each function's own windows (20 calls a window)."""
+def _spell_medians(windows: list[dict], part: slice, field: str = "us") -> dict:
+    """Median ``field`` per call over the windows ``part`` of each function's own windows (20 calls a window)."""
     names = dict.fromkeys(w["name"] for w in windows)
-    return {n: statistics.median(w["us"] for w in [w for w in windows if w["name"] == n][part]) for n in names}
+    return {n: statistics.median(w[field] for w in [w for w in windows if w["name"] == n][part]) for n in names}
 
 
 def main() -> None:
