@@ -142,10 +142,26 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
 
 def _append(k_cache, v_cache, block_table, lengths, k_new, v_new) -> None:
     """Write each sequence's new key and value (one per sequence: decode) into the slot of position
-    ``lengths[b] - 1``, as flash_attn_with_kvcache does with ``cache_seqlens = lengths - 1``."""
+    ``lengths[b] - 1``, as flash_attn_with_kvcache does with ``cache_seqlens = lengths - 1``.
+
+    A sequence of no keys (``lengths[b] == 0``: the padding rows of transformers' CUDA-graph batches, whose table
+    rows hold -1, or pages of another step) has no slot: it must write nowhere, and position -1 would reach the
+    table's last entry (a page of another sequence, or with -1 the pool's last page). Choosing the rows on the host
+    would sync (illegal in a CUDA graph), so such a row repeats the write of the first row with keys, the same
+    value into the same slot (duplicate writes in any order leave that value). With no row of keys, every row
+    writes slot 0 of page 0 with the value it holds: no page changes."""
     page_size = k_cache.shape[1]
-    position = lengths.long() - 1
+    has_keys = lengths > 0
+    position = (lengths.long() - 1).clamp_min(0)
     rows = torch.arange(block_table.shape[0], device=block_table.device)
     blocks = block_table[rows, position // page_size].long()
-    k_cache[blocks, position % page_size] = k_new
-    v_cache[blocks, position % page_size] = v_new
+    slots = position % page_size
+    first = has_keys.int().argmax().view(1)  # the first row with keys; 0 when none has any
+    any_keys = has_keys.any()
+    stand_in_block = torch.where(any_keys, blocks.index_select(0, first), 0)
+    stand_in_slot = torch.where(any_keys, slots.index_select(0, first), 0)
+    blocks = torch.where(has_keys, blocks, stand_in_block)
+    slots = torch.where(has_keys, slots, stand_in_slot)
+    for pool, new in ((k_cache, k_new), (v_cache, v_new)):
+        stand_in = torch.where(any_keys, new.index_select(0, first), pool[stand_in_block, stand_in_slot])
+        pool[blocks, slots] = torch.where(has_keys[:, None, None], new, stand_in)

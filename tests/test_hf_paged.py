@@ -72,7 +72,7 @@ def _poison(cache) -> int:
 @pytest.mark.parametrize("fast_path", [False, True], ids=["varlen", "paged_decode"])
 def test_generate_batch_matches_eager_greedy_tokens(fast_path, padded, monkeypatch):
     """NaN in every slot nothing wrote never reaches a token. ``padded``: the batches transformers builds where it
-    captures CUDA graphs (here run eagerly)."""
+    captures CUDA graphs (here run eagerly), decode batches of 5 sequences padded to 8 among them."""
     model = _model()
     expected = _eager_tokens(model)
     if fast_path:  # keep the block table that transformers would switch off for a name other than FA2/3 on CUDA
@@ -109,6 +109,39 @@ def test_the_config_holds_the_name_continuous_batching_runs_under():
     prefixed = "paged|sdpa" in transformers.AttentionInterface()
     assert name == ("paged|" if prefixed else "") + hf_paged.NAME
     assert transformers.AttentionInterface()[name] is hf_paged.attention
+
+
+def _pool(pages=6, page=4, heads=2, dim=8):
+    return (torch.full((pages, page, heads, dim), math.nan), torch.full((pages, page, heads, dim), math.nan))
+
+
+def _unchanged(before, after):
+    return torch.equal(before.isnan(), after.isnan()) and torch.equal(before.nan_to_num(), after.nan_to_num())
+
+
+def test_append_writes_each_sequences_slot_and_nothing_for_sequences_of_no_keys():
+    """Rows 0 and 3 have no keys (padding): row 0's table is -1 (position -1 would write the pool's last page),
+    row 3's holds row 1's pages (another step's): neither writes; rows 1 and 2 write their slot, nothing else."""
+    k_pool, v_pool = _pool()
+    table = torch.tensor([[-1, -1], [0, 2], [4, -1], [0, 2]], dtype=torch.int32)
+    lengths = torch.tensor([0, 6, 1, 0], dtype=torch.int32)
+    k_new, v_new = torch.randn(4, 2, 8), torch.randn(4, 2, 8)
+    hf_paged._append(k_pool, v_pool, table, lengths, k_new, v_new)
+    for pool, new in ((k_pool, k_new), (v_pool, v_new)):
+        assert torch.equal(pool[2, 1], new[1]) and torch.equal(pool[4, 0], new[2])
+        written = torch.zeros(pool.shape[:2], dtype=torch.bool)
+        written[2, 1] = written[4, 0] = True
+        assert pool[~written].isnan().all()  # the last page (slot -1) and every other slot untouched
+
+
+def test_append_with_no_sequence_of_keys_changes_no_page():
+    k_pool, v_pool = _pool()
+    k_pool[0, 0], v_pool[0, 0] = 1.0, 2.0  # the slot a batch of padding alone rewrites with what it holds
+    before = k_pool.clone(), v_pool.clone()
+    table = torch.full((3, 2), -1, dtype=torch.int32)
+    hf_paged._append(k_pool, v_pool, table, torch.zeros(3, dtype=torch.int32), torch.randn(3, 2, 8),
+                     torch.randn(3, 2, 8))
+    assert _unchanged(before[0], k_pool) and _unchanged(before[1], v_pool)
 
 
 def test_names_without_flash_are_refused():
