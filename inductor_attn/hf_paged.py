@@ -1,25 +1,50 @@
 """transformers' continuous batching on inductor_attn: an ``attn_implementation`` for ``generate_batch``.
 
-``use(model)`` registers :func:`attention` with transformers' ``AttentionInterface`` under
-``"inductor_attn_flash"`` and makes it the model's attention; then ``model.generate_batch(...)`` runs on it.
-An attention function, not the routing pass (``enable()``), because continuous batching never calls
-F.scaled_dot_product_attention with what a paged kernel needs: it passes packed queries, ``cu_seq_lens_q/k``
-and, on its decode fast path, the block table and the page pools, to the attention function only.
+``use(model)`` registers :func:`attention` with transformers' ``AttentionInterface`` and makes it the model's
+attention; then ``model.generate_batch(...)`` runs on it. An attention function, not the routing pass
+(``enable()``), because continuous batching never calls F.scaled_dot_product_attention with what a paged kernel
+needs: it passes packed queries, ``cu_seq_lens_q/k`` and, on its decode fast path, the block table, to the
+attention function only.
 
-Why "flash" in the name: transformers 5.24's continuous batching accepts ``"paged|eager"``, ``"sdpa"`` and
-names containing "flash" (``switch_to_cb_friendly_attn``), and for "flash" names builds no attention mask
-(``is_flash_attention_requested``): packed varlen inputs, which is what the ops take. But
-``set_attn_implementation`` (and ``from_pretrained(attn_implementation=...)``) takes a "flash" name that is not
-``flash_attention_N`` for a kernel of the Hugging Face hub and tries to download it, so :func:`use` sets the
-config's ``_attn_implementation`` itself. Two calls reach the function:
+Supported: transformers 5.17 and 5.24 (tests/test_hf_paged.py runs both). Their continuous batching differs in
+three ways, each told apart by what the installed transformers has or passes, not by its version string:
 
-- prefill and mixed batches: transformers has written the new keys into its pages and gathered each sequence's
-  keys (its ``read_index``) into packed (1, Hkv, total_k, D) tensors: :func:`inductor_attn.varlen_attention`;
-- decode batches on its fast path (``block_table`` given): the new tokens' keys and values, the pools
-  ``k_cache``/``v_cache`` (num_pages, page_size, Hkv, D) and the table. The new keys are written into their
-  slots, then :func:`inductor_attn.paged_attention` reads the pages. transformers turns this path on only for
+- the name. 5.17 registers its own paged functions under ``"paged|..."`` names (``paged|sdpa``,
+  ``paged|flash_attention_2``) and switches the model to ``"paged|<name>"`` for any name without the prefix,
+  through ``set_attn_implementation``, which refuses a name it does not know. 5.24 registers ``paged|eager``
+  alone and takes flash names as they are (it strips the prefix from others, with a deprecation warning). So
+  :func:`register` registers ``"inductor_attn_flash"``, and also ``"paged|inductor_attn_flash"`` where
+  ``paged|sdpa`` is registered (5.17), and returns the name the model's config must hold: the prefixed one there.
+  Both versions need "flash" in the name: for such names continuous batching builds no attention mask (packed
+  varlen inputs, which is what the ops take) and 5.24 takes no other custom name (``switch_to_cb_friendly_attn``).
+  ``set_attn_implementation`` (and ``from_pretrained(attn_implementation=...)``) takes a "flash" name that is not
+  ``flash_attention_N`` for a kernel of the Hugging Face hub and tries to download it, so :func:`use` sets the
+  config's ``_attn_implementation`` itself.
+- who writes the cache. 5.24's models call ``cache.update`` before the attention function: it has written the
+  new keys and gathered each sequence's keys (varlen), or, on the decode fast path, put this layer's pools
+  (``k_cache``/``v_cache``) and its layer group's block table in the kwargs. 5.17 passes the cache itself
+  (``cache``, with ``read_index``/``write_index``), and its attention functions update it: :func:`attention` does
+  what 5.17's do when it gets ``cache``.
+- the arguments. 5.17 names the longest lengths ``max_seqlen_q/k`` (5.24: ``max_length_q/k``), may pass
+  ``cu_seq_lens_k``/``max_seqlen_k`` per layer type (a dict of ``full_attention``/``sliding_attention``) and
+  passes the block table of every layer group, (groups, num_seqs, pages); 5.24 has picked this layer's. 5.17's
+  paged functions take a sliding window from the module (``module.sliding_window``), 5.24's from the argument.
+
+Two calls reach the ops:
+
+- prefill and mixed batches: each sequence's keys gathered into packed tensors: :func:`inductor_attn.varlen_attention`;
+- decode batches on the fast path (a block table): the new tokens' keys and values, the pools (num_pages,
+  page_size, Hkv, D) and the table. The new keys are written into their slots (:func:`_append`), then
+  :func:`inductor_attn.paged_attention` reads the pages. transformers turns this path on only for
   ``flash_attention_2``/``_3`` on CUDA or XPU (``ensure_decode_fast_path_is_available``), so for other names it
-  runs only where a caller turns it on.
+  runs only where a caller turns it on (tests/test_hf_paged.py, ``bench --suite paged --part models``).
+
+Both run with ``check_indices=False``: transformers built the indices (cu_seq_lens from its scheduler, block
+tables from its allocator), and the checks would do harm here. Eagerly they read the values on the host, a device
+sync per layer and step; on CUDA, transformers captures the forward in CUDA graphs for "flash" names, where a sync
+is illegal; and its padded batches (CUDA graphs or compile: static shapes) pack more query rows than
+``cu_seq_lens_q`` covers and add sequences of no keys, which varlen's check refuses (``cu_seqlens_q[-1]`` must be
+the total) though the rows past the last sequence are never read (FlashAttention leaves them unwritten too).
 """
 
 from __future__ import annotations
@@ -27,16 +52,30 @@ from __future__ import annotations
 import torch
 
 NAME = "inductor_attn_flash"
+_PAGED_PREFIX = "paged|"
+
+
+def _paged_prefix() -> bool:
+    """Whether continuous batching runs custom attention under ``"paged|<name>"`` (5.17): where transformers
+    registers its own paged functions under such names (``paged|sdpa``); 5.24 registers ``paged|eager`` alone."""
+    from transformers import AttentionInterface
+
+    return f"{_PAGED_PREFIX}sdpa" in AttentionInterface()
 
 
 def register(name: str = NAME) -> str:
-    """Register :func:`attention` with transformers under ``name`` (it must contain "flash", see above)."""
+    """Register :func:`attention` with transformers under ``name`` (it must contain "flash", see above), and under
+    ``"paged|" + name`` where continuous batching takes that prefix (5.17). Returns the name for the model's config:
+    the prefixed one there, else ``name``."""
     from transformers import AttentionInterface
 
     if "flash" not in name:
         raise ValueError(f"name must contain 'flash' (transformers' continuous batching takes no other custom "
                          f"attention), got {name!r}")
     AttentionInterface.register(name, attention)
+    if _paged_prefix() and not name.startswith(_PAGED_PREFIX):
+        name = _PAGED_PREFIX + name
+        AttentionInterface.register(name, attention)
     return name
 
 
@@ -49,9 +88,10 @@ def use(model, name: str = NAME):
 
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
               softcap=None, cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None,
-              block_table=None, k_cache=None, v_cache=None, **kwargs):
-    """transformers' attention-function signature: query (1, Hq, total_q, D), key and value (1, Hkv, *, D);
-    returns ((1, total_q, Hq, Dv), None)."""
+              block_table=None, k_cache=None, v_cache=None, cache=None, read_index=None, write_index=None,
+              max_seqlen_q=None, max_seqlen_k=None, **kwargs):
+    """transformers' attention-function signature, as continuous batching calls it (5.17's and 5.24's arguments,
+    see above): query (1, Hq, total_q, D), key and value (1, Hkv, *, D); returns ((1, total_q, Hq, Dv), None)."""
     from . import paged_attention, varlen_attention
 
     if dropout:
@@ -61,27 +101,67 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     if cu_seq_lens_q is None or cu_seq_lens_k is None:
         raise ValueError(f"{NAME} is for continuous batching (generate_batch), which passes cu_seq_lens_q and "
                          f"cu_seq_lens_k; got none")
+    if cache is not None and sliding_window is None:  # 5.17's paged functions read the module's window
+        sliding_window = getattr(module, "sliding_window", None) or None
+    # 5.17 may pass the k lengths of each layer type (5.24's cache.update has picked this layer's)
+    layer_type = "full_attention" if sliding_window is None else "sliding_attention"
+    max_q = max_length_q if max_length_q is not None else max_seqlen_q
+    max_k = max_length_k if max_length_k is not None else max_seqlen_k
+    if isinstance(cu_seq_lens_k, dict):
+        cu_seq_lens_k = cu_seq_lens_k[layer_type]
+    if isinstance(max_k, dict):
+        max_k = max_k[layer_type]
     # transformers' sliding window counts the query's own key: FlashAttention's window_size left = w - 1
     window = None if sliding_window is None else sliding_window - 1
     q = query[0].transpose(0, 1)
     if block_table is not None:
-        lengths = (cu_seq_lens_k[1:] - cu_seq_lens_k[:-1]).to(torch.int32)
+        if cache is not None:  # 5.17: the pools of this layer, (slots, Hkv, D) as pages
+            group, index_in_group = cache.layer_index_to_group_indices[module.layer_idx]
+            k_cache, v_cache = (pool[index_in_group].view(-1, cache.block_size, *x.shape[1::2])
+                                for pool, x in ((cache.key_cache, key), (cache.value_cache, value)))
+        if block_table.dim() == 3:  # 5.17: every layer group's table
+            group = cache.layer_index_to_group_indices[module.layer_idx][0]
+            block_table = block_table[group]
+        # decode: one query per sequence; padded batches (CUDA graphs) add sequences of no keys
+        n = q.shape[0]
+        block_table = block_table[:n].to(torch.int32)
+        lengths = (cu_seq_lens_k[1:n + 1] - cu_seq_lens_k[:n]).to(torch.int32)
         _append(k_cache, v_cache, block_table, lengths, key[0].transpose(0, 1), value[0].transpose(0, 1))
-        out = paged_attention(q, k_cache, v_cache, block_table.to(torch.int32), lengths, causal=True, scale=scaling,
-                              window=window)
+        out = paged_attention(q, k_cache, v_cache, block_table, lengths, causal=True, scale=scaling, window=window,
+                              check_indices=False)
     else:
-        k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
-        out = varlen_attention(q, k, v, cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32),
-                               int(max_length_q), int(max_length_k), causal=True, scale=scaling, window=window)
+        if cache is not None:  # 5.17: write the new keys, gather each sequence's: (total_k, Hkv, D)
+            k, v = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
+                                read_index=read_index, write_index=write_index)
+        else:  # 5.24: cache.update has done both
+            k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
+        out = varlen_attention(q, k, v, cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32), int(max_q),
+                               int(max_k), causal=True, scale=scaling, window=window, check_indices=False)
     return out[None], None
 
 
 def _append(k_cache, v_cache, block_table, lengths, k_new, v_new) -> None:
     """Write each sequence's new key and value (one per sequence: decode) into the slot of position
-    ``lengths[b] - 1``, as flash_attn_with_kvcache does with ``cache_seqlens = lengths - 1``."""
+    ``lengths[b] - 1``, as flash_attn_with_kvcache does with ``cache_seqlens = lengths - 1``.
+
+    A sequence of no keys (``lengths[b] == 0``: the padding rows of transformers' CUDA-graph batches, whose table
+    rows hold -1, or pages of another step) has no slot: it must write nowhere, and position -1 would reach the
+    table's last entry (a page of another sequence, or with -1 the pool's last page). Choosing the rows on the host
+    would sync (illegal in a CUDA graph), so such a row repeats the write of the first row with keys, the same
+    value into the same slot (duplicate writes in any order leave that value). With no row of keys, every row
+    writes slot 0 of page 0 with the value it holds: no page changes."""
     page_size = k_cache.shape[1]
-    position = lengths.long() - 1
+    has_keys = lengths > 0
+    position = (lengths.long() - 1).clamp_min(0)
     rows = torch.arange(block_table.shape[0], device=block_table.device)
     blocks = block_table[rows, position // page_size].long()
-    k_cache[blocks, position % page_size] = k_new
-    v_cache[blocks, position % page_size] = v_new
+    slots = position % page_size
+    first = has_keys.int().argmax().view(1)  # the first row with keys; 0 when none has any
+    any_keys = has_keys.any()
+    stand_in_block = torch.where(any_keys, blocks.index_select(0, first), 0)
+    stand_in_slot = torch.where(any_keys, slots.index_select(0, first), 0)
+    blocks = torch.where(has_keys, blocks, stand_in_block)
+    slots = torch.where(has_keys, slots, stand_in_slot)
+    for pool, new in ((k_cache, k_new), (v_cache, v_new)):
+        stand_in = torch.where(any_keys, new.index_select(0, first), pool[stand_in_block, stand_in_slot])
+        pool[blocks, slots] = torch.where(has_keys[:, None, None], new, stand_in)

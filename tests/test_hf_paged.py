@@ -1,20 +1,30 @@
 """transformers' continuous batching (generate_batch) on inductor_attn, on the CPU: a tiny random Llama's greedy
 tokens match eager generate's, through varlen calls (transformers' own path for a custom attention) and through
-paged calls (its decode fast path, which it turns on for FlashAttention 2/3 on CUDA only, turned on here)."""
+paged calls (its decode fast path, which it turns on for FlashAttention 2/3 on CUDA only, turned on here), with the
+page pool full of NaN where nothing was written, and with the padded batches that transformers builds for CUDA
+graphs (sequences of no keys, query rows past the last sequence). Runs on transformers 5.24 and 5.17
+(``PYTHONPATH=<a transformers 5.17 install> python -m pytest tests/test_hf_paged.py``; 5.17's cache on a CPU needs
+psutil, which reads the host's free memory)."""
 
 from __future__ import annotations
+
+import dataclasses
+import math
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 continuous = pytest.importorskip("transformers.generation.continuous_batching.initialization")
+cache_module = pytest.importorskip("transformers.generation.continuous_batching.cache")
+runner_module = pytest.importorskip("transformers.generation.continuous_batching.model_runner")
 
 import inductor_attn  # noqa: E402
 from inductor_attn import hf_paged  # noqa: E402
 
-PROMPTS = [[5, 8, 13, 21, 34], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [7, 7], list(range(40, 60))]
+PROMPTS = [[5, 8, 13, 21, 34], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [7, 7], list(range(40, 60)), [11, 12, 13]]
 NEW_TOKENS = 8
+PAGE = 8  # sequences of 10 to 28 keys: tables of 2 to 4 pages
 
 
 def _model():
@@ -31,23 +41,107 @@ def _greedy():
     return transformers.GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
 
 
+def _cache_config():
+    """A small cache of small pages (on a CPU, transformers would size it from the host's memory; 5.17 needs
+    psutil for that). 5.24 calls the page size ``page_size``, 5.17 ``block_size``."""
+    fields = {f.name for f in dataclasses.fields(transformers.ContinuousBatchingConfig)}
+    page = "page_size" if "page_size" in fields else "block_size"
+    return transformers.ContinuousBatchingConfig(num_blocks=32, max_batch_tokens=64, max_requests_per_batch=8,
+                                                 **{page: PAGE})
+
+
 def _eager_tokens(model):
     model.set_attn_implementation("eager")
     return [model.generate(torch.tensor([p]), generation_config=_greedy())[0, len(p):].tolist() for p in PROMPTS]
 
 
+def _poison(cache) -> int:
+    """Fill every page of a new PagedAttentionCache with NaN: 5.17 keeps a tensor per layer of a group
+    (``key_cache``/``value_cache``), 5.24 one byte tensor for all (``cache_tensor``; bytes 0xff are NaN in every
+    float dtype). Returns the number of tensors filled."""
+    pools = [*getattr(cache, "key_cache", []), *getattr(cache, "value_cache", [])]
+    for pool in pools:
+        pool.fill_(math.nan)
+    if isinstance(getattr(cache, "cache_tensor", None), torch.Tensor):
+        cache.cache_tensor.fill_(0xFF)
+        pools.append(cache.cache_tensor)
+    return len(pools)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["exact", "padded"])
 @pytest.mark.parametrize("fast_path", [False, True], ids=["varlen", "paged_decode"])
-def test_generate_batch_matches_eager_greedy_tokens(fast_path, monkeypatch):
+def test_generate_batch_matches_eager_greedy_tokens(fast_path, padded, monkeypatch):
+    """NaN in every slot nothing wrote never reaches a token. ``padded``: the batches transformers builds where it
+    captures CUDA graphs (here run eagerly), decode batches of 5 sequences padded to 8 among them."""
     model = _model()
     expected = _eager_tokens(model)
     if fast_path:  # keep the block table that transformers would switch off for a name other than FA2/3 on CUDA
         monkeypatch.setattr(continuous, "ensure_decode_fast_path_is_available", lambda *args: None)
+    poisoned = []
+    cache_init = cache_module.PagedAttentionCache.__init__
+
+    def poisoned_init(self, *args, **kwargs):
+        cache_init(self, *args, **kwargs)
+        poisoned.append(_poison(self))
+
+    monkeypatch.setattr(cache_module.PagedAttentionCache, "__init__", poisoned_init)
+    if padded:
+        runner_init = runner_module.ModelRunner.__init__
+
+        def padding_init(self, *args, **kwargs):
+            runner_init(self, *args, **kwargs)
+            self.pad_inputs = True
+
+        monkeypatch.setattr(runner_module.ModelRunner, "__init__", padding_init)
     inductor_attn.reset_stats()
-    results = hf_paged.use(model).generate_batch(inputs=PROMPTS, generation_config=_greedy())
+    results = hf_paged.use(model).generate_batch(inputs=PROMPTS, generation_config=_greedy(),
+                                                 continuous_batching_config=_cache_config())
+    assert poisoned and poisoned[0] > 0
     got = {tuple(r.prompt_ids): r.generated_tokens for r in results.values()}
-    assert [got[tuple(p)] for p in PROMPTS] == expected
+    assert [got.get(tuple(p)) for p in PROMPTS] == expected
     ran = {key.split(" -> ")[0] for key in inductor_attn.stats()}
     assert ran == ({"varlen/forward", "paged/forward"} if fast_path else {"varlen/forward"})
+
+
+def test_the_config_holds_the_name_continuous_batching_runs_under():
+    """5.17 runs custom attention as "paged|<name>" (where it registers paged|sdpa), 5.24 as the name."""
+    name = hf_paged.use(_model()).config._attn_implementation
+    prefixed = "paged|sdpa" in transformers.AttentionInterface()
+    assert name == ("paged|" if prefixed else "") + hf_paged.NAME
+    assert transformers.AttentionInterface()[name] is hf_paged.attention
+
+
+def _pool(pages=6, page=4, heads=2, dim=8):
+    return (torch.full((pages, page, heads, dim), math.nan), torch.full((pages, page, heads, dim), math.nan))
+
+
+def _unchanged(before, after):
+    return torch.equal(before.isnan(), after.isnan()) and torch.equal(before.nan_to_num(), after.nan_to_num())
+
+
+def test_append_writes_each_sequences_slot_and_nothing_for_sequences_of_no_keys():
+    """Rows 0 and 3 have no keys (padding): row 0's table is -1 (position -1 would write the pool's last page),
+    row 3's holds row 1's pages (another step's): neither writes; rows 1 and 2 write their slot, nothing else."""
+    k_pool, v_pool = _pool()
+    table = torch.tensor([[-1, -1], [0, 2], [4, -1], [0, 2]], dtype=torch.int32)
+    lengths = torch.tensor([0, 6, 1, 0], dtype=torch.int32)
+    k_new, v_new = torch.randn(4, 2, 8), torch.randn(4, 2, 8)
+    hf_paged._append(k_pool, v_pool, table, lengths, k_new, v_new)
+    for pool, new in ((k_pool, k_new), (v_pool, v_new)):
+        assert torch.equal(pool[2, 1], new[1]) and torch.equal(pool[4, 0], new[2])
+        written = torch.zeros(pool.shape[:2], dtype=torch.bool)
+        written[2, 1] = written[4, 0] = True
+        assert pool[~written].isnan().all()  # the last page (slot -1) and every other slot untouched
+
+
+def test_append_with_no_sequence_of_keys_changes_no_page():
+    k_pool, v_pool = _pool()
+    k_pool[0, 0], v_pool[0, 0] = 1.0, 2.0  # the slot a batch of padding alone rewrites with what it holds
+    before = k_pool.clone(), v_pool.clone()
+    table = torch.full((3, 2), -1, dtype=torch.int32)
+    hf_paged._append(k_pool, v_pool, table, torch.zeros(3, dtype=torch.int32), torch.randn(3, 2, 8),
+                     torch.randn(3, 2, 8))
+    assert _unchanged(before[0], k_pool) and _unchanged(before[1], v_pool)
 
 
 def test_names_without_flash_are_refused():
