@@ -889,3 +889,28 @@ def test_the_results_files_of_one_suite_and_device_make_one_section(tmp_path):
     assert text.count("<!-- bench paged on NVIDIA H200 -->") == 1 and "`bench --suite paged --part models`" in text
     assert "| B1 H32/8 D128 page16 Lkv4096->5095, 1000 steps | | | | | | | | RuntimeError: x |" in text
     assert paged.client_table(cb) in text and "`bench --suite paged --part ops`" in text
+
+
+def test_compiled_choice_report_states_the_run_as_measured(tmp_path):
+    """benchmarks/tools/compiled_choice_gpu.py --report: the command from the run's own shapes, each HF Llama entry
+    (a failed one with its reason), and the spell's measured CPU time, clocks and collections."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "compiled_choice_gpu", runner.repo_root() / "benchmarks" / "tools" / "compiled_choice_gpu.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    pick = {"choice": "fa4:default", "regret": 0.0, "best": "fa4:default", "device_bound": True}
+    row = {"shape": "2048c", "plain": pick, "reduce-overhead": pick, "wall_ours_over_stock": 0.9,
+           "wall_us": {"ours": 90.0, "stock": 100.0}, "probes": [
+               {"name": "fa4:default", "device_us": 68.0, "probe_us": 40.0, "loop_us": 38.0, "probe_over_loop": 1.05}]}
+    (tmp_path / "compiled_choice.json").write_text(json.dumps({"device": "GPU", "torch": "2.11", "prefill": [row]}))
+    (tmp_path / "llama.json").write_text(json.dumps({"llama": {
+        "prefill B4 L2048": {"stock_ms": 6.0, "ours_ms": 4.0}, "training step B1 L512": {"error": "timed out"}}}))
+    windows = [{"name": n, "us": us, "cpu_us": us - 5, "sm_mhz": 1980, "gcs": []}
+               for n in ("ours", "stock") for us in [120.0] * 10 + [100.0] * 10]
+    (tmp_path / "spell.json").write_text(json.dumps({"spell": {"windows": windows}}))
+    text = tool.report(tmp_path, "abc1234", "2026-11-29")
+    assert "--shapes 2048c --probes 2048c`" in text and "| L2048c | `fa4:default` |" in text
+    assert "| prefill B4 L2048 | 6.00 | 4.00 | **1.50x** |" in text and "| training step B1 L512 | | | timed out |" in text
+    assert "ours 120 / 100 (1.20x)" in text and "ours 115 / 95" in text and "0 garbage collections" in text

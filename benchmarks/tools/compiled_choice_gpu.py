@@ -2,7 +2,8 @@
 
     PYTHONPATH=. python benchmarks/tools/compiled_choice_gpu.py --out $OUT [--shapes 512c 2048c ...] [--training]
     PYTHONPATH=. python benchmarks/tools/compiled_choice_gpu.py --out $OUT --spell
-    python benchmarks/tools/compiled_choice_gpu.py --report DIR --commit C --date D [--llama LABEL ...]
+    PYTHONPATH=. python benchmarks/tools/compiled_choice_gpu.py --out $OUT --llama
+    python benchmarks/tools/compiled_choice_gpu.py --report DIR --commit C --date D
 
 Per shape, in one process with a fresh decision store: ``inductor_attn.attention`` compiled plainly and with
 ``mode="reduce-overhead"`` (the first compile tunes), and stock compiled SDPA. Reported:
@@ -27,8 +28,11 @@ this process's children and garbage collections per window) next to stock compil
 leaves anything that slows the calls after it.
 
 ``--report DIR``: the markdown section of benchmarks/RESULTS.md from a run's files in DIR: compiled_choice.json,
-spell.json, and llama.jsonl (one line per ``python -m inductor_attn.bench.models`` entry, labelled in order by
-``--llama``).
+spell.json and llama.json.
+
+``--llama``: the HF Llama entries of ``inductor_attn.bench.models`` (prefill, the B4 L2048 and B1 L512 training
+steps, the static-cache decode step; plain launches), each in a fresh process with a fresh store, stock
+``torch.compile`` against ours: llama.json, an entry that fails or times out recorded with its reason.
 """
 
 from __future__ import annotations
@@ -252,7 +256,25 @@ def _sm_clock() -> int | None:
         return None
 
 
-def report(run: Path, commit: str, date: str, llama_labels: list[str]) -> str:
+LLAMA = {"prefill B4 L2048": ("overhead", "prefill", "default"),
+         "training step B4 L2048": ("training", "B4 L2048", "default"),
+         "training step B1 L512": ("training", "B1 L512", "default"),
+         "decode step B4 (static cache)": ("overhead", "decode step", "default")}
+
+
+def llama() -> dict:
+    """Each entry of :data:`LLAMA` in a fresh process (``models.isolated``) on a fresh decision store."""
+    from inductor_attn.bench import models
+
+    out = {}
+    for label, (kind, *args) in LLAMA.items():
+        os.environ["INDUCTOR_ATTN_CACHE_DIR"] = tempfile.mkdtemp()  # the child process inherits it
+        out[label] = models.isolated(kind, *args)
+        print(json.dumps({label: out[label]}), flush=True)
+    return out
+
+
+def report(run: Path, commit: str, date: str) -> str:
     """benchmarks/RESULTS.md's section for one run's files (see the module doc)."""
     choice = json.loads((run / "compiled_choice.json").read_text())
     shapes = [row["shape"] for row in choice["prefill"]]
@@ -293,16 +315,16 @@ def report(run: Path, commit: str, date: str, llama_labels: list[str]) -> str:
     if "foreign_gate_s" in choice:
         gates = ", ".join(f"L{k} {v * 1e3:.0f} ms" for k, v in choice["foreign_gate_s"].items())
         lines += ["", f"First decision of a bucket this process did not tune (its winner gated here): {gates}."]
-    llama = run / "llama.jsonl"
-    if llama.exists():
+    llama_path = run / "llama.json"
+    if llama_path.exists():
         lines += ["", "HF Llama (8 layers, hidden 1024, 16/4 heads, bf16, random weights), stock `torch.compile` "
                   "against `backend=\"inductor_attn\"`, each entry in a fresh process and store, plain launches "
                   "(`python -m inductor_attn.bench.models overhead|training ...`):", "",
                   "| entry | stock ms | ours ms | stock / ours |", "|---|---|---|---|"]
-        for label, line in zip(llama_labels, llama.read_text().splitlines()):
-            entry = json.loads(line)
+        for label, entry in json.loads(llama_path.read_text())["llama"].items():
             lines.append(f"| {label} | {entry['stock_ms']:.2f} | {entry['ours_ms']:.2f} | "
-                         f"**{entry['stock_ms'] / entry['ours_ms']:.2f}x** |")
+                         f"**{entry['stock_ms'] / entry['ours_ms']:.2f}x** |" if "error" not in entry else
+                         f"| {label} | | | {entry['error'][:120]} |")
     spell_path = run / "spell.json"
     if spell_path.exists():
         windows = json.loads(spell_path.read_text())["spell"]["windows"]
@@ -331,21 +353,23 @@ def main() -> None:
     parser.add_argument("--report", type=Path, metavar="DIR", help="print RESULTS.md's section for a run's files")
     parser.add_argument("--commit", default="?")
     parser.add_argument("--date", default="?")
-    parser.add_argument("--llama", nargs="*", default=[], help="labels of llama.jsonl's lines, in order")
+    parser.add_argument("--llama", action="store_true", help="measure the HF Llama entries (llama.json)")
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--probes", nargs="*", default=["512c", "2048c"], help="shapes whose probes are checked")
     parser.add_argument("--training", action="store_true")
     parser.add_argument("--spell", action="store_true")
     args = parser.parse_args()
     if args.report:
-        print(report(args.report, args.commit, args.date, args.llama))
+        print(report(args.report, args.commit, args.date))
         return
     if args.out is None:
         parser.error("--out is required to measure")
     os.environ.setdefault("INDUCTOR_ATTN_CACHE_DIR", tempfile.mkdtemp())  # a fresh store: every shape tunes
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    if args.spell:
+    if args.llama:
+        result["llama"] = llama()
+    elif args.spell:
         result["spell"] = spell()
         print(json.dumps({k: v for k, v in result["spell"].items() if k != "windows"}), flush=True)
     else:
@@ -365,7 +389,7 @@ def main() -> None:
             for p in row["forward_probes"] + row["backward_probes"]:
                 print(f"  probe {p['name'][:56]:56s} dev {p['device_us']:8.1f} probe {p['probe_us']:6.1f} "
                       f"loop {p['loop_us']:6.1f} ratio {p['probe_over_loop']:.2f}", flush=True)
-    name = "spell.json" if args.spell else "compiled_choice.json"
+    name = "llama.json" if args.llama else "spell.json" if args.spell else "compiled_choice.json"
     (args.out / name).write_text(json.dumps(result, indent=1))
 
 
