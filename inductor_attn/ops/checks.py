@@ -144,6 +144,18 @@ def check_bool(name: str, value) -> None:
         fail(TypeError, f"{name} must be a bool (True or False), got {type(value).__name__}")
 
 
+def refuse_grad(op: str, tensors: dict) -> None:
+    """For the forward-only ops (no backward): with grad mode on, no tensor of ``tensors`` ({argument: value},
+    non-tensors skipped) may require grad. Under torch.no_grad() or torch.inference_mode() any is taken: the
+    output then needs no backward."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            fail(ValueError, f"{op} is forward only (it has no backward): {name} requires grad while grad mode is on; "
+                             f"pass {name}.detach() or call {op} under torch.no_grad() or torch.inference_mode()")
+
+
 def check_int(name: str, value, accepted: str = "") -> None:
     """A Python int or, in traced code, a SymInt (torch.compile made a value that changed between calls
     symbolic: decided at run time then); never a bool. ``accepted``: what the message adds after "an int"."""
