@@ -14,7 +14,7 @@ from .ops import BlockSparseMask, attention_op, block_sparse_attention_op, varle
 from .ops.checks import (KV_SEQLENS_VALUES, MAX_INT32, check_attention, check_attention_values, check_block_sparse,
                          check_block_sparse_values, check_bool, check_kv_seqlens, check_paged, check_paged_values,
                          check_scale, check_varlen, check_varlen_values, check_window, device_message, fail,
-                         refuse_to_trace)
+                         refuse_grad, refuse_to_trace)
 from .problem import default_scale
 
 # The compiled kv_seqlens check as the traced path writes it: the builtin and its text, read from this module alone.
@@ -354,9 +354,7 @@ def paged_attention(q, k_cache, v_cache, block_table, kv_seqlens, *, cu_seqlens_
     left, right = _window(window, causal)
     check_paged(q, k_cache, v_cache, block_table, kv_seqlens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale, left,
                 right)
-    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
-        fail(ValueError, "paged_attention is forward only (serving has no backward): q, k_cache and v_cache must not "
-                         "require grad; call it under torch.no_grad() or torch.inference_mode()")
+    refuse_grad("paged_attention", {"q": q, "k_cache": k_cache, "v_cache": v_cache})
     if max_seqlen_q is None:
         max_seqlen_q = 1 if cu_seqlens_q is None else int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     if max_seqlen_k is None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from .api import _scale, _window
-from .ops.checks import check_bool
-from .ops.fp8 import check_fp8, check_fp8_values, fp8_attention_op, refuse_grad
+from .ops.checks import check_bool, refuse_grad
+from .ops.fp8 import check_fp8, check_fp8_values, fp8_attention_op
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
@@ -28,9 +28,11 @@ def fp8_attention(q, k, v, *, q_descale, k_descale, v_descale, causal: bool = Fa
 
     Runs on the fastest correct candidate for the shape (FA3's fp8 forward on an H100/H200 with tokenspeed-fa3
     installed; the reference elsewhere), each gated against the reference of the dequantised inputs within
-    ``tuning.correctness.TOLERANCES[torch.float8_e4m3fn]``. No autograd: inputs that require grad are refused.
+    ``tuning.correctness.TOLERANCES[torch.float8_e4m3fn]``. No autograd: inputs that require grad are refused
+    while grad mode is on (under torch.no_grad() or torch.inference_mode() they are taken).
     """
-    refuse_grad({"q": q, "k": k, "v": v, "q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale})
+    refuse_grad("fp8_attention", {"q": q, "k": k, "v": v, "q_descale": q_descale, "k_descale": k_descale,
+                                  "v_descale": v_descale})
     for name, flag in (("causal", causal), ("return_lse", return_lse), ("check_values", check_values)):
         check_bool(name, flag)
     left, right = _window(window, causal)

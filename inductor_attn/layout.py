@@ -89,3 +89,20 @@ def broadcast_strides(x: torch.Tensor, batch: int, heads: int) -> tuple[int, ...
     size, stride = x.shape, x.stride()
     return ((0 if size[0] == 1 and batch != 1 else stride[0]), (0 if size[1] == 1 and heads != 1 else stride[1]),
             *stride[2:])
+
+
+# ------------------------------------------------------------------------ inputs of prebuilt CUDA libraries
+def tma_aligned(x: torch.Tensor, broadcast_ok: bool) -> bool:
+    """Whether FA3's and FA4's TMA loads take ``x`` as it is: its last dim contiguous, its pointer 16-byte aligned
+    and every other stride a multiple of 16 bytes (FA4: ``cute_dsl_utils._is_aligned_layout``). A stride of 0 on a
+    dim longer than 1 (broadcast) passes only with ``broadcast_ok``: FA4 takes it, FA3 does not."""
+    per16 = max(1, 16 // x.element_size())
+    return (x.stride(-1) == 1 and x.data_ptr() % 16 == 0
+            and all(s % per16 == 0 and (broadcast_ok or s != 0 or n == 1)
+                    for s, n in zip(x.stride()[:-1], x.shape[:-1])))
+
+
+def int32_contiguous(x: torch.Tensor | None) -> torch.Tensor | None:
+    """An index tensor (lengths, cu_seqlens) as FA3 and FA4 read it: int32 with unit stride (a copy where it is
+    not); None stays None."""
+    return x if x is None or (x.dtype == torch.int32 and x.stride(0) == 1) else x.to(torch.int32).contiguous()

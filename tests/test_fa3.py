@@ -186,11 +186,15 @@ def test_fp8_errors_name_the_argument_what_was_given_and_what_is_accepted(name, 
         inductor_attn.fp8_attention(q, k, v, **kwargs)
 
 
-def test_fp8_refuses_inputs_that_require_grad():
+def test_fp8_refuses_inputs_that_require_grad_while_grad_mode_is_on():
     q, k, v, descales = fp8_inputs()
     descales["q_descale"].requires_grad_(True)
-    with pytest.raises(ValueError, match="fp8_attention has no backward .* q_descale requires grad"):
+    with pytest.raises(ValueError, match=r"fp8_attention is forward only .*: q_descale requires grad while grad mode "
+                                         r"is on; pass q_descale.detach\(\) or call fp8_attention under torch.no_grad"):
         inductor_attn.fp8_attention(q, k, v, **descales)
+    with torch.no_grad():
+        out = inductor_attn.fp8_attention(q, k, v, **descales)
+    assert not out.requires_grad
 
 
 def test_fp8_attention_compiles_and_matches_eager():

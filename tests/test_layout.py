@@ -5,7 +5,8 @@ import itertools
 import torch
 
 import inductor_attn
-from inductor_attn.layout import conform, empty_like_layout, layout_strides, stride_order
+from inductor_attn.layout import (conform, empty_like_layout, int32_contiguous, layout_strides, stride_order,
+                                  tma_aligned)
 
 
 def test_out_follows_the_stride_order_of_a_transposed_q_eager_and_compiled():
@@ -32,3 +33,24 @@ def test_layout_strides_are_those_of_the_tensor_empty_like_layout_allocates():
         for order in itertools.permutations(range(4)):
             like = torch.empty_permuted((2, 3, 4, 5), order)
             assert layout_strides(like, sizes) == empty_like_layout(like, sizes).stride(), (sizes, order)
+
+
+def test_tma_aligned_takes_broadcast_dims_only_where_asked_and_size_one_dims_of_stride_zero_always():
+    x = torch.empty(2, 4, 8, 16, dtype=torch.float16)
+    broadcast = torch.empty(2, 1, 8, 16, dtype=torch.float16).expand(2, 4, 8, 16)  # stride 0 over 4 heads
+    one_head = torch.empty(2, 1, 8, 16, dtype=torch.float16).as_strided((2, 1, 8, 16), (128, 0, 16, 1))
+    misaligned = torch.empty(2 * 4 * 8 * 16 + 4, dtype=torch.float16)[4:].view(2, 4, 8, 16)  # 8 bytes off 16
+    for ok in (True, False):
+        assert tma_aligned(x, broadcast_ok=ok) and tma_aligned(one_head, broadcast_ok=ok)
+        assert not tma_aligned(x.transpose(-1, -2), broadcast_ok=ok)  # last dim not contiguous
+        assert not tma_aligned(misaligned, broadcast_ok=ok)
+        assert not tma_aligned(torch.empty(2, 4, 8, 12, dtype=torch.float16)[..., :8], broadcast_ok=ok)  # 24 B rows
+    assert tma_aligned(broadcast, broadcast_ok=True) and not tma_aligned(broadcast, broadcast_ok=False)
+
+
+def test_int32_contiguous_converts_only_what_is_not_unit_stride_int32():
+    lens = torch.tensor([3, 5], dtype=torch.int32)
+    assert int32_contiguous(lens) is lens and int32_contiguous(None) is None
+    for other in (lens.long(), torch.tensor([3, 0, 5], dtype=torch.int32)[::2]):
+        got = int32_contiguous(other)
+        assert got.dtype == torch.int32 and got.stride(0) == 1 and got.tolist() == [3, 5]

@@ -218,8 +218,17 @@ def test_bad_arguments_are_named():
     _raises(ValueError, r"q.shape\[0\] \(5\) must be at most num_seqs \* max_seqlen_q \(2 \* 2\)",
             q=torch.cat([x.q, x.q, x.q[:1]]), cu_seqlens_q=torch.tensor([0, 2, 5], dtype=torch.int32), max_seqlen_q=2)
     _raises(ValueError, "layout must be one of", layout="NDH")
-    _raises(ValueError, "forward only", q=x.q.float().requires_grad_(), k_cache=x.k_cache.float(),
-            v_cache=x.v_cache.float())
+    _raises(ValueError, "paged_attention is forward only .*: q requires grad while grad mode is on",
+            q=x.q.float().requires_grad_(), k_cache=x.k_cache.float(), v_cache=x.v_cache.float())
+
+
+def test_inputs_that_require_grad_are_taken_under_no_grad():
+    x = pi.make(CASES["decode_gqa_page16"])
+    k_cache = x.k_cache.clone().requires_grad_()
+    with torch.no_grad():
+        out = inductor_attn.paged_attention(x.q, k_cache, x.v_cache, x.block_table, x.kv_seqlens)
+    torch.testing.assert_close(out, inductor_attn.paged_attention(x.q, x.k_cache, x.v_cache, x.block_table,
+                                                                  x.kv_seqlens))
 
 
 def test_table_entries_past_the_last_page_may_hold_anything():

@@ -51,9 +51,9 @@ import torch.nn.functional as F
 
 import inductor_attn
 from inductor_attn.backends import AttnCall, plan_for
-from inductor_attn.bench.wallclock import interleaved_wall_us, own_code, warm
+from inductor_attn.bench.runner import whole_record
+from inductor_attn.bench.wallclock import BURST, burst_host_us, interleaved_wall_us, own_code, warm
 from inductor_attn.device import device_info
-from inductor_attn.store.db import get_store
 from inductor_attn.tuning.measure import Direction
 
 SHAPES = {f"{n}{'c' if c else 'f'}": (1, 32, 32, n, 128, c) for n in (512, 2048, 8192) for c in (True, False)}
@@ -66,24 +66,11 @@ def _inputs(b, hq, hkv, n, d, requires_grad=False, seed=0):
                              requires_grad=requires_grad) for h in (hq, hkv, hkv))
 
 
-def _loop_host_us(fn, bursts: int = 10, calls: int = 50) -> float:
-    """Median per-call CPU time of bursts of ``calls`` launches (each burst starts on an idle device)."""
-    for _ in range(5):
-        fn()
-    per_call = []
-    for _ in range(bursts):
-        torch.cuda.synchronize()
-        start = time.thread_time()
-        for _ in range(calls):
-            fn()
-        per_call.append((time.thread_time() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(per_call)
-
-
-def _record(direction: str) -> dict:
-    rows = [r for r in get_store().rows() if r["op"].endswith(direction) and r["record"]["direction"] == direction]
-    return max(rows, key=lambda r: r["record"]["tuned_at"])
+def _loop_host_us(fn, bursts: int = 10) -> float:
+    """Median per-call CPU time of ``bursts`` bursts of ``BURST`` (50) launches, after warm-up (each burst starts
+    on an idle device: ``burst_host_us`` of one burst)."""
+    warm(fn)
+    return statistics.median(burst_host_us(fn, BURST) for _ in range(bursts))
 
 
 def _choice_of(stats: dict, direction: str) -> str:
@@ -152,13 +139,13 @@ def prefill(name: str, b, hq, hkv, n, d, causal, with_probes: bool) -> dict:
     graphs_choice = _choice_of(inductor_attn.stats(), "forward")
     stock_fn = torch.compile(own_code(stock), fullgraph=True)
     walls = interleaved_wall_us({"ours": lambda: plain(q, k, v), "stock": lambda: stock_fn(q, k, v)}, calls=200)
-    rec = _record("forward")["record"]
+    call = AttnCall("attention", q, k, v, d ** -0.5, causal)
+    rec = whole_record(call.problem, "forward")
     row = {"shape": name, "plain": _devices(rec, plain_choice), "reduce-overhead": _devices(rec, graphs_choice),
            "wall_us": walls, "wall_ours_over_stock": walls["ours"] / walls["stock"]}
     p = row["plain"]
     row["plain"]["device_bound"] = bool(p["device_ms"] and p["host_ms"] and p["device_ms"] > p["host_ms"])
     if with_probes:
-        call = AttnCall("attention", q, k, v, d ** -0.5, causal)
         row["probes"] = probes(rec, call, "forward")
         row["compiled_us"] = compiled_costs(call)
     return row
@@ -201,10 +188,10 @@ def training() -> dict:
             stats = inductor_attn.stats()
     walls = interleaved_wall_us(steps, calls=50)
     row = {"stats": stats, "wall_us": walls, "wall_ours_over_stock": walls["ours"] / walls["stock"]}
+    call = AttnCall("attention", q.detach(), k.detach(), v.detach(), 64 ** -0.5, True)
     for direction in ("forward", "backward"):
-        rec = _record(direction)["record"]
+        rec = whole_record(call.problem, direction)
         row[direction] = _devices(rec, _choice_of(stats, direction))
-        call = AttnCall("attention", q.detach(), k.detach(), v.detach(), 64 ** -0.5, True)
         row[f"{direction}_probes"] = probes(rec, call, direction)
     return row
 

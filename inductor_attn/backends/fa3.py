@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from ..device import DeviceInfo
-from ..layout import conform, new_out
+from ..layout import conform, int32_contiguous, new_out, tma_aligned
 from ..problem import Problem
 from .base import AttnCall, Backend, Candidate, Config, Library, Plan, Takes
 
@@ -179,15 +179,9 @@ def _as_fa3_takes(x: torch.Tensor, transpose: bool) -> torch.Tensor:
     """(B, H, L, D) -> FA3's (B, L, H, D) as a view (packed tensors as they are), copied where TMA cannot load it:
     the last dim not contiguous, the pointer or another stride not a multiple of 16 bytes, or a broadcast dim."""
     view = x.transpose(1, 2) if transpose else x
-    per16 = 16 // view.element_size()
-    strides_ok = all(s % per16 == 0 and (s != 0 or n == 1) for s, n in zip(view.stride()[:-1], view.shape[:-1]))
-    if view.stride(-1) == 1 and view.data_ptr() % 16 == 0 and strides_ok:
+    if tma_aligned(view, broadcast_ok=False):
         return view
     return view.clone(memory_format=torch.contiguous_format)  # contiguous() would keep a misaligned pointer
-
-
-def _int32(x: torch.Tensor | None) -> torch.Tensor | None:
-    return x if x is None or (x.dtype == torch.int32 and x.stride(0) == 1) else x.to(torch.int32).contiguous()
 
 
 class _ForwardLaunch:
@@ -210,10 +204,11 @@ class _ForwardLaunch:
         if fa_out.stride(-1) != 1:
             fa_out = None  # q's layout has no contiguous head dim: FA3 allocates, conform() copies below
         descales = call.descale if self.fp8 else (None, None, None)
-        varlen = (None, None) if dense else (_int32(call.cu_seqlens_q), _int32(call.cu_seqlens_k))
+        cu_seqlens = (call.cu_seqlens_q, call.cu_seqlens_k)
+        varlen = (None, None) if dense else [int32_contiguous(cu) for cu in cu_seqlens]
         lengths = (None, None) if dense else (call.max_seqlen_q, call.max_seqlen_k)
         got, lse = self.fwd(
-            q, k, v, None, None, None, fa_out, *varlen, None, None, _int32(call.kv_seqlens), *lengths,
+            q, k, v, None, None, None, fa_out, *varlen, None, None, int32_contiguous(call.kv_seqlens), *lengths,
             None, None, None, None, None, None, *descales, call.scale, call.causal, call.window_left,
             call.window_right, 0, 0.0, True, None, self.num_splits, self.pack_gqa, 0, None)[:2]
         if fa_out is None:

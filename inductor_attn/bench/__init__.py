@@ -101,7 +101,7 @@ def main(args: argparse.Namespace, command: str) -> int:
             path = repo_root() / "benchmarks" / "RESULTS.md"
             print(f"updated {path}: " + "; ".join(report.update_summary_sections(loaded, path)))
             return 0
-        result = report.load(args.report)
+        result = report.merge(loaded, args.report)
         if args.out is None:
             path = repo_root() / "benchmarks" / "RESULTS.md"
             try:

@@ -87,10 +87,10 @@ def _jsonable(x):
     return str(x)
 
 
-def load(paths: list[Path]) -> dict:
-    """Merge results.json files (several suite calls) into one result: rows concatenated, each run's
-    meta kept in ``runs``, and the first quality section of each run kept by its command."""
-    runs = [json.loads(Path(p).read_text()) for p in paths]
+def merge(runs: list[dict], paths: list[Path]) -> dict:
+    """Merge the parsed results.json files ``runs`` (read from ``paths``, named in errors) into one result: rows
+    concatenated, each run's meta kept in ``runs``, and the first quality section of each run kept by its
+    command."""
     if not runs:
         raise ValueError("give at least one results.json")
     for p, r in zip(paths, runs):

@@ -144,11 +144,28 @@ def check_bool(name: str, value) -> None:
         fail(TypeError, f"{name} must be a bool (True or False), got {type(value).__name__}")
 
 
+def refuse_grad(op: str, tensors: dict) -> None:
+    """For the forward-only ops (no backward): with grad mode on, no tensor of ``tensors`` ({argument: value},
+    non-tensors skipped) may require grad. Under torch.no_grad() or torch.inference_mode() any is taken: the
+    output then needs no backward."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            fail(ValueError, f"{op} is forward only (it has no backward): {name} requires grad while grad mode is on; "
+                             f"pass {name}.detach() or call {op} under torch.no_grad() or torch.inference_mode()")
+
+
+def check_int(name: str, value, accepted: str = "") -> None:
+    """A Python int or, in traced code, a SymInt (torch.compile made a value that changed between calls
+    symbolic: decided at run time then); never a bool. ``accepted``: what the message adds after "an int"."""
+    if not isinstance(value, (int, torch.SymInt)) or isinstance(value, bool):
+        fail(TypeError, f"{name} must be an int{accepted}, got {type(value).__name__}")
+
+
 def check_window(window_left: int, window_right: int) -> None:
-    # a SymInt: torch.compile made a window that changed between calls symbolic (decided at run time then)
     for name, w in (("window_left", window_left), ("window_right", window_right)):
-        if not isinstance(w, (int, torch.SymInt)) or isinstance(w, bool):
-            fail(TypeError, f"{name} must be an int (-1 = unbounded), got {type(w).__name__}")
+        check_int(name, w, " (-1 = unbounded)")
         if w < -1:
             fail(ValueError, f"{name} must be -1 (unbounded) or >= 0, got {w}")
         if w > MAX_INT32:
@@ -265,8 +282,7 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if m is None:
             continue
-        if not isinstance(m, (int, torch.SymInt)) or isinstance(m, bool):
-            fail(TypeError, f"{name} must be an int, got {type(m).__name__}")
+        check_int(name, m)
         if m < 1:
             fail(ValueError, f"{name} must be >= 1, got {m}")
         if m > MAX_INT32:
@@ -414,8 +430,7 @@ def check_paged(q, k_cache, v_cache, block_table, kv_seqlens, cu_seqlens_q, max_
                           ("max_seqlen_k", max_seqlen_k, pages * page_size)):
         if m is None:
             continue
-        if not isinstance(m, (int, torch.SymInt)) or isinstance(m, bool):
-            fail(TypeError, f"{name} must be an int, got {type(m).__name__}")
+        check_int(name, m)
         if m < 1 or m > most:
             what = "q tokens" if name == "max_seqlen_q" else "block_table.shape[1] * page_size"
             fail(ValueError, f"{name} must be in [1, {what}] = [1, {most}], got {m}")

@@ -6,8 +6,9 @@ batch and kv head; q head h takes the descale of its kv head, h // (Hq / Hkv)). 
 out in ``out_dtype`` and q's stride order, lse float32 (B, Hq, Lq) of the dequantised scores, as the other ops.
 
 There is no autograd (FA3's fp8 kernels are forward only, and fp8 training needs scaled gradients of its own):
-inputs that require grad are refused. The choice is made at run time like the other ops' (``choice`` "" or a
-candidate's name); compiled code calls this op as it is, and it decides per bucket (one memo lookup).
+inputs that require grad are refused while grad mode is on (checks.refuse_grad). The choice is made at run time
+like the other ops' (``choice`` "" or a candidate's name); compiled code calls this op as it is, and it decides per
+bucket (one memo lookup).
 """
 
 from __future__ import annotations
@@ -65,13 +66,6 @@ def check_fp8_values(descales) -> None:
 def per_kv_head(d: Tensor, batch: int, heads_kv: int) -> Tensor:
     """A descale as a (B, Hkv) view, as FA3 takes it (a per-tensor one broadcast with zero strides)."""
     return d if d.dim() == 2 else d.reshape(1, 1).expand(batch, heads_kv)
-
-
-def refuse_grad(tensors: dict[str, Tensor]) -> None:
-    for name, t in tensors.items():
-        if isinstance(t, Tensor) and t.requires_grad:
-            fail(ValueError, f"fp8_attention has no backward (FA3's fp8 kernels are forward only), but {name} "
-                             f"requires grad; detach it or call under torch.no_grad()")
 
 
 @torch.library.custom_op("inductor_attn::fp8_attention", mutates_args=())

@@ -10,7 +10,7 @@ from collections import Counter
 
 import torch
 
-from ...layout import new_grads, new_outputs
+from ...layout import int32_contiguous, new_grads, new_outputs, tma_aligned
 from ..base import AttnCall, Config
 from ..block_bitmap import slot_table
 from ..replay import Recording, Replay, Replays, checked_replay, quick_key
@@ -24,18 +24,10 @@ log = logging.getLogger(__name__)
 COPIES: Counter = Counter()
 
 
-def _aligned(x: torch.Tensor) -> bool:
-    """FA4's layout rule (cute_dsl_utils._is_aligned_layout): contiguous last dim, 16-byte aligned
-    pointer, other strides 16-byte multiples (or 0, broadcast)."""
-    per16 = max(1, 16 // x.element_size())
-    return (x.stride(-1) == 1 and x.data_ptr() % 16 == 0
-            and all(s == 0 or s % per16 == 0 for s in x.stride()[:-1]))
-
-
 def _fa4_layout(x: torch.Tensor, name: str, transpose: bool) -> torch.Tensor:
     """(B, H, L, D) -> FA4's (B, L, H, D) as a view; a copy (counted, logged) only when FA4 would make one."""
     view = x.transpose(1, 2) if transpose else x
-    if _aligned(view):
+    if tma_aligned(view, broadcast_ok=True):
         return view
     COPIES[name] += 1
     log.info("flash-attn-4: copying %s %s (strides %s): last dim not contiguous, pointer or strides not "
@@ -43,15 +35,11 @@ def _fa4_layout(x: torch.Tensor, name: str, transpose: bool) -> torch.Tensor:
     return view.clone(memory_format=torch.contiguous_format)  # contiguous() keeps a misaligned pointer
 
 
-def _int32(x: torch.Tensor) -> torch.Tensor:
-    return x if x.dtype == torch.int32 and x.stride(0) == 1 else x.to(torch.int32).contiguous()
-
-
 def _as_fa4_takes(x: torch.Tensor | None) -> torch.Tensor | None:
     """``x``, or the copy FA4's ``maybe_contiguous`` (cute_dsl_utils, b36) would make of it (an unaligned
     pointer or layout): made here, so that every tensor a recorded kernel reads is one of our values or a
     buffer of FA4's own, never a copy that a replay would take for scratch."""
-    if x is None or (x.is_contiguous() and x.data_ptr() % 16 == 0) or _aligned(x):
+    if x is None or (x.is_contiguous() and x.data_ptr() % 16 == 0) or tma_aligned(x, broadcast_ok=True):
         return x
     return x.clone(memory_format=torch.contiguous_format)
 
@@ -154,12 +142,12 @@ def _call_values(call: AttnCall, out: torch.Tensor, lse: torch.Tensor) -> tuple:
     (total, H, D) for varlen; ``out`` follows q's stride order, the ops' layout contract), lse, seqused_k,
     cu_seqlens_q/k and max_seqlen_q/k (None where unused), the scale last. A replay's arguments are built
     from these (:meth:`Recording.replay`)."""
-    seqused = None if call.kv_seqlens is None else _int32(call.kv_seqlens)
+    seqused = int32_contiguous(call.kv_seqlens)
     if call.op != "varlen":
         return (call.q.transpose(1, 2), call.k.transpose(1, 2), call.v.transpose(1, 2), out.transpose(1, 2), lse,
                 seqused, None, None, None, None, call.scale)
-    return (call.q, call.k, call.v, out, lse, seqused, _int32(call.cu_seqlens_q), _int32(call.cu_seqlens_k),
-            call.max_seqlen_q, call.max_seqlen_k, call.scale)
+    return (call.q, call.k, call.v, out, lse, seqused, int32_contiguous(call.cu_seqlens_q),
+            int32_contiguous(call.cu_seqlens_k), call.max_seqlen_q, call.max_seqlen_k, call.scale)
 
 
 def _buffers(call: AttnCall) -> tuple[torch.Tensor, torch.Tensor]:
@@ -307,14 +295,13 @@ def _backward_values(call: AttnCall, q, k, v, out, grad_out, lse, grad_lse, grad
     """What a backward launch passes FA4: q, k, v, out, grad_out as (B, L, H, D) views (packed (total, H, D)
     for varlen), lse, grad_lse, seqused_k, dq, dk, dv; for varlen cu_seqlens_q/k and max_seqlen_q/k; the scale
     last. ``checked``: each made what FA4 takes, copies where FA4 would make them (:func:`_fa4_layout`,
-    :func:`_as_fa4_takes`, :func:`_int32`); else the views as they are, which serve where a replay was recorded
-    for their layout (the checks read only what :func:`layout_key` keys on)."""
+    :func:`_as_fa4_takes`, :func:`~inductor_attn.layout.int32_contiguous`); else the views as they are, which
+    serve where a replay was recorded for their layout (the checks read only what :func:`layout_key` keys on)."""
     dense = call.op != "varlen"
     names = ("q", "k", "v", "out", "grad_out", "grad", "grad", "grad")
     if checked:
         views = [_fa4_layout(x, name, dense) for x, name in zip((q, k, v, out, grad_out, *grads), names)]
-        indices = [None if x is None else _as_fa4_takes(_int32(x))
-                   for x in (call.kv_seqlens, call.cu_seqlens_q, call.cu_seqlens_k)]
+        indices = [_as_fa4_takes(int32_contiguous(x)) for x in (call.kv_seqlens, call.cu_seqlens_q, call.cu_seqlens_k)]
         lse, grad_lse = _as_fa4_takes(lse), _as_fa4_takes(grad_lse)
     else:
         views = [x.transpose(1, 2) if dense else x for x in (q, k, v, out, grad_out, *grads)]
