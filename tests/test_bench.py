@@ -770,13 +770,19 @@ def test_the_fp8_suites_smoke_run_measures_both_sides_and_its_result_reports_int
         # the reference is exact on the dequantised inputs; quantising the inputs costs a few percent
         assert fp8["err_vs_dequantised"] < 1e-5 and 1e-2 < fp8["err_vs_bf16_inputs"] < 6e-2
     assert "| B1 H4/2 L64 D32 causal | `" in capsys.readouterr().out
+    names, text = _summary_section_of_smoke_run(out, data, tmp_path)
+    assert names == ["fp8 attention against our bf16 choice on NVIDIA H200"]
+    assert "<!-- bench fp8 on NVIDIA H200 -->" in text and "| B1 H2 L96 D32 full | `" in text
+
+
+def _summary_section_of_smoke_run(out, data: dict, tmp_path) -> tuple[list[str], str]:
+    """``bench --report`` refuses a smoke run's file; its data marked as an H200 run gives (the sections written,
+    RESULTS.md's text)."""
     path = tmp_path / "RESULTS.md"
     path.write_text(f"{report.SECTIONS_BEGIN}\n{report.SECTIONS_END}\n")
     assert main(["bench", "--report", str(out)]) == 2  # a smoke run is no measurement
     data["meta"].update(smoke=False, device="NVIDIA H200")
-    assert report.update_summary_sections([data], path) == ["fp8 attention against our bf16 choice on NVIDIA H200"]
-    assert "<!-- bench fp8 on NVIDIA H200 -->" in path.read_text()
-    assert "| B1 H2 L96 D32 full | `" in path.read_text()
+    return report.update_summary_sections([data], path), path.read_text()
 
 
 def test_report_draws_each_suites_plot_beside_results_md_and_links_it(tmp_path):
@@ -819,12 +825,9 @@ def test_the_paged_suites_smoke_run_measures_a_serving_loop_and_reports_it(tmp_p
     for path in loop["paths"].values():
         assert path["compiles"] == 1 and {"host_us", "wall_us", "loop_host_us", "first_pass_s"} <= set(path)
     assert "| serving loop |" in capsys.readouterr().out
-    path = tmp_path / "RESULTS.md"
-    path.write_text(f"{report.SECTIONS_BEGIN}\n{report.SECTIONS_END}\n")
-    assert main(["bench", "--report", str(out)]) == 2  # a smoke run is no measurement
-    data["meta"].update(smoke=False, device="NVIDIA H200")
-    assert report.update_summary_sections([data], path) == ["Paged KV cache on NVIDIA H200"]
-    assert "| B2 H4/2 D32 page16 Lkv44->51, 8 steps | paged | 1 |" in path.read_text()
+    names, text = _summary_section_of_smoke_run(out, data, tmp_path)
+    assert names == ["Paged KV cache on NVIDIA H200"]
+    assert "| B2 H4/2 D32 page16 Lkv44->51, 8 steps | paged | 1 |" in text
 
 
 def test_the_paged_suites_model_part_runs_continuous_batching_on_each_attention(tmp_path, monkeypatch, capsys):
