@@ -741,22 +741,137 @@ def test_the_reduce_overhead_paths_get_copies_marked_static_and_the_others_the_i
         assert all(marked) if name.endswith("reduce-overhead") else not any(marked), name
 
 
+def _fa3_timed(ms: float, error: float = 1e-3) -> dict:
+    """A row's ``fa3_default`` where FA3 ran: wrong on the NaN pool, passed on the zeroed one, timed."""
+    from inductor_attn.bench import paged
+
+    return {"note": paged.FA3_NOTE, "nan_probe": {"status": "wrong", "reason": paged.NAN_REACHED},
+            "zeroed_pool": {"status": "passed", "reason": None, "error": error}, "ms": ms, "failed": None,
+            "timer_note": ""}
+
+
 def test_a_paged_suite_result_writes_its_own_section_with_the_fastest_candidate_against_the_floors(tmp_path):
     data = {"meta": {"suite": "paged", "device": "NVIDIA H200", "date": "2026-11-29 02:49 UTC", "commit": "abc1234",
                      "command": "python -m inductor_attn bench --suite paged", "versions": {"torch": "2.11.0"}},
-            "rows": [{"shape": "decode B1 H4/2 D32 Lkv96 page16", "kv_bytes": 1e6, "flops": 1e9, "candidates": {
-                "triton_decode:a": {"status": "passed", "ms": 0.01},
-                "paged_gather:kernel=cudnn": {"status": "passed", "ms": 0.1},
-                "reference:default": {"status": "passed", "ms": 1.0},
-                "copy floor": {"status": "floor", "ms": None, "failed": "RuntimeError: x"},
-                "contiguous decode (ours)": {"status": "floor", "ms": 0.008}}}]}
+            "rows": [{"shape": "decode B1 H4/2 D32 Lkv96 page16", "heads_kv": 2, "kv_bytes": 1e6, "flops": 1e9,
+                      "candidates": {
+                          "triton_decode:a": {"status": "passed", "ms": 0.01},
+                          "triton_decode:b": {"status": "passed", "ms": 0.0125},
+                          "paged_gather:kernel=cudnn": {"status": "passed", "ms": 0.1},
+                          "reference:default": {"status": "passed", "ms": 1.0},
+                          "copy floor": {"status": "floor", "ms": None, "failed": "RuntimeError: x"},
+                          "contiguous decode (ours)": {"status": "floor", "ms": 0.008}},
+                      "autotuned": {"choice": "triton_decode:b", "decide_s": 2.0},
+                      "fa3_default": _fa3_timed(0.02)}]}
     path = tmp_path / "RESULTS.md"
     path.write_text(f"{report.SECTIONS_BEGIN}\n{report.SECTIONS_END}\n")
     assert report.summary_suite(data) == "paged" and report.summary_suite(_result()) is None
     assert report.update_summary_sections([data], path) == ["Paged KV cache on NVIDIA H200"]
     text = path.read_text()
     assert "- 2026-11-29 02:49 UTC, commit abc1234: `python -m inductor_attn bench --suite paged`; torch 2.11.0\n" in text
-    assert "| decode B1 H4/2 D32 Lkv96 page16 | `triton_decode:a` | 100 | 10 | 125 | 0.80 | failed |" in text
+    # fastest 100 GB/s, autotuned another (80 GB/s), FA3 default 50 GB/s: the autotuned choice is 1.60x FA3
+    assert ("| decode B1 H4/2 D32 Lkv96 page16 | `triton_decode:a` | 100 | `triton_decode:b` | 10 | 125 | 0.80 | 50 "
+            "| 1.60 | failed |") in text
+    assert "timed on a zeroed pool: fails the NaN-past-length check" in text
+    assert ("Issue 54's target (Hkv <= 2 decode: autotuned >= 1.5x FA3's default splits, never below 1x): met; least "
+            "1.60 (decode B1 H4/2 D32 Lkv96 page16), geomean 1.60 over 1 of 1 rows") in text
+
+
+def test_issue_54s_target_line_reads_the_few_kv_head_decode_rows_only():
+    from inductor_attn.bench import paged
+
+    def row(shape, heads_kv, ours_ms, fa3):
+        return {"shape": shape, "heads_kv": heads_kv, "kv_bytes": 1e6, "flops": 1e9,
+                "candidates": {"t:a": {"status": "passed", "ms": ours_ms}}, "autotuned": {"choice": "t:a"},
+                "fa3_default": fa3}
+
+    rows = [row("decode B1 H16/2 D256 Lkv16384 page16", 2, 0.01, _fa3_timed(0.02)),
+            row("decode B8 H16/2 D256 Lkv16384 page64", 2, 0.01, _fa3_timed(0.009)),
+            row("decode B8 H32/8 D128 Lkv16384 page16", 8, 0.01, _fa3_timed(0.001)),  # Hkv 8: not in the target
+            row("prefill chunk16 B4 H16/2 D128 Lkv4096 page64", 2, 0.01, _fa3_timed(0.001))]  # not decode
+    line = paged.fa3_target(rows)
+    assert "not met; least 0.90 (decode B8 H16/2 D256 Lkv16384 page64)" in line and "over 2 of 2 rows" in line
+    assert line.endswith("below FA3 on decode B8 H16/2 D256 Lkv16384 page64")
+    skipped = {"skipped": "FA3 (tokenspeed-fa3) needs an sm_90 GPU; this run is on cpu"}
+    assert paged.fa3_target([row("decode B1 H16/2 D256 Lkv16384 page16", 2, 0.01, skipped)]).endswith(
+        "no row has both numbers (1 rows)")
+    assert paged.fa3_target(rows[2:]) is None
+
+
+def test_fa3s_reference_column_is_skipped_with_its_reason_where_fa3_cannot_run(monkeypatch):
+    from inductor_attn.bench import paged
+
+    assert paged.fa3_interface(torch.device("cpu")) == "FA3 (tokenspeed-fa3) needs an sm_90 GPU; this run is on cpu"
+    monkeypatch.setattr(paged, "fa3_refuses", lambda device: None)  # an sm_90 GPU without the wheel
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)  # import raises ModuleNotFoundError
+    assert paged.fa3_interface(torch.device("cpu")) == "flash_attn_interface is not installed (tokenspeed-fa3)"
+
+
+def _fake_flash_attn_interface(calls: list) -> object:
+    """A stand-in for FA3's ``flash_attn_interface``: ``flash_attn_with_kvcache`` computed in torch from the page
+    table over every slot of each sequence's pages, the zero weights of the slots past its length multiplied by
+    their values as FA3's last tile does (NaN there reaches the output). Each call appends (num_splits, whether
+    every slot that holds no key is zero)."""
+    import types
+
+    from inductor_attn.backends.pages import key_slots, unused_slots
+
+    def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, page_table=None, softmax_scale=None,
+                                causal=False, num_splits=1, **unused_arguments):
+        unused = unused_slots(k_cache.shape[0], k_cache.shape[1], *key_slots(page_table, cache_seqlens,
+                                                                             k_cache.shape[1]))
+        calls.append((num_splits, bool((k_cache[unused] == 0).all() and (v_cache[unused] == 0).all())))
+        lq, group = q.shape[1], q.shape[2] // k_cache.shape[2]
+        k, v = (x[page_table.long()].flatten(1, 2).repeat_interleave(group, dim=2).transpose(1, 2).double()
+                for x in (k_cache, v_cache))  # (B, Hq, pages * page_size, D)
+        scores = torch.einsum("bqhd,bhkd->bhqk", q.double(), k) * softmax_scale
+        position, lengths = torch.arange(k.shape[2]), cache_seqlens.long()[:, None, None, None]
+        keep = position < lengths
+        if causal:  # bottom-right aligned
+            keep = keep & (position <= torch.arange(lq)[:, None] + lengths - lq)
+        weights = torch.softmax(scores.masked_fill(~keep, float("-inf")), -1)
+        return torch.einsum("bhqk,bhkd->bqhd", weights, v).to(q.dtype)
+
+    module = types.ModuleType("flash_attn_interface")
+    module.flash_attn_with_kvcache = flash_attn_with_kvcache
+    return module
+
+
+def test_fa3s_default_splits_are_gated_on_both_pools_then_timed_with_the_candidates(monkeypatch):
+    """With a fake FA3 on an 'sm_90 GPU': gated on the NaN pool (wrong: NaN past the lengths reaches it), checked on
+    the zeroed pool (passes, its error reported), timed in the candidates' session on copies zeroed where no key is,
+    and set against the autotuned choice (the only candidate here: the reference) in both tables."""
+    from inductor_attn.bench import paged
+
+    calls = []
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", _fake_flash_attn_interface(calls))
+    monkeypatch.setattr(paged, "fa3_refuses", lambda device: None)
+    with only_backends(REFERENCE):
+        rows = [paged.run_shape(s, torch.device("cpu"), rounds=2) for s in paged.shapes(quick=False, smoke=True)]
+    assert {num_splits for num_splits, _ in calls} == {0}  # FA3's default heuristic, every call
+    for row in rows:
+        fa3 = row["fa3_default"]
+        assert fa3["nan_probe"]["status"] == "wrong" and "NaN past kv_seqlens" in fa3["nan_probe"]["reason"]
+        assert fa3["zeroed_pool"]["status"] == "passed" and fa3["zeroed_pool"]["error"] < 1e-5
+        assert fa3["ms"] > 0 and fa3["failed"] is None and fa3["note"] == paged.FA3_NOTE
+        assert row["autotuned"]["choice"] == "reference:default"
+        ours = row["candidates"]["reference:default"]["ms"]
+        assert paged.fa3_ratio(row) == pytest.approx(fa3["ms"] / ours)
+    # per shape: the NaN probe, its rerun with zeros for the NaN (the gate's proof that the NaN failed it), the
+    # check on the zeroed pool, then warm-up and samples on the timing copies, zeroed where no key is
+    per_shape = len(calls) // len(rows)
+    assert [zeroed for _, zeroed in calls[:per_shape]][:3] == [False, True, True]
+    assert all(zeroed for _, zeroed in calls[3:per_shape])
+    table, summary = paged.shape_table({"rows": rows}), paged.shape_summary({"rows": rows})
+    decode = rows[0]["shape"]
+    ratio = paged.fa3_ratio(rows[0])
+    assert f"| {decode} | reference:default | " in table and " | autotuned |" in table
+    assert f"| {decode} | {paged.FA3_NAME} | " in table and f"autotuned / FA3 default: {ratio:.2f}" in table
+    assert "rel. err" in table and "NaN probe: wrong" in table
+    # the summary's table lists shapes with a candidate other than the reference (none here); its target line reads
+    # the decode row (Hkv 2)
+    assert f"Issue 54's target (Hkv <= 2 decode: autotuned >= 1.5x FA3's default splits, never below 1x): " in summary
+    assert f"least {ratio:.2f} ({decode})" in summary and paged.FA3_NOTE in summary
 
 
 def test_the_fp8_suites_smoke_run_measures_both_sides_and_its_result_reports_into_results_md(tmp_path, capsys):
@@ -824,10 +939,19 @@ def test_the_paged_suites_smoke_run_measures_a_serving_loop_and_reports_it(tmp_p
     assert loop["compiles_after_first_pass"] == loop["tunes_after_first_pass"] == 0
     for path in loop["paths"].values():
         assert path["compiles"] == 1 and {"host_us", "wall_us", "loop_host_us", "first_pass_s"} <= set(path)
-    assert "| serving loop |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| serving loop |" in printed
+    for row in data["rows"]:
+        assert row["autotuned"]["choice"] in row["candidates"]
+    skip = "FA3 (tokenspeed-fa3) needs an sm_90 GPU; this run is on cpu"
+    if not torch.cuda.is_available():  # FA3's reference column says why it is empty
+        assert all(row["fa3_default"] == {"skipped": skip} for row in data["rows"])
+        assert f"| FA3 default splits (reference) | | | | skipped: {skip} |" in printed
     names, text = _summary_section_of_smoke_run(out, data, tmp_path)
     assert names == ["Paged KV cache on NVIDIA H200"]
     assert "| B2 H4/2 D32 page16 Lkv44->51, 8 steps | paged | 1 |" in text
+    if not torch.cuda.is_available():
+        assert f"- FA3 default splits skipped: {skip}" in text
 
 
 def test_the_paged_suites_model_part_runs_continuous_batching_on_each_attention(tmp_path, monkeypatch, capsys):

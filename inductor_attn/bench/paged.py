@@ -6,6 +6,19 @@ memory moves) and our own decode over a contiguous cache (``inductor_attn.attent
 as a user's call is). Chunked-prefill rows: TF/s. Pages of a fragmented pool (measure.fresh_inputs: each page
 once, in random order), every sequence at the full length. Candidates run the code that ships (their plans,
 measure.candidate_trial), timed in interleaved rounds under CUDA graphs (measure.time_trials), after the gate.
+"Autotuned" is what ``paged_attention`` runs for the shape in autotune mode (the tuner's decision on the run's
+decision store), its time that of the same candidate in the shapes' timing session.
+
+FA3's default split heuristic, a reference column (issue 54's target compares with it): FA3's paged path
+(``flash_attn_interface.flash_attn_with_kvcache``, ``num_splits=0``) is no candidate, since it reads the slots
+past a sequence's length (NaN placed there reaches its output, :data:`FA3_NOTE`), so it never passes the gate.
+Where FA3 can run (the module imports and the GPU is sm_90), it is gated on a NaN probe (to record that:
+:func:`_fa3_gates`), checked against the float64 reference on the candidates' pages and table with zeros in every
+slot that holds no key (its error reported), then timed in the same session as the candidates, its bind writing
+zeros into the timing copies' slots that hold no key (slots the candidates' gate proved they ignore); elsewhere the
+row says why it was skipped. Its row gives its GB/s and our autotuned choice's speed over it; the summary checks
+issue 54's target ("paged decode >= 1.5x FA3's default split heuristic on the few-KV-head shapes, and never below
+it") on the decode rows with Hkv <= 2.
 
 Serving loops (issue 54's "compiles once, tunes each bucket once, adds no host time per step over the contiguous
 decode op"): ``steps`` decode steps of a ``torch.compile``d function calling ``inductor_attn.paged_attention``, the
@@ -25,19 +38,22 @@ the loops and the model run in the first shard.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import torch
 
 from ..api import attention, paged_attention
 from ..backends import enumerate_candidates
-from ..backends.pages import gather_padded, key_slots
+from ..backends.pages import gather_padded, key_slots, unused_slots
 from ..device import device_info
 from ..hf_paged import _append
 from ..ops.paged import paged_call
 from ..store.db import get_store
+from ..tuning.decisions import decide
 from ..tuning.measure import (Direction, Trial, candidate_trial, describe, gate, gate_inputs, strict, sync,
                               time_trials)
+from ..tuning.modes import tuning_mode
 from ..tuning.stats import median
 from ..tuning.timing import default_timer
 from .wallclock import interleaved_loops, own_code
@@ -108,26 +124,142 @@ def _contiguous_trial() -> Trial:
     return Trial("contiguous decode (ours)", bind, lambda err: isinstance(err, RuntimeError), ours=False)
 
 
+# FA3's paged path with its default split heuristic: a reference column, never a candidate (module doc)
+FA3_NAME = "FA3 default splits (reference)"
+FA3_NOTE = "FA3 default splits, timed on a zeroed pool: fails the NaN-past-length check"
+# where this run's NaN probe did not catch it (the note says what the run saw)
+FA3_PASSED_NAN_NOTE = "FA3 default splits, timed on a zeroed pool: passed this run's NaN-past-length probe"
+NAN_REACHED = "NaN past kv_seqlens reached its results"  # how measure.gate words a failure that NaN caused
+
+
+def fa3_refuses(device: torch.device) -> str | None:
+    """Why FA3's paged path cannot run on ``device`` (tokenspeed-fa3 is built for sm_90 only), or None."""
+    if device.type != "cuda":
+        return f"FA3 (tokenspeed-fa3) needs an sm_90 GPU; this run is on {device.type}"
+    arch = device_info(device).arch
+    if arch != 90:
+        return f"FA3 (tokenspeed-fa3) is built for sm_90 only; this GPU is sm_{arch}"
+    return None
+
+
+def fa3_interface(device: torch.device):
+    """``flash_attn_interface`` where FA3's paged path can run on ``device``, else the reason it cannot."""
+    reason = fa3_refuses(device)
+    if reason is not None:
+        return reason
+    try:
+        import flash_attn_interface
+    except ModuleNotFoundError as err:
+        if err.name and err.name.split(".")[0] in ("flash_attn_interface", "flash_attn_3", "flash_attn_config"):
+            return "flash_attn_interface is not installed (tokenspeed-fa3)"
+        return f"flash_attn_interface is not importable: {describe(err)}"
+    except (ImportError, OSError, RuntimeError) as err:  # a wheel built for another CUDA or torch ABI
+        return f"flash_attn_interface is not importable: {describe(err)}"
+    return flash_attn_interface
+
+
+def _zero_unused(k: torch.Tensor, v: torch.Tensor, call) -> None:
+    """Zeros in every slot of the pools ``k``, ``v`` that holds no key of ``call``'s sequences (in place)."""
+    unused = unused_slots(k.shape[0], k.shape[1], *key_slots(call.block_table, call.kv_seqlens, k.shape[1]))
+    for x in (k, v):
+        x[unused] = 0
+
+
+def _fa3_trial(fa3, zero_pool: bool) -> Trial:
+    """FA3's ``flash_attn_with_kvcache`` on the call's pages and table with its default split heuristic
+    (``num_splits=0``, ``pack_gqa=None``): q as (B, Lq, Hq, D) (every sequence has ``max_seqlen_q`` queries here),
+    the pools (num_blocks, page_size, Hkv, D), the table and lengths int32; its out (B, Lq, Hq, D) returned packed
+    (total_q, Hq, D), as the reference's. ``zero_pool``: first write zeros into the slots that hold no key (in
+    place, at bind: outside any capture). Any error means it cannot run the shape (the reason is reported)."""
+    def bind(call):
+        if zero_pool:
+            _zero_unused(call.k, call.v, call)
+        q = call.q.view(call.block_table.shape[0], int(call.max_seqlen_q), *call.q.shape[1:])
+
+        def run():
+            out = fa3.flash_attn_with_kvcache(q, call.k, call.v, cache_seqlens=call.kv_seqlens,
+                                              page_table=call.block_table, softmax_scale=call.scale,
+                                              causal=call.causal, num_splits=0)
+            return out.flatten(0, 1)
+        return run
+    return Trial(FA3_NAME, bind, lambda err: isinstance(err, Exception), ours=False)
+
+
+def _fa3_gates(fa3, call, expected, check) -> tuple[dict, Trial | None]:
+    """FA3's default splits checked twice. The NaN probe: the gate on the shape with every length one key short
+    (the suite's lengths fill their last pages, so only there does a slot past a length, holding NaN, sit inside
+    a sequence's pages): what keeps it from being a candidate. Then the candidates' gate pages and table with zeros
+    in every slot that holds no key, against the float64 reference (its error). The record, and where it passed on
+    the zeroed pool, the trial to time."""
+    short = gate_inputs(dataclasses.replace(call, kv_seqlens=call.kv_seqlens - 1, _problem=None), seed=1)
+    probe_direction = Direction("forward", short)
+    probe_expected = probe_direction.reference(short)
+    dtype = call.q.dtype
+    nan = gate(_fa3_trial(fa3, zero_pool=False), short, probe_expected,
+               lambda got: probe_direction.check(got, probe_expected, dtype))
+    del short, probe_expected
+    k, v = call.k.clone(), call.v.clone()
+    _zero_unused(k, v, call)
+    zeroed = dataclasses.replace(call, k=k, v=v, _problem=call._problem)
+    ok = gate(_fa3_trial(fa3, zero_pool=False), zeroed, expected, check)
+    note = (FA3_NOTE if nan.status == "wrong" and nan.reason.startswith(NAN_REACHED) else FA3_PASSED_NAN_NOTE
+            if nan.status == "passed" else f"FA3 default splits, timed on a zeroed pool: its NaN probe {nan.status}")
+    record = {"note": note,
+              "nan_probe": {"status": nan.status, "reason": nan.reason},
+              "zeroed_pool": {"status": ok.status, "reason": ok.reason, "error": ok.error}}
+    return record, _fa3_trial(fa3, zero_pool=True) if ok.status == "passed" else None
+
+
+def _autotuned(call) -> dict:
+    """What ``paged_attention`` runs for ``call`` in autotune mode (the tuner's decision on this run's store,
+    tuned now if it holds none) and the seconds deciding took; any error is recorded (raised under
+    INDUCTOR_ATTN_STRICT=1)."""
+    start = time.perf_counter()
+    try:
+        with tuning_mode("autotune"):
+            choice = decide(call, device_info(call.q.device), "forward")
+    except Exception as err:  # noqa: BLE001 - the shape's other numbers stand without it
+        if strict():
+            raise
+        return {"error": describe(err)}
+    return {"choice": choice, "decide_s": time.perf_counter() - start}
+
+
 def run_shape(s: Shape, device: torch.device, rounds: int) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     call = gate_inputs(_call(s, device, dtype), seed=1)
     direction = Direction("forward", call)
     expected = direction.reference(call)
+
+    def check(got):
+        return direction.check(got, expected, dtype)
+
     kv_bytes = 2 * s.batch * s.len_k * s.heads_kv * s.head_dim * call.k.element_size()
-    trials, row = [], {"shape": s.name, "kv_bytes": kv_bytes, "flops": call.problem.flops(), "candidates": {}}
+    trials, row = [], {"shape": s.name, "heads_kv": s.heads_kv, "kv_bytes": kv_bytes, "flops": call.problem.flops(),
+                       "candidates": {}}
     for cand in enumerate_candidates(call.problem, device_info(device)):
         if cand.pruned is not None:
             continue
         trial = candidate_trial(cand.name, direction)
-        result = gate(trial, call, expected, lambda got: direction.check(got, expected, dtype))
+        result = gate(trial, call, expected, check)
         row["candidates"][cand.name] = {"status": result.status, "reason": result.reason}
         if result.status == "passed":
             trials.append(trial)
     floors = [_copy_trial(), _contiguous_trial()]
+    fa3 = fa3_interface(device)
+    if isinstance(fa3, str):
+        row["fa3_default"] = {"skipped": fa3}
+    else:
+        row["fa3_default"], fa3_trial = _fa3_gates(fa3, call, expected, check)
+        floors += [fa3_trial] if fa3_trial is not None else []
     timed = time_trials(trials + floors, call, default_timer(device.type), rounds)
     for trial, t in zip(trials + floors, timed):
         ms = median(t.samples) if t.samples else None
+        if trial.name == FA3_NAME:
+            row["fa3_default"].update(ms=ms, failed=t.failed, timer_note=t.note)
+            continue
         row["candidates"].setdefault(trial.name, {"status": "floor"}).update(ms=ms, failed=t.failed)
+    row["autotuned"] = _autotuned(call)
     return row
 
 
@@ -362,13 +494,15 @@ def _code(name: str) -> str:
 
 def shape_table(result: dict) -> str:
     """Markdown: per shape, each candidate's time and GB/s (decode) or TF/s (chunked prefill), its share of the
-    copy floor's GB/s, and the best candidate against our contiguous decode."""
+    copy floor's GB/s, the autotuned one marked; then FA3's default splits (a reference, :data:`FA3_NOTE`), or why
+    it was skipped, with our autotuned choice against it."""
     lines = ["| shape | candidate | ms | GB/s or TF/s | of copy | note |", "|---|---|---|---|---|---|"]
     for row in result["rows"]:
         cands = row["candidates"]
         copy_ms = cands.get("copy floor", {}).get("ms")
         copy_gbs = 2 * row["kv_bytes"] / copy_ms / 1e6 if copy_ms else None
         prefill = row["shape"].startswith("prefill")
+        chosen = row.get("autotuned", {}).get("choice")
         for name, c in cands.items():
             ms = c.get("ms")
             if ms is None:
@@ -378,10 +512,52 @@ def shape_table(result: dict) -> str:
             if name == "copy floor":
                 lines.append(f"| {row['shape']} | {name} | {ms:.4f} | {copy_gbs:.0f} (read + write) | 1.00 | |")
                 continue
-            rate = row["flops"] / ms / 1e9 if prefill else row["kv_bytes"] / ms / 1e6
+            rate = _rate(row, ms)
             share = "" if prefill or not copy_gbs else f"{rate / copy_gbs:.2f}"
-            lines.append(f"| {row['shape']} | {name} | {ms:.4f} | {rate:.{1 if prefill else 0}f} | {share} | |")
+            note = "autotuned" if name == chosen else ""
+            lines.append(f"| {row['shape']} | {name} | {ms:.4f} | {rate:.{1 if prefill else 0}f} | {share} | {note} |")
+        if "error" in row.get("autotuned", {}):
+            lines.append(f"| {row['shape']} | autotuned | | | | {_cell(row['autotuned']['error'])} |")
+        if "fa3_default" in row:
+            lines.append(_fa3_line(row, copy_gbs))
     return "\n".join(lines)
+
+
+def _fa3_line(row: dict, copy_gbs: float | None) -> str:
+    """shape_table's row of FA3's default splits: skipped, refused or wrong with the reason, or timed with its
+    error on the zeroed pool, what the NaN pool did, and our autotuned choice against it."""
+    fa3, name = row["fa3_default"], FA3_NAME
+    if "skipped" in fa3:
+        return f"| {row['shape']} | {name} | | | | skipped: {_cell(fa3['skipped'])} |"
+    zeroed, nan = fa3["zeroed_pool"], fa3["nan_probe"]
+    nan_text = ("NaN probe: " + nan["status"] + (f" ({nan['reason']})" if nan["reason"] else ""))
+    if zeroed["status"] != "passed" or fa3.get("ms") is None:
+        why = (f"{zeroed['status']} on the zeroed pool: {zeroed['reason']}" if zeroed["status"] != "passed"
+               else f"timing failed: {fa3.get('failed')}")
+        return f"| {row['shape']} | {name} | | | | {_cell(why + '; ' + nan_text)} |"
+    ms, prefill = fa3["ms"], row["shape"].startswith("prefill")
+    rate = _rate(row, ms)
+    share = "" if prefill or not copy_gbs else f"{rate / copy_gbs:.2f}"
+    ratio = fa3_ratio(row)
+    notes = [fa3["note"], f"rel. err {zeroed['error']:.1e} on the zeroed pool", nan_text]
+    notes += [f"autotuned / FA3 default: {ratio:.2f}"] if ratio is not None else []
+    notes += [fa3["timer_note"]] if fa3.get("timer_note") else []
+    return (f"| {row['shape']} | {name} | {ms:.4f} | {rate:.{1 if prefill else 0}f} | {share} | "
+            f"{_cell('; '.join(notes))} |")
+
+
+def _rate(row: dict, ms: float) -> float:
+    """GB/s (decode: the keys and values that exist, read once) or TF/s (chunked prefill) of a call of ``ms``."""
+    return row["flops"] / ms / 1e9 if row["shape"].startswith("prefill") else row["kv_bytes"] / ms / 1e6
+
+
+def fa3_ratio(row: dict) -> float | None:
+    """Our autotuned choice's speed over FA3's default splits on the row's shape (FA3's time over the choice's, in
+    one timing session), or None where either has no time."""
+    fa3_ms = row.get("fa3_default", {}).get("ms")
+    choice = row.get("autotuned", {}).get("choice")
+    ours = row["candidates"].get(choice, {}).get("ms") if choice else None
+    return fa3_ms / ours if fa3_ms and ours else None
 
 
 def summary(result: dict) -> str:
@@ -390,17 +566,16 @@ def summary(result: dict) -> str:
 
 
 def shape_summary(result: dict) -> str:
-    """One line per shape: the fastest candidate and its GB/s (decode) or TF/s (chunked prefill), the
-    gather-then-SDPA baseline's best, our decode over a contiguous copy of the same keys, and the copy floor's
-    GB/s (read + write)."""
-    lines = ["| shape | fastest candidate | its GB/s or TF/s | gather + SDPA | contiguous decode (ours) | fastest / "
-             "contiguous | copy floor GB/s |", "|---|---|---|---|---|---|---|"]
+    """One line per shape: the fastest candidate and its GB/s (decode) or TF/s (chunked prefill), the autotuned
+    choice where it is another, the gather-then-SDPA baseline's best, our decode over a contiguous copy of the same
+    keys, FA3's default splits (a reference timed on a zeroed pool, :data:`FA3_NOTE`) with our autotuned choice
+    against it, and the copy floor's GB/s (read + write); then issue 54's target over the decode rows of
+    Hkv <= 2 (:func:`fa3_target`)."""
+    lines = ["| shape | fastest candidate | its GB/s or TF/s | autotuned, if another | gather + SDPA | contiguous "
+             "decode (ours) | fastest / contiguous | FA3 default splits (zeroed pool) | autotuned / FA3 default | "
+             "copy floor GB/s |", "|---" * 10 + "|"]
+    skipped = set()
     for row in result["rows"]:
-        prefill = row["shape"].startswith("prefill")
-
-        def rate(ms):
-            return None if ms is None else row["flops"] / ms / 1e9 if prefill else row["kv_bytes"] / ms / 1e6
-
         timed = {n: c["ms"] for n, c in row["candidates"].items() if c.get("ms") is not None}
         floors = {n for n, c in row["candidates"].items() if c.get("status") == "floor"}
         ours = {n: ms for n, ms in timed.items() if n not in floors and not n.startswith("reference")}
@@ -411,10 +586,55 @@ def shape_summary(result: dict) -> str:
         contiguous = timed.get("contiguous decode (ours)")
         copy = timed.get("copy floor")
         floor = _num(copy and 2 * row["kv_bytes"] / copy / 1e6) if copy or "copy floor" not in floors else "failed"
-        cells = [row["shape"], f"`{best}`", _num(rate(ours[best])), _num(rate(gather)), _num(rate(contiguous)),
-                 f"{contiguous / ours[best]:.2f}" if contiguous else "", floor]
+        auto = row.get("autotuned", {})
+        auto_cell = ("failed" if "error" in auto else "" if auto.get("choice") in (None, best)
+                     else f"`{auto['choice']}`")
+        fa3 = row.get("fa3_default", {})
+        if "skipped" in fa3:
+            skipped.add(fa3["skipped"])
+        fa3_cell = (_num(_rate(row, fa3["ms"])) if fa3.get("ms") else "skipped" if "skipped" in fa3
+                    else "" if not fa3 else "failed" if fa3["zeroed_pool"]["status"] == "passed"
+                    else fa3["zeroed_pool"]["status"])
+        ratio = fa3_ratio(row)
+        cells = [row["shape"], f"`{best}`", _num(_rate(row, ours[best])), auto_cell,
+                 _num(gather and _rate(row, gather)), _num(contiguous and _rate(row, contiguous)),
+                 f"{contiguous / ours[best]:.2f}" if contiguous else "", fa3_cell,
+                 "" if ratio is None else f"{ratio:.2f}", floor]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    seen = sorted({fa3["note"] for fa3 in (row.get("fa3_default", {}) for row in result["rows"]) if "note" in fa3})
+    notes = [f"{note} (per shape, NaN probe: the gate with every length one key short); its inputs are the "
+             "candidates' pages and table, zeros in every slot that holds no key; FA3 is a reference, not a "
+             "candidate." for note in seen]
+    notes += [f"FA3 default splits skipped: {_cell(reason)}" for reason in sorted(skipped)]
+    target = fa3_target(result["rows"])
+    notes += [target] if target else []
+    return "\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes)
+
+
+# issue 54: paged decode >= 1.5x FA3's default split heuristic on the few-KV-head shapes, and never below it
+TARGET_HEADS_KV, TARGET_RATIO = 2, 1.5
+
+
+def fa3_target(rows: list[dict]) -> str | None:
+    """Issue 54's target over the decode rows with Hkv <= 2: our autotuned choice over FA3's default splits, the
+    least and the geometric mean, whether every row is >= 1.5 (and none below 1); None without such rows."""
+    few = [r for r in rows if not r["shape"].startswith("prefill") and r.get("heads_kv", 99) <= TARGET_HEADS_KV]
+    if not few:
+        return None
+    ratios = {r["shape"]: fa3_ratio(r) for r in few}
+    have = {name: x for name, x in ratios.items() if x is not None}
+    head = f"Issue 54's target (Hkv <= {TARGET_HEADS_KV} decode: autotuned >= {TARGET_RATIO}x FA3's default splits"
+    head += ", never below 1x)"
+    if not have:
+        return f"{head}: no row has both numbers ({len(few)} rows)"
+    worst = min(have, key=have.get)
+    mean = math.exp(sum(math.log(x) for x in have.values()) / len(have))
+    met = ("met" if len(have) == len(few) and have[worst] >= TARGET_RATIO
+           else "not met" if have[worst] < TARGET_RATIO else "met where measured")
+    below = [name for name, x in have.items() if x < 1]
+    text = (f"{head}: {met}; least {have[worst]:.2f} ({worst}), geomean {mean:.2f} over {len(have)} of {len(few)} "
+            "rows")
+    return text + (f"; below FA3 on {', '.join(below)}" if below else "")
 
 
 def _num(x) -> str:
