@@ -147,14 +147,18 @@ def explain(key_prefix: str, store: DecisionStore | LayeredStore | None = None) 
         f"  {'candidate':44s} {'status':8s} {'median ms':>10s} {'speedup':>8s} {'95% CI':>15s} "
         f"{'rel.err':>8s} {'1st call s':>10s} {'host ms':>8s}  reason",
     ]
+    weighed = {c.name: c.host_ms for c in launch_costs(rec)}  # the host times the rule of compiled code reads
     for c in rec["candidates"]:
         mark = "*" if c["name"] == row["winner"] else " "
         ci = f"{c['ci_low']:.3f}-{c['ci_high']:.3f}" if c.get("ci_low") is not None else ""
+        host = weighed.get(c["name"], c.get("host_ms"))
+        pooled = (f"host: its launch path's median; its own probe {c['host_ms']:.4f} ms"
+                  if host is not None and c.get("host_ms") is not None and host != c["host_ms"] else "")
         lines.append(
             f"{mark} {c['name'][:44]:44s} {c['status']:8s} {_fmt(c.get('median_ms'), '.4f'):>10s} "
             f"{_fmt(c.get('speedup'), '.3f'):>8s} {ci:>15s} {_fmt(c.get('error'), '.1e'):>8s} "
-            f"{_fmt(c.get('compile_s'), '.2f'):>10s} {_fmt(c.get('host_ms'), '.4f'):>8s}  "
-            f"{c.get('reason') or c.get('note') or ''}"
+            f"{_fmt(c.get('compile_s'), '.2f'):>10s} {_fmt(host, '.4f'):>8s}  "
+            f"{c.get('reason') or c.get('note') or pooled}"
         )
     return "\n".join(lines)
 

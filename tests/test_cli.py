@@ -269,3 +269,18 @@ def test_the_package_root_still_exports_every_public_name():
     assert inductor_attn.attention is inductor_attn.api.attention and "attention" in dir(inductor_attn)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         inductor_attn.nope  # noqa: B018
+
+
+def test_explain_shows_the_host_time_the_rule_weighs_and_each_probe_beside_it(monkeypatch, capsys):
+    """Configs of one backend share their launch path's host time (tuning/step_cost.py): the table shows that
+    figure, and a config whose own probe differs says so."""
+    b = FakeBackend("b", {"x=1": (0.5, 0.01), "x=2": (0.6, 0.01)}, fail=())
+    probes = iter([0.030, 0.050])
+    monkeypatch.setattr(FakeTimer, "host_ms", staticmethod(lambda launch, device: next(probes)))
+    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([b]))
+    q = torch.randn(1, 2, 32, 16)
+    with only_backends(b), inductor_attn.tuning_mode("autotune"):
+        inductor_attn.attention(q, q, q, causal=True)
+    assert main(["cache", "explain", inductor_attn.cache.list_decisions()[0]["key"][:10]]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line[2:].startswith("b:x=")]
+    assert len(rows) == 2 and all("0.0400  host: its launch path's median; its own probe 0.0" in r for r in rows)
