@@ -55,6 +55,7 @@ from inductor_attn.bench.runner import whole_record
 from inductor_attn.bench.wallclock import BURST, burst_host_us, interleaved_wall_us, own_code, warm
 from inductor_attn.device import device_info
 from inductor_attn.tuning.measure import Direction
+from inductor_attn.tuning.timing import host_ms
 
 SHAPES = {f"{n}{'c' if c else 'f'}": (1, 32, 32, n, 128, c) for n in (512, 2048, 8192) for c in (True, False)}
 FORCED = ("sdpa:kernel=cudnn", "sdpa:kernel=flash", "fa4:default")
@@ -66,11 +67,21 @@ def _inputs(b, hq, hkv, n, d, requires_grad=False, seed=0):
                              requires_grad=requires_grad) for h in (hq, hkv, hkv))
 
 
-def _loop_host_us(fn, bursts: int = 10) -> float:
-    """Median per-call CPU time of ``bursts`` bursts of ``BURST`` (50) launches, after warm-up (each burst starts
-    on an idle device: ``burst_host_us`` of one burst)."""
-    warm(fn)
-    return statistics.median(burst_host_us(fn, BURST) for _ in range(bursts))
+ROUNDS = 5  # rounds of the interleaved host measures
+
+
+def _interleaved_host_us(fns: dict) -> dict:
+    """Per-call CPU time of each function of ``fns``, the median of ``ROUNDS`` rounds in which they take turns (two
+    bursts of ``BURST`` launches each per round, after warm-up): the device machine's CPU drifted within a session
+    (a compiled ``q + 1`` read 38, 54 and 64 us in three calls, H200, 2026-11-29); a drift then falls on all
+    alike."""
+    for fn in fns.values():
+        warm(fn)
+    samples = {name: [] for name in fns}
+    for _ in range(ROUNDS):
+        for name, fn in fns.items():
+            samples[name].append(statistics.median(burst_host_us(fn, BURST) for _ in range(2)))
+    return {name: statistics.median(xs) for name, xs in samples.items()}
 
 
 def _choice_of(stats: dict, direction: str) -> str:
@@ -88,17 +99,25 @@ def _devices(rec: dict, choice: str) -> dict:
 
 
 def probes(rec: dict, call: AttnCall, direction: str) -> list[dict]:
-    """Each timed candidate's probe (from the record) against a long loop of the same launches."""
+    """Each timed candidate's probe from the record (taken inside the tune) against a loop of the same launches,
+    and the tuner's probe taken again now, taking turns with the loop (``ROUNDS`` rounds): the first ratio is what the
+    rule read, the second whether the probe's method agrees with the loop under the same conditions."""
     mode = Direction(direction, call)
     dev = device_info(call.q.device)
     rows = []
     for c in rec["candidates"]:
         if c["status"] != "passed" or c.get("host_ms") is None or c["name"].startswith("reference"):
             continue
-        plan = plan_for(call.problem, c["name"], dev, direction)
-        loop = _loop_host_us(mode.as_compiled_code_runs(plan, call, c["name"]))
+        launch = mode.as_compiled_code_runs(plan_for(call.problem, c["name"], dev, direction), call, c["name"])
+        warm(launch)
+        now, loop = [], []
+        for _ in range(ROUNDS):
+            now.append(host_ms(launch, call.q.device) * 1e3)
+            loop.append(statistics.median(burst_host_us(launch, BURST) for _ in range(2)))
+        loop_us, now_us = statistics.median(loop), statistics.median(now)
         rows.append({"name": c["name"], "device_us": c["median_ms"] * 1e3, "probe_us": c["host_ms"] * 1e3,
-                     "loop_us": loop, "probe_over_loop": c["host_ms"] * 1e3 / loop})
+                     "probe_now_us": now_us, "loop_us": loop_us, "probe_over_loop": c["host_ms"] * 1e3 / loop_us,
+                     "probe_now_over_loop": now_us / loop_us})
     return rows
 
 
@@ -107,16 +126,19 @@ def compiled_costs(call: AttnCall) -> dict:
     op = torch.ops.inductor_attn.attention.default
     floor_fn = torch.compile(own_code(lambda q, k, v: q + 1))
     q, k, v = call.q, call.k, call.v
-    out = {"floor_us": _loop_host_us(lambda: floor_fn(q, k, v))}
+    fns, out = {"floor_us": lambda: floor_fn(q, k, v)}, {}
     for choice in FORCED:
         def f(q, k, v, choice=choice):
             return op(q, k, v, call.scale, call.causal, -1, -1, None, None, choice)[0]
         try:
             fn = torch.compile(own_code(f))
-            out[choice] = _loop_host_us(lambda: fn(q, k, v)) - out["floor_us"]
+            fn(q, k, v)  # compiles here: a choice that cannot run this shape fails alone
+            fns[choice] = lambda fn=fn: fn(q, k, v)
         except Exception as err:  # noqa: BLE001 - a choice that cannot run this shape
             out[choice] = f"{type(err).__name__}: {str(err)[:120]}"
-    return out
+    host = _interleaved_host_us(fns)
+    out["floor_us"] = host.pop("floor_us")
+    return out | {choice: us - out["floor_us"] for choice, us in host.items()}
 
 
 def prefill(name: str, b, hq, hkv, n, d, causal, with_probes: bool) -> dict:
@@ -289,10 +311,12 @@ def report(run: Path, commit: str, date: str) -> str:
     probes = [(row["shape"], p) for row in choice["prefill"] for p in row.get("probes", [])]
     if "training" in choice:
         probes += [(f"train {d}", p) for d in ("forward", "backward") for p in choice["training"][f"{d}_probes"]]
-    lines += ["", "Host probe (what the tune records) against a loop of 10 x 50 of the same launches (median):", "",
-              "| call | candidate | kernel us | probe us | loop us | probe / loop |", "|---|---|---|---|---|---|"]
+    lines += ["", "Host probe (what the tune recorded) against a loop of the same launches, and the probe taken again "
+              f"taking turns with the loop ({ROUNDS} rounds, medians):", "",
+              "| call | candidate | kernel us | probe us | loop us | probe / loop | probe again / loop |",
+              "|---|---|---|---|---|---|---|"]
     lines += [f"| {shape} | `{p['name']}` | {p['device_us']:.1f} | {p['probe_us']:.1f} | {p['loop_us']:.1f} | "
-              f"{p['probe_over_loop']:.2f} |" for shape, p in probes]
+              f"{p['probe_over_loop']:.2f} | {_fmt_ratio(p.get('probe_now_over_loop'))} |" for shape, p in probes]
     for row in choice["prefill"]:
         if "compiled_us" in row:
             costs = ", ".join(f"`{k}` {v:.0f} us" for k, v in row["compiled_us"].items()
@@ -328,10 +352,21 @@ def report(run: Path, commit: str, date: str) -> str:
     return "\n".join(lines)
 
 
+def _fmt_ratio(x) -> str:
+    return "" if x is None else f"{x:.2f}"
+
+
 def _spell_medians(windows: list[dict], part: slice, field: str = "us") -> dict:
     """Median ``field`` per call over the windows ``part`` of each function's own windows (20 calls a window)."""
     names = dict.fromkeys(w["name"] for w in windows)
     return {n: statistics.median(w[field] for w in [w for w in windows if w["name"] == n][part]) for n in names}
+
+
+def _print_probes(rows: list[dict]) -> None:
+    for p in rows:
+        print(f"  probe {p['name'][:56]:56s} dev {p['device_us']:8.1f} probe {p['probe_us']:6.1f} "
+              f"loop {p['loop_us']:6.1f} ratio {p['probe_over_loop']:.2f} again {p['probe_now_over_loop']:.2f}",
+              flush=True)
 
 
 def main() -> None:
@@ -365,17 +400,13 @@ def main() -> None:
             row = prefill(name, *SHAPES[name], with_probes=name in args.probes)
             result["prefill"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "probes"}), flush=True)
-            for p in row.get("probes", []):
-                print(f"  probe {p['name'][:56]:56s} dev {p['device_us']:8.1f} probe {p['probe_us']:6.1f} "
-                      f"loop {p['loop_us']:6.1f} ratio {p['probe_over_loop']:.2f}", flush=True)
+            _print_probes(row.get("probes", []))
         result["foreign_gate_s"] = foreign_gates(args.shapes)
         print(json.dumps({"foreign_gate_s": result["foreign_gate_s"]}), flush=True)
         if args.training:
             result["training"] = row = training()
             print(json.dumps({k: v for k, v in row.items() if not k.endswith("probes")}), flush=True)
-            for p in row["forward_probes"] + row["backward_probes"]:
-                print(f"  probe {p['name'][:56]:56s} dev {p['device_us']:8.1f} probe {p['probe_us']:6.1f} "
-                      f"loop {p['loop_us']:6.1f} ratio {p['probe_over_loop']:.2f}", flush=True)
+            _print_probes(row["forward_probes"] + row["backward_probes"])
     name = "llama.json" if args.llama else "spell.json" if args.spell else "compiled_choice.json"
     (args.out / name).write_text(json.dumps(result, indent=1))
 
