@@ -557,3 +557,33 @@ def test_stats_say_what_compiled_code_runs_also_when_the_fx_graph_cache_replays_
         assert counters["inductor"]["fxgraph_cache_hit"] == 1
         assert inductor_attn.stats() == {"attention/forward -> b:x=1 (launched by compiled code, per graph)": 1}
     torch._dynamo.reset()
+
+
+def test_a_traced_form_that_cannot_be_traced_runs_through_the_launch_op_and_raises_in_strict_mode(monkeypatch):
+    """A traced form that fails to trace is a bug of ours: the test suite's strict mode raises it; a user's
+    compile instead runs the plan's launch through the launch op, with the same outputs."""
+    a, b = _fakes(monkeypatch, traceable=True)
+    make_plan = b.plan
+
+    def plan(p, dev, cfg, direction):
+        made = make_plan(p, dev, cfg, direction)
+
+        def untraceable(call, *rest):
+            raise RuntimeError("cannot trace this")
+        return dataclasses.replace(made, traced=untraceable, traced_out_only=None)
+
+    monkeypatch.setattr(b, "plan", plan)
+    q, k, v = _qkv(24)
+    for strict_mode in ("1", "0"):
+        monkeypatch.setenv("INDUCTOR_ATTN_STRICT", strict_mode)
+        torch._dynamo.reset()
+        with only_backends(a, b, REFERENCE), inductor_attn.tuning_mode("autotune"):
+            compiled = torch.compile(_attn, fullgraph=True)
+            if strict_mode == "1":
+                with pytest.raises(Exception, match="cannot trace this"):
+                    compiled(q, k, v)
+                continue
+            out, (code,) = run_and_get_code(compiled, q, k, v)
+            assert "torch.ops.inductor_attn.launch.default(" in code and "'forward|b:x=1|" in code
+            torch.testing.assert_close(out, _attn(q, k, v))
+    torch._dynamo.reset()

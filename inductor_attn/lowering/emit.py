@@ -50,6 +50,7 @@ from ..ops.paged import paged_call
 from ..messages import KV_SEQLENS_VALUES, device_message
 from ..ops.launch import OWN_TENSORS, launch_op, plan_key
 from ..runtime import COMPILED, count_compiled, plan_for
+from ..tuning.measure import describe, strict
 from ..tuning.step_cost import Bucket, choose_for_graph, launch_costs
 from .graph_cost import graph_work
 
@@ -113,9 +114,12 @@ def emit_plans(graph: torch.fx.Graph) -> None:
             if plan.checks_kv_seqlens and asserts.get(args["kv_seqlens"]):
                 traced = functools.partial(traced, check_kv_seqlens=True)
                 checked_in_kernel.add(node)
-            outputs = _inline_traced(graph, node, traced, op, args, vals, names, direction)
-            count_compiled(op, direction, choice)
-        else:
+            outputs = _inline_traced(graph, node, traced, op, args, vals, names, direction, choice)
+            if outputs is not None:
+                count_compiled(op, direction, choice)
+            else:
+                checked_in_kernel.discard(node)
+        if plan.traced is None or outputs is None:
             outputs = _emit_launch(graph, node, plan_key(direction, choice, call), args, vals, names)
         _replace_outputs(graph, node, outputs)
     for kv_seqlens, checks in asserts.items():
@@ -315,7 +319,10 @@ def _call_of(op: str, args: dict, tensors: dict) -> AttnCall:
                     key_mask=tensors.get("key_mask"))
 
 
-def _inline_traced(graph, node, traced, op: str, args: dict, vals: dict, names, direction: str):
+def _inline_traced(graph, node, traced, op: str, args: dict, vals: dict, names, direction: str, choice: str):
+    """The traced launch's nodes inserted before ``node``; its outputs. None, with nothing inserted, where the traced
+    form cannot be traced (a bug of ours: it raises in strict mode): compiled code then calls the plan's launch
+    through the launch op, the path eager calls take, rather than failing the user's compile."""
     present = [n for n in names if args.get(n) is not None]
 
     def launch(*tensors):
@@ -325,7 +332,14 @@ def _inline_traced(graph, node, traced, op: str, args: dict, vals: dict, names, 
             return tuple(traced(call))
         return tuple(traced(call, t["out"], t["lse"], t.get("grad_out"), t.get("grad_lse")))
 
-    sub = trace_functional(launch, [vals[n] for n in present])
+    try:
+        sub = trace_functional(launch, [vals[n] for n in present])
+    except Exception as err:
+        if strict():
+            raise
+        log.warning("inductor_attn: the traced form of %s (%s %s) could not be traced (%s); compiled code calls its "
+                    "launch through the launch op", choice, op, direction, describe(err))
+        return None
     env = dict(zip((p for p in sub.graph.nodes if p.op == "placeholder"), (args[n] for n in present)))
     with graph.inserting_before(node):
         for sub_node in sub.graph.nodes:

@@ -289,6 +289,8 @@ def _aten_calls_of(traced, call: AttnCall, grads) -> Callable[[], object] | None
     try:
         graph = trace_functional(launch, args)
     except Exception as err:  # a probe must not fail a tune: its plan's launch stands in (an overestimate)
+        if strict():
+            raise
         log.warning("the host probe of a traced plan times its launch: tracing it raised %s", describe(err))
         return None
     if any(n.op == "call_function" and not isinstance(n.target, torch._ops.OpOverload) and n.target is not operator.getitem
