@@ -153,17 +153,16 @@ def fake_mode_of(values):
 
 
 def trace_functional(fn, args):
-    """``fn`` traced on ``args`` (fake, or real ones: then it runs) into a functional FX graph, with Inductor's decompositions (the way
-    Inductor's pattern matcher traces replacements: torch/_inductor/pattern_matcher.py ``fwd_only``).
+    """``fn`` traced on ``args`` (fake, or real ones: then it runs) into a functional FX graph, with Inductor's
+    decompositions (the way Inductor's pattern matcher traces replacements: torch/_inductor/pattern_matcher.py ``fwd_only``).
     ``torch.library.wrap_triton`` launches become ``triton_kernel_wrapper_functional`` nodes. Views stay
     views, as in ``fwd_only``'s graphs: functionalized away, each became a copy kernel in the compiled
     code (the lse of SDPA's plans, once in the forward and once in the backward of every call).
     ``make_fx`` (torch/fx/experimental/proxy_tensor.py) and ``select_decomp_table``
     (torch/_inductor/decomposition.py), 2.11 and 2.13."""
     from torch._inductor.decomposition import select_decomp_table
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     from torch._subclasses.fake_tensor import FakeTensor
+    from torch.fx.experimental.proxy_tensor import make_fx
 
     functional = torch.func.functionalize(fn, remove="mutations")
     # real tensors are traced by running them, also inside a compile, whose fake mode ``fake_mode_of`` finds

@@ -293,8 +293,8 @@ def _aten_calls_of(traced, call: AttnCall, grads) -> Callable[[], object] | None
             raise
         log.warning("the host probe of a traced plan times its launch: tracing it raised %s", describe(err))
         return None
-    if any(n.op == "call_function" and not isinstance(n.target, torch._ops.OpOverload) and n.target is not operator.getitem
-           for n in graph.graph.nodes):
+    if any(n.op == "call_function" and not isinstance(n.target, torch._ops.OpOverload)
+           and n.target is not operator.getitem for n in graph.graph.nodes):
         return None
     return lambda: graph.forward(*args)
 

@@ -33,9 +33,9 @@ def host_ms(launch, device: torch.device, warmup: int = 10, bursts: int = 5, cal
     """CPU time of one launch in steady state: ``warmup`` calls first (a plan records its replay, Triton
     specializes), then the median of ``bursts`` bursts of ``calls`` launches back to back, as a loop of compiled
     calls makes them (bursts of 10, each after a synchronize, read 1.3-1.85x the per-call time of bursts of 50
-    for every candidate, H200, 2026-11-29), short enough for the launch queue so the CPU never waits. Timed by this thread's CPU clock, so that what other
-    threads and processes take of the cores meanwhile (compile workers, Inductor's) is not charged to the
-    launch; the median, not the best burst, because a launch's CPU time itself moves between bursts (FA4's
+    for every candidate, H200, 2026-11-29), short enough for the launch queue so the CPU never waits. Timed by
+    this thread's CPU clock, so that what other threads and processes take of the cores meanwhile (compile
+    workers, Inductor's) is not charged to the launch; the median, not the best burst, because a launch's CPU time itself moves between bursts (FA4's
     through the launch op: 49-84 us per burst on an H200, 2026-11-29)."""
     for _ in range(warmup):
         launch()
