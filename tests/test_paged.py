@@ -396,3 +396,21 @@ def test_a_compiled_serving_loop_compiles_once_and_tunes_each_bucket_once(tracea
     assert inductor_attn.stats() == ({"paged/forward -> b:x=1 (launched by compiled code, per graph)": 3}
                                      if traceable else {"paged/forward -> b:x=1": 150})
     assert len(inductor_attn.cache.list_decisions()) == 2
+
+
+def test_the_representative_paged_call_copies_the_pages_its_table_can_name_not_the_servers_pool():
+    """A server's pool is most of the GPU's memory: the call tuned while compiling holds the pages its table can
+    name, plus one, as the tuner's own fresh pools do, in the pool's stride order."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from inductor_attn.lowering import emit
+
+    with FakeTensorMode():
+        q = torch.empty(3, 4, 16, dtype=torch.float16)
+        pool = torch.empty(1000, 2, 8, 16, dtype=torch.float16).transpose(1, 2)  # HND storage, 1,000 pages
+        table, lens = torch.empty(3, 5, dtype=torch.int32), torch.empty(3, dtype=torch.int32)
+    vals = dict(q=q, k_cache=pool, v_cache=pool, block_table=table, kv_seqlens=lens, cu_seqlens_q=None,
+                max_seqlen_q=1, max_seqlen_k=37, scale=0.25, causal=False, window_left=-1, window_right=-1)
+    call = emit._concrete_call("paged", vals)
+    assert call.k.shape == call.v.shape == (16, 8, 2, 16)
+    assert call.k.stride() == call.v.stride() == (256, 16, 128, 1) and int(call.block_table.max()) < 16

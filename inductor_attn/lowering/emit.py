@@ -41,7 +41,7 @@ import torch
 from .._compat import cudagraphs_enabled, eager_mode, fake_mode_of, trace_functional
 from ..backends import AttnCall
 from ..device import device_info
-from ..layout import filled_like
+from ..layout import empty_like_layout, filled_like
 from ..ops import (BACKWARD_OPS, FORWARD_OPS, attention_backward_op, attention_op,
                    block_sparse_attention_backward_op, block_sparse_attention_op, paged_attention_op,
                    varlen_attention_backward_op, varlen_attention_op)
@@ -263,19 +263,24 @@ def _concrete_call(op: str, vals: dict) -> AttnCall:
             return filled_like(x, lambda t: t.normal_(generator=gen))
 
         tensors = {name: like(vals[name]) for name in _tensor_names(op, "forward")
-                   if vals.get(name) is not None and name not in OWN_TENSORS[op]}
+                   if vals.get(name) is not None and name not in (*OWN_TENSORS[op], "k_cache", "v_cache")}
         if op == "paged":
-            tensors |= _page_indices(vals, gen)
+            # a pool of the pages the table can name, plus one, as the tuner's own (measure._fresh_pages): a
+            # server's pool is most of the GPU's memory, and a copy of it while compiling could exhaust it
+            pages = min(vals["k_cache"].shape[0], vals["block_table"].numel() + 1)
+            tensors |= {name: empty_like_layout(vals[name], (pages, *vals[name].shape[1:])).normal_(generator=gen)
+                        for name in ("k_cache", "v_cache")}
+            tensors |= _page_indices(vals, pages, gen)
         return _call_of(op, vals, tensors)
 
 
-def _page_indices(vals: dict, gen: torch.Generator) -> dict:
-    """A paged call's representative index tensors: a block table that names the pool's pages in random order,
-    each once while the pool has enough of them (past that some are named twice, as shared prefixes are), and
+def _page_indices(vals: dict, pool: int, gen: torch.Generator) -> dict:
+    """A paged call's representative index tensors: a block table that names the ``pool`` pages in random order,
+    each once while there are enough of them (past that some are named twice, as shared prefixes are), and
     where the call has one, cu_seqlens_q spreading the queries evenly over the sequences (none gets more than
     max_seqlen_q: checks.check_paged). Contiguous, as the tuner's own fresh tables are (tuning/measure.py)."""
     table = vals["block_table"]
-    (num_seqs, width), pool, device = table.shape, vals["k_cache"].shape[0], table.device
+    (num_seqs, width), device = table.shape, table.device
     order = torch.randperm(pool, generator=gen, device=device)
     indices = {"block_table": order[torch.arange(num_seqs * width, device=device) % pool].view(num_seqs, width).int()}
     if vals["cu_seqlens_q"] is not None:
