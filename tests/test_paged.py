@@ -108,6 +108,11 @@ def test_split_k_decode_rebuilds_a_calls_geometry_only_when_its_strides_change(m
         ref_out, ref_lse = pi.oracle(case, x, case.d ** -0.5)
         assert check_output(out, lse, ref_out, ref_lse, case.dtype) is None, (layout, seed)
     assert len(built) == 3
+    # a serving loop's longest length grows every step: the same geometry serves
+    grown = dataclasses.replace(call, max_seqlen_k=call.max_seqlen_k + 1)
+    out, lse = _poisoned(grown)
+    plan.run(grown, out, lse)
+    assert check_output(out, lse, ref_out, ref_lse, case.dtype) is None and len(built) == 3
 
 
 def test_the_gather_baseline_looks_up_sdpas_plan_once_per_table_width(monkeypatch):

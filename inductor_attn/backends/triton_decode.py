@@ -397,7 +397,8 @@ class DecodePlan:
         pdl = self.pdl if pdl is None else pdl
         q, k, v = call.q, call.k, call.v
         g = self.geometry(call, out)
-        b, hq, lq, hkv, lk, d, dv = g.b, q.shape[1], g.lq, g.hkv, g.lk, q.shape[-1], v.shape[-1]
+        b, hq, lq, hkv, d, dv = g.b, q.shape[1], g.lq, g.hkv, q.shape[-1], v.shape[-1]
+        lk = call.max_seqlen_k if call.op == "paged" else k.shape[2]  # the keys a length may reach
         splits = self.splits
         right = 0 if call.causal else call.window_right
         single = splits == 1
@@ -442,7 +443,6 @@ class _Geometry(NamedTuple):
     b: int
     lq: int
     hkv: int
-    lk: int
     page_size: int
     q: tuple
     k: tuple
@@ -454,19 +454,20 @@ class _Geometry(NamedTuple):
     @staticmethod
     def open_of(call: AttnCall, out: torch.Tensor) -> tuple:
         """What :meth:`of` reads that a plan's problem leaves open (the problem fixes every size): the strides, and
-        for a paged call the table's row stride, max_seqlen_k (the problem holds its power of two) and whether
-        its queries come in runs (cu_seqlens_q). Equal for two calls of one plan: equal geometries."""
+        for a paged call the table's row stride and whether its queries come in runs (cu_seqlens_q). Equal for
+        two calls of one plan: equal geometries. A paged call's max_seqlen_k, which a serving loop grows every
+        step, is no part of it (:meth:`DecodePlan.run` reads it per call)."""
         strides = call.q.stride(), call.k.stride(), call.v.stride(), out.stride()
         if call.op != "paged":
             return strides
-        return *strides, call.block_table.stride(0), call.max_seqlen_k, call.cu_seqlens_q is None
+        return *strides, call.block_table.stride(0), call.cu_seqlens_q is None
 
     @staticmethod
     def of(call: AttnCall, out: torch.Tensor) -> _Geometry:
         q, k, v = call.q, call.k, call.v
         if call.op != "paged":
             b, hq, lq = q.shape[:3]
-            return _Geometry(b, lq, k.shape[1], k.shape[2], 0, q.stride(), k.stride(), v.stride(), out.stride(),
+            return _Geometry(b, lq, k.shape[1], 0, q.stride(), k.stride(), v.stride(), out.stride(),
                              (hq * lq, lq, 1), 0)
         total = q.shape[0]
 
@@ -479,7 +480,7 @@ class _Geometry(NamedTuple):
             return x.stride(0), x.stride(2), x.stride(1), x.stride(3)
 
         lse_strides = (1, total, 0) if call.cu_seqlens_q is None else (0, total, 1)
-        return _Geometry(call.block_table.shape[0], call.max_seqlen_q, k.shape[2], call.max_seqlen_k, k.shape[1],
+        return _Geometry(call.block_table.shape[0], call.max_seqlen_q, k.shape[2], k.shape[1],
                          rows(q), pool(k), pool(v), rows(out), lse_strides, call.block_table.stride(0))
 
 
