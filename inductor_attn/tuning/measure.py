@@ -198,6 +198,7 @@ class Direction:
     def __init__(self, direction: str, call: AttnCall, grad_lse: bool = False, forward: str | None = None):
         self.direction = direction
         self.dev = device_info(call.q.device)
+        self._not_aten: set[str] = set()  # backends whose traced form holds more than aten ops (as_compiled_code_runs)
         self.grads = self.reference_grads = self.forward = None
         if direction == "backward":
             out, lse = run_backend(REFERENCE, call, None)
@@ -240,12 +241,17 @@ class Direction:
         compiled code calls ``fp8_attention`` itself) go through the op impl at run time, approximated by the plan's
         launch."""
         if plan.traced is not None:  # on a GPU: a CPU tune's wall-clock timer weighs no host time (step_cost.py)
-            generated = _aten_calls_of(plan.traced, call, self.grads) if call.q.is_cuda else None
+            # what a traced form holds is its backend's, not a config's: a backend found to launch more than aten
+            # ops (Triton kernels) is not traced again for its other configs
+            backend = choice.partition(":")[0]
+            generated = None
+            if call.q.is_cuda and backend not in self._not_aten:
+                generated = _aten_calls_of(plan.traced, call, self.grads)
+                if generated is None:
+                    self._not_aten.add(backend)
             return generated if generated is not None else lambda: self.run(plan, call)
-        thin = call.op in ("attention", "paged") and call.descale is None and _THIN_OP_LAUNCH is not None
-        if not thin:
-            return lambda: self.run(plan, call)
-        return _THIN_OP_LAUNCH(self.direction, choice, call, *(self.grads or ()))
+        thin = _THIN_OP_LAUNCH and _THIN_OP_LAUNCH(self.direction, choice, call, *(self.grads or ()))
+        return thin or (lambda: self.run(plan, call))
 
     def compile(self, plan: Plan, call: AttnCall):
         """Compile ``plan``'s kernels for ``call`` without running them (plans that can, see precompile.py)."""
@@ -306,7 +312,7 @@ _THIN_OP_LAUNCH: Callable[..., Callable[[], object]] | None = None
 
 def thin_op_launch(make: Callable[..., Callable[[], object]]) -> None:
     """Set ``make(direction, choice, call, *backward tensors) -> launch``: a zero-argument launch of the plan
-    of ``choice`` for ``call`` as compiled code makes it."""
+    of ``choice`` for ``call`` as compiled code makes it, or None where compiled code calls that plan otherwise."""
     global _THIN_OP_LAUNCH
     _THIN_OP_LAUNCH = make
 
