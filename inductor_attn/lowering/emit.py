@@ -106,20 +106,21 @@ def emit_plans(graph: torch.fx.Graph) -> None:
         choice = args["choice"] or chosen[key]
         plan = plan_for(call.problem, choice, device_info(call.q.device), direction)
         names = _tensor_names(op, direction)
+        outputs = None
         if plan.traced is not None:
             if plan.warm:
                 _warm(plan, call, direction)
             lse_read = direction == "backward" or _lse_read(node)
             traced = plan.traced if lse_read or plan.traced_out_only is None else plan.traced_out_only
-            if plan.checks_kv_seqlens and asserts.get(args["kv_seqlens"]):
+            checks = plan.checks_kv_seqlens and bool(asserts.get(args["kv_seqlens"]))
+            if checks:
                 traced = functools.partial(traced, check_kv_seqlens=True)
-                checked_in_kernel.add(node)
             outputs = _inline_traced(graph, node, traced, op, args, vals, names, direction, choice)
             if outputs is not None:
                 count_compiled(op, direction, choice)
-            else:
-                checked_in_kernel.discard(node)
-        if plan.traced is None or outputs is None:
+                if checks:
+                    checked_in_kernel.add(node)
+        if outputs is None:
             outputs = _emit_launch(graph, node, plan_key(direction, choice, call), args, vals, names)
         _replace_outputs(graph, node, outputs)
     for kv_seqlens, checks in asserts.items():
