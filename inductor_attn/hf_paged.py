@@ -119,9 +119,8 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
             group, index_in_group = cache.layer_index_to_group_indices[module.layer_idx]
             k_cache, v_cache = (pool[index_in_group].view(-1, cache.block_size, *x.shape[1::2])
                                 for pool, x in ((cache.key_cache, key), (cache.value_cache, value)))
-        if block_table.dim() == 3:  # 5.17: every layer group's table
-            group = cache.layer_index_to_group_indices[module.layer_idx][0]
-            block_table = block_table[group]
+            if block_table.dim() == 3:  # every layer group's table
+                block_table = block_table[group]
         # decode: one query per sequence; padded batches (CUDA graphs) add sequences of no keys
         n = q.shape[0]
         block_table = block_table[:n].to(torch.int32)
