@@ -181,17 +181,13 @@ def _paged_as_varlen(call: AttnCall) -> AttnCall:
 def run_forward(call: AttnCall):
     """(out, lse) of any call, out in q's stride order (the ops' layout contract). fp8 calls run on their
     dequantised inputs (:func:`dequantised`) in float32, and the output is converted to ``call.out_dtype``."""
-    if call.descale is not None:
-        q, k, v = dequantised(call)
-        mask, _ = _mask(call)
-        out, lse = forward(q, k, v, call.scale, mask, 1, call.kv_seqlens)
-        return conform(out.to(call.out_dtype), call.q), lse
     if call.op == "paged":
         call = _paged_as_varlen(call)
     if call.op != "varlen":
+        q, k, v = (call.q, call.k, call.v) if call.descale is None else dequantised(call)
         mask, align = _mask(call)
-        out, lse = forward(call.q, call.k, call.v, call.scale, mask, align, call.kv_seqlens)
-        return conform(out, call.q), lse
+        out, lse = forward(q, k, v, call.scale, mask, align, call.kv_seqlens)
+        return conform(out if call.descale is None else out.to(call.out_dtype), call.q), lse
     q, v = call.q, call.v
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
