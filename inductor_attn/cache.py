@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .problem import Problem
 from .store.db import DecisionStore, get_store
-from .store.keys import library_versions, stale_reason, versions_like
+from .store.keys import ABSENT, library_versions, stale_reason, versions_like
 from .store.layers import LayeredStore
 from .store.priors import is_shipped
 from .store.schema import StoreError
@@ -170,11 +170,16 @@ def library_of(choice: str, versions: dict) -> str:
     >>> library_of("sdpa:kernel=cudnn", {"torch": "2.13.0"})
     'torch 2.13.0'
     """
+    dist = _distribution(choice)
+    return f"{dist} {versions.get(dist, ABSENT)}"
+
+
+def _distribution(choice: str) -> str:
+    """The first distribution of a choice's backend's library; torch for those that list none."""
     from .backends import backends
 
     requires = next((b.library.distributions for b in backends() if b.name == choice.partition(":")[0]), ())
-    dist = requires[0] if requires else "torch"
-    return f"{dist} {versions.get(dist, 'absent')}"
+    return requires[0] if requires else "torch"
 
 
 def _pairing_lines(row: dict) -> list[str]:
@@ -187,7 +192,7 @@ def _pairing_lines(row: dict) -> list[str]:
     if not forward:
         return ["  paired with:      the reference's out and lse (no forward was decided in the tuning process)"]
     fwd, bwd = library_of(forward, row["versions"]), library_of(row["winner"], row["versions"])
-    cross = "out and lse cross libraries" if fwd.split()[0] != bwd.split()[0] else "one library"
+    cross = "out and lse cross libraries" if _distribution(forward) != _distribution(row["winner"]) else "one library"
     return [f"  paired with:      forward {forward} ({fwd}), backward {row['winner']} ({bwd}): {cross}; gated as a "
             f"pair (the forward's out and lse in, gradients against the reference's)"]
 
