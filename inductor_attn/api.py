@@ -55,6 +55,11 @@ def _scale(scale, q) -> float:
     return scale if isinstance(scale, torch.SymFloat) else float(scale)
 
 
+def _longest(cu_seqlens: torch.Tensor) -> int:
+    """The longest sequence of packed offsets (a read of the device where they live)."""
+    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+
+
 # What a fullgraph compile of a call with a BlockMask reads first (a graph break is what Dynamo would say)
 _BLOCK_MASK_TRACED = ("block_mask: a flex_attention BlockMask is converted by running its mask_mod, a graph break; "
                       "under fullgraph=True convert it first, outside the compiled function: "
@@ -295,8 +300,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
                  allow_empty=True)
     scale = _scale(scale, q)
     if max_seqlen_q is None or max_seqlen_k is None:
-        max_seqlen_q = max_seqlen_q or int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-        max_seqlen_k = max_seqlen_k or int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
+        max_seqlen_q = max_seqlen_q or _longest(cu_seqlens_q)
+        max_seqlen_k = max_seqlen_k or _longest(cu_seqlens_k)
     if check_indices:
         check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if _zero_size((q.shape[0], q.shape[1], k.shape[0])):
@@ -356,7 +361,7 @@ def paged_attention(q, k_cache, v_cache, block_table, kv_seqlens, *, cu_seqlens_
                 right)
     refuse_grad("paged_attention", {"q": q, "k_cache": k_cache, "v_cache": v_cache})
     if max_seqlen_q is None:
-        max_seqlen_q = 1 if cu_seqlens_q is None else int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+        max_seqlen_q = 1 if cu_seqlens_q is None else _longest(cu_seqlens_q)
     if max_seqlen_k is None:
         max_seqlen_k = block_table.shape[1] * k_cache.shape[1]
     if check_indices:

@@ -272,7 +272,7 @@ def _measure(call: AttnCall, cands: list[Candidate], direction: str, fields: dic
     if result is None:
         log.warning("none of the shipped decision's shortlist ran here; searching every candidate")
         if any(c.pruned == NOT_ENUMERATED for c in every):
-            every = enumerate_candidates(call.problem, device_info(call.q.device), direction, grad_lse)
+            every = enumerate_candidates(call.problem, dev, direction, grad_lse)
         return _measure(call, every, direction, fields, store, None, search, grad_lse)
     row = {**fields, "winner": result.winner, "record": result.to_json(), "created": time.time()}
     store.put(row)
