@@ -927,7 +927,7 @@ def test_the_paged_suites_quick_run_is_its_representative_shapes_only():
     assert quick == [s for s in full if s.quick] and 0 < len(quick) < len(full)
 
 
-def test_the_paged_suites_smoke_run_measures_a_serving_loop_and_reports_it(tmp_path, capsys):
+def test_the_paged_suites_smoke_run_measures_a_serving_loop_and_reports_it(reference_only, tmp_path, capsys):
     """Shapes and a serving loop of compiled decode steps, paged and contiguous: each compiled once, their last
     outputs agreeing, nothing compiled or tuned once timed; then its section of RESULTS.md."""
     out = tmp_path / "paged.json"
