@@ -161,6 +161,33 @@ def test_without_an_lse_the_kernels_write_the_same_output(splits):
     assert torch.equal(out, want)
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("seqlens", [None, (33, 70)])
+@pytest.mark.parametrize("with_lse", [True, False])
+def test_a_tensor_the_kernels_write_is_passed_once_per_launch(splits, seqlens, with_lse):
+    """Traced into a compiled graph (``wrap_triton``), a launch whose unread pointer argument aliases a written
+    tensor is made functional wrongly: on an H200 Inductor cloned the output for the alias and returned the clone,
+    which nothing wrote. Unread pointers get q, which the kernels only read."""
+    case = Case(b=2, lq=2, lk=70, causal=True, seqlens=seqlens, splits=splits)
+    call = _call(case)
+    inputs = {id(t) for t in (call.q, call.k, call.v, call.kv_seqlens) if t is not None}
+    launches = []
+
+    def recording(kernel):
+        class Grid:
+            def __getitem__(self, grid):
+                return lambda *args, **kw: launches.append([a for a in args if isinstance(a, torch.Tensor)])
+        return Grid()
+
+    out = torch.empty(2, 4, 2, 32, dtype=case.dtype)
+    lse = torch.empty(2, 4, 2) if with_lse else None
+    decode.DecodePlan(call.problem, device_info(call.q.device), _cfg(case)).run(call, out, lse, launcher=recording)
+    assert len(launches) == (1 if splits == 1 else 2)
+    for tensors in launches:
+        written = [id(t) for t in tensors if id(t) not in inputs]
+        assert len(written) == len(set(written)), "a written tensor is also passed as another argument"
+
+
 @pytest.mark.parametrize("lengths, stops", [((5, 70), False), ((0, 71), True), ((-1, 3), True)])
 def test_compiled_codes_kernel_asserts_kv_seqlens_values_itself(monkeypatch, lengths, stops):
     """Asked by compiled code (``check_kv_seqlens``), the partial kernel stops where a length is outside [0, Lk],

@@ -403,14 +403,18 @@ class DecodePlan:
         right = 0 if call.causal else call.window_right
         single = splits == 1
         write_lse = lse is not None
-        lse = lse if write_lse else out  # unread when WRITE_LSE is off
+        # A pointer whose flag is off (WRITE_LSE, HAS_SEQLENS, HAS_KEY_MASK, PAGE_SIZE 0, HAS_CU_Q) is never
+        # dereferenced; it gets q, which the kernels only read. It must not be a tensor they write: traced into a
+        # compiled graph, a kernel whose unread argument aliases a written one is made functional wrongly (Inductor
+        # cloned the output for the alias and returned the clone, which nothing wrote).
+        lse = lse if write_lse else q
         target_o, target_lse = (out, lse) if single else (ws or workspace(q.device, b, hq, lq, dv, splits))
-        seqlens = call.kv_seqlens if call.kv_seqlens is not None else lse  # unread when HAS_SEQLENS is off
-        key_mask = _mask_bytes(call.key_mask) if call.key_mask is not None else lse
+        seqlens = call.kv_seqlens if call.kv_seqlens is not None else q
+        key_mask = _mask_bytes(call.key_mask) if call.key_mask is not None else q
         mask_strides = call.key_mask.stride() if call.key_mask is not None else (0, 0)
         pdl_kw = {"launch_pdl": True} if pdl else {}
-        table = call.block_table if call.block_table is not None else lse  # unread unless PAGE_SIZE > 0
-        cu_q = call.cu_seqlens_q if call.cu_seqlens_q is not None else lse  # unread unless HAS_CU_Q
+        table = call.block_table if call.block_table is not None else q
+        cu_q = call.cu_seqlens_q if call.cu_seqlens_q is not None else q
         launcher(_decode_partial)[(self.m_blocks * splits * b * hkv,)](
             q, k, v, seqlens, key_mask, target_o, target_lse, table, cu_q, *g.q, *g.k, *g.v, *mask_strides,
             *g.out, *g.lse, g.table, call.scale * _LOG2E, hkv, hq // hkv, lq, lk, d, dv, splits, self.m_blocks,
