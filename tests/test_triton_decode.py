@@ -164,27 +164,35 @@ def test_without_an_lse_the_kernels_write_the_same_output(splits):
 @pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize("seqlens", [None, (33, 70)])
 @pytest.mark.parametrize("with_lse", [True, False])
-def test_a_tensor_the_kernels_write_is_passed_once_per_launch(splits, seqlens, with_lse):
+def test_unread_pointers_are_none_and_no_written_tensor_is_passed_twice(splits, seqlens, with_lse):
     """Traced into a compiled graph (``wrap_triton``), a launch whose unread pointer argument aliases a written
-    tensor is made functional wrongly: on an H200 Inductor cloned the output for the alias and returned the clone,
-    which nothing wrote. Unread pointers get q, which the kernels only read."""
+    tensor is made functional wrongly (on an H200 Inductor returned a clone of the output that nothing wrote), and
+    a graph input there reads as mutated (CUDA graphs skipped). Unread pointers are None, which Triton and Inductor
+    take as a constant."""
     case = Case(b=2, lq=2, lk=70, causal=True, seqlens=seqlens, splits=splits)
     call = _call(case)
-    inputs = {id(t) for t in (call.q, call.k, call.v, call.kv_seqlens) if t is not None}
     launches = []
 
     def recording(kernel):
         class Grid:
             def __getitem__(self, grid):
-                return lambda *args, **kw: launches.append([a for a in args if isinstance(a, torch.Tensor)])
+                return lambda *args, **kw: launches.append((kernel, args))
         return Grid()
 
     out = torch.empty(2, 4, 2, 32, dtype=case.dtype)
     lse = torch.empty(2, 4, 2) if with_lse else None
     decode.DecodePlan(call.problem, device_info(call.q.device), _cfg(case)).run(call, out, lse, launcher=recording)
     assert len(launches) == (1 if splits == 1 else 2)
-    for tensors in launches:
-        written = [id(t) for t in tensors if id(t) not in inputs]
+    reads = {id(t) for t in (call.q, call.k, call.v, call.kv_seqlens) if t is not None}
+    for kernel, args in launches:
+        names = kernel.arg_names[:len(args)]
+        given = dict(zip(names, args))
+        for name in ("SEQLENS", "KEY_MASK", "TABLE", "CU_Q"):
+            if name in given and not (name == "SEQLENS" and seqlens):
+                assert given[name] is None, name
+        if not with_lse and (splits == 1 or kernel is decode._decode_combine):
+            assert given["LSE"] is None
+        written = [id(t) for t in args if isinstance(t, torch.Tensor) and id(t) not in reads]
         assert len(written) == len(set(written)), "a written tensor is also passed as another argument"
 
 

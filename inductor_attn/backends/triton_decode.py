@@ -403,22 +403,19 @@ class DecodePlan:
         right = 0 if call.causal else call.window_right
         single = splits == 1
         write_lse = lse is not None
-        # A pointer whose flag is off (WRITE_LSE, HAS_SEQLENS, HAS_KEY_MASK, PAGE_SIZE 0, HAS_CU_Q) is never
-        # dereferenced; it gets q, which the kernels only read. It must not be a tensor they write: traced into a
-        # compiled graph, a kernel whose unread argument aliases a written one is made functional wrongly (Inductor
-        # cloned the output for the alias and returned the clone, which nothing wrote).
-        lse = lse if write_lse else q
+        # A pointer whose flag is off (WRITE_LSE, HAS_SEQLENS, HAS_KEY_MASK, PAGE_SIZE 0, HAS_CU_Q) is None: Triton
+        # and Inductor take None as a constant, and the kernels never dereference it. A tensor there is worse: traced
+        # into a compiled graph, an unread argument that aliases a written one made Inductor return a clone of the
+        # output that nothing wrote, and q there read to Inductor as a mutated input (CUDA graphs skipped).
         target_o, target_lse = (out, lse) if single else (ws or workspace(q.device, b, hq, lq, dv, splits))
-        seqlens = call.kv_seqlens if call.kv_seqlens is not None else q
-        key_mask = _mask_bytes(call.key_mask) if call.key_mask is not None else q
+        key_mask = _mask_bytes(call.key_mask) if call.key_mask is not None else None
         mask_strides = call.key_mask.stride() if call.key_mask is not None else (0, 0)
         pdl_kw = {"launch_pdl": True} if pdl else {}
-        table = call.block_table if call.block_table is not None else q
-        cu_q = call.cu_seqlens_q if call.cu_seqlens_q is not None else q
+        cu_q = call.cu_seqlens_q
         launcher(_decode_partial)[(self.m_blocks * splits * b * hkv,)](
-            q, k, v, seqlens, key_mask, target_o, target_lse, table, cu_q, *g.q, *g.k, *g.v, *mask_strides,
-            *g.out, *g.lse, g.table, call.scale * _LOG2E, hkv, hq // hkv, lq, lk, d, dv, splits, self.m_blocks,
-            max(call.window_left, 0), max(right, 0),
+            q, k, v, call.kv_seqlens, key_mask, target_o, target_lse, call.block_table, cu_q, *g.q, *g.k, *g.v,
+            *mask_strides, *g.out, *g.lse, g.table, call.scale * _LOG2E, hkv, hq // hkv, lq, lk, d, dv, splits,
+            self.m_blocks, max(call.window_left, 0), max(right, 0),
             HAS_SEQLENS=call.kv_seqlens is not None, CHECK_SEQLENS=check_kv_seqlens and call.kv_seqlens is not None,
             HAS_KEY_MASK=call.key_mask is not None,
             HAS_LEFT=call.window_left >= 0, HAS_RIGHT=right >= 0, HAS_CU_Q=call.cu_seqlens_q is not None,
