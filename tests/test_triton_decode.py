@@ -17,6 +17,7 @@ import naive
 import pytest
 import torch
 from blocked_imports import run_without
+from interpreter_bounds import bounds_checked
 
 from inductor_attn.backends import (REFERENCE, AttnCall, Config, enumerate_candidates, only_backends, run_backend,
                                     run_backend_backward)
@@ -124,9 +125,11 @@ CASES = {
 
 @pytest.mark.parametrize("name", CASES)
 def test_matches_float64_reference(name):
+    """Outputs right, and every load and store inside the kernels' arguments."""
     case = CASES[name]
     call = _call(case)
-    out, lse = run_poisoned(call, _cfg(case))
+    with bounds_checked():
+        out, lse = run_poisoned(call, _cfg(case))
     ref_out, ref_lse = float64_reference(call)
     assert check_output(out, lse, ref_out, ref_lse, case.dtype) is None
 

@@ -12,6 +12,7 @@ import naive
 import pytest
 import torch
 from blocked_imports import run_without
+from interpreter_bounds import bounds_checked
 
 from inductor_attn.backends import (enumerate_candidates, only_backends, run_backend, run_backend_backward,
                                     source_hash)
@@ -33,7 +34,8 @@ def small(schedule="tile", **extra) -> Config:
 
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
-    """Every forward writes into NaN-filled out/lse: unwritten elements show up as errors."""
+    """Every forward writes into NaN-filled out/lse: unwritten elements show up as errors; and every load and
+    store of the kernels stays inside their arguments."""
     real = flash.new_outputs
 
     def poisoned(call):
@@ -41,6 +43,8 @@ def poisoned_outputs(monkeypatch):
         return out.fill_(float("nan")), lse.fill_(float("nan"))
 
     monkeypatch.setattr(flash, "new_outputs", poisoned)
+    with bounds_checked():
+        yield
 
 
 def rand(*shape, dtype=torch.float32):

@@ -14,6 +14,7 @@ import naive
 import pytest
 import torch
 from fakes import ComputingOps, stub_triton_compile
+from interpreter_bounds import bounds_checked
 
 from inductor_attn.backends import reference, run_backend, run_backend_backward
 from inductor_attn.backends.base import AttnCall, Config
@@ -64,7 +65,7 @@ def run_ours(call, cfg, out, lse, grad_out, grad_lse, monkeypatch):
     def empty_like(*a, **kw):
         return real_like(*a, **kw).fill_(float("nan"))
 
-    with monkeypatch.context() as m:
+    with monkeypatch.context() as m, bounds_checked():
         m.setattr(torch, "empty", empty)
         m.setattr(torch, "empty_like", empty_like)
         return flash_bwd.backward(cfg, eager_launcher, call, out, lse, grad_out, grad_lse)
