@@ -388,7 +388,10 @@ def isolated(kind: str, *args: str, timeout_s: float = ENTRY_TIMEOUT_S) -> dict:
     if done.returncode == 0 and lines:
         return json.loads(lines[-1])
     tail = [line.strip() for line in done.stderr.splitlines() if line.strip() and "Warning" not in line]
-    return {"error": f"exit {done.returncode}: " + " | ".join(tail[-3:])}
+    # a process that aborts (a CUDA error in a destructor) ends its stderr with C++ stack frames: the error is the
+    # last line that names one
+    errors = [line for line in tail if "Error" in line or "error:" in line]
+    return {"error": f"exit {done.returncode}: " + " | ".join(errors[-2:] or tail[-3:])}
 
 
 if __name__ == "__main__":
