@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -124,7 +125,7 @@ def _overhead_entry(phase: str, mode: str) -> dict:
         if counters["stats"]["unique_graphs"] != graphs:
             raise RuntimeError("a compiled step recompiled while it was timed")
     return {"stock_ms": times["inductor"] / 1e3, "ours_ms": times["inductor_attn"] / 1e3, "rounds": ROUNDS,
-            "ours_ran": _ours_ran()}
+            "ours_ran": _ours_ran(), "ours_why": _CHOICES.lines}
 
 
 def _ours_ran() -> dict:
@@ -132,6 +133,20 @@ def _ours_ran() -> dict:
     import inductor_attn
 
     return inductor_attn.stats()
+
+
+class _Choices(logging.Handler):
+    """The lowering's lines saying what compiled code runs for each bucket and why (lowering/emit.py logs them at
+    INFO), kept once each: an entry reports them beside what ran (``ours_why``)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        line = record.getMessage()
+        if line not in self.lines:
+            self.lines.append(line)
 
 
 TRAIN_SIZES = {"B4 L2048": (4, 2048), "B1 L512": (1, 512)}
@@ -172,7 +187,8 @@ def _training_entry(label: str, mode: str) -> dict:
     for name, step in steps.items():
         row[f"{name}_peak_bytes"] = peak_memory(step)
     times = interleaved_wall_us(steps, calls=TRAIN_CALLS, rounds=ROUNDS)
-    row.update({f"{name}_ms": us / 1e3 for name, us in times.items()}, rounds=ROUNDS, ours_ran=_ours_ran())
+    row.update({f"{name}_ms": us / 1e3 for name, us in times.items()}, rounds=ROUNDS, ours_ran=_ours_ran(),
+               ours_why=_CHOICES.lines)
     return row
 
 
@@ -394,6 +410,11 @@ def isolated(kind: str, *args: str, timeout_s: float = ENTRY_TIMEOUT_S) -> dict:
     return {"error": f"exit {done.returncode}: " + " | ".join(errors[-2:] or tail[-3:])}
 
 
+_CHOICES = _Choices()
+
 if __name__ == "__main__":
     kind, *entry_args = sys.argv[1:]
+    emit_log = logging.getLogger("inductor_attn.lowering.emit")
+    emit_log.setLevel(logging.INFO)
+    emit_log.addHandler(_CHOICES)
     print(json.dumps(_ENTRIES[kind](*entry_args)))
