@@ -85,6 +85,23 @@ def test_a_backend_the_table_never_measured_has_its_first_candidate_timed_too(fa
     assert record["search"].endswith("and the first candidate of each backend it never measured (c), timed here")
 
 
+def test_a_backend_whose_library_the_table_lacked_counts_as_never_measured(fakes):
+    """A table made where FA3's wheel was missing names FA3 only as pruned ("not importable"): where the wheel is
+    installed, FA3 is one the table never measured. Read from the row's versions, not from the record's names."""
+    from inductor_attn.backends.base import Library
+    from inductor_attn.tuning.decisions import _unmeasured_backends
+
+    a, b = fakes
+    c = FakeBackend("c", {"default": (0.3, 1e-4)})
+    c.library = Library(distributions=("pytest",))  # installed here
+    record = {"candidates": [{"name": n} for n in ("a:default", "b:x=1", "c:-")]}
+    sources = {"a": "1", "b": "2", "c": "3"}
+    with only_backends(a, b, c):
+        assert _unmeasured_backends({"versions": {"sources": sources, "pytest": "absent"}, "record": record}) == {"c"}
+        assert _unmeasured_backends({"versions": {"sources": sources, "pytest": "8.0"}, "record": record}) == set()
+        assert _unmeasured_backends({"versions": {"sources": {"a": "1"}}, "record": record}) == {"b", "c"}
+
+
 def test_a_near_tie_whose_compile_took_much_longer_than_the_winners_is_left_out_of_the_shortlist(shipped):
     # a near-tie compiling 13 s next to a 3 s winner would set the cold tune's wait (worker compiles run side by side)
     data = json.loads(shipped.read_text())

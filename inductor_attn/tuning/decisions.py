@@ -319,10 +319,21 @@ def _shortlisted(cands: list[Candidate], prior: dict) -> tuple[list[Candidate], 
 
 
 def _unmeasured_backends(prior: dict) -> set[str]:
-    """Registered backends whose distributions are installed and that ``prior``'s record never names."""
-    seen = {c["name"].split(":")[0] for c in prior["record"]["candidates"]}
-    return {b.name for b in backends()
-            if b.name not in seen and ABSENT not in library_versions(b.library.distributions).values()}
+    """Registered backends whose distributions are installed here and that ``prior`` could not measure: not
+    registered where it was made (not among its versions' backend sources; a row without them: not named in its
+    record), or with a distribution absent there. A record names such a backend too, as pruned ("not
+    importable"): counted as measured, a table made without FA3's wheel would never time FA3 where it is
+    installed. Versions are read from package metadata: no backend is imported."""
+    versions = prior.get("versions") or {}
+    registered = versions.get("sources") or {c["name"].split(":")[0] for c in prior["record"]["candidates"]}
+    unmeasured = set()
+    for b in backends():
+        here = library_versions(b.library.distributions)
+        if ABSENT in here.values():
+            continue
+        if b.name not in registered or any(versions.get(d, ABSENT) == ABSENT for d in b.library.distributions):
+            unmeasured.add(b.name)
+    return unmeasured
 
 
 def _shortlist_of(prior: dict) -> list[str]:
