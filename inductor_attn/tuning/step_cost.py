@@ -140,7 +140,12 @@ def _choose(bucket: Bucket, rest: GraphWork) -> tuple[LaunchCost, str]:
     context = (f"the rest of the graph: {rest.host_ms:.3f} ms of host, {rest.device_ms:.3f} ms of device "
                f"({bound}-bound), {bucket.calls} call(s)")
     if best is winner or step_ms(best, bucket.calls, rest, 1 + HOST_ERROR) * (1 + TIE_MARGIN) >= held:
-        return winner, f"the winner: the step costs {step_ms(winner, bucket.calls, rest):.3f} ms with it ({context})"
+        runner_up = "" if best is winner else (
+            f"; {best.name} ({best.device_ms:.4f} + {best.host_ms:.4f} ms of host against {winner.device_ms:.4f} + "
+            f"{winner.host_ms:.4f}) would cost {step_ms(best, bucket.calls, rest):.3f} ms: not faster once each "
+            f"host time may be {HOST_ERROR:.0%} off and with the {TIE_MARGIN:.0%} tie margin")
+        return winner, (f"the winner: the step costs {step_ms(winner, bucket.calls, rest):.3f} ms with it ({context})"
+                        f"{runner_up}")
     return best, (f"step {step_ms(best, bucket.calls, rest):.3f} ms against {step_ms(winner, bucket.calls, rest):.3f} "
                   f"ms with the winner {winner.name} ({best.device_ms:.4f} + {best.host_ms:.4f} ms of host against "
                   f"{winner.device_ms:.4f} + {winner.host_ms:.4f}, each host time within {HOST_ERROR:.0%}; "
