@@ -792,19 +792,21 @@ def test_issue_54s_target_line_reads_the_few_kv_head_decode_rows_only():
     line = paged.fa3_target(rows)
     assert "not met; least 0.90 (decode B8 H16/2 D256 Lkv16384 page64)" in line and "over 2 of 2 rows" in line
     assert line.endswith("below FA3 on decode B8 H16/2 D256 Lkv16384 page64")
-    skipped = {"skipped": "FA3 (tokenspeed-fa3) needs an sm_90 GPU; this run is on cpu"}
+    skipped = {"skipped": "needs a CUDA device"}
     assert paged.fa3_target([row("decode B1 H16/2 D256 Lkv16384 page16", 2, 0.01, skipped)]).endswith(
         "no row has both numbers (1 rows)")
     assert paged.fa3_target(rows[2:]) is None
 
 
 def test_fa3s_reference_column_is_skipped_with_its_reason_where_fa3_cannot_run(monkeypatch):
+    from inductor_attn.backends import fa3
     from inductor_attn.bench import paged
 
-    assert paged.fa3_interface(torch.device("cpu")) == "FA3 (tokenspeed-fa3) needs an sm_90 GPU; this run is on cpu"
-    monkeypatch.setattr(paged, "fa3_refuses", lambda device: None)  # an sm_90 GPU without the wheel
+    assert paged.fa3_interface(torch.device("cpu")) == "needs a CUDA device"
+    monkeypatch.setattr(fa3, "refuses_device", lambda device_type, dev: None)  # an sm_90 GPU without the wheel
     monkeypatch.setitem(sys.modules, "flash_attn_interface", None)  # import raises ModuleNotFoundError
-    assert paged.fa3_interface(torch.device("cpu")) == "flash_attn_interface is not installed (tokenspeed-fa3)"
+    monkeypatch.setattr(fa3, "_load", fa3._load.__wrapped__)  # not the process's cached answer
+    assert paged.fa3_interface(torch.device("cpu")) == fa3.NOT_INSTALLED
 
 
 def _fake_flash_attn_interface(calls: list) -> object:
@@ -841,11 +843,12 @@ def test_fa3s_default_splits_are_gated_on_both_pools_then_timed_with_the_candida
     """With a fake FA3 on an 'sm_90 GPU': gated on the NaN pool (wrong: NaN past the lengths reaches it), checked on
     the zeroed pool (passes, its error reported), timed in the candidates' session on copies zeroed where no key is,
     and set against the autotuned choice (the only candidate here: the reference) in both tables."""
+    from inductor_attn.backends import fa3
     from inductor_attn.bench import paged
 
     calls = []
     monkeypatch.setitem(sys.modules, "flash_attn_interface", _fake_flash_attn_interface(calls))
-    monkeypatch.setattr(paged, "fa3_refuses", lambda device: None)
+    monkeypatch.setattr(fa3, "unavailable", lambda device_type, dev: None)
     with only_backends(REFERENCE):
         rows = [paged.run_shape(s, torch.device("cpu"), rounds=2) for s in paged.shapes(quick=False, smoke=True)]
     assert {num_splits for num_splits, _ in calls} == {0}  # FA3's default heuristic, every call
@@ -943,7 +946,7 @@ def test_the_paged_suites_smoke_run_measures_a_serving_loop_and_reports_it(refer
     assert "| serving loop |" in printed
     for row in data["rows"]:
         assert row["autotuned"]["choice"] in row["candidates"]
-    skip = "FA3 (tokenspeed-fa3) needs an sm_90 GPU; this run is on cpu"
+    skip = "needs a CUDA device"  # the fa3 backend's reason
     if not torch.cuda.is_available():  # FA3's reference column says why it is empty
         assert all(row["fa3_default"] == {"skipped": skip} for row in data["rows"])
         assert f"| FA3 default splits (reference) | | | | skipped: {skip} |" in printed

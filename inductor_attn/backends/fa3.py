@@ -85,6 +85,25 @@ def _load() -> _FA3 | str:
     return _FA3(fwd, version, dict(CONFIG.get("build_flags", {})))
 
 
+def refuses_device(device_type: str, dev: DeviceInfo) -> str | None:
+    """Why no FA3 kernel can run on this device (the wheel is built for CUDA sm_90a only), or None."""
+    if device_type != "cuda":
+        return "needs a CUDA device"
+    if dev.arch != 90:
+        return f"{DISTRIBUTION} is built for sm_90a only, got sm_{dev.arch}"
+    return None
+
+
+def unavailable(device_type: str, dev: DeviceInfo) -> str | None:
+    """Why FA3 cannot run on this device whatever the problem: the device, else the wheel's import (its 300 MB
+    load, done once). None means ``flash_attn_interface`` imports."""
+    reason = refuses_device(device_type, dev)
+    if reason is not None:
+        return reason
+    loaded = _load()
+    return loaded if isinstance(loaded, str) else None
+
+
 def split_candidates(p: Problem, sm_count: int) -> list[int]:
     """``num_splits`` values worth measuring: 1, plus the split that fills the SMs with the (batch, kv head,
     m-block) tiles (GQA heads packed into the m dimension, as FA3 does when it splits) and its half and quarter,
@@ -114,10 +133,9 @@ class FA3Backend(Backend):
     library = Library(distributions=(DISTRIBUTION,), costly_import=True, load=_load)
 
     def supports(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> str | None:
-        if p.device_type != "cuda":
-            return "needs a CUDA device"
-        if dev.arch != 90:
-            return f"{DISTRIBUTION} is built for sm_90a only, got sm_{dev.arch}"
+        reason = refuses_device(p.device_type, dev)
+        if reason is not None:
+            return reason
         if p.op == "block_sparse":
             return f"{DISTRIBUTION} takes no block-sparse masks"
         if p.dtype not in DTYPES:
@@ -222,4 +240,5 @@ class _ForwardLaunch:
 
 BACKEND = FA3Backend()
 
-__all__ = ["FA3Backend", "BACKEND", "DISTRIBUTION", "NOT_INSTALLED", "HEAD_DIMS", "split_candidates"]
+__all__ = ["FA3Backend", "BACKEND", "DISTRIBUTION", "NOT_INSTALLED", "HEAD_DIMS", "refuses_device", "split_candidates",
+           "unavailable"]

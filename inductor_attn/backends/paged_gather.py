@@ -21,6 +21,7 @@ from ..problem import Problem
 from .base import AttnCall, Backend, Candidate, Config, Plan, Takes
 from ..layout import conform
 from .pages import gather_padded, key_slots
+from .sdpa import dtype_pruned
 
 KERNELS = ("efficient", "cudnn")
 
@@ -58,9 +59,7 @@ class PagedGatherBackend(Backend):
         return None
 
     def configs(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> list[Candidate]:
-        pruned = "SDPA cudnn needs fp16/bf16" if p.dtype == "float32" else None
-        return [Candidate(self.name, Config.of(kernel="efficient")),
-                Candidate(self.name, Config.of(kernel="cudnn"), pruned)]
+        return [Candidate(self.name, Config.of(kernel=k), dtype_pruned(k, p.dtype)) for k in KERNELS]
 
     def plan(self, p: Problem, dev: DeviceInfo, cfg: Config, direction: str) -> Plan:
         from .registry import plan_for  # the registry imports this module

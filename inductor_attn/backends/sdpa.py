@@ -212,11 +212,20 @@ class SdpaBackend(Backend):
         return Plan(launch, traced=launch, traced_out_only=functools.partial(launch, with_lse=False))
 
 
+def dtype_pruned(kernel: str, dtype: str) -> str | None:
+    """Why SDPA's ``kernel`` cannot take ``dtype`` (flash and cuDNN take fp16/bf16 only), or None. Shared with
+    paged_gather, whose dense calls run these kernels."""
+    if kernel in ("flash", "cudnn") and dtype == "float32":
+        return f"SDPA {kernel} needs fp16/bf16"
+    return None
+
+
 def _pruned(p: Problem, kernel: str, direction: str = "forward") -> str | None:
     if direction == "backward" and torch.are_deterministic_algorithms_enabled():
         return f"SDPA {kernel} backward is not a deterministic algorithm in torch (atomic adds)"
-    if kernel in ("flash", "cudnn") and p.dtype == "float32":
-        return f"SDPA {kernel} needs fp16/bf16"
+    reason = dtype_pruned(kernel, p.dtype)
+    if reason is not None:
+        return reason
     if kernel == "flash" and _needs_bias(p):
         return "SDPA flash takes no mask: lower-right causal (Lq != Lk), windows and key_mask need one"
     if kernel == "flash" and p.head_dim != p.head_dim_v:

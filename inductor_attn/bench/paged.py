@@ -44,7 +44,7 @@ import time
 import torch
 
 from ..api import attention, paged_attention
-from ..backends import enumerate_candidates
+from ..backends import enumerate_candidates, fa3 as fa3_backend
 from ..backends.pages import gather_padded, key_slots, unused_slots
 from ..device import device_info
 from ..hf_paged import _append
@@ -134,29 +134,13 @@ FA3_PASSED_NAN_NOTE = "FA3 default splits, timed on a zeroed pool: passed this r
 NAN_REACHED = "NaN past kv_seqlens reached its results"  # how measure.gate words a failure that NaN caused
 
 
-def fa3_refuses(device: torch.device) -> str | None:
-    """Why FA3's paged path cannot run on ``device`` (tokenspeed-fa3 is built for sm_90 only), or None."""
-    if device.type != "cuda":
-        return f"FA3 (tokenspeed-fa3) needs an sm_90 GPU; this run is on {device.type}"
-    arch = device_info(device).arch
-    if arch != 90:
-        return f"FA3 (tokenspeed-fa3) is built for sm_90 only; this GPU is sm_{arch}"
-    return None
-
-
 def fa3_interface(device: torch.device):
-    """``flash_attn_interface`` where FA3's paged path can run on ``device``, else the reason it cannot."""
-    reason = fa3_refuses(device)
+    """``flash_attn_interface`` where FA3's paged path can run on ``device``, else the reason it cannot (the fa3
+    backend's: the same wheel, device and import)."""
+    reason = fa3_backend.unavailable(device.type, device_info(device))
     if reason is not None:
         return reason
-    try:
-        import flash_attn_interface
-    except ModuleNotFoundError as err:
-        if err.name and err.name.split(".")[0] in ("flash_attn_interface", "flash_attn_3", "flash_attn_config"):
-            return "flash_attn_interface is not installed (tokenspeed-fa3)"
-        return f"flash_attn_interface is not importable: {describe(err)}"
-    except (ImportError, OSError, RuntimeError) as err:  # a wheel built for another CUDA or torch ABI
-        return f"flash_attn_interface is not importable: {describe(err)}"
+    import flash_attn_interface
     return flash_attn_interface
 
 
