@@ -161,12 +161,11 @@ def trace_functional(fn, args):
     ``make_fx`` (torch/fx/experimental/proxy_tensor.py) and ``select_decomp_table``
     (torch/_inductor/decomposition.py), 2.11 and 2.13."""
     from torch._inductor.decomposition import select_decomp_table
-    from torch._subclasses.fake_tensor import FakeTensor
     from torch.fx.experimental.proxy_tensor import make_fx
 
     functional = torch.func.functionalize(fn, remove="mutations")
     # real tensors are traced by running them, also inside a compile, whose fake mode ``fake_mode_of`` finds
-    fake = any(isinstance(a, FakeTensor) for a in args)
+    fake = any(is_fake(a) for a in args)
     with fake_mode_of(args) if fake else contextlib.nullcontext():
         return make_fx(functional, select_decomp_table(), tracing_mode="real")(*args)
 

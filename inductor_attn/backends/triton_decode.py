@@ -411,9 +411,9 @@ class DecodePlan:
         key_mask = _mask_bytes(call.key_mask) if call.key_mask is not None else None
         mask_strides = call.key_mask.stride() if call.key_mask is not None else (0, 0)
         pdl_kw = {"launch_pdl": True} if pdl else {}
-        cu_q = call.cu_seqlens_q
         launcher(_decode_partial)[(self.m_blocks * splits * b * hkv,)](
-            q, k, v, call.kv_seqlens, key_mask, target_o, target_lse, call.block_table, cu_q, *g.q, *g.k, *g.v,
+            q, k, v, call.kv_seqlens, key_mask, target_o, target_lse, call.block_table, call.cu_seqlens_q, *g.q,
+            *g.k, *g.v,
             *mask_strides, *g.out, *g.lse, g.table, call.scale * _LOG2E, hkv, hq // hkv, lq, lk, d, dv, splits,
             self.m_blocks, max(call.window_left, 0), max(right, 0),
             HAS_SEQLENS=call.kv_seqlens is not None, CHECK_SEQLENS=check_kv_seqlens and call.kv_seqlens is not None,
@@ -430,7 +430,7 @@ class DecodePlan:
             # up to 128 splits x 64 columns (32 KiB of float32) per program, in one pass
             block_dc = min(64, _block_d(dv))
             launcher(_decode_combine)[(b * hq * lq, -(-dv // block_dc))](
-                target_o, target_lse, out, lse, cu_q, *g.out, *g.lse, hq, lq, splits, dv,
+                target_o, target_lse, out, lse, call.cu_seqlens_q, *g.out, *g.lse, hq, lq, splits, dv,
                 HAS_CU_Q=call.cu_seqlens_q is not None, WRITE_LSE=write_lse, BLOCK_S=next_power_of_two(splits),
                 BLOCK_DC=block_dc, USE_PDL=pdl, num_warps=4, **pdl_kw)
 

@@ -5,7 +5,7 @@ SQLite). The check covers what readers rely on: ``attention()`` uses ``winner``;
 device and host times of the record's candidates (``CandidateResult``); ``cache list``/``explain``
 format every field of the record and parse both problem keys; the key must be the hash of the fields it
 stands for, so a row can never answer for another problem. The record's fields and their types are those
-of the tuner's ``TuneResult`` and ``CandidateResult`` (tuning/tuner.py), read from the dataclasses, so a
+of the tuner's ``TuneResult`` and ``CandidateResult`` (store/record.py), read from the dataclasses, so a
 field added there is accepted here; the fields without a default are required, the others may be absent
 (records from before they existed). Every string must be UTF-8 text (JSON can hold a lone surrogate,
 which SQLite and a terminal refuse). A row that fails raises ``RowError`` naming the field; the store

@@ -54,7 +54,8 @@ class GraphWork:
 
 
 def launch_costs(record: dict) -> list[LaunchCost]:
-    """The candidates of a tune record that passed the gate and carry both figures, in prior order. Records
+    """The candidates of a tune record that passed the gate and carry both figures, in prior order, each with the
+    host time of its launch path (the median of that path's probes, :func:`_launch_path`). Records
     tuned before host times were measured for every candidate hold them for a few only: those alone compete.
     None from a wall-clock tune (CPU problems): its time already holds the launch, and the winner is best.
     """
@@ -65,7 +66,8 @@ def launch_costs(record: dict) -> list[LaunchCost]:
     paths: dict[tuple, list[float]] = {}
     for c in measured:
         paths.setdefault(_launch_path(c), []).append(c["host_ms"])
-    return [LaunchCost(c["name"], c["median_ms"], statistics.median(paths[_launch_path(c)])) for c in measured]
+    host = {path: statistics.median(probes) for path, probes in paths.items()}
+    return [LaunchCost(c["name"], c["median_ms"], host[_launch_path(c)]) for c in measured]
 
 
 def _launch_path(candidate: dict) -> tuple:
