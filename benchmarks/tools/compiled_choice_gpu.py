@@ -12,9 +12,10 @@ Per shape, in one process with a fresh decision store: ``inductor_attn.attention
   against the best candidate's (the tuner times every SDPA backend and FA4 config as candidates), and whether
   the call is device-bound (its kernel outlasts the chosen launch's host time);
 - wall us per call of the plain forms, ours and stock taking turns (``interleaved_wall_us``);
-- the host probe of every candidate the tune timed (``host_ms``, what the rule weighs) against a long loop of
-  the same launches (bursts of 50, median), and against the compiled call's own cost for a few forced choices
-  (a compiled call of that choice minus a compiled ``q + 1``): the probe must stand for what compiled code pays.
+- the host probe of every candidate the tune timed (``host_ms``, what the rule weighs) against a loop of the same
+  launches, and the probe taken again taking turns with that loop (``ROUNDS`` rounds of two bursts of ``BURST``,
+  medians), and against the compiled call's own cost for a few forced choices (a compiled call of that choice
+  minus a compiled ``q + 1``): the probe must stand for what compiled code pays.
 
 ``--training``: B4 Hq16/Hkv4 L2048 D64 causal, forward and backward compiled as one training step (plain):
 the kernels of both directions against each direction's best, and the step's wall time against stock's.
@@ -51,7 +52,8 @@ import torch.nn.functional as F
 
 import inductor_attn
 from inductor_attn.backends import AttnCall, plan_for
-from inductor_attn.bench.runner import whole_record
+from inductor_attn.bench.report import cell
+from inductor_attn.bench.runner import fresh_store, whole_record
 from inductor_attn.bench.wallclock import BURST, burst_host_us, interleaved_wall_us, own_code, warm
 from inductor_attn.device import device_info
 from inductor_attn.tuning.measure import Direction
@@ -80,7 +82,7 @@ def _interleaved_host_us(fns: dict) -> dict:
     samples = {name: [] for name in fns}
     for _ in range(ROUNDS):
         for name, fn in fns.items():
-            samples[name].append(statistics.median(burst_host_us(fn, BURST) for _ in range(2)))
+            samples[name].append(burst_host_us(fn, 2 * BURST))
     return {name: statistics.median(xs) for name, xs in samples.items()}
 
 
@@ -113,7 +115,7 @@ def probes(rec: dict, call: AttnCall, direction: str) -> list[dict]:
         now, loop = [], []
         for _ in range(ROUNDS):
             now.append(host_ms(launch, call.q.device) * 1e3)
-            loop.append(statistics.median(burst_host_us(launch, BURST) for _ in range(2)))
+            loop.append(burst_host_us(launch, 2 * BURST))
         loop_us, now_us = statistics.median(loop), statistics.median(now)
         rows.append({"name": c["name"], "device_us": c["median_ms"] * 1e3, "probe_us": c["host_ms"] * 1e3,
                      "probe_now_us": now_us, "loop_us": loop_us, "probe_over_loop": c["host_ms"] * 1e3 / loop_us,
@@ -277,8 +279,8 @@ def llama() -> dict:
 
     out = {}
     for label, (kind, *args) in LLAMA.items():
-        os.environ["INDUCTOR_ATTN_CACHE_DIR"] = tempfile.mkdtemp()  # the child process inherits it
-        out[label] = models.isolated(kind, *args)
+        with fresh_store():  # the child process inherits its directory
+            out[label] = models.isolated(kind, *args)
         print(json.dumps({label: out[label]}), flush=True)
     return out
 
@@ -335,7 +337,7 @@ def report(run: Path, commit: str, date: str) -> str:
         for label, entry in json.loads(llama_path.read_text())["llama"].items():
             lines.append(f"| {label} | {entry['stock_ms']:.2f} | {entry['ours_ms']:.2f} | "
                          f"**{entry['stock_ms'] / entry['ours_ms']:.2f}x** |" if "error" not in entry else
-                         f"| {label} | | | {entry['error'][:120]} |")
+                         f"| {label} | | | {cell(entry['error'][:120])} |")
     spell_path = run / "spell.json"
     if spell_path.exists():
         windows = json.loads(spell_path.read_text())["spell"]["windows"]

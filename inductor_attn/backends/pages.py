@@ -62,3 +62,13 @@ def unused_slots(num_blocks: int, page_size: int, blocks, slots, exists) -> torc
     used = torch.zeros(num_blocks, page_size, dtype=torch.bool, device=blocks.device)
     used[blocks[exists], slots[exists]] = True
     return ~used
+
+
+def fill_unused(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, kv_seqlens: torch.Tensor,
+                value: float) -> None:
+    """Write ``value`` into every slot of the pools (num_blocks, page_size, Hkv, D) that holds no key of a sequence,
+    in place: NaN for the gate, zeros for a kernel that multiplies them (the paged suite's FA3 column)."""
+    page_size = k_cache.shape[1]
+    unused = unused_slots(k_cache.shape[0], page_size, *key_slots(block_table, kv_seqlens, page_size))
+    for x in (k_cache, v_cache):
+        x[unused] = value

@@ -40,7 +40,7 @@ def run_wallclock_suite(suite: str, *, smoke: bool, quick: bool, part: str, out:
               file=sys.stderr)
         return 2
     if suite == "tuning-cost" and part in ("ops", "models"):
-        print(f"error: --part {part} applies to the overhead and training suites; tuning-cost takes all, "
+        print(f"error: --part {part} applies to the overhead, training and paged suites; tuning-cost takes all, "
               "shipped, background or search", file=sys.stderr)
         return 2
     if suite != "tuning-cost" and budget_s is not None:

@@ -331,7 +331,7 @@ def _continuous_entry(implementation: str, size: str) -> dict:
         by_prompt = {tuple(r.prompt_ids): r.generated_tokens for r in results.values()}
         return [by_prompt[tuple(p)] for p in prompts], seconds
 
-    from .. import reset_stats, stats
+    from .. import reset_stats
 
     reset_stats()
     with _fast_path(implementation == OURS):
@@ -339,7 +339,7 @@ def _continuous_entry(implementation: str, size: str) -> dict:
         tokens, seconds = generate()
     return {"asked": asked, "ran": sorted(ran), "tokens_per_s": sum(map(len, tokens)) / seconds,
             "timed_s": seconds, "first_run_s": first_s, "transformers": transformers.__version__,
-            "kernels": stats() if implementation == OURS else None, "tokens": tokens}
+            "kernels": _ours_ran() if implementation == OURS else None, "tokens": tokens}
 
 
 def _ask_for(model, implementation: str) -> str:

@@ -45,18 +45,19 @@ import torch
 
 from ..api import attention, paged_attention
 from ..backends import enumerate_candidates, fa3 as fa3_backend
-from ..backends.pages import gather_padded, key_slots, unused_slots
+from ..backends.pages import fill_unused, gather_padded, key_slots
 from ..device import device_info
 from ..hf_paged import _append
 from ..ops.paged import paged_call
 from ..store.db import get_store
 from ..tuning.correctness import rel_err
 from ..tuning.decisions import decide
-from ..tuning.measure import (Direction, Trial, candidate_trial, describe, gate, gate_inputs, strict, sync,
-                              time_trials)
+from ..tuning.measure import (NAN_REACHED, Direction, Trial, candidate_trial, describe, gate, gate_inputs, strict,
+                              sync, time_trials)
 from ..tuning.modes import tuning_mode
 from ..tuning.stats import median
 from ..tuning.timing import default_timer
+from .report import cell
 from .wallclock import interleaved_loops, own_code
 
 
@@ -131,7 +132,6 @@ FA3_NAME = "FA3 default splits (reference)"
 FA3_NOTE = "FA3 default splits, timed on a zeroed pool: fails the NaN-past-length check"
 # where this run's NaN probe did not catch it (the note says what the run saw)
 FA3_PASSED_NAN_NOTE = "FA3 default splits, timed on a zeroed pool: passed this run's NaN-past-length probe"
-NAN_REACHED = "NaN past kv_seqlens reached its results"  # how measure.gate words a failure that NaN caused
 
 
 def fa3_interface(device: torch.device):
@@ -144,13 +144,6 @@ def fa3_interface(device: torch.device):
     return flash_attn_interface
 
 
-def _zero_unused(k: torch.Tensor, v: torch.Tensor, call) -> None:
-    """Zeros in every slot of the pools ``k``, ``v`` that holds no key of ``call``'s sequences (in place)."""
-    unused = unused_slots(k.shape[0], k.shape[1], *key_slots(call.block_table, call.kv_seqlens, k.shape[1]))
-    for x in (k, v):
-        x[unused] = 0
-
-
 def _fa3_trial(fa3, zero_pool: bool) -> Trial:
     """FA3's ``flash_attn_with_kvcache`` on the call's pages and table with its default split heuristic
     (``num_splits=0``, ``pack_gqa=None``): q as (B, Lq, Hq, D) (every sequence has ``max_seqlen_q`` queries here),
@@ -159,7 +152,7 @@ def _fa3_trial(fa3, zero_pool: bool) -> Trial:
     place, at bind: outside any capture). Any error means it cannot run the shape (the reason is reported)."""
     def bind(call):
         if zero_pool:
-            _zero_unused(call.k, call.v, call)
+            fill_unused(call.k, call.v, call.block_table, call.kv_seqlens, 0)
         q = call.q.view(call.block_table.shape[0], int(call.max_seqlen_q), *call.q.shape[1:])
 
         def run():
@@ -184,16 +177,15 @@ def _fa3_gates(fa3, call, expected, check) -> tuple[dict, Trial | None]:
     nan = gate(_fa3_trial(fa3, zero_pool=False), short, probe_expected,
                lambda got: probe_direction.check(got, probe_expected, dtype))
     del short, probe_expected
-    k, v = call.k.clone(), call.v.clone()
-    _zero_unused(k, v, call)
-    zeroed = dataclasses.replace(call, k=k, v=v, _problem=call._problem)
-    ok = gate(_fa3_trial(fa3, zero_pool=False), zeroed, expected, check)
+    trial = _fa3_trial(fa3, zero_pool=True)  # on copies of the pools: the candidates' gate inputs stay as they are
+    ok = gate(trial, dataclasses.replace(call, k=call.k.clone(), v=call.v.clone(), _problem=call._problem), expected,
+              check)
     note = (FA3_NOTE if nan.status == "wrong" and nan.reason.startswith(NAN_REACHED) else FA3_PASSED_NAN_NOTE
             if nan.status == "passed" else f"FA3 default splits, timed on a zeroed pool: its NaN probe {nan.status}")
     record = {"note": note,
               "nan_probe": {"status": nan.status, "reason": nan.reason},
               "zeroed_pool": {"status": ok.status, "reason": ok.reason, "error": ok.error}}
-    return record, _fa3_trial(fa3, zero_pool=True) if ok.status == "passed" else None
+    return record, trial if ok.status == "passed" else None
 
 
 def _autotuned(call) -> dict:
@@ -423,7 +415,7 @@ def serving_table(rows: list[dict]) -> str:
              "loop host us / step | paged vs contiguous, after the first pass |", "|---" * 9 + "|"]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['loop']}, {row['steps']} steps | | | | | | | | {_cell(row['error'])} |")
+            lines.append(f"| {row['loop']}, {row['steps']} steps | | | | | | | | {cell(row['error'])} |")
             continue
         note = (f"rel. err {row['paged_vs_contiguous_err']:.1e}; {row['compiles_after_first_pass']} compiles, "
                 f"{row['tunes_after_first_pass']} tunes")
@@ -448,12 +440,12 @@ def client_table(cb: dict) -> str:
     head = (f"transformers continuous batching (`generate_batch`), {cb['prompts']} prompts of "
             f"{cb['prompt_lengths'][0]}-{cb['prompt_lengths'][-1]} tokens, {cb['new_tokens']} new tokens each, "
             f"greedy; transformers {reference.get('transformers', '?')}"
-            + (f"; eager reference: {_cell(reference['error'])}" if "error" in reference else ""))
+            + (f"; eager reference: {cell(reference['error'])}" if "error" in reference else ""))
     lines = [head, "", "| attention | asked for | ran | new tokens/s | / best built-in | sequences = eager generate "
              "(first difference) | first run s | note |", "|---|---|---|---|---|---|---|---|"]
     for name, r in impls.items():
         if "tokens_per_s" not in r:
-            lines.append(f"| {name} | | | | | | | {_cell(r.get('skipped') or r.get('error'))} |")
+            lines.append(f"| {name} | | | | | | | {cell(r.get('skipped') or r.get('error'))} |")
             continue
         same = ""
         if "identical" in r:
@@ -467,14 +459,8 @@ def client_table(cb: dict) -> str:
     return "\n".join(lines)
 
 
-def _cell(text: str) -> str:
-    """``text`` for a markdown table cell: its pipes ("paged|sdpa", in names and in errors that quote them) escaped,
-    or they would split the cell."""
-    return text.replace("|", "\\|")
-
-
 def _code(name: str) -> str:
-    return f"`{_cell(name)}`"
+    return f"`{cell(name)}`"
 
 
 def shape_table(result: dict) -> str:
@@ -502,7 +488,7 @@ def shape_table(result: dict) -> str:
             note = "autotuned" if name == chosen else ""
             lines.append(f"| {row['shape']} | {name} | {ms:.4f} | {rate:.{1 if prefill else 0}f} | {share} | {note} |")
         if "error" in row.get("autotuned", {}):
-            lines.append(f"| {row['shape']} | autotuned | | | | {_cell(row['autotuned']['error'])} |")
+            lines.append(f"| {row['shape']} | autotuned | | | | {cell(row['autotuned']['error'])} |")
         if "fa3_default" in row:
             lines.append(_fa3_line(row, copy_gbs))
     return "\n".join(lines)
@@ -513,13 +499,13 @@ def _fa3_line(row: dict, copy_gbs: float | None) -> str:
     error on the zeroed pool, what the NaN pool did, and our autotuned choice against it."""
     fa3, name = row["fa3_default"], FA3_NAME
     if "skipped" in fa3:
-        return f"| {row['shape']} | {name} | | | | skipped: {_cell(fa3['skipped'])} |"
+        return f"| {row['shape']} | {name} | | | | skipped: {cell(fa3['skipped'])} |"
     zeroed, nan = fa3["zeroed_pool"], fa3["nan_probe"]
     nan_text = ("NaN probe: " + nan["status"] + (f" ({nan['reason']})" if nan["reason"] else ""))
     if zeroed["status"] != "passed" or fa3.get("ms") is None:
         why = (f"{zeroed['status']} on the zeroed pool: {zeroed['reason']}" if zeroed["status"] != "passed"
                else f"timing failed: {fa3.get('failed')}")
-        return f"| {row['shape']} | {name} | | | | {_cell(why + '; ' + nan_text)} |"
+        return f"| {row['shape']} | {name} | | | | {cell(why + '; ' + nan_text)} |"
     ms, prefill = fa3["ms"], row["shape"].startswith("prefill")
     rate = _rate(row, ms)
     share = "" if prefill or not copy_gbs else f"{rate / copy_gbs:.2f}"
@@ -528,7 +514,7 @@ def _fa3_line(row: dict, copy_gbs: float | None) -> str:
     notes += [f"autotuned / FA3 default: {ratio:.2f}"] if ratio is not None else []
     notes += [fa3["timer_note"]] if fa3.get("timer_note") else []
     return (f"| {row['shape']} | {name} | {ms:.4f} | {rate:.{1 if prefill else 0}f} | {share} | "
-            f"{_cell('; '.join(notes))} |")
+            f"{cell('; '.join(notes))} |")
 
 
 def _rate(row: dict, ms: float) -> float:
@@ -589,7 +575,7 @@ def shape_summary(result: dict) -> str:
     notes = [f"{note} (per shape, NaN probe: the gate with every length one key short); its inputs are the "
              "candidates' pages and table, zeros in every slot that holds no key; FA3 is a reference, not a "
              "candidate." for note in seen]
-    notes += [f"FA3 default splits skipped: {_cell(reason)}" for reason in sorted(skipped)]
+    notes += [f"FA3 default splits skipped: {cell(reason)}" for reason in sorted(skipped)]
     target = fa3_target(result["rows"])
     notes += [target] if target else []
     return "\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes)

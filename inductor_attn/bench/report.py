@@ -83,14 +83,20 @@ def write_results(result: dict, out_dir: Path, plots: bool = True) -> list[Path]
     return paths
 
 
+def cell(text: str) -> str:
+    """``text`` for a markdown table cell: its pipes ("paged|sdpa", in names and in errors that quote them) escaped,
+    or they would split the cell."""
+    return text.replace("|", "\\|")
+
+
 def _jsonable(x):
     return str(x)
 
 
 def merge(runs: list[dict], paths: list[Path]) -> dict:
     """Merge the parsed results.json files ``runs`` (read from ``paths``, named in errors) into one result: rows
-    concatenated, each run's meta kept in ``runs``, and the first quality section of each run kept by its
-    command."""
+    concatenated, each run's meta kept in ``runs``, and the runs' quality sections joined (their tunes, compile
+    entries and notes, in run order)."""
     if not runs:
         raise ValueError("give at least one results.json")
     for p, r in zip(paths, runs):

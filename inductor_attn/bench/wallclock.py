@@ -1,5 +1,6 @@
 """What a user's wall clock sees: host time per call, wall time per call and kernel time, for a function
-run eagerly or compiled. Shared by the overhead, training and model suites.
+run eagerly or compiled. Shared by the overhead, training, model and paged suites and by
+benchmarks/tools/compiled_choice_gpu.py.
 
 - host_us: the CPU time one call takes to issue its work, measured over a burst of calls that fits in the
   launch queue (so the CPU never waits for the GPU), best of several bursts;

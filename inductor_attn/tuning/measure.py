@@ -30,7 +30,7 @@ import torch
 
 from .._compat import trace_functional
 from ..backends import REFERENCE, AttnCall, Plan, get_backend, plan_for, run_backend
-from ..backends.pages import key_slots, unused_slots
+from ..backends.pages import fill_unused
 from ..device import device_info
 from ..layout import empty_like_layout, filled_like
 from .correctness import POISON, check_output, check_tensor, rel_err
@@ -136,10 +136,7 @@ def gate_inputs(call: AttnCall, seed: int) -> AttnCall:
     gate keep finite values there (stock SDPA, a baseline, does not keep the contract)."""
     fresh = fresh_inputs(call, seed)
     if call.op == "paged":
-        slots = key_slots(fresh.block_table, fresh.kv_seqlens, fresh.k.shape[1])
-        unused = unused_slots(fresh.k.shape[0], fresh.k.shape[1], *slots)
-        for x in (fresh.k, fresh.v):
-            x[unused] = float("nan")
+        fill_unused(fresh.k, fresh.v, fresh.block_table, fresh.kv_seqlens, float("nan"))
     elif call.kv_seqlens is not None:
         for x in (fresh.k, fresh.v):
             _nan_past(x, call.kv_seqlens)
@@ -337,6 +334,9 @@ class GateResult:
     first_call_s: float | None = None  # wall time of the first call: JIT compilation + one run
 
 
+NAN_REACHED = "NaN past kv_seqlens reached its results"  # how the gate words a failure that NaN caused
+
+
 def gate(trial: Trial, call: AttnCall, expected, check: Callable[[object], tuple[str | None, float]]) -> GateResult:
     """Run ``trial`` once on ``call`` and ``check`` its outputs (``check(got) -> (reason, rel. error)``).
 
@@ -360,7 +360,7 @@ def gate(trial: Trial, call: AttnCall, expected, check: Callable[[object], tuple
         return GateResult("failed", describe(err))
     reason, error = check(got)
     if reason is not None and call.kv_seqlens is not None and _passes_without_nan_tails(trial, call, check):
-        reason = f"NaN past kv_seqlens reached its results: {reason}"
+        reason = f"{NAN_REACHED}: {reason}"
     return GateResult("wrong" if reason else "passed", reason, error, seconds)
 
 
