@@ -51,14 +51,18 @@ def _poisoned(call):
     return out.fill_(float("nan")), lse.fill_(float("nan"))
 
 
+def _check_against_the_oracle(case, x, out, lse):
+    ref_out, ref_lse = pi.oracle(case, x, case.d ** -0.5)
+    assert check_output(out, lse, ref_out, ref_lse, case.dtype) is None
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_paged_attention_matches_a_naive_page_by_page_oracle(name):
     case = CASES[name]
     x = pi.make(case)
     out, lse = inductor_attn.paged_attention(x.q, x.k_cache, x.v_cache, x.block_table, x.kv_seqlens,
                                              return_lse=True, **x.kwargs(case))
-    ref_out, ref_lse = pi.oracle(case, x, case.d ** -0.5)
-    assert check_output(out, lse, ref_out, ref_lse, case.dtype) is None
+    _check_against_the_oracle(case, x, out, lse)
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -82,8 +86,7 @@ def test_split_k_decode_reads_pages_through_the_table(name, splits, block_n):
     with bounds_checked():
         decode.DecodePlan(call.problem, device_info("cpu"), Config.of(block_n=block_n, num_splits=splits,
                                                                       num_warps=4)).run(call, out, lse)
-    ref_out, ref_lse = pi.oracle(case, x, case.d ** -0.5)
-    assert check_output(out, lse, ref_out, ref_lse, case.dtype) is None
+    _check_against_the_oracle(case, x, out, lse)
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if len(set(CASES[n].q_lens or (1,))) == 1])
@@ -140,8 +143,7 @@ def test_the_gather_baseline_looks_up_sdpas_plan_once_per_table_width(monkeypatc
         call = _call(case, x)
         plan = plan or GATHER.plan(call.problem, device_info("cpu"), Config.of(kernel="efficient"), "forward")
         out, lse = plan.launch(call)
-        ref_out, ref_lse = pi.oracle(case, x, case.d ** -0.5)
-        assert check_output(out, lse, ref_out, ref_lse, case.dtype) is None
+        _check_against_the_oracle(case, x, out, lse)
     assert looked_up == [("sdpa:kernel=efficient", 80), ("sdpa:kernel=efficient", 96)]
 
 
@@ -302,11 +304,6 @@ def _tunes(monkeypatch) -> list:
 
 def _paged_step(q, k, v, table, lens):
     return inductor_attn.paged_attention(q, k, v, table, lens, return_lse=True)
-
-
-def _check_against_the_oracle(case, x, out, lse):
-    ref_out, ref_lse = pi.oracle(case, x, case.d ** -0.5)
-    assert check_output(out, lse, ref_out, ref_lse, case.dtype) is None
 
 
 @pytest.mark.parametrize("traceable", [False, True])
