@@ -41,7 +41,7 @@ import torch
 from .._compat import cudagraphs_enabled, eager_mode, fake_mode_of, trace_functional
 from ..backends import AttnCall
 from ..device import device_info
-from ..layout import empty_like_layout, filled_like
+from ..layout import filled_like
 from ..ops import (BACKWARD_OPS, FORWARD_OPS, attention_backward_op, attention_op,
                    block_sparse_attention_backward_op, block_sparse_attention_op, paged_attention_op,
                    varlen_attention_backward_op, varlen_attention_op)
@@ -50,7 +50,7 @@ from ..ops.paged import paged_call
 from ..messages import KV_SEQLENS_VALUES, device_message
 from ..ops.launch import OWN_TENSORS, launch_op, plan_key
 from ..runtime import COMPILED, count_compiled, plan_for
-from ..tuning.measure import describe, strict
+from ..tuning.measure import describe, fresh_pool, strict
 from ..tuning.step_cost import Bucket, choose_for_graph, launch_costs
 from .graph_cost import graph_work
 
@@ -249,7 +249,7 @@ def _run_time_call(op: str, vals: dict) -> AttnCall:
 def _concrete_call(op: str, vals: dict) -> AttnCall:
     """Real tensors with the call's shapes, strides and dtypes: fresh normal q/k/v (the tuner makes its own
     copies), lengths drawn over the whole cache (a paged call's: up to max_seqlen_k), a key mask with 90% of keys
-    open; a paged call's block table and query runs from :func:`_page_indices`."""
+    open; a paged call's pools and block table from ``measure.fresh_pool``, its query runs spread evenly."""
     q = vals["q"]
     capacity = vals["max_seqlen_k"] if op == "paged" else vals["k"].shape[2]
     with eager_mode():
@@ -266,28 +266,15 @@ def _concrete_call(op: str, vals: dict) -> AttnCall:
         tensors = {name: like(vals[name]) for name in _tensor_names(op, "forward")
                    if vals.get(name) is not None and name not in (*OWN_TENSORS[op], "k_cache", "v_cache")}
         if op == "paged":
-            # a pool of the pages the table can name, plus one, as the tuner's own (measure._fresh_pages): a
-            # server's pool is most of the GPU's memory, and a copy of it while compiling could exhaust it
-            pages = min(vals["k_cache"].shape[0], vals["block_table"].numel() + 1)
-            tensors |= {name: empty_like_layout(vals[name], (pages, *vals[name].shape[1:])).normal_(generator=gen)
-                        for name in ("k_cache", "v_cache")}
-            tensors |= _page_indices(vals, pages, gen)
+            # pools of the pages the table can name, plus one, as the tuner's own, at most the server's: a server's
+            # pool is most of the GPU's memory, and a copy of it while compiling could exhaust it
+            num_seqs, width = vals["block_table"].shape
+            tensors["k_cache"], tensors["v_cache"], tensors["block_table"] = fresh_pool(
+                vals["k_cache"], vals["v_cache"], num_seqs, width, gen, most=vals["k_cache"].shape[0])
+            if vals["cu_seqlens_q"] is not None:  # the queries spread evenly, none over max_seqlen_q (check_paged)
+                starts = torch.arange(num_seqs + 1, device=q.device) * q.shape[0] // num_seqs
+                tensors["cu_seqlens_q"] = starts.int()
         return _call_of(op, vals, tensors)
-
-
-def _page_indices(vals: dict, pool: int, gen: torch.Generator) -> dict:
-    """A paged call's representative index tensors: a block table that names the ``pool`` pages in random order,
-    each once while there are enough of them (past that some are named twice, as shared prefixes are), and
-    where the call has one, cu_seqlens_q spreading the queries evenly over the sequences (none gets more than
-    max_seqlen_q: checks.check_paged). Contiguous, as the tuner's own fresh tables are (tuning/measure.py)."""
-    table = vals["block_table"]
-    (num_seqs, width), device = table.shape, table.device
-    order = torch.randperm(pool, generator=gen, device=device)
-    indices = {"block_table": order[torch.arange(num_seqs * width, device=device) % pool].view(num_seqs, width).int()}
-    if vals["cu_seqlens_q"] is not None:
-        starts = torch.arange(num_seqs + 1, device=device) * vals["q"].shape[0] // num_seqs
-        indices["cu_seqlens_q"] = starts.int()
-    return indices
 
 
 def _decide(call: AttnCall, direction: str, grad_lse: bool) -> tuple[str, dict | None]:

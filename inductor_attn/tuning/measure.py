@@ -118,15 +118,23 @@ def fresh_inputs(call: AttnCall, seed: int) -> AttnCall:
 
 
 def _fresh_pages(call: AttnCall, gen: torch.Generator, like) -> AttnCall:
-    """A paged call's fresh inputs in a pool of its own: the pages its table rows can name, each once, in random
-    order (a fragmented cache), plus one page that no row names; pools in the call's stride order (NHD or HND)
-    and the call's lengths. A server's whole pool (most of the GPU's memory) is never copied."""
-    num_seqs, width = call.block_table.shape
-    pool = (num_seqs * width + 1, *call.k.shape[1:])
-    order = torch.randperm(pool[0], generator=gen, device=gen.device)[: num_seqs * width]
-    k, v = (empty_like_layout(x, (*pool[:3], x.shape[3])).normal_(generator=gen) for x in (call.k, call.v))
-    return dataclasses.replace(call, q=like(call.q), k=k, v=v, block_table=order.view(num_seqs, width).int(),
-                               _problem=call._problem)
+    """A paged call's fresh inputs in pools of their own (:func:`fresh_pool`) and the call's lengths."""
+    k, v, table = fresh_pool(call.k, call.v, *call.block_table.shape, gen)
+    return dataclasses.replace(call, q=like(call.q), k=k, v=v, block_table=table, _problem=call._problem)
+
+
+def fresh_pool(k: torch.Tensor, v: torch.Tensor, num_seqs: int, width: int, gen: torch.Generator,
+               most: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pools like ``k`` and ``v`` (num_blocks, page_size, Hkv, D; in their stride order, NHD or HND) filled with
+    normal values, and a contiguous int32 block table (num_seqs, width) that names their pages in random order (a
+    fragmented cache): as many pages as the table can name, each once, plus one that no row names; at most
+    ``most`` (a server's pool, when it has fewer), where some pages are then named twice, as shared prefixes are.
+    A server's whole pool (most of the GPU's memory) is never copied."""
+    names = num_seqs * width
+    pages = names + 1 if most is None else min(most, names + 1)
+    order = torch.randperm(pages, generator=gen, device=gen.device)
+    k, v = (empty_like_layout(x, (pages, *x.shape[1:])).normal_(generator=gen) for x in (k, v))
+    return k, v, order[torch.arange(names, device=gen.device) % pages].view(num_seqs, width).int()
 
 
 def gate_inputs(call: AttnCall, seed: int) -> AttnCall:
