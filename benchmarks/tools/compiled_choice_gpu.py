@@ -332,11 +332,11 @@ def report(run: Path, commit: str, date: str) -> str:
     if llama_path.exists():
         lines += ["", "HF Llama (8 layers, hidden 1024, 16/4 heads, bf16, random weights), stock `torch.compile` "
                   "against `backend=\"inductor_attn\"`, each entry in a fresh process and store, plain launches "
-                  "(`python -m inductor_attn.bench.models overhead|training ...`):", "",
+                  "(`PYTHONPATH=. python benchmarks/tools/compiled_choice_gpu.py --out $OUT --llama`):", "",
                   "| entry | stock ms | ours ms | stock / ours |", "|---|---|---|---|"]
         for label, entry in json.loads(llama_path.read_text())["llama"].items():
             lines.append(f"| {label} | {entry['stock_ms']:.2f} | {entry['ours_ms']:.2f} | "
-                         f"**{entry['stock_ms'] / entry['ours_ms']:.2f}x** |" if "error" not in entry else
+                         f"{_speedup(entry['stock_ms'] / entry['ours_ms'])} |" if "error" not in entry else
                          f"| {label} | | | {cell(entry['error'][:120])} |")
     spell_path = run / "spell.json"
     if spell_path.exists():
@@ -345,13 +345,18 @@ def report(run: Path, commit: str, date: str) -> str:
         cpu_first, cpu_last = (_spell_medians(windows, part, "cpu_us") for part in (slice(0, 10), slice(-5, None)))
         clocks = sorted({w["sm_mhz"] for w in windows})
         gcs = sum(len(w["gcs"]) for w in windows)
-        lines += ["", "Calls right after a tune (decode B1 H32/8 Lkv2k D128, `--spell`), median us per call of the "
-                  f"first 200 / the last 100 of each: ours {first['ours']:.0f} / {last['ours']:.0f} "
-                  f"({first['ours'] / last['ours']:.2f}x), stock compile {first['stock']:.0f} / {last['stock']:.0f} "
-                  f"({first['stock'] / last['stock']:.2f}x); the main thread's CPU us per call, ours "
+        lines += ["", "Calls right after a tune (decode B1 H32/8 Lkv2k D128, `compiled_choice_gpu.py --out $OUT "
+                  f"--spell`), median us per call of the first 200 / the last 100 of each: ours {first['ours']:.0f} / "
+                  f"{last['ours']:.0f} ({first['ours'] / last['ours']:.2f}x), stock compile {first['stock']:.0f} / "
+                  f"{last['stock']:.0f} ({first['stock'] / last['stock']:.2f}x); the main thread's CPU us per call, ours "
                   f"{cpu_first['ours']:.0f} / {cpu_last['ours']:.0f}; SM clock {clocks[0]}-{clocks[-1]} MHz; "
                   f"{gcs} garbage collections."]
     return "\n".join(lines)
+
+
+def _speedup(x: float) -> str:
+    """A ratio over stock, bold where ours is faster."""
+    return f"**{x:.2f}x**" if x >= 1 else f"{x:.2f}x"
 
 
 def _fmt_ratio(x) -> str:
