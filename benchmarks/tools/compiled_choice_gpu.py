@@ -348,8 +348,8 @@ def report(run: Path, commit: str, date: str) -> str:
         lines += ["", "Calls right after a tune (decode B1 H32/8 Lkv2k D128, `compiled_choice_gpu.py --out $OUT "
                   f"--spell`), median us per call of the first 200 / the last 100 of each: ours {first['ours']:.0f} / "
                   f"{last['ours']:.0f} ({first['ours'] / last['ours']:.2f}x), stock compile {first['stock']:.0f} / "
-                  f"{last['stock']:.0f} ({first['stock'] / last['stock']:.2f}x); the main thread's CPU us per call, ours "
-                  f"{cpu_first['ours']:.0f} / {cpu_last['ours']:.0f}; SM clock {clocks[0]}-{clocks[-1]} MHz; "
+                  f"{last['stock']:.0f} ({first['stock'] / last['stock']:.2f}x); the main thread's CPU us per call, "
+                  f"ours {cpu_first['ours']:.0f} / {cpu_last['ours']:.0f}; SM clock {clocks[0]}-{clocks[-1]} MHz; "
                   f"{gcs} garbage collections."]
     return "\n".join(lines)
 
