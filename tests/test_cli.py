@@ -17,6 +17,7 @@ from inductor_attn.cli import main
 from inductor_attn.store.db import DecisionStore
 from inductor_attn.store.keys import key_of
 from inductor_attn.tuning.decisions import forget_decisions
+from inductor_attn.tuning.step_cost import OP_IN_GRAPH_MS
 
 
 @pytest.fixture
@@ -283,4 +284,7 @@ def test_explain_shows_the_host_time_the_rule_weighs_and_each_probe_beside_it(mo
         inductor_attn.attention(q, q, q, causal=True)
     assert main(["cache", "explain", inductor_attn.cache.list_decisions()[0]["key"][:10]]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line[2:].startswith("b:x=")]
-    assert len(rows) == 2 and all("0.0400  host: its launch path's median; its own probe 0.0" in r for r in rows)
+    weighed = f"{0.040 + OP_IN_GRAPH_MS:.4f}"  # the fake backend has no traced form: compiled code calls the op
+    assert len(rows) == 2 and all(f"{weighed}  host: its launch path's median + the launch op's cost in a graph; "
+                                  "its own probe 0.0" in r for r in rows)
+

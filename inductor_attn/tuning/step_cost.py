@@ -12,8 +12,10 @@ the program around the call:
   candidate c, and other work costing ``H`` of host and ``D`` of device time, costs
   ``max(H + n * host_c, D + n * device_c)``. In a device-bound graph a launch's host time hides behind the
   kernels and the fastest kernel wins; in a host-bound one (decode steps, small batches) the cheapest launch
-  does. A host time measured in a tune is within about 20% of what compiled code pays, so another candidate
-  replaces the winner only where it wins by more than that error (``HOST_ERROR``).
+  does. A call through the launch op costs compiled code more than the same op called alone, as the tune
+  probes it (``OP_IN_GRAPH_MS``, added to those candidates' probes); the probes of one tune are within about
+  10% of each other's truth (``HOST_ERROR``), so another candidate replaces the winner only where it wins
+  by more than that error.
 
 The lowering estimates ``H`` and ``D`` for each graph it compiles (lowering/graph_cost.py) and decides every
 bucket of the graph together (:func:`choose_for_graph`). The tuner's winner stays unless another candidate
@@ -28,11 +30,17 @@ import statistics
 from dataclasses import dataclass
 
 TIE_MARGIN = 0.02  # the tuner's: a candidate must make the step this much faster to replace the winner
-# How far a host time measured in the tune may be from what compiled code pays (probe against compiled call on
-# an H200, 2026-11-29: within 20% for the thin op's launches; an aten call's Python wrapper in generated code
-# moves by more): another candidate replaces the winner only if it wins with its host time this much higher and
-# the winner's this much lower.
-HOST_ERROR = 0.2
+# How far apart two candidates' host probes of one tune may be from what compiled code pays them, relative to
+# each other (H200, 2026-11-29: each probe taken again against a loop of its launches, 0.95-1.05; the drift
+# between a tune and a later loop, 0.6-1.1, moves every candidate alike): another candidate replaces the winner
+# only if it wins with its host time this much higher and the winner's this much lower.
+HOST_ERROR = 0.1
+# What compiled code pays for a call through the launch op beyond the op called alone (the tune's probe): a
+# compiled function making one such call against a compiled ``q + 1`` plus the op's probe, B1 H32 D128 L512 and
+# L2048 causal on an H200: 15-21 us for FA4, SDPA flash and cuDNN plans through the op (2026-11-29, one run),
+# 35-39 us for FA4 in an earlier one; traced aten calls cost compiled code no more than their probes. Where it
+# goes is not known yet: on a CPU the op's call in a graph costs ~11 us more than alone, whatever the op.
+OP_IN_GRAPH_MS = 0.03
 WALL_CLOCK = "wall-clock"  # timing.WallClockTimer's name
 
 
@@ -55,7 +63,9 @@ class GraphWork:
 
 def launch_costs(record: dict) -> list[LaunchCost]:
     """The candidates of a tune record that passed the gate and carry both figures, in prior order, each with the
-    host time of its launch path (the median of that path's probes, :func:`_launch_path`). Records
+    host time of its launch path (the median of that path's probes, :func:`_launch_path`; through the launch op,
+    plus ``OP_IN_GRAPH_MS``). Records
+
     tuned before host times were measured for every candidate hold them for a few only: those alone compete.
     None from a wall-clock tune (CPU problems): its time already holds the launch, and the winner is best.
     """
@@ -66,7 +76,8 @@ def launch_costs(record: dict) -> list[LaunchCost]:
     paths: dict[tuple, list[float]] = {}
     for c in measured:
         paths.setdefault(_launch_path(c), []).append(c["host_ms"])
-    host = {path: statistics.median(probes) for path, probes in paths.items()}
+    host = {path: statistics.median(probes) + (OP_IN_GRAPH_MS if path[1] is False else 0.0)
+            for path, probes in paths.items()}
     return [LaunchCost(c["name"], c["median_ms"], host[_launch_path(c)]) for c in measured]
 
 
