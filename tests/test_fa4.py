@@ -966,3 +966,28 @@ def test_a_replay_allocates_fa4s_buffers_again_zeroed_where_they_were_handed_ove
     assert replay.scratch == [((4,), (1,), torch.int32, True), ((2, 16), (16, 1), torch.float32, False)]
     # one buffer, one role, across kernels
     assert replay.steps[1][1] == [(record_replay.SCRATCH, 1), (record_replay.CONST, 0.5)]
+
+
+def test_a_replays_scratch_buffers_share_one_allocation_without_overlapping():
+    """One allocation per replay, the zeroed buffers first (one fill), each at a multiple of 512 bytes; a
+    buffer not zeroed is poisoned in a check; each kernel gets its arguments in the recorded order."""
+    scratch = [((3, 5), (5, 1), torch.float32, False), ((4,), (1,), torch.int32, True),
+               ((2, 3, 4), (12, 1, 3), torch.float32, True), ((0, 7), (7, 1), torch.float32, False)]
+    seen = []
+    steps = [(lambda *args: seen.append(args), [(record_replay.SCRATCH, 2), (record_replay.ROLE, 0),
+                                                (record_replay.CONST, 0.5), (record_replay.SCRATCH, 0)]),
+             (lambda *args: seen.append(args), [(record_replay.SCRATCH, 1)]),
+             (lambda *args: seen.append(args), [(record_replay.CONST, "x")])]
+    q = torch.randn(2)
+    record_replay.Replay(steps, scratch)((q,), poison=float("nan"))
+    (b2, role, half, b0), (b1,), (const,) = seen
+    assert role is q and half == 0.5 and const == "x"
+    assert [(tuple(b.shape), b.stride(), b.dtype) for b in (b0, b1, b2)] == [s[:3] for s in scratch[:3]]
+    assert b0.isnan().all() and not b1.any() and not b2.any()
+    base = b0.untyped_storage().data_ptr()
+    assert all(b.untyped_storage().data_ptr() == base for b in (b1, b2))
+    starts = sorted((b.data_ptr() - base, b) for b in (b0, b1, b2))
+    assert [offset % 512 for offset, _ in starts] == [0, 0, 0]
+    for (offset, b), (next_offset, _) in zip(starts, starts[1:]):
+        assert offset + b.numel() * b.element_size() <= next_offset
+    assert starts[-1][1] is b0  # the zeroed buffers first, side by side
