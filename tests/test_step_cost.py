@@ -108,3 +108,17 @@ def test_a_host_advantage_within_the_probes_error_leaves_the_winner():
     cheaper = LaunchCost("sdpa:kernel=cudnn", device_ms=0.0151, host_ms=0.045)
     assert _choice(GraphWork(host_ms=0.038, device_ms=0.0), costs=(winner, cheaper)) == "fa4:default"
     assert _choice(GraphWork(host_ms=0.038, device_ms=0.0), costs=(FA4, FLASH)) == FLASH.name
+
+
+def test_sdpas_kernels_are_launch_paths_of_their_own():
+    """SDPA's kernel knob calls another aten op, whose launch costs another host time: pooled with the others,
+    cuDNN's faster kernel took flash's cheaper launch and ran where flash made the step faster (H200, L512c)."""
+    record = {"timer": "cuda-graph", "candidates": [
+        {"name": "fa4:default", "status": "passed", "median_ms": 0.0137, "host_ms": 0.067, "traced": False},
+        {"name": "sdpa:kernel=cudnn", "status": "passed", "median_ms": 0.0150, "host_ms": 0.054, "traced": True},
+        {"name": "sdpa:kernel=flash", "status": "passed", "median_ms": 0.0228, "host_ms": 0.047, "traced": True},
+        {"name": "sdpa:kernel=efficient", "status": "passed", "median_ms": 0.037, "host_ms": 0.098, "traced": True}]}
+    costs = launch_costs(record)
+    assert [c.host_ms for c in costs] == pytest.approx([0.067 + OP_IN_GRAPH_MS, 0.054, 0.047, 0.098])
+    chosen = choose_for_graph({"k": Bucket("fa4:default", costs)}, GraphWork(host_ms=0.038, device_ms=0.0))
+    assert chosen["k"][0] == "sdpa:kernel=flash"

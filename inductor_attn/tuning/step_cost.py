@@ -76,18 +76,31 @@ def launch_costs(record: dict) -> list[LaunchCost]:
     paths: dict[tuple, list[float]] = {}
     for c in measured:
         paths.setdefault(_launch_path(c), []).append(c["host_ms"])
-    host = {path: statistics.median(probes) + (OP_IN_GRAPH_MS if path[1] is False else 0.0)
+    host = {path: statistics.median(probes) + (OP_IN_GRAPH_MS if path[0] is False else 0.0)
+
             for path, probes in paths.items()}
     return [LaunchCost(c["name"], c["median_ms"], host[_launch_path(c)]) for c in measured]
 
 
+# Knobs that pick another entry point of a library (SDPA's and the gather baseline's ``kernel``: a different aten
+# op; flex's ``backend``), whose launch costs differ (SDPA's cuDNN, flash and efficient: 54, 47 and 98 us of host,
+# H200, 2026-11-29): part of a launch path. Other knobs change the kernel, not what launches it.
+ENTRY_KNOBS = ("kernel", "backend")
+
+
 def _launch_path(candidate: dict) -> tuple:
-    """What a candidate's host time is a property of: its backend and whether compiled code launches its traced
-    kernels or calls the launch op. The knobs change the kernel, not the Python that launches it, so a backend's
-    probes of one path are pooled (their median): on one H200 run (2026-11-29) FA4 configs' probes of one path
-    spread from 36 to 60 us, and trading the tuner's winner for another config on that spread ran a kernel 26%
-    slower."""
-    return candidate["name"].partition(":")[0], candidate.get("traced")
+    """What a candidate's host time is a property of: whether compiled code launches its traced kernels or calls
+    the launch op (first, as ``launch_costs`` reads it), its backend and its ``ENTRY_KNOBS``. Other knobs change
+    the kernel, not the Python that launches it, so the probes of one path are pooled (their median): on one
+    H200 run (2026-11-29) FA4 configs' probes of one path spread from 36 to 60 us, and trading the tuner's winner
+    for another config on that spread ran a kernel 26% slower.
+
+    >>> _launch_path({"name": "sdpa:kernel=flash", "traced": True}), _launch_path({"name": "fa4:tile_mn=128x176"})
+    ((True, 'sdpa', ('kernel=flash',)), (None, 'fa4', ()))
+    """
+    backend, _, config = candidate["name"].partition(":")
+    entry = tuple(kv for kv in config.split(",") if kv.partition("=")[0] in ENTRY_KNOBS)
+    return candidate.get("traced"), backend, entry
 
 
 def step_ms(cost: LaunchCost, calls: int, rest: GraphWork, host_factor: float = 1.0) -> float:
@@ -173,8 +186,8 @@ def explain_choice(winner: str, costs: list[LaunchCost]) -> list[str]:
     >>> for line in explain_choice("fa4", [LaunchCost("fa4", 0.014, 0.045), LaunchCost("sdpa", 0.023, 0.015)]):
     ...     print(line)
     under CUDA graphs: fa4 (device time only)
-    plain launches, H - D < -0.012 ms: fa4
-    plain launches, H - D >= -0.012 ms: sdpa
+    plain launches, H - D < -0.017 ms: fa4
+    plain launches, H - D >= -0.017 ms: sdpa
     """
     lines = [f"under CUDA graphs: {winner} (device time only)"]
     bucket = Bucket(winner, costs)
