@@ -470,3 +470,26 @@ def test_compiled_code_never_runs_a_wrong_candidate_of_a_record_not_tuned_here(m
         assert inductor_attn.stats() == {"attention/forward -> b:default": 1}
     torch._dynamo.reset()
     torch.testing.assert_close(out, inductor_attn.run_candidate("reference:default", call.q, call.k, call.v))
+
+
+def test_a_tune_that_runs_out_of_device_memory_stores_nothing_and_runs_its_winner_unmeasured(fakes, monkeypatch,
+                                                                                             caplog):
+    """A server's cache may hold most of the device's memory (transformers' continuous batching sizes its cache
+    to it): a candidate that cannot get memory says nothing about its kernel, and a decision stored from that
+    tune would hold in later processes that have the room."""
+    a, b = fakes
+    real = b._forward
+
+    def forward(cfg, call):
+        if cfg == "x=1":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.93 GiB (simulated)")
+        return real(cfg, call)
+
+    monkeypatch.setattr(b, "_forward", forward)
+    with inductor_attn.tuning_mode("autotune"), caplog.at_level("WARNING"):
+        assert decide(small_call(), DEV, "forward") == "b:x=2"  # the tune's winner of those that ran
+        runs = a.calls + b.calls
+        assert decide(small_call(), DEV, "forward") == "b:x=2"  # remembered in this process: no second tune
+    assert a.calls + b.calls == runs
+    assert get_store().rows() == []
+    assert "ran out of device memory in b:x=1" in caplog.text and "nothing stored" in caplog.text

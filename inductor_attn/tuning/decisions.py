@@ -177,9 +177,25 @@ def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str, grad_lse: b
         _schedule_tune(call, direction, fields["key"])
         choice = prior["winner"] if prior is not None else heuristic_choice(p, dev, cands)
         return choice, prior, fields["key"]
-    row = tune_once(store, fields["key"], call.q.device, lookup=stored,
-                    tune=lambda: _measure(call, cands, direction, fields, store, prior, grad_lse=grad_lse))
+    try:
+        row = tune_once(store, fields["key"], call.q.device, lookup=stored,
+                        tune=lambda: _measure(call, cands, direction, fields, store, prior, grad_lse=grad_lse))
+    except OutOfMemoryWhileTuning as err:
+        choice = err.winner if err.winner and not err.winner.startswith("reference") else default_choice(cands)
+        log.warning("inductor_attn: %s; nothing stored: %s runs %s in this process, unmeasured (tune it where the "
+                    "device has room, e.g. before a server takes its cache)", err, choice, p)
+        return choice, None, None
     return row["winner"], row, None
+
+
+class OutOfMemoryWhileTuning(Exception):
+    """A tune in which the device ran out of memory: what it measured says nothing about the kernels that could
+    not run (a server's cache may hold most of the memory), so no decision is stored from it. ``winner``: the
+    tune's, when it finished."""
+
+    def __init__(self, message: str, winner: str | None = None):
+        super().__init__(message)
+        self.winner = winner
 
 
 def _stored_without_costly_imports(light: list[Candidate], fields: dict) -> tuple[str, dict, None] | None:
@@ -269,6 +285,14 @@ def _measure(call: AttnCall, cands: list[Candidate], direction: str, fields: dic
             if not note:
                 raise
             result = None
+        except torch.OutOfMemoryError as err:
+            raise OutOfMemoryWhileTuning(f"tuning {call.problem} ran out of device memory ({describe(err)})") from err
+    short = [c.name for c in (result.candidates if result is not None else ())
+             if c.status == "failed" and (c.reason or "").startswith(f"{torch.OutOfMemoryError.__name__}:")]
+    if short:
+        raise OutOfMemoryWhileTuning(f"tuning {call.problem} ran out of device memory in {', '.join(short)}",
+                                     result.winner)
+
     if result is None:
         log.warning("none of the shipped decision's shortlist ran here; searching every candidate")
         if any(c.pruned == NOT_ENUMERATED for c in every):

@@ -403,6 +403,7 @@ class Timed:
     samples: list[float] = field(default_factory=list)  # ms per call, one per round
     note: str = ""  # the timer's remark (e.g. timed without a CUDA graph)
     failed: str | None = None  # why it stopped: an error while preparing or sampling it (samples dropped)
+    out_of_memory: bool = False  # it stopped because the device ran out of memory
 
 
 def time_trials(trials: list[Trial], call: AttnCall, timer, rounds: int, tick=None, seed: int = 100) -> list[Timed]:
@@ -441,5 +442,7 @@ def time_trials(trials: list[Trial], call: AttnCall, timer, rounds: int, tick=No
 
 def _fail(timed: Timed, err: Exception, device: torch.device) -> None:
     timed.failed, timed.samples = f"while timing: {describe(err)}", []
+    timed.out_of_memory = isinstance(err, torch.OutOfMemoryError)
+
     if device.type == "cuda":
         torch.cuda.empty_cache()

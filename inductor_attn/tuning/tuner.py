@@ -200,8 +200,11 @@ class _Search:
         trials = [candidate_trial(name, self.mode) for name in names]
         timed = time_trials(trials, self.call, self.timer, self.rounds, self.tick, seed=next(self.sessions))
         for name, t in zip(names, timed):
+            if t.out_of_memory:
+                raise torch.OutOfMemoryError(f"{name} passed the gate but failed {t.failed}")
             if t.failed:  # the rounds are paired: a candidate that stops running leaves no fair comparison
                 raise RuntimeError(f"{name} passed the gate but failed {t.failed}")
+
             self.results[name].note = self.results[name].note or t.note
         return {name: t.samples for name, t in zip(names, timed)}
 
