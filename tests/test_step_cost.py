@@ -68,12 +68,8 @@ def test_configs_of_one_backend_and_launch_path_share_its_host_time():
     """A knob changes the kernel, not the Python that launches it: a config's lower probe is noise, and a
     host-bound graph keeps the tuner's winner rather than a slower config of the same backend. A call through
     the launch op (not traced) costs compiled code more than its probe."""
-    record = {"timer": "cuda-graph", "candidates": [
-        {"name": "fa4:default", "status": "passed", "median_ms": 0.0138, "host_ms": 0.060, "traced": False},
-        {"name": "fa4:tile=1", "status": "passed", "median_ms": 0.0174, "host_ms": 0.036, "traced": False},
-        {"name": "fa4:tile=2", "status": "passed", "median_ms": 0.0167, "host_ms": 0.057, "traced": False},
-        {"name": "sdpa:kernel=flash", "status": "passed", "median_ms": 0.023, "host_ms": 0.046, "traced": True}]}
-    costs = launch_costs(record)
+    costs = launch_costs(_timed(("fa4:default", 0.0138, 0.060, False), ("fa4:tile=1", 0.0174, 0.036, False),
+                                ("fa4:tile=2", 0.0167, 0.057, False), ("sdpa:kernel=flash", 0.023, 0.046, True)))
     op = 0.057 + OP_IN_GRAPH_MS
     assert [c.host_ms for c in costs] == pytest.approx([op, op, op, 0.046])
     chosen = choose_for_graph({"k": Bucket("fa4:default", costs[:3])}, GraphWork(host_ms=0.038, device_ms=0.0))
@@ -113,12 +109,16 @@ def test_a_host_advantage_within_the_probes_error_leaves_the_winner():
 def test_sdpas_kernels_are_launch_paths_of_their_own():
     """SDPA's kernel knob calls another aten op, whose launch costs another host time: pooled with the others,
     cuDNN's faster kernel took flash's cheaper launch and ran where flash made the step faster (H200, L512c)."""
-    record = {"timer": "cuda-graph", "candidates": [
-        {"name": "fa4:default", "status": "passed", "median_ms": 0.0137, "host_ms": 0.067, "traced": False},
-        {"name": "sdpa:kernel=cudnn", "status": "passed", "median_ms": 0.0150, "host_ms": 0.054, "traced": True},
-        {"name": "sdpa:kernel=flash", "status": "passed", "median_ms": 0.0228, "host_ms": 0.047, "traced": True},
-        {"name": "sdpa:kernel=efficient", "status": "passed", "median_ms": 0.037, "host_ms": 0.098, "traced": True}]}
-    costs = launch_costs(record)
+    costs = launch_costs(_timed(("fa4:default", 0.0137, 0.067, False), ("sdpa:kernel=cudnn", 0.0150, 0.054, True),
+                                ("sdpa:kernel=flash", 0.0228, 0.047, True),
+                                ("sdpa:kernel=efficient", 0.037, 0.098, True)))
     assert [c.host_ms for c in costs] == pytest.approx([0.067 + OP_IN_GRAPH_MS, 0.054, 0.047, 0.098])
     chosen = choose_for_graph({"k": Bucket("fa4:default", costs)}, GraphWork(host_ms=0.038, device_ms=0.0))
     assert chosen["k"][0] == "sdpa:kernel=flash"
+
+
+def _timed(*candidates) -> dict:
+    """A tune record whose ``candidates`` (name, median ms, host ms, traced) all passed."""
+    return {"timer": "cuda-graph", "candidates": [
+        {"name": name, "status": "passed", "median_ms": ms, "host_ms": host, "traced": traced}
+        for name, ms, host, traced in candidates]}
