@@ -155,7 +155,6 @@ def explain(key_prefix: str, store: DecisionStore | LayeredStore | None = None) 
         through_op = " + the launch op's cost in a graph" if c.get("traced") is False else ""
         pooled = (f"host: its launch path's median{through_op}; its own probe {c['host_ms']:.4f} ms"
                   if host is not None and c.get("host_ms") is not None and host != c["host_ms"] else "")
-
         lines.append(
             f"{mark} {c['name'][:44]:44s} {c['status']:8s} {_fmt(c.get('median_ms'), '.4f'):>10s} "
             f"{_fmt(c.get('speedup'), '.3f'):>8s} {ci:>15s} {_fmt(c.get('error'), '.1e'):>8s} "

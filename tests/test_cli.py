@@ -287,4 +287,3 @@ def test_explain_shows_the_host_time_the_rule_weighs_and_each_probe_beside_it(mo
     weighed = f"{0.040 + OP_IN_GRAPH_MS:.4f}"  # the fake backend has no traced form: compiled code calls the op
     assert len(rows) == 2 and all(f"{weighed}  host: its launch path's median + the launch op's cost in a graph; "
                                   "its own probe 0.0" in r for r in rows)
-

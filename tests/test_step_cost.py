@@ -99,7 +99,6 @@ def test_explain_says_when_one_candidate_runs_whatever_the_graph():
 def test_a_host_advantage_within_the_probes_error_leaves_the_winner():
     """Two probes of one tune are within about 10% of each other's truth: 45 against 55 us of launch is not
     enough to give up a faster kernel in a graph of the call alone; 34 against 82 is."""
-
     winner = LaunchCost("fa4:default", device_ms=0.0138, host_ms=0.055)
     cheaper = LaunchCost("sdpa:kernel=cudnn", device_ms=0.0151, host_ms=0.045)
     assert _choice(GraphWork(host_ms=0.038, device_ms=0.0), costs=(winner, cheaper)) == "fa4:default"

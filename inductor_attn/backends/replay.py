@@ -179,7 +179,6 @@ class Replay:
         for fn, pick in calls:
             fn(*pick(pool))
 
-
     def without_zeroing(self, j: int) -> Replay:
         """This replay with scratch buffer ``j`` allocated as it comes, not zeroed."""
         scratch = list(self.scratch)
@@ -245,7 +244,6 @@ def _pickers(steps: list, num_values: int, num_buffers: int) -> tuple[list, tupl
 
 
 # What a check fills the scratch buffers a replay does not zero with: NaN spreads through sums, a large finite
-
 # value shows through a max or a min, which NaN may pass unseen.
 _POISONS = (float("nan"), 1e4)
 

@@ -292,7 +292,6 @@ def _measure(call: AttnCall, cands: list[Candidate], direction: str, fields: dic
     if short:
         raise OutOfMemoryWhileTuning(f"tuning {call.problem} ran out of device memory in {', '.join(short)}",
                                      result.winner)
-
     if result is None:
         log.warning("none of the shipped decision's shortlist ran here; searching every candidate")
         if any(c.pruned == NOT_ENUMERATED for c in every):

@@ -443,6 +443,5 @@ def time_trials(trials: list[Trial], call: AttnCall, timer, rounds: int, tick=No
 def _fail(timed: Timed, err: Exception, device: torch.device) -> None:
     timed.failed, timed.samples = f"while timing: {describe(err)}", []
     timed.out_of_memory = isinstance(err, torch.OutOfMemoryError)
-
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -65,7 +65,6 @@ def launch_costs(record: dict) -> list[LaunchCost]:
     """The candidates of a tune record that passed the gate and carry both figures, in prior order, each with the
     host time of its launch path (the median of that path's probes, :func:`_launch_path`; through the launch op,
     plus ``OP_IN_GRAPH_MS``). Records
-
     tuned before host times were measured for every candidate hold them for a few only: those alone compete.
     None from a wall-clock tune (CPU problems): its time already holds the launch, and the winner is best.
     """
@@ -77,7 +76,6 @@ def launch_costs(record: dict) -> list[LaunchCost]:
     for c in measured:
         paths.setdefault(_launch_path(c), []).append(c["host_ms"])
     host = {path: statistics.median(probes) + (OP_IN_GRAPH_MS if path[0] is False else 0.0)
-
             for path, probes in paths.items()}
     return [LaunchCost(c["name"], c["median_ms"], host[_launch_path(c)]) for c in measured]
 
