@@ -223,15 +223,15 @@ decision <key>  attention/forward
   winner:           b:x=1  (default a:default)
   why:              2.000x faster than the default a:default (95% CI 2.000-2.000; tie margin 2.0%)
   compiled code:    under CUDA graphs: b:x=1 (device time only)
-                    plain launches, H - D < -0.569 ms: b:x=1
-                    plain launches, H - D >= -0.569 ms: a:default
+                    plain launches, H - D < -0.791 ms: b:x=1
+                    plain launches, H - D >= -0.791 ms: a:default
   search:           staged (margin 1.25x)
   noise:            not measured: the two fastest are 2.000x apart (> 1.10x): not timed again
   seconds:          compile 0.02, gate 0.02, timing 0.02, host 0.01, total 0.15
 
   candidate                                    status    median ms  speedup          95% CI  rel.err 1st call s  host ms  reason
   a:default                                    passed       1.0000    1.000     1.000-1.000  0.0e+00       0.01   0.0000
-* b:x=1                                        passed       0.5000    2.000     2.000-2.000  0.0e+00       0.01   2.0000
+* b:x=1                                        passed       0.5000    2.000     2.000-2.000  0.0e+00       0.01   2.0300  host: its launch path's median + the launch op's cost in a graph; its own probe 2.0000 ms
   b:x=2                                        wrong                                         1.9e+00       0.01           output rel. error 1.94e+00 > 1e-04
   b:x=3                                        failed                                                                     RuntimeError: CUDA error: launch failed (simulated)""")
 
