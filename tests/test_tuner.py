@@ -477,3 +477,27 @@ def test_when_stage_two_adds_nobody_stage_one_decides():
     result = _tune_with(a, c, search="staged")
     assert result.winner == "a:k=1" and "faster than the default" not in result.why
     assert next(r for r in result.candidates if r.name == "c:default").median_ms == pytest.approx(3.0, abs=0.1)
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_the_gate_leaves_out_packed_rows_past_the_last_sequence(direction):
+    """transformers' batches padded for CUDA graphs pack more rows than cu_seqlens cover (check_indices=False);
+    kernels leave those rows unwritten, as FlashAttention does, and no caller reads them: were they compared with
+    the reference's zeros, every kernel would fail the gate on such batches and the reference would win."""
+    from inductor_attn.tuning.measure import Direction
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, 2, 8, generator=gen) for n in (10, 12, 12))
+    cu_q, cu_k = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 5, 9], dtype=torch.int32)
+    call = AttnCall("varlen", q, k, v, 0.35, True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=4,
+                    max_seqlen_k=5)
+    mode = Direction(direction, call)
+    want = mode.reference(call)
+    got = [x.clone() for x in want]
+    if direction == "forward":
+        got[0][7:], got[1][:, 7:] = float("nan"), float("nan")
+    else:
+        got[0][7:], got[1][9:], got[2][9:] = (float("nan"),) * 3
+    assert mode.check(tuple(got), want, torch.float32)[0] is None
+    got[0][6] += 1.0  # a row of the last sequence
+    assert mode.check(tuple(got), want, torch.float32)[0] is not None

@@ -203,6 +203,7 @@ class Direction:
     def __init__(self, direction: str, call: AttnCall, grad_lse: bool = False, forward: str | None = None):
         self.direction = direction
         self.dev = device_info(call.q.device)
+        self.rows = _covered_rows(call)
         self._not_aten: set[str] = set()  # backends whose traced form holds more than aten ops (as_compiled_code_runs)
         self.grads = self.reference_grads = self.forward = None
         if direction == "backward":
@@ -269,12 +270,38 @@ class Direction:
     def check(self, got, want, dtype) -> tuple[str | None, float]:
         """(why ``got`` does not match ``want`` or None, its relative error). A forward that returns the
         output alone (a user's baseline: no lse) is checked on it alone."""
+        if self.rows is not None:  # packed rows past the last sequence: outside every sequence, never read
+            got, want = self._covered(got), self._covered(want)
         if self.grads is None and isinstance(got, torch.Tensor):
             return check_tensor("output", got, want[0], dtype), rel_err(got, want[0])
         if self.grads is None:
             return check_output(got[0], got[1], want[0], want[1], dtype), rel_err(got[0], want[0])
         reasons = [check_tensor(name, g, w, dtype) for name, g, w in zip(("dq", "dk", "dv"), got, want)]
         return next((r for r in reasons if r), None), max(rel_err(g, w) for g, w in zip(got, want))
+
+    def _covered(self, results):
+        """``results`` (out, lse; a baseline's out alone; or dq, dk, dv) less the rows no sequence covers."""
+        rows_q, rows_k = self.rows
+        if self.grads is not None:
+            dq, dk, dv = results
+            return (dq[:rows_q], dk[:rows_k], dv[:rows_k]) if rows_k is not None else (dq[:rows_q], dk, dv)
+        if isinstance(results, torch.Tensor):
+            return results[:rows_q]
+        return results[0][:rows_q], results[1][:, :rows_q]
+
+
+def _covered_rows(call: AttnCall) -> tuple[int, int | None] | None:
+    """(query rows, key rows) that a packed call's sequences cover, where fewer than its tensors hold: rows past
+    ``cu_seqlens_q[-1]`` (and keys past ``cu_seqlens_k[-1]``) belong to no sequence. transformers' batches padded
+    for CUDA graphs pass such rows (``check_indices=False``); kernels leave them unwritten, as FlashAttention
+    does, and no caller reads them, so the gate does not compare them. None: every row is covered."""
+    if call.cu_seqlens_q is None:
+        return None
+    rows_q = int(call.cu_seqlens_q[-1])
+    rows_k = int(call.cu_seqlens_k[-1]) if call.op == "varlen" else None
+    if rows_q == call.q.shape[0] and rows_k in (None, call.k.shape[0]):
+        return None
+    return rows_q, rows_k
 
 
 def _aten_calls_of(traced, call: AttnCall, grads) -> Callable[[], object] | None:
