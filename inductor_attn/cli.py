@@ -159,13 +159,14 @@ _CACHE_VERBS = {"list": _list, "show": _show, "explain": _explain, "clear": _cle
 
 
 def _cache(args) -> int:
-    """``cache`` with one-line errors: exit 2 for bad input (a file, a key), 1 for an unusable store or a
-    missing optional dependency."""
+    """``cache`` with one-line errors: exit 2 for bad input (a file, a key), 1 for an unusable store, a
+    missing optional dependency or a tune (export-priors --tune) that ran out of device memory."""
     from .store.schema import StoreError
+    from .tuning.decisions import OutOfMemoryWhileTuning
 
     try:
         return run_cache(args)
-    except (StoreError, ImportError) as err:
+    except (StoreError, ImportError, OutOfMemoryWhileTuning) as err:  # the last: export-priors --tune
         print(f"error: {err}", file=sys.stderr)
         return 1
     except OSError as err:  # the file argument cannot be read or written

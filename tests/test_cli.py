@@ -287,3 +287,14 @@ def test_explain_shows_the_host_time_the_rule_weighs_and_each_probe_beside_it(mo
     weighed = f"{0.040 + OP_IN_GRAPH_MS:.4f}"  # the fake backend has no traced form: compiled code calls the op
     assert len(rows) == 2 and all(f"{weighed}  host: its launch path's median + the launch op's cost in a graph; "
                                   "its own probe 0.0" in r for r in rows)
+
+
+def test_a_tune_of_export_priors_that_runs_out_of_device_memory_is_one_line(monkeypatch, capsys):
+    from inductor_attn.tuning.decisions import OutOfMemoryWhileTuning
+
+    def tune(args):
+        raise OutOfMemoryWhileTuning("tuning Problem(...) ran out of device memory in fa4:default")
+
+    monkeypatch.setattr("inductor_attn.cli.run_cache", tune)
+    assert main(["cache", "export-priors", "--tune", "dense"]) == 1
+    assert capsys.readouterr().err == "error: tuning Problem(...) ran out of device memory in fa4:default\n"
