@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 
 from ..tuning.measure import sync
+from ..tuning.timing import burst_cpu_s
 
 BURST = 50  # calls per host-time burst: under the launch queue depth even at ~10 kernels a call
 KERNEL_ROUNDS = 3  # profiles per function in interleaved_measure (each a profiler session of 10 calls)
@@ -116,13 +117,7 @@ def burst_host_us(fn: Callable[[], object], calls: int) -> float:
     the best burst as in ``host_us``: a loop's calls differ (one adds a page, one crosses a bucket), and a step
     that costs more belongs in its figure. The thread's clock, as the tuner's ``host_ms``, so that what other
     threads and processes take of the cores (compile workers) is not charged to the loop."""
-    spent = 0.0
-    for done in range(0, calls, BURST):
-        sync()
-        start = time.thread_time()
-        for _ in range(min(BURST, calls - done)):
-            fn()
-        spent += time.thread_time() - start
+    spent = sum(burst_cpu_s(fn, None, min(BURST, calls - done)) for done in range(0, calls, BURST))
     sync()
     return spent / calls * 1e6
 

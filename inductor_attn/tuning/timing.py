@@ -35,19 +35,23 @@ def host_ms(launch, device: torch.device, warmup: int = 10, bursts: int = 5, cal
     calls makes them (bursts of 10, each after a synchronize, read 1.3-1.85x the per-call time of bursts of 50
     for every candidate, H200, 2026-11-29), short enough for the launch queue so the CPU never waits. Timed by
     this thread's CPU clock, so that what other threads and processes take of the cores meanwhile (compile
-    workers, Inductor's) is not charged to the launch; the median, not the best burst, because a launch's CPU time itself moves between bursts (FA4's
-    through the launch op: 49-84 us per burst on an H200, 2026-11-29)."""
+    workers, Inductor's) is not charged to the launch; the median, not the best burst, because a launch's CPU
+    time itself moves between bursts (FA4's through the launch op: 49-84 us per burst on an H200, 2026-11-29)."""
     for _ in range(warmup):
         launch()
-    per_call = []
-    for _ in range(bursts):
-        sync(device)
-        start = time.thread_time()
-        for _ in range(calls):
-            launch()
-        per_call.append((time.thread_time() - start) / calls)
+    per_call = [burst_cpu_s(launch, device, calls) / calls for _ in range(bursts)]
     sync(device)
     return statistics.median(per_call) * 1e3
+
+
+def burst_cpu_s(launch, device: torch.device | None, calls: int) -> float:
+    """This thread's CPU seconds for ``calls`` launches back to back, started on an idle device: the loop of one
+    burst, which the tuner's host probe and the benchmarks' burst figures aggregate their own ways."""
+    sync(device)
+    start = time.thread_time()
+    for _ in range(calls):
+        launch()
+    return time.thread_time() - start
 
 
 class Runner:
