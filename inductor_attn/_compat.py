@@ -154,7 +154,8 @@ def fake_mode_of(values):
 
 def trace_functional(fn, args):
     """``fn`` traced on ``args`` (fake, or real ones: then it runs) into a functional FX graph, with Inductor's
-    decompositions (the way Inductor's pattern matcher traces replacements: torch/_inductor/pattern_matcher.py ``fwd_only``).
+    decompositions (the way Inductor's pattern matcher traces replacements: torch/_inductor/pattern_matcher.py
+    ``fwd_only``).
     ``torch.library.wrap_triton`` launches become ``triton_kernel_wrapper_functional`` nodes. Views stay
     views, as in ``fwd_only``'s graphs: functionalized away, each became a copy kernel in the compiled
     code (the lse of SDPA's plans, once in the forward and once in the backward of every call).

@@ -4,7 +4,8 @@ lowering/emit.py replaces an op call decided at compile time by this op where th
 traced form (FA4's CuTe DSL kernels, Triton configs with host-side TMA descriptors, the reference). Its
 string argument names the plan: direction, choice, scale (and a paged call's max_seqlen_k) and the exact
 problem, so a fresh process that replays the compiled code from Inductor's cache rebuilds the plan from it. Per
-call the op parses nothing and checks nothing (the fake impl checked at trace time): one dictionary lookup, then the plan's launch.
+call the op parses nothing and checks nothing (the fake impl checked at trace time): one dictionary lookup, then
+the plan's launch.
 
 Paged calls decided at compile time whose plan has no traced form (the gather baseline, the reference) come
 here too, their block_table and cu_seqlens_q last, as an op's own tensors.

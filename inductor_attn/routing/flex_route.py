@@ -19,13 +19,13 @@ copies in a two-layer test on torch 2.13.
 The mask's density is run-time data here, so the op gets ``density = partial_fraction = -1``
 ("unknown"): the decision is per shape, tuned on the first call's real block mask.
 
-Only with ``INDUCTOR_ATTN_ROUTE_FLEX=1`` (see :data:`ROUTE_ENV`). Left alone, with the reason counted: a score_mod, captured score_mod buffers, a read of flex's max-score
-output, a mask built for other lengths, a mask_mod that reads its batch/head index while the block mask
-broadcasts over that dim, mask_mods that call anything but known elementwise ops and
-indexing by index tensors (they were traced on scalars; on index tensors a reduction would change
-meaning), and calls our op's checks refuse (head dims outside [8, 256], index tensors not int32, a
-block mask with Hkv heads under GQA). The bitmap limit is checked at the compiled sizes: under dynamic
-shapes, larger lengths run with the same graph.
+Only with ``INDUCTOR_ATTN_ROUTE_FLEX=1`` (see :data:`ROUTE_ENV`). Left alone, with the reason counted: a score_mod,
+captured score_mod buffers, a read of flex's max-score output, a mask built for other lengths, a mask_mod that reads
+its batch/head index while the block mask broadcasts over that dim, mask_mods that call anything but known
+elementwise ops and indexing by index tensors (they were traced on scalars; on index tensors a reduction would
+change meaning), and calls our op's checks refuse (head dims outside [8, 256], index tensors not int32, a block mask
+with Hkv heads under GQA). The bitmap limit is checked at the compiled sizes: under dynamic shapes, larger lengths
+run with the same graph.
 """
 
 from __future__ import annotations

@@ -140,7 +140,8 @@ class MaskAnalysis:
         if not isinstance(result, Unknown):
             dtype = getattr(_example(node), "dtype", None)
             if dtype != torch.bool if isinstance(result, Mask) else dtype not in _INT_DTYPES:
-                return Unknown(f"an intermediate has dtype {dtype}; the proof follows int32/int64 indices and bool masks")
+                return Unknown(f"an intermediate has dtype {dtype}; the proof follows int32/int64 indices and bool "
+                               "masks")
             self.structural[node] = {a for a in node.all_input_nodes if isinstance(self._memo.get(a), (Index, Mask))}
         return result
 

@@ -393,7 +393,8 @@ def _kv_seqlens(emit: Emitter, plan: _Plan) -> torch.fx.Node | None:
     if plan.kv_constant is not None:
         device = ev(plan.q).device
         return emit("call_function", torch.full, (batch,), plan.kv_constant, dtype=torch.int32, device=device)
-    counts = emit("call_method", "sum", _as_4d(emit, plan.kv_from_mask), -1, dtype=torch.int32)  # (B or 1, H or 1, Lq or 1)
+    # (B or 1, H or 1, Lq or 1)
+    counts = emit("call_method", "sum", _as_4d(emit, plan.kv_from_mask), -1, dtype=torch.int32)
     row = emit("call_function", operator.getitem, counts, (slice(None, None, None), 0, 0))
     row = emit("call_method", "expand", row, batch)
     return emit("call_method", "contiguous", row)

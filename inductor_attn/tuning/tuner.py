@@ -32,8 +32,9 @@ which the benchmark shares):
    launch for a traced one; with autograd off, as compiled code runs (AOTAutograd's compiled forward runs
    inside an autograd.Function, the backward inside the engine: an aten call's autograd dispatch cost a cuDNN
    forward 52 us against 24 in compiled code, H200). The timer takes it (timing.host_ms). What compiled code
-   runs is decided per compiled graph from both figures (step_cost.py); eager calls run the winner. Inside a compile the tune runs without the Python
-   dispatcher (lowering/emit.py, ``eager_mode``), which would put every aten call through Python.
+   runs is decided per compiled graph from both figures (step_cost.py); eager calls run the winner. Inside a
+   compile the tune runs without the Python dispatcher (lowering/emit.py, ``eager_mode``), which would put every
+   aten call through Python.
 """
 
 from __future__ import annotations
