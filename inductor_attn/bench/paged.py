@@ -324,30 +324,37 @@ def loop_paths(loop: Loop, device: torch.device, dtype: torch.dtype) -> dict[str
                            lambda: lens["contiguous"].fill_(loop.start - 1))}
 
 
-def _decisions_since(moment: float) -> int:
-    """Decisions stored since ``moment`` (time.time()): on a fresh store, the tunes since then."""
-    return sum(row["created"] >= moment for row in get_store().rows())
+class _Since:
+    """Dynamo graphs compiled and decisions stored (on a fresh store: tunes) since this was made."""
+
+    def __init__(self):
+        from torch._dynamo.utils import counters
+
+        self.stats, self.moment = counters["stats"], time.time()
+        self.graphs = self.stats["unique_graphs"]
+
+    def counts(self) -> tuple[int, int]:
+        """(compiles, tunes) since."""
+        return (self.stats["unique_graphs"] - self.graphs,
+                sum(row["created"] >= self.moment for row in get_store().rows()))
 
 
 def _first_pass(step, restart, steps: int) -> tuple[dict, torch.Tensor]:
     """Every step from the start, the first time: seconds, Dynamo graphs compiled, decisions tuned; and the last
     step's output."""
-    from torch._dynamo.utils import counters
-
     restart()
-    graphs, moment, start = counters["stats"]["unique_graphs"], time.time(), time.perf_counter()
+    since, start = _Since(), time.perf_counter()
     for _ in range(steps):
         out = step()
     sync()
-    return {"first_pass_s": time.perf_counter() - start, "compiles": counters["stats"]["unique_graphs"] - graphs,
-            "tunes": _decisions_since(moment)}, out
+    seconds = time.perf_counter() - start
+    compiles, tunes = since.counts()
+    return {"first_pass_s": seconds, "compiles": compiles, "tunes": tunes}, out
 
 
 def run_loop(loop: Loop, device: torch.device, rounds: int) -> dict:
     """One serving loop, paged and contiguous (module doc); any error is recorded (raised under
     INDUCTOR_ATTN_STRICT=1)."""
-    from torch._dynamo.utils import counters
-
     row = {"loop": loop.name, "steps": loop.steps, "paths": {}}
     try:
         paths = loop_paths(loop, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -355,11 +362,10 @@ def run_loop(loop: Loop, device: torch.device, rounds: int) -> dict:
         for name, (step, restart) in paths.items():
             row["paths"][name], last[name] = _first_pass(step, restart, loop.steps)
         row["paged_vs_contiguous_err"] = rel_err(last["paged"], last["contiguous"].squeeze(2))
-        graphs, moment = counters["stats"]["unique_graphs"], time.time()
+        since = _Since()
         for name, numbers in interleaved_loops(paths, loop.steps, rounds).items():
             row["paths"][name].update(numbers)
-        row["compiles_after_first_pass"] = counters["stats"]["unique_graphs"] - graphs
-        row["tunes_after_first_pass"] = _decisions_since(moment)
+        row["compiles_after_first_pass"], row["tunes_after_first_pass"] = since.counts()
     except Exception as err:  # noqa: BLE001 - one loop's failure must not lose the suite's other numbers
         if strict():
             raise
