@@ -48,7 +48,7 @@ from ..ops import (BACKWARD_OPS, FORWARD_OPS, attention_backward_op, attention_o
 from ..ops.attention import sparse_mask
 from ..ops.paged import paged_call
 from ..messages import KV_SEQLENS_VALUES, device_message
-from ..ops.launch import OWN_TENSORS, launch_op, plan_key
+from ..ops.launch import GRAD_TENSORS, OWN_TENSORS, SHARED_TENSORS, launch_op, plan_key
 from ..runtime import COMPILED, count_compiled, plan_for
 from ..tuning.measure import describe, fresh_pool, strict
 from ..tuning.step_cost import Bucket, choose_for_graph, launch_costs
@@ -229,9 +229,9 @@ def _tensor_names(op: str, direction: str) -> tuple[str, ...]:
     """The op's tensor arguments in the launch op's order (ops/launch.py): q, k, v (a paged call's pools),
     kv_seqlens, key_mask (absent from ops without one), a backward's out, lse, grad_out, grad_lse, then the op's
     own."""
-    qkv = ("q", "k_cache", "v_cache") if op == "paged" else ("q", "k", "v")
-    grads = ("out", "lse", "grad_out", "grad_lse") if direction == "backward" else ()
-    return (*qkv, "kv_seqlens", "key_mask", *grads, *OWN_TENSORS[op])
+    qkv = ("q", "k_cache", "v_cache") if op == "paged" else SHARED_TENSORS[:3]
+    grads = GRAD_TENSORS if direction == "backward" else ()
+    return (*qkv, *SHARED_TENSORS[3:], *grads, *OWN_TENSORS[op])
 
 
 def _run_time_call(op: str, vals: dict) -> AttnCall:

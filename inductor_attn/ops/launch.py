@@ -50,6 +50,10 @@ def plan_key(direction: str, choice: str, call) -> str:
     return "|".join((direction, choice, scalars, call.problem.key()))
 
 
+# The launch op's tensors, in order (plan_key's doc): these fields of an AttnCall, a backward's tensors, then the op's
+# own (``OWN_TENSORS``); lowering/emit.py names them by the op's arguments (a paged call's k and v: its pools)
+SHARED_TENSORS = ("q", "k", "v", "kv_seqlens", "key_mask")
+GRAD_TENSORS = ("out", "lse", "grad_out", "grad_lse")
 OWN_TENSORS = {"attention": (), "varlen": ("cu_seqlens_q", "cu_seqlens_k"),
                "block_sparse": ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
                                 "partial_bits"),
@@ -66,14 +70,14 @@ def _resolve(plan: str, device: torch.device) -> tuple:
 
 
 def _launch(tensors, plan: str):
-    q, k, v, kv_seqlens, key_mask = tensors[:5]
+    q, k, v, kv_seqlens, key_mask = tensors[:len(SHARED_TENSORS)]
     key = (plan, q.get_device())
     found = _PLANS.get(key)
     if found is None or found[4] != registry.state["generation"]:
         found = _PLANS[key] = _resolve(plan, q.device)
     launch, scalars, p, stat, _ = found
     end = len(tensors) - len(OWN_TENSORS[p.op])  # the op's own tensors come last
-    rest, own = tensors[5:end], tensors[end:]
+    rest, own = tensors[len(SHARED_TENSORS):end], tensors[end:]
     call = _call(p, scalars, q, k, v, kv_seqlens, key_mask, own)
     if launch is None:  # decided here, per call, on the real tensors
         run = runtime.forward if stat[1] == "forward" else runtime.backward
@@ -118,7 +122,7 @@ def _as_compiled_code_launches(direction: str, choice: str, call, *grads):
     call with descales) is compiled as a call of ``fp8_attention`` itself."""
     if call.op not in ("attention", "paged") or call.descale is not None:
         return None
-    tensors = [call.q, call.k, call.v, call.kv_seqlens, call.key_mask, *grads,
+    tensors = [*(getattr(call, name) for name in SHARED_TENSORS), *grads,
                *(getattr(call, name) for name in OWN_TENSORS[call.op])]
     key = plan_key(direction, choice, call)
 
