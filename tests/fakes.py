@@ -147,6 +147,11 @@ class FakeTimer:
         return Runner()
 
 
+def timed_with_fakes(monkeypatch, *backends) -> None:
+    """From now on the tuner times ``backends`` with :class:`FakeTimer` (their configured times)."""
+    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer(list(backends)))
+
+
 def small_call(lq: int = 20) -> AttnCall:
     """A small CPU attention call (B1 H2 D16) on fresh random inputs, for tests of tuning and the store."""
     q = torch.randn(1, 2, lq, 16)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from fakes import FakeBackend
+from fakes import FakeBackend, timed_with_fakes
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
 from inductor_attn import BlockSparseMask, hf_paged
@@ -985,13 +985,11 @@ def test_the_paged_suites_model_part_runs_continuous_batching_on_each_attention(
 def test_a_serving_loops_first_pass_counts_the_buckets_it_tuned_and_the_timed_passes_none(monkeypatch):
     """Fake backends for the contiguous decode (none takes paged calls, so the paged loop has one candidate and
     nothing to tune): its first pass tunes its one bucket once, and the timed passes find it decided."""
-    from fakes import FakeTimer
-
     from inductor_attn import tuning_mode
     from inductor_attn.bench import paged
 
     a, b = FakeBackend("a", {"default": (1.0, 0.01)}), FakeBackend("b", {"x=1": (0.5, 0.01)})
-    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b]))
+    timed_with_fakes(monkeypatch, a, b)
     torch._dynamo.reset()
     with only_backends(a, b, REFERENCE), tuning_mode("autotune"):
         (loop,) = paged.serving(smoke=True, device=torch.device("cpu"))

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from fakes import FakeBackend, FakeTimer
+from fakes import FakeBackend, FakeTimer, timed_with_fakes
 from test_store import _simulate_read_only, decision_row
 
 import inductor_attn
@@ -25,7 +25,7 @@ def one_decision(monkeypatch):
     a = FakeBackend("a", {"default": (1.0, 0.01)})
     b = FakeBackend("b", {"x=1": (0.5, 0.01)}, fail=())
     c = FakeBackend("c", {"default": (0.1, 0.01)}, wrong={"default"})
-    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b, c]))
+    timed_with_fakes(monkeypatch, a, b, c)
     q = torch.randn(1, 2, 32, 16)
     with only_backends(a, b, c), inductor_attn.tuning_mode("autotune"):
         inductor_attn.attention(q, q, q, causal=True)
@@ -132,7 +132,7 @@ def test_list_and_attention_survive_a_bad_row_and_the_next_tune_replaces_it(one_
     assert capsys.readouterr().out.startswith("0 decisions") and len(record) == 1
     a = FakeBackend("a", {"default": (1.0, 0.01)})
     b = FakeBackend("b", {"x=1": (0.5, 0.01)})
-    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b]))
+    timed_with_fakes(monkeypatch, a, b)
     forget_decisions()
     q = torch.randn(1, 2, 32, 16)
     with only_backends(a, b), inductor_attn.tuning_mode("autotune"):
@@ -278,7 +278,7 @@ def test_explain_shows_the_host_time_the_rule_weighs_and_each_probe_beside_it(mo
     b = FakeBackend("b", {"x=1": (0.5, 0.01), "x=2": (0.6, 0.01)}, fail=())
     probes = iter([0.030, 0.050])
     monkeypatch.setattr(FakeTimer, "host_ms", staticmethod(lambda launch, device: next(probes)))
-    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([b]))
+    timed_with_fakes(monkeypatch, b)
     q = torch.randn(1, 2, 32, 16)
     with only_backends(b), inductor_attn.tuning_mode("autotune"):
         inductor_attn.attention(q, q, q, causal=True)

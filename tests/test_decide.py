@@ -5,7 +5,7 @@ import re
 
 import pytest
 import torch
-from fakes import FakeBackend, FakeTimer, small_call
+from fakes import FakeBackend, small_call, timed_with_fakes
 
 import inductor_attn
 from inductor_attn import cache
@@ -22,7 +22,7 @@ DEV = DeviceInfo("cpu", (0, 0), 2)
 def fakes(monkeypatch):
     a = FakeBackend("a", {"default": (1.0, 0.01)})
     b = FakeBackend("b", {"x=1": (0.5, 0.01), "x=2": (0.8, 0.01)}, heuristic="x=2")
-    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b]))
+    timed_with_fakes(monkeypatch, a, b)
     with only_backends(a, b):
         yield a, b
 
@@ -270,7 +270,7 @@ def test_a_store_hit_for_another_backend_never_enumerates_a_backend_with_a_costl
     a = FakeBackend("a", {"default": (1.0, 0.01)})
     b = FakeBackend("b", {"x=1": (0.5, 0.01)})
     costly = _CostlyImport("costly", {"default": (0.9, 0.01)})
-    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, costly, b]))
+    timed_with_fakes(monkeypatch, a, costly, b)
     with only_backends(a, costly, b):
         with inductor_attn.tuning_mode("autotune"):
             assert decide(small_call(), DEV, "forward") == "b:x=1"
@@ -284,7 +284,7 @@ def test_a_store_hit_for_another_backend_never_enumerates_a_backend_with_a_costl
 def test_a_stored_winner_of_a_backend_with_a_costly_import_is_found_the_full_way(monkeypatch):
     a = FakeBackend("a", {"default": (1.0, 0.01)})
     costly = _CostlyImport("costly", {"default": (0.5, 0.01)})
-    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, costly]))
+    timed_with_fakes(monkeypatch, a, costly)
     with only_backends(a, costly), inductor_attn.tuning_mode("autotune"):
         assert decide(small_call(), DEV, "forward") == "costly:default"
         runs = a.calls + costly.calls
@@ -302,7 +302,7 @@ def _new_machine_with_a_shipped_table(monkeypatch, tmp_path, b_times: dict, cost
     a = FakeBackend("a", {"default": (1.0, 0.01)})
     b = FakeBackend("b", b_times)
     costly = _CostlyImport("costly", costly_times)
-    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, costly, b]))
+    timed_with_fakes(monkeypatch, a, costly, b)
     with only_backends(a, costly, b):
         with inductor_attn.tuning_mode("autotune"):
             decide(small_call(), DEV, "forward")
@@ -374,7 +374,7 @@ def test_cache_explain_says_what_compiled_code_runs_under_cuda_graphs_and_by_how
     launches, the winner in device-bound graphs and the cheaper launch in host-bound ones."""
     a = FakeBackend("a", {"default": (60.0, 0.01)}, traceable=True, host_s=0.001)
     b = FakeBackend("b", {"default": (50.0, 0.01)}, host_s=0.025)  # 50 ms kernel, 25 ms launch
-    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b]))
+    timed_with_fakes(monkeypatch, a, b)
     with only_backends(a, b), inductor_attn.tuning_mode("autotune"):
         assert decide_with_record(small_call(), DEV, "forward")[0] == "b:default"
         (row,) = get_store().rows()
@@ -398,7 +398,7 @@ def _a_wrong_winner_not_tuned_here(monkeypatch, tmp_path, layer: str):
     (a, b); the process has forgotten everything (a new process)."""
     a = FakeBackend("a", {"default": (1.0, 0.01)})
     b = FakeBackend("b", {"default": (0.5, 0.01)})
-    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b]))
+    timed_with_fakes(monkeypatch, a, b)
     with only_backends(a, b):
         with inductor_attn.tuning_mode("autotune"):
             assert decide(small_call(), DEV, "forward") == "b:default"
@@ -450,7 +450,7 @@ def test_compiled_code_never_runs_a_wrong_candidate_of_a_record_not_tuned_here(m
 
     a = FakeBackend("a", {"default": (0.6, 0.01)}, traceable=True, host_s=0.001)
     b = FakeBackend("b", {"default": (0.5, 0.01)}, host_s=0.02)  # the winner, behind a dear launch
-    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b]))
+    timed_with_fakes(monkeypatch, a, b)
     monkeypatch.setattr(emit, "graph_work", lambda graph, calls, dev, training: GraphWork(host_ms=10.0, device_ms=0.0))
     call = small_call()
 

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from fakes import FakeBackend, FakeTimer, small_call
+from fakes import FakeBackend, small_call, timed_with_fakes
 
 import inductor_attn
 from inductor_attn import cache
@@ -224,7 +224,7 @@ class ForwardOnly(FakeBackend):
 def test_explain_says_a_backward_was_gated_with_another_librarys_forward(monkeypatch):
     fwd = ForwardOnly("f", {"default": (0.2, 0.01)})
     bwd = FakeBackend("g", {"default": (0.5, 0.01)})
-    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([fwd, bwd]))
+    timed_with_fakes(monkeypatch, fwd, bwd)
     dev = DeviceInfo("cpu", (0, 0), 2)
     with only_backends(bwd, fwd, registry.get_backend("reference")), inductor_attn.tuning_mode("autotune"):
         assert decide(small_call(), dev, "forward") == "f:default"

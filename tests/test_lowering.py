@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from fakes import FAKE_KERNEL_CHECK, AtenCpuFlash, FakeBackend, FakeTimer
+from fakes import FAKE_KERNEL_CHECK, AtenCpuFlash, FakeBackend, timed_with_fakes
 from torch._inductor.utils import run_and_get_code
 
 import inductor_attn
@@ -21,7 +21,7 @@ from inductor_attn.messages import KV_SEQLENS_VALUES
 def _fakes(monkeypatch, traceable=False):
     a = FakeBackend("a", {"default": (1.0, 0.01)}, traceable=traceable)
     b = FakeBackend("b", {"x=1": (0.5, 0.01)}, traceable=traceable)
-    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b]))
+    timed_with_fakes(monkeypatch, a, b)
     return a, b
 
 
@@ -438,7 +438,7 @@ def _decode_inputs(lengths):
 def _checking_fakes(monkeypatch):
     a = FakeBackend("a", {"default": (1.0, 0.01)}, traceable=True)
     b = FakeBackend("b", {"x=1": (0.5, 0.01)}, traceable=True, checks_kv_seqlens=True)
-    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b]))
+    timed_with_fakes(monkeypatch, a, b)
     return only_backends(a, b, REFERENCE)
 
 
@@ -512,7 +512,7 @@ def dear_launch(monkeypatch):
     shape: ~14 us of kernel for ~80 us of launch at B1 L512, H200)."""
     a = FakeBackend("a", {"default": (60.0, 0.01)}, traceable=True, host_s=0.001)
     b = FakeBackend("b", {"default": (50.0, 0.01)}, host_s=0.02)
-    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b]))
+    timed_with_fakes(monkeypatch, a, b)
     torch._dynamo.reset()
     inductor_attn.reset_stats()
     with only_backends(a, b), inductor_attn.tuning_mode("autotune"):

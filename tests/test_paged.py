@@ -282,13 +282,13 @@ def test_a_compiled_serving_loop_compiles_once(grow, dynamic, fresh_compile):
 # ------------------------------------------------------------------------- decided while compiling
 def _paged_fakes(monkeypatch, traceable: bool):
     """a (slower) and b (faster), both taking paged calls; b's plans traced into graphs where ``traceable``."""
-    from fakes import FakeBackend, FakeTimer
+    from fakes import FakeBackend, timed_with_fakes
 
     from inductor_attn.backends import only_backends
 
     a = FakeBackend("a", {"default": (1.0, 0.01)}, ops=("attention", "paged"))
     b = FakeBackend("b", {"x=1": (0.5, 0.01)}, traceable=traceable, ops=("attention", "paged"))
-    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b]))
+    timed_with_fakes(monkeypatch, a, b)
     return only_backends(a, b, REFERENCE)
 
 

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from fakes import FakeBackend, FakeTimer, small_call
+from fakes import FakeBackend, small_call, timed_with_fakes
 from test_store import decision_row
 
 import inductor_attn
@@ -31,7 +31,7 @@ TIMES = {"x=1": (0.5, 1e-4), "x=2": (0.503, 1e-4), "x=3": (0.506, 1e-4), "x=4": 
 def fakes(monkeypatch):
     a = FakeBackend("a", {"default": (1.0, 0.01)})
     b = FakeBackend("b", dict(TIMES))
-    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b]))
+    timed_with_fakes(monkeypatch, a, b)
     monkeypatch.setenv("INDUCTOR_ATTN_SEARCH", "exhaustive")
     with only_backends(a, b):
         yield a, b
@@ -76,7 +76,7 @@ def test_a_backend_the_table_never_measured_has_its_first_candidate_timed_too(fa
     # a backend installed or added after the table was made (FA3's wheel next to tables measured without it)
     a, b = fakes
     c = FakeBackend("c", {"default": (0.3, 1e-4), "y=2": (0.2, 1e-4)})
-    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b, c]))
+    timed_with_fakes(monkeypatch, a, b, c)
     with only_backends(a, b, c), inductor_attn.tuning_mode("autotune"):
         assert decide(small_call(), DEV, "forward") == "c:default"
         record = get_store().writable.rows()[0]["record"]

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from fakes import FakeBackend, FakeTimer, small_call
+from fakes import FakeBackend, small_call, timed_with_fakes
 
 import inductor_attn
 from inductor_attn.backends import Takes, only_backends
@@ -33,7 +33,7 @@ DEV = DeviceInfo("cpu", (0, 0), 2)
 def fakes(monkeypatch):
     a = FakeBackend("a", {"default": (1.0, 0.01)})
     b = FakeBackend("b", {"x=1": (0.5, 0.01)})
-    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b]))
+    timed_with_fakes(monkeypatch, a, b)
     with only_backends(a, b), inductor_attn.tuning_mode("autotune"):
         yield a, b
 

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from fakes import FakeBackend, FakeTimer, small_call
+from fakes import FakeBackend, small_call, timed_with_fakes
 
 import inductor_attn
 from inductor_attn.backends import AttnCall, only_backends
@@ -39,7 +39,7 @@ class InProcessWorker:
 def fakes(monkeypatch):
     a = FakeBackend("a", {"default": (1.0, 0.01)})
     b = FakeBackend("b", {"x=1": (0.5, 0.01), "x=2": (0.8, 0.01)}, heuristic="x=2")
-    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b]))
+    timed_with_fakes(monkeypatch, a, b)
     monkeypatch.setattr(background, "_SCHEDULED", set())
     monkeypatch.setattr(background, "_worker", InProcessWorker)
     monkeypatch.setattr("inductor_attn.device._cpu_info", lambda: DEV)  # the worker side describes the device

@@ -8,7 +8,7 @@ import types
 
 import pytest
 import torch
-from fakes import FakeBackend, FakeTimer
+from fakes import FakeBackend, FakeTimer, timed_with_fakes
 
 from inductor_attn.backends import AttnCall, enumerate_candidates, only_backends
 from inductor_attn.bench import suites, tuning_cost
@@ -190,7 +190,7 @@ def test_a_first_call_that_tuned_reports_its_tune_and_a_store_hit_does_not(monke
 
     a = FakeBackend("a", {"default": (1.0, 0.01)})
     b = FakeBackend("b", {"x=1": (0.5, 0.01)})
-    monkeypatch.setattr("inductor_attn.tuning.tuner.default_timer", lambda device_type: FakeTimer([a, b]))
+    timed_with_fakes(monkeypatch, a, b)
     w = suites.smoke_size(suites.SUITES["dense"][0])
     with only_backends(a, b, REFERENCE), inductor_attn.tuning_mode("autotune"):
         cold = tuning_cost._first_call_worker(w, torch.device("cpu"), smoke=True)
