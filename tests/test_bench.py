@@ -809,11 +809,12 @@ def test_fa3s_reference_column_is_skipped_with_its_reason_where_fa3_cannot_run(m
     assert paged.fa3_interface(torch.device("cpu")) == fa3.NOT_INSTALLED
 
 
-def _fake_flash_attn_interface(calls: list) -> object:
+def _fake_flash_attn_interface(calls: list, leaks: bool = True) -> object:
     """A stand-in for FA3's ``flash_attn_interface``: ``flash_attn_with_kvcache`` computed in torch from the page
     table over every slot of each sequence's pages, the zero weights of the slots past its length multiplied by
-    their values as FA3's last tile does (NaN there reaches the output). Each call appends (num_splits, whether
-    every slot that holds no key is zero)."""
+    their values as FA3's last tile does (NaN there reaches the output; with ``leaks=False`` it does not, as the
+    H200 run of 2026-11-29 saw FA3's paged path). Each call appends (num_splits, whether every slot that holds no
+    key is zero)."""
     import types
 
     from inductor_attn.backends.pages import key_slots, unused_slots
@@ -832,11 +833,26 @@ def _fake_flash_attn_interface(calls: list) -> object:
         if causal:  # bottom-right aligned
             keep = keep & (position <= torch.arange(lq)[:, None] + lengths - lq)
         weights = torch.softmax(scores.masked_fill(~keep, float("-inf")), -1)
-        return torch.einsum("bhqk,bhkd->bqhd", weights, v).to(q.dtype)
+        return torch.einsum("bhqk,bhkd->bqhd", weights, v if leaks else v.nan_to_num()).to(q.dtype)
 
     module = types.ModuleType("flash_attn_interface")
     module.flash_attn_with_kvcache = flash_attn_with_kvcache
     return module
+
+
+def test_fa3s_column_says_so_where_fa3_passes_the_nan_probe(monkeypatch):
+    from inductor_attn.backends import fa3
+    from inductor_attn.bench import paged
+
+    calls = []
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", _fake_flash_attn_interface(calls, leaks=False))
+    monkeypatch.setattr(fa3, "unavailable", lambda device_type, dev: None)
+    with only_backends(REFERENCE):
+        row = paged.run_shape(paged.shapes(quick=False, smoke=True)[0], torch.device("cpu"), rounds=2)
+    fa3 = row["fa3_default"]
+    assert fa3["nan_probe"]["status"] == "passed" and fa3["note"] == paged.FA3_PASSED_NAN_NOTE
+    assert fa3["zeroed_pool"]["status"] == "passed" and fa3["ms"] > 0
+    assert "NaN probe: passed" in paged.shape_table({"rows": [row]})
 
 
 def test_fa3s_default_splits_are_gated_on_both_pools_then_timed_with_the_candidates(monkeypatch):
