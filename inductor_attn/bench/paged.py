@@ -478,7 +478,6 @@ def shape_table(result: dict) -> str:
         cands = row["candidates"]
         copy_ms = cands.get("copy floor", {}).get("ms")
         copy_gbs = 2 * row["kv_bytes"] / copy_ms / 1e6 if copy_ms else None
-        prefill = row["shape"].startswith("prefill")
         chosen = row.get("autotuned", {}).get("choice")
         for name, c in cands.items():
             ms = c.get("ms")
@@ -489,10 +488,8 @@ def shape_table(result: dict) -> str:
             if name == "copy floor":
                 lines.append(f"| {row['shape']} | {name} | {ms:.4f} | {copy_gbs:.0f} (read + write) | 1.00 | |")
                 continue
-            rate = _rate(row, ms)
-            share = "" if prefill or not copy_gbs else f"{rate / copy_gbs:.2f}"
             note = "autotuned" if name == chosen else ""
-            lines.append(f"| {row['shape']} | {name} | {ms:.4f} | {rate:.{1 if prefill else 0}f} | {share} | {note} |")
+            lines.append(f"| {row['shape']} | {name} | {_timed_cells(row, ms, copy_gbs)} | {note} |")
         if "error" in row.get("autotuned", {}):
             lines.append(f"| {row['shape']} | autotuned | | | | {cell(row['autotuned']['error'])} |")
         if "fa3_default" in row:
@@ -512,15 +509,19 @@ def _fa3_line(row: dict, copy_gbs: float | None) -> str:
         why = (f"{zeroed['status']} on the zeroed pool: {zeroed['reason']}" if zeroed["status"] != "passed"
                else f"timing failed: {fa3.get('failed')}")
         return f"| {row['shape']} | {name} | | | | {cell(why + '; ' + nan_text)} |"
-    ms, prefill = fa3["ms"], row["shape"].startswith("prefill")
-    rate = _rate(row, ms)
-    share = "" if prefill or not copy_gbs else f"{rate / copy_gbs:.2f}"
     ratio = fa3_ratio(row)
     notes = [fa3["note"], f"rel. err {zeroed['error']:.1e} on the zeroed pool", nan_text]
     notes += [f"autotuned / FA3 default: {ratio:.2f}"] if ratio is not None else []
     notes += [fa3["timer_note"]] if fa3.get("timer_note") else []
-    return (f"| {row['shape']} | {name} | {ms:.4f} | {rate:.{1 if prefill else 0}f} | {share} | "
-            f"{cell('; '.join(notes))} |")
+    return f"| {row['shape']} | {name} | {_timed_cells(row, fa3['ms'], copy_gbs)} | {cell('; '.join(notes))} |"
+
+
+def _timed_cells(row: dict, ms: float, copy_gbs: float | None) -> str:
+    """shape_table's ms, rate and share-of-copy cells of a call of ``ms`` (a share for decode rows only)."""
+    prefill = row["shape"].startswith("prefill")
+    rate = _rate(row, ms)
+    share = "" if prefill or not copy_gbs else f"{rate / copy_gbs:.2f}"
+    return f"{ms:.4f} | {rate:.{1 if prefill else 0}f} | {share}"
 
 
 def _rate(row: dict, ms: float) -> float:
