@@ -205,7 +205,6 @@ class _Search:
                 raise torch.OutOfMemoryError(f"{name} passed the gate but failed {t.failed}")
             if t.failed:  # the rounds are paired: a candidate that stops running leaves no fair comparison
                 raise RuntimeError(f"{name} passed the gate but failed {t.failed}")
-
             self.results[name].note = self.results[name].note or t.note
         return {name: t.samples for name, t in zip(names, timed)}
 
