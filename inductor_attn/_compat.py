@@ -152,6 +152,16 @@ def fake_mode_of(values):
     return detect_fake_mode(values)
 
 
+def fake_copies(tensors):
+    """Fake tensors with the sizes, strides, dtypes and devices of ``tensors``, in a new FakeTensorMode that takes
+    the real tensors a traced function meets besides them as constants (torch/_subclasses/fake_tensor.py
+    ``FakeTensorMode(allow_non_fake_inputs=True)``, ``from_tensor``; 2.11 and 2.13)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    return [mode.from_tensor(t) for t in tensors]
+
+
 def trace_functional(fn, args):
     """``fn`` traced on ``args`` (fake, or real ones: then it runs) into a functional FX graph, with Inductor's
     decompositions (the way Inductor's pattern matcher traces replacements: torch/_inductor/pattern_matcher.py

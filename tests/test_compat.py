@@ -97,6 +97,15 @@ def test_flex_forward_config_heuristic_is_where_we_read_it():
         assert all(m > 0 and n > 0 for m, n in _compat.flex_default_fwd_tiles(64, torch.bfloat16))
 
 
+def test_fake_copies_keep_layout_and_trace_with_real_tensors_as_constants():
+    base = torch.zeros(4, 6)
+    view, bias = base[:, 1:4], torch.ones(3)
+    (fake,) = _compat.fake_copies([view])
+    assert _compat.is_fake(fake) and fake.shape == view.shape and fake.stride() == view.stride()
+    graph = _compat.trace_functional(lambda x: (x + bias,), [fake])
+    torch.testing.assert_close(graph(view)[0], view + bias)
+
+
 def test_is_fake_sees_fake_tensors_and_not_real_ones():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from fakes import FakeBackend, FakeTimer
 
+from inductor_attn._compat import is_fake
 from inductor_attn.backends import AttnCall, Library, Takes, enumerate_candidates, only_backends
 from inductor_attn.device import DeviceInfo
 from inductor_attn.tuning import measure
@@ -299,10 +300,14 @@ def test_a_traced_plan_of_aten_ops_is_timed_as_generated_code_calls_them():
     for got, want in zip(measure._aten_calls_of(backward, call, grads)(), backward(call, *grads)):
         torch.testing.assert_close(got, want)
 
+    seen = []
+
     def branching(c):
+        seen.append(is_fake(c.q))
         return (torch.cond(c.q.sum() > 0, lambda x: x * 2, lambda x: x - 1, (c.q,)),)
 
     assert measure._aten_calls_of(branching, call, None) is None
+    assert seen == [True]  # decided on fakes: a graph that is no probe never runs (a Triton plan's kernels)
 
 
 # --- staged search -------------------------------------------------------------------------------

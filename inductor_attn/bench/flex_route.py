@@ -26,6 +26,7 @@ import torch
 
 from ..backends import AttnCall
 from ..block_mask import BlockSparseMask
+from ..routing.enable import compile_backend
 from ..routing.flex_route import ROUTE_ENV
 from ..runtime import reset_stats, stats
 from ..store.db import get_store
@@ -57,7 +58,8 @@ def ways(size: str) -> dict[str, dict]:
     out = {BASELINE: {}}
     if size == "full":
         out["flex max-autotune"] = {"mode": "max-autotune-no-cudagraphs"}
-    out["inductor_attn routed"] = {"backend": "inductor_attn"}
+    # the function, not the "inductor_attn" name: the name needs the package installed (its entry point)
+    out["inductor_attn routed"] = {"backend": compile_backend}
     return out
 
 

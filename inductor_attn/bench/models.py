@@ -233,12 +233,17 @@ CB_NEW_TOKENS = 128
 CB_SMOKE = dict(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, lengths=(5, 9), per_length=2,
                 new_tokens=4)
 CB_SMOKE_CACHE = dict(num_blocks=16, max_batch_tokens=64)
+# the full run's cache: room for every request at once (32 x 640 tokens in 256-token blocks is 96 blocks). Left to
+# itself transformers takes 80-90% of the free device memory for it (~133 GiB on an H200), and the first compile's
+# tune (ours) or autotuning then runs out of memory.
+CB_CACHE = dict(num_blocks=128, max_batch_tokens=8192)
 # transformers' own paged paths: the names to ask for, in order, and the module the path needs. 5.17 takes the
 # "paged|" prefix (without it, continuous batching switches sdpa to a flash path where one is installed); 5.24
 # drops it (deprecated) and keeps sdpa when told not to switch (``auto_switch_to_flash``); a later version may
 # refuse it, hence the plain name after it. A flash path without its module would fetch a kernel from the Hub.
+# FlashAttention 2's module is its compiled extension: FA4 (flash-attn-4) installs a `flash_attn` package too.
 BUILT_IN = {"sdpa": (("paged|sdpa", "sdpa"), None), "eager": (("paged|eager",), None),
-            "flash_attention_2": (("paged|flash_attention_2", "flash_attention_2"), "flash_attn"),
+            "flash_attention_2": (("paged|flash_attention_2", "flash_attention_2"), "flash_attn_2_cuda"),
             "flash_attention_3": (("paged|flash_attention_3", "flash_attention_3"), "flash_attn_interface")}
 OURS = "inductor_attn"
 
@@ -316,7 +321,7 @@ def _continuous_entry(implementation: str, size: str) -> dict:
     asked = _ask_for(model, implementation)
     fields = {f.name for f in dataclasses.fields(transformers.ContinuousBatchingConfig)}
     # on a CPU, transformers sizes the cache from the host's memory (10 s of allocating here): a smoke run's is tiny
-    wanted = {"auto_switch_to_flash": False, **(CB_SMOKE_CACHE if smoke else {})}
+    wanted = {"auto_switch_to_flash": False, **(CB_SMOKE_CACHE if smoke else CB_CACHE)}
     config = transformers.ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in fields})
 
     def generate() -> tuple[list[list[int]], float]:
@@ -403,11 +408,15 @@ def isolated(kind: str, *args: str, timeout_s: float = ENTRY_TIMEOUT_S) -> dict:
     lines = done.stdout.strip().splitlines()
     if done.returncode == 0 and lines:
         return json.loads(lines[-1])
-    tail = [line.strip() for line in done.stderr.splitlines() if line.strip() and "Warning" not in line]
+    tail = [line.strip() for line in done.stderr.splitlines()
+            if line.strip() and "Warning" not in line and not line.startswith("frame #")]
     # a process that aborts (a CUDA error in a destructor) ends its stderr with C++ stack frames: the error is the
     # last line that names one
-    errors = [line for line in tail if "Error" in line or "error:" in line]
-    return {"error": f"exit {done.returncode}: " + " | ".join(errors[-2:] or tail[-3:])}
+    errors = [line for line in tail if "Error" in line or "error:" in line or "FAILED" in line]
+    error = f"exit {done.returncode}: " + " | ".join(errors[-2:] or tail[-3:])
+    if lines and lines[-1].startswith("{"):  # the entry finished and printed its result; the process died after
+        return {**json.loads(lines[-1]), "exit_error": error}
+    return {"error": error}
 
 
 _CHOICES = _Choices()

@@ -460,7 +460,8 @@ def client_table(cb: dict) -> str:
         ops = ", ".join(sorted({key.split(" -> ")[0] for key in r.get("kernels") or {}}))
         cells = [name, _code(r["asked"]), ", ".join(map(_code, r["ran"])), f"{r['tokens_per_s']:.0f}",
                  f"{r['tokens_per_s'] / best:.2f}" if best else "", same, f"{r['first_run_s']:.1f}",
-                 f"our ops: {ops}" if ops else ""]
+                 "; ".join(filter(None, [f"our ops: {ops}" if ops else "",
+                                         r.get("exit_error") and f"after its result: {cell(r['exit_error'])}"]))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

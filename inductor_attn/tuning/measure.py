@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._compat import trace_functional
+from .._compat import fake_copies, trace_functional
 from ..backends import REFERENCE, AttnCall, Plan, get_backend, plan_for, run_backend
 from ..backends.pages import fill_unused
 from ..device import device_info
@@ -325,16 +325,31 @@ def _aten_calls_of(traced, call: AttnCall, grads) -> Callable[[], object] | None
 
     args = [getattr(call, n) for n in names] + [extra[i] for i in present]
     try:
+        # Traced on fakes first, which runs nothing: a graph that holds a Triton kernel is not a probe, and
+        # tracing one on real tensors runs the kernel under functionalization, where on an H200 the block-sparse
+        # Triton forward and split-K decode hit illegal addresses that their direct launches never did. A plan
+        # that cannot be traced on fakes (data-dependent Python) is traced on its real tensors, as compiled code
+        # traced it.
+        fake_graph = trace_functional(launch, fake_copies(args))
+    except Exception:
+        fake_graph = None
+    if fake_graph is not None and not _aten_only(fake_graph):
+        return None
+    try:
         graph = trace_functional(launch, args)
     except Exception as err:  # a probe must not fail a tune: its plan's launch stands in (an overestimate)
         if strict():
             raise
         log.warning("the host probe of a traced plan times its launch: tracing it raised %s", describe(err))
         return None
-    if any(n.op == "call_function" and not isinstance(n.target, torch._ops.OpOverload)
-           and n.target is not operator.getitem for n in graph.graph.nodes):
+    if not _aten_only(graph):
         return None
     return lambda: graph.forward(*args)
+
+
+def _aten_only(graph: torch.fx.GraphModule) -> bool:
+    return all(n.op != "call_function" or isinstance(n.target, torch._ops.OpOverload) or n.target is operator.getitem
+               for n in graph.graph.nodes)
 
 
 # How compiled code launches a plan that has no traced form: given by ops/launch.py, which defines that op,
