@@ -369,16 +369,18 @@ def test_backend_defaults_name_each_backends_own_default_or_say_why_not():
     fa4 = FakeBackend("fa4", {"tile=1": (1, 0), "default": (1, 0)})
     triton = FakeBackend("triton", {"block_m=128": (1, 0), "block_m=64": (1, 0)})
     flex = FakeBackend("flex", {}, supports_reason="flex backend adds nothing for unmasked attention")
+    fa3 = FakeBackend("fa3", {"num_splits=1": (1, 0)})  # registered, no candidate: as for an op it does not take
     p = Problem("attention", "float32", "cpu", 1, 2, 2, 8, 8, 16, 16)
     cands = [c for b in (sdpa, fa4, triton) for c in b.configs(p, None)]
     cands.append(Candidate("flex", None, flex.supports_reason))
-    with only_backends(sdpa, fa4, triton, flex, REFERENCE):
+    with only_backends(sdpa, fa4, triton, flex, fa3, REFERENCE):
         got = {d["label"]: d for d in runner.backend_defaults(cands, p, DeviceInfo("cpu", (0, 0), 2))}
     assert got["sdpa cudnn"]["choice"] == "sdpa:kernel=cudnn" and got["sdpa flash"]["choice"] == "sdpa:kernel=flash"
     assert got["fa4 default"]["choice"] == "fa4:default"
     assert got["triton default"]["choice"] == "triton:block_m=128"  # first in prior order
     assert got["flex Triton"]["reason"] == "flex backend adds nothing for unmasked attention"
     assert got["triton_decode default"]["reason"] == "backend not registered"
+    assert got["fa3 unsplit"] == {"label": "fa3 unsplit", "choice": None, "reason": "takes no attention problems"}
 
 
 # ------------------------------------------------------------------------------------------- smoke

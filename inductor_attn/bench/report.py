@@ -424,7 +424,8 @@ def _notes(rows: list[dict]) -> list[str]:
                 found.setdefault(f"{what} {e['status']}: {e['reason']}", []).append(r["name"])
         for d in r["defaults"]:
             if not d.get("choice"):
-                found.setdefault(f"{d['label']}: {d.get('reason')}", []).append(r["name"])
+                reason = d.get("reason") or "no candidate for this problem"
+                found.setdefault(f"{d['label']}: {reason}", []).append(r["name"])
     notes = [f"- {text} ({_workloads_text(names, len(rows))})" for text, names in found.items()]
     if len(notes) > MAX_NOTES:
         notes = notes[:MAX_NOTES] + [f"- ... and {len(notes) - MAX_NOTES} more in results.json"]

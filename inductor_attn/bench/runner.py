@@ -230,7 +230,9 @@ def backend_defaults(cands: list[Candidate], p, dev: DeviceInfo) -> list[dict]:
         item = {"label": label, "choice": None, "reason": None}
         if name not in registered:
             item["reason"] = "backend not registered"
-        elif mine and mine[0].config is None:
+        elif not mine:  # the registry lists a backend only for the ops it takes
+            item["reason"] = f"takes no {p.op} problems"
+        elif mine[0].config is None:
             item["reason"] = mine[0].pruned
         elif keys:
             match = next((c for c in mine if all(c.config.get(k) == v for k, v in keys.items())), None)
