@@ -235,6 +235,21 @@ def is_fake(tensor: torch.Tensor) -> bool:
     return fake(tensor)
 
 
+def end_failed_capture(device_index: int, pool) -> None:
+    """Tell the CUDA caching allocator that a capture into ``pool`` is over after it failed. On torch 2.11
+    ``CUDAGraph::capture_end`` (aten/src/ATen/cuda/CUDAGraph.cpp) checks ``cudaStreamEndCapture``'s error before
+    it calls ``endAllocateToPool``, so an invalidated capture (a host sync inside it) stays registered as
+    underway, and every ``torch.cuda.MemPool`` destroyed later (transformers' continuous batching keeps its
+    CUDA graphs in one) aborts the process on ``captures_underway.empty()``. Where capture_end did end it, the
+    allocator says it is not recording to ``pool``: nothing to do. ``torch._C._cuda_endAllocateToPool(device,
+    pool)``, as ``torch.cuda.use_mem_pool`` calls it (torch/cuda/memory.py, 2.11 and 2.13)."""
+    try:
+        torch._C._cuda_endAllocateToPool(device_index, pool)
+    except RuntimeError as err:
+        if "not currently recording" not in str(err):
+            raise
+
+
 def cudagraphs_enabled() -> bool:
     """Whether Inductor wraps the graph being compiled in CUDA graphs (``mode="reduce-overhead"`` patches
     ``triton.cudagraphs`` for the whole compile, forward and backward; torch/_inductor/config.py, 2.11 and

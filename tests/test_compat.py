@@ -106,6 +106,14 @@ def test_fake_copies_keep_layout_and_trace_with_real_tensors_as_constants():
     torch.testing.assert_close(graph(view)[0], view + bias)
 
 
+def test_the_allocator_call_that_ends_a_failed_capture_exists():
+    """``_compat.end_failed_capture`` calls it (CPU builds hold a stand-in under the same name)."""
+    import torch.cuda.memory  # noqa: F401  (defines the CPU stand-ins)
+
+    assert callable(torch._C._cuda_endAllocateToPool) and callable(torch.cuda.graph_pool_handle)
+    assert "pool" in inspect.signature(torch.cuda.graph).parameters
+
+
 def test_is_fake_sees_fake_tensors_and_not_real_ones():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from .._compat import end_failed_capture
 from .measure import sync
 from .step_cost import WALL_CLOCK
 
@@ -109,13 +110,14 @@ class CudaGraphTimer:
                 run_all()
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
+        graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
         note = ""
         try:
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, pool=pool):
                 run_all()
             launch = graph.replay
         except RuntimeError as err:  # not capturable (host sync, unsupported API): time plain launches
+            end_failed_capture(torch.cuda.current_device(), pool)
             torch.cuda.synchronize()
             note = f"timed without CUDA graph: {str(err).splitlines()[0][:120]}"
             launch = run_all
