@@ -457,12 +457,20 @@ def client_table(cb: dict) -> str:
         if "identical" in r:
             first = r["first_difference"]
             same = f"{r['identical']}/{r['sequences']}" + ("" if first is None else f" (token {first})")
+            if r.get("differ_at_near_tie"):
+                same += f"; {r['differ_at_near_tie']} of the others first at a near tie"
         ops = ", ".join(sorted({key.split(" -> ")[0] for key in r.get("kernels") or {}}))
         cells = [name, _code(r["asked"]), ", ".join(map(_code, r["ran"])), f"{r['tokens_per_s']:.0f}",
                  f"{r['tokens_per_s'] / best:.2f}" if best else "", same, f"{r['first_run_s']:.1f}",
                  "; ".join(filter(None, [f"our ops: {ops}" if ops else "",
                                          r.get("exit_error") and f"after its result: {cell(r['exit_error'])}"]))]
         lines.append("| " + " | ".join(cells) + " |")
+    if any(r.get("differ_at_near_tie") for r in impls.values()):
+        from .models import NEAR_TIE
+
+        lines += ["", f"- A near tie: a step where eager's top two logits lie within {NEAR_TIE} units of the model "
+                      "dtype's rounding of each other; a sequence that first differs there picked between tokens "
+                      "that eager cannot tell apart at that precision."]
     return "\n".join(lines)
 
 
