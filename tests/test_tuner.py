@@ -91,6 +91,21 @@ def test_a_candidate_that_leaves_the_cuda_context_unusable_stops_the_tune_with_i
         _tune_with(a, b, search="exhaustive")
 
 
+def test_a_host_probe_that_leaves_the_cuda_context_unusable_names_its_candidate(monkeypatch):
+    a, b = FakeBackend("a", {"default": (1.0, 0.01)}), FakeBackend("b", {"default": (0.5, 0.01)})
+
+    def host_ms(launch, device):
+        launch()
+        if FakeTimer.last == ("b", "default"):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return 0.01
+
+    monkeypatch.setattr(FakeTimer, "host_ms", staticmethod(host_ms))
+    monkeypatch.setattr(measure, "device_error", lambda device: LOST)
+    with pytest.raises(measure.CudaContextLost, match="candidate b:default left"):
+        _tune(a, b)
+
+
 @pytest.mark.parametrize("broken_in", ["prepare", "sample"])
 def test_an_error_while_timing_that_leaves_the_cuda_context_unusable_names_its_candidate(monkeypatch, broken_in):
     def broken():

@@ -60,6 +60,7 @@ from .measure import (
     gate,
     gate_inputs,
     is_candidate_error,
+    raise_if_context_lost,
     strict,
     time_trials,
 )
@@ -228,9 +229,13 @@ class _Search:
             plan = self.mode.plan(self.call, name)
             res = self.results[name]
             res.traced = plan.traced is not None
-            with torch.no_grad():
-                res.host_ms = self.timer.host_ms(self.mode.as_compiled_code_runs(plan, self.call, name),
-                                                 self.call.q.device)
+            try:
+                with torch.no_grad():
+                    res.host_ms = self.timer.host_ms(self.mode.as_compiled_code_runs(plan, self.call, name),
+                                                     self.call.q.device)
+            except Exception as err:  # name the candidate whose launches lost the context (each burst syncs)
+                raise_if_context_lost(name, err, self.call.q.device)
+                raise
 
     # -- searches -----------------------------------------------------------------------------------
     def exhaustive(self) -> tuple[list[str], list[str]]:
