@@ -325,11 +325,10 @@ def _aten_calls_of(traced, call: AttnCall, grads) -> Callable[[], object] | None
 
     args = [getattr(call, n) for n in names] + [extra[i] for i in present]
     try:
-        # Traced on fakes first, which runs nothing: a graph that holds a Triton kernel is not a probe, and
-        # tracing one on real tensors runs the kernel under functionalization, where on an H200 the block-sparse
-        # Triton forward and split-K decode hit illegal addresses that their direct launches never did. A plan
-        # that cannot be traced on fakes (data-dependent Python) is traced on its real tensors, as compiled code
-        # traced it.
+        # Traced on fakes first, as compiled code traces a plan, which runs nothing: a graph that holds a Triton
+        # kernel is no probe, and tracing it on real tensors would run its kernels for nothing (under
+        # functionalization, a path no call of ours takes otherwise). A plan that cannot be traced on fakes
+        # (data-dependent Python) is traced on its real tensors.
         fake_graph = trace_functional(launch, fake_copies(args))
     except Exception:
         fake_graph = None
