@@ -68,6 +68,20 @@ def test_wrong_candidate_never_wins_however_fast():
     assert bad.status == "wrong" and "rel. error" in bad.reason and not bad.samples
 
 
+@pytest.mark.parametrize("search", ["staged", "exhaustive"])
+def test_the_oracle_is_neither_timed_nor_probed_where_a_kernel_passed(search):
+    """On a device timer the reference is the gate's oracle, far slower than any kernel: where a kernel passes it
+    is set aside (timing it and probing its host time took half of a tune); where none does, it runs."""
+    a = FakeBackend("a", {"default": (1.0, 0.01), "k=1": (0.8, 0.01)})
+    oracle = FakeBackend("reference", {"default": (60.0, 0.1)})
+    result = _tune_with(a, oracle, search=search)
+    ref = next(c for c in result.candidates if c.name == "reference:default")
+    assert result.winner == "a:k=1" and ref.status == "passed" and not ref.samples and ref.host_ms is None
+    assert ref.note == "not timed: the oracle runs only where no kernel passes the gate"
+    broken = FakeBackend("a", {"default": (1.0, 0.01)}, fail={"default"})
+    assert _tune_with(broken, oracle, search=search).winner == "reference:default"
+
+
 def test_failing_candidate_is_dropped_with_its_reason_not_raised():
     a = FakeBackend("a", {"default": (1.0, 0.01)})
     b = FakeBackend("b", {"default": (0.1, 0.01)}, fail={"default"})
