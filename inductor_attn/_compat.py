@@ -239,10 +239,12 @@ def end_failed_capture(device_index: int, pool) -> None:
     """Tell the CUDA caching allocator that a capture into ``pool`` is over after it failed. On torch 2.11
     ``CUDAGraph::capture_end`` (aten/src/ATen/cuda/CUDAGraph.cpp) checks ``cudaStreamEndCapture``'s error before
     it calls ``endAllocateToPool``, so an invalidated capture (a host sync inside it) stays registered as
-    underway, and every ``torch.cuda.MemPool`` destroyed later (transformers' continuous batching keeps its
-    CUDA graphs in one) aborts the process on ``captures_underway.empty()``. Where capture_end did end it, the
-    allocator says it is not recording to ``pool``: nothing to do. ``torch._C._cuda_endAllocateToPool(device,
-    pool)``, as ``torch.cuda.use_mem_pool`` calls it (torch/cuda/memory.py, 2.11 and 2.13)."""
+    underway: its routing filter, which reads the freed CUDAGraph's capture id, is then asked about every
+    allocation made during any later capture, and every ``torch.cuda.MemPool`` destroyed later (transformers'
+    continuous batching keeps its CUDA graphs in one) aborts the process on ``captures_underway.empty()``. Where
+    capture_end did end it, the allocator says it is not recording to ``pool``: nothing to do.
+    ``torch._C._cuda_endAllocateToPool(device, pool)``, as ``torch.cuda.use_mem_pool`` calls it
+    (torch/cuda/memory.py, 2.11 and 2.13). The pinned-host allocator's twin entry has no Python binding."""
     try:
         torch._C._cuda_endAllocateToPool(device_index, pool)
     except RuntimeError as err:
