@@ -4,6 +4,7 @@ and key tiles; outputs are poisoned with NaN so an element the kernel never writ
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 import types
@@ -16,7 +17,7 @@ from interpreter_bounds import bounds_checked
 
 from inductor_attn.backends import (enumerate_candidates, only_backends, run_backend, run_backend_backward,
                                     source_hash)
-from inductor_attn.backends.base import AttnCall, Config
+from inductor_attn.backends.base import AttnCall, Candidate, Config
 from inductor_attn.backends.triton_flash import flash
 from inductor_attn.block_mask import BlockSparseMask
 from inductor_attn.device import DeviceInfo, parse_device_override
@@ -430,6 +431,18 @@ def test_block_sparse_configs_are_unique_and_list_tile_walks_of_small_tiles(bloc
     walks = [c for c in cfgs if c.get("tile_list")]
     assert walks and all(c["block_m"] * c["block_n"] < blocks[0] * blocks[1] for c in walks)
     assert all(flash.BACKEND._pruned(p, SM90, c) is None for c in walks)
+
+
+def test_the_hand_rule_names_the_first_runnable_config_for_block_masks_on_cuda_only():
+    from inductor_attn.tuning.decisions import heuristic_choice
+
+    sparse = TYPICAL["sparse_128"]
+    first = next(c for c in flash.BACKEND.configs(sparse, SM90) if c.pruned is None)
+    assert flash.BACKEND.heuristic(sparse, SM90) == first.config
+    assert flash.BACKEND.heuristic(TYPICAL["d128_causal"], SM90) is None
+    assert flash.BACKEND.heuristic(dataclasses.replace(sparse, device_type="cpu"), SM90) is None
+    flex = Candidate("flex", Config.of(backend="TRITON"))  # ahead in prior order, no rule of its own
+    assert heuristic_choice(sparse, SM90, [flex, *flash.BACKEND.configs(sparse, SM90)]) == first.name
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
