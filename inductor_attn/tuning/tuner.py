@@ -258,7 +258,7 @@ class _Search:
         stage1 = self._oracle_aside(self.passed([*reps.values(), default]))
         reps = {b: rep for b, rep in reps.items() if rep in stage1}
         if len(stage1) < 2:  # one backend runs here: its knobs are the whole search
-            finalists = self._oracle_aside(self.passed(stage1 + self.gate(self._ungated())))
+            finalists = self.passed(stage1 + self.gate(self._ungated()))
             if len(finalists) > 1:
                 self.time(finalists)
             return finalists, []
