@@ -162,6 +162,17 @@ def fake_copies(tensors):
     return [mode.from_tensor(t) for t in tensors]
 
 
+def data_dependent_errors() -> tuple[type[Exception], ...]:
+    """What tracing on fake tensors raises where Python reads a tensor's values (``.item()``, ``.tolist()``, a
+    shape that depends on data): torch/_subclasses/fake_tensor.py ``DataDependentOutputException`` and
+    ``DynamicOutputShapeException``, torch/fx/experimental/symbolic_shapes.py ``GuardOnDataDependentSymNode``
+    (2.11 and 2.13)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    return DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode
+
+
 def trace_functional(fn, args):
     """``fn`` traced on ``args`` (fake, or real ones: then it runs) into a functional FX graph, with Inductor's
     decompositions (the way Inductor's pattern matcher traces replacements: torch/_inductor/pattern_matcher.py
@@ -175,9 +186,9 @@ def trace_functional(fn, args):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     functional = torch.func.functionalize(fn, remove="mutations")
-    # real tensors are traced by running them, also inside a compile, whose fake mode ``fake_mode_of`` finds
-    fake = any(is_fake(a) for a in args)
-    with fake_mode_of(args) if fake else contextlib.nullcontext():
+    # fakes are traced in their own mode (a compile's tracing context may hold another); real tensors by running
+    mode = next((a.fake_mode for a in args if is_fake(a)), None)
+    with mode if mode is not None else contextlib.nullcontext():
         return make_fx(functional, select_decomp_table(), tracing_mode="real")(*args)
 
 

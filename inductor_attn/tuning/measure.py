@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._compat import fake_copies, trace_functional
+from .._compat import data_dependent_errors, fake_copies, trace_functional
 from ..backends import REFERENCE, AttnCall, Plan, get_backend, plan_for, run_backend
 from ..backends.pages import fill_unused
 from ..device import device_info
@@ -309,41 +309,53 @@ def _aten_calls_of(traced, call: AttnCall, grads) -> Callable[[], object] | None
     traced into an FX graph as lowering/emit.py traces it, where that graph holds aten ops alone: its generated
     Python calls each op by its overload, as Inductor's generated code calls the extern kernels of the graph.
     None where it holds anything else (a Triton kernel through ``wrap_triton``)."""
-    names = [n for n in ("q", "k", "v", "kv_seqlens", "key_mask", "block_table", "cu_seqlens_q", "cu_seqlens_k")
-             if getattr(call, n) is not None]
-    extra = list(grads or ())
-    present = [i for i, g in enumerate(extra) if g is not None]
+    given = (call, tuple(grads or ()))
+    args = _tensors_in(given)
 
     def launch(*tensors):
-        c = dataclasses.replace(call, **dict(zip(names, tensors)))
-        if grads is None:
-            return tuple(traced(c))
-        given = list(extra)
-        for i, t in zip(present, tensors[len(names):]):
-            given[i] = t
-        return tuple(traced(c, *given))
+        c, extra = _with_tensors(given, iter(tensors))
+        return tuple(traced(c, *extra)) if grads is not None else tuple(traced(c))
 
-    args = [getattr(call, n) for n in names] + [extra[i] for i in present]
     try:
-        # Traced on fakes first, as compiled code traces a plan, which runs nothing: a graph that holds a Triton
-        # kernel is no probe, and tracing it on real tensors would run its kernels for nothing (under
-        # functionalization, a path no call of ours takes otherwise). A plan that cannot be traced on fakes
-        # (data-dependent Python) is traced on its real tensors.
-        fake_graph = trace_functional(launch, fake_copies(args))
-    except Exception:
-        fake_graph = None
-    if fake_graph is not None and not _aten_only(fake_graph):
-        return None
-    try:
+        # Traced on fakes first (every tensor of the call, a block mask's too, is an input), as compiled code
+        # traces a plan, which runs nothing: a graph that holds a Triton kernel is no probe. Tracing one on real
+        # tensors ran its kernels under functionalization, where on an H200 the block-sparse Triton forward hit
+        # illegal addresses that its direct launches never did. Then on the real tensors, for the graph the
+        # probe runs: aten ops alone.
+        if not _aten_only(trace_functional(launch, fake_copies(args))):
+            return None
         graph = trace_functional(launch, args)
     except Exception as err:  # a probe must not fail a tune: its plan's launch stands in (an overestimate)
-        if strict():
+        if strict() and not isinstance(err, data_dependent_errors()):
             raise
         log.warning("the host probe of a traced plan times its launch: tracing it raised %s", describe(err))
         return None
-    if not _aten_only(graph):
-        return None
     return lambda: graph.forward(*args)
+
+
+def _tensors_in(value) -> list[torch.Tensor]:
+    """The tensors in ``value`` (tensors, tuples, lists and dataclasses of them, such as an AttnCall with its
+    BlockSparseMask), in the order :func:`_with_tensors` takes them."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors_in(item)]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [t for f in dataclasses.fields(value) for t in _tensors_in(getattr(value, f.name))]
+    return []
+
+
+def _with_tensors(value, tensors):
+    """``value`` with its tensors (:func:`_tensors_in`) taken in turn from the iterator ``tensors``."""
+    if isinstance(value, torch.Tensor):
+        return next(tensors)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_with_tensors(item, tensors) for item in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changed = {f.name: _with_tensors(getattr(value, f.name), tensors) for f in dataclasses.fields(value)
+                   if f.init and _tensors_in(getattr(value, f.name))}
+        return dataclasses.replace(value, **changed) if changed else value
+    return value
 
 
 def _aten_only(graph: torch.fx.GraphModule) -> bool:
