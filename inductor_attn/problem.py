@@ -12,6 +12,10 @@ import functools
 from dataclasses import dataclass
 
 OPS = ("attention", "varlen", "block_sparse", "paged")
+# The ops whose calls with static shapes compiled code decides while compiling (lowering/emit.py): it inlines the
+# chosen plan's traced form or launches the plan through inductor_attn::launch. The others decide per call, on
+# their index tensors (a block mask, cu_seqlens), and run the chosen plan's launch.
+DECIDED_AT_COMPILE_TIME = ("attention", "paged")
 # Fields added after decisions were first stored: left out of ``key()`` at their default, so the keys of every
 # problem that does not use them (and the shipped tables' rows) stay what they were.
 _KEY_OPTIONAL = {"page_size": 0}

@@ -587,3 +587,11 @@ def test_a_traced_form_that_cannot_be_traced_runs_through_the_launch_op_and_rais
             assert "torch.ops.inductor_attn.launch.default(" in code and "'forward|b:x=1|" in code
             torch.testing.assert_close(out, _attn(q, k, v))
     torch._dynamo.reset()
+
+
+def test_the_ops_the_lowering_decides_while_compiling_are_the_ones_the_tuner_probes_as_such():
+    from inductor_attn.lowering import emit
+    from inductor_attn.problem import DECIDED_AT_COMPILE_TIME
+
+    assert {op for op, _ in emit._COMPILE_TIME.values()} == set(DECIDED_AT_COMPILE_TIME)
+    assert not {op for op, _ in emit._RUN_TIME.values()} & set(DECIDED_AT_COMPILE_TIME)

@@ -117,11 +117,8 @@ launch_op = torch.ops.inductor_attn.launch.default
 
 def _as_compiled_code_launches(direction: str, choice: str, call, *grads):
     """A launch of ``choice``'s plan for ``call`` through this op, as compiled code makes it, left out of ``stats``
-    (the tuner times a candidate's host cost by it); None for a call that compiled code does not launch through it:
-    only ops decided at compile time (attention, paged; lowering/emit.py) come here, and an fp8 call (an attention
-    call with descales) is compiled as a call of ``fp8_attention`` itself."""
-    if call.op not in ("attention", "paged") or call.descale is not None:
-        return None
+    (the tuner times a candidate's host cost by it); for calls decided at compile time (``DECIDED_AT_COMPILE_TIME``)
+    whose plan has no traced form."""
     tensors = [*(getattr(call, name) for name in SHARED_TENSORS), *grads,
                *(getattr(call, name) for name in OWN_TENSORS[call.op])]
     key = plan_key(direction, choice, call)

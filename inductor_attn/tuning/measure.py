@@ -33,6 +33,7 @@ from ..backends import REFERENCE, AttnCall, Plan, get_backend, plan_for, run_bac
 from ..backends.pages import fill_unused
 from ..device import device_info
 from ..layout import empty_like_layout, filled_like
+from ..problem import DECIDED_AT_COMPILE_TIME
 from .correctness import POISON, check_output, check_tensor, rel_err
 
 log = logging.getLogger(__name__)
@@ -237,15 +238,19 @@ class Direction:
         return plan.launch(call) if self.grads is None else plan.launch(call, *self.grads)
 
     def as_compiled_code_runs(self, plan: Plan, call: AttnCall, choice: str) -> Callable[[], object]:
-        """``plan`` launched as compiled code launches it. A traced form of aten ops alone (SDPA's plans): those ops
-        called one after the other as generated code calls them (:func:`_aten_calls_of`), not the plan's Python
-        (through which an SDPA launch cost 35 us a call against 19-25 in compiled code, H200, 2026-11-29). A
-        traced form with Triton kernels: the plan's launch (Triton's launcher, where generated code uses
-        Inductor's, cheaper: an overestimate). A plan without a traced form: for a call decided at compile time
-        (dense attention, paged), through the thin op that compiled code calls (:func:`thin_op_launch`: its
-        dispatch and lookup cost host time that the plan's own launch does not show); other calls (fp8 among them:
-        compiled code calls ``fp8_attention`` itself) go through the op impl at run time, approximated by the plan's
-        launch."""
+        """``plan`` launched as compiled code launches it. Calls that compiled code decides per call (block-sparse,
+        varlen) and fp8 calls (compiled as calls of ``fp8_attention`` itself) run the plan's launch through the
+        op impl at run time: approximated by the plan's launch. Calls decided while compiling
+        (``DECIDED_AT_COMPILE_TIME``): a traced form of aten ops alone (SDPA's plans) as those ops called one after
+        the other as generated code calls them (:func:`_aten_calls_of`), not the plan's Python (through which an
+        SDPA launch cost 35 us a call against 19-25 in compiled code, H200, 2026-11-29); a traced form with Triton
+        kernels by the plan's launch (Triton's launcher, where generated code uses Inductor's, cheaper: an
+        overestimate); a plan without a traced form through the thin op that compiled code calls
+        (:func:`thin_op_launch`: its dispatch and lookup cost host time that the plan's own launch does not
+        show)."""
+        own = lambda: self.run(plan, call)  # noqa: E731
+        if call.op not in DECIDED_AT_COMPILE_TIME or call.descale is not None:
+            return own
         if plan.traced is not None:  # on a GPU: a CPU tune's wall-clock timer weighs no host time (step_cost.py)
             # what a traced form holds is its backend's, not a config's: a backend found to launch more than aten
             # ops (Triton kernels) is not traced again for its other configs
@@ -255,9 +260,8 @@ class Direction:
                 generated = _aten_calls_of(plan.traced, call, self.grads)
                 if generated is None:
                     self._not_aten.add(backend)
-            return generated if generated is not None else lambda: self.run(plan, call)
-        thin = _THIN_OP_LAUNCH and _THIN_OP_LAUNCH(self.direction, choice, call, *(self.grads or ()))
-        return thin or (lambda: self.run(plan, call))
+            return generated or own
+        return _THIN_OP_LAUNCH(self.direction, choice, call, *(self.grads or ())) if _THIN_OP_LAUNCH else own
 
     def compile(self, plan: Plan, call: AttnCall):
         """Compile ``plan``'s kernels for ``call`` without running them (plans that can, see precompile.py)."""
@@ -309,19 +313,26 @@ def _aten_calls_of(traced, call: AttnCall, grads) -> Callable[[], object] | None
     traced into an FX graph as lowering/emit.py traces it, where that graph holds aten ops alone: its generated
     Python calls each op by its overload, as Inductor's generated code calls the extern kernels of the graph.
     None where it holds anything else (a Triton kernel through ``wrap_triton``)."""
-    given = (call, tuple(grads or ()))
-    args = _tensors_in(given)
+    names = [n for n in ("q", "k", "v", "kv_seqlens", "key_mask", "block_table", "cu_seqlens_q", "cu_seqlens_k")
+             if getattr(call, n) is not None]
+    extra = list(grads or ())
+    present = [i for i, g in enumerate(extra) if g is not None]
 
     def launch(*tensors):
-        c, extra = _with_tensors(given, iter(tensors))
-        return tuple(traced(c, *extra)) if grads is not None else tuple(traced(c))
+        c = dataclasses.replace(call, **dict(zip(names, tensors)))
+        if grads is None:
+            return tuple(traced(c))
+        given = list(extra)
+        for i, t in zip(present, tensors[len(names):]):
+            given[i] = t
+        return tuple(traced(c, *given))
 
+    args = [getattr(call, n) for n in names] + [extra[i] for i in present]
     try:
-        # Traced on fakes first (every tensor of the call, a block mask's too, is an input), as compiled code
-        # traces a plan, which runs nothing: a graph that holds a Triton kernel is no probe. Tracing one on real
-        # tensors ran its kernels under functionalization, where on an H200 the block-sparse Triton forward hit
-        # illegal addresses that its direct launches never did. Then on the real tensors, for the graph the
-        # probe runs: aten ops alone.
+        # Traced on fakes first, as compiled code traces a plan, which runs nothing: a graph that holds a Triton
+        # kernel is no probe. Tracing one on real tensors ran its kernels under functionalization, where on an
+        # H200 Triton kernels hit illegal addresses that their direct launches never did. Then on the real
+        # tensors, for the graph the probe runs: aten ops alone.
         if not _aten_only(trace_functional(launch, fake_copies(args))):
             return None
         graph = trace_functional(launch, args)
@@ -331,31 +342,6 @@ def _aten_calls_of(traced, call: AttnCall, grads) -> Callable[[], object] | None
         log.warning("the host probe of a traced plan times its launch: tracing it raised %s", describe(err))
         return None
     return lambda: graph.forward(*args)
-
-
-def _tensors_in(value) -> list[torch.Tensor]:
-    """The tensors in ``value`` (tensors, tuples, lists and dataclasses of them, such as an AttnCall with its
-    BlockSparseMask), in the order :func:`_with_tensors` takes them."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in _tensors_in(item)]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return [t for f in dataclasses.fields(value) for t in _tensors_in(getattr(value, f.name))]
-    return []
-
-
-def _with_tensors(value, tensors):
-    """``value`` with its tensors (:func:`_tensors_in`) taken in turn from the iterator ``tensors``."""
-    if isinstance(value, torch.Tensor):
-        return next(tensors)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_with_tensors(item, tensors) for item in value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        changed = {f.name: _with_tensors(getattr(value, f.name), tensors) for f in dataclasses.fields(value)
-                   if f.init and _tensors_in(getattr(value, f.name))}
-        return dataclasses.replace(value, **changed) if changed else value
-    return value
 
 
 def _aten_only(graph: torch.fx.GraphModule) -> bool:
@@ -370,7 +356,7 @@ _THIN_OP_LAUNCH: Callable[..., Callable[[], object]] | None = None
 
 def thin_op_launch(make: Callable[..., Callable[[], object]]) -> None:
     """Set ``make(direction, choice, call, *backward tensors) -> launch``: a zero-argument launch of the plan
-    of ``choice`` for ``call`` as compiled code makes it, or None where compiled code calls that plan otherwise."""
+    of ``choice`` for ``call`` through the op that compiled code calls where it has no traced form."""
     global _THIN_OP_LAUNCH
     _THIN_OP_LAUNCH = make
 
