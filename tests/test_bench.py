@@ -972,8 +972,9 @@ def test_the_paged_suites_smoke_run_measures_a_serving_loop_and_reports_it(refer
     assert loop["compiles_after_first_pass"] == loop["tunes_after_first_pass"] == 0
     for path in loop["paths"].values():
         assert path["compiles"] == 1 and {"host_us", "wall_us", "loop_host_us", "first_pass_s"} <= set(path)
+        assert path["kernels"] and all(" -> reference:" in k for k in path["kernels"])  # what ran
     printed = capsys.readouterr().out
-    assert "| serving loop |" in printed
+    assert "| serving loop |" in printed and "What the first passes ran:" in printed
     for row in data["rows"]:
         assert row["autotuned"]["choice"] in row["candidates"]
     skip = "needs a CUDA device"  # the fa3 backend's reason

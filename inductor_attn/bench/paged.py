@@ -44,6 +44,7 @@ import time
 import torch
 
 from ..api import attention, paged_attention
+from ..runtime import reset_stats, stats
 from ..backends import enumerate_candidates, fa3 as fa3_backend
 from ..backends.pages import fill_unused, gather_padded, key_slots
 from ..device import device_info
@@ -340,16 +341,17 @@ class _Since:
 
 
 def _first_pass(step, restart, steps: int) -> tuple[dict, torch.Tensor]:
-    """Every step from the start, the first time: seconds, Dynamo graphs compiled, decisions tuned; and the last
-    step's output."""
+    """Every step from the start, the first time: seconds, Dynamo graphs compiled, decisions tuned, the kernels our
+    ops ran (``inductor_attn.stats()``); and the last step's output."""
     restart()
+    reset_stats()
     since, start = _Since(), time.perf_counter()
     for _ in range(steps):
         out = step()
     sync()
     seconds = time.perf_counter() - start
     compiles, tunes = since.counts()
-    return {"first_pass_s": seconds, "compiles": compiles, "tunes": tunes}, out
+    return {"first_pass_s": seconds, "compiles": compiles, "tunes": tunes, "kernels": stats()}, out
 
 
 def run_loop(loop: Loop, device: torch.device, rounds: int) -> dict:
@@ -429,7 +431,9 @@ def serving_table(rows: list[dict]) -> str:
             lines.append(f"| {row['loop']}, {row['steps']} steps | {name} | {p['compiles']} | {p['tunes']} | "
                          f"{p['first_pass_s']:.1f} | {p['host_us']:.1f} | {p['wall_us']:.1f} | {p['loop_host_us']:.1f} "
                          f"| {note if name == 'paged' else ''} |")
-    return "\n".join(lines)
+    ran = [f"- {row['loop']}, {name}: " + ", ".join(f"`{k}`" for k in p["kernels"])
+           for row in rows if "error" not in row for name, p in row["paths"].items() if p.get("kernels")]
+    return "\n".join(lines + (["", "What the first passes ran:", "", *ran] if ran else []))
 
 
 def client_table(cb: dict) -> str:
