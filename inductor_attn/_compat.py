@@ -162,17 +162,6 @@ def fake_copies(tensors):
     return [mode.from_tensor(t) for t in tensors]
 
 
-def data_dependent_errors() -> tuple[type[Exception], ...]:
-    """What tracing on fake tensors raises where Python reads a tensor's values (``.item()``, ``.tolist()``, a
-    shape that depends on data): torch/_subclasses/fake_tensor.py ``DataDependentOutputException`` and
-    ``DynamicOutputShapeException``, torch/fx/experimental/symbolic_shapes.py ``GuardOnDataDependentSymNode``
-    (2.11 and 2.13)."""
-    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
-    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-
-    return DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode
-
-
 def trace_functional(fn, args):
     """``fn`` traced on ``args`` (fake, or real ones: then it runs) into a functional FX graph, with Inductor's
     decompositions (the way Inductor's pattern matcher traces replacements: torch/_inductor/pattern_matcher.py

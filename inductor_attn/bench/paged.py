@@ -44,12 +44,12 @@ import time
 import torch
 
 from ..api import attention, paged_attention
-from ..runtime import reset_stats, stats
 from ..backends import enumerate_candidates, fa3 as fa3_backend
 from ..backends.pages import fill_unused, gather_padded, key_slots
 from ..device import device_info
 from ..hf_paged import _append
 from ..ops.paged import paged_call
+from ..runtime import reset_stats, stats
 from ..store.db import get_store
 from ..tuning.correctness import rel_err
 from ..tuning.decisions import decide

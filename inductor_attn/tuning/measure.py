@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._compat import data_dependent_errors, fake_copies, trace_functional
+from .._compat import fake_copies, trace_functional
 from ..backends import REFERENCE, AttnCall, Plan, get_backend, plan_for, run_backend
 from ..backends.pages import fill_unused
 from ..device import device_info
@@ -331,13 +331,18 @@ def _aten_calls_of(traced, call: AttnCall, grads) -> Callable[[], object] | None
     try:
         # Traced on fakes first, as compiled code traces a plan, which runs nothing: a graph that holds a Triton
         # kernel is no probe. Tracing one on real tensors ran its kernels under functionalization, where on an
-        # H200 Triton kernels hit illegal addresses that their direct launches never did. Then on the real
-        # tensors, for the graph the probe runs: aten ops alone.
-        if not _aten_only(trace_functional(launch, fake_copies(args))):
-            return None
+        # H200 Triton kernels hit illegal addresses that their direct launches never did. A plan that fake tensors
+        # cannot trace (Python that reads values, real tensors of its own) is no probe either.
+        fake_graph = trace_functional(launch, fake_copies(args))
+    except Exception as err:  # its plan's launch stands in (an overestimate)
+        log.debug("the host probe of a traced plan times its launch: tracing it on fakes raised %s", describe(err))
+        return None
+    if not _aten_only(fake_graph):
+        return None
+    try:  # aten ops alone: traced again on the real tensors, for the graph the probe runs
         graph = trace_functional(launch, args)
     except Exception as err:  # a probe must not fail a tune: its plan's launch stands in (an overestimate)
-        if strict() and not isinstance(err, data_dependent_errors()):
+        if strict():
             raise
         log.warning("the host probe of a traced plan times its launch: tracing it raised %s", describe(err))
         return None
