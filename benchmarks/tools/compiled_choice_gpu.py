@@ -290,7 +290,7 @@ def report(run: Path, commit: str, date: str) -> str:
     choice = json.loads((run / "compiled_choice.json").read_text())
     shapes = [row["shape"] for row in choice["prefill"]]
     probed = [row["shape"] for row in choice["prefill"] if row.get("probes")]
-    command = (f"--shapes {' '.join(shapes)} --probes {' '.join(probed) or '-'}"
+    command = (f"--shapes {' '.join(shapes)} --probes{''.join(' ' + shape for shape in probed)}"
                + (" --training" if "training" in choice else ""))
     lines = [f"{choice['device']}, torch {choice['torch']}, {date}, commit {commit}; command "
              f"`PYTHONPATH=. python benchmarks/tools/compiled_choice_gpu.py --out $OUT {command}` (a fresh decision "
