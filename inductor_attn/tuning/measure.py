@@ -313,7 +313,8 @@ def _aten_calls_of(traced, call: AttnCall, grads) -> Callable[[], object] | None
     traced into an FX graph as lowering/emit.py traces it, where that graph holds aten ops alone: its generated
     Python calls each op by its overload, as Inductor's generated code calls the extern kernels of the graph.
     None where it holds anything else (a Triton kernel through ``wrap_triton``)."""
-    names = [n for n in ("q", "k", "v", "kv_seqlens", "key_mask", "block_table", "cu_seqlens_q", "cu_seqlens_k")
+    # the tensors of the calls decided while compiling (as_compiled_code_runs): attention's and paged's
+    names = [n for n in ("q", "k", "v", "kv_seqlens", "key_mask", "block_table", "cu_seqlens_q")
              if getattr(call, n) is not None]
     extra = list(grads or ())
     present = [i for i, g in enumerate(extra) if g is not None]
