@@ -612,6 +612,25 @@ def test_settling_collects_garbage_then_calls_each_function_again(monkeypatch):
     assert warm_calls + models.SETTLE_CALLS + models.ROUNDS * models.DECODE_CALLS <= models.DECODE_ROOM
 
 
+def test_copies_compiled_at_other_shapes_each_compile_static_shapes():
+    """A bench compiles one function per path and shape (own_code), as a user compiles once: a copy compiled after
+    another at other sizes must not start with those sizes dynamic (Dynamo's per-function shape memory), or its
+    attention calls would be decided per call at run time (the paged suite's second serving loop was)."""
+    from inductor_attn.bench.wallclock import own_code
+
+    def double(x):
+        return x * 2
+
+    shapes = []
+
+    def backend(gm, example_inputs):
+        shapes.append([tuple(n.meta["example_value"].shape) for n in gm.graph.nodes if n.op == "placeholder"])
+        return gm
+
+    for n in (8, 2, 3):
+        torch.compile(own_code(double), backend=backend)(torch.zeros(n, 4))
+    assert shapes == [[(8, 4)], [(2, 4)], [(3, 4)]]  # SymInt sizes compare unequal to ints
+
 def test_a_measured_function_reports_the_issuing_time_of_its_wall_runs():
     """loop host us: how long the wall run took to issue its calls, at most its wall time; a function that
     spends 1 ms of CPU per call reports about that."""

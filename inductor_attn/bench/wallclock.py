@@ -180,10 +180,16 @@ def kernel_ms(fns: list[Callable[[], object]], calls: int = 20) -> dict[str, flo
 
 
 def own_code(fn: Callable) -> Callable:
-    """``fn`` with a code object of its own, for compiling one function several ways (modes, backends): Dynamo
-    keeps compiled frames per code object, so each call of one compile would also look at the others' cache
-    entries, which a user who compiles a function once never pays."""
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    """``fn`` with a code object of its own, for compiling one function several ways (modes, backends, shapes):
+    Dynamo keeps compiled frames per code object, so each call of one compile would also look at the others' cache
+    entries, which a user who compiles a function once never pays. The copy has a name of its own too: Dynamo
+    keeps what it learnt about a function's shapes by file, line and name (torch/_dynamo/pgo.py ``CodeId``), so a
+    copy compiled at other shapes than an earlier one would start with the sizes that differ made dynamic."""
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{next(_COPIES)}")
+    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+_COPIES = itertools.count()
 
 
 def warm(fn: Callable[[], object], calls: int = 5) -> Callable[[], object]:
