@@ -47,7 +47,6 @@ from ..api import attention, paged_attention
 from ..backends import enumerate_candidates, fa3 as fa3_backend
 from ..backends.pages import fill_unused, gather_padded, key_slots
 from ..device import device_info
-from ..hf_paged import _append
 from ..ops.paged import paged_call
 from ..runtime import reset_stats, stats
 from ..store.db import get_store
@@ -268,9 +267,15 @@ LOOP_ROUNDS = 3
 
 def _paged_step(q, k_new, v_new, k_pool, v_pool, block_table, lens):
     """One decode step over a paged cache, as compiled: every sequence one key longer, its key and value written
-    into their slot (hf_paged's append), then attention over the pages."""
+    into their slot as a server writes them (vLLM's ``reshape_and_cache`` from a slot mapping; hf_paged's append
+    also handles transformers' padding rows of no keys, which this loop has none of), then attention over the
+    pages."""
     lens += 1
-    _append(k_pool, v_pool, block_table, lens, k_new, v_new)
+    page_size = k_pool.shape[1]
+    positions = lens.long() - 1
+    blocks = block_table[torch.arange(lens.shape[0], device=lens.device), positions // page_size].long()
+    k_pool[blocks, positions % page_size] = k_new
+    v_pool[blocks, positions % page_size] = v_new
     return paged_attention(q, k_pool, v_pool, block_table, lens)
 
 
