@@ -18,6 +18,7 @@ from inductor_attn.backends import REFERENCE, AttnCall, Backend, Candidate, Conf
 from inductor_attn.backends.masks import dense_mask_fn
 from inductor_attn.backends.paged_gather import as_packed, dense_call
 from inductor_attn.backends.reference import run_backward, run_forward
+from inductor_attn.messages import KV_SEQLENS_VALUES, PAGED_BLOCK_IDS, PAGED_KV_SEQLENS_VALUES
 
 
 class FakeBackend(Backend):
@@ -30,7 +31,7 @@ class FakeBackend(Backend):
     takes = Takes(backward=True)
 
     def __init__(self, name: str, times: dict[str, tuple[float, float]], wrong=(), fail=(), prune=None,
-                 supports_reason=None, heuristic=None, traceable=False, host_s=0.0, checks_kv_seqlens=False, leaks=(),
+                 supports_reason=None, heuristic=None, traceable=False, host_s=0.0, checks_indices=False, leaks=(),
                  ops=None):
         self.name = name
         if ops is not None:
@@ -42,7 +43,7 @@ class FakeBackend(Backend):
         self.rule = heuristic
         self.traceable = traceable
         self.host_s = host_s  # CPU time each eager launch spends (a Python launcher's)
-        self.checks_kv_seqlens = checks_kv_seqlens  # its traced form asserts kv_seqlens values (FAKE_KERNEL_CHECK)
+        self.checks_indices = checks_indices  # its traced form asserts index values (FAKE_KERNEL_CHECK)
         self.calls = 0
         self.knobs = {k: (int, str, bool) for c in times for k, _ in Config.parse(c).params}
 
@@ -62,8 +63,11 @@ class FakeBackend(Backend):
         launch = functools.partial(self._forward, str(cfg))
         if not self.traceable or str(cfg) in self.wrong:
             return Plan(launch)
-        if self.checks_kv_seqlens:
-            return Plan(launch, traced=_forward_checking_kv_seqlens, checks_kv_seqlens=True)
+        if self.checks_indices and p.op == "paged":
+            return Plan(launch, traced=_paged_forward_checking_indices,
+                        checks_indices=(PAGED_KV_SEQLENS_VALUES, PAGED_BLOCK_IDS))
+        if self.checks_indices:
+            return Plan(launch, traced=_forward_checking_kv_seqlens, checks_indices=(KV_SEQLENS_VALUES,))
         return Plan(launch, traced=paged_forward if p.op == "paged" else run_forward)
 
     def _forward(self, cfg, call):
@@ -103,12 +107,24 @@ def _spin(seconds: float) -> None:
         pass
 
 
-FAKE_KERNEL_CHECK = "fake kernel: kv_seqlens out of range"
+FAKE_KERNEL_CHECK = "fake kernel: index values out of range"
 
 
-def _forward_checking_kv_seqlens(call: AttnCall, check_kv_seqlens: bool = False):
+def _paged_forward_checking_indices(call: AttnCall, check_indices: bool = False):
+    """:func:`paged_forward` whose "kernel" checks the lengths and the block ids they reach itself when asked,
+    with its own text."""
+    if check_indices:
+        lengths, table = call.kv_seqlens, call.block_table
+        reached = torch.arange(table.shape[1]) * call.k.shape[1] < lengths[:, None]
+        ids = torch.where(reached, table, 0)
+        ok = ((lengths >= 0) & (lengths <= call.max_seqlen_k)).all() & ((ids >= 0) & (ids < call.k.shape[0])).all()
+        torch._assert_async(ok, FAKE_KERNEL_CHECK)
+    return paged_forward(call)
+
+
+def _forward_checking_kv_seqlens(call: AttnCall, check_indices: bool = False):
     """A traced form whose "kernel" checks the kv_seqlens values itself when asked, with its own text."""
-    if check_kv_seqlens:
+    if check_indices:
         torch._assert_async(((call.kv_seqlens >= 0) & (call.kv_seqlens <= call.k.shape[2])).all(), FAKE_KERNEL_CHECK)
     return run_forward(call)
 

@@ -437,7 +437,7 @@ def _decode_inputs(lengths):
 
 def _checking_fakes(monkeypatch):
     a = FakeBackend("a", {"default": (1.0, 0.01)}, traceable=True)
-    b = FakeBackend("b", {"x=1": (0.5, 0.01)}, traceable=True, checks_kv_seqlens=True)
+    b = FakeBackend("b", {"x=1": (0.5, 0.01)}, traceable=True, checks_indices=True)
     timed_with_fakes(monkeypatch, a, b)
     return only_backends(a, b, REFERENCE)
 

@@ -89,6 +89,39 @@ def test_split_k_decode_reads_pages_through_the_table(name, splits, block_n):
     _check_against_the_oracle(case, x, out, lse)
 
 
+@pytest.mark.parametrize("bad", [None, "length", "block id", "block id past the length"])
+def test_split_k_decode_asked_by_compiled_code_checks_lengths_and_block_ids_itself(bad, monkeypatch):
+    """With ``check_indices`` the partial kernel stops where a length is outside [0, max_seqlen_k] or a page it
+    reads has a block id outside [0, num_blocks), with the API's compiled messages; an id past the lengths is
+    never read and never checked. Triton keeps device asserts only with ``debug``, as Inductor compiles."""
+    import re
+
+    from triton.runtime import interpreter
+
+    from inductor_attn.messages import PAGED_BLOCK_IDS, PAGED_KV_SEQLENS_VALUES, device_message
+
+    builder = interpreter.interpreter_builder
+    monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, debug=True))
+    case = pi.PagedCase(kv_lens=(37, 5), page_size=4)
+    x = pi.make(case)
+    if bad == "length":
+        x.kv_seqlens[1] = x.block_table.shape[1] * case.page_size + 1
+    elif bad == "block id":
+        x.block_table[0, 3] = x.k_cache.shape[0]
+    elif bad == "block id past the length":
+        x.block_table[1, 2] = -7
+    call = _call(case, x)
+    plan = decode.DecodePlan(call.problem, device_info("cpu"), Config.of(block_n=16, num_splits=2, num_warps=4))
+    out, lse = _poisoned(call)
+    message = {"length": PAGED_KV_SEQLENS_VALUES, "block id": PAGED_BLOCK_IDS}.get(bad)
+    if message:
+        with pytest.raises(Exception, match=re.escape(device_message(message))):
+            plan.run(call, out, lse, check_indices=True)
+    else:
+        plan.run(call, out, lse, check_indices=True)
+        _check_against_the_oracle(case, x, out, lse)
+
+
 @pytest.mark.parametrize("name", [n for n in CASES if len(set(CASES[n].q_lens or (1,))) == 1])
 def test_the_gather_baselines_dense_call_is_the_paged_call(name):
     # on the CPU the dense call runs on the reference (the baseline's SDPA kernels need CUDA)
@@ -327,6 +360,29 @@ def test_a_static_paged_call_is_decided_while_compiling(traceable, monkeypatch, 
         assert inductor_attn.stats() == {"paged/forward -> b:x=1": 1}
     assert [p.op for p in tuned] == ["paged"]
     _check_against_the_oracle(case, x, out, lse)
+
+
+def test_a_plan_whose_kernel_checks_a_paged_calls_indices_replaces_the_graphs_asserts(monkeypatch, fresh_compile):
+    """The paged API's compiled checks (lengths, the block ids they reach) are device asserts of the graph; where
+    the chosen plan's kernel makes them itself (split-K decode), only the kernel's checks are left."""
+    from fakes import FAKE_KERNEL_CHECK, FakeBackend, timed_with_fakes
+    from torch._inductor.utils import run_and_get_code
+
+    from inductor_attn.backends import only_backends
+    from inductor_attn.messages import PAGED_BLOCK_IDS, PAGED_KV_SEQLENS_VALUES
+
+    b = FakeBackend("b", {"x=1": (0.5, 0.01)}, traceable=True, checks_indices=True, ops=("attention", "paged"))
+    timed_with_fakes(monkeypatch, b)
+    case = pi.PagedCase(kv_lens=(37, 5, 0), page_size=4, d=16, width=12)
+    x = pi.make(case)
+    with only_backends(b, REFERENCE), inductor_attn.tuning_mode("autotune"):
+        fn = torch.compile(_paged_step, fullgraph=True)
+        (out, lse), (code,) = run_and_get_code(fn, x.q, x.k_cache, x.v_cache, x.block_table, x.kv_seqlens)
+        assert PAGED_KV_SEQLENS_VALUES not in code and PAGED_BLOCK_IDS not in code and FAKE_KERNEL_CHECK in code
+        _check_against_the_oracle(case, x, out, lse)
+        x.block_table[0, 0] = x.k_cache.shape[0]
+        with pytest.raises(RuntimeError, match=FAKE_KERNEL_CHECK):
+            fn(x.q, x.k_cache, x.v_cache, x.block_table, x.kv_seqlens)
 
 
 def test_the_representative_paged_call_is_valid_and_fills_the_capacity():

@@ -201,7 +201,7 @@ def test_unread_pointers_are_none_and_no_written_tensor_is_passed_twice(splits, 
 
 @pytest.mark.parametrize("lengths, stops", [((5, 70), False), ((0, 71), True), ((-1, 3), True)])
 def test_compiled_codes_kernel_asserts_kv_seqlens_values_itself(monkeypatch, lengths, stops):
-    """Asked by compiled code (``check_kv_seqlens``), the partial kernel stops where a length is outside [0, Lk],
+    """Asked by compiled code (``check_indices``), the partial kernel stops where a length is outside [0, Lk],
     with the API's message. Triton keeps device asserts only when compiling with ``debug``, as Inductor
     compiles the kernels it launches; the interpreter is told so through its builder's options."""
     from triton.runtime import interpreter
@@ -214,9 +214,9 @@ def test_compiled_codes_kernel_asserts_kv_seqlens_values_itself(monkeypatch, len
     plan.run(call, out, lse)  # not asked: no check
     if stops:
         with pytest.raises(Exception, match=re.escape(device_message(KV_SEQLENS_VALUES))):
-            plan.run(call, out, lse, check_kv_seqlens=True)
+            plan.run(call, out, lse, check_indices=True)
     else:
-        plan.run(call, out, lse, check_kv_seqlens=True)
+        plan.run(call, out, lse, check_indices=True)
 
 
 

@@ -176,11 +176,11 @@ class Plan:
     one thin op instead (lowering/). ``warm``: ``traced`` reads what one eager launch records (a
     persistent grid's programs per SM), so the compile launches once before tracing. ``traced_out_only``: a
     forward's traced form returning ``(out,)`` alone, for compiled code that never reads the lse (inference),
-    where the kernel can skip computing it; None: ``traced`` serves. ``checks_kv_seqlens``: ``traced`` (and
-    ``traced_out_only``) take ``check_kv_seqlens=True``, and their kernel then stops at a device-side assert
-    where a ``kv_seqlens`` value is outside [0, Lk], with the text of the API's compiled check
-    (messages.KV_SEQLENS_VALUES), which lowering then leaves out of the graph: one kernel launch less per
-    compiled call. ``compile`` takes ``launch``'s arguments and compiles the kernels ``launch`` would run for
+    where the kernel can skip computing it; None: ``traced`` serves. ``checks_indices``: the API's compiled
+    index checks (their texts in messages.py: KV_SEQLENS_VALUES; a paged call's PAGED_KV_SEQLENS_VALUES and
+    PAGED_BLOCK_IDS) that the kernel makes itself when ``traced`` (and ``traced_out_only``) get
+    ``check_indices=True``: it stops at a device-side assert with the same text, and lowering leaves the graph's
+    own assert out: one kernel launch less per compiled call. ``compile`` takes ``launch``'s arguments and compiles the kernels ``launch`` would run for
     them without running any (Triton's ``kernel.warmup``); the tuner calls it ahead of the gate while worker
     processes compile other candidates (tuning/precompile.py). None: the first launch compiles.
     """
@@ -190,7 +190,7 @@ class Plan:
     traced_out_only: Callable[..., tuple[torch.Tensor]] | None = None
     warm: bool = False
     compile: Callable[..., object] | None = None
-    checks_kv_seqlens: bool = False
+    checks_indices: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ except ImportError:  # without them the kernels launch plainly (USE_PDL off)
 from .._compat import is_fake
 from ..device import DeviceInfo, smem_per_block
 from ..layout import new_outputs
-from ..messages import KV_SEQLENS_VALUES, device_message
+from ..messages import KV_SEQLENS_VALUES, PAGED_BLOCK_IDS, PAGED_KV_SEQLENS_VALUES, device_message
 from ..problem import Problem, next_power_of_two
 from .base import AttnCall, Backend, Candidate, Config, Plan, Takes
 from .triton_common import TRITON, eager_launcher, graph_launcher, traceable, warmup_launcher
@@ -73,8 +73,10 @@ _LOG2E = 1.4426950408889634
 _SMEM_HEADROOM = 0.85
 
 
-# The text of the API's compiled kv_seqlens check (messages.py), for the kernel's own assert of it.
-_KV_SEQLENS_ASSERT = tl.constexpr(device_message(KV_SEQLENS_VALUES)) if tl is not None else None
+# The texts of the API's compiled index checks (messages.py), for the kernel's own asserts of them.
+_KV_SEQLENS_ASSERT, _PAGED_SEQLENS_ASSERT, _PAGED_IDS_ASSERT = (
+    (tl.constexpr(device_message(m)) for m in (KV_SEQLENS_VALUES, PAGED_KV_SEQLENS_VALUES, PAGED_BLOCK_IDS))
+    if tl is not None else (None, None, None))
 
 
 def _jit(**options):
@@ -85,12 +87,14 @@ def _jit(**options):
 # Lengths, split counts and windows change between calls (every decode step without kv_seqlens): never
 # specialise on their values, or Triton would compile a variant for Lk == 1 and for Lk % 16 == 0. The key
 # mask's strides (its batch stride is Lk) likewise.
-@_jit(do_not_specialize=["LK", "NUM_SPLITS", "NUM_M_BLOCKS", "WINDOW_LEFT", "WINDOW_RIGHT", "smb", "smn", "slh"])
+@_jit(do_not_specialize=["LK", "NUM_SPLITS", "NUM_M_BLOCKS", "WINDOW_LEFT", "WINDOW_RIGHT", "NUM_PAGES", "smb", "smn",
+                         "slh"])
 def _decode_partial(
     Q, K, V, SEQLENS, KEY_MASK, OUT, LSE, TABLE, CU_Q,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, smn, sob, soh, som, sod, slb, slh, slm, stb,
-    qk_scale, HKV, G, LQ, LK, D, DV, NUM_SPLITS, NUM_M_BLOCKS, WINDOW_LEFT, WINDOW_RIGHT,
-    HAS_SEQLENS: tl.constexpr, CHECK_SEQLENS: tl.constexpr, HAS_KEY_MASK: tl.constexpr, HAS_LEFT: tl.constexpr,
+    qk_scale, HKV, G, LQ, LK, D, DV, NUM_SPLITS, NUM_M_BLOCKS, WINDOW_LEFT, WINDOW_RIGHT, NUM_PAGES,
+    HAS_SEQLENS: tl.constexpr, CHECK_SEQLENS: tl.constexpr, CHECK_PAGES: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_CU_Q: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SINGLE: tl.constexpr, WRITE_LSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -116,7 +120,10 @@ def _decode_partial(
     if HAS_SEQLENS:
         n = tl.load(SEQLENS + b).to(tl.int32)
         if CHECK_SEQLENS:  # compiled code's check of the values (a no-op unless Triton compiles with debug)
-            tl.device_assert((n >= 0) & (n <= LK), _KV_SEQLENS_ASSERT)
+            if PAGE_SIZE > 0:  # LK is the call's max_seqlen_k
+                tl.device_assert((n >= 0) & (n <= LK), _PAGED_SEQLENS_ASSERT)
+            else:
+                tl.device_assert((n >= 0) & (n <= LK), _KV_SEQLENS_ASSERT)
     else:
         n = LK
     # This batch's queries: rows q0 .. q0 + lq - 1 of the packed queries (paged chunked prefill), else all LQ
@@ -158,6 +165,8 @@ def _decode_partial(
         key_ok = keys < end
         if PAGE_SIZE > 0:  # key j in slot j % PAGE_SIZE of its page; pages past the keys are never read
             page = tl.load(TABLE + b * stb + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+            if CHECK_PAGES:  # every page a length reaches is read here, by one split or another
+                tl.device_assert((page >= 0) & (page < NUM_PAGES), _PAGED_IDS_ASSERT)
             slot = keys % PAGE_SIZE
             k_rows = page * skb + slot * skn
             v_rows = page * svb + slot * svn
@@ -357,21 +366,22 @@ class DecodePlan:
         self.run(call, out, lse, launcher=eager_launcher, pdl=self.pdl)
         return out, lse
 
-    def traced(self, call: AttnCall, check_kv_seqlens: bool = False):
+    def traced(self, call: AttnCall, check_indices: bool = False):
         """As :meth:`launch`, without programmatic dependent launch: Inductor launches user kernels without
-        it (its ``launch_pdl`` is a compile option of its own kernels, off by default). ``check_kv_seqlens``:
-        the partial kernel asserts each batch's length is in [0, Lk] before reading keys; Inductor compiles
+        it (its ``launch_pdl`` is a compile option of its own kernels, off by default). ``check_indices``: the
+        partial kernel asserts each batch's length is in [0, Lk] (a paged call's max_seqlen_k) before reading
+        keys, and a paged call's block ids in [0, num_blocks) before reading their pages; Inductor compiles
         the kernels it launches with Triton's ``debug`` on (torch/_inductor/runtime/triton_heuristics.py,
         ``assert_indirect_indexing``), which keeps device asserts."""
         out, lse = self.outputs(call)
-        self.run(call, out, lse, launcher=graph_launcher, pdl=False, check_kv_seqlens=check_kv_seqlens)
+        self.run(call, out, lse, launcher=graph_launcher, pdl=False, check_indices=check_indices)
         return out, lse
 
-    def traced_out_only(self, call: AttnCall, check_kv_seqlens: bool = False):
+    def traced_out_only(self, call: AttnCall, check_indices: bool = False):
         """:meth:`traced` for compiled code that never reads the lse (inference): no lse buffer, no lse stores
         but the splits' own."""
         out = self.outputs(call)[0]
-        self.run(call, out, None, launcher=graph_launcher, pdl=False, check_kv_seqlens=check_kv_seqlens)
+        self.run(call, out, None, launcher=graph_launcher, pdl=False, check_indices=check_indices)
         return (out,)
 
     def compile(self, call: AttnCall):
@@ -389,7 +399,7 @@ class DecodePlan:
             last = self._geometry = (key, _Geometry.of(call, out))  # one assignment: threads may share the plan
         return last[1]
 
-    def run(self, call: AttnCall, out, lse, ws=None, *, launcher=None, pdl=None, check_kv_seqlens=False):
+    def run(self, call: AttnCall, out, lse, ws=None, *, launcher=None, pdl=None, check_indices=False):
         """Write the attention of ``call`` into ``out`` (B, Hq, Lq, Dv; any strides) and ``lse`` (B, Hq, Lq;
         float32, contiguous; None: not computed). Tests hand in outputs (and a workspace ``ws`` from
         :func:`workspace`) poisoned with NaN."""
@@ -415,8 +425,9 @@ class DecodePlan:
             q, k, v, call.kv_seqlens, key_mask, target_o, target_lse, call.block_table, call.cu_seqlens_q, *g.q,
             *g.k, *g.v,
             *mask_strides, *g.out, *g.lse, g.table, call.scale * _LOG2E, hkv, hq // hkv, lq, lk, d, dv, splits,
-            self.m_blocks, max(call.window_left, 0), max(right, 0),
-            HAS_SEQLENS=call.kv_seqlens is not None, CHECK_SEQLENS=check_kv_seqlens and call.kv_seqlens is not None,
+            self.m_blocks, max(call.window_left, 0), max(right, 0), k.shape[0] if g.page_size else 0,
+            HAS_SEQLENS=call.kv_seqlens is not None, CHECK_SEQLENS=check_indices and call.kv_seqlens is not None,
+            CHECK_PAGES=check_indices and g.page_size > 0,
             HAS_KEY_MASK=call.key_mask is not None,
             HAS_LEFT=call.window_left >= 0, HAS_RIGHT=right >= 0, HAS_CU_Q=call.cu_seqlens_q is not None,
             PAGE_SIZE=g.page_size,
@@ -542,7 +553,16 @@ class TritonDecodeBackend(Backend):
         if not traceable():
             return Plan(decode.launch, compile=decode.compile)
         return Plan(decode.launch, traced=decode.traced, traced_out_only=decode.traced_out_only, compile=decode.compile,
-                    checks_kv_seqlens=True)
+                    checks_indices=_checked_in_kernel(p))
+
+
+def _checked_in_kernel(p: Problem) -> tuple[str, ...]:
+    """The API's compiled index checks that the partial kernel makes (``Plan.checks_indices``). A paged call's
+    block ids only without a left window: the kernel then reads every page that the lengths reach, the pages the
+    API's check covers; with one, it skips the pages before the window."""
+    if p.op != "paged":
+        return (KV_SEQLENS_VALUES,)
+    return (PAGED_KV_SEQLENS_VALUES,) + ((PAGED_BLOCK_IDS,) if p.window_left < 0 else ())
 
 
 def _pruned(p: Problem, dev: DeviceInfo, cfg: Config) -> str | None:

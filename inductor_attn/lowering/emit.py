@@ -16,11 +16,11 @@ by its plan:
 - otherwise one call of the thin ``inductor_attn::launch`` op (ops/launch.py), whose string argument
   names the plan; the op runs the plan's launch (for FA4 on sm_90, the compiled kernel directly).
 
-The API's compiled check of ``kv_seqlens`` values is a device-side assert in the graph (a reduction kernel
-of its own). Where every attention call reading that ``kv_seqlens`` got a plan whose kernel can make the
-same check (``Plan.checks_kv_seqlens``: split-K decode), the kernels assert instead and the graph's assert
-goes: one launch less per call. The paged API's asserts (lengths in [0, max_seqlen_k], the block ids that the
-lengths reach) are other checks, with texts of their own, and stay.
+The API's compiled checks of index values (``kv_seqlens`` in range; a paged call's lengths and the block ids
+they reach) are device-side asserts in the graph, each a reduction kernel of its own or part of one. Where every
+op call reading the tensors an assert checks got a plan whose kernel makes that check itself
+(``Plan.checks_indices``: split-K decode), the kernels assert instead, with the same text, and the graph's
+assert goes: one launch less per call.
 
 Varlen and block-sparse calls are decided at run time, on their real lengths and masks, at one cached lookup
 per call (runtime.py). With static shapes their problem is known while compiling (a mask's density is a
@@ -47,7 +47,7 @@ from ..ops import (BACKWARD_OPS, FORWARD_OPS, attention_backward_op, attention_o
                    varlen_attention_backward_op, varlen_attention_op)
 from ..ops.attention import sparse_mask
 from ..ops.paged import paged_call
-from ..messages import KV_SEQLENS_VALUES, device_message
+from ..messages import KV_SEQLENS_VALUES, PAGED_BLOCK_IDS, PAGED_KV_SEQLENS_VALUES, device_message
 from ..ops.launch import GRAD_TENSORS, OWN_TENSORS, SHARED_TENSORS, launch_op, plan_key
 from ..runtime import COMPILED, count_compiled, plan_for
 from ..tuning.measure import describe, fresh_pool, strict
@@ -69,7 +69,7 @@ _RUN_TIME = {block_sparse_attention_op._opoverload: ("block_sparse", "forward"),
 
 
 def emit_plans(graph: torch.fx.Graph) -> None:
-    readers, asserts = _kv_seqlens_checks(graph)
+    readers, asserts = _index_checks(graph)
     static = []  # (node, args, vals, call, op, direction, bucket key or None for a named choice)
     buckets: dict[tuple, Bucket] = {}
     first_calls: dict[tuple, AttnCall] = {}
@@ -101,7 +101,7 @@ def emit_plans(graph: torch.fx.Graph) -> None:
         static.append((node, args, vals, call, op, direction, key))
     training = any(direction == "backward" or _lse_read(node) for node, _, _, _, _, direction, _ in static)
     chosen = _choose(graph, buckets, first_calls, {entry[0] for entry in static}, training)
-    checked_in_kernel = set()
+    checked_in_kernel = {}  # op node -> (the checks its kernel makes, the index tensors it reads)
     for node, args, vals, call, op, direction, key in static:
         choice = args["choice"] or chosen[key]
         plan = plan_for(call.problem, choice, device_info(call.q.device), direction)
@@ -112,21 +112,22 @@ def emit_plans(graph: torch.fx.Graph) -> None:
                 _warm(plan, call, direction)
             lse_read = direction == "backward" or _lse_read(node)
             traced = plan.traced if lse_read or plan.traced_out_only is None else plan.traced_out_only
-            checks = plan.checks_kv_seqlens and bool(asserts.get(args["kv_seqlens"]))
+            reads = {args.get(name) for name in _INDEX_ARGS} - {None}
+            checks = any(message in plan.checks_indices and sources <= reads for _, message, sources in asserts)
             if checks:
-                traced = functools.partial(traced, check_kv_seqlens=True)
+                traced = functools.partial(traced, check_indices=True)
             outputs = _inline_traced(graph, node, traced, op, args, vals, names, direction, choice)
             if outputs is not None:
                 count_compiled(op, direction, choice)
                 if checks:
-                    checked_in_kernel.add(node)
+                    checked_in_kernel[node] = (plan.checks_indices, reads)
         if outputs is None:
             outputs = _emit_launch(graph, node, plan_key(direction, choice, call), args, vals, names)
         _replace_outputs(graph, node, outputs)
-    for kv_seqlens, checks in asserts.items():
-        if readers[kv_seqlens] <= checked_in_kernel:
-            for check in checks:
-                _erase_with_dead_inputs(graph, check)
+    for check, message, sources in asserts:
+        done = [checked_in_kernel.get(reader) for source in sources for reader in readers[source]]
+        if all(d is not None and message in d[0] and sources <= d[1] for d in done):
+            _erase_with_dead_inputs(graph, check)
 
 
 def _lse_read(node: torch.fx.Node) -> bool:
@@ -154,30 +155,37 @@ def _choose(graph: torch.fx.Graph, buckets: dict, first_calls: dict, nodes: set,
     return chosen
 
 
-def _kv_seqlens_checks(graph: torch.fx.Graph):
-    """({kv_seqlens node: the op calls that read it}, {kv_seqlens node: the device asserts of its values}). An
-    assert is the API's (a traced ``attention`` call's, or checks.check_attention_values') when it has that
-    check's text (messages.KV_SEQLENS_VALUES through device_message) and its condition is computed from that one
-    node alone."""
+def _index_checks(graph: torch.fx.Graph):
+    """({index tensor node: the op calls that read it as one of ``_INDEX_ARGS``}, [(a device assert of the API's
+    index checks, its message (messages.py), the index tensor nodes its condition is computed from)]). An assert
+    is the API's when it has one of those checks' texts (through device_message) and its condition is computed
+    from index tensors of our op calls alone."""
     readers = defaultdict(set)
     for node in graph.nodes:
         if node.op == "call_function" and node.target in _ALL_OPS:
-            kv_seqlens = _bind(node).get("kv_seqlens")
-            if isinstance(kv_seqlens, torch.fx.Node):
-                readers[kv_seqlens].add(node)
-    message = device_message(KV_SEQLENS_VALUES)
-    asserts = defaultdict(list)
+            bound = _bind(node)
+            for name in _INDEX_ARGS:
+                if isinstance(bound.get(name), torch.fx.Node):
+                    readers[bound[name]].add(node)
+    asserts = []
     for node in graph.nodes:
-        if node.op == "call_function" and node.target is torch.ops.aten._assert_async.msg and node.args[1] == message:
-            source = _only_source(node.args[0], readers)
-            if source is not None:
-                asserts[source].append(node)
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_async.msg:
+            message = _KERNEL_CHECKABLE.get(node.args[1])
+            sources = _sources(node.args[0], readers) if message else None
+            if sources:
+                asserts.append((node, message, sources))
     return readers, asserts
 
 
-def _only_source(node: torch.fx.Node, sources) -> torch.fx.Node | None:
-    """The one node of ``sources`` that ``node`` is computed from (walking up through computed nodes), or None
-    where it reads another graph input or more than one of them."""
+# The API's compiled index checks that a kernel can make instead (Plan.checks_indices), by their asserts' texts,
+# and the op arguments they check
+_KERNEL_CHECKABLE = {device_message(m): m for m in (KV_SEQLENS_VALUES, PAGED_KV_SEQLENS_VALUES, PAGED_BLOCK_IDS)}
+_INDEX_ARGS = ("kv_seqlens", "block_table")
+
+
+def _sources(node: torch.fx.Node, sources) -> frozenset | None:
+    """The nodes of ``sources`` that ``node`` is computed from (walking up through computed nodes), or None
+    where it reads another graph input too."""
     found, todo, seen = set(), [node], set()
     while todo:
         n = todo.pop()
@@ -190,7 +198,7 @@ def _only_source(node: torch.fx.Node, sources) -> torch.fx.Node | None:
             todo.extend(n.all_input_nodes)
         else:
             return None
-    return found.pop() if len(found) == 1 else None
+    return frozenset(found)
 
 
 def _erase_with_dead_inputs(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
