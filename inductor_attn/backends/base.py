@@ -180,9 +180,10 @@ class Plan:
     index checks (their texts in messages.py: KV_SEQLENS_VALUES; a paged call's PAGED_KV_SEQLENS_VALUES and
     PAGED_BLOCK_IDS) that the kernel makes itself when ``traced`` (and ``traced_out_only``) get
     ``check_indices=True``: it stops at a device-side assert with the same text, and lowering leaves the graph's
-    own assert out: one kernel launch less per compiled call. ``compile`` takes ``launch``'s arguments and compiles the kernels ``launch`` would run for
-    them without running any (Triton's ``kernel.warmup``); the tuner calls it ahead of the gate while worker
-    processes compile other candidates (tuning/precompile.py). None: the first launch compiles.
+    own assert out: one kernel launch less per compiled call. ``compile`` takes ``launch``'s arguments and
+    compiles the kernels ``launch`` would run for them without running any (Triton's ``kernel.warmup``); the
+    tuner calls it ahead of the gate while worker processes compile other candidates (tuning/precompile.py).
+    None: the first launch compiles.
     """
 
     launch: Callable[..., tuple[torch.Tensor, ...]]
