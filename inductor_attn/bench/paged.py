@@ -274,8 +274,9 @@ def _paged_step(q, k_new, v_new, k_pool, v_pool, block_table, lens):
     page_size = k_pool.shape[1]
     positions = lens.long() - 1
     blocks = block_table[torch.arange(lens.shape[0], device=lens.device), positions // page_size].long()
-    k_pool[blocks, positions % page_size] = k_new
-    v_pool[blocks, positions % page_size] = v_new
+    slots = positions % page_size
+    k_pool[blocks, slots] = k_new
+    v_pool[blocks, slots] = v_new
     return paged_attention(q, k_pool, v_pool, block_table, lens)
 
 
