@@ -114,6 +114,21 @@ def test_a_near_tie_whose_compile_took_much_longer_than_the_winners_is_left_out_
     assert [n for n, s in status.items() if s == "passed"] == ["b:x=1", "b:x=3"]
 
 
+def test_a_shipped_winner_that_tied_a_faster_slow_compiling_candidate_is_timed_without_it(shipped):
+    # FA3's prebuilt kernel won a tie by prior order against a JIT kernel 0.6% faster: a first compile need not
+    # compile the JIT one again, since it must beat the winner by more than the tie margin to be chosen
+    data = json.loads(shipped.read_text())
+    row = data["decisions"][0]
+    row["winner"] = row["record"]["winner"] = "b:x=2"
+    for c in row["record"]["candidates"]:
+        c["compile_s"] = {"b:x=1": 13.0, "b:x=2": 0.01}.get(c["name"], 1.0)
+    shipped.write_text(json.dumps(data))
+    with inductor_attn.tuning_mode("autotune"):
+        decide(small_call(), DEV, "forward")
+    status = {c["name"]: c["status"] for c in get_store().writable.rows()[0]["record"]["candidates"]}
+    assert [n for n, s in status.items() if s == "passed"] == ["b:x=2", "b:x=3"]
+
+
 def test_when_none_of_the_shortlist_runs_here_the_whole_search_runs(fakes, shipped):
     for cfg in ("x=1", "x=2", "x=3"):
         fakes[1].prune_reasons[cfg] = "not on this device"

@@ -183,28 +183,37 @@ def is_shipped(row: dict) -> bool:
 
 def shortlist(row: dict, k: int, margin: float | None = None,
               compile_factor: float | None = None) -> list[str]:
-    """The ``k`` fastest candidates that passed in a decision's record, fastest first; with ``margin``, only
-    those within that fraction of the fastest; with ``compile_factor``, only those whose recorded compile
-    took at most that many times the fastest one's (or ``SHORTLIST_COMPILE_FLOOR_S``, if more).
+    """A decision's winner, then the other candidates that passed in its record, fastest first, ``k`` in all;
+    with ``margin``, only those within that fraction of the winner's time; with ``compile_factor``, only those
+    whose recorded compile took at most that many times the winner's (or ``SHORTLIST_COMPILE_FLOOR_S``, if more).
+
+    Anchored on the winner, not on the fastest: a winner that tied a faster candidate inside the noise won by
+    prior order (FA3's prebuilt kernel before FA4's JIT), and a JIT kernel that was no better need not be
+    compiled again on a first compile.
 
     >>> rec = {"candidates": [{"name": "a:x", "status": "passed", "median_ms": 2.0},
     ...                       {"name": "b:y", "status": "passed", "median_ms": 1.0, "compile_s": 3.0},
     ...                       {"name": "d:w", "status": "passed", "median_ms": 1.02, "compile_s": 13.0},
     ...                       {"name": "e:v", "status": "passed", "median_ms": 1.03, "compile_s": 4.0},
     ...                       {"name": "c:z", "status": "failed", "median_ms": None}]}
-    >>> shortlist({"record": rec}, 3), shortlist({"record": rec}, 3, margin=0.03)
+    >>> shortlist({"winner": "b:y", "record": rec}, 3), shortlist({"winner": "b:y", "record": rec}, 3, margin=0.03)
     (['b:y', 'd:w', 'e:v'], ['b:y', 'd:w', 'e:v'])
-    >>> shortlist({"record": rec}, 3, margin=0.03, compile_factor=1.5)
+    >>> shortlist({"winner": "b:y", "record": rec}, 3, margin=0.03, compile_factor=1.5)
     ['b:y', 'e:v']
+    >>> shortlist({"winner": "e:v", "record": rec}, 3, margin=0.03, compile_factor=1.5)  # d:w compiles 13 s
+    ['e:v', 'b:y']
     """
     timed = [c for c in row["record"]["candidates"] if c["status"] == "passed" and c.get("median_ms") is not None]
-    timed.sort(key=lambda c: c["median_ms"])
-    if margin is not None and timed:
-        timed = [c for c in timed if c["median_ms"] <= timed[0]["median_ms"] * (1 + margin)]
-    if compile_factor is not None and timed:
-        bound = compile_factor * max(timed[0].get("compile_s") or 0.0, SHORTLIST_COMPILE_FLOOR_S)
-        timed = timed[:1] + [c for c in timed[1:] if (c.get("compile_s") or 0.0) <= bound]
-    return [c["name"] for c in timed[:k]]
+    timed.sort(key=lambda c: (c["name"] != row["winner"], c["median_ms"]))
+    if not timed:
+        return []
+    first, rest = timed[0], timed[1:]
+    if margin is not None:
+        rest = [c for c in rest if c["median_ms"] <= first["median_ms"] * (1 + margin)]
+    if compile_factor is not None:
+        bound = compile_factor * max(first.get("compile_s") or 0.0, SHORTLIST_COMPILE_FLOOR_S)
+        rest = [c for c in rest if (c.get("compile_s") or 0.0) <= bound]
+    return [c["name"] for c in [first, *rest][:k]]
 
 
 def write_table(path: Path, rows: list[dict], meta: dict) -> None:
