@@ -45,7 +45,8 @@ def test_a_workload_with_one_runnable_candidate_has_no_record_and_agrees():
 def test_the_summary_names_the_numbers_of_the_targets():
     result = {
         "workloads": ["d", "v"], "notes": ["regret: skipped"],
-        "cold": [{"name": "d", "kind": "dense", "cold_added_s": 4.0, "warm_added_s": 0.2,
+        "cold": [{"name": "d", "kind": "dense", "stock_s": 3.0, "cold_vs_stock_s": 2.0, "cold_added_s": 4.0,
+                  "warm_added_s": 0.2,
                   "warm": {"imports_s": 2.5, "off_s": 1.5, "autotune_s": 1.7}},
                  {"name": "v", "kind": "varlen", "cold_added_s": 9.0}],
         "agreement": [{"name": "d", "same": True}, {"name": "v", "same": False, "inside_noise": True}],
@@ -53,13 +54,15 @@ def test_the_summary_names_the_numbers_of_the_targets():
                                                                          "needed_margin": 1.3}],
     }
     summary = tuning_cost.summarize(result)
-    assert summary == {"cold_added_s_max[dense]": 4.0, "warm_added_s_max[dense]": 0.2,
-                       "cold_added_s_max[varlen]": 9.0, "agreement": 0.5, "disagreements_inside_noise": 1,
-                       "disagreements": 1, "regret_median": 0.01, "regret_worst": 0.02, "needed_margin": 1.3}
+    assert summary == {"cold_added_s_max[dense]": 4.0, "cold_vs_stock_s_max[dense]": 2.0,
+                       "warm_added_s_max[dense]": 0.2, "cold_added_s_max[varlen]": 9.0, "agreement": 0.5,
+                       "disagreements_inside_noise": 1, "disagreements": 1, "regret_median": 0.01,
+                       "regret_worst": 0.02, "needed_margin": 1.3}
     result["summary"] = summary
     text = tuning_cost.table(result)
-    assert "| d | 4.00 |  | 0.20 | 2.50 | 1.50 | agree | 0.00% |  |" in text
-    assert "| v | 9.00 |  |  |  |  | differ (inside the noise) | 2.00% |  |" in text and "- note: regret: skipped" in text
+    assert "| d | 3.00 | 2.00 | 4.00 |  | 0.20 | 2.50 | 1.50 | agree | 0.00% |  |" in text
+    assert "| v |  |  | 9.00 |  |  |  |  | differ (inside the noise) | 2.00% |  |" in text
+    assert "- note: regret: skipped" in text
 
 
 def test_the_warm_process_calls_in_off_mode_first_so_its_one_time_costs_stay_out_of_the_problems(monkeypatch):
@@ -98,6 +101,7 @@ def test_smoke_run_measures_every_phase_for_each_workload(monkeypatch, tmp_path)
     result = tuning_cost.run(smoke=True, quick=True, device=None)
     assert [r["name"] for r in result["cold"]] == [w.name for w in tiny]
     assert all({"cold_added_s", "warm_added_s"} <= set(r) for r in result["cold"])
+    assert [("cold_vs_stock_s" in r) for r in result["cold"]] == [True, False]  # stock: dense and decode
     assert [t["same"] for t in result["agreement"]] == [True, True]
     assert [r["regret"] for r in result["regret"]] == [0.0, 0.0] and result["notes"] == []
     json.dumps(result)
@@ -113,6 +117,8 @@ def _run_part(monkeypatch, part: str, first_call: dict, first_verb: str) -> tupl
 
     def worker(verb, workloads, env, deadline, smoke, notes, shipped=False):
         calls.append((verb, shipped))
+        if verb == "stock-first-call":
+            return {w.name: {"stock_s": 0.25} for w in workloads}
         return {w.name: {**(first_call if verb == first_verb else {"autotune_s": 0.75}), "off_s": 0.5}
                 for w in workloads}
 
@@ -124,8 +130,9 @@ def test_part_shipped_measures_cold_and_warm_first_calls_with_the_shipped_tables
     """``--part shipped``: what a user of the package gets (its decision tables on), cold and warm only."""
     tune = {"tune_seconds": {"compile": 0.5, "gate": 0.1, "timing": 0.2, "total": 0.9}, "timed": 2}
     calls, result = _run_part(monkeypatch, "shipped", {"autotune_s": 2.0, **tune}, "first-call")
-    assert calls == [("first-call", True), ("warm-call", True)]
+    assert calls == [("stock-first-call", False), ("first-call", True), ("warm-call", True)]
     assert result["agreement"] == [] and result["regret"] == [] and result["cold"][0]["cold_added_s"] == 1.5
+    assert result["cold"][0]["cold_vs_stock_s"] == 1.75
     text = tuning_cost.table(result)
     assert "shipped decision tables: on" in text and "| 0.9 (0.5 / 0.1 / 0.2; 2) |" in text
 
@@ -133,7 +140,7 @@ def test_part_shipped_measures_cold_and_warm_first_calls_with_the_shipped_tables
 def test_part_background_measures_the_cold_first_call_in_background_mode_and_when_its_tune_landed(monkeypatch):
     first = {"background_s": 1.25, "landed": True, "landed_s": 12.0, "landed_winner": "fa4:default"}
     calls, result = _run_part(monkeypatch, "background", first, "background-first-call")
-    assert calls == [("background-first-call", True), ("warm-call", True)]
+    assert calls == [("stock-first-call", False), ("background-first-call", True), ("warm-call", True)]
     assert result["cold"][0]["cold_added_s"] == 0.75 and result["cold"][0]["warm_added_s"] == 0.25
     assert "its tune stored fa4:default 12.0 s after it" in tuning_cost.table(result)
 
@@ -175,7 +182,7 @@ def test_a_shard_runs_every_nth_workload_and_no_worker_outlives_the_budget(monke
 
     def worker(verb, workloads, env, deadline, smoke, notes, shipped=False):
         deadlines.append(deadline - time.monotonic())
-        return {w.name: {"autotune_s": 2.0, "off_s": 0.5} for w in workloads}
+        return {w.name: {"stock_s": 1.0, "autotune_s": 2.0, "off_s": 0.5} for w in workloads}
 
     monkeypatch.setattr(tuning_cost, "_worker", worker)
     every = suites.select("all", quick=True, smoke=True)

@@ -10,6 +10,9 @@ measured (``--part shipped``: only cold and warm, with the package's tables on, 
 background tune stored a decision and which; ``--part search``: only agreement and regret, which then share
 the whole budget):
 
+- stock: per dense or decode workload without a window, a process on empty caches times the first call of
+  what a user has without us, ``F.scaled_dot_product_attention`` (the overhead suite's ``sdpa_user``) under
+  ``torch.compile``: cold vs stock = our cold autotune call - this (the issues' "stock + N s" targets).
 - cold: per workload, a process whose Triton, FA4 and Inductor caches (``TRITON_CACHE_DIR``,
   ``FLASH_ATTENTION_CUTE_DSL_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR``) and decision store are empty
   directories times the first call in autotune mode (dense and decode: ``torch.compile`` of
@@ -140,6 +143,10 @@ def _cold_and_warm(w: Workload, directory: Path, deadline: float, end: float, sm
         return None
     env = _cache_env(directory)
     row = {"name": w.name, "kind": w.kind}
+    if w.kind in ("dense", "decode") and w.window is None:
+        stock = _worker("stock-first-call", [w], _cache_env(directory / "stock"), end, smoke, notes).get(w.name)
+        if stock is not None:
+            row["stock_s"] = stock["stock_s"]
     for phase, verb in (("cold", cold_verb), ("warm", "warm-call")):
         # a started workload gets the time a cold tune needs, even past the phase's share
         got = _worker(verb, [w], env, min(end, max(deadline, time.monotonic() + WORKER_MIN_S)), smoke, notes,
@@ -148,6 +155,8 @@ def _cold_and_warm(w: Workload, directory: Path, deadline: float, end: float, sm
             return row if phase == "warm" else None
         row[phase] = got
         row[f"{phase}_added_s"] = got.get("autotune_s", got.get("background_s")) - got["off_s"]
+        if phase == "cold" and "stock_s" in row:
+            row["cold_vs_stock_s"] = got.get("autotune_s", got.get("background_s")) - row["stock_s"]
     return row
 
 
@@ -184,10 +193,10 @@ def summarize(result: dict) -> dict:
     summary: dict = {}
     for kind in ("dense", "decode", "varlen", "block_sparse"):
         rows = [r for r in result["cold"] if r["kind"] == kind]
-        for phase in ("cold", "warm"):
-            added = [r[f"{phase}_added_s"] for r in rows if f"{phase}_added_s" in r]
+        for field in ("cold_added_s", "cold_vs_stock_s", "warm_added_s"):
+            added = [r[field] for r in rows if field in r]
             if added:
-                summary[f"{phase}_added_s_max[{kind}]"] = max(added)
+                summary[f"{field}_max[{kind}]"] = max(added)
     tunes = result["agreement"]
     if tunes:
         summary["agreement"] = sum(t["same"] for t in tunes) / len(tunes)
@@ -205,9 +214,9 @@ def table(result: dict) -> str:
     """Markdown: per workload the cold and warm added seconds, agreement and regret; then the summary."""
     tunes = {t["name"]: t for t in result["agreement"]}
     regret = {r["name"]: r for r in result["regret"]}
-    lines = [("| workload | cold added s | cold tune s (compile / gate / timing; timed) | warm added s | "
-              "warm imports s | warm first call s | fresh tunes | regret staged vs exhaustive | "
-              "staged / exhaustive tune s |"), "|---|---|---|---|---|---|---|---|---|"]
+    lines = [("| workload | stock first call s | cold vs stock s | cold added s | cold tune s (compile / gate / "
+              "timing; timed) | warm added s | warm imports s | warm first call s | fresh tunes | regret staged vs "
+              "exhaustive | staged / exhaustive tune s |"), "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in result["workloads"]:
         cold = next((r for r in result["cold"] if r["name"] == name), {})
         t, r = tunes.get(name), regret.get(name, {})
@@ -215,7 +224,8 @@ def table(result: dict) -> str:
             f"differ ({'inside' if t.get('inside_noise') else 'OUTSIDE'} the noise)"
         seconds = f"{r['staged_s']:.1f} / {r['exhaustive_s']:.1f}" if "staged_s" in r else ""
         warm = cold.get("warm", {})
-        lines.append(f"| {name} | {_fmt(cold.get('cold_added_s'))} | {_tune_seconds(cold.get('cold', {}))} | "
+        lines.append(f"| {name} | {_fmt(cold.get('stock_s'))} | {_fmt(cold.get('cold_vs_stock_s'))} | "
+                     f"{_fmt(cold.get('cold_added_s'))} | {_tune_seconds(cold.get('cold', {}))} | "
                      f"{_fmt(cold.get('warm_added_s'))} | "
                      f"{_fmt(warm.get('imports_s'))} | {_fmt(warm.get('off_s'))} | {agree} | "
                      f"{_fmt(r.get('regret'), '.2%')} | {seconds} |")
@@ -326,6 +336,15 @@ def import_backends(w: Workload, device: torch.device) -> None:
     enumerate_candidates(suites.build(w, device).call.problem, device_info(device), "forward")
 
 
+def _stock_first_call_worker(w: Workload, device: torch.device, smoke: bool) -> dict:
+    """The first call of the user's code without inductor_attn (module doc, stock), compiled unless ``smoke``."""
+    from .overhead import sdpa_user
+
+    call = suites.build(w, device).call
+    fn = sdpa_user(w) if smoke else torch.compile(sdpa_user(w), fullgraph=True, dynamic=False)
+    return {"stock_s": _timed(lambda: fn(call.q, call.k, call.v, call.kv_seqlens), device)}
+
+
 def _tune_worker(w: Workload, device: torch.device, smoke: bool) -> dict:
     from ..device import device_info
     from ..tuning.decisions import decide
@@ -408,7 +427,7 @@ def tune_suites(suite_names: list[str], quick: bool, smoke: bool, shard: tuple[i
 
 _WORKERS = {"first-call": _first_call_worker, "background-first-call": _background_first_call_worker,
             "warm-call": functools.partial(_first_call_worker, modes=("off", "autotune"), imports_first=True),
-            "tune": _tune_worker, "regret": _regret_worker}
+            "stock-first-call": _stock_first_call_worker, "tune": _tune_worker, "regret": _regret_worker}
 
 
 def main(argv: list[str] | None = None) -> int:
