@@ -52,9 +52,13 @@ def launch_user_triton_kernels_statically() -> None:
     only ``use_static_triton_launcher`` (async_compile.py ``extra_config``): they would keep Triton's Python
     launcher for our kernels for the whole process. That happens whenever something was compiled first
     (stock ``torch.compile`` even starts the pool before compiling: torch/_dynamo/backends/inductor.py
-    ``maybe_warm_pool``), so those pools are shut down here (``async_compile.shutdown_compile_workers``, 2.11
-    and 2.13); the next compile starts new ones and compiles in this process until they are ready."""
+    ``maybe_warm_pool``), so those pools are retired here: Inductor forgets them (``async_compile.after_fork``,
+    what its ``shutdown_compile_workers`` does after the shutdown, 2.11 and 2.13), so the next compile starts
+    new ones and compiles in this process until they are ready, and each is shut down in a thread. A pool's
+    ``shutdown`` waits for its workers to exit, 6.5-8.6 s when they were still starting (H200 host,
+    2026-11-29), which the compile that traced our op would otherwise wait."""
     import os
+    import threading
 
     if os.environ.get(STATIC_LAUNCH_ENV) is not None:
         return
@@ -62,8 +66,11 @@ def launch_user_triton_kernels_statically() -> None:
     inductor_config().static_launch_user_defined_triton_kernels = True
     from torch._inductor import async_compile
 
-    if async_compile._pool_set:
-        async_compile.shutdown_compile_workers()
+    retired = list(async_compile._pool_set)
+    if retired:
+        async_compile.after_fork()
+        threading.Thread(target=lambda: [pool.shutdown() for pool in retired], daemon=True,
+                         name="inductor_attn: retire compile workers").start()
 
 
 def fused_sdp_choice(q, k, v, *, is_causal: bool, enable_gqa: bool) -> int:

@@ -149,11 +149,12 @@ def test_static_launch_restarts_compile_workers_started_without_it(monkeypatch):
     one whose workers read the variable."""
     import functools
     import os
+    import time
 
     import torch._inductor.config as config
     from torch._inductor import async_compile
 
-    assert callable(async_compile.shutdown_compile_workers) and hasattr(async_compile, "_pool_set")  # what we call
+    assert callable(async_compile.after_fork) and hasattr(async_compile, "_pool_set")  # what we call
     if async_compile.get_compile_threads() <= 1:
         pytest.skip("Inductor compiles in this process here: no workers to restart")
     read_in_worker = functools.partial(os.getenv, _compat.STATIC_LAUNCH_ENV)
@@ -162,9 +163,15 @@ def test_static_launch_restarts_compile_workers_started_without_it(monkeypatch):
         with config.patch(static_launch_user_defined_triton_kernels=False):
             pool = async_compile.AsyncCompile.process_pool()
             assert pool.submit(read_in_worker).result(timeout=300) is None
+            started = time.perf_counter()
             _compat.launch_user_triton_kernels_statically()
+            assert time.perf_counter() - started < 1.0  # the old pool exits in a thread
             assert pool not in async_compile._pool_set
             assert async_compile.AsyncCompile.process_pool().submit(read_in_worker).result(timeout=300) == "1"
+            deadline = time.monotonic() + 300
+            while pool.process.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert pool.process.poll() is not None  # and the old pool did exit
     finally:
         async_compile.shutdown_compile_workers()
 
