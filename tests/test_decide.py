@@ -333,6 +333,25 @@ def test_a_shipped_shortlist_with_a_costly_backends_config_enumerates_it(monkeyp
         assert costly.enumerated > 0
 
 
+@pytest.mark.parametrize("mode", ["autotune", "cache-only"])
+def test_a_shipped_decision_naming_one_costly_backend_enumerates_that_one_only(monkeypatch, tmp_path, mode):
+    # FA3's prebuilt kernel won; FA4 (a JIT library as costly to import) is not in the shortlist: not imported
+    a = FakeBackend("a", {"default": (1.0, 0.01)})
+    prebuilt, jit = _CostlyImport("prebuilt", {"default": (0.5, 1e-4)}), _CostlyImport("jit", {"default": (0.8, 1e-4)})
+    timed_with_fakes(monkeypatch, a, prebuilt, jit)
+    with only_backends(a, prebuilt, jit):
+        with inductor_attn.tuning_mode("autotune"):
+            decide(small_call(), DEV, "forward")
+        path, _ = cache.export_priors(tmp_path / "table" / "cpu.json", device=DEV, commit="abc1234", command="test")
+        monkeypatch.setenv("INDUCTOR_ATTN_CACHE_DIR", str(tmp_path / "fresh"))
+        monkeypatch.setenv("INDUCTOR_ATTN_PRIORS", str(path))
+        forget_decisions()
+        prebuilt.enumerated = jit.enumerated = 0
+        with inductor_attn.tuning_mode(mode):
+            assert decide(small_call(), DEV, "forward") == "prebuilt:default"
+        assert prebuilt.enumerated > 0 and jit.enumerated == 0
+
+
 def test_when_a_shipped_shortlist_of_other_backends_cannot_run_the_whole_search_enumerates_every_backend(
         monkeypatch, tmp_path):
     with (_new_machine_with_a_shipped_table(monkeypatch, tmp_path, {"x=1": (0.5, 0.01)},

@@ -84,18 +84,19 @@ def backends() -> list[Backend]:
 LOOKUP_ONLY = "not enumerated for a store lookup (its enumeration imports a large library)"
 
 
-def enumerate_candidates(p: Problem, dev: DeviceInfo, direction: str = "forward",
-                         grad_lse: bool = False, lookup_only: bool = False) -> list[Candidate]:
+def enumerate_candidates(p: Problem, dev: DeviceInfo, direction: str = "forward", grad_lse: bool = False,
+                         lookup_only: bool = False, full: frozenset[str] = frozenset()) -> list[Candidate]:
     """Every (backend, config) for ``p`` in prior order, each with its pruned reason or None. ``grad_lse``:
     a backward whose loss uses the lse too. ``lookup_only``: backends whose library has ``costly_import`` are listed
-    by name only, pruned with ``LOOKUP_ONLY`` (the decision key names backends, not their configs)."""
+    by name only, pruned with ``LOOKUP_ONLY`` (the decision key names backends, not their configs), except those
+    named in ``full``."""
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
     out: list[Candidate] = []
     for backend in _REGISTRY.values():
         if p.op not in backend.takes.ops:  # not a candidate at all: nor listed, nor its source in the decision key
             continue
-        if lookup_only and backend.library.costly_import:
+        if lookup_only and backend.library.costly_import and backend.name not in full:
             out.append(Candidate(backend.name, None, LOOKUP_ONLY))
             continue
         reason = _unsupported(backend, p, dev, direction)

@@ -147,7 +147,7 @@ def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str, grad_lse: b
             first = _background_without_costly_imports(call, light, fields, prior, direction)
             if first is not None:
                 return first
-        light = _shipped_without_costly_imports(light, prior)
+        light = _shipped_without_costly_imports(call, dev, direction, grad_lse, light, prior)
     cands = light or enumerate_candidates(p, dev, direction, grad_lse)
     if failed:
         cands = [dataclasses.replace(c, pruned=f"failed here: {failed[c.name]}")
@@ -220,18 +220,22 @@ def _default_without_costly_imports(p: Problem, dev: DeviceInfo, direction: str,
     return None
 
 
-def _shipped_without_costly_imports(light: list[Candidate], prior: dict | None) -> list[Candidate] | None:
-    """``light`` as the candidates to decide among, when the shipped decision ``prior`` for the bucket, whose
-    winner runs here, names none of the left-out backends' configs, neither in its shortlist (what an
-    autotune times) nor as its winners (what cache-only and background run): FA4's import (about 3 s on
-    an H100, 2026-11) then stays out of a first compile that would not run FA4. Else None: the full
-    enumeration follows."""
+def _shipped_without_costly_imports(call: AttnCall, dev: DeviceInfo, direction: str, grad_lse: bool,
+                                    light: list[Candidate], prior: dict | None) -> list[Candidate] | None:
+    """The candidates to decide among when there is a shipped decision ``prior`` for the bucket: ``light``
+    with the left-out backends (costly imports) that the decision names enumerated in full, in its shortlist
+    (what an autotune times) or as its winner (what cache-only and background run), and those it never
+    measured; the others stay left out. FA4's import (3-4 s on an H100 or H200, 2026-11) then stays out of a
+    first compile that runs FA3's prebuilt kernel. None when there is no such decision or its winner cannot
+    run here: the full enumeration follows."""
     if prior is None:
         return None
     left_out = {c.backend for c in light if c.pruned == LOOKUP_ONLY}
-    names = {*_shortlist_of(prior), prior["winner"]}
-    if any(name.split(":")[0] in left_out for name in names) or left_out & _unmeasured_backends(prior):
-        return None
+    named = {name.split(":")[0] for name in (*_shortlist_of(prior), prior["winner"])}
+    needed = left_out & (named | _unmeasured_backends(prior))
+    if needed:
+        light = enumerate_candidates(call.problem, dev, direction, grad_lse, lookup_only=True,
+                                     full=frozenset(needed))
     if prior["winner"] not in {c.name for c in light if c.pruned is None}:
         return None
     return [dataclasses.replace(c, pruned=NOT_ENUMERATED) if c.pruned == LOOKUP_ONLY else c for c in light]
