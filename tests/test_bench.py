@@ -810,6 +810,27 @@ def test_a_paged_suite_result_writes_its_own_section_with_the_fastest_candidate_
             "1.60 (decode B1 H4/2 D32 Lkv96 page16), geomean 1.60 over 1 of 1 rows") in text
 
 
+def test_a_tuning_cost_result_writes_its_own_section_and_a_later_one_replaces_it(tmp_path):
+    from inductor_attn.bench import tuning_cost
+
+    def result(stock_s: float) -> dict:
+        cold = {"name": "w", "kind": "dense", "stock_s": stock_s, "cold_vs_stock_s": 0.5 - stock_s,
+                "cold_added_s": 0.25, "cold": {"autotune_s": 0.5, "off_s": 0.25}}
+        out = {"meta": {"suite": "tuning-cost", "device": "NVIDIA H200", "date": "2026-11-29 14:32 UTC",
+                        "commit": "abc1234", "command": "python -m inductor_attn bench --suite tuning-cost",
+                        "versions": {"torch": "2.11.0"}},
+               "workloads": ["w"], "notes": [], "shipped_tables": True, "cold": [cold], "agreement": [], "regret": []}
+        return {**out, "summary": tuning_cost.summarize(out)}
+
+    path = tmp_path / "RESULTS.md"
+    path.write_text(f"{report.SECTIONS_BEGIN}\n{report.SECTIONS_END}\n")
+    assert report.summary_suite(result(1.0)) == "tuning-cost"
+    for stock_s in (1.0, 2.0):
+        assert report.update_summary_sections([result(stock_s)], path) == ["Tuning cost on NVIDIA H200"]
+    text = path.read_text()
+    assert text.count("### Tuning cost: NVIDIA H200") == 1 and "| w | 2.00 | -1.50 | 0.25 |" in text
+
+
 def test_issue_54s_target_line_reads_the_few_kv_head_decode_rows_only():
     from inductor_attn.bench import paged
 

@@ -25,14 +25,15 @@ TUNE_COLUMNS = ("workload", "first tune", "s", "second tune", "s", "same", "diff
 COMPILE_COLUMNS = ("workload", "autotune, warm store: s", "off: s", "added s", "new decisions")
 KIND_TITLES = {"dense": "Dense", "decode": "Decode", "varlen": "Varlen (packed)", "block_sparse": "Block-sparse",
                "backward": "Backward (forward + backward kernels)", "flex_route": "flex_attention routed",
-               "paged": "Paged KV cache", "fp8": "fp8 attention against our bf16 choice"}
+               "paged": "Paged KV cache", "fp8": "fp8 attention against our bf16 choice",
+               "tuning-cost": "Tuning cost"}
 # suites whose results file (host_suites.py) holds rows of its own: its module's summary() is its RESULTS.md table
-SUMMARY_SUITES = ("paged", "fp8")
+SUMMARY_SUITES = ("paged", "fp8", "tuning-cost")
 SMOKE_BANNER = "**Smoke run: tiny shapes, possibly on a CPU. These numbers mean nothing.**"
 # benchmarks/RESULTS.md: `bench --report` rewrites the sections between these two lines
 SECTIONS_BEGIN = "<!-- bench sections: `python -m inductor_attn bench --report` replaces one per suite and device -->"
 SECTIONS_END = "<!-- end of bench sections -->"
-_SECTION = re.compile(r"<!-- bench (?P<suite>\w+) on (?P<device>[^>]+?) -->\n.*?<!-- /bench -->\n", re.S)
+_SECTION = re.compile(r"<!-- bench (?P<suite>[\w-]+) on (?P<device>[^>]+?) -->\n.*?<!-- /bench -->\n", re.S)
 MAX_NOTES = 25
 METHOD = """\
 ## How these numbers are made
@@ -192,10 +193,11 @@ def update_summary_sections(datas: list[dict], path: Path) -> list[str]:
         groups.setdefault((summary_suite(data), data["meta"]["device"]), []).append(data)
     sections = {}
     for (suite, device), group in groups.items():
-        merged = {"rows": [row for data in group for row in data["rows"]]}
+        merged = {"rows": [row for data in group for row in data.get("rows", ())]}
         for data in group:
             merged.update({k: v for k, v in data.items() if k not in ("meta", "rows")})
-        module = importlib.import_module(f".{suite}", __package__)  # lazy: the suites import the tuner
+        # lazy: the suites import the tuner
+        module = importlib.import_module(f".{suite.replace('-', '_')}", __package__)
         sections[(suite, device)] = _results_section(suite, device, module.summary(merged),
                                                      [data["meta"] for data in group])
     _replace_sections(Path(path), sections)

@@ -242,6 +242,9 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+summary = table  # RESULTS.md's section (report.py ``update_summary_sections``)
+
+
 def _tune_seconds(first: dict) -> str:
     """``total (compile / gate / timing; N timed)`` of a first call's tune, or "" where none was stored."""
     sec = first.get("tune_seconds")
