@@ -295,22 +295,29 @@ def test_a_stored_winner_of_a_backend_with_a_costly_import_is_found_the_full_way
 
 
 @contextlib.contextmanager
-def _new_machine_with_a_shipped_table(monkeypatch, tmp_path, b_times: dict, costly_times: dict):
-    """Backends a, costly (whose enumeration would import a large library) and b; an autotune's decision
-    exported as a shipped table; then a fresh store that reads it, with costly's enumerations counted
-    from zero. Yields (b, costly)."""
-    a = FakeBackend("a", {"default": (1.0, 0.01)})
-    b = FakeBackend("b", b_times)
-    costly = _CostlyImport("costly", costly_times)
-    timed_with_fakes(monkeypatch, a, costly, b)
-    with only_backends(a, costly, b):
+def _new_machine_with_the_table_of(monkeypatch, tmp_path, *backends):
+    """An autotune's decision among ``backends`` exported as a shipped table; then a fresh store that reads it,
+    with the enumerations of the costly ones counted from zero."""
+    timed_with_fakes(monkeypatch, *backends)
+    with only_backends(*backends):
         with inductor_attn.tuning_mode("autotune"):
             decide(small_call(), DEV, "forward")
         path, _ = cache.export_priors(tmp_path / "table" / "cpu.json", device=DEV, commit="abc1234", command="test")
         monkeypatch.setenv("INDUCTOR_ATTN_CACHE_DIR", str(tmp_path / "fresh"))
         monkeypatch.setenv("INDUCTOR_ATTN_PRIORS", str(path))
         forget_decisions()
-        costly.enumerated = 0
+        for backend in backends:
+            if isinstance(backend, _CostlyImport):
+                backend.enumerated = 0
+        yield
+
+
+@contextlib.contextmanager
+def _new_machine_with_a_shipped_table(monkeypatch, tmp_path, b_times: dict, costly_times: dict):
+    """Backends a, costly (whose enumeration would import a large library) and b, on a new machine with the
+    table of their autotune (above). Yields (b, costly)."""
+    b, costly = FakeBackend("b", b_times), _CostlyImport("costly", costly_times)
+    with _new_machine_with_the_table_of(monkeypatch, tmp_path, FakeBackend("a", {"default": (1.0, 0.01)}), costly, b):
         yield b, costly
 
 
@@ -336,17 +343,9 @@ def test_a_shipped_shortlist_with_a_costly_backends_config_enumerates_it(monkeyp
 @pytest.mark.parametrize("mode", ["autotune", "cache-only"])
 def test_a_shipped_decision_naming_one_costly_backend_enumerates_that_one_only(monkeypatch, tmp_path, mode):
     # FA3's prebuilt kernel won; FA4 (a JIT library as costly to import) is not in the shortlist: not imported
-    a = FakeBackend("a", {"default": (1.0, 0.01)})
     prebuilt, jit = _CostlyImport("prebuilt", {"default": (0.5, 1e-4)}), _CostlyImport("jit", {"default": (0.8, 1e-4)})
-    timed_with_fakes(monkeypatch, a, prebuilt, jit)
-    with only_backends(a, prebuilt, jit):
-        with inductor_attn.tuning_mode("autotune"):
-            decide(small_call(), DEV, "forward")
-        path, _ = cache.export_priors(tmp_path / "table" / "cpu.json", device=DEV, commit="abc1234", command="test")
-        monkeypatch.setenv("INDUCTOR_ATTN_CACHE_DIR", str(tmp_path / "fresh"))
-        monkeypatch.setenv("INDUCTOR_ATTN_PRIORS", str(path))
-        forget_decisions()
-        prebuilt.enumerated = jit.enumerated = 0
+    with _new_machine_with_the_table_of(monkeypatch, tmp_path, FakeBackend("a", {"default": (1.0, 0.01)}), prebuilt,
+                                        jit):
         with inductor_attn.tuning_mode(mode):
             assert decide(small_call(), DEV, "forward") == "prebuilt:default"
         assert prebuilt.enumerated > 0 and jit.enumerated == 0
