@@ -385,6 +385,23 @@ def test_background_mode_first_runs_the_best_shipped_candidate_of_a_backend_with
         assert costly.enumerated == 0 and len(queued) == 1  # the worker tunes the bucket, FA4 included
 
 
+class _Prebuilt(_CostlyImport):
+    """A costly import whose kernels come compiled (FA3's wheel): a first call waits for the import only."""
+
+    library = Library(costly_import=True, prebuilt=True)
+
+
+def test_background_mode_runs_a_shipped_winner_of_a_prebuilt_backend_at_once(monkeypatch, tmp_path):
+    queued = []
+    monkeypatch.setattr("inductor_attn.tuning.background.schedule", lambda *args: queued.append(args[2]) or True)
+    prebuilt, jit = _Prebuilt("prebuilt", {"default": (0.5, 1e-4)}), _CostlyImport("jit", {"default": (0.8, 1e-4)})
+    with _new_machine_with_the_table_of(monkeypatch, tmp_path, FakeBackend("a", {"default": (1.0, 0.01)}), prebuilt,
+                                        jit):
+        with inductor_attn.tuning_mode("background"):
+            assert decide(small_call(), DEV, "forward") == "prebuilt:default"
+        assert jit.enumerated == 0 and len(queued) == 1
+
+
 def test_cache_explain_says_what_compiled_code_runs_under_cuda_graphs_and_by_how_host_bound_the_graph_is(
         monkeypatch):
     """A decision made before every candidate's host time was measured (a record with the one compiled-code

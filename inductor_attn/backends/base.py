@@ -226,7 +226,9 @@ class Library:
     worker calls it before it says ready, so that its first job is a compile, not an import.
     ``compiles_to_disk``: a first launch in another process on the same device leaves the compiled kernels in a
     disk cache that this process's first launch loads (FA4's CuTe DSL cache): tuning/precompile.py then
-    compiles the candidates of plans without ``Plan.compile`` in worker processes.
+    compiles the candidates of plans without ``Plan.compile`` in worker processes. ``prebuilt``: its kernels come
+    compiled in the wheel (FA3), so a first launch waits for its import only, never for a JIT compile: background
+    mode runs a shipped winner of such a backend at once, costly import or not.
     """
 
     distributions: tuple[str, ...] = ()
@@ -234,6 +236,7 @@ class Library:
     costly_import: bool = False
     load: Callable[[], object] = _nothing
     compiles_to_disk: bool = False
+    prebuilt: bool = False
 
 
 class Backend:

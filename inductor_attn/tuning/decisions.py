@@ -244,12 +244,14 @@ def _shipped_without_costly_imports(call: AttnCall, dev: DeviceInfo, direction: 
 def _background_without_costly_imports(call: AttnCall, light: list[Candidate], fields: dict, prior: dict,
                                        direction: str) -> tuple[str, None, str] | None:
     """Background mode's first answer when the shipped decision ``prior``'s winner is of a backend left out
-    of ``light`` (FA4): the fastest candidate of its record among the backends enumerated here. The first
-    compile then neither imports FA4 nor waits for its JIT (together over 9 s on an H100,
-    2026-11-26); the background tune compiles FA4 in its worker and stores the decision that the next
-    compile or process bakes. None when the winner is not of a left-out backend."""
+    of ``light`` that compiles its kernels here (FA4): the fastest candidate of its record among the backends
+    enumerated here. The first compile then neither imports FA4 nor waits for its JIT (together over 9 s on an
+    H100, 2026-11-26); the background tune compiles FA4 in its worker and stores the decision that the next
+    compile or process bakes. None when the winner is of a backend enumerated here or a prebuilt one (FA3,
+    whose import is all it costs): the shipped winner then runs."""
     left_out = {c.backend for c in light if c.pruned == LOOKUP_ONLY}
-    if prior["winner"].split(":")[0] not in left_out:
+    backend = prior["winner"].split(":")[0]
+    if backend not in left_out or get_backend(backend).library.prebuilt:
         return None
     runnable = {c.name for c in light if c.pruned is None}
     choice = next((n for n in shortlist(prior, len(prior["record"]["candidates"])) if n in runnable), None)
