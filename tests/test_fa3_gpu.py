@@ -218,3 +218,55 @@ def test_fp8_attention_public_call_runs_fa3(dev):
     q, k, v = _dequantised64(call)
     ref_out, _ = run_backend(REFERENCE, AttnCall("attention", q, k, v, call.scale, True), None)
     assert rel_err(out, ref_out) < TOLERANCES[torch.float8_e4m3fn]
+
+
+_FIRST_COMPILE = """
+import json, sys
+import torch
+import inductor_attn
+from inductor_attn.store.db import get_store
+shape = json.loads(sys.argv[1])
+heads = (shape["heads_q"], shape["heads_kv"], shape["heads_kv"])
+q, k, v = (torch.randn(shape["batch"], h, shape["len_q" if i == 0 else "len_k"], shape["head_dim"], device="cuda",
+                       dtype=torch.bfloat16) for i, h in enumerate(heads))
+fn = torch.compile(lambda q, k, v: inductor_attn.attention(q, k, v, causal=shape["causal"]), fullgraph=True)
+fn(q, k, v)
+torch.cuda.synchronize()
+timed = [c["name"] for row in get_store().writable.rows() for c in row["record"]["candidates"]
+         if c.get("median_ms") is not None or c["status"] == "passed"]
+print(json.dumps({"fa4_imported": "flash_attn.cute" in sys.modules, "measured": timed}))
+"""
+
+
+def test_a_first_compile_whose_shipped_winner_is_fa3_neither_imports_nor_compiles_fa4(dev, tmp_path):
+    """With FA4 installed too, a fresh process and store compiling a dense problem that this GPU's shipped table
+    gives to FA3 (the H200's: B4 H32 L1k D128 full, B4 H32/8 L4k D128 causal) imports no CuTe DSL and measures no
+    FA4 config: FA3 tied or beat them, and its first compile costs its import only (issue 53's cold-compile target)."""
+    import importlib.util
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from inductor_attn.store.priors import PACKAGE_DIR, device_slug
+
+    if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
+        pytest.skip("flash-attn-4 is not installed: nothing to keep out (source .devdeps/unpack.sh first)")
+    table = PACKAGE_DIR / f"{device_slug(torch.cuda.get_device_name())}.json"
+    if not table.exists():
+        pytest.skip(f"no shipped table for {torch.cuda.get_device_name()}")
+    rows = [row for row in json.loads(table.read_text())["decisions"]
+            if row["op"] == "attention/forward" and row["winner"].startswith("fa3:") and "has_kv_seqlens=False" in
+            row["problem"]]
+    if not rows:
+        pytest.skip(f"{table.name} gives no dense problem to FA3")
+    fields = dict(item.split("=", 1) for item in rows[0]["problem"].split(","))
+    shape = {name: int(fields[name]) for name in ("batch", "heads_q", "heads_kv", "len_q", "len_k", "head_dim")}
+    shape["causal"] = fields["causal"] == "True"
+    env = {**os.environ, "INDUCTOR_ATTN_CACHE_DIR": str(tmp_path / "store"), "INDUCTOR_ATTN_MODE": "autotune"}
+    done = subprocess.run([sys.executable, "-c", _FIRST_COMPILE, json.dumps(shape)], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not got["fa4_imported"] and got["measured"], got
+    assert not any(name.startswith("fa4:") for name in got["measured"]), got
