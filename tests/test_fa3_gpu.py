@@ -232,9 +232,9 @@ q, k, v = (torch.randn(shape["batch"], h, shape["len_q" if i == 0 else "len_k"],
 fn = torch.compile(lambda q, k, v: inductor_attn.attention(q, k, v, causal=shape["causal"]), fullgraph=True)
 fn(q, k, v)
 torch.cuda.synchronize()
-timed = [c["name"] for row in get_store().writable.rows() for c in row["record"]["candidates"]
-         if c.get("median_ms") is not None or c["status"] == "passed"]
-print(json.dumps({"fa4_imported": "flash_attn.cute" in sys.modules, "measured": timed}))
+passed = [c["name"] for row in get_store().writable.rows() for c in row["record"]["candidates"]
+          if c["status"] == "passed"]
+print(json.dumps({"fa4_imported": "flash_attn.cute" in sys.modules, "measured": passed}))
 """
 
 
