@@ -89,6 +89,18 @@ def test_kv_seqlens_and_varlen_prune_fa3_which_reads_the_keys_after_a_length(ins
     assert "padding between sequences" in cand.pruned
 
 
+def test_paged_decode_tries_splits_on_the_packed_path_and_long_chunks_are_refused(installed):
+    paged = dict(op="paged", batch=1, heads_q=16, heads_kv=2, len_q=1, len_k=16384, head_dim=256, head_dim_v=256,
+                 total_q=1, has_kv_seqlens=True, page_size=16)
+    names = [str(c.config) for c in fa3_candidates(prob(**paged)) if c.pruned is None]
+    assert names == ["num_splits=1", "num_splits=16", "num_splits=32", "num_splits=64"]
+    # chunks of up to 16 queries x 8 heads per KV head fill one 128-row tile: the predicated path still
+    assert all(c.pruned is None for c in fa3_candidates(prob(**{**paged, "heads_kv": 2, "len_q": 9, "total_q": 9,
+                                                                 "heads_q": 16})))
+    (cand, *_) = fa3_candidates(prob(**{**paged, "len_q": 17, "total_q": 17, "heads_q": 16}))
+    assert "over 128 query rows (queries x GQA ratio, up to 256 here)" in cand.pruned
+
+
 def test_a_build_without_splits_or_fp8_prunes_those_with_the_flag(installed):
     installed.build_flags.update(FLASHATTENTION_DISABLE_SPLIT=True, FLASHATTENTION_DISABLE_FP8=True)
     decode = prob(batch=1, heads_q=16, heads_kv=2, len_q=1, len_k=16384)

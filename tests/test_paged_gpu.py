@@ -61,6 +61,18 @@ def test_every_candidate_matches_float64(name):
         assert "triton_decode" in ran
     if len(set(case.q_lens or (1,))) == 1 and case.dtype != torch.float32:
         assert "paged_gather" in ran
+    if _fa3_takes(case):
+        assert "fa3" in ran
+
+
+def _fa3_takes(case) -> bool:
+    """Whether FA3's paged path is a candidate for ``case`` here: the wheel on an sm_90 GPU, a 16-bit dtype, one of
+    its head dims, and at most 128 query rows per sequence (backends/fa3.py)."""
+    from inductor_attn.backends import fa3
+    from inductor_attn.problem import next_power_of_two
+
+    return (fa3.unavailable("cuda", device_info(torch.device("cuda"))) is None and case.dtype != torch.float32
+            and case.d in fa3.HEAD_DIMS and next_power_of_two(case.max_seqlen_q) * (case.hq // case.hkv) <= 128)
 
 
 @pytest.mark.parametrize("name", ["decode_page16_mqa_d128", "prefill_equal_chunks_page16"])
@@ -143,3 +155,33 @@ def test_a_static_compiled_paged_call_launches_split_k_decode_from_generated_cod
     (ran, graphs), = inductor_attn.stats().items()
     assert ran.startswith("paged/forward -> triton_decode:"), ran
     assert ran.endswith("(launched by compiled code, per graph)") and graphs == 1, ran
+
+
+@pytest.mark.parametrize("name", ["decode_page1_gqa", "decode_page256_hnd", "prefill_ragged_chunks_window_page64"])
+def test_a_compiled_paged_call_whose_winner_is_fa3_runs_it_with_nan_in_unused_slots(name, fresh_compile):
+    """FA3's paged path decided while compiling (no traced form: compiled code calls its launch through the thin
+    op), right with NaN in every slot that holds no key and -1 past each sequence's last page, at two steps."""
+    from inductor_attn.backends import REFERENCE, get_backend, only_backends
+
+    case = dataclasses.replace(CASES[name], dtype=torch.bfloat16)
+    if not _fa3_takes(case):
+        pytest.skip("FA3's paged path cannot run here (tokenspeed-fa3 on an sm_90 GPU)")
+    grown = tuple(n + 5 for n in case.kv_lens)
+    pages = [-(-n // case.page_size) for n in grown]
+    steps = [dataclasses.replace(case, kv_lens=lens, width=max(pages) + 1, num_blocks=sum(pages) + 3)
+             for lens in (case.kv_lens, grown)]
+    inputs = [pi.make(step_case, device="cuda", seed=i) for i, step_case in enumerate(steps)]
+    kwargs = {key: value for key, value in inputs[0].kwargs(case).items() if key != "cu_seqlens_q"}
+
+    def fn(q, k, v, table, lens, cu):
+        return inductor_attn.paged_attention(q, k, v, table, lens, cu_seqlens_q=cu, return_lse=True, **kwargs)
+
+    compiled = torch.compile(fn, fullgraph=True)
+    inductor_attn.reset_stats()
+    with only_backends(get_backend("fa3"), REFERENCE), inductor_attn.tuning_mode("autotune"):
+        for i, (step_case, x) in enumerate(zip(steps, inputs)):
+            torch.full((1 << 26,), float("nan"), device="cuda")  # freed memory the outputs may be given: NaN
+            out, lse = compiled(x.q, x.k_cache, x.v_cache, x.block_table, x.kv_seqlens, x.cu_seqlens_q)
+            ref_out, ref_lse = pi.oracle(step_case, x, case.d ** -0.5)
+            assert check_output(out.cpu(), lse.cpu(), ref_out, ref_lse, case.dtype) is None, i
+    assert any(key.startswith("paged/forward -> fa3:") for key in inductor_attn.stats()), inductor_attn.stats()

@@ -18,11 +18,22 @@ Our out buffer is passed in (FA3 writes it in place, as (B, L, H, D) views of ou
 (B, H, Lq) or (H, total_q) float32 as our ops' contract has it (layout.py), so another library's backward takes it
 as it is. One difference: a row that no key may attend gets lse = +inf from FA3's non-split epilogue
 (``softmax.h``: ``Split ? -INFINITY : INFINITY``) and -inf in our contract; problems that can have such rows
-(causal with Lq > Lk, windows, kv_seqlens, varlen) turn +inf into -inf (:data:`_EMPTY_ROWS`).
+(causal with Lq > Lk, windows, kv_seqlens, varlen, paged) turn +inf into -inf (:func:`_empty_rows_minus_inf`).
 
 Layout: q, k, v reach FA3 as (B, L, H, D) transpose views (packed (total, H, D) for varlen). FA3 loads them with
 TMA, which needs a contiguous last dim, 16-byte aligned pointer and 16-byte multiples for every other stride; a
 tensor that is not so is copied (:func:`_as_fa3_takes`).
+
+Paged caches (``paged_attention``): FA3's paged forward (what ``flash_attn_with_kvcache`` with a ``page_table``
+calls) takes the pools as they are, (num_blocks, page_size, Hkv, D) with any strides but a contiguous last dim
+(FlashInfer's HND is such a view), the block table and ``kv_seqlens`` as ``seqused_k``; decode queries as
+(B, 1, H, D), chunks packed by ``cu_seqlens_q``. FA3 reads such pages with TMA only where ``page_size`` is a
+multiple of its key tile and a sequence has more than 128 query rows (queries x GQA ratio; ``get_pagedkv_tma``
+in its ``flash_api.cpp``); otherwise with predicated loads, which left NaN past a length and -1 in the table past
+a sequence's last page out of its outputs (H200: the paged suite's NaN probe, tests/test_paged_gpu.py). The TMA
+form is the one whose dense sibling leaks 0 * NaN from its last tile, so problems that could take it (more
+than 128 query rows per sequence) are refused. The predicated path always packs GQA heads, so paged configs vary
+``num_splits`` only.
 
 Errors: FA3's checks are C++ ``STD_TORCH_CHECK``s, which reach Python as RuntimeError: the tuner's
 ``CANDIDATE_ERRORS`` already count those as "cannot run here", so its ``library`` declares no errors.
@@ -38,7 +49,7 @@ import torch
 
 from ..device import DeviceInfo
 from ..layout import conform, int32_contiguous, new_out, tma_aligned
-from ..problem import Problem
+from ..problem import Problem, next_power_of_two
 from .base import AttnCall, Backend, Candidate, Config, Library, Plan, Takes
 
 DISTRIBUTION = "tokenspeed-fa3"
@@ -128,7 +139,7 @@ class FA3Backend(Backend):
 
     name = "fa3"
     knobs = {"num_splits": int, "pack_gqa": bool}
-    takes = Takes(fp8=True)
+    takes = Takes(ops=("attention", "varlen", "block_sparse", "paged"), fp8=True)
     # supports() imports flash_attn_interface, which loads a 300 MB library: 4 s the first time after installing
     # it, 0.02 s later (H200, 2026-11-29)
     library = Library(distributions=(DISTRIBUTION,), costly_import=True, load=_load, prebuilt=True)
@@ -141,10 +152,16 @@ class FA3Backend(Backend):
             return f"{DISTRIBUTION} takes no block-sparse masks"
         if p.dtype not in DTYPES:
             return f"{DISTRIBUTION} takes {', '.join(DTYPES)}, got {p.dtype}"
+        if p.op == "paged":
+            rows = next_power_of_two(p.len_q) * p.gqa_ratio  # the bucket's most, so every call of it is covered
+            if rows > _BLOCK_M:
+                return (f"{DISTRIBUTION} may load pages with TMA where a sequence has over {_BLOCK_M} query rows "
+                        f"(queries x GQA ratio, up to {rows} here), a form that is not gated against keys past a "
+                        "length")
         # measured on an H200 (3.0.0.post20260810, bf16; tests/test_fa3_gpu.py): like FA4's sm_90 kernels, FA3 is
         # told kv_seqlens as seqused_k, yet multiplies the zero weights of its last tile's keys past a length by their
         # values, and its varlen tiles run into the next sequence's keys: 0 * NaN reaches the output
-        if p.has_kv_seqlens:
+        elif p.has_kv_seqlens:
             return (f"{DISTRIBUTION} multiplies the zero weights of keys past kv_seqlens by their values in its last "
                     "tile: 0 * NaN (an unwritten cache slot) reaches the output")
         if p.op == "varlen":
@@ -167,7 +184,7 @@ class FA3Backend(Backend):
 
     def configs(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> list[Candidate]:
         splits = split_candidates(p, dev.sm_count)
-        if p.gqa_ratio == 1:
+        if p.gqa_ratio == 1 or p.op == "paged":  # paged: the predicated path packs GQA heads (module doc)
             cfgs = [Config.of(num_splits=s) for s in splits]
         else:
             # FA3's own pick first (should_pack_gqa: packing when it fills the m-blocks better, as at decode)
@@ -191,7 +208,10 @@ class FA3Backend(Backend):
         fa = _load()
         if isinstance(fa, str):
             raise RuntimeError(fa)
-        return Plan(_ForwardLaunch(fa.fwd, p, int(cfg.get("num_splits", 1)), cfg.get("pack_gqa")))
+        num_splits = int(cfg.get("num_splits", 1))
+        if p.op == "paged":
+            return Plan(_PagedLaunch(fa.fwd, num_splits))
+        return Plan(_ForwardLaunch(fa.fwd, p, num_splits, cfg.get("pack_gqa")))
 
 
 def _as_fa3_takes(x: torch.Tensor, transpose: bool) -> torch.Tensor:
@@ -233,10 +253,49 @@ class _ForwardLaunch:
         if fa_out is None:
             out = conform(got.transpose(1, 2) if dense else got, call.q)
         if self.empty_rows:
-            lse.masked_fill_(lse == float("inf"), float("-inf"))
+            _empty_rows_minus_inf(lse)
         if self.fp8 and call.out_dtype != out_dtype:
             out = out.to(call.out_dtype)
         return out, lse
+
+
+class _PagedLaunch:
+    """A paged call's launch: FA3's paged forward on the call's pools, block table and lengths (module doc). A
+    decode call (no ``cu_seqlens_q``) goes as (B, 1, H, D) and its lse, FA3's (B, H, 1), is copied into the ops'
+    (H, total_q); a pool whose last dim is not contiguous is copied whole (FA3 needs it, and the API takes any
+    strides: slow, but such a pool is rare)."""
+
+    def __init__(self, fwd, num_splits: int):
+        self.fwd, self.num_splits = fwd, num_splits
+
+    def __call__(self, call: AttnCall):
+        decode = call.cu_seqlens_q is None
+        k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (call.k, call.v))
+        table = call.block_table if call.block_table.stride(-1) == 1 else call.block_table.contiguous()
+        out = new_out(call.q, call.v)
+        q, fa_out = (x.unsqueeze(1) for x in (call.q, out)) if decode else (call.q, out)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        if fa_out.stride(-1) != 1:
+            fa_out = None  # FA3 allocates, conform() copies below
+        cu_seqlens_q = None if decode else int32_contiguous(call.cu_seqlens_q)
+        max_seqlen_q = None if decode else call.max_seqlen_q
+        got, lse = self.fwd(
+            q, k, v, None, None, None, fa_out, cu_seqlens_q, None, None, None, int32_contiguous(call.kv_seqlens),
+            max_seqlen_q, None, table, None, None, None, None, None, None, None, None, call.scale, call.causal,
+            call.window_left, call.window_right, 0, 0.0, True, None, self.num_splits, None, 0, None)[:2]
+        if fa_out is None:
+            out = conform(got.squeeze(1) if decode else got, call.q)
+        if decode:
+            lse = lse.squeeze(-1).t().contiguous()
+        _empty_rows_minus_inf(lse)  # a sequence of length 0, or a window that leaves a row no key
+        return out, lse
+
+
+def _empty_rows_minus_inf(lse: torch.Tensor) -> None:
+    """FA3's +inf lse of a row that sees no key as the ops' contract has it, -inf, in place (one kernel; NaN and
+    -inf stay as they are, so a leak still shows)."""
+    lse.nan_to_num_(nan=float("nan"), posinf=float("-inf"), neginf=float("-inf"))
 
 
 BACKEND = FA3Backend()
