@@ -14,8 +14,8 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import inductor_attn
-from inductor_attn.backends import (REFERENCE, AttnCall, Config, enumerate_candidates, fa3, fa4, get_backend, only_backends,
-                                    run_backend, run_backend_backward)
+from inductor_attn.backends import (REFERENCE, AttnCall, Config, enumerate_candidates, fa3, fa4, get_backend,
+                                    only_backends, run_backend, run_backend_backward)
 from inductor_attn.backends.reference import dequantised
 from inductor_attn.device import device_info
 from inductor_attn.tuning.correctness import TOLERANCES, check_output, check_tensor, rel_err
