@@ -71,8 +71,8 @@ def test_mha_prefill_is_one_unsplit_config_and_gqa_decode_tries_packing_and_spli
     assert [str(c.config) for c in fa3_candidates(prob())] == ["num_splits=1"]
     decode = prob(batch=1, heads_q=16, heads_kv=2, len_q=1, len_k=16384, head_dim=256, head_dim_v=256)
     names = [str(c.config) for c in fa3_candidates(decode) if c.pruned is None]
-    assert names == ["num_splits=64,pack_gqa=True", "num_splits=32,pack_gqa=True", "num_splits=16,pack_gqa=True",
-                     "num_splits=1,pack_gqa=True", "num_splits=1,pack_gqa=False"]
+    assert names == ["num_splits=0", "num_splits=64,pack_gqa=True", "num_splits=32,pack_gqa=True",
+                     "num_splits=16,pack_gqa=True", "num_splits=1,pack_gqa=True", "num_splits=1,pack_gqa=False"]
     # FA3 packs whenever it splits: a split config with pack_gqa=False would be the same kernel
 
 
@@ -93,7 +93,7 @@ def test_paged_decode_tries_splits_on_the_packed_path_and_long_chunks_are_refuse
     paged = dict(op="paged", batch=1, heads_q=16, heads_kv=2, len_q=1, len_k=16384, head_dim=256, head_dim_v=256,
                  total_q=1, has_kv_seqlens=True, page_size=16)
     names = [str(c.config) for c in fa3_candidates(prob(**paged)) if c.pruned is None]
-    assert names == ["num_splits=64", "num_splits=32", "num_splits=16", "num_splits=1"]
+    assert names == ["num_splits=0", "num_splits=64", "num_splits=32", "num_splits=16", "num_splits=1"]
     # chunks of up to 16 queries x 8 heads per KV head fill one 128-row tile: the predicated path still
     assert all(c.pruned is None for c in fa3_candidates(prob(**{**paged, "heads_kv": 2, "len_q": 9, "total_q": 9,
                                                                  "heads_q": 16})))

@@ -8,9 +8,11 @@ backward, no softcap, head dims 64/128/192/256 with equal q/k and v dims, and fp
 pack-GQA and local windows on. Facts about calls are from that version's ``flash_attn_interface.py``.
 
 Knobs: ``num_splits`` (split-KV: 1, plus a few where the (batch, kv head, m-block) tiles leave SMs idle and the
-keys are long, :func:`split_candidates`) and ``pack_gqa`` (GQA heads packed into the m dimension; True and False
-where Hq != Hkv). FA3 turns packing on whenever it splits (``PackGQA = PackGQA_ || ... || Split`` in its
-``run_mha_fwd``), so a split config with ``pack_gqa=False`` would time the same kernel twice and is left out.
+keys are long, :func:`split_candidates`; there also 0, FA3's own heuristic, which may pick a count between ours or
+split dynamically per tile: on an H200 it beat our best fixed FA3 split by 2-8% at B8 paged decode and chunked
+prefill, 2026-11-29) and ``pack_gqa`` (GQA heads packed into the m dimension; True and False where Hq != Hkv).
+FA3 turns packing on whenever it splits (``PackGQA = PackGQA_ || ... || Split`` in its ``run_mha_fwd``), so a
+split config with ``pack_gqa=False`` would time the same kernel twice and is left out.
 
 The call goes straight to the op the interface wraps, ``torch.ops.flash_attn_3.fwd``, with its 35 positional
 arguments in the interface's order (checked against the op's schema at load): no per-call Python beyond a list.
@@ -183,23 +185,24 @@ class FA3Backend(Backend):
         return None
 
     def configs(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> list[Candidate]:
-        # the most splits first: where the tiles leave SMs idle FA3's own heuristic splits too, and the staged
-        # search measures a backend's first config before it expands the rest (an unsplit first config read
-        # 1.43x the best at B8 H32/8 paged decode, so FA3's 1.05x faster split was never timed; H200)
+        # Where the tiles leave SMs idle: FA3's own heuristic first, then the most splits. The staged search
+        # measures a backend's first config before it expands the rest, and an unsplit first config read 1.43x the
+        # best at B8 H32/8 paged decode, so FA3's faster split forms were never timed (H200)
         splits = sorted(split_candidates(p, dev.sm_count), reverse=True)
+        own = [Config.of(num_splits=0)] if len(splits) > 1 else []
         if p.gqa_ratio == 1 or p.op == "paged":  # paged: the predicated path packs GQA heads (module doc)
-            cfgs = [Config.of(num_splits=s) for s in splits]
+            cfgs = own + [Config.of(num_splits=s) for s in splits]
         else:
             # unsplit, FA3's own pick first (should_pack_gqa: packing when it fills the m-blocks better, as at decode)
             packs = (True, False) if p.len_q < _BLOCK_M else (False, True)
-            cfgs = [Config.of(num_splits=s, pack_gqa=True) for s in splits if s > 1]
+            cfgs = own + [Config.of(num_splits=s, pack_gqa=True) for s in splits if s > 1]
             cfgs += [Config.of(num_splits=1, pack_gqa=pack) for pack in packs]
         return [Candidate(self.name, c, self._pruned(c)) for c in cfgs]
 
     def _pruned(self, cfg: Config) -> str | None:
         fa = _load()
         flags = {} if isinstance(fa, str) else fa.build_flags
-        if cfg.get("num_splits", 1) > 1 and flags.get("FLASHATTENTION_DISABLE_SPLIT"):
+        if cfg.get("num_splits", 1) != 1 and flags.get("FLASHATTENTION_DISABLE_SPLIT"):
             return f"{DISTRIBUTION} was built with FLASHATTENTION_DISABLE_SPLIT"
         if cfg.get("pack_gqa") and flags.get("FLASHATTENTION_DISABLE_PACKGQA"):
             return f"{DISTRIBUTION} was built with FLASHATTENTION_DISABLE_PACKGQA"
