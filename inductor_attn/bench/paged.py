@@ -9,16 +9,17 @@ measure.candidate_trial), timed in interleaved rounds under CUDA graphs (measure
 "Autotuned" is what ``paged_attention`` runs for the shape in autotune mode (the tuner's decision on the run's
 decision store), its time that of the same candidate in the shapes' timing session.
 
-FA3's default split heuristic, a reference column (issue 54's target compares with it): FA3's paged path
-(``flash_attn_interface.flash_attn_with_kvcache``, ``num_splits=0``) is no candidate, since it reads the slots
-past a sequence's length (NaN placed there reaches its output, :data:`FA3_NOTE`), so it never passes the gate.
-Where FA3 can run (the module imports and the GPU is sm_90), it is gated on a NaN probe (to record that:
-:func:`_fa3_gates`), checked against the float64 reference on the candidates' pages and table with zeros in every
-slot that holds no key (its error reported), then timed in the same session as the candidates, its bind writing
-zeros into the timing copies' slots that hold no key (slots the candidates' gate proved they ignore); elsewhere the
-row says why it was skipped. Its row gives its GB/s and our autotuned choice's speed over it; the summary checks
-issue 54's target ("paged decode >= 1.5x FA3's default split heuristic on the few-KV-head shapes, and never below
-it") on the decode rows with Hkv <= 2.
+FA3's default split heuristic, a reference column (issue 54's target compares with it): FA3's paged path as its
+own interface calls it (``flash_attn_interface.flash_attn_with_kvcache``, ``num_splits=0``), outside our code. The
+``fa3`` backend's paged candidates (backends/fa3.py: measured split counts, and FA3's heuristic among them) are
+timed with the others where they run; this column stays what the target names, and records whether FA3's paged
+path lets NaN past a length through (:data:`FA3_NOTE`). Where FA3 can run (the module imports and the GPU is
+sm_90), it is gated on a NaN probe (to record that: :func:`_fa3_gates`), checked against the float64 reference
+on the candidates' pages and table with zeros in every slot that holds no key (its error reported), then timed in
+the same session as the candidates, its bind writing zeros into the timing copies' slots that hold no key (slots
+the candidates' gate proved they ignore); elsewhere the row says why it was skipped. Its row gives its GB/s and
+our autotuned choice's speed over it; the summary checks issue 54's target ("paged decode >= 1.5x FA3's default
+split heuristic on the few-KV-head shapes, and never below it") on the decode rows with Hkv <= 2.
 
 Serving loops (issue 54's "compiles once, tunes each bucket once, adds no host time per step over the contiguous
 decode op"): ``steps`` decode steps of a ``torch.compile``d function calling ``inductor_attn.paged_attention``, the
@@ -127,7 +128,7 @@ def _contiguous_trial() -> Trial:
     return Trial("contiguous decode (ours)", bind, lambda err: isinstance(err, RuntimeError), ours=False)
 
 
-# FA3's paged path with its default split heuristic: a reference column, never a candidate (module doc)
+# FA3's paged path with its default split heuristic, called through its interface: a reference column (module doc)
 FA3_NAME = "FA3 default splits (reference)"
 FA3_NOTE = "FA3 default splits, timed on a zeroed pool: fails the NaN-past-length check"
 # where this run's NaN probe did not catch it (the note says what the run saw)
@@ -599,8 +600,8 @@ def shape_summary(result: dict) -> str:
     seen = sorted({fa3["note"] for fa3 in fa3s if "note" in fa3})
     skipped = {fa3["skipped"] for fa3 in fa3s if "skipped" in fa3}  # rows our candidates did not run on too
     notes = [f"{note} (per shape, NaN probe: the gate with every length one key short); its inputs are the "
-             "candidates' pages and table, zeros in every slot that holds no key; FA3 is a reference, not a "
-             "candidate." for note in seen]
+             "candidates' pages and table, zeros in every slot that holds no key; a reference column (the `fa3` "
+             "candidates are our plans of the same kernel)." for note in seen]
     notes += [f"FA3 default splits skipped: {cell(reason)}" for reason in sorted(skipped)]
     target = fa3_target(result["rows"])
     notes += [target] if target else []
