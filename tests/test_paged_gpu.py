@@ -113,18 +113,16 @@ def test_a_compiled_serving_loop_never_recompiles_nor_retunes(monkeypatch, fresh
     assert len([key for key in decisions._MEMO if key[1].op == "paged"]) == 1  # one bucket, tuned once
 
 
-@pytest.mark.parametrize("name, return_lse", [("decode_page16_mqa_d128", False), ("decode_page256_hnd", True),
-                                              ("prefill_ragged_chunks_window_page64", True)])
-def test_a_static_compiled_paged_call_launches_split_k_decode_from_generated_code(name, return_lse, fresh_compile):
-    """Decided while compiling and traced into the graph: no paged op and no launch op left, the kernels of the
-    chosen split-K config launched by Inductor's code (an inference call: no lse buffer), outputs right with NaN
-    in every pool slot that holds no key, also at a later step whose lengths grew (no recompile)."""
+def _compiled_two_steps(case, backend: str, return_lse: bool):
+    """``paged_attention`` compiled once (fullgraph) and decided with ``backend`` alone (and the reference), run at
+    two steps of ``case`` whose lengths grow by 5 with the same shapes, outputs checked against the float64 oracle
+    with NaN in every pool slot that holds no key and in freed memory. Returns the first step's generated code and
+    inputs."""
     from torch._inductor.utils import run_and_get_code
 
     from inductor_attn.backends import REFERENCE, get_backend, only_backends
     from inductor_attn.tuning.correctness import check_tensor
 
-    case = CASES[name]
     grown = tuple(n + 5 for n in case.kv_lens)
     pages = [-(-n // case.page_size) for n in grown]
     steps = [dataclasses.replace(case, kv_lens=lens, width=max(pages) + 1, num_blocks=sum(pages) + 3)
@@ -136,7 +134,7 @@ def test_a_static_compiled_paged_call_launches_split_k_decode_from_generated_cod
         return inductor_attn.paged_attention(q, k, v, table, lens, cu_seqlens_q=cu, return_lse=return_lse, **kwargs)
 
     compiled = torch.compile(fn, fullgraph=True)
-    with only_backends(get_backend("triton_decode"), REFERENCE), inductor_attn.tuning_mode("autotune"):
+    with only_backends(get_backend(backend), REFERENCE), inductor_attn.tuning_mode("autotune"):
         for i, (step_case, x) in enumerate(zip(steps, inputs)):
             args = (x.q, x.k_cache, x.v_cache, x.block_table, x.kv_seqlens, x.cu_seqlens_q)
             torch.full((1 << 26,), float("nan"), device="cuda")  # freed memory the outputs may be given: NaN
@@ -149,9 +147,20 @@ def test_a_static_compiled_paged_call_launches_split_k_decode_from_generated_cod
                 assert check_output(result[0].cpu(), result[1].cpu(), ref_out, ref_lse, case.dtype) is None, i
             else:
                 assert check_tensor("output", result.cpu(), ref_out, case.dtype) is None, i
+    return code, inputs[0]
+
+
+@pytest.mark.parametrize("name, return_lse", [("decode_page16_mqa_d128", False), ("decode_page256_hnd", True),
+                                              ("prefill_ragged_chunks_window_page64", True)])
+def test_a_static_compiled_paged_call_launches_split_k_decode_from_generated_code(name, return_lse, fresh_compile):
+    """Decided while compiling and traced into the graph: no paged op and no launch op left, the kernels of the
+    chosen split-K config launched by Inductor's code (an inference call: no lse buffer), outputs right with NaN
+    in every pool slot that holds no key, also at a later step whose lengths grew (no recompile)."""
+    case = CASES[name]
+    code, first = _compiled_two_steps(case, "triton_decode", return_lse)
     assert "torch.ops.inductor_attn" not in code and "_decode_partial" in code, code
     if not return_lse:  # traced_out_only: no (Hq, total_q) lse buffer
-        assert f"empty_strided_cuda(({case.hq}, {inputs[0].q.shape[0]}), " not in code, code
+        assert f"empty_strided_cuda(({case.hq}, {first.q.shape[0]}), " not in code, code
     (ran, graphs), = inductor_attn.stats().items()
     assert ran.startswith("paged/forward -> triton_decode:"), ran
     assert ran.endswith("(launched by compiled code, per graph)") and graphs == 1, ran
@@ -161,27 +170,9 @@ def test_a_static_compiled_paged_call_launches_split_k_decode_from_generated_cod
 def test_a_compiled_paged_call_whose_winner_is_fa3_runs_it_with_nan_in_unused_slots(name, fresh_compile):
     """FA3's paged path decided while compiling (no traced form: compiled code calls its launch through the thin
     op), right with NaN in every slot that holds no key and -1 past each sequence's last page, at two steps."""
-    from inductor_attn.backends import REFERENCE, get_backend, only_backends
-
     case = dataclasses.replace(CASES[name], dtype=torch.bfloat16)
     if not _fa3_takes(case):
         pytest.skip("FA3's paged path cannot run here (tokenspeed-fa3 on an sm_90 GPU)")
-    grown = tuple(n + 5 for n in case.kv_lens)
-    pages = [-(-n // case.page_size) for n in grown]
-    steps = [dataclasses.replace(case, kv_lens=lens, width=max(pages) + 1, num_blocks=sum(pages) + 3)
-             for lens in (case.kv_lens, grown)]
-    inputs = [pi.make(step_case, device="cuda", seed=i) for i, step_case in enumerate(steps)]
-    kwargs = {key: value for key, value in inputs[0].kwargs(case).items() if key != "cu_seqlens_q"}
-
-    def fn(q, k, v, table, lens, cu):
-        return inductor_attn.paged_attention(q, k, v, table, lens, cu_seqlens_q=cu, return_lse=True, **kwargs)
-
-    compiled = torch.compile(fn, fullgraph=True)
     inductor_attn.reset_stats()
-    with only_backends(get_backend("fa3"), REFERENCE), inductor_attn.tuning_mode("autotune"):
-        for i, (step_case, x) in enumerate(zip(steps, inputs)):
-            torch.full((1 << 26,), float("nan"), device="cuda")  # freed memory the outputs may be given: NaN
-            out, lse = compiled(x.q, x.k_cache, x.v_cache, x.block_table, x.kv_seqlens, x.cu_seqlens_q)
-            ref_out, ref_lse = pi.oracle(step_case, x, case.d ** -0.5)
-            assert check_output(out.cpu(), lse.cpu(), ref_out, ref_lse, case.dtype) is None, i
+    _compiled_two_steps(case, "fa3", return_lse=True)
     assert any(key.startswith("paged/forward -> fa3:") for key in inductor_attn.stats()), inductor_attn.stats()
