@@ -252,10 +252,8 @@ class _ForwardLaunch:
         cu_seqlens = (call.cu_seqlens_q, call.cu_seqlens_k)
         varlen = (None, None) if dense else [int32_contiguous(cu) for cu in cu_seqlens]
         lengths = (None, None) if dense else (call.max_seqlen_q, call.max_seqlen_k)
-        got, lse = self.fwd(
-            q, k, v, None, None, None, fa_out, *varlen, None, None, int32_contiguous(call.kv_seqlens), *lengths,
-            None, None, None, None, None, None, *descales, call.scale, call.causal, call.window_left,
-            call.window_right, 0, 0.0, True, None, self.num_splits, self.pack_gqa, 0, None)[:2]
+        got, lse = _fwd(self.fwd, call, q, k, v, fa_out, cu_seqlens=varlen, max_seqlens=lengths, descales=descales,
+                        num_splits=self.num_splits, pack_gqa=self.pack_gqa)
         if fa_out is None:
             out = conform(got.transpose(1, 2) if dense else got, call.q)
         if self.empty_rows:
@@ -286,16 +284,23 @@ class _PagedLaunch:
             fa_out = None  # FA3 allocates, conform() copies below
         cu_seqlens_q = None if decode else int32_contiguous(call.cu_seqlens_q)
         max_seqlen_q = None if decode else call.max_seqlen_q
-        got, lse = self.fwd(
-            q, k, v, None, None, None, fa_out, cu_seqlens_q, None, None, None, int32_contiguous(call.kv_seqlens),
-            max_seqlen_q, None, table, None, None, None, None, None, None, None, None, call.scale, call.causal,
-            call.window_left, call.window_right, 0, 0.0, True, None, self.num_splits, None, 0, None)[:2]
+        got, lse = _fwd(self.fwd, call, q, k, v, fa_out, cu_seqlens=(cu_seqlens_q, None),
+                        max_seqlens=(max_seqlen_q, None), page_table=table, num_splits=self.num_splits)
         if fa_out is None:
             out = conform(got.squeeze(1) if decode else got, call.q)
         if decode:
             lse = lse.squeeze(-1).t().contiguous()
         _empty_rows_minus_inf(lse)  # a sequence of length 0, or a window that leaves a row no key
         return out, lse
+
+
+def _fwd(fwd, call: AttnCall, q, k, v, out, *, cu_seqlens=(None, None), max_seqlens=(None, None), page_table=None,
+         descales=(None, None, None), num_splits: int, pack_gqa: bool | None = None):
+    """``flash_attn_3::fwd`` with its :data:`FWD_ARGUMENTS` positional arguments in the interface's order (no new
+    keys, qv, rotary, kv_batch_idx, leftpad, scheduler metadata, softcap or sinks); ``(out, lse)``."""
+    return fwd(q, k, v, None, None, None, out, *cu_seqlens, None, None, int32_contiguous(call.kv_seqlens),
+               *max_seqlens, page_table, None, None, None, None, None, *descales, call.scale, call.causal,
+               call.window_left, call.window_right, 0, 0.0, True, None, num_splits, pack_gqa, 0, None)[:2]
 
 
 def _empty_rows_minus_inf(lse: torch.Tensor) -> None:
