@@ -51,6 +51,14 @@ from __future__ import annotations
 
 import torch
 
+from .problem import next_power_of_two
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a CPU-only install: the cache is written with torch ops (_append)
+    triton = tl = None
+
 NAME = "inductor_attn_flash"
 _PAGED_PREFIX = "paged|"
 
@@ -141,26 +149,62 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
 
 def _append(k_cache, v_cache, block_table, lengths, k_new, v_new) -> None:
     """Write each sequence's new key and value (one per sequence: decode) into the slot of position
-    ``lengths[b] - 1``, as flash_attn_with_kvcache does with ``cache_seqlens = lengths - 1``.
+    ``lengths[b] - 1``, as flash_attn_with_kvcache does with ``cache_seqlens = lengths - 1``. A sequence of no keys
+    (``lengths[b] == 0``: the padding rows of transformers' CUDA-graph batches, whose table rows hold -1, or pages
+    of another step) has no slot and writes nowhere.
 
-    A sequence of no keys (``lengths[b] == 0``: the padding rows of transformers' CUDA-graph batches, whose table
-    rows hold -1, or pages of another step) has no slot: it must write nowhere, and position -1 would reach the
-    table's last entry (a page of another sequence, or with -1 the pool's last page). Choosing the rows on the host
-    would sync (illegal in a CUDA graph), so such a row repeats the write of the first row with keys, the same
-    value into the same slot (duplicate writes in any order leave that value). With no row of keys, every row
-    writes slot 0 of page 0 with the value it holds: no page changes."""
+    On CUDA one kernel writes both pools (:func:`_append_kernel`): it skips such rows on the device, so it may run
+    inside a CUDA graph, and it is one launch where indexing with torch ops took about 30 small kernels per layer
+    and step. Elsewhere (the CPU) the rows are chosen on the host."""
+    if k_cache.device.type == "cuda" and triton is not None:
+        _append_in_kernel(k_cache, v_cache, block_table, lengths, k_new, v_new)
+    else:
+        _append_by_index(k_cache, v_cache, block_table, lengths, k_new, v_new)
+
+
+def _append_by_index(k_cache, v_cache, block_table, lengths, k_new, v_new) -> None:
+    rows = (lengths > 0).nonzero().flatten()
+    position = lengths[rows].long() - 1
     page_size = k_cache.shape[1]
-    has_keys = lengths > 0
-    position = (lengths.long() - 1).clamp_min(0)
-    rows = torch.arange(block_table.shape[0], device=block_table.device)
     blocks = block_table[rows, position // page_size].long()
-    slots = position % page_size
-    first = has_keys.int().argmax().view(1)  # the first row with keys; 0 when none has any
-    any_keys = has_keys.any()
-    stand_in_block = torch.where(any_keys, blocks.index_select(0, first), 0)
-    stand_in_slot = torch.where(any_keys, slots.index_select(0, first), 0)
-    blocks = torch.where(has_keys, blocks, stand_in_block)
-    slots = torch.where(has_keys, slots, stand_in_slot)
     for pool, new in ((k_cache, k_new), (v_cache, v_new)):
-        stand_in = torch.where(any_keys, new.index_select(0, first), pool[stand_in_block, stand_in_slot])
-        pool[blocks, slots] = torch.where(has_keys[:, None, None], new, stand_in)
+        pool[blocks, position % page_size] = new[rows]
+
+
+def _append_in_kernel(k_cache, v_cache, block_table, lengths, k_new, v_new) -> None:
+    n, heads = k_new.shape[:2]
+    if n == 0:
+        return
+    _append_kernel[(n,)](
+        k_cache, v_cache, block_table, lengths, k_new, v_new, *k_cache.stride(), *v_cache.stride(),
+        *block_table.stride(), *k_new.stride(), *v_new.stride(), heads, k_new.shape[-1], v_new.shape[-1],
+        k_cache.shape[1], BLOCK_H=next_power_of_two(heads), BLOCK_D=next_power_of_two(k_new.shape[-1]),
+        BLOCK_DV=next_power_of_two(v_new.shape[-1]))
+
+
+def _jit(fn):
+    return triton.jit(fn) if triton is not None else fn
+
+
+@_jit
+def _append_kernel(K_CACHE, V_CACHE, TABLE, LENGTHS, K_NEW, V_NEW, skp, sks, skh, skd, svp, svs, svh, svd, stb, stp,
+                   snb, snh, snd, smb, smh, smd, HEADS, D, DV, PAGE_SIZE,
+                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """One program per sequence: its new key and value, (HEADS, D) and (HEADS, DV), into its slot of the pools
+    (pages, PAGE_SIZE, HEADS, D), any strides; nothing for a sequence of no keys or a page id below 0."""
+    b = tl.program_id(0)
+    length = tl.load(LENGTHS + b)
+    if length > 0:
+        position = length - 1
+        page = tl.load(TABLE + b * stb + (position // PAGE_SIZE) * stp).to(tl.int64)
+        if page >= 0:
+            slot = position % PAGE_SIZE
+            h = tl.arange(0, BLOCK_H)[:, None]
+            d = tl.arange(0, BLOCK_D)[None, :]
+            mask = (h < HEADS) & (d < D)
+            key = tl.load(K_NEW + b * snb + h * snh + d * snd, mask=mask)
+            tl.store(K_CACHE + page * skp + slot * sks + h * skh + d * skd, key, mask=mask)
+            d = tl.arange(0, BLOCK_DV)[None, :]
+            mask = (h < HEADS) & (d < DV)
+            value = tl.load(V_NEW + b * smb + h * smh + d * smd, mask=mask)
+            tl.store(V_CACHE + page * svp + slot * svs + h * svh + d * svd, value, mask=mask)

@@ -163,7 +163,8 @@ def test_other_backends_backward_takes_fa3s_out_and_lse(dev, backward, case):
         got = get_backend(backward).plan(call.problem, dev, cand.config, "backward").launch(call, out, lse, grad_out,
                                                                                           None)
         for name, g, w in zip(("dq", "dk", "dv"), got, want):
-            assert check_tensor(name, g, w, call.q.dtype) is None, f"{cand.name}: {check_tensor(name, g, w, call.q.dtype)}"
+            reason = check_tensor(name, g, w, call.q.dtype)
+            assert reason is None, f"{cand.name}: {reason}"
 
 
 def test_compiled_attention_with_fa3_forced_goes_through_the_launch_op(dev):

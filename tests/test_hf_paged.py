@@ -119,14 +119,23 @@ def _unchanged(before, after):
     return torch.equal(before.isnan(), after.isnan()) and torch.equal(before.nan_to_num(), after.nan_to_num())
 
 
-def test_append_writes_each_sequences_slot_and_nothing_for_sequences_of_no_keys():
+# the CUDA path's kernel runs in Triton's interpreter here
+APPENDS = [hf_paged._append_by_index,
+           pytest.param(hf_paged._append_in_kernel,
+                        marks=pytest.mark.skipif(hf_paged.triton is None, reason="Triton is not installed"))]
+
+
+@pytest.mark.parametrize("append", APPENDS)
+def test_append_writes_each_sequences_slot_and_nothing_for_sequences_of_no_keys(append):
     """Rows 0 and 3 have no keys (padding): row 0's table is -1 (position -1 would write the pool's last page),
-    row 3's holds row 1's pages (another step's): neither writes; rows 1 and 2 write their slot, nothing else."""
-    k_pool, v_pool = _pool()
+    row 3's holds row 1's pages (another step's): neither writes; rows 1 and 2 write their slot, nothing else.
+    The values' pool is a (pages, heads, page, dim) memory viewed as (pages, page, heads, dim), FlashInfer's HND."""
+    k_pool, _ = _pool()
+    v_pool = torch.full((6, 2, 4, 8), math.nan).transpose(1, 2)
     table = torch.tensor([[-1, -1], [0, 2], [4, -1], [0, 2]], dtype=torch.int32)
     lengths = torch.tensor([0, 6, 1, 0], dtype=torch.int32)
-    k_new, v_new = torch.randn(4, 2, 8), torch.randn(4, 2, 8)
-    hf_paged._append(k_pool, v_pool, table, lengths, k_new, v_new)
+    k_new, v_new = torch.randn(4, 2, 8), torch.randn(2, 4, 8).transpose(0, 1)
+    append(k_pool, v_pool, table, lengths, k_new, v_new)
     for pool, new in ((k_pool, k_new), (v_pool, v_new)):
         assert torch.equal(pool[2, 1], new[1]) and torch.equal(pool[4, 0], new[2])
         written = torch.zeros(pool.shape[:2], dtype=torch.bool)
@@ -134,14 +143,32 @@ def test_append_writes_each_sequences_slot_and_nothing_for_sequences_of_no_keys(
         assert pool[~written].isnan().all()  # the last page (slot -1) and every other slot untouched
 
 
-def test_append_with_no_sequence_of_keys_changes_no_page():
+@pytest.mark.parametrize("append", APPENDS)
+def test_append_with_no_sequence_of_keys_changes_no_page(append):
     k_pool, v_pool = _pool()
-    k_pool[0, 0], v_pool[0, 0] = 1.0, 2.0  # the slot a batch of padding alone rewrites with what it holds
     before = k_pool.clone(), v_pool.clone()
     table = torch.full((3, 2), -1, dtype=torch.int32)
-    hf_paged._append(k_pool, v_pool, table, torch.zeros(3, dtype=torch.int32), torch.randn(3, 2, 8),
-                     torch.randn(3, 2, 8))
+    append(k_pool, v_pool, table, torch.zeros(3, dtype=torch.int32), torch.randn(3, 2, 8), torch.randn(3, 2, 8))
     assert _unchanged(before[0], k_pool) and _unchanged(before[1], v_pool)
+
+
+@pytest.mark.gpu
+def test_append_on_cuda_writes_what_the_host_indexed_append_writes():
+    """The CUDA path (one kernel) against the host-indexed one, on pools of NaN with padding rows, GQA heads and a
+    page size that does not divide the lengths."""
+    gen = torch.Generator().manual_seed(0)
+    pages, page, heads, dim, n = 40, 16, 4, 128, 9
+    table = torch.randperm(pages, generator=gen)[:n * 4].view(n, 4).int()
+    lengths = torch.randint(1, 4 * page + 1, (n,), generator=gen).int()
+    lengths[[2, 7]] = 0
+    table[2] = -1
+    k_new, v_new = (torch.randn(n, heads, dim, generator=gen).bfloat16() for _ in range(2))
+    want = [torch.full((pages, page, heads, dim), math.nan, dtype=torch.bfloat16) for _ in range(2)]
+    got = [pool.cuda() for pool in want]
+    hf_paged._append_by_index(*want, table, lengths, k_new, v_new)
+    hf_paged._append(*got, table.cuda(), lengths.cuda(), k_new.cuda(), v_new.cuda())
+    for w, g in zip(want, got):
+        assert _unchanged(w, g.cpu())
 
 
 def test_names_without_flash_are_refused():
