@@ -178,8 +178,8 @@ def _append_in_kernel(k_cache, v_cache, block_table, lengths, k_new, v_new) -> N
     _append_kernel[(n,)](
         k_cache, v_cache, block_table, lengths, k_new, v_new, *k_cache.stride(), *v_cache.stride(),
         *block_table.stride(), *k_new.stride(), *v_new.stride(), heads, k_new.shape[-1], v_new.shape[-1],
-        k_cache.shape[1], BLOCK_H=next_power_of_two(heads), BLOCK_D=next_power_of_two(k_new.shape[-1]),
-        BLOCK_DV=next_power_of_two(v_new.shape[-1]))
+        k_cache.shape[1], block_table.shape[1], k_cache.shape[0], BLOCK_H=next_power_of_two(heads),
+        BLOCK_D=next_power_of_two(k_new.shape[-1]), BLOCK_DV=next_power_of_two(v_new.shape[-1]))
 
 
 def _jit(fn):
@@ -188,16 +188,18 @@ def _jit(fn):
 
 @_jit
 def _append_kernel(K_CACHE, V_CACHE, TABLE, LENGTHS, K_NEW, V_NEW, skp, sks, skh, skd, svp, svs, svh, svd, stb, stp,
-                   snb, snh, snd, smb, smh, smd, HEADS, D, DV, PAGE_SIZE,
+                   snb, snh, snd, smb, smh, smd, HEADS, D, DV, PAGE_SIZE, TABLE_WIDTH, NUM_PAGES,
                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """One program per sequence: its new key and value, (HEADS, D) and (HEADS, DV), into its slot of the pools
-    (pages, PAGE_SIZE, HEADS, D), any strides; nothing for a sequence of no keys or a page id below 0."""
+    (NUM_PAGES, PAGE_SIZE, HEADS, D), any strides. Nothing for a sequence of no keys, nor where its position lies
+    past its table row or its page id outside the pool: indices the caller got wrong write nothing out of bounds
+    (torch's indexing on the host raises for them instead)."""
     b = tl.program_id(0)
     length = tl.load(LENGTHS + b)
-    if length > 0:
-        position = length - 1
+    position = length - 1
+    if (length > 0) & (position // PAGE_SIZE < TABLE_WIDTH):
         page = tl.load(TABLE + b * stb + (position // PAGE_SIZE) * stp).to(tl.int64)
-        if page >= 0:
+        if (page >= 0) & (page < NUM_PAGES):
             slot = position % PAGE_SIZE
             h = tl.arange(0, BLOCK_H)[:, None]
             d = tl.arange(0, BLOCK_D)[None, :]

@@ -152,6 +152,21 @@ def test_append_with_no_sequence_of_keys_changes_no_page(append):
     assert _unchanged(before[0], k_pool) and _unchanged(before[1], v_pool)
 
 
+@pytest.mark.skipif(hf_paged.triton is None, reason="Triton is not installed")
+def test_the_append_kernel_writes_nothing_out_of_bounds_for_indices_that_are_wrong():
+    """A position past the table row (row 0: 3 pages' worth of keys, 2 entries) and page ids past the pool (row 1)
+    or below 0 (row 2) write nothing; row 3 is right and writes its slot."""
+    k_pool, v_pool = _pool()
+    table = torch.tensor([[0, 1], [6, 7], [-2, 3], [5, 3]], dtype=torch.int32)
+    lengths = torch.tensor([9, 2, 1, 6], dtype=torch.int32)
+    k_new, v_new = torch.randn(4, 2, 8), torch.randn(4, 2, 8)
+    hf_paged._append_in_kernel(k_pool, v_pool, table, lengths, k_new, v_new)
+    for pool, new in ((k_pool, k_new), (v_pool, v_new)):
+        assert torch.equal(pool[3, 1], new[3])
+        pool[3, 1] = math.nan
+        assert pool.isnan().all()
+
+
 @pytest.mark.gpu
 def test_append_on_cuda_writes_what_the_host_indexed_append_writes():
     """The CUDA path (one kernel) against the host-indexed one, on pools of NaN with padding rows, GQA heads and a
