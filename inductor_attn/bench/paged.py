@@ -459,9 +459,9 @@ def client_table(cb: dict) -> str:
             f"{cb['prompt_lengths'][0]}-{cb['prompt_lengths'][-1]} tokens, {cb['new_tokens']} new tokens each, "
             f"greedy; transformers {reference.get('transformers', '?')}"
             + (f"; eager reference: {cell(reference['error'])}" if "error" in reference else ""))
-    lines = [head, "", "| attention | asked for | ran | new tokens/s: median (range) of the timed calls | / best built-in "
-             "| sequences = eager generate "
-             "(first difference) | first run s | note |", "|---|---|---|---|---|---|---|---|"]
+    lines = [head, "", "| attention | asked for | ran | new tokens/s: median (range) of the timed calls "
+             "| / best built-in | sequences = eager generate (first difference) | first run s | note |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, r in impls.items():
         if "tokens_per_s" not in r:
             lines.append(f"| {name} | | | | | | | {cell(r.get('skipped') or r.get('error'))} |")
