@@ -1106,12 +1106,16 @@ def test_compiled_choice_report_states_the_run_as_measured(tmp_path):
                {"name": "fa4:default", "device_us": 68.0, "probe_us": 40.0, "loop_us": 38.0, "probe_over_loop": 1.05, "probe_now_over_loop": 1.02}]}
     (tmp_path / "compiled_choice.json").write_text(json.dumps({"device": "GPU", "torch": "2.11", "prefill": [row]}))
     (tmp_path / "llama.json").write_text(json.dumps({"llama": {
-        "prefill B4 L2048": {"stock_ms": 6.0, "ours_ms": 4.0}, "training step B1 L512": {"error": "timed out"}}}))
+        "prefill B4 L2048": {"stock_ms": 6.0, "ours_ms": 4.0, "stock_device_ms": 5.9, "ours_device_ms": 3.5},
+        "training step B4 L2048": {"stock_ms": 20.0, "ours_ms": 16.0, "stock_device_ms": 19.5, "ours_device_ms": 15.5},
+        "training step B1 L512": {"error": "timed out"}}}))
     windows = [{"name": n, "us": us, "cpu_us": us - 5, "sm_mhz": 1980, "gcs": []}
                for n in ("ours", "stock") for us in [120.0] * 10 + [100.0] * 10]
     (tmp_path / "spell.json").write_text(json.dumps({"spell": {"windows": windows}}))
     text = tool.report(tmp_path, "abc1234", "2026-11-29")
     assert "--shapes 2048c --probes 2048c`" in text and "| L2048c | `fa4:default` |" in text
     assert "| 2048c | `fa4:default` | 68.0 | 40.0 | 38.0 | 1.05 | 1.02 |" in text
-    assert "| prefill B4 L2048 | 6.00 | 4.00 | **1.50x** |" in text and "| training step B1 L512 | | | timed out |" in text
+    assert "| prefill B4 L2048 | 6.00 | 4.00 | 1.50x | 5.90 / 3.50 (host) |" in text
+    assert "| training step B4 L2048 | 20.00 | 16.00 | 1.25x | 19.50 / 15.50 (device) |" in text
+    assert "| training step B1 L512 | | | timed out | |" in text
     assert "ours 120 / 100 (1.20x)" in text and "ours 115 / 95" in text and "0 garbage collections" in text

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 
 import inductor_attn
 from inductor_attn.backends import AttnCall, plan_for
+from inductor_attn.bench.models import STEP_HEADER, step_cells
 from inductor_attn.bench.report import cell
 from inductor_attn.bench.runner import fresh_store, whole_record
 from inductor_attn.bench.wallclock import BURST, burst_host_us, interleaved_wall_us, own_code, warm
@@ -333,11 +334,10 @@ def report(run: Path, commit: str, date: str) -> str:
         lines += ["", "HF Llama (8 layers, hidden 1024, 16/4 heads, bf16, random weights), stock `torch.compile` "
                   "against `backend=\"inductor_attn\"`, each entry in a fresh process and store, plain launches "
                   "(`PYTHONPATH=. python benchmarks/tools/compiled_choice_gpu.py --out $OUT --llama`):", "",
-                  "| entry | stock ms | ours ms | stock / ours |", "|---|---|---|---|"]
+                  f"| entry | {STEP_HEADER} |", "|---|---|---|---|---|"]
         for label, entry in json.loads(llama_path.read_text())["llama"].items():
-            lines.append(f"| {label} | {entry['stock_ms']:.2f} | {entry['ours_ms']:.2f} | "
-                         f"{_speedup(entry['stock_ms'] / entry['ours_ms'])} |" if "error" not in entry else
-                         f"| {label} | | | {cell(entry['error'][:120])} |")
+            lines.append(f"| {label} | {step_cells(entry)} |" if "error" not in entry else
+                         f"| {label} | | | {cell(entry['error'][:120])} | |")
     spell_path = run / "spell.json"
     if spell_path.exists():
         windows = json.loads(spell_path.read_text())["spell"]["windows"]
@@ -352,11 +352,6 @@ def report(run: Path, commit: str, date: str) -> str:
                   f"ours {cpu_first['ours']:.0f} / {cpu_last['ours']:.0f}; SM clock {clocks[0]}-{clocks[-1]} MHz; "
                   f"{gcs} garbage collections."]
     return "\n".join(lines)
-
-
-def _speedup(x: float) -> str:
-    """A ratio over stock, bold where ours is faster."""
-    return f"**{x:.2f}x**" if x >= 1 else f"{x:.2f}x"
 
 
 def _fmt_ratio(x) -> str:

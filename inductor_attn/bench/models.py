@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from .wallclock import interleaved_wall_us, settle, warm
+from .wallclock import interleaved_wall_us, kernel_us, peak_memory, settle, warm
 
 # The zero-overhead issue's size: small enough that the host matters at prefill B4 L2048.
 SIZE = dict(layers=8, hidden=1024, heads=16, kv_heads=4, intermediate=2816)
@@ -37,6 +37,9 @@ DECODE_ROOM = 512
 # calls of each step after both compiled, before the timed rounds: in a process that just tuned, the next ~60-240
 # calls of either step ran slow (H200, 2026-11-28; 1.6-1.8x for about 200 calls on 2026-11-29, stock's too)
 SETTLE_CALLS = 100
+# calls of each step profiled for its device time, after the timed rounds (a process that ran the profiler timed a
+# host-bound step 20% slower afterwards, H200, 2026-11-29); a decode step's fit in DECODE_ROOM with the others
+DEVICE_CALLS = 3
 ENTRY_TIMEOUT_S = 300  # a fresh process, a model and two compiles
 # max-autotune also benchmarks GEMM templates for both compiles: the B4 L2048 training entry took 507 s on an
 # H100 host with 16 cores (2026-11)
@@ -125,8 +128,33 @@ def _overhead_entry(phase: str, mode: str) -> dict:
         times = interleaved_wall_us(fns, calls=calls, rounds=ROUNDS)
         if counters["stats"]["unique_graphs"] != graphs:
             raise RuntimeError("a compiled step recompiled while it was timed")
-    return {"stock_ms": times["inductor"] / 1e3, "ours_ms": times["inductor_attn"] / 1e3, "rounds": ROUNDS,
+        device = _device_ms({"stock": fns["inductor"], "ours": fns["inductor_attn"]})
+    return {"stock_ms": times["inductor"] / 1e3, "ours_ms": times["inductor_attn"] / 1e3, "rounds": ROUNDS, **device,
             "ours_ran": _ours_ran(), "ours_why": _CHOICES.lines}
+
+
+def _device_ms(steps: dict) -> dict:
+    """``{name}_device_ms``: each step's device time (its kernels' summed time, ``kernel_us``), beside its wall
+    time: where ours' wall time is well above it, ours' step is host-bound (``step_cells``); none without CUDA."""
+    if not torch.cuda.is_available():
+        return {}
+    return {f"{name}_device_ms": kernel_us(step, DEVICE_CALLS) / 1e3 for name, step in steps.items()}
+
+
+def step_cells(r: dict, digits: int = 2) -> str:
+    """A model entry's cells for the tables of RESULTS.md (``STEP_HEADER``): stock and ours ms per step, stock /
+    ours, and each one's device ms with what bounds ours: "host" where its wall time exceeds its device time by more
+    than 5% (its launches, not its kernels, set the pace), else "device"."""
+    cells = [f"{r['stock_ms']:.{digits}f}", f"{r['ours_ms']:.{digits}f}", f"{r['stock_ms'] / r['ours_ms']:.2f}x"]
+    if r.get("ours_device_ms"):
+        bound = "host" if r["ours_ms"] > 1.05 * r["ours_device_ms"] else "device"
+        cells.append(f"{r['stock_device_ms']:.{digits}f} / {r['ours_device_ms']:.{digits}f} ({bound})")
+    else:
+        cells.append("")
+    return " | ".join(cells)
+
+
+STEP_HEADER = "stock ms | ours ms | stock / ours | device ms, stock / ours (ours bound by)"
 
 
 def _ours_ran() -> dict:
@@ -182,14 +210,12 @@ def _training_entry(label: str, mode: str) -> dict:
     """Stock and ours, each on its own copy of one model with its own AdamW, compiled side by side and timed
     in alternating rounds (``interleaved_wall_us``) as the overhead entries are: stock's step moved by 14%
     between machines, which one-after-the-other timing would fold into the ratio."""
-    from .wallclock import peak_memory
-
     steps, row = training_steps(label, mode)
     for name, step in steps.items():
         row[f"{name}_peak_bytes"] = peak_memory(step)
     times = interleaved_wall_us(steps, calls=TRAIN_CALLS, rounds=ROUNDS)
-    row.update({f"{name}_ms": us / 1e3 for name, us in times.items()}, rounds=ROUNDS, ours_ran=_ours_ran(),
-               ours_why=_CHOICES.lines)
+    row.update({f"{name}_ms": us / 1e3 for name, us in times.items()}, **_device_ms(steps), rounds=ROUNDS,
+               ours_ran=_ours_ran(), ours_why=_CHOICES.lines)
     return row
 
 

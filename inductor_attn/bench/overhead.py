@@ -45,6 +45,7 @@ from ..routing.rewrite import routing_report
 from ..tuning import decide
 from ..tuning.modes import tuning_mode
 from . import suites
+from .models import STEP_HEADER, llama_overhead, step_cells
 from .suites import Workload
 from .wallclock import host_us, interleaved_measure, model_part, own_code
 
@@ -167,8 +168,6 @@ def run(smoke: bool, quick: bool, device: torch.device, part: str = "all") -> di
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     ops = part in ("all", "ops")
     rows = [run_case(c, device, dtype) for c in (SMOKE if smoke else CASES)] if ops else []
-    from .models import llama_overhead
-
     wanted = part in ("all", "models") and not smoke and not quick and device.type == "cuda"
     return {"rows": rows, "run_time_lookups": run_time_lookups(device, smoke) if ops else [],
             "llama": model_part(wanted, llama_overhead)}
@@ -203,11 +202,9 @@ def table(result: dict) -> str:
     if "error" in llama:
         lines += ["", f"HF Llama: {llama['error']}"]
     elif llama:
-        lines += ["", "| HF Llama | stock ms | ours ms | speedup |", "|---|---|---|---|"]
-        for name, r in llama.items():
-            if isinstance(r, dict) and "stock_ms" in r:
-                speedup = r["stock_ms"] / r["ours_ms"]
-                lines.append(f"| {name} | {r['stock_ms']:.3f} | {r['ours_ms']:.3f} | {speedup:.2f}x |")
+        lines += ["", f"| HF Llama | {STEP_HEADER} |", "|---|---|---|---|---|"]
+        lines += [f"| {name} | {step_cells(r, digits=3)} |" for name, r in llama.items()
+                  if isinstance(r, dict) and "stock_ms" in r]
     return "\n".join(lines)
 
 

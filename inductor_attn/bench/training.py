@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from ..api import attention, varlen_attention
 from ..block_mask import BlockSparseMask
 from ..tuning.measure import device_error
+from .models import STEP_HEADER, llama_training, step_cells
 from .wallclock import interleaved_measure, measure, model_part, peak_memory
 
 SHAPES = (
@@ -279,8 +280,6 @@ def run(smoke: bool, quick: bool, device: torch.device, part: str = "all",
             save({"rows": rows, "llama": None})
         if rows[-1].get("stopped"):  # the CUDA context is unusable: keep what was measured and stop
             break
-    from .models import llama_training
-
     wanted = part in ("all", "models") and not smoke and not quick and device.type == "cuda" and k == 1
     return {"rows": rows, "llama": model_part(wanted, llama_training)}
 
@@ -307,13 +306,12 @@ def table(result: dict) -> str:
                          f"{peak} | {r['grad_rel_err']:.1e} | {ratio} |")
     llama = result.get("llama") or {}
     if llama and "error" not in llama:
-        lines += ["", "| HF Llama training step | stock ms | ours ms | speedup | stock grad err | ours grad err |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["", f"| HF Llama training step | {STEP_HEADER} | stock grad err | ours grad err |",
+                  "|---|---|---|---|---|---|---|"]
         for name, r in llama.items():
             if isinstance(r, dict) and "stock_ms" in r:
-                speedup = r["stock_ms"] / r["ours_ms"]
                 errors = f"{r.get('stock_grad_err', float('nan')):.1e} | {r.get('ours_grad_err', float('nan')):.1e}"
-                lines.append(f"| {name} | {r['stock_ms']:.2f} | {r['ours_ms']:.2f} | {speedup:.2f}x | {errors} |")
+                lines.append(f"| {name} | {step_cells(r)} | {errors} |")
     elif llama:
         lines.append(f"HF Llama: {llama['error']}")
     return "\n".join(lines)
