@@ -1054,6 +1054,21 @@ def test_the_paged_suites_model_part_runs_continuous_batching_on_each_attention(
     assert "| sdpa | `paged\\|sdpa` |" in printed
 
 
+def test_the_client_table_gives_the_median_call_its_range_and_where_the_gpu_spent_it():
+    from inductor_attn.bench import paged
+
+    ours = {"asked": "x", "ran": ["x"], "tokens_per_s": 1000.0, "timed_s": [0.5, 0.6, 0.8], "first_run_s": 9.0,
+            "device_s": 0.45, "top_kernels_ms": [["_decode_partial" + "_" * 80, 120.0], ["nvjet_gemm", 90.5]]}
+    fa3 = {"asked": "y", "ran": ["y"], "tokens_per_s": 1500.0, "timed_s": 0.4, "first_run_s": 1.0}
+    cb = {"prompts": 2, "prompt_lengths": [5, 9], "new_tokens": 4, "reference": {"transformers": "5.17.0"},
+          "implementations": {"inductor_attn": ours, "flash_attention_3": fa3}}
+    text = paged.client_table(cb)
+    # median call 0.6 s: 600 tokens; the range from the slowest (0.8 s) to the fastest call (0.5 s)
+    assert "| `x` | 1000 (750-1200) | 0.67 |" in text and "| `y` | 1500 | 1.00 |" in text
+    assert "GPU busy 0.45 s of a 0.60 s call" in text
+    assert f"- inductor_attn: `{('_decode_partial' + '_' * 80)[:paged.KERNEL_NAME_CHARS]}` 120, `nvjet_gemm` 90" in text
+
+
 def test_a_serving_loops_first_pass_counts_the_buckets_it_tuned_and_the_timed_passes_none(monkeypatch):
     """Fake backends for the contiguous decode (none takes paged calls, so the paged loop has one candidate and
     nothing to tune): its first pass tunes its one bucket once, and the timed passes find it decided."""

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from .wallclock import interleaved_wall_us, kernel_us, peak_memory, settle, warm
+from .wallclock import interleaved_wall_us, kernel_events, kernel_us, peak_memory, settle, warm
 
 # The zero-overhead issue's size: small enough that the host matters at prefill B4 L2048.
 SIZE = dict(layers=8, hidden=1024, heads=16, kv_heads=4, intermediate=2816)
@@ -260,6 +260,7 @@ CB_NEW_TOKENS = 128
 # timed generate_batch calls per implementation, after the warm-up one: one call generates 4k tokens in 0.6-0.8 s
 # on an H200, and its tokens/s moved by up to 25% between calls of one implementation (2026-11-29)
 CB_TIMED_RUNS = 5
+CB_TOP_KERNELS = 8
 CB_SMOKE = dict(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, lengths=(5, 9), per_length=2,
                 new_tokens=4)
 CB_SMOKE_CACHE = dict(num_blocks=16, max_batch_tokens=64)
@@ -387,10 +388,22 @@ def _continuous_entry(implementation: str, size: str) -> dict:
     with _fast_path(implementation == OURS):
         _, first_s = generate()
         runs = [generate() for _ in range(1 if smoke else CB_TIMED_RUNS)]
+        profiled = _device_kernels(generate) if device == "cuda" else {}
     tokens, seconds = runs[-1][0], sorted(s for _, s in runs)
     return {"asked": asked, "ran": sorted(ran), "tokens_per_s": sum(map(len, tokens)) / statistics.median(seconds),
-            "timed_s": seconds, "first_run_s": first_s, "transformers": transformers.__version__,
+            "timed_s": seconds, "first_run_s": first_s, "transformers": transformers.__version__, **profiled,
             "kernels": _ours_ran() if implementation == OURS else None, "tokens": tokens}
+
+
+def _device_kernels(fn) -> dict:
+    """One more call of ``fn`` (a ``generate_batch``), profiled after the timed ones: its kernels' summed time
+    (``device_s``, against the call's wall time: how much of it the GPU worked) and the ``CB_TOP_KERNELS`` kernels
+    that took most of it, in ms (``top_kernels_ms``): where one attention's step spends its device time."""
+    per_kernel: dict[str, float] = {}
+    for event in kernel_events(fn, calls=1):
+        per_kernel[event.name] = per_kernel.get(event.name, 0.0) + event.device_time_total
+    top = sorted(per_kernel.items(), key=lambda item: -item[1])[:CB_TOP_KERNELS]
+    return {"device_s": sum(per_kernel.values()) / 1e6, "top_kernels_ms": [[name, us / 1e3] for name, us in top]}
 
 
 def _ask_for(model, implementation: str) -> str:

@@ -473,11 +473,17 @@ def client_table(cb: dict) -> str:
             if r.get("differ_at_near_tie"):
                 same += f"; {r['differ_at_near_tie']} of the others first at a near tie"
         ops = ", ".join(sorted({key.split(" -> ")[0] for key in r.get("kernels") or {}}))
+        busy = "device_s" in r and f"GPU busy {r['device_s']:.2f} s of a {statistics.median(r['timed_s']):.2f} s call"
         cells = [name, _code(r["asked"]), ", ".join(map(_code, r["ran"])), _tokens_per_s_text(r),
                  f"{r['tokens_per_s'] / best:.2f}" if best else "", same, f"{r['first_run_s']:.1f}",
-                 "; ".join(filter(None, [f"our ops: {ops}" if ops else "",
+                 "; ".join(filter(None, [busy, f"our ops: {ops}" if ops else "",
                                          r.get("exit_error") and f"after its result: {cell(r['exit_error'])}"]))]
         lines.append("| " + " | ".join(cells) + " |")
+    kernels = [f"- {name}: " + ", ".join(f"`{cell(k[:KERNEL_NAME_CHARS])}` {ms:.0f}" for k, ms in r["top_kernels_ms"])
+               for name, r in impls.items() if r.get("top_kernels_ms")]
+    if kernels:
+        lines += ["", "The kernels that took most of one call's device time, in ms (a profiled call after the timed "
+                      "ones):", "", *kernels]
     if any(r.get("differ_at_near_tie") for r in impls.values()):
         from .models import NEAR_TIE
 
@@ -485,6 +491,9 @@ def client_table(cb: dict) -> str:
                       "dtype's rounding of each other; a sequence that first differs there picked between tokens "
                       "that eager cannot tell apart at that precision."]
     return "\n".join(lines)
+
+
+KERNEL_NAME_CHARS = 60  # a kernel's name in the client's kernel list (CUTLASS templates run to hundreds)
 
 
 def _tokens_per_s_text(r: dict) -> str:
