@@ -1106,6 +1106,32 @@ def test_the_results_files_of_one_suite_and_device_make_one_section(tmp_path):
     assert paged.client_table(cb) in text and "`bench --suite paged --part ops`" in text
 
 
+def test_a_results_file_of_one_part_replaces_that_parts_block_and_keeps_the_others(tmp_path):
+    """A device call fits one part of the paged suite: reported alone, a later ``--part models`` file replaces the
+    client's block (its provenance with it) and keeps the ops block of the earlier file, which may be gone."""
+    from inductor_attn.bench import paged
+
+    meta = {"suite": "paged", "device": "NVIDIA H200", "commit": "abc1234", "versions": {"torch": "2.11.0"}}
+    loop = {"loop": "B1 H32/8 D128 page16 Lkv4096->5095", "steps": 1000, "error": "RuntimeError: x"}
+    both = {"meta": {**meta, "date": "2026-11-29 05:00 UTC", "command": "bench --suite paged", "part": "all"},
+            "rows": [], "serving": [loop], "continuous_batching": {"skipped": "transformers is not installed"}}
+    path = tmp_path / "RESULTS.md"
+    path.write_text(f"{report.SECTIONS_BEGIN}\n{report.SECTIONS_END}\n")
+    report.update_summary_sections([both], path)
+    first = path.read_text()
+    assert first.count("`bench --suite paged`") == 2  # the file measured both parts: each block names it
+    cb = {"error": "RuntimeError: y"}
+    later = {"meta": {**meta, "date": "2026-11-30 05:00 UTC", "command": "bench --suite paged --part models",
+                      "part": "models"}, "rows": [], "continuous_batching": cb}
+    report.update_summary_sections([later], path)
+    text = path.read_text()
+    ops_block = first[first.index("<!-- part ops -->"):first.index("<!-- part models -->")]
+    assert ops_block in text and "RuntimeError: x" in ops_block
+    models_block = text[text.index("<!-- part models -->"):text.index("<!-- /bench -->")]
+    assert "`bench --suite paged --part models`" in models_block and paged.client_table(cb) in models_block
+    assert "transformers is not installed" not in text and text.count("<!-- bench paged on NVIDIA H200 -->") == 1
+
+
 def test_compiled_choice_report_states_the_run_as_measured(tmp_path):
     """benchmarks/tools/compiled_choice_gpu.py --report: the command from the run's own shapes, each HF Llama entry
     (a failed one with its reason), and the spell's measured CPU time, clocks and collections."""

@@ -578,6 +578,10 @@ def fa3_ratio(row: dict) -> float | None:
     return fa3_ms / ours if fa3_ms and ours else None
 
 
+# what each ``--part`` measures, by its results' keys (report.py keeps a section's block per part)
+PARTS = {"ops": ("rows", "serving"), "models": ("continuous_batching",)}
+
+
 def summary(result: dict) -> str:
     """Markdown for RESULTS.md: :func:`shape_summary`, the serving loops and continuous batching."""
     return _sections(shape_summary(result), result)

@@ -193,27 +193,66 @@ def update_summary_sections(datas: list[dict], path: Path) -> list[str]:
         groups.setdefault((summary_suite(data), data["meta"]["device"]), []).append(data)
     sections = {}
     for (suite, device), group in groups.items():
-        merged = {"rows": [row for data in group for row in data.get("rows", ())]}
-        for data in group:
-            merged.update({k: v for k, v in data.items() if k not in ("meta", "rows")})
         # lazy: the suites import the tuner
         module = importlib.import_module(f".{suite.replace('-', '_')}", __package__)
-        sections[(suite, device)] = _results_section(suite, device, module.summary(merged),
-                                                     [data["meta"] for data in group])
+        parts = getattr(module, "PARTS", None)
+        if parts is None:
+            sections[(suite, device)] = _results_section(suite, device, module.summary(_merged(group)),
+                                                         [data["meta"] for data in group])
+            continue
+        kept = _part_blocks(_split(Path(path))[1].get((suite, device), ""))
+        blocks = []
+        for part, keys in parts.items():
+            covering = [data for data in group if data["meta"].get("part", "all") in ("all", part)]
+            if covering:
+                merged = {k: v for k, v in _merged(covering).items() if k in keys or k == "rows"}
+                merged["rows"] = merged["rows"] if "rows" in keys else []
+                blocks.append(f"{PART_BLOCK.format(part=part)}\n{_provenance([d['meta'] for d in covering])}\n\n"
+                              f"{module.summary(merged)}\n")
+            elif part in kept:
+                blocks.append(kept[part])
+        sections[(suite, device)] = (f"<!-- bench {suite} on {device} -->\n### {KIND_TITLES[suite]}: {device}\n\n"
+                                     + "\n".join(blocks) + "<!-- /bench -->\n")
     _replace_sections(Path(path), sections)
     return [f"{KIND_TITLES[suite]} on {device}" for suite, device in sections]
 
 
-def _replace_sections(path: Path, new: dict) -> None:
-    """Write ``new`` ({(suite, device): section}) over those sections of RESULTS.md, keeping the others and the
-    hand-written text around them."""
+# A suite whose runs may measure one part each (``--part``, within one device call) names its parts and their
+# results' keys in ``PARTS``: its section holds a block per part, and a file of one part replaces that part's
+# block only, keeping the others (whose files may be gone).
+PART_BLOCK = "<!-- part {part} -->"
+_PART = re.compile(r"<!-- part (?P<part>[\w-]+) -->\n.*?(?=<!-- part |<!-- /bench -->)", re.S)
+
+
+def _merged(group: list[dict]) -> dict:
+    """One result from the files of one suite and device: their rows in turn, each other key from the last file
+    that has it."""
+    merged = {"rows": [row for data in group for row in data.get("rows", ())]}
+    for data in group:
+        merged.update({k: v for k, v in data.items() if k not in ("meta", "rows")})
+    return merged
+
+
+def _split(path: Path) -> tuple[str, dict, str]:
+    """The RESULTS.md at ``path`` as (the text before its bench sections block, the sections by (suite, device),
+    the text after it)."""
     text = path.read_text()
     if SECTIONS_BEGIN not in text or SECTIONS_END not in text:
         raise ValueError(f"{path} has no bench sections block: expected the lines {SECTIONS_BEGIN!r} and "
                          f"{SECTIONS_END!r}")
     head, rest = text.split(SECTIONS_BEGIN, 1)
     body, tail = rest.split(SECTIONS_END, 1)
-    sections = {(m["suite"], m["device"]): m.group(0) for m in _SECTION.finditer(body)}
+    return head, {(m["suite"], m["device"]): m.group(0) for m in _SECTION.finditer(body)}, tail
+
+
+def _part_blocks(section: str) -> dict[str, str]:
+    return {m["part"]: m.group(0).rstrip() + "\n" for m in _PART.finditer(section)}
+
+
+def _replace_sections(path: Path, new: dict) -> None:
+    """Write ``new`` ({(suite, device): section}) over those sections of RESULTS.md, keeping the others and the
+    hand-written text around them."""
+    head, sections, tail = _split(path)
     sections.update(new)
     order = list(KIND_TITLES)
     ordered = sorted(sections.items(), key=lambda item: (order.index(item[0][0]) if item[0][0] in order else
@@ -224,11 +263,15 @@ def _replace_sections(path: Path, new: dict) -> None:
 
 def _results_section(kind: str, device: str, tables: str, metas: list[dict]) -> str:
     """One RESULTS.md section: heading, where every number comes from, the tables."""
-    provenance = [f"- {m['date']}, commit {m['commit']}: `{m['command']}`; "
-                  + ", ".join(f"{k} {v}" for k, v in m["versions"].items())
-                  + (f"; {m['timer']} timer" if "timer" in m else "") for m in metas]
-    return (f"<!-- bench {kind} on {device} -->\n### {KIND_TITLES[kind]}: {device}\n\n" + "\n".join(provenance)
+    return (f"<!-- bench {kind} on {device} -->\n### {KIND_TITLES[kind]}: {device}\n\n" + _provenance(metas)
             + "\n\n" + tables + "\n<!-- /bench -->\n")
+
+
+def _provenance(metas: list[dict]) -> str:
+    """A line per results file: date, commit, command and versions."""
+    return "\n".join(f"- {m['date']}, commit {m['commit']}: `{m['command']}`; "
+                     + ", ".join(f"{k} {v}" for k, v in m["versions"].items())
+                     + (f"; {m['timer']} timer" if "timer" in m else "") for m in metas)
 
 
 def render_results_md(result: dict) -> str:
