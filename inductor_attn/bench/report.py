@@ -154,7 +154,7 @@ def update_results_md(result: dict, path: Path) -> list[str]:
             rows = [r for r in mine if runs[r.get("run", 0)]["device"] == device]
             metas = [runs[i] for i in sorted({r.get("run", 0) for r in rows})]
             tables = _section_plot(kind, device, rows, Path(path)) + _suite_tables(kind, rows)
-            sections[(kind, device)] = _results_section(kind, device, tables, metas)
+            sections[(kind, device)] = _results_section(kind, device, f"{_provenance(metas)}\n\n{tables}\n")
             written.append(f"{KIND_TITLES[kind]} on {device}")
     _replace_sections(Path(path), sections)
     return written
@@ -195,33 +195,35 @@ def update_summary_sections(datas: list[dict], path: Path) -> list[str]:
     for (suite, device), group in groups.items():
         # lazy: the suites import the tuner
         module = importlib.import_module(f".{suite.replace('-', '_')}", __package__)
-        parts = getattr(module, "PARTS", None)
-        if parts is None:
-            sections[(suite, device)] = _results_section(suite, device, module.summary(_merged(group)),
-                                                         [data["meta"] for data in group])
-            continue
-        kept = _part_blocks(_split(Path(path))[1].get((suite, device), ""))
-        blocks = []
-        for part, keys in parts.items():
-            covering = [data for data in group if data["meta"].get("part", "all") in ("all", part)]
-            if covering:
-                merged = {k: v for k, v in _merged(covering).items() if k in keys or k == "rows"}
-                merged["rows"] = merged["rows"] if "rows" in keys else []
-                blocks.append(f"{PART_BLOCK.format(part=part)}\n{_provenance([d['meta'] for d in covering])}\n\n"
-                              f"{module.summary(merged)}\n")
-            elif part in kept:
-                blocks.append(kept[part])
-        sections[(suite, device)] = (f"<!-- bench {suite} on {device} -->\n### {KIND_TITLES[suite]}: {device}\n\n"
-                                     + "\n".join(blocks) + "<!-- /bench -->\n")
+        if getattr(module, "PARTS", None) is None:
+            body = _provenance([data["meta"] for data in group]) + "\n\n" + module.summary(_merged(group)) + "\n"
+        else:
+            body = _part_blocks(module, group, _split(Path(path))[1].get((suite, device), ""))
+        sections[(suite, device)] = _results_section(suite, device, body)
     _replace_sections(Path(path), sections)
     return [f"{KIND_TITLES[suite]} on {device}" for suite, device in sections]
 
 
-# A suite whose runs may measure one part each (``--part``, within one device call) names its parts and their
-# results' keys in ``PARTS``: its section holds a block per part, and a file of one part replaces that part's
-# block only, keeping the others (whose files may be gone).
-PART_BLOCK = "<!-- part {part} -->"
 _PART = re.compile(r"<!-- part (?P<part>[\w-]+) -->\n.*?(?=<!-- part |<!-- /bench -->)", re.S)
+
+
+def _part_blocks(module, group: list[dict], old_section: str) -> str:
+    """A suite whose runs may measure one part each (``--part``: what fits one device call) names its parts and
+    their results' keys in ``module.PARTS``; its section holds a block per part, each with the provenance of the
+    files that measured it. A part that no file of ``group`` measured keeps its block of ``old_section``: its
+    files may be gone."""
+    old = {m["part"]: m.group(0).rstrip() + "\n" for m in _PART.finditer(old_section)}
+    blocks = []
+    for part, keys in module.PARTS.items():
+        covering = [data for data in group if data["meta"].get("part", "all") in ("all", part)]
+        if covering:
+            merged = _merged(covering)
+            result = {"rows": [], **{k: merged[k] for k in keys if k in merged}}
+            blocks.append(f"<!-- part {part} -->\n{_provenance([d['meta'] for d in covering])}\n\n"
+                          f"{module.summary(result)}\n")
+        elif part in old:
+            blocks.append(old[part])
+    return "\n".join(blocks)
 
 
 def _merged(group: list[dict]) -> dict:
@@ -245,10 +247,6 @@ def _split(path: Path) -> tuple[str, dict, str]:
     return head, {(m["suite"], m["device"]): m.group(0) for m in _SECTION.finditer(body)}, tail
 
 
-def _part_blocks(section: str) -> dict[str, str]:
-    return {m["part"]: m.group(0).rstrip() + "\n" for m in _PART.finditer(section)}
-
-
 def _replace_sections(path: Path, new: dict) -> None:
     """Write ``new`` ({(suite, device): section}) over those sections of RESULTS.md, keeping the others and the
     hand-written text around them."""
@@ -261,10 +259,9 @@ def _replace_sections(path: Path, new: dict) -> None:
     path.write_text(head + SECTIONS_BEGIN + body + SECTIONS_END + tail)
 
 
-def _results_section(kind: str, device: str, tables: str, metas: list[dict]) -> str:
-    """One RESULTS.md section: heading, where every number comes from, the tables."""
-    return (f"<!-- bench {kind} on {device} -->\n### {KIND_TITLES[kind]}: {device}\n\n" + _provenance(metas)
-            + "\n\n" + tables + "\n<!-- /bench -->\n")
+def _results_section(kind: str, device: str, body: str) -> str:
+    """One RESULTS.md section: heading, then ``body``: where every number comes from, the tables."""
+    return f"<!-- bench {kind} on {device} -->\n### {KIND_TITLES[kind]}: {device}\n\n{body}<!-- /bench -->\n"
 
 
 def _provenance(metas: list[dict]) -> str:
