@@ -37,8 +37,8 @@ DECODE_ROOM = 512
 # calls of each step after both compiled, before the timed rounds: in a process that just tuned, the next ~60-240
 # calls of either step ran slow (H200, 2026-11-28; 1.6-1.8x for about 200 calls on 2026-11-29, stock's too)
 SETTLE_CALLS = 100
-# calls of each step profiled for its device time, after the timed rounds (a process that ran the profiler timed a
-# host-bound step 20% slower afterwards, H200, 2026-11-29); a decode step's fit in DECODE_ROOM with the others
+# calls of each step profiled for its device time, after the timed rounds (a host-bound step read 20% slower after a
+# profiler session and an idle minute, H200, 2026-11-29); a decode step's fit in DECODE_ROOM with the others
 DEVICE_CALLS = 3
 ENTRY_TIMEOUT_S = 300  # a fresh process, a model and two compiles
 # max-autotune also benchmarks GEMM templates for both compiles: the B4 L2048 training entry took 507 s on an
@@ -258,7 +258,7 @@ CB_LENGTHS = (128, 183, 238, 293, 347, 402, 457, 512)
 CB_PER_LENGTH = 4
 CB_NEW_TOKENS = 128
 # timed generate_batch calls per implementation, after the warm-up one: one call generates 4k tokens in 0.6-0.8 s
-# on an H200, and its tokens/s moved by up to 25% between calls of one implementation (2026-11-29)
+# on an H200, and one timed call's tokens/s moved by up to 25% between runs of one implementation (2026-11-29)
 CB_TIMED_RUNS = 5
 CB_TOP_KERNELS = 8
 CB_SMOKE = dict(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, lengths=(5, 9), per_length=2,
