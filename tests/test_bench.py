@@ -1055,12 +1055,10 @@ def test_the_paged_suites_model_part_runs_continuous_batching_on_each_attention(
 
 
 def test_a_profiled_client_call_sums_its_kernels_and_lists_the_longest_first(monkeypatch):
-    """``_device_kernels``: a kernel launched many times counts once, with its summed time (events in us)."""
-    from types import SimpleNamespace
-
-    events = [SimpleNamespace(name=name, device_time_total=us) for name, us in
-              [("decode", 30.0), ("gemm", 50.0), ("decode", 40.0), *[(f"k{i}", 1.0) for i in range(10)]]]
-    monkeypatch.setattr(models, "kernel_events", lambda fn, calls: events)
+    """``_device_kernels``: each kernel's time per call (``kernel_ms``: summed over its launches), the longest
+    first, and their sum."""
+    per_kernel = {"decode": 0.07, "gemm": 0.05, **{f"k{i}": 0.001 for i in range(10)}}
+    monkeypatch.setattr(models, "kernel_ms", lambda fns, calls: per_kernel)
     got = models._device_kernels(lambda: None)
     assert got["device_s"] == pytest.approx(130e-6)
     assert got["top_kernels_ms"][:2] == [["decode", 0.07], ["gemm", 0.05]]

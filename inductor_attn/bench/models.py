@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from .wallclock import interleaved_wall_us, kernel_events, kernel_us, peak_memory, settle, warm
+from .wallclock import interleaved_wall_us, kernel_ms, kernel_us, peak_memory, settle, warm
 
 # The zero-overhead issue's size: small enough that the host matters at prefill B4 L2048.
 SIZE = dict(layers=8, hidden=1024, heads=16, kv_heads=4, intermediate=2816)
@@ -396,14 +396,13 @@ def _continuous_entry(implementation: str, size: str) -> dict:
 
 
 def _device_kernels(fn) -> dict:
-    """One more call of ``fn`` (a ``generate_batch``), profiled after the timed ones: its kernels' summed time
-    (``device_s``, against the call's wall time: how much of it the GPU worked) and the ``CB_TOP_KERNELS`` kernels
-    that took most of it, in ms (``top_kernels_ms``): where one attention's step spends its device time."""
-    per_kernel: dict[str, float] = {}
-    for event in kernel_events(fn, calls=1):
-        per_kernel[event.name] = per_kernel.get(event.name, 0.0) + event.device_time_total
+    """One more call of ``fn`` (a ``generate_batch``, after ``kernel_ms``'s warm-up call), profiled after the timed
+    ones: its kernels' summed time (``device_s``, against the call's wall time: how much of it the GPU worked) and
+    the ``CB_TOP_KERNELS`` kernels that took most of it, in ms (``top_kernels_ms``): where one attention's step
+    spends its device time."""
+    per_kernel = kernel_ms([fn], calls=1)
     top = sorted(per_kernel.items(), key=lambda item: -item[1])[:CB_TOP_KERNELS]
-    return {"device_s": sum(per_kernel.values()) / 1e6, "top_kernels_ms": [[name, us / 1e3] for name, us in top]}
+    return {"device_s": sum(per_kernel.values()) / 1e3, "top_kernels_ms": [[name, ms] for name, ms in top]}
 
 
 def _ask_for(model, implementation: str) -> str:

@@ -191,14 +191,14 @@ def update_summary_sections(datas: list[dict], path: Path) -> list[str]:
     groups: dict[tuple[str, str], list[dict]] = {}
     for data in datas:
         groups.setdefault((summary_suite(data), data["meta"]["device"]), []).append(data)
-    sections = {}
+    sections, old = {}, _split(Path(path))[1]
     for (suite, device), group in groups.items():
         # lazy: the suites import the tuner
         module = importlib.import_module(f".{suite.replace('-', '_')}", __package__)
         if getattr(module, "PARTS", None) is None:
             body = _provenance([data["meta"] for data in group]) + "\n\n" + module.summary(_merged(group)) + "\n"
         else:
-            body = _part_blocks(module, group, _split(Path(path))[1].get((suite, device), ""))
+            body = _part_blocks(module, group, old.get((suite, device), ""))
         sections[(suite, device)] = _results_section(suite, device, body)
     _replace_sections(Path(path), sections)
     return [f"{KIND_TITLES[suite]} on {device}" for suite, device in sections]
