@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .api import _scale, _window
+from .api import _scale, _window, checked
 from .ops.checks import check_bool, refuse_grad
 from .ops.fp8 import check_fp8, check_fp8_values, fp8_attention_op
 
@@ -40,7 +40,7 @@ def fp8_attention(q, k, v, *, q_descale, k_descale, v_descale, causal: bool = Fa
     check_fp8(q, k, v, descales, scale, left, right, out_dtype)
     if check_values:
         check_fp8_values(descales)
-    out, lse = fp8_attention_op(q, k, v, *descales, _scale(scale, q), causal, left, right, out_dtype, "")
+    out, lse = fp8_attention_op(q, k, v, *descales, _scale(scale, q), causal, left, right, out_dtype, checked())
     return (out, lse) if return_lse else out
 
 

@@ -15,9 +15,9 @@ from ._compat import inductor_counters
 from .backends import AttnCall, plan_for
 from .device import DeviceInfo, device_info
 
-# The ``choice`` of op calls that compiled code decides at run time: the fake impl checked their arguments
-# while tracing, so the op skips its checks (ops/attention.py).
-COMPILED = "*"
+# The ``choice`` of op calls decided at run time whose arguments were checked before the op: by the fake impl while
+# tracing (compiled code), or by the public functions (api.py) eagerly. The op skips its checks (ops/attention.py).
+CHECKED = "*"
 __all__ = ["forward", "backward", "count_call", "plan_for", "stats", "reset_stats", "count_compiled"]
 
 _STATS: collections.Counter = collections.Counter()  # op calls that ran through this module
@@ -29,7 +29,7 @@ _UNCOUNTED = threading.local()  # .depth > 0 inside uncounted(), per thread
 
 def _resolve(call: AttnCall, choice: str, direction: str, grad_lse: bool = False) -> tuple[str, DeviceInfo]:
     dev = device_info(call.q.device)
-    if not choice or choice == COMPILED:
+    if not choice or choice == CHECKED:
         from .tuning import decide  # lazy: tuning pulls in the store and timers
 
         choice = decide(call, dev, direction, grad_lse=grad_lse)
@@ -88,7 +88,7 @@ def _gives_way(call: AttnCall, dev: DeviceInfo, direction: str, choice: str, res
     ungated default; flex's own tile ran out of shared memory on a GPU) gives way to the next candidate,
     instead of failing the user's call. A choice named by the caller (``run_candidate``, compiled code's
     baked choice) is never replaced."""
-    if choice and choice != COMPILED:
+    if choice and choice != CHECKED:
         return False
     from .tuning.decisions import give_way
 

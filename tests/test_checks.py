@@ -14,7 +14,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention.flex_attention import create_block_mask
 
-from inductor_attn import BlockSparseMask, attention, varlen_attention
+from inductor_attn import BlockSparseMask, attention, paged_attention, varlen_attention
+from inductor_attn.ops import checks
 
 OPS = torch.ops.inductor_attn
 
@@ -269,6 +270,27 @@ OP_CASES = {
 def test_ops_refuse_bad_input_when_called_directly(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+EAGER_CALLS = {
+    "attention": ("check_attention", lambda: attention(Q, K, V, causal=True)),
+    "varlen_attention": ("check_varlen", lambda: varlen_attention(t(5, 4, 16), t(7, 2, 16), t(7, 2, 16), i32(0, 2, 5),
+                                                                  i32(0, 3, 7), 3, 4)),
+    "paged_attention": ("check_paged", lambda: paged_attention(t(2, 4, 16), t(3, 4, 2, 16), t(3, 4, 2, 16),
+                                                               i32(0, 1, 2, 0).view(2, 2), i32(5, 3))),
+}
+
+
+@pytest.mark.parametrize("name", EAGER_CALLS)
+def test_an_eager_call_is_checked_once_by_its_public_function_not_again_by_the_op(name, monkeypatch):
+    """The public function checks the arguments and tells the op so (``runtime.CHECKED``): the op's own checks,
+    for calls made to it directly, would cost the same Python a second time on every eager call."""
+    check, call = EAGER_CALLS[name]
+    seen = []
+    real = getattr(checks, check)
+    monkeypatch.setattr(checks, check, lambda *args, **kwargs: seen.append(args) or real(*args, **kwargs))
+    call()
+    assert seen == []
 
 
 def test_checks_run_on_fake_tensors_while_tracing():

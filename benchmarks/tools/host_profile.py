@@ -445,7 +445,7 @@ def layers(compiled_step, eager_step, q, k, v, g, shape, device) -> None:
     if call.op == "varlen":
         g = g.transpose(1, 2).flatten(0, 1)
     dev = device_info(q.device)
-    out, lse = runtime.forward(call, runtime.COMPILED)
+    out, lse = runtime.forward(call, runtime.CHECKED)
     fwd_choice = inductor_attn.tuning.decide(call, dev, "forward")
     bwd_choice = inductor_attn.tuning.decide(call, dev, "backward")
     fwd_plan = plan_for(call.problem, fwd_choice, dev, "forward")
@@ -459,10 +459,10 @@ def layers(compiled_step, eager_step, q, k, v, g, shape, device) -> None:
         "compiled step (fwd + bwd)": compiled_step,
         "eager step (fwd + bwd, our ops)": eager_step,
         "eager forward op (no grad)": forward_op,
-        "runtime.forward (decide + plan + launch)": lambda: runtime.forward(call, runtime.COMPILED),
+        "runtime.forward (decide + plan + launch)": lambda: runtime.forward(call, runtime.CHECKED),
         f"forward plan launch ({fwd_choice})": lambda: fwd_plan.launch(call),
         "runtime.backward (decide + plan + launch)":
-            lambda: runtime.backward(call, runtime.COMPILED, out, lse, g, None),
+            lambda: runtime.backward(call, runtime.CHECKED, out, lse, g, None),
         f"backward plan launch ({bwd_choice})": lambda: bwd_plan.launch(call, out, lse, g, None),
     }
     print("== ours, layer by layer (host us per call):")

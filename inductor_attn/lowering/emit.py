@@ -25,7 +25,7 @@ assert goes: one launch less per call.
 Varlen and block-sparse calls are decided at run time, on their real lengths and masks, at one cached lookup
 per call (runtime.py). With static shapes their problem is known while compiling (a mask's density is a
 constant of the graph), and they go through the thin ``inductor_attn::launch`` op with the choice
-``COMPILED``, which spares the custom op's autograd dispatch and the problem's construction per call
+``CHECKED``, which spares the custom op's autograd dispatch and the problem's construction per call
 (ops/launch.py). Calls with dynamic shapes keep their op call.
 """
 
@@ -49,7 +49,7 @@ from ..ops.attention import sparse_mask
 from ..ops.paged import paged_call
 from ..messages import KV_SEQLENS_VALUES, PAGED_BLOCK_IDS, PAGED_KV_SEQLENS_VALUES, device_message
 from ..ops.launch import GRAD_TENSORS, OWN_TENSORS, SHARED_TENSORS, launch_op, plan_key
-from ..runtime import COMPILED, count_compiled, plan_for
+from ..runtime import CHECKED, count_compiled, plan_for
 from ..tuning.measure import describe, fresh_pool, strict
 from ..tuning.step_cost import Bucket, choose_for_graph, launch_costs
 from .graph_cost import graph_work
@@ -81,11 +81,11 @@ def emit_plans(graph: torch.fx.Graph) -> None:
         if node.target not in _COMPILE_TIME or not _static(vals):
             if not args["choice"] and node.target in _RUN_TIME and _static(vals):
                 op, direction = _RUN_TIME[node.target]
-                key = plan_key(direction, COMPILED, _run_time_call(op, vals))
+                key = plan_key(direction, CHECKED, _run_time_call(op, vals))
                 outputs = _emit_launch(graph, node, key, args, vals, _tensor_names(op, direction))
                 _replace_outputs(graph, node, outputs)
             elif not args["choice"]:  # decided at run time; the fake impl has checked the arguments
-                _set_choice(node, COMPILED)
+                _set_choice(node, CHECKED)
             continue
         op, direction = _COMPILE_TIME[node.target]
         call = _concrete_call(op, vals)

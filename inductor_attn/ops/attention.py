@@ -3,8 +3,9 @@
 Each op returns ``(out, lse)``; ``lse`` is float32 (B, H, Lq), or (H, total_q) for varlen. The last
 argument, ``choice``, is
 - ``""`` for user calls: the arguments are checked and the kernel is decided at run time, per bucket;
-- ``COMPILED`` (``"*"``) in compiled code with dynamic shapes: decided at run time too, unchecked, because
-  the fake impl checked the arguments once while tracing (lowering/ sets it);
+- ``CHECKED`` (``"*"``): decided at run time too, unchecked, because the arguments were checked before: by the
+  fake impl once while tracing (compiled code with dynamic shapes: lowering/ sets it), or by the public
+  functions (api.py), whose eager calls pass it;
 - a candidate (``"<backend>:<config>"``, from ``run_candidate``): checked, then run on that candidate.
 Backward ops take ``choice`` the same way; autograd calls them with ``""`` (a backward candidate's configs
 are not its forward's), so the backward of a ``run_candidate`` call is decided at run time. Compiled code
@@ -23,7 +24,7 @@ from .. import runtime
 from ..backends import AttnCall
 from ..block_mask import BlockSparseMask
 from ..layout import new_grads, new_outputs
-from ..runtime import COMPILED
+from ..runtime import CHECKED
 from . import checks
 
 LIB = "inductor_attn"
@@ -46,7 +47,7 @@ def _on_trace() -> None:
 def attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, window_left: int,
                  window_right: int, kv_seqlens: Tensor | None, key_mask: Tensor | None,
                  choice: str) -> tuple[Tensor, Tensor]:
-    if choice != COMPILED:
+    if choice != CHECKED:
         checks.check_attention(q, k, v, scale, window_left, window_right, kv_seqlens, key_mask)
     call = AttnCall("attention", q, k, v, scale, causal, window_left, window_right, kv_seqlens,
                                 key_mask=key_mask)
@@ -98,7 +99,7 @@ attention_op.register_autograd(_attention_grad, setup_context=_attention_setup)
 def varlen_attention_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                         max_seqlen_q: int, max_seqlen_k: int, scale: float, causal: bool, window_left: int,
                         window_right: int, choice: str) -> tuple[Tensor, Tensor]:
-    if choice != COMPILED:
+    if choice != CHECKED:
         checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
                             window_right)
     call = AttnCall("varlen", q, k, v, scale, causal, window_left, window_right,
@@ -164,7 +165,7 @@ def block_sparse_attention_op(q: Tensor, k: Tensor, v: Tensor, kv_num_blocks: Te
                               partial_fraction: float, choice: str) -> tuple[Tensor, Tensor]:
     sparse = sparse_mask(q, k, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, partial_bits,
                          block_q, block_kv, density, partial_fraction)
-    if choice != COMPILED:
+    if choice != CHECKED:
         checks.check_block_sparse(q, k, v, sparse, scale)
     call = AttnCall("block_sparse", q, k, v, scale, sparse=sparse)
     return runtime.forward(call, choice)

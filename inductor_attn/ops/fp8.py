@@ -19,7 +19,7 @@ from torch import Tensor
 from .. import runtime
 from ..backends import AttnCall
 from ..layout import new_outputs
-from ..runtime import COMPILED
+from ..runtime import CHECKED
 from .attention import _on_trace
 from .checks import _dtype_names, assert_on_device, check_attention, fail
 
@@ -73,7 +73,7 @@ def fp8_attention_op(q: Tensor, k: Tensor, v: Tensor, q_descale: Tensor, k_desca
                      scale: float, causal: bool, window_left: int, window_right: int, out_dtype: torch.dtype,
                      choice: str) -> tuple[Tensor, Tensor]:
     descales = (q_descale, k_descale, v_descale)
-    if choice != COMPILED:  # compiled code's calls were checked by the fake impl while tracing
+    if choice != CHECKED:  # checked already: by the fake impl while tracing, or by fp8_attention
         check_fp8(q, k, v, descales, scale, window_left, window_right, out_dtype)
     batch, heads_kv = q.shape[0], k.shape[1]
     call = AttnCall("attention", q, k, v, scale, causal, window_left, window_right,

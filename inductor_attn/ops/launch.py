@@ -12,7 +12,7 @@ here too, their block_table and cu_seqlens_q last, as an op's own tensors.
 
 Block-sparse and varlen calls with static shapes have a problem known while compiling (a mask's density is
 a constant of the graph) but are decided on their real index tensors: their plan string names the choice
-``COMPILED`` and the op decides per call through ``runtime`` (one cached lookup), sparing the custom op's
+``CHECKED`` and the op decides per call through ``runtime`` (one cached lookup), sparing the custom op's
 autograd dispatch and the problem's construction. Their tensors go on with the op's own: the mask's five
 (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, partial_bits), or cu_seqlens_q and
 cu_seqlens_k.
@@ -65,7 +65,7 @@ def _resolve(plan: str, device: torch.device) -> tuple:
     direction, choice, scalars, problem = plan.split("|", 3)
     scale, _, max_seqlen_k = scalars.partition(",")
     p = Problem.from_key(problem)
-    launch = None if choice == runtime.COMPILED else runtime.plan_for(p, choice, device_info(device), direction).launch
+    launch = None if choice == runtime.CHECKED else runtime.plan_for(p, choice, device_info(device), direction).launch
     return launch, (float(scale), int(max_seqlen_k or 0)), p, (p.op, direction, choice), registry.state["generation"]
 
 
@@ -81,7 +81,7 @@ def _launch(tensors, plan: str):
     call = _call(p, scalars, q, k, v, kv_seqlens, key_mask, own)
     if launch is None:  # decided here, per call, on the real tensors
         run = runtime.forward if stat[1] == "forward" else runtime.backward
-        return list(run(call, runtime.COMPILED, *rest))
+        return list(run(call, runtime.CHECKED, *rest))
     result = list(launch(call, *rest))
     runtime.count_call(stat)
     return result

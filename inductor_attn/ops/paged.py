@@ -7,7 +7,7 @@ strides (FlashInfer's HND pools arrive as transposed views), ``block_table`` int
 sequence), ``kv_seqlens`` int32 (num_seqs,). Returns ``(out, lse)``: out (total_q, Hq, Dv) in q's stride order,
 lse float32 (Hq, total_q) as varlen's. ``choice`` as for the other ops (ops/attention.py). Compiled code with
 static shapes decides while compiling and replaces this op call by the chosen plan (lowering/emit.py); with
-dynamic shapes it keeps the call and decides at run time, per bucket (choice ``COMPILED``).
+dynamic shapes it keeps the call and decides at run time, per bucket (choice ``CHECKED``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import Tensor
 from .. import runtime
 from ..backends import AttnCall
 from ..layout import new_outputs
-from ..runtime import COMPILED
+from ..runtime import CHECKED
 from . import checks
 from .attention import LIB, _on_trace
 
@@ -36,7 +36,7 @@ def paged_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table:
                        window_left: int, window_right: int, choice: str) -> tuple[Tensor, Tensor]:
     args = (q, k_cache, v_cache, block_table, kv_seqlens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale, causal,
             window_left, window_right)
-    if choice != COMPILED:
+    if choice != CHECKED:
         checks.check_paged(*args[:9], window_left, window_right)
     return runtime.forward(paged_call(*args), choice)
 
