@@ -1145,7 +1145,8 @@ def test_a_results_file_of_one_part_replaces_that_parts_block_and_keeps_the_othe
 
 def test_compiled_choice_report_states_the_run_as_measured(tmp_path):
     """benchmarks/tools/compiled_choice_gpu.py --report: the command from the run's own shapes, each HF Llama entry
-    (a failed one with its reason), and the spell's measured CPU time, clocks and collections."""
+    (a failed one with its reason) with the Llama run's own date, commit and libraries, and the spell's measured CPU
+    time, clocks and collections."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
@@ -1157,7 +1158,8 @@ def test_compiled_choice_report_states_the_run_as_measured(tmp_path):
            "wall_us": {"ours": 90.0, "stock": 100.0}, "probes": [
                {"name": "fa4:default", "device_us": 68.0, "probe_us": 40.0, "loop_us": 38.0, "probe_over_loop": 1.05, "probe_now_over_loop": 1.02}]}
     (tmp_path / "compiled_choice.json").write_text(json.dumps({"device": "GPU", "torch": "2.11", "prefill": [row]}))
-    (tmp_path / "llama.json").write_text(json.dumps({"llama": {
+    (tmp_path / "llama.json").write_text(json.dumps({
+        "date": "2026-11-29 18:04 UTC", "commit": "def5678", "versions": {"tokenspeed-fa3": "3.0"}, "llama": {
         "prefill B4 L2048": {"stock_ms": 6.0, "ours_ms": 4.0, "stock_device_ms": 5.9, "ours_device_ms": 3.5},
         "training step B4 L2048": {"stock_ms": 20.0, "ours_ms": 16.0, "stock_device_ms": 19.5, "ours_device_ms": 15.5},
         "training step B1 L512": {"error": "timed out"}}}))
@@ -1170,4 +1172,6 @@ def test_compiled_choice_report_states_the_run_as_measured(tmp_path):
     assert "| prefill B4 L2048 | 6.00 | 4.00 | 1.50x | 5.90 / 3.50 (host) |" in text
     assert "| training step B4 L2048 | 20.00 | 16.00 | 1.25x | 19.50 / 15.50 (device) |" in text
     assert "| training step B1 L512 | | | timed out | |" in text
+    assert "--llama`), measured 2026-11-29 18:04 UTC at commit def5678 with tokenspeed-fa3 3.0:" in text
+    assert "--spell`), median" in text  # a file without its own provenance: the section's first line
     assert "ours 120 / 100 (1.20x)" in text and "ours 115 / 95" in text and "0 garbage collections" in text

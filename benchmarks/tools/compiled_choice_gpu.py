@@ -29,7 +29,8 @@ this process's children and garbage collections per window) next to stock compil
 leaves anything that slows the calls after it.
 
 ``--report DIR``: the markdown section of benchmarks/RESULTS.md from a run's files in DIR: compiled_choice.json,
-spell.json and llama.json.
+spell.json and llama.json. Each file records its date, commit and library versions (``--commit`` names the commit
+where the device's git lags); a spell or Llama file from another run than compiled_choice.json's says so.
 
 ``--llama``: the HF Llama entries of ``inductor_attn.bench.models`` (prefill, the B4 L2048 and B1 L512 training
 steps, the static-cache decode step; plain launches), each in a fresh process with a fresh store, stock
@@ -39,6 +40,7 @@ steps, the static-cache decode step; plain launches), each in a fresh process wi
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import json
 import os
@@ -52,11 +54,13 @@ import torch.nn.functional as F
 
 import inductor_attn
 from inductor_attn.backends import AttnCall, plan_for
+from inductor_attn.backends.registry import required_distributions
 from inductor_attn.bench.models import STEP_HEADER, step_cells
 from inductor_attn.bench.report import cell
-from inductor_attn.bench.runner import fresh_store, whole_record
+from inductor_attn.bench.runner import fresh_store, git_commit, whole_record
 from inductor_attn.bench.wallclock import BURST, burst_host_us, interleaved_wall_us, own_code, warm
 from inductor_attn.device import device_info
+from inductor_attn.store.keys import library_versions
 from inductor_attn.tuning.measure import Direction
 from inductor_attn.tuning.timing import host_ms
 
@@ -331,27 +335,40 @@ def report(run: Path, commit: str, date: str) -> str:
         lines += ["", f"First decision of a bucket this process did not tune (its winner gated here): {gates}."]
     llama_path = run / "llama.json"
     if llama_path.exists():
+        llama = json.loads(llama_path.read_text())
         lines += ["", "HF Llama (8 layers, hidden 1024, 16/4 heads, bf16, random weights), stock `torch.compile` "
                   "against `backend=\"inductor_attn\"`, each entry in a fresh process and store, plain launches "
-                  "(`PYTHONPATH=. python benchmarks/tools/compiled_choice_gpu.py --out $OUT --llama`):", "",
-                  f"| entry | {STEP_HEADER} |", "|---|---|---|---|---|"]
-        for label, entry in json.loads(llama_path.read_text())["llama"].items():
+                  "(`PYTHONPATH=. python benchmarks/tools/compiled_choice_gpu.py --out $OUT --llama`)"
+                  f"{_own_run(llama)}:",
+                  "", f"| entry | {STEP_HEADER} |", "|---|---|---|---|---|"]
+        for label, entry in llama["llama"].items():
             lines.append(f"| {label} | {step_cells(entry)} |" if "error" not in entry else
                          f"| {label} | | | {cell(entry['error'][:120])} | |")
     spell_path = run / "spell.json"
     if spell_path.exists():
-        windows = json.loads(spell_path.read_text())["spell"]["windows"]
+        spell = json.loads(spell_path.read_text())
+        windows = spell["spell"]["windows"]
         first, last = (_spell_medians(windows, part) for part in (slice(0, 10), slice(-5, None)))
         cpu_first, cpu_last = (_spell_medians(windows, part, "cpu_us") for part in (slice(0, 10), slice(-5, None)))
         clocks = sorted({w["sm_mhz"] for w in windows})
         gcs = sum(len(w["gcs"]) for w in windows)
         lines += ["", "Calls right after a tune (decode B1 H32/8 Lkv2k D128, `compiled_choice_gpu.py --out $OUT "
-                  f"--spell`), median us per call of the first 200 / the last 100 of each: ours {first['ours']:.0f} / "
+                  f"--spell`{_own_run(spell)}), median us per call of the first 200 / the last 100 of each: ours "
+                  f"{first['ours']:.0f} / "
                   f"{last['ours']:.0f} ({first['ours'] / last['ours']:.2f}x), stock compile {first['stock']:.0f} / "
                   f"{last['stock']:.0f} ({first['stock'] / last['stock']:.2f}x); the main thread's CPU us per call, "
                   f"ours {cpu_first['ours']:.0f} / {cpu_last['ours']:.0f}; SM clock {clocks[0]}-{clocks[-1]} MHz; "
                   f"{gcs} garbage collections."]
     return "\n".join(lines)
+
+
+def _own_run(part: dict) -> str:
+    """Where a part's file was measured in a run of its own (files that record it: date, commit, libraries), as a
+    clause; empty for files without it, which the section's first line describes."""
+    if "commit" not in part:
+        return ""
+    return (f", measured {part['date']} at commit {part['commit']} with "
+            + ", ".join(f"{k} {v}" for k, v in part["versions"].items()))
 
 
 def _fmt_ratio(x) -> str:
@@ -390,7 +407,10 @@ def main() -> None:
         parser.error("--out is required to measure")
     os.environ.setdefault("INDUCTOR_ATTN_CACHE_DIR", tempfile.mkdtemp())  # a fresh store: every shape tunes
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "commit": args.commit if args.commit != "?" else git_commit(),
+              "versions": library_versions(required_distributions())}
     if args.llama:
         result["llama"] = llama()
     elif args.spell:
