@@ -252,3 +252,28 @@ def test_explain_says_a_backward_was_gated_with_another_librarys_forward(monkeyp
 def test_config_strings_of_fa3_round_trip():
     cfg = Config.of(num_splits=16, pack_gqa=True)
     assert Config.parse(str(cfg)) == cfg
+
+
+def test_a_paged_decode_launch_gives_the_ops_lse_with_empty_rows_at_minus_inf():
+    """The paged plan's decode launch, around a stand-in for ``flash_attn_3::fwd`` (FA3's outputs: out in the
+    buffer it is handed, lse (B, H, 1) with +inf for a sequence of no keys): the ops' lse (H, total_q),
+    contiguous, -inf there, NaN kept (a leak must still show)."""
+    from inductor_attn.ops.paged import paged_call
+
+    batch, heads = 3, 4
+    fa3_lse = torch.tensor([[0.5, 1.5, float("inf"), float("nan")]] * batch).unsqueeze(-1)
+    fa3_lse[1] = float("inf")  # sequence 1 has no keys
+
+    def fwd(q, k, v, *args):
+        args[3].fill_(2.0)  # out, FA3's (B, 1, H, D) view of ours
+        return args[3], fa3_lse.clone()
+
+    pool = torch.zeros(4, 16, 2, 8)
+    call = paged_call(torch.zeros(batch, heads, 8), pool, pool, torch.zeros(batch, 1, dtype=torch.int32),
+                      torch.tensor([5, 0, 3], dtype=torch.int32), None, 1, 16, 0.3, True, -1, 0)
+    out, lse = fa3._PagedLaunch(fwd, num_splits=0)(call)
+    assert out.shape == (batch, heads, 8) and bool((out == 2.0).all())
+    assert lse.shape == (heads, batch) and lse.is_contiguous()
+    expected = fa3_lse.squeeze(-1).t().clone()
+    expected[expected == float("inf")] = float("-inf")
+    assert torch.equal(lse.isnan(), expected.isnan()) and torch.equal(lse.nan_to_num(0.0), expected.nan_to_num(0.0))
