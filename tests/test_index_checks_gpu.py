@@ -44,7 +44,11 @@ def test_compiled_call_on_cuda_stops_at_a_device_side_assert_naming_the_argument
     pruned = [c.pruned for c in enumerate_candidates(call.problem, device_info(q.device)) if c.backend == backend]
     if all(pruned):
         pytest.skip(f"{backend} does not run this {op} call: {pruned[0] if pruned else 'no candidate'}")
-    env = os.environ | {"INDUCTOR_ATTN_CACHE_DIR": str(tmp_path)}
+    # the child runs this file as a script, so its path starts at tests/: the package comes from the repo root
+    # where it is not installed (the GPU machine's checkout)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = os.environ | {"INDUCTOR_ATTN_CACHE_DIR": str(tmp_path),
+                        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, __file__, row, backend], capture_output=True, text=True, env=env,
                           timeout=600)
     output = done.stdout + done.stderr
