@@ -794,7 +794,8 @@ def test_a_paged_suite_result_writes_its_own_section_with_the_fastest_candidate_
                           "reference:default": {"status": "passed", "ms": 1.0},
                           "copy floor": {"status": "floor", "ms": None, "failed": "RuntimeError: x"},
                           "contiguous decode (ours)": {"status": "floor", "ms": 0.008}},
-                      "autotuned": {"choice": "triton_decode:b", "decide_s": 2.0},
+                      "autotuned": {"choice": "triton_decode:b", "decide_s": 2.0,
+                                    "tuned_ms": {"triton_decode:a": 0.0131, "triton_decode:b": 0.0122}},
                       "fa3_default": _fa3_timed(0.02)}]}
     path = tmp_path / "RESULTS.md"
     path.write_text(f"{report.SECTIONS_BEGIN}\n{report.SECTIONS_END}\n")
@@ -802,9 +803,10 @@ def test_a_paged_suite_result_writes_its_own_section_with_the_fastest_candidate_
     assert report.update_summary_sections([data], path) == ["Paged KV cache on NVIDIA H200"]
     text = path.read_text()
     assert "- 2026-11-29 02:49 UTC, commit abc1234: `python -m inductor_attn bench --suite paged`; torch 2.11.0\n" in text
-    # fastest 100 GB/s, autotuned another (80 GB/s), FA3 default 50 GB/s: the autotuned choice is 1.60x FA3
-    assert ("| decode B1 H4/2 D32 Lkv96 page16 | `triton_decode:a` | 100 | `triton_decode:b` | 10 | 125 | 0.80 | 50 "
-            "| 1.60 | failed |") in text
+    # fastest 100 GB/s, autotuned another (80 GB/s; the tune had timed it faster), FA3 default 50 GB/s: the
+    # autotuned choice is 1.60x FA3
+    assert ("| decode B1 H4/2 D32 Lkv96 page16 | `triton_decode:a` | 100 | `triton_decode:b`; the tune: 12.2 us "
+            "against 13.1 | 10 | 125 | 0.80 | 50 | 1.60 | failed |") in text
     assert "timed on a zeroed pool: fails the NaN-past-length check" in text
     assert ("Issue 54's target (Hkv <= 2 decode: autotuned >= 1.5x FA3's default splits, never below 1x): met; least "
             "1.60 (decode B1 H4/2 D32 Lkv96 page16), geomean 1.60 over 1 of 1 rows") in text

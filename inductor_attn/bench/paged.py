@@ -60,6 +60,7 @@ from ..tuning.modes import tuning_mode
 from ..tuning.stats import median
 from ..tuning.timing import default_timer
 from .report import cell
+from .runner import stored_record
 from .wallclock import interleaved_loops, own_code
 
 
@@ -192,8 +193,9 @@ def _fa3_gates(fa3, call, expected, check) -> tuple[dict, Trial | None]:
 
 def _autotuned(call) -> dict:
     """What ``paged_attention`` runs for ``call`` in autotune mode (the tuner's decision on this run's store,
-    tuned now if it holds none) and the seconds deciding took; any error is recorded (raised under
-    INDUCTOR_ATTN_STRICT=1)."""
+    tuned now if it holds none), the seconds deciding took, and the tune's own median ms per candidate
+    (``tuned_ms``: where the bench's timing and the tune's disagree on which is fastest, both show); any error is
+    recorded (raised under INDUCTOR_ATTN_STRICT=1)."""
     start = time.perf_counter()
     try:
         with tuning_mode("autotune"):
@@ -202,7 +204,10 @@ def _autotuned(call) -> dict:
         if strict():
             raise
         return {"error": describe(err)}
-    return {"choice": choice, "decide_s": time.perf_counter() - start}
+    seconds = time.perf_counter() - start
+    record = stored_record(call.problem) or {"candidates": []}
+    tuned = {c["name"]: c["median_ms"] for c in record["candidates"] if c.get("median_ms") is not None}
+    return {"choice": choice, "decide_s": seconds, "tuned_ms": tuned}
 
 
 def run_shape(s: Shape, device: torch.device, rounds: int) -> dict:
@@ -589,7 +594,7 @@ def summary(result: dict) -> str:
 
 def shape_summary(result: dict) -> str:
     """One line per shape: the fastest candidate and its GB/s (decode) or TF/s (chunked prefill), the autotuned
-    choice where it is another, the gather-then-SDPA baseline's best, our decode over a contiguous copy of the same
+    choice where it is another (with the two as the tune timed them), the gather-then-SDPA baseline's best, our decode over a contiguous copy of the same
     keys, FA3's default splits (a reference timed on a zeroed pool, :data:`FA3_NOTE`) with our autotuned choice
     against it, and the copy floor's GB/s (read + write); then issue 54's target over the decode rows of
     Hkv <= 2 (:func:`fa3_target`)."""
@@ -609,7 +614,7 @@ def shape_summary(result: dict) -> str:
         floor = _num(copy and 2 * row["kv_bytes"] / copy / 1e6) if copy or "copy floor" not in floors else "failed"
         auto = row.get("autotuned", {})
         auto_cell = ("failed" if "error" in auto else "" if auto.get("choice") in (None, best)
-                     else f"`{auto['choice']}`")
+                     else f"`{auto['choice']}`{_tuned_text(auto, best)}")
         fa3 = row.get("fa3_default", {})
         fa3_cell = (_num(_rate(row, fa3["ms"])) if fa3.get("ms") else "skipped" if "skipped" in fa3
                     else "" if not fa3 else "failed" if fa3["zeroed_pool"]["status"] == "passed"
@@ -630,6 +635,23 @@ def shape_summary(result: dict) -> str:
     target = fa3_target(result["rows"])
     notes += [target] if target else []
     return "\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes)
+
+
+def _tuned_text(auto: dict, best: str) -> str:
+    """Where the autotuned choice is not the bench's fastest: the two as the tune timed them (us), or that the tune
+    timed no such candidate.
+
+    >>> _tuned_text({"choice": "a", "tuned_ms": {"a": 0.025, "b": 0.0281}}, "b")
+    '; the tune: 25.0 us against 28.1'
+    >>> _tuned_text({"choice": "a", "tuned_ms": {"a": 0.025}}, "b")
+    '; the tune did not time b'
+    """
+    tuned = auto.get("tuned_ms")
+    if tuned is None:  # a results file from before the tune's timings were recorded
+        return ""
+    if best not in tuned or auto["choice"] not in tuned:
+        return f"; the tune did not time {best if best not in tuned else auto['choice']}"
+    return f"; the tune: {tuned[auto['choice']] * 1e3:.1f} us against {tuned[best] * 1e3:.1f}"
 
 
 # issue 54: paged decode >= 1.5x FA3's default split heuristic on the few-KV-head shapes, and never below it
