@@ -594,10 +594,10 @@ def summary(result: dict) -> str:
 
 def shape_summary(result: dict) -> str:
     """One line per shape: the fastest candidate and its GB/s (decode) or TF/s (chunked prefill), the autotuned
-    choice where it is another (with the two as the tune timed them), the gather-then-SDPA baseline's best, our decode over a contiguous copy of the same
-    keys, FA3's default splits (a reference timed on a zeroed pool, :data:`FA3_NOTE`) with our autotuned choice
-    against it, and the copy floor's GB/s (read + write); then issue 54's target over the decode rows of
-    Hkv <= 2 (:func:`fa3_target`)."""
+    choice where it is another (with the two as the tune timed them), the gather-then-SDPA baseline's best, our
+    decode over a contiguous copy of the same keys, FA3's default splits (a reference timed on a zeroed pool,
+    :data:`FA3_NOTE`) with our autotuned choice against it, and the copy floor's GB/s (read + write); then issue
+    54's target over the decode rows of Hkv <= 2 (:func:`fa3_target`)."""
     lines = ["| shape | fastest candidate | its GB/s or TF/s | autotuned, if another | gather + SDPA | contiguous "
              "decode (ours) | fastest / contiguous | FA3 default splits (zeroed pool) | autotuned / FA3 default | "
              "copy floor GB/s |", "|---" * 10 + "|"]
