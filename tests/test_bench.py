@@ -1177,3 +1177,34 @@ def test_compiled_choice_report_states_the_run_as_measured(tmp_path):
     assert "--llama`), measured 2026-11-29 18:04 UTC at commit def5678 with tokenspeed-fa3 3.0:" in text
     assert "--spell`), median" in text  # a file without its own provenance: the section's first line
     assert "ours 120 / 100 (1.20x)" in text and "ours 115 / 95" in text and "0 garbage collections" in text
+
+
+@pytest.mark.parametrize("suite, ops", [
+    ("overhead", {"rows": [{"case": "decode B1", "paths": {
+        "stock compile": {"host_us": 50.0, "wall_us": 60.0, "kernel_us": 10.0},
+        "ours": {"host_us": 40.0, "wall_us": 48.0, "kernel_us": 8.0}}}], "run_time_lookups": []}),
+    ("training", {"rows": [{"shape": "B1 L512", "paths": {
+        "eager sdpa": {"kernel_us": 90.0, "wall_us": 300.0, "host_us": 200.0, "grad_rel_err": 1e-3},
+        "ours": {"kernel_us": 80.0, "wall_us": 250.0, "host_us": 180.0, "grad_rel_err": 1e-3}}}]}),
+])
+def test_the_overhead_and_training_suites_write_their_sections_a_block_per_part(suite, ops, tmp_path):
+    """``bench --report`` places the overhead and training suites' files in RESULTS.md as it does the paged suite's:
+    the ops part (``--part ops``) and the HF Llama part (``--part models``) each in a block with its own
+    provenance, a later file of one part replacing that block only."""
+    meta = {"suite": suite, "device": "NVIDIA H200", "commit": "abc1234", "versions": {"torch": "2.11.0"}}
+    llama = {"prefill B4 L2048": {"stock_ms": 6.0, "ours_ms": 4.0, "stock_device_ms": 5.9, "ours_device_ms": 3.5}}
+    first = {"meta": {**meta, "date": "2026-11-29 05:00 UTC", "command": f"bench --suite {suite} --part ops",
+                      "part": "ops"}, **ops, "llama": None}
+    second = {"meta": {**meta, "date": "2026-11-29 06:00 UTC", "command": f"bench --suite {suite} --part models",
+                       "part": "models"}, "rows": [], "llama": llama}
+    path = tmp_path / "RESULTS.md"
+    path.write_text(f"{report.SECTIONS_BEGIN}\n{report.SECTIONS_END}\n")
+    title = report.KIND_TITLES[suite]
+    assert report.update_summary_sections([first], path) == [f"{title} on NVIDIA H200"]
+    report.update_summary_sections([second], path)
+    text = path.read_text()
+    ops_block = text[text.index("<!-- part ops -->"):text.index("<!-- part models -->")]
+    models_block = text[text.index("<!-- part models -->"):text.index("<!-- /bench -->")]
+    assert f"`bench --suite {suite} --part ops`" in ops_block and "| ours | " in ops_block
+    assert f"`bench --suite {suite} --part models`" in models_block and "| prefill B4 L2048 | 6.0" in models_block
+    assert "| case |" not in models_block and "| shape |" not in models_block

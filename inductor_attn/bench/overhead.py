@@ -173,9 +173,15 @@ def run(smoke: bool, quick: bool, device: torch.device, part: str = "all") -> di
             "llama": model_part(wanted, llama_overhead)}
 
 
+# ``--part``s: what one device call measures; RESULTS.md keeps a block per part (report.py ``_part_blocks``)
+PARTS = {"ops": ("rows", "run_time_lookups"), "models": ("llama",)}
+
+
 def table(result: dict) -> str:
-    """Markdown: per case, host and wall us of each path, and ours against stock compile."""
-    lines = ["| case | path | host us | wall us | kernel us | vs stock compile (wall) |", "|---|---|---|---|---|---|"]
+    """Markdown: per case, host and wall us of each path, and ours against stock compile; the run-time lookups;
+    the HF Llama steps. Each where the result holds it (a ``--part`` measures some)."""
+    lines = (["| case | path | host us | wall us | kernel us | vs stock compile (wall) |", "|---|---|---|---|---|---|"]
+             if result["rows"] else [])
     for row in result["rows"]:
         stock = row["paths"].get("stock compile", {}).get("wall_us")
         for name, r in row["paths"].items():
@@ -205,7 +211,9 @@ def table(result: dict) -> str:
         lines += ["", f"| HF Llama | {STEP_HEADER} |", "|---|---|---|---|---|"]
         lines += [f"| {name} | {step_cells(r, digits=3)} |" for name, r in llama.items()
                   if isinstance(r, dict) and "stock_ms" in r]
-    return "\n".join(lines)
+    return "\n".join(lines).strip("\n")
 
 
-__all__ = ["CASES", "run", "table"]
+summary = table  # RESULTS.md's section (report.py ``update_summary_sections``)
+
+__all__ = ["CASES", "PARTS", "run", "summary", "table"]

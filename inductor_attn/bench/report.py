@@ -26,9 +26,9 @@ COMPILE_COLUMNS = ("workload", "autotune, warm store: s", "off: s", "added s", "
 KIND_TITLES = {"dense": "Dense", "decode": "Decode", "varlen": "Varlen (packed)", "block_sparse": "Block-sparse",
                "backward": "Backward (forward + backward kernels)", "flex_route": "flex_attention routed",
                "paged": "Paged KV cache", "fp8": "fp8 attention against our bf16 choice",
-               "tuning-cost": "Tuning cost"}
+               "tuning-cost": "Tuning cost", "overhead": "Host time per call", "training": "Training steps"}
 # suites whose results file (host_suites.py) holds rows of its own: its module's summary() is its RESULTS.md table
-SUMMARY_SUITES = ("paged", "fp8", "tuning-cost")
+SUMMARY_SUITES = ("paged", "fp8", "tuning-cost", "overhead", "training")
 SMOKE_BANNER = "**Smoke run: tiny shapes, possibly on a CPU. These numbers mean nothing.**"
 # benchmarks/RESULTS.md: `bench --report` rewrites the sections between these two lines
 SECTIONS_BEGIN = "<!-- bench sections: `python -m inductor_attn bench --report` replaces one per suite and device -->"

@@ -284,10 +284,15 @@ def run(smoke: bool, quick: bool, device: torch.device, part: str = "all",
     return {"rows": rows, "llama": model_part(wanted, llama_training)}
 
 
+# ``--part``s: what one device call measures; RESULTS.md keeps a block per part (report.py ``_part_blocks``)
+PARTS = {"ops": ("rows",), "models": ("llama",)}
+
+
 def table(result: dict) -> str:
-    lines = ["| shape | path | kernel us | wall us | host us | loop host us | peak MiB | grad rel. err "
-             "| wall vs best SDPA |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    """Markdown: per shape, each path's kernel, wall and host us, peak memory and gradient error; the HF Llama
+    training steps. Each where the result holds it (a ``--part`` measures some)."""
+    lines = (["| shape | path | kernel us | wall us | host us | loop host us | peak MiB | grad rel. err "
+              "| wall vs best SDPA |", "|---|---|---|---|---|---|---|---|---|"] if result["rows"] else [])
     for row in result["rows"]:
         if row.get("stopped"):
             lines.append(f"| {row['shape']} | suite stopped: the CUDA context was lost in | {row['stopped'][:300]} "
@@ -313,5 +318,8 @@ def table(result: dict) -> str:
                 errors = f"{r.get('stock_grad_err', float('nan')):.1e} | {r.get('ours_grad_err', float('nan')):.1e}"
                 lines.append(f"| {name} | {step_cells(r)} | {errors} |")
     elif llama:
-        lines.append(f"HF Llama: {llama['error']}")
-    return "\n".join(lines)
+        lines += ["", f"HF Llama: {llama['error']}"]
+    return "\n".join(lines).strip("\n")
+
+
+summary = table  # RESULTS.md's section (report.py ``update_summary_sections``)
