@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import torch
 
+from .backends.triton_common import jit
 from .problem import next_power_of_two
 
 try:
@@ -182,14 +183,10 @@ def _append_in_kernel(k_cache, v_cache, block_table, lengths, k_new, v_new) -> N
         BLOCK_D=next_power_of_two(k_new.shape[-1]), BLOCK_DV=next_power_of_two(v_new.shape[-1]))
 
 
-def _jit(**options):
-    return triton.jit(**options) if triton is not None else (lambda fn: fn)
-
-
 # The new keys' strides follow the number of sequences in the step, which changes from step to step: never
 # specialise on them, so that a step of a new size (transformers captures a CUDA graph per padded size) launches
 # the kernel already compiled rather than compiling another.
-@_jit(do_not_specialize=["snb", "snh", "smb", "smh"])
+@jit(do_not_specialize=["snb", "snh", "smb", "smh"])
 def _append_kernel(K_CACHE, V_CACHE, TABLE, LENGTHS, K_NEW, V_NEW, skp, sks, skh, skd, svp, svs, svh, svd, stb, stp,
                    snb, snh, snd, smb, smh, smd, HEADS, D, DV, PAGE_SIZE, TABLE_WIDTH, NUM_PAGES,
                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):

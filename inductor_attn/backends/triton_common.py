@@ -1,5 +1,6 @@
 """What the two Triton backends (triton_flash/, triton_decode.py) share unchanged: how a plan launches a
-kernel eagerly, into a compiled graph or only compiles it, and which Triton errors mean "cannot run here"."""
+kernel eagerly, into a compiled graph or only compiles it, which Triton errors mean "cannot run here", and how a
+module of kernels imports without Triton (:func:`jit`, also hf_paged.py's)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,16 @@ def triton_available() -> bool:
         return importlib.util.find_spec("triton") is not None
     except (ImportError, ValueError):  # an import hook refusing it; a stub module without a spec
         return False
+
+
+def jit(**options):
+    """``triton.jit(**options)``; without Triton the plain function, so that a module of kernels imports anyway (its
+    kernels are then never built or run)."""
+    try:
+        import triton
+    except ImportError:
+        return lambda fn: fn
+    return triton.jit(**options)
 
 
 def eager_launcher(kernel):

@@ -59,7 +59,7 @@ from ..layout import new_outputs
 from ..messages import KV_SEQLENS_VALUES, PAGED_BLOCK_IDS, PAGED_KV_SEQLENS_VALUES, device_message
 from ..problem import Problem, next_power_of_two
 from .base import AttnCall, Backend, Candidate, Config, Plan, Takes
-from .triton_common import TRITON, eager_launcher, graph_launcher, traceable, warmup_launcher
+from .triton_common import TRITON, eager_launcher, graph_launcher, jit, traceable, warmup_launcher
 
 MAX_LEN_Q = 16
 SPLITS = tuple(2 ** i for i in range(8))  # 1 .. 128
@@ -79,16 +79,11 @@ _KV_SEQLENS_ASSERT, _PAGED_SEQLENS_ASSERT, _PAGED_IDS_ASSERT = (
     if tl is not None else (None, None, None))
 
 
-def _jit(**options):
-    """``triton.jit(**options)``; without Triton the plain function, so this module imports anyway."""
-    return triton.jit(**options) if triton is not None else (lambda fn: fn)
-
-
 # Lengths, split counts and windows change between calls (every decode step without kv_seqlens): never
 # specialise on their values, or Triton would compile a variant for Lk == 1 and for Lk % 16 == 0. The key
 # mask's strides (its batch stride is Lk) likewise.
-@_jit(do_not_specialize=["LK", "NUM_SPLITS", "NUM_M_BLOCKS", "WINDOW_LEFT", "WINDOW_RIGHT", "NUM_PAGES", "smb", "smn",
-                         "slh"])
+@jit(do_not_specialize=["LK", "NUM_SPLITS", "NUM_M_BLOCKS", "WINDOW_LEFT", "WINDOW_RIGHT", "NUM_PAGES", "smb", "smn",
+                        "slh"])
 def _decode_partial(
     Q, K, V, SEQLENS, KEY_MASK, OUT, LSE, TABLE, CU_Q,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, smn, sob, soh, som, sod, slb, slh, slm, stb,
@@ -217,7 +212,7 @@ def _decode_partial(
         tl.store(LSE + ws_row, lse2, mask=row_ok)
 
 
-@_jit()
+@jit()
 def _query_run(CU_Q, b, LQ, HAS_CU_Q: tl.constexpr):
     """(first packed row, rows) of batch b's queries: from cu_seqlens_q, else (0, LQ) with b's own q stride."""
     if HAS_CU_Q:
@@ -226,7 +221,7 @@ def _query_run(CU_Q, b, LQ, HAS_CU_Q: tl.constexpr):
     return 0, LQ
 
 
-@_jit(do_not_specialize=["slh"])
+@jit(do_not_specialize=["slh"])
 def _decode_combine(WS_O, WS_LSE, OUT, LSE, CU_Q, sob, soh, som, sod, slb, slh, slm, HQ, LQ,
                     NUM_SPLITS: tl.constexpr, DV, HAS_CU_Q: tl.constexpr, WRITE_LSE: tl.constexpr,
                     BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr, USE_PDL: tl.constexpr):
