@@ -7,12 +7,13 @@ shape after that takes 1-12 ms, with no JIT. Its build (``flash_attn_config.CONF
 backward, no softcap, head dims 64/128/192/256 with equal q/k and v dims, and fp8 e4m3, varlen, split-KV,
 pack-GQA and local windows on. Facts about calls are from that version's ``flash_attn_interface.py``.
 
-Knobs: ``num_splits`` (split-KV: 1, plus a few where the (batch, kv head, m-block) tiles leave SMs idle and the
-keys are long, :func:`split_candidates`; there also 0, FA3's own heuristic, which may pick a count between ours or
-split dynamically per tile: on an H200 it beat our best fixed FA3 split by 2-8% at B8 paged decode and chunked
-prefill, 2026-11-29) and ``pack_gqa`` (GQA heads packed into the m dimension; True and False where Hq != Hkv).
-FA3 turns packing on whenever it splits (``PackGQA = PackGQA_ || ... || Split`` in its ``run_mha_fwd``), so a
-split config with ``pack_gqa=False`` would time the same kernel twice and is left out.
+Knobs: ``num_splits`` (split-KV: 1, plus a few where the (batch, kv head, m-block) tiles leave SMs idle and the keys
+are long, :func:`split_candidates`; there also 0, FA3's own heuristic, which may pick a count between ours or split
+dynamically per tile: on an H200 it beat our best fixed FA3 split by 2-8% at B8 paged decode and chunked prefill in
+one run, and trailed it by 0-15% at B8 decode in two later ones, 2026-11-29) and ``pack_gqa`` (GQA heads packed into
+the m dimension; True and False where Hq != Hkv). FA3 turns packing on whenever it splits (``PackGQA = PackGQA_ ||
+... || Split`` in its ``run_mha_fwd``), so a split config with ``pack_gqa=False`` would time the same kernel twice
+and is left out.
 
 The call goes straight to the op the interface wraps, ``torch.ops.flash_attn_3.fwd``, with its 35 positional
 arguments in the interface's order (checked against the op's schema at load): no per-call Python beyond a list.
