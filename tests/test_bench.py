@@ -276,13 +276,16 @@ def test_writers_produce_the_documented_files_and_columns(tmp_path):
     assert "0 of 1 decisions identical (0%); of the 1 that differ, 1 lie inside the tuner's tie margin (noise)" in md
     results_md = (tmp_path / "RESULTS.md").read_text()
     for text in ("NVIDIA H100 80GB HBM3", "2026-11-22 10:00 UTC", "abc1234", "`python -m inductor_attn bench --quick`",
-                 report.METHOD):
+                 f"How these numbers are made: {report.METHOD_DOC}"):
         assert text in results_md
 
 
-def test_results_md_explains_the_method_and_every_bench_section_names_its_date_commit_and_command():
+def test_results_md_links_the_method_and_every_bench_section_names_its_date_commit_and_command():
     text = (runner.repo_root() / "benchmarks" / "RESULTS.md").read_text()
-    assert report.METHOD in text
+    assert f"](../{report.METHOD_DOC}#how-the-kernel-suite-numbers-are-made)" in text
+    method = (runner.repo_root() / report.METHOD_DOC).read_text()
+    for heading in ("## How the kernel-suite numbers are made", "## How the flex_route numbers are made"):
+        assert heading in method
     assert "\n## What compiled code runs, and HF Llama (`benchmarks/tools/compiled_choice_gpu.py`)\n" in text
     body = text.split(report.SECTIONS_BEGIN)[1].split(report.SECTIONS_END)[0]
     sections = [m.group(0) for m in report._SECTION.finditer(body)]
@@ -668,7 +671,7 @@ def test_overhead_smoke_times_every_right_path_of_a_case_in_alternating_rounds(r
             assert list(report) == ["sdpa: routed (kv_seqlens from a proven prefix mask)" if "decode" in row["case"]
                                     else "sdpa: routed (causal)"], (row["case"], report)
     table = overhead.table(result)
-    assert "| ours compile |" in table and "| ours routed compile reduce-overhead | sdpa: routed (causal): 1 |" in table
+    assert "| ours compile |" in table and "`sdpa: routed (causal): 1` (prefill " in table
 
 
 def test_overhead_times_the_kernel_lookup_of_run_time_decided_calls_per_workload_and_direction(reference_only):

@@ -167,19 +167,6 @@ def run(size: str, device: torch.device, timer, rounds: int) -> dict:
     return {"rows": rows, "tuner": tuner_records()}
 
 
-METHOD = """\
-## How the flex_route numbers are made
-
-- One unmodified function, `flex_attention(q, k, v, block_mask=bm)`, compiled as users compile it
-  (default mode; max-autotune in full runs, forward only) and with `backend="inductor_attn"` and
-  `INDUCTOR_ATTN_ROUTE_FLEX=1` (the routed call builds its bitmaps in the graph on every call; its kernel
-  is what the tuner picked at the first call, on a fresh store).
-- Each way is checked once against the float64 reference (output; forward + backward: dq, dk, dv), then
-  timed with the tuner's timer and timing loop (`tuning/measure.py`: CUDA-graph replay, interleaved
-  rounds): "kernel ms", with the speedup over flex's default compile (paired bootstrap 95% CI).
-- "wall us per call": plain launches back to back, host included (`bench/wallclock.py`); above the
-  kernel time, the host sets the pace.
-"""
 COLUMNS = ("mask", "pass", "way", "kernel ms", "vs flex default (95% CI)", "wall us per call", "first call s",
            "status")
 

@@ -191,13 +191,14 @@ def table(result: dict) -> str:
             ratio = f"{stock / r['wall_us']:.2f}x" if stock else ""
             kernel = "" if r["kernel_us"] is None else f"{r['kernel_us']:.1f}"
             lines.append(f"| {row['case']} | {name} | {r['host_us']:.1f} | {r['wall_us']:.1f} | {kernel} | {ratio} |")
-    routed = [(row["case"], name, r["routing"]) for row in result["rows"] for name, r in row["paths"].items()
-              if "routing" in r]
-    if routed:
-        lines += ["", "| case | path | the rewrite's report of its compile |", "|---|---|---|"]
-        for case, name, report in routed:
+    routed = [(row["case"], r["routing"]) for row in result["rows"] for r in row["paths"].values() if "routing" in r]
+    if routed:  # a line: each distinct report and the cases that gave it (the routed paths mostly say the same)
+        reports: dict[str, dict[str, None]] = {}
+        for case, report in routed:
             said = ", ".join(f"{k}: {n}" for k, n in report.items()) or "none (FX graph cache hit)"
-            lines.append(f"| {case} | {name} | {said} |")
+            reports.setdefault(said, {})[case] = None
+        lines += ["", "The rewrite's report of each routed compile: "
+                  + "; ".join(f"`{said}` ({', '.join(cases)})" for said, cases in reports.items()) + "."]
     lookups = result.get("run_time_lookups") or []
     if lookups:
         lines += ["", "| run-time decided call | direction | kernel | lookup host us, problem held (static) / built "

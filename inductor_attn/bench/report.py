@@ -35,39 +35,8 @@ SECTIONS_BEGIN = "<!-- bench sections: `python -m inductor_attn bench --report` 
 SECTIONS_END = "<!-- end of bench sections -->"
 _SECTION = re.compile(r"<!-- bench (?P<suite>[\w-]+) on (?P<device>[^>]+?) -->\n.*?<!-- /bench -->\n", re.S)
 MAX_NOTES = 25
-METHOD = """\
-## How these numbers are made
-
-- Every row is one workload of `inductor_attn/bench/suites.py`, measured in one process: the autotuned
-  choice (`autotune` mode on a fresh decision store; "tune s" is its wall time, JIT compiles included
-  unless the on-disk kernel caches were warm), today's hand rules (`heuristic` mode: FA4's CLC rule,
-  split-K iff L_kv >= 256), every candidate of every backend, and the user's baseline called directly:
-  `F.scaled_dot_product_attention` (`enable_gqa` for GQA, a boolean mask where the mask needs one) for
-  dense and decode, `torch.nn.attention.varlen.varlen_attn` for varlen, `torch.compile(flex_attention)`
-  with the workload's own BlockMask for block-sparse (max-autotune in full runs, default compile in
-  `--quick`). Where the baseline cannot run, the `off` choice (first runnable candidate) stands in.
-- Backward rows time a training step's attention: each backward candidate after the forward the tuner
-  picked (autotune), against SDPA's forward and its backward through autograd, with one output gradient;
-  TF/s count the forward's FLOPs and 2.5 times them for the backward.
-- Correctness first: each candidate and baseline runs once on fresh inputs and is compared with the
-  float64-accumulated reference by the tuner's own gate (`tuning/measure.py`, tolerances of
-  `tuning/correctness.py`); a wrong or failing one is listed with its reason and never timed, so it can
-  never be the oracle. Candidates run through their plans, the code that ships.
-- Timing: the tuner's timing loop and timer for everything, CUDA-graph replay of the call on rotating input
-  copies with L2 flushed before each sample (`tuning/measure.py`, `tuning/timing.py`), in interleaved
-  rounds (one sample of each per round).
-- Throughput: TFLOP/s = 4 x kept (query, key) pairs x head dim / median time, pairs counted exactly
-  (causal lower-right; varlen per sequence; block-sparse from the mask's full blocks and partial-block
-  bitmaps). Decode: GB/s = (valid K and V rows of the kv heads once + q + out) / median time, and its
-  share of the device-to-device copy bandwidth (bytes read + written) measured at the start of the run.
-- Speedups are ratios of medians with a paired bootstrap 95% CI over rounds (`tuning/stats.py`). The
-  oracle is the fastest candidate that passed; regret = autotuned time / oracle time - 1.
-- Tuning quality: the decisions of this process are compared with those of a second process tuning the same
-  workloads on its own empty store; a difference counts as "inside the noise" when, in both tunes' own
-  records, the two winners' medians lie within the tuner's tie margin. Compile time added: `torch.compile` of
-  a function calling `inductor_attn.attention` in a new process with the store warm, minus the same in `off`
-  mode (FX graph cache off in both, kernel caches as the run left them).
-"""
+# where a run's results.md and RESULTS.md send readers for how the numbers are made
+METHOD_DOC = "docs/benchmarks.md"
 
 
 # -------------------------------------------------------------------------------------------- files
@@ -287,9 +256,8 @@ def render_results_md(result: dict) -> str:
         "- commands:",
         *[f"  - `{m['command']}` ({m.get('elapsed_s') or 0:.0f} s)" for m in runs],
     ]
-    kinds = {r["kind"] for r in result["rows"]}
-    methods = ([METHOD] if kinds - {"flex_route"} else []) + ([flex_route.METHOD] if "flex_route" in kinds else [])
-    return "\n".join(head) + "\n\n" + render_markdown(result) + "\n" + "\n".join(methods)
+    return (("\n".join(head) + "\n\n" + render_markdown(result) + "\n")
+            + f"\nHow these numbers are made: {METHOD_DOC} in the inductor_attn repository.\n")
 
 
 def _gbps_text(x) -> str:
