@@ -16,7 +16,11 @@ How decisions use them (tuning/decisions.py), for the same op, bucket and device
   few; Triton's one after another in this process), so a long compile adds to a cold tune's wait: a
   near-tie whose recorded compile took more than ``SHORTLIST_COMPILE_FACTOR`` times the fastest
   candidate's (which must compile anyway; at least ``SHORTLIST_COMPILE_FLOOR_S``) is left out, as its gain
-  is within the margin;
+  is within the margin. Configs of one library rise and fall together from one session to the next, two
+  libraries do not: at B2 H32 L16k D128 causal on an H200, FA3's kernel was 3.5% behind FA4's in the H200
+  table's tune and 7.7% ahead of it in a bench run the same day (2026-11-29). So each other library's fastest
+  candidate within the margin widened by the record's own measured noise is timed too, under the same
+  compile bound (``rivals``);
 - cache-only: the shipped winner is used as it is;
 - background: the shipped winner runs until the background tune's decision lands (when it is FA4's,
   the fastest shipped candidate of another backend, so that the first compile waits for no FA4 JIT).
@@ -181,11 +185,13 @@ def is_shipped(row: dict) -> bool:
     return str(row["record"].get("origin", "")).startswith("shipped")
 
 
-def shortlist(row: dict, k: int, margin: float | None = None,
-              compile_factor: float | None = None) -> list[str]:
+def shortlist(row: dict, k: int, margin: float | None = None, compile_factor: float | None = None,
+              rivals: bool = False) -> list[str]:
     """A decision's winner, then the other candidates that passed in its record, fastest first, ``k`` in all;
     with ``margin``, only those within that fraction of the winner's time; with ``compile_factor``, only those
     whose recorded compile took at most that many times the winner's (or ``SHORTLIST_COMPILE_FLOOR_S``, if more).
+    With ``rivals`` (and ``margin``), then the fastest of each backend not yet named whose time is within
+    ``margin`` plus the record's ``noise`` of the winner's and whose compile is within the same bound.
 
     Anchored on the winner, not on the fastest: a winner that tied a faster candidate inside the noise won by
     prior order (FA3's prebuilt kernel before FA4's JIT), and a JIT kernel that was no better need not be
@@ -202,18 +208,29 @@ def shortlist(row: dict, k: int, margin: float | None = None,
     ['b:y', 'e:v']
     >>> shortlist({"winner": "e:v", "record": rec}, 3, margin=0.03, compile_factor=1.5)  # d:w compiles 13 s
     ['e:v', 'b:y']
+    >>> rec["candidates"].append({"name": "f:u", "status": "passed", "median_ms": 1.05, "compile_s": 0.01})
+    >>> rec["noise"] = 0.03  # f:u is 5% behind b:y: within 3% + 3%
+    >>> shortlist({"winner": "b:y", "record": rec}, 2, margin=0.03, compile_factor=1.5, rivals=True)
+    ['b:y', 'e:v', 'f:u']
     """
     timed = [c for c in row["record"]["candidates"] if c["status"] == "passed" and c.get("median_ms") is not None]
     timed.sort(key=lambda c: (c["name"] != row["winner"], c["median_ms"]))
     if not timed:
         return []
     first, rest = timed[0], timed[1:]
-    if margin is not None:
-        rest = [c for c in rest if c["median_ms"] <= first["median_ms"] * (1 + margin)]
     if compile_factor is not None:
         bound = compile_factor * max(first.get("compile_s") or 0.0, SHORTLIST_COMPILE_FLOOR_S)
         rest = [c for c in rest if (c.get("compile_s") or 0.0) <= bound]
-    return [c["name"] for c in [first, *rest][:k]]
+    near = rest if margin is None else [c for c in rest if c["median_ms"] <= first["median_ms"] * (1 + margin)]
+    chosen = [first, *near][:k]
+    if rivals and margin is not None:
+        wide = first["median_ms"] * (1 + margin + (row["record"].get("noise") or 0.0))
+        named = {c["name"].split(":")[0] for c in chosen}
+        for c in rest:
+            if c["median_ms"] <= wide and c["name"].split(":")[0] not in named:
+                named.add(c["name"].split(":")[0])
+                chosen.append(c)
+    return [c["name"] for c in chosen]
 
 
 def write_table(path: Path, rows: list[dict], meta: dict) -> None:

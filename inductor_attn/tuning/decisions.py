@@ -331,7 +331,8 @@ def _shortlisted(cands: list[Candidate], prior: dict) -> tuple[list[Candidate], 
         return cands, ""
     floor_s = SHORTLIST_COMPILE_FACTOR * SHORTLIST_COMPILE_FLOOR_S
     scope = (f"within {SHORTLIST_MARGIN:.0%} of the winner of the shipped decision and compiling within "
-             f"{SHORTLIST_COMPILE_FACTOR:g}x its time, at least {floor_s:g} s (at most {SHORTLIST}; {origin})")
+             f"{SHORTLIST_COMPILE_FACTOR:g}x its time, at least {floor_s:g} s (at most {SHORTLIST}, and each other "
+             f"backend's fastest within {SHORTLIST_MARGIN:.0%} plus the record's noise; {origin})")
     # a table cannot shortlist a backend it never measured (one installed or added after it was made): each
     # such backend's first runnable candidate (its own pick: configs come in its order) is timed too
     unmeasured = _unmeasured_backends(prior)
@@ -366,7 +367,7 @@ def _unmeasured_backends(prior: dict) -> set[str]:
 
 
 def _shortlist_of(prior: dict) -> list[str]:
-    return shortlist(prior, SHORTLIST, SHORTLIST_MARGIN, SHORTLIST_COMPILE_FACTOR)
+    return shortlist(prior, SHORTLIST, SHORTLIST_MARGIN, SHORTLIST_COMPILE_FACTOR, rivals=True)
 
 
 def tune_in_worker(call: AttnCall, direction: str, key: str, deterministic: bool) -> str:
