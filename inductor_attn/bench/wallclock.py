@@ -3,7 +3,7 @@ run eagerly or compiled. Shared by the overhead, training, model and paged suite
 benchmarks/tools/compiled_choice_gpu.py.
 
 - host_us: the CPU time one call takes to issue its work, measured over a burst of calls that fits in the
-  launch queue (so the CPU never waits for the GPU), best of several bursts;
+  launch queue (so the CPU never waits for the GPU; a model step's burst is one call), best of several bursts;
 - wall_us: the time per call of a long run of plain launches, synchronized at the end: max(host, device)
   in steady state, what a loop of such calls costs; with it ``loop_host_us``, the time per call until that
   run's last call returned (where it is near wall_us and well above host_us, the steady loop waited on
@@ -35,14 +35,17 @@ BURST = 50  # calls per host-time burst: under the launch queue depth even at ~1
 KERNEL_ROUNDS = 3  # profiles per function in interleaved_measure (each a profiler session of 10 calls)
 
 
-def host_us(fn: Callable[[], object], bursts: int = 5) -> float:
+def host_us(fn: Callable[[], object], bursts: int = 5, calls: int = BURST) -> float:
+    """Best of ``bursts`` bursts of ``calls`` calls, each burst started on an idle device; a model step launches
+    hundreds of kernels, so its bursts are of one call (``calls=1``): more would fill the launch queue and time
+    the device."""
     best = float("inf")
     for _ in range(bursts):
         sync()
         start = time.perf_counter()
-        for _ in range(BURST):
+        for _ in range(calls):
             fn()
-        best = min(best, (time.perf_counter() - start) / BURST)
+        best = min(best, (time.perf_counter() - start) / calls)
         sync()
     return best * 1e6
 
