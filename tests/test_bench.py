@@ -1211,3 +1211,26 @@ def test_the_overhead_and_training_suites_write_their_sections_a_block_per_part(
     assert f"`bench --suite {suite} --part ops`" in ops_block and "| ours | " in ops_block
     assert f"`bench --suite {suite} --part models`" in models_block and "| prefill B4 L2048 | 6.0" in models_block
     assert "| case |" not in models_block and "| shape |" not in models_block
+    # each part's figure is drawn beside RESULTS.md and linked from its block's provenance
+    for part, block in (("ops", ops_block), ("models", models_block)):
+        name = f"plots/{suite}-nvidia-h200-{part}.png"
+        assert f"; plot (drawn by `bench --report`, not committed): [{name}]({name})" in block
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_paged_and_fp8_suites_describe_their_figures():
+    """``bars`` of the suites without a part of their own in the test above: what report.py draws."""
+    from inductor_attn.bench import fp8, paged
+
+    row = {"shape": "decode B1", "autotuned": {"choice": "triton_decode:x"}, "fa3_default": {"ms": 0.03},
+           "candidates": {"triton_decode:x": {"ms": 0.02}, "paged_gather:kernel=cudnn": {"ms": 0.2},
+                          "contiguous decode (ours)": {"ms": 0.019}}}
+    bars = paged.bars({"rows": [row], "serving": {}})
+    assert bars["labels"] == ["decode B1"] and bars["ref"] == 1.0
+    assert bars["series"] == {"gather + SDPA": [pytest.approx(10.0)], "contiguous decode (ours)": [pytest.approx(0.95)],
+                              "FA3 default splits": [pytest.approx(1.5)]}
+    cb = {"implementations": {"inductor_attn_flash": {"tokens_per_s": 6500.0}, "sdpa": {"error": "failed"}}}
+    assert paged.bars({"rows": [], "continuous_batching": cb})["series"] == {"tokens/s": [6500.0]}
+    trials = {fp8.BF16: {"ms": 2.0}, fp8.FP8: {"ms": 1.0}}
+    assert fp8.bars({"rows": [{"shape": "B2 L16k", "flops": 4e12, "trials": trials}]})["series"] == {
+        fp8.BF16: [2000.0], fp8.FP8: [4000.0]}

@@ -125,6 +125,16 @@ def summary(result: dict) -> str:
 table = summary  # what host_suites prints after a run: the same one line per shape
 
 
+def bars(result: dict) -> dict | None:
+    """The plot (report.py ``_summary_plot``): per shape, TF/s of our bf16 choice and of our fp8 choice."""
+    rows = result["rows"]
+    if not rows:
+        return None
+    return {"xlabel": "TF/s", "labels": [row["shape"] for row in rows],
+            "series": {side: [row["flops"] / row["trials"][side]["ms"] / 1e9 if row["trials"][side].get("ms") else None
+                              for row in rows] for side in (BF16, FP8)}}
+
+
 def _side(trial: dict, rate: float | None) -> list[str]:
     if rate is None:
         return [f"failed: {trial.get('failed')}", ""]

@@ -185,6 +185,16 @@ def step_bound(r: dict, digits: int = 2) -> str:
 STEP_HEADER = "stock ms | ours ms | stock / ours | device ms, stock / ours (ours bound by)"
 
 
+def step_bars(llama: dict | None) -> dict | None:
+    """The HF Llama entries' plot (report.py ``_summary_plot``): stock's and ours' ms per step; None without any."""
+    entries = {name: r for name, r in (llama or {}).items() if isinstance(r, dict) and "stock_ms" in r}
+    if not entries:
+        return None
+    return {"xlabel": "ms per step, plain launches (shorter is faster)", "labels": list(entries),
+            "series": {"stock torch.compile": [r["stock_ms"] for r in entries.values()],
+                       "ours": [r["ours_ms"] for r in entries.values()]}}
+
+
 def _ours_ran() -> dict:
     """What ours' compiled code ran (``inductor_attn.stats()``: only ours calls our ops in an entry's process)."""
     import inductor_attn

@@ -45,7 +45,7 @@ from ..routing.rewrite import routing_report
 from ..tuning import decide
 from ..tuning.modes import tuning_mode
 from . import suites
-from .models import STEP_HEADER, llama_overhead, step_cells
+from .models import STEP_HEADER, llama_overhead, step_bars, step_cells
 from .suites import Workload
 from .wallclock import host_us, interleaved_measure, model_part, own_code
 
@@ -175,6 +175,16 @@ def run(smoke: bool, quick: bool, device: torch.device, part: str = "all") -> di
 
 # ``--part``s: what one device call measures; RESULTS.md keeps a block per part (report.py ``_part_blocks``)
 PARTS = {"ops": ("rows", "run_time_lookups"), "models": ("llama",)}
+
+
+def bars(result: dict) -> dict | None:
+    """The plot of a part's result (report.py ``_summary_plot``): each path's wall us per call per case, or the HF
+    Llama steps."""
+    if not result["rows"]:
+        return step_bars(result.get("llama"))
+    paths = list(dict.fromkeys(name for row in result["rows"] for name in row["paths"]))
+    return {"xlabel": "wall us per call (shorter is faster)", "labels": [row["case"] for row in result["rows"]],
+            "series": {p: [row["paths"].get(p, {}).get("wall_us") for row in result["rows"]] for p in paths}}
 
 
 def table(result: dict) -> str:

@@ -583,6 +583,32 @@ def fa3_ratio(row: dict) -> float | None:
     return fa3_ms / ours if fa3_ms and ours else None
 
 
+def bars(result: dict) -> dict | None:
+    """The plot of a part (report.py ``_summary_plot``): for the ops part, per shape, our autotuned choice's speed
+    over each alternative (the gather-then-SDPA baseline, our contiguous-cache decode, FA3's default splits), in
+    one timing session; for the models part, each implementation's new tokens/s in continuous batching."""
+    if "continuous_batching" in result:
+        impls = {n: r for n, r in (result["continuous_batching"] or {}).get("implementations", {}).items()
+                 if "tokens_per_s" in r}
+        return {"xlabel": "new tokens/s, continuous batching (longer is faster)", "labels": list(impls),
+                "series": {"tokens/s": [r["tokens_per_s"] for r in impls.values()]}} if impls else None
+    rows, series = [], {"gather + SDPA": [], "contiguous decode (ours)": [], "FA3 default splits": []}
+    for row in result["rows"]:
+        choice = row.get("autotuned", {}).get("choice")
+        ours = row["candidates"].get(choice, {}).get("ms") if choice else None
+        if not ours:
+            continue
+        rows.append(row["shape"])
+        gather = [c["ms"] for n, c in row["candidates"].items() if n.startswith("paged_gather") and c.get("ms")]
+        alternatives = (min(gather, default=None), row["candidates"].get("contiguous decode (ours)", {}).get("ms"),
+                        row.get("fa3_default", {}).get("ms"))
+        for name, ms in zip(series, alternatives):
+            series[name].append(ms / ours if ms else None)
+    if not rows:
+        return None
+    return {"xlabel": "autotuned choice's speed over each alternative", "ref": 1.0, "labels": rows, "series": series}
+
+
 # what each ``--part`` measures, by its results' keys (report.py keeps a section's block per part)
 PARTS = {"ops": ("rows", "serving"), "models": ("continuous_batching",)}
 

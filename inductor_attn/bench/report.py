@@ -122,8 +122,10 @@ def update_results_md(result: dict, path: Path) -> list[str]:
         for device in sorted({runs[r.get("run", 0)]["device"] for r in mine}):
             rows = [r for r in mine if runs[r.get("run", 0)]["device"] == device]
             metas = [runs[i] for i in sorted({r.get("run", 0) for r in rows})]
-            tables = _section_plot(kind, device, rows, Path(path)) + _suite_tables(kind, rows)
-            sections[(kind, device)] = _results_section(kind, device, f"{_provenance(metas)}\n\n{tables}\n")
+            ok = [r for r in rows if r["status"] == "ok"]
+            plot = _plot_link(f"{kind}-{_slug(device)}", lambda plt, ok=ok: _plot_speedups(plt, ok), Path(path))
+            body = f"{_provenance(metas)}{plot}\n\n{_suite_tables(kind, rows)}\n"
+            sections[(kind, device)] = _results_section(kind, device, body)
             written.append(f"{KIND_TITLES[kind]} on {device}")
     _replace_sections(Path(path), sections)
     return written
@@ -132,19 +134,34 @@ def update_results_md(result: dict, path: Path) -> list[str]:
 PLOTS = "plots"  # beside RESULTS.md, git-ignored: drawn again by every `bench --report`
 
 
-def _section_plot(kind: str, device: str, rows: list[dict], results_md: Path) -> str:
-    """Draw one suite's speedups per shape (autotuned, hand rule and oracle against the row's baseline) into
-    ``plots/<suite>-<device>.png`` beside RESULTS.md; the markdown line that links it, or "" (nothing to draw,
-    or no matplotlib)."""
+def _plot_link(name: str, draw, results_md: Path) -> str:
+    """Draw a figure, ``draw(pyplot)`` (None: nothing to draw), into ``plots/<name>.png`` beside RESULTS.md; the text
+    that links it at the end of its section's provenance, or "" (nothing drawn, or no matplotlib)."""
     plt = _pyplot()
-    fig = None if plt is None else _plot_speedups(plt, [r for r in rows if r["status"] == "ok"])
+    fig = None if plt is None else draw(plt)
     if fig is None:
         return ""
-    name = f"{kind}-{re.sub(r'[^a-z0-9]+', '-', device.lower()).strip('-')}.png"
-    path = results_md.parent / PLOTS / name
+    file = f"{name}.png"
+    path = results_md.parent / PLOTS / file
     path.parent.mkdir(exist_ok=True)
     _save(plt, fig, path)
-    return f"Plot (drawn by `bench --report`, not committed): [{PLOTS}/{name}]({PLOTS}/{name})\n\n"
+    return f"; plot (drawn by `bench --report`, not committed): [{PLOTS}/{file}]({PLOTS}/{file})"
+
+
+def _slug(device: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+
+
+def _summary_plot(module, result: dict, name: str, results_md: Path) -> str:
+    """A summary suite's figure: the bars its module's ``bars(result)`` describes (``xlabel``, ``labels``,
+    ``series`` {name: values}, optional ``ref``), linked as :func:`_plot_link` does."""
+    def draw(plt):
+        data = module.bars(result) if hasattr(module, "bars") else None
+        if data is None:
+            return None
+        series = [(n, values, None) for n, values in data["series"].items()]
+        return _bars(plt, data["labels"], series, data["xlabel"], ref=data.get("ref"))
+    return _plot_link(name, draw, results_md)
 
 
 def summary_suite(data: dict) -> str | None:
@@ -164,10 +181,13 @@ def update_summary_sections(datas: list[dict], path: Path) -> list[str]:
     for (suite, device), group in groups.items():
         # lazy: the suites import the tuner
         module = importlib.import_module(f".{suite.replace('-', '_')}", __package__)
+        name = f"{suite}-{_slug(device)}"
         if getattr(module, "PARTS", None) is None:
-            body = _provenance([data["meta"] for data in group]) + "\n\n" + module.summary(_merged(group)) + "\n"
+            merged = _merged(group)
+            body = (_provenance([data["meta"] for data in group]) + _summary_plot(module, merged, name, Path(path))
+                    + "\n\n" + module.summary(merged) + "\n")
         else:
-            body = _part_blocks(module, group, old.get((suite, device), ""))
+            body = _part_blocks(module, group, old.get((suite, device), ""), name, Path(path))
         sections[(suite, device)] = _results_section(suite, device, body)
     _replace_sections(Path(path), sections)
     return [f"{KIND_TITLES[suite]} on {device}" for suite, device in sections]
@@ -176,11 +196,11 @@ def update_summary_sections(datas: list[dict], path: Path) -> list[str]:
 _PART = re.compile(r"<!-- part (?P<part>[\w-]+) -->\n.*?(?=<!-- part |<!-- /bench -->)", re.S)
 
 
-def _part_blocks(module, group: list[dict], old_section: str) -> str:
+def _part_blocks(module, group: list[dict], old_section: str, name: str, results_md: Path) -> str:
     """A suite whose runs may measure one part each (``--part``: what fits one device call) names its parts and
     their results' keys in ``module.PARTS``; its section holds a block per part, each with the provenance of the
-    files that measured it. A part that no file of ``group`` measured keeps its block of ``old_section``: its
-    files may be gone."""
+    files that measured it and its figure (``plots/<name>-<part>.png``). A part that no file of ``group``
+    measured keeps its block of ``old_section``: its files may be gone."""
     old = {m["part"]: m.group(0).rstrip() + "\n" for m in _PART.finditer(old_section)}
     blocks = []
     for part, keys in module.PARTS.items():
@@ -188,7 +208,8 @@ def _part_blocks(module, group: list[dict], old_section: str) -> str:
         if covering:
             merged = _merged(covering)
             result = {"rows": [], **{k: merged[k] for k in keys if k in merged}}
-            blocks.append(f"<!-- part {part} -->\n{_provenance([d['meta'] for d in covering])}\n\n"
+            plot = _summary_plot(module, result, f"{name}-{part}", results_md)
+            blocks.append(f"<!-- part {part} -->\n{_provenance([d['meta'] for d in covering])}{plot}\n\n"
                           f"{module.summary(result)}\n")
         elif part in old:
             blocks.append(old[part])

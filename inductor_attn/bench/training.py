@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from ..api import attention, varlen_attention
 from ..block_mask import BlockSparseMask
 from ..tuning.measure import device_error
-from .models import STEP_HEADER, llama_training, step_cells
+from .models import STEP_HEADER, llama_training, step_bars, step_cells
 from .wallclock import interleaved_measure, measure, model_part, peak_memory
 
 SHAPES = (
@@ -288,6 +288,25 @@ def run(smoke: bool, quick: bool, device: torch.device, part: str = "all",
 PARTS = {"ops": ("rows",), "models": ("llama",)}
 
 
+def _best_sdpa_wall(row: dict) -> float | None:
+    """The faster of eager and compiled SDPA's wall us on a shape (a stopped suite may lack them)."""
+    walls = [row["paths"].get(p, {}).get("wall_us") for p in ("eager sdpa", "stock compile")]
+    return min((w for w in walls if w), default=None)
+
+
+def bars(result: dict) -> dict | None:
+    """The plot of a part's result (report.py ``_summary_plot``): each path's speed over the faster SDPA per
+    shape (wall time), or the HF Llama steps."""
+    rows = [row for row in result["rows"] if _best_sdpa_wall(row)]
+    if not rows:
+        return step_bars(result.get("llama"))
+    paths = list(dict.fromkeys(name for row in rows for name in row["paths"]))
+    return {"xlabel": "speed over the faster of eager and compiled SDPA (wall time)", "ref": 1.0,
+            "labels": [row["shape"] for row in rows],
+            "series": {p: [_best_sdpa_wall(row) / row["paths"][p]["wall_us"] if row["paths"].get(p, {}).get("wall_us")
+                           else None for row in rows] for p in paths}}
+
+
 def table(result: dict) -> str:
     """Markdown: per shape, each path's kernel, wall and host us, peak memory and gradient error; the HF Llama
     training steps. Each where the result holds it (a ``--part`` measures some)."""
@@ -297,8 +316,7 @@ def table(result: dict) -> str:
         if row.get("stopped"):
             lines.append(f"| {row['shape']} | suite stopped: the CUDA context was lost in | {row['stopped'][:300]} "
                          "| | | | | | |")
-        walls = [row["paths"].get(p, {}).get("wall_us") for p in ("eager sdpa", "stock compile")]  # a stop: absent
-        best = min((w for w in walls if w), default=None)
+        best = _best_sdpa_wall(row)
         for name, r in row["paths"].items():
             if "wall_us" not in r:
                 lines.append(f"| {row['shape']} | {name} | {r.get('status')} | | | | | | |")
