@@ -1234,3 +1234,17 @@ def test_the_paged_and_fp8_suites_describe_their_figures():
     trials = {fp8.BF16: {"ms": 2.0}, fp8.FP8: {"ms": 1.0}}
     assert fp8.bars({"rows": [{"shape": "B2 L16k", "flops": 4e12, "trials": trials}]})["series"] == {
         fp8.BF16: [2000.0], fp8.FP8: [4000.0]}
+
+
+def test_the_tuning_cost_and_flex_route_suites_describe_their_figures():
+    from inductor_attn.bench import flex_route, tuning_cost
+
+    cold = [{"name": "dense B1", "stock_s": 1.0, "cold": {"autotune_s": 3.0}, "warm": {"autotune_s": 1.2}},
+            {"name": "decode B1", "cold_skipped": True}]
+    assert tuning_cost.bars({"cold": cold})["series"] == {"stock torch.compile": [1.0], "ours, cold": [3.0],
+                                                          "ours, warm": [1.2]}
+    rows = [{"name": "sliding window", "pass": "forward", "status": "ok",
+             "entries": [{"name": "flex default", "speedup": 1.0}, {"name": "inductor_attn routed", "speedup": 1.26}]},
+            {"name": "document", "pass": "forward", "status": "failed", "entries": []}]
+    bars = flex_route.bars(rows)
+    assert bars["labels"] == ["sliding window, forward"] and bars["series"]["inductor_attn routed"] == [1.26]

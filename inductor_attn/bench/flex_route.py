@@ -189,5 +189,18 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + ("\n\nOur kernels that the routed calls ran:\n\n" + "\n".join(ran) if ran else "")
 
 
+def bars(rows: list[dict]) -> dict | None:
+    """The figure (report.py ``_summary_plot``): per mask and pass, each way's kernel speedup over flex's default
+    compile."""
+    rows = [row for row in rows if row["status"] == "ok"]
+    if not rows:
+        return None
+    ways = list(dict.fromkeys(e["name"] for row in rows for e in row["entries"]))
+    speedups = [{e["name"]: e.get("speedup") for e in row["entries"]} for row in rows]
+    return {"xlabel": "kernel speedup over flex_attention's default compile", "ref": 1.0,
+            "labels": [f"{row['name']}, {row['pass']}" for row in rows],
+            "series": {way: [s.get(way) for s in speedups] for way in ways}}
+
+
 def _num(x, spec: str) -> str:
     return "" if x is None else format(x, spec)

@@ -123,7 +123,9 @@ def update_results_md(result: dict, path: Path) -> list[str]:
             rows = [r for r in mine if runs[r.get("run", 0)]["device"] == device]
             metas = [runs[i] for i in sorted({r.get("run", 0) for r in rows})]
             ok = [r for r in rows if r["status"] == "ok"]
-            plot = _plot_link(f"{kind}-{_slug(device)}", lambda plt, ok=ok: _plot_speedups(plt, ok), Path(path))
+            name = f"{kind}-{_slug(device)}"
+            plot = (_summary_plot(flex_route, rows, name, Path(path)) if kind == "flex_route" else
+                    _plot_link(name, lambda plt, ok=ok: _plot_speedups(plt, ok), Path(path)))
             body = f"{_provenance(metas)}{plot}\n\n{_suite_tables(kind, rows)}\n"
             sections[(kind, device)] = _results_section(kind, device, body)
             written.append(f"{KIND_TITLES[kind]} on {device}")
@@ -152,11 +154,12 @@ def _slug(device: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
 
 
-def _summary_plot(module, result: dict, name: str, results_md: Path) -> str:
-    """A summary suite's figure: the bars its module's ``bars(result)`` describes (``xlabel``, ``labels``,
-    ``series`` {name: values}, optional ``ref``), linked as :func:`_plot_link` does."""
+def _summary_plot(module, result, name: str, results_md: Path) -> str:
+    """The figure of a suite whose module describes its own (the summary suites, flex_route): the bars of
+    ``module.bars(result)`` (``xlabel``, ``labels``, ``series`` {name: values}, optional ``ref``), linked as
+    :func:`_plot_link` does."""
     def draw(plt):
-        data = module.bars(result) if hasattr(module, "bars") else None
+        data = module.bars(result)
         if data is None:
             return None
         series = [(n, values, None) for n, values in data["series"].items()]

@@ -246,6 +246,22 @@ def table(result: dict) -> str:
 summary = table  # RESULTS.md's section (report.py ``update_summary_sections``)
 
 
+def bars(result: dict) -> dict | None:
+    """The figure (report.py ``_summary_plot``): per workload, the seconds of the first compiled call: stock
+    ``torch.compile``'s, and ours with empty caches (cold) and with the decision stored (warm)."""
+    rows = [r for r in result["cold"] if "cold" in r]
+    if not rows:
+        return None
+
+    def first_s(r: dict, phase: str) -> float | None:
+        got = r.get(phase) or {}
+        return got.get("autotune_s", got.get("background_s"))
+    return {"xlabel": "first compiled call, s (shorter is faster)", "labels": [r["name"] for r in rows],
+            "series": {"stock torch.compile": [r.get("stock_s") for r in rows],
+                       "ours, cold": [first_s(r, "cold") for r in rows],
+                       "ours, warm": [first_s(r, "warm") for r in rows]}}
+
+
 def _tune_seconds(first: dict) -> str:
     """``total (compile / gate / timing; N timed)`` of a first call's tune, or "" where none was stored."""
     sec = first.get("tune_seconds")
