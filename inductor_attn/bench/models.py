@@ -32,13 +32,13 @@ BACKENDS = ("inductor", "inductor_attn")
 MODES = ("default", "reduce-overhead")
 ROUNDS = 5  # timed runs per backend, the backends taking turns
 PREFILL_CALLS = 20
-DECODE_CALLS = 80  # per round; the warm-up's, the settling's and all rounds' steps fit in DECODE_ROOM
-DECODE_ROOM = 512
+DECODE_CALLS = 80  # per round; the warm-up's, the settling's, all rounds' and the device and host measures' steps
+DECODE_ROOM = 576  # fit in DECODE_ROOM (5 + 100 + 5 x 80 + 3 + 10 = 518)
 # calls of each step after both compiled, before the timed rounds: in a process that just tuned, the next ~60-240
 # calls of either step ran slow (H200, 2026-11-28; 1.6-1.8x for about 200 calls on 2026-11-29, stock's too)
 SETTLE_CALLS = 100
 # calls of each step profiled for its device time, after the timed rounds (a host-bound step read 20% slower after a
-# profiler session and an idle minute, H200, 2026-11-29); a decode step's fit in DECODE_ROOM with the others
+# profiler session and an idle minute, H200, 2026-11-29)
 DEVICE_CALLS = 3
 ENTRY_TIMEOUT_S = 300  # a fresh process, a model and two compiles
 # max-autotune also benchmarks GEMM templates for both compiles: the B4 L2048 training entry took 507 s on an
@@ -133,7 +133,7 @@ def _overhead_entry(phase: str, mode: str) -> dict:
             "ours_ran": _ours_ran(), "ours_why": _CHOICES.lines}
 
 
-HOST_STEPS = 10  # single steps timed for a step's host time, the best kept
+HOST_STEPS = 10  # single steps timed for a step's host time, the best kept (after DEVICE_CALLS)
 
 
 def _device_ms(steps: dict) -> dict:
