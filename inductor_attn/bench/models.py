@@ -128,7 +128,7 @@ def _overhead_entry(phase: str, mode: str) -> dict:
         times = interleaved_wall_us(fns, calls=calls, rounds=ROUNDS)
         if counters["stats"]["unique_graphs"] != graphs:
             raise RuntimeError("a compiled step recompiled while it was timed")
-        device = _device_ms({"stock": fns["inductor"], "ours": fns["inductor_attn"]})
+        device = _device_and_host_ms({"stock": fns["inductor"], "ours": fns["inductor_attn"]})
     return {"stock_ms": times["inductor"] / 1e3, "ours_ms": times["inductor_attn"] / 1e3, "rounds": ROUNDS, **device,
             "ours_ran": _ours_ran(), "ours_why": _CHOICES.lines}
 
@@ -136,7 +136,7 @@ def _overhead_entry(phase: str, mode: str) -> dict:
 HOST_STEPS = 10  # single steps timed for a step's host time, the best kept (after DEVICE_CALLS)
 
 
-def _device_ms(steps: dict) -> dict:
+def _device_and_host_ms(steps: dict) -> dict:
     """``{name}_device_ms``: each step's device time (its kernels' summed time, ``kernel_us``), and ``{name}_host_ms``:
     the CPU time of one step started on an idle device (``host_us`` in bursts of one step), beside its wall time
     (``step_cells`` reads what bounds ours from the three); none without CUDA."""
@@ -252,7 +252,7 @@ def _training_entry(label: str, mode: str) -> dict:
     for name, step in steps.items():
         row[f"{name}_peak_bytes"] = peak_memory(step)
     times = interleaved_wall_us(steps, calls=TRAIN_CALLS, rounds=ROUNDS)
-    row.update({f"{name}_ms": us / 1e3 for name, us in times.items()}, **_device_ms(steps), rounds=ROUNDS,
+    row.update({f"{name}_ms": us / 1e3 for name, us in times.items()}, **_device_and_host_ms(steps), rounds=ROUNDS,
                ours_ran=_ours_ran(), ours_why=_CHOICES.lines)
     return row
 

@@ -280,8 +280,8 @@ def render_results_md(result: dict) -> str:
         "- commands:",
         *[f"  - `{m['command']}` ({m.get('elapsed_s') or 0:.0f} s)" for m in runs],
     ]
-    return (("\n".join(head) + "\n\n" + render_markdown(result) + "\n")
-            + f"\nHow these numbers are made: {METHOD_DOC} in the inductor_attn repository.\n")
+    return ("\n".join(head) + "\n\n" + render_markdown(result)
+            + f"\n\nHow these numbers are made: {METHOD_DOC} in the inductor_attn repository.\n")
 
 
 def _gbps_text(x) -> str:

@@ -297,14 +297,16 @@ def _best_sdpa_wall(row: dict) -> float | None:
 def bars(result: dict) -> dict | None:
     """The plot of a part's result (report.py ``_summary_plot``): each path's speed over the faster SDPA per
     shape (wall time), or the HF Llama steps."""
-    rows = [row for row in result["rows"] if _best_sdpa_wall(row)]
+    best = {row["shape"]: _best_sdpa_wall(row) for row in result["rows"]}
+    rows = [row for row in result["rows"] if best[row["shape"]]]
     if not rows:
         return step_bars(result.get("llama"))
     paths = list(dict.fromkeys(name for row in rows for name in row["paths"]))
+    walls = [{name: r.get("wall_us") for name, r in row["paths"].items()} for row in rows]
     return {"xlabel": "speed over the faster of eager and compiled SDPA (wall time)", "ref": 1.0,
             "labels": [row["shape"] for row in rows],
-            "series": {p: [_best_sdpa_wall(row) / row["paths"][p]["wall_us"] if row["paths"].get(p, {}).get("wall_us")
-                           else None for row in rows] for p in paths}}
+            "series": {p: [best[row["shape"]] / wall[p] if wall.get(p) else None for row, wall in zip(rows, walls)]
+                       for p in paths}}
 
 
 def table(result: dict) -> str:
