@@ -968,6 +968,31 @@ def test_the_fp8_suites_smoke_run_measures_both_sides_and_its_result_reports_int
     assert "<!-- bench fp8 on NVIDIA H200 -->" in text and "| B1 H2 L96 D32 full | `" in text
 
 
+def test_a_shape_suite_stopped_from_outside_keeps_its_rows_and_its_section_names_the_shapes_it_missed(tmp_path):
+    from types import SimpleNamespace
+
+    from inductor_attn.bench.host_suites import _run_shapes
+
+    shapes = [SimpleNamespace(name=f"shape {i}") for i in range(3)]
+    module = SimpleNamespace(shapes=lambda quick, smoke: shapes,
+                             run_shape=lambda s, device, rounds: {"shape": s.name})
+    saved = []
+    assert _run_shapes(module, True, False, torch.device("cpu"), saved.append, (1, 1)) == {
+        "rows": [{"shape": f"shape {i}"} for i in range(3)]}
+    assert [snap["not_run"] for snap in saved] == [["shape 1", "shape 2"], ["shape 2"], []]
+    # a file saved after the first shape (the run killed in the second), as the fp8 suite writes it
+    data = {"meta": {"suite": "fp8", "device": "NVIDIA H200", "date": "2026-11-29 20:48 UTC", "commit": "deadbee",
+                     "command": "python -m inductor_attn bench --suite fp8", "versions": {}},
+            "rows": [], "not_run": ["B2 H32 L16k D128 full", "B2 H32 L16k D128 causal"]}
+    path = tmp_path / "RESULTS.md"
+    path.write_text(f"{report.SECTIONS_BEGIN}\n{report.SECTIONS_END}\n")
+    report.update_summary_sections([data], path)
+    assert ("Not measured, the run stopped before them: B2 H32 L16k D128 full, B2 H32 L16k D128 causal."
+            in path.read_text())
+    report.update_summary_sections([{**data, "not_run": []}], path)
+    assert "the run stopped" not in path.read_text()
+
+
 def _summary_section_of_smoke_run(out, data: dict, tmp_path) -> tuple[list[str], str]:
     """``bench --report`` refuses a smoke run's file; its data marked as an H200 run gives (the sections written,
     RESULTS.md's text)."""

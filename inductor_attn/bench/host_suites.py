@@ -83,10 +83,12 @@ def run_wallclock_suite(suite: str, *, smoke: bool, quick: bool, part: str, out:
 def _run_shapes(module, smoke: bool, quick: bool, device: torch.device, save, shard: tuple[int, int]) -> dict:
     """A suite of shapes (paged.py, fp8.py: ``shapes(quick, smoke)`` and ``run_shape(shape, device, rounds)``):
     every shape (``shard`` (k, n): every n-th from the k-th, 1-based), saved after each one so that a run
-    stopped from outside keeps what it measured."""
+    stopped from outside keeps what it measured, with the names of the shapes still to run (``not_run``, which
+    the report prints: such a file looks complete otherwise)."""
     rounds, (k, n) = 3 if smoke else 15, shard
+    todo = module.shapes(quick, smoke)[k - 1::n]
     rows = []
-    for s in module.shapes(quick, smoke)[k - 1::n]:
+    for i, s in enumerate(todo):
         rows.append(module.run_shape(s, device, rounds))
-        save({"rows": rows})
+        save({"rows": rows, "not_run": [t.name for t in todo[i + 1:]]})
     return {"rows": rows}

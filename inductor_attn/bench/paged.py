@@ -610,7 +610,7 @@ def bars(result: dict) -> dict | None:
 
 
 # what each ``--part`` measures, by its results' keys (report.py keeps a section's block per part)
-PARTS = {"ops": ("rows", "serving"), "models": ("continuous_batching",)}
+PARTS = {"ops": ("rows", "serving", "not_run"), "models": ("continuous_batching",)}
 
 
 def summary(result: dict) -> str:

@@ -188,7 +188,7 @@ def update_summary_sections(datas: list[dict], path: Path) -> list[str]:
         if getattr(module, "PARTS", None) is None:
             merged = _merged(group)
             body = (_provenance([data["meta"] for data in group]) + _summary_plot(module, merged, name, Path(path))
-                    + "\n\n" + module.summary(merged) + "\n")
+                    + "\n\n" + module.summary(merged) + "\n" + _not_run(merged))
         else:
             body = _part_blocks(module, group, old.get((suite, device), ""), name, Path(path))
         sections[(suite, device)] = _results_section(suite, device, body)
@@ -213,19 +213,26 @@ def _part_blocks(module, group: list[dict], old_section: str, name: str, results
             result = {"rows": [], **{k: merged[k] for k in keys if k in merged}}
             plot = _summary_plot(module, result, f"{name}-{part}", results_md)
             blocks.append(f"<!-- part {part} -->\n{_provenance([d['meta'] for d in covering])}{plot}\n\n"
-                          f"{module.summary(result)}\n")
+                          f"{module.summary(result)}\n{_not_run(result)}")
         elif part in old:
             blocks.append(old[part])
     return "\n".join(blocks)
 
 
 def _merged(group: list[dict]) -> dict:
-    """One result from the files of one suite and device: their rows in turn, each other key from the last file
-    that has it."""
-    merged = {"rows": [row for data in group for row in data.get("rows", ())]}
+    """One result from the files of one suite and device: their rows and the shapes they did not reach
+    (``not_run``) in turn, each other key from the last file that has it."""
+    listed = ("rows", "not_run")
+    merged = {key: [x for data in group for x in data.get(key, ())] for key in listed}
     for data in group:
-        merged.update({k: v for k, v in data.items() if k not in ("meta", "rows")})
+        merged.update({k: v for k, v in data.items() if k != "meta" and k not in listed})
     return merged
+
+
+def _not_run(result: dict) -> str:
+    """A line naming the shapes a run stopped before (host_suites' ``not_run``), or nothing."""
+    names = result.get("not_run")
+    return f"\nNot measured, the run stopped before them: {', '.join(names)}.\n" if names else ""
 
 
 def _split(path: Path) -> tuple[str, dict, str]:
