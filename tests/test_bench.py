@@ -980,7 +980,7 @@ def test_a_shape_suite_stopped_from_outside_keeps_its_rows_and_its_section_names
     assert _run_shapes(module, True, False, torch.device("cpu"), saved.append, (1, 1)) == {
         "rows": [{"shape": f"shape {i}"} for i in range(3)]}
     assert [snap["not_run"] for snap in saved] == [["shape 1", "shape 2"], ["shape 2"], []]
-    # a file saved after the first shape (the run killed in the second), as the fp8 suite writes it
+    # a file of a run killed before its last two shapes, as the fp8 suite saves it (its rows left out here)
     data = {"meta": {"suite": "fp8", "device": "NVIDIA H200", "date": "2026-11-29 20:48 UTC", "commit": "deadbee",
                      "command": "python -m inductor_attn bench --suite fp8", "versions": {}},
             "rows": [], "not_run": ["B2 H32 L16k D128 full", "B2 H32 L16k D128 causal"]}
