@@ -56,7 +56,7 @@ import inductor_attn
 from inductor_attn.backends import AttnCall, plan_for
 from inductor_attn.backends.registry import required_distributions
 from inductor_attn.bench.models import STEP_HEADER, step_cells
-from inductor_attn.bench.report import cell
+from inductor_attn.bench.report import cell, versions_text
 from inductor_attn.bench.runner import fresh_store, git_commit, whole_record
 from inductor_attn.bench.wallclock import BURST, burst_host_us, interleaved_wall_us, own_code, warm
 from inductor_attn.device import device_info
@@ -368,7 +368,7 @@ def _own_run(part: dict) -> str:
     if "commit" not in part:
         return ""
     return (f", measured {part['date']} at commit {part['commit']} with "
-            + ", ".join(f"{k} {v}" for k, v in part["versions"].items()))
+            + versions_text(part["versions"]))
 
 
 def _fmt_ratio(x) -> str:

@@ -266,9 +266,13 @@ def _results_section(kind: str, device: str, body: str) -> str:
 
 def _provenance(metas: list[dict]) -> str:
     """A line per results file: date, commit, command and versions."""
-    return "\n".join(f"- {m['date']}, commit {m['commit']}: `{m['command']}`; "
-                     + ", ".join(f"{k} {v}" for k, v in m["versions"].items())
+    return "\n".join(f"- {m['date']}, commit {m['commit']}: `{m['command']}`; " + versions_text(m["versions"])
                      + (f"; {m['timer']} timer" if "timer" in m else "") for m in metas)
+
+
+def versions_text(versions: dict) -> str:
+    """A run's library versions as RESULTS.md writes them: "torch 2.11.0+cu130, triton 3.6.0"."""
+    return ", ".join(f"{k} {v}" for k, v in versions.items())
 
 
 def render_results_md(result: dict) -> str:
@@ -280,7 +284,7 @@ def render_results_md(result: dict) -> str:
         f"- device: {meta['device']} ({meta['capability']}, {meta['sm_count']} SMs)",
         f"- date: {', '.join(sorted({m['date'] for m in runs}))}",
         f"- commit: {', '.join(sorted({m['commit'] for m in runs}))}",
-        "- versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
+        "- versions: " + versions_text(meta["versions"]),
         f"- timer: {meta['timer']}, {meta['rounds']} interleaved rounds per workload",
         "- device-to-device copy bandwidth (read + write), measured in the run: "
         + ", ".join(_gbps_text(m.get("copy_gbps")) for m in runs),
