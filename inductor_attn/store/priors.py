@@ -227,8 +227,9 @@ def shortlist(row: dict, k: int, margin: float | None = None, compile_factor: fl
         wide = first["median_ms"] * (1 + margin + (row["record"].get("noise") or 0.0))
         named = {c["name"].split(":")[0] for c in chosen}
         for c in rest:
-            if c["median_ms"] <= wide and c["name"].split(":")[0] not in named:
-                named.add(c["name"].split(":")[0])
+            backend = c["name"].split(":")[0]
+            if c["median_ms"] <= wide and backend not in named:
+                named.add(backend)
                 chosen.append(c)
     return [c["name"] for c in chosen]
 
