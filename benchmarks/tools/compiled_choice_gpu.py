@@ -40,7 +40,6 @@ steps, the static-cache decode step; plain launches), each in a fresh process wi
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
@@ -54,13 +53,11 @@ import torch.nn.functional as F
 
 import inductor_attn
 from inductor_attn.backends import AttnCall, plan_for
-from inductor_attn.backends.registry import required_distributions
 from inductor_attn.bench.models import STEP_HEADER, step_cells
 from inductor_attn.bench.report import cell, versions_text
-from inductor_attn.bench.runner import fresh_store, git_commit, whole_record
+from inductor_attn.bench.runner import fresh_store, run_stamp, whole_record
 from inductor_attn.bench.wallclock import BURST, burst_host_us, interleaved_wall_us, own_code, warm
 from inductor_attn.device import device_info
-from inductor_attn.store.keys import library_versions
 from inductor_attn.tuning.measure import Direction
 from inductor_attn.tuning.timing import host_ms
 
@@ -408,9 +405,7 @@ def main() -> None:
     os.environ.setdefault("INDUCTOR_ATTN_CACHE_DIR", tempfile.mkdtemp())  # a fresh store: every shape tunes
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-              "commit": args.commit if args.commit != "?" else git_commit(),
-              "versions": library_versions(required_distributions())}
+              **run_stamp(None if args.commit == "?" else args.commit)}
     if args.llama:
         result["llama"] = llama()
     elif args.spell:

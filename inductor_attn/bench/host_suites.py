@@ -6,7 +6,6 @@ source tree), with the device, date, commit, versions and command inside; the ma
 
 from __future__ import annotations
 
-import datetime
 import json
 import sys
 from pathlib import Path
@@ -14,8 +13,6 @@ from pathlib import Path
 import torch
 
 from ..store.db import default_path
-from ..backends.registry import required_distributions
-from ..store.keys import library_versions
 
 
 def run_wallclock_suite(suite: str, *, smoke: bool, quick: bool, part: str, out: Path | None, command: str,
@@ -25,16 +22,15 @@ def run_wallclock_suite(suite: str, *, smoke: bool, quick: bool, part: str, out:
               "of the harness (its numbers mean nothing)", file=sys.stderr)
         return 2
     from . import fp8, overhead, paged, training, tuning_cost
-    from .runner import git_commit
+    from .runner import run_stamp
 
     module = {"overhead": overhead, "training": training, "tuning-cost": tuning_cost, "paged": paged,
               "fp8": fp8}[suite]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    stamp = run_stamp(commit)
     meta = {"suite": suite, "smoke": smoke, "quick": quick, "part": part, "shard": f"{shard[0]}/{shard[1]}",
-            "command": command, "commit": commit or git_commit(),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "versions": library_versions(required_distributions())}
+            "command": command, "commit": stamp["commit"], "date": stamp["date"],
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "versions": stamp["versions"]}
     if suite != "tuning-cost" and part in ("shipped", "background", "search"):
         print(f"error: --part {part} applies to bench --suite tuning-cost; {suite} takes all, ops or models",
               file=sys.stderr)

@@ -527,14 +527,20 @@ def default_out_dir(suite: str, device_name: str, smoke: bool) -> Path:
     return default_path().parent / "bench" / f"{suite}-{slug}-{stamp}{'-smoke' if smoke else ''}"
 
 
+def run_stamp(commit: str | None) -> dict:
+    """When, at which commit (``commit``, else :func:`git_commit`) and with which libraries a run measures: the
+    ``date`` (UTC, to the minute), ``commit`` and ``versions`` of every results file."""
+    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "commit": commit or git_commit(), "versions": dict(library_versions(required_distributions()))}
+
+
 def run_meta(opts: Options, ctx: Context) -> dict:
-    versions = dict(library_versions(required_distributions()))
+    stamp = run_stamp(opts.commit)
     if ctx.device.type == "cuda":
-        versions["cudnn"] = str(torch.backends.cudnn.version())
+        stamp["versions"]["cudnn"] = str(torch.backends.cudnn.version())
     return {
         "device": ctx.dev.name, "capability": f"sm_{ctx.dev.arch}", "sm_count": ctx.dev.sm_count,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": opts.commit or git_commit(), "command": opts.command, "versions": versions,
+        "date": stamp["date"], "commit": stamp["commit"], "command": opts.command, "versions": stamp["versions"],
         "python": sys.version.split()[0], "suite": opts.suite, "size": opts.size,
         "shard": f"{opts.shard[0]}/{opts.shard[1]}", "rounds": ctx.rounds, "timer": ctx.timer.name,
         "budget_s": ctx.budget_s, "registry": [b.name for b in backends()], "smoke": opts.smoke,
