@@ -1205,6 +1205,9 @@ def test_compiled_choice_report_states_the_run_as_measured(tmp_path):
     assert "--llama`), measured 2026-11-29 18:04 UTC at commit def5678 with tokenspeed-fa3 3.0:" in text
     assert "--spell`), median" in text  # a file without its own provenance: the section's first line
     assert "ours 120 / 100 (1.20x)" in text and "ours 115 / 95" in text and "0 garbage collections" in text
+    stamped = {"device": "GPU", "torch": "2.11", "date": "2026-11-29 21:59 UTC", "commit": "3913531", "prefill": [row]}
+    (tmp_path / "compiled_choice.json").write_text(json.dumps(stamped))
+    assert tool.report(tmp_path).startswith("GPU, torch 2.11, 2026-11-29 21:59 UTC, commit 3913531; command")
 
 
 @pytest.mark.parametrize("suite, ops", [

@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/tools/compiled_choice_gpu.py --out $OUT [--shapes 512c 2048c ...] [--training]
     PYTHONPATH=. python benchmarks/tools/compiled_choice_gpu.py --out $OUT --spell
     PYTHONPATH=. python benchmarks/tools/compiled_choice_gpu.py --out $OUT --llama
-    python benchmarks/tools/compiled_choice_gpu.py --report DIR --commit C --date D
+    python benchmarks/tools/compiled_choice_gpu.py --report DIR [--commit C] [--date D]
 
 Per shape, in one process with a fresh decision store: ``inductor_attn.attention`` compiled plainly and with
 ``mode="reduce-overhead"`` (the first compile tunes), and stock compiled SDPA. Reported:
@@ -29,8 +29,9 @@ this process's children and garbage collections per window) next to stock compil
 leaves anything that slows the calls after it.
 
 ``--report DIR``: the markdown section of benchmarks/RESULTS.md from a run's files in DIR: compiled_choice.json,
-spell.json and llama.json. Each file records its date, commit and library versions (``--commit`` names the commit
-where the device's git lags); a spell or Llama file from another run than compiled_choice.json's says so.
+spell.json and llama.json. Each file records its date, commit and library versions (``--commit`` and ``--date``
+override compiled_choice.json's, where the device's git lagged); a spell or Llama file from another run than
+compiled_choice.json's says so.
 
 ``--llama``: the HF Llama entries of ``inductor_attn.bench.models`` (prefill, the B4 L2048 and B1 L512 training
 steps, the static-cache decode step; plain launches), each in a fresh process with a fresh store, stock
@@ -287,9 +288,11 @@ def llama() -> dict:
     return out
 
 
-def report(run: Path, commit: str, date: str) -> str:
-    """benchmarks/RESULTS.md's section for one run's files (see the module doc)."""
+def report(run: Path, commit: str | None = None, date: str | None = None) -> str:
+    """benchmarks/RESULTS.md's section for one run's files (see the module doc); ``commit`` and ``date`` override
+    what compiled_choice.json records."""
     choice = json.loads((run / "compiled_choice.json").read_text())
+    commit, date = commit or choice.get("commit", "?"), date or choice.get("date", "?")
     shapes = [row["shape"] for row in choice["prefill"]]
     probed = [row["shape"] for row in choice["prefill"] if row.get("probes")]
     command = (f"--shapes {' '.join(shapes)} --probes{''.join(' ' + shape for shape in probed)}"
@@ -389,8 +392,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--report", type=Path, metavar="DIR", help="print RESULTS.md's section for a run's files")
-    parser.add_argument("--commit", default="?")
-    parser.add_argument("--date", default="?")
+    parser.add_argument("--commit", help="the commit measured (default: git's); with --report, overrides the file's")
+    parser.add_argument("--date", help="with --report: overrides the date compiled_choice.json records")
     parser.add_argument("--llama", action="store_true", help="measure the HF Llama entries (llama.json)")
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--probes", nargs="*", default=["512c", "2048c"], help="shapes whose probes are checked")
@@ -405,7 +408,7 @@ def main() -> None:
     os.environ.setdefault("INDUCTOR_ATTN_CACHE_DIR", tempfile.mkdtemp())  # a fresh store: every shape tunes
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              **run_stamp(None if args.commit == "?" else args.commit)}
+              **run_stamp(args.commit)}
     if args.llama:
         result["llama"] = llama()
     elif args.spell:
