@@ -506,6 +506,29 @@ def test_an_entry_that_fails_while_timing_is_marked_failed_and_the_others_are_ti
     assert failed.samples == [] and failed.failed == "while timing: RuntimeError: CUDA out of memory while capturing"
 
 
+def test_timing_rounds_take_each_trial_once_in_an_order_shuffled_per_round_and_repeatable():
+    """measure.time_trials: one sample of every trial per round, the order shuffled every round (a long kernel's
+    time depends on its predecessor) and fixed by the session's seed."""
+    def run(seed):
+        turns = []
+
+        class Timer:
+            def prepare(self, fns):
+                name = fns[0]()
+                return type("Runner", (), {"note": "", "sample": lambda self: turns.append(name) or 1.0})()
+
+        trials = [measure.Trial(n, lambda c, n=n: (lambda: n), lambda err: False) for n in "abcd"]
+        call = AttnCall("attention", *(torch.zeros(1, 1, 4, 8) for _ in range(3)), 1.0)
+        timed = measure.time_trials(trials, call, Timer(), rounds=6, seed=seed)
+        assert all(len(t.samples) == 6 for t in timed)
+        return [turns[i:i + 4] for i in range(0, len(turns), 4)]
+
+    rounds = run(seed=100)
+    assert all(sorted(r) == list("abcd") for r in rounds)
+    assert len({tuple(r) for r in rounds}) > 1
+    assert run(seed=100) == rounds and run(seed=101) != rounds
+
+
 def test_smoke_results_go_beside_the_decision_store_and_never_into_the_source_tree(capsys):
     before = sorted(p.name for p in (runner.repo_root() / "benchmarks").iterdir())
     with only_backends(REFERENCE):

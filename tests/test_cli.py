@@ -276,8 +276,8 @@ def test_explain_shows_the_host_time_the_rule_weighs_and_each_probe_beside_it(mo
     """Configs of one backend share their launch path's host time (tuning/step_cost.py): the table shows that
     figure, and a config whose own probe differs says so."""
     b = FakeBackend("b", {"x=1": (0.5, 0.01), "x=2": (0.6, 0.01)}, fail=())
-    probes = iter([0.030, 0.050])
-    monkeypatch.setattr(FakeTimer, "host_ms", staticmethod(lambda launch, device: next(probes)))
+    monkeypatch.setattr(FakeTimer, "host_ms_each", staticmethod(
+        lambda launches, device, failed=None: dict(zip(launches, [0.030, 0.050]))))
     timed_with_fakes(monkeypatch, b)
     q = torch.randn(1, 2, 32, 16)
     with only_backends(b), inductor_attn.tuning_mode("autotune"):

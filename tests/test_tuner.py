@@ -16,7 +16,7 @@ from inductor_attn._compat import is_fake
 import inductor_attn
 from inductor_attn.backends import AttnCall, Library, Takes, enumerate_candidates, only_backends
 from inductor_attn.device import DeviceInfo
-from inductor_attn.tuning import measure
+from inductor_attn.tuning import measure, timing
 from inductor_attn.tuning.tuner import tune
 
 DEV = DeviceInfo("cpu", (0, 0), 2)
@@ -110,13 +110,18 @@ def test_a_candidate_that_leaves_the_cuda_context_unusable_stops_the_tune_with_i
 def test_a_host_probe_that_leaves_the_cuda_context_unusable_names_its_candidate(monkeypatch):
     a, b = FakeBackend("a", {"default": (1.0, 0.01)}), FakeBackend("b", {"default": (0.5, 0.01)})
 
-    def host_ms(launch, device):
-        launch()
-        if FakeTimer.last == ("b", "default"):
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return 0.01
+    def breaking(launch):  # b's launch loses the context
+        def run():
+            launch()
+            if FakeTimer.last == ("b", "default"):
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return run
 
-    monkeypatch.setattr(FakeTimer, "host_ms", staticmethod(host_ms))
+    def host_ms_each(launches, device, failed=None):  # the real probe, which takes turns
+        return timing.host_ms_each({name: breaking(launch) for name, launch in launches.items()}, device, warmup=0,
+                                   bursts=1, calls=1, failed=failed)
+
+    monkeypatch.setattr(FakeTimer, "host_ms_each", staticmethod(host_ms_each))
     monkeypatch.setattr(measure, "device_error", lambda device: LOST)
     with pytest.raises(measure.CudaContextLost, match="candidate b:default left"):
         _tune(a, b)
@@ -231,13 +236,17 @@ def test_every_timed_candidate_gets_its_host_time_as_compiled_code_launches_it()
     traced = FakeBackend("a", {"default": (60.0, 0.01)}, traceable=True, host_s=0.004)
     python = FakeBackend("b", {"default": (50.0, 0.01)}, host_s=0.008)
     grad_modes = []
-    real = FakeTimer.host_ms
-    FakeTimer.host_ms = staticmethod(lambda launch, device: grad_modes.append(torch.is_grad_enabled())
-                                     or real(launch, device))
+    real = FakeTimer.host_ms_each
+
+    def noting_grad_mode(launches, device, failed=None):
+        return real({name: (lambda launch=launch: grad_modes.append(torch.is_grad_enabled()) or launch())
+                     for name, launch in launches.items()}, device)
+
+    FakeTimer.host_ms_each = staticmethod(noting_grad_mode)
     try:
         result = _tune(traced, python)
     finally:
-        FakeTimer.host_ms = staticmethod(real)
+        FakeTimer.host_ms_each = staticmethod(real)
     by_name = {c.name: c for c in result.candidates}
     assert result.winner == "b:default"
     assert [by_name[n].traced for n in ("a:default", "b:default")] == [True, False]
@@ -278,6 +287,16 @@ def test_host_time_is_the_median_burst_after_the_first_calls():
 
     assert 1.0 <= host_ms(launch, torch.device("cpu"), warmup=2, bursts=5, calls=4) < 5.0
     assert len(calls) == 22
+
+
+def test_host_probes_of_several_launches_take_turns_burst_by_burst():
+    """The host's speed drifts within a process: the tuner's probes of its candidates take turns, one burst of
+    each per round after every warm-up, as the device timings do, so a drift falls on all alike."""
+    turns = []
+    launches = {name: (lambda name=name: turns.append(name)) for name in "ab"}
+    times = timing.host_ms_each(launches, torch.device("cpu"), warmup=1, bursts=3, calls=2)
+    assert sorted(times) == ["a", "b"] and all(ms >= 0 for ms in times.values())
+    assert "".join(turns) == "ab" + "aabb" * 3
 
 
 def test_host_time_of_an_untraced_candidate_goes_through_the_launch_op_and_is_not_counted(monkeypatch):

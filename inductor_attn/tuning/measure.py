@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import operator
 import os
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -454,9 +455,13 @@ class Timed:
 def time_trials(trials: list[Trial], call: AttnCall, timer, rounds: int, tick=None, seed: int = 100) -> list[Timed]:
     """Interleaved rounds with one timer: every trial is bound to each rotating input copy and prepared
     (warm-up, graph capture), then each round takes one sample of each, so all share the same clock and
-    thermal drift. ``tick()`` is called once per round. A trial that raises one of its "cannot run"
-    errors is marked failed (its memory freed) and the others go on; any other error propagates.
-    ``seed``: of the first input copy; a new seed gives a new timing session fresh inputs."""
+    thermal drift, in an order shuffled every round: a long kernel's time depends on what ran just before it
+    (FA3 at B2 H32 L16k D128 ran 11.3 ms right after SDPA's efficient kernel and 12.4 ms right after FA4's, the
+    GPU's power state, H200, 2026-11-29, benchmarks/tools/timing_order_gpu.py), and a fixed order would give
+    each trial the same predecessor, and its bias, in every round. ``tick()`` is called once per round. A trial
+    that raises one of its "cannot run" errors is marked failed (its memory freed) and the others go on; any
+    other error propagates. ``seed``: of the first input copy and of the order; a new seed gives a new timing
+    session fresh inputs."""
     copies = [fresh_inputs(call, seed=seed + i) for i in range(input_copies(call))]
     results = [Timed() for _ in trials]
     runners = {}
@@ -469,8 +474,11 @@ def time_trials(trials: list[Trial], call: AttnCall, timer, rounds: int, tick=No
             if not trial.cannot_run(err):
                 raise
             _fail(results[i], err, call.q.device)
+    order = random.Random(seed)
     for _ in range(rounds):
-        for i, runner in list(runners.items()):
+        turns = list(runners.items())
+        order.shuffle(turns)
+        for i, runner in turns:
             try:
                 results[i].samples.append(runner.sample())
             except Exception as err:

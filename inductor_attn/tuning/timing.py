@@ -2,8 +2,8 @@
 
 A timer turns zero-argument callables (the same kernel on rotating copies of the inputs, so that small
 problems are not timed out of a warm L2) into a *runner* whose ``sample()`` returns the mean time of
-one call in milliseconds. The tuner interleaves samples of all candidates round by round. ``host_ms(launch,
-device)`` gives the CPU time of one launch (:func:`host_ms`).
+one call in milliseconds. The tuner interleaves samples of all candidates round by round. A timer's
+``host_ms_each(launches, device)`` gives the CPU time of one launch of each, taking turns too (:func:`host_ms_each`).
 
 - ``CudaGraphTimer`` (GPU default): captures ``fn`` into a CUDA graph and times replays with CUDA
   events, flushing L2 before each sample. Seed 001 (ExecuTorch): the decode threshold moved from 2048 to
@@ -31,18 +31,38 @@ L2_FLUSH_BYTES = 256 << 20  # > 50 MB L2 of an H100 / 60 MB of an H200
 
 
 def host_ms(launch, device: torch.device, warmup: int = 10, bursts: int = 5, calls: int = 40) -> float:
-    """CPU time of one launch in steady state: ``warmup`` calls first (a plan records its replay, Triton
-    specializes), then the median of ``bursts`` bursts of ``calls`` launches back to back, as a loop of compiled
-    calls makes them (bursts of 10, each after a synchronize, read 1.3-1.85x the per-call time of bursts of 50
-    for every candidate, H200, 2026-11-29), short enough for the launch queue so the CPU never waits. Timed by
-    this thread's CPU clock, so that what other threads and processes take of the cores meanwhile (compile
-    workers, Inductor's) is not charged to the launch; the median, not the best burst, because a launch's CPU
-    time itself moves between bursts (FA4's through the launch op: 49-84 us per burst on an H200, 2026-11-29)."""
-    for _ in range(warmup):
-        launch()
-    per_call = [burst_cpu_s(launch, device, calls) / calls for _ in range(bursts)]
+    """CPU time of one launch in steady state (:func:`host_ms_each` of this launch alone)."""
+    return host_ms_each({None: launch}, device, warmup, bursts, calls)[None]
+
+
+def host_ms_each(launches: dict, device: torch.device, warmup: int = 10, bursts: int = 5, calls: int = 40,
+                 failed: Callable[[object, BaseException], None] | None = None) -> dict:
+    """CPU time of one launch of each of ``launches`` (name -> launch) in steady state: ``warmup`` calls of each
+    first (a plan records its replay, Triton specializes), then ``bursts`` rounds in which each takes one burst of
+    ``calls`` launches back to back, as a loop of compiled calls makes them (bursts of 10, each after a
+    synchronize, read 1.3-1.85x the per-call time of bursts of 50 for every candidate, H200, 2026-11-29), short
+    enough for the launch queue so the CPU never waits; the median burst of each. Taking turns, as the device
+    timings do: the host's speed drifts within a process (a first tune's probes read 1.2-2.0x a later loop of
+    the same launches for every candidate, and the same probe taken later in turns with the loop 0.8-1.1x, H200,
+    2026-11-29), and a drift then falls on all alike. Timed by this thread's CPU clock, so that what other threads
+    and processes take of the cores meanwhile (compile workers, Inductor's) is not charged to a launch; the
+    median, not the best burst, because a launch's CPU time itself moves between bursts (FA4's through the launch
+    op: 49-84 us per burst on an H200, 2026-11-29). ``failed(name, err)`` is told which launch raised, before
+    the error propagates."""
+    name, per_call = None, {name: [] for name in launches}
+    try:
+        for name, launch in launches.items():
+            for _ in range(warmup):
+                launch()
+        for _ in range(bursts):
+            for name, launch in launches.items():
+                per_call[name].append(burst_cpu_s(launch, device, calls) / calls)
+    except Exception as err:
+        if failed is not None:
+            failed(name, err)
+        raise
     sync(device)
-    return statistics.median(per_call) * 1e3
+    return {name: statistics.median(xs) * 1e3 for name, xs in per_call.items()}
 
 
 def burst_cpu_s(launch, device: torch.device | None, calls: int) -> float:
@@ -63,7 +83,7 @@ class Runner:
 
 class WallClockTimer:
     name = WALL_CLOCK
-    host_ms = staticmethod(host_ms)
+    host_ms_each = staticmethod(host_ms_each)
 
     def __init__(self, inner_repeats: int = 1):
         self.inner_repeats = inner_repeats
@@ -87,7 +107,7 @@ class CudaGraphTimer:
     divided by the number of copies."""
 
     name = "cuda-graph"
-    host_ms = staticmethod(host_ms)
+    host_ms_each = staticmethod(host_ms_each)
 
     def __init__(self, warmup: int = 3):
         self.warmup = warmup

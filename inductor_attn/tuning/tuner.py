@@ -14,9 +14,9 @@ which the benchmark shares):
    call) after the allocator was poisoned with NaN, and must match the reference within the dtype's
    tolerance. The compile and that first call are recorded as ``compile_s``, never mixed into run times.
    A candidate that raises is dropped with its reason.
-4. Timing: candidates that passed are timed in interleaved rounds (one sample each per round) with the
-   device's timer (CUDA-graph replay on GPUs). On a GPU the reference, the gate's oracle, is timed only where
-   no kernel passed.
+4. Timing: candidates that passed are timed in interleaved rounds (one sample each per round, in an order
+   shuffled every round: measure.time_trials) with the device's timer (CUDA-graph replay on GPUs). On a GPU
+   the reference, the gate's oracle, is timed only where no kernel passed.
 5. Agreement: two processes must decide near-ties the same way, and the spread of timings inside one
    CUDA-graph session understates how much a ratio moves from process to process (new allocations, new
    graphs, another clock state). When the two fastest are within ``CLOSE`` of each other, they (and the
@@ -32,10 +32,10 @@ which the benchmark shares):
    compiled code makes it (``host_ms``): through the thin op for a plan without a traced form, the plan's
    launch for a traced one; with autograd off, as compiled code runs (AOTAutograd's compiled forward runs
    inside an autograd.Function, the backward inside the engine: an aten call's autograd dispatch cost a cuDNN
-   forward 52 us against 24 in compiled code, H200). The timer takes it (timing.host_ms). What compiled code
-   runs is decided per compiled graph from both figures (step_cost.py); eager calls run the winner. Inside a
-   compile the tune runs without the Python dispatcher (lowering/emit.py, ``eager_mode``), which would put every
-   aten call through Python.
+   forward 52 us against 24 in compiled code, H200). The timer takes it, the candidates taking turns burst by
+   burst (timing.host_ms_each). What compiled code runs is decided per compiled graph from both figures
+   (step_cost.py); eager calls run the winner. Inside a compile the tune runs without the Python dispatcher
+   (lowering/emit.py, ``eager_mode``), which would put every aten call through Python.
 """
 
 from __future__ import annotations
@@ -226,17 +226,18 @@ class _Search:
 
     def host_times(self, names: list[str]) -> None:
         """Step 7: the host time of every candidate in ``names`` (timed and passed), and whether it is traced."""
-        for name in names:
-            plan = self.mode.plan(self.call, name)
-            res = self.results[name]
-            res.traced = plan.traced is not None
-            try:
-                with torch.no_grad():
-                    res.host_ms = self.timer.host_ms(self.mode.as_compiled_code_runs(plan, self.call, name),
-                                                     self.call.q.device)
-            except Exception as err:  # name the candidate whose launches lost the context (each burst syncs)
-                raise_if_context_lost(name, err, self.call.q.device)
-                raise
+        device = self.call.q.device
+        with torch.no_grad():
+            launches = {}
+            for name in names:
+                plan = self.mode.plan(self.call, name)
+                self.results[name].traced = plan.traced is not None
+                launches[name] = self.mode.as_compiled_code_runs(plan, self.call, name)
+            # an error that lost the context names its candidate (each burst syncs)
+            times = self.timer.host_ms_each(launches, device,
+                                            failed=lambda name, err: raise_if_context_lost(name, err, device))
+        for name, ms in times.items():
+            self.results[name].host_ms = ms
 
     # -- searches -----------------------------------------------------------------------------------
     def exhaustive(self) -> tuple[list[str], list[str]]:
