@@ -272,12 +272,34 @@ def test_writers_produce_the_documented_files_and_columns(tmp_path):
             in md)
     assert "| decode B1 H32/16 Lq1 Lkv16k D256 | GB/s (% copy) | 1000 (30%) SDPA default |" in md
     assert "`triton:bad` wrong: output rel. error" in md  # a wrong candidate is reported
+    assert "- triton default: backend not registered (dense B4 H32 L1k D128 full)" in md
     assert "skipped: needs about 90.0 GiB" in md
     assert "0 of 1 decisions identical (0%); of the 1 that differ, 1 lie inside the tuner's tie margin (noise)" in md
     results_md = (tmp_path / "RESULTS.md").read_text()
     for text in ("NVIDIA H100 80GB HBM3", "2026-11-22 10:00 UTC", "abc1234", "`python -m inductor_attn bench --quick`",
                  f"How these numbers are made: {report.METHOD_DOC}"):
         assert text in results_md
+
+
+def test_the_overhead_table_puts_a_paths_reduce_overhead_form_beside_its_plain_one():
+    from inductor_attn.bench import overhead
+
+    call = {"host_us": 50.0, "wall_us": 60.0, "kernel_us": 10.0}
+    paths = {"ours eager": call, "stock compile": call, "stock compile reduce-overhead": {**call, "wall_us": 40.0}}
+    text = overhead.table({"rows": [{"case": "decode B1", "paths": paths}]})
+    assert text.splitlines()[2:] == ["| decode B1 | ours eager | 50.0 | 60.0 | 10.0 | 1.00x |  |  |  |  |",
+                                     "| decode B1 | stock compile | 50.0 | 60.0 | 10.0 | 1.00x | 50.0 | 40.0 | 10.0 | 1.50x |"]
+
+
+def test_backend_defaults_refused_alike_share_a_line_and_one_defaults_reasons_share_one():
+    rows = [_row("dense A"), _row("dense B")]
+    for r, length in zip(rows, (512, 1024)):
+        r["defaults"] = [{"label": "sdpa flash", "choice": None, "reason": "no masks"},
+                         {"label": "sdpa efficient", "choice": None, "reason": "no masks"},
+                         {"label": "triton_decode default", "choice": None, "reason": f"Lq <= 16, got {length}"}]
+    assert report._notes(rows)[-2:] == ["- sdpa flash, sdpa efficient: no masks (all 2 workloads)",
+                                        "- triton_decode default: Lq <= 16, got 512 (dense A); Lq <= 16, got 1024 "
+                                        "(dense B)"]
 
 
 def test_results_md_links_the_method_and_every_bench_section_names_its_date_commit_and_command():
@@ -1067,7 +1089,7 @@ def test_the_paged_suites_smoke_run_measures_a_serving_loop_and_reports_it(refer
         assert path["compiles"] == 1 and {"host_us", "wall_us", "loop_host_us", "first_pass_s"} <= set(path)
         assert path["kernels"] and all(" -> reference:" in k for k in path["kernels"])  # what ran
     printed = capsys.readouterr().out
-    assert "| serving loop |" in printed and "What the first passes ran:" in printed
+    assert "| serving loop | decode op | ran |" in printed and " | paged | `paged/forward -> reference:" in printed
     for row in data["rows"]:
         assert row["autotuned"]["choice"] in row["candidates"]
     skip = "needs a CUDA device"  # the fa3 backend's reason
@@ -1076,7 +1098,7 @@ def test_the_paged_suites_smoke_run_measures_a_serving_loop_and_reports_it(refer
         assert f"| FA3 default splits (reference) | | | | skipped: {skip} |" in printed
     names, text = _summary_section_of_smoke_run(out, data, tmp_path)
     assert names == ["Paged KV cache on NVIDIA H200"]
-    assert "| B2 H4/2 D32 page16 Lkv44->51, 8 steps | paged | 1 |" in text
+    assert "| B2 H4/2 D32 page16 Lkv44->51, 8 steps | paged | `paged/forward -> reference:default` | 1 |" in text
     if not torch.cuda.is_available():
         assert f"- FA3 default splits skipped: {skip}" in text
 
@@ -1166,7 +1188,7 @@ def test_the_results_files_of_one_suite_and_device_make_one_section(tmp_path):
     assert report.update_summary_sections([ops, client], path) == ["Paged KV cache on NVIDIA H200"]
     text = path.read_text()
     assert text.count("<!-- bench paged on NVIDIA H200 -->") == 1 and "`bench --suite paged --part models`" in text
-    assert "| B1 H32/8 D128 page16 Lkv4096->5095, 1000 steps | | | | | | | | RuntimeError: x |" in text
+    assert "| B1 H32/8 D128 page16 Lkv4096->5095, 1000 steps | | | | | | | | | RuntimeError: x |" in text
     assert paged.client_table(cb) in text and "`bench --suite paged --part ops`" in text
 
 
@@ -1221,7 +1243,7 @@ def test_compiled_choice_report_states_the_run_as_measured(tmp_path):
     (tmp_path / "spell.json").write_text(json.dumps({"spell": {"windows": windows}}))
     text = tool.report(tmp_path, "abc1234", "2026-11-29")
     assert "--shapes 2048c --probes 2048c`" in text and "| L2048c | `fa4:default` |" in text
-    assert "| 2048c | `fa4:default` | 68.0 | 40.0 | 38.0 | 1.05 | 1.02 |" in text
+    assert "| 2048c | `fa4` (1) | 68.0 | 40.0 | 38.0 | 1.05 | 1.02 |" in text
     assert "| prefill B4 L2048 | 6.00 | 4.00 | 1.50x | 5.90 / 3.50 (host) |" in text
     assert "| training step B4 L2048 | 20.00 | 16.00 | 1.25x | 19.50 / 15.50 (device) |" in text
     assert "| training step B1 L512 | | | timed out | |" in text

@@ -60,6 +60,7 @@ from inductor_attn.bench.runner import fresh_store, run_stamp, whole_record
 from inductor_attn.bench.wallclock import BURST, burst_host_us, interleaved_wall_us, own_code, warm
 from inductor_attn.device import device_info
 from inductor_attn.tuning.measure import Direction
+from inductor_attn.tuning.step_cost import entry_point
 from inductor_attn.tuning.timing import host_ms
 
 SHAPES = {f"{n}{'c' if c else 'f'}": (1, 32, 32, n, 128, c) for n in (512, 2048, 8192) for c in (True, False)}
@@ -106,7 +107,14 @@ def _devices(rec: dict, choice: str) -> dict:
 def probes(rec: dict, call: AttnCall, direction: str) -> list[dict]:
     """Each timed candidate's probe from the record (taken inside the tune) against a loop of the same launches,
     and the tuner's probe taken again now, taking turns with the loop (``ROUNDS`` rounds): the first ratio is what the
-    rule read, the second whether the probe's method agrees with the loop under the same conditions."""
+    rule read, the second whether the probe's method agrees with the loop under the same conditions. With autograd
+    off, as the tune probes and compiled code runs (an aten call's autograd dispatch doubled a cuDNN forward's host
+    time, tuning/tuner.py)."""
+    with torch.no_grad():
+        return _probes(rec, call, direction)
+
+
+def _probes(rec: dict, call: AttnCall, direction: str) -> list[dict]:
     mode = Direction(direction, call)
     dev = device_info(call.q.device)
     rows = []
@@ -319,17 +327,24 @@ def report(run: Path, commit: str | None = None, date: str | None = None) -> str
     if "training" in choice:
         probes += [(f"train {d}", p) for d in ("forward", "backward") for p in choice["training"][f"{d}_probes"]]
     lines += ["", "Host probe (what the tune recorded) against a loop of the same launches, and the probe taken again "
-              f"taking turns with the loop ({ROUNDS} rounds, medians):", "",
-              "| call | candidate | kernel us | probe us | loop us | probe / loop | probe again / loop |",
-              "|---|---|---|---|---|---|---|"]
-    lines += [f"| {shape} | `{p['name']}` | {p['device_us']:.1f} | {p['probe_us']:.1f} | {p['loop_us']:.1f} | "
-              f"{p['probe_over_loop']:.2f} | {_fmt_ratio(p.get('probe_now_over_loop'))} |" for shape, p in probes]
-    for row in choice["prefill"]:
-        if "compiled_us" in row:
-            costs = ", ".join(f"`{k}` {v:.0f} us" for k, v in row["compiled_us"].items()
-                              if k != "floor_us" and isinstance(v, float))
-            lines += ["", f"What a compiled call of each choice costs over a compiled `q + 1` "
-                      f"({row['compiled_us']['floor_us']:.0f} us), L{row['shape']}: {costs}."]
+              f"taking turns with the loop ({ROUNDS} rounds, medians), per launch path: the medians over its configs, "
+              "as the rule pools their probes (tuning/step_cost.py):", "",
+              "| call | launch path (configs) | fastest kernel us | probe us | loop us | probe / loop "
+              "| probe again / loop |", "|---|---|---|---|---|---|---|"]
+    paths: dict[tuple, list[dict]] = {}
+    for shape, p in probes:
+        paths.setdefault((shape, entry_point(p["name"])), []).append(p)
+    for (shape, path), group in paths.items():
+        probe, loop = (statistics.median(p[key] for p in group) for key in ("probe_us", "loop_us"))
+        again = [p["probe_now_over_loop"] for p in group if p.get("probe_now_over_loop") is not None]
+        lines.append(f"| {shape} | `{path}` ({len(group)}) | {min(p['device_us'] for p in group):.1f} | {probe:.1f} | "
+                     f"{loop:.1f} | {probe / loop:.2f} | {_fmt_ratio(statistics.median(again) if again else None)} |")
+    costs = ["L{} (its `q + 1` {:.0f} us): {}".format(
+        row["shape"], row["compiled_us"]["floor_us"], ", ".join(
+            f"`{k}` {v:.0f} us" for k, v in row["compiled_us"].items() if k != "floor_us" and isinstance(v, float)))
+        for row in choice["prefill"] if "compiled_us" in row]
+    if costs:
+        lines += ["", f"What a compiled call of each choice costs over a compiled `q + 1`: {'; '.join(costs)}."]
     if "foreign_gate_s" in choice:
         gates = ", ".join(f"L{k} {v * 1e3:.0f} ms" for k, v in choice["foreign_gate_s"].items())
         lines += ["", f"First decision of a bucket this process did not tune (its winner gated here): {gates}."]

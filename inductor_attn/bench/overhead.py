@@ -177,6 +177,15 @@ def run(smoke: bool, quick: bool, device: torch.device, part: str = "all") -> di
 PARTS = {"ops": ("rows", "run_time_lookups"), "models": ("llama",)}
 
 
+def _path_cells(r: dict, stock_wall_us: float | None) -> list[str]:
+    """host, wall and kernel us of one path's call and its wall time against stock compile's, or its status."""
+    if "wall_us" not in r:
+        return [str(r.get("status")), "", "", ""]
+    kernel = "" if r["kernel_us"] is None else f"{r['kernel_us']:.1f}"
+    ratio = f"{stock_wall_us / r['wall_us']:.2f}x" if stock_wall_us else ""
+    return [f"{r['host_us']:.1f}", f"{r['wall_us']:.1f}", kernel, ratio]
+
+
 def bars(result: dict) -> dict | None:
     """The plot of a part's result (report.py ``_summary_plot``): each path's wall us per call per case, or the HF
     Llama steps."""
@@ -187,20 +196,24 @@ def bars(result: dict) -> dict | None:
             "series": {p: [row["paths"].get(p, {}).get("wall_us") for row in result["rows"]] for p in paths}}
 
 
+_GRAPHS = " reduce-overhead"  # a path's name compiled with mode="reduce-overhead" (CUDA graphs)
+
+
 def table(result: dict) -> str:
-    """Markdown: per case, host and wall us of each path, and ours against stock compile; the run-time lookups;
-    the HF Llama steps. Each where the result holds it (a ``--part`` measures some)."""
-    lines = (["| case | path | host us | wall us | kernel us | vs stock compile (wall) |", "|---|---|---|---|---|---|"]
-             if result["rows"] else [])
+    """Markdown: per case, host and wall us of each path, and ours against stock compile, plain and (beside it)
+    in reduce-overhead mode; the run-time lookups; the HF Llama steps. Each where the result holds it (a ``--part``
+    measures some)."""
+    lines = (["| case | path | host us | wall us | kernel us | vs stock compile (wall) | reduce-overhead: host us "
+              "| wall us | kernel us | vs stock compile (wall) |", "|---" * 10 + "|"] if result["rows"] else [])
     for row in result["rows"]:
-        stock = row["paths"].get("stock compile", {}).get("wall_us")
-        for name, r in row["paths"].items():
-            if "wall_us" not in r:
-                lines.append(f"| {row['case']} | {name} | {r.get('status')} | | | |")
-                continue
-            ratio = f"{stock / r['wall_us']:.2f}x" if stock else ""
-            kernel = "" if r["kernel_us"] is None else f"{r['kernel_us']:.1f}"
-            lines.append(f"| {row['case']} | {name} | {r['host_us']:.1f} | {r['wall_us']:.1f} | {kernel} | {ratio} |")
+        paths = row["paths"]
+        stock = paths.get("stock compile", {}).get("wall_us")
+        for name, r in paths.items():
+            if name.endswith(_GRAPHS) and name.removesuffix(_GRAPHS) in paths:
+                continue  # beside its plain form
+            graphs = paths.get(name + _GRAPHS)
+            cells = _path_cells(r, stock) + (_path_cells(graphs, stock) if graphs else [""] * 4)
+            lines.append(f"| {row['case']} | {name} | " + " | ".join(cells) + " |")
     routed = [(row["case"], r["routing"]) for row in result["rows"] for r in row["paths"].values() if "routing" in r]
     if routed:  # a line: each distinct report and the cases that gave it (the routed paths mostly say the same)
         reports: dict[str, dict[str, None]] = {}

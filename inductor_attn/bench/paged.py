@@ -430,23 +430,22 @@ def _sections(shapes: str, result: dict) -> str:
 
 
 def serving_table(rows: list[dict]) -> str:
-    """Markdown: per serving loop and path, the first pass's compiles, tunes and seconds, then host, wall and loop
-    host us per step, and what the timed passes compiled or tuned (nothing, if the targets hold)."""
-    lines = ["| serving loop | decode op | compiles | tunes | first pass s | host us / step | wall us / step | "
-             "loop host us / step | paged vs contiguous, after the first pass |", "|---" * 9 + "|"]
+    """Markdown: per serving loop and path, what its first pass ran, compiled and tuned and its seconds, then host,
+    wall and loop host us per step, and what the timed passes compiled or tuned (nothing, if the targets hold)."""
+    lines = ["| serving loop | decode op | ran | compiles | tunes | first pass s | host us / step | wall us / step | "
+             "loop host us / step | paged vs contiguous, after the first pass |", "|---" * 10 + "|"]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['loop']}, {row['steps']} steps | | | | | | | | {cell(row['error'])} |")
+            lines.append(f"| {row['loop']}, {row['steps']} steps | | | | | | | | | {cell(row['error'])} |")
             continue
         note = (f"rel. err {row['paged_vs_contiguous_err']:.1e}; {row['compiles_after_first_pass']} compiles, "
                 f"{row['tunes_after_first_pass']} tunes")
         for name, p in row["paths"].items():
-            lines.append(f"| {row['loop']}, {row['steps']} steps | {name} | {p['compiles']} | {p['tunes']} | "
+            ran = ", ".join(f"`{k}`" for k in p.get("kernels", ()))
+            lines.append(f"| {row['loop']}, {row['steps']} steps | {name} | {ran} | {p['compiles']} | {p['tunes']} | "
                          f"{p['first_pass_s']:.1f} | {p['host_us']:.1f} | {p['wall_us']:.1f} | {p['loop_host_us']:.1f} "
                          f"| {note if name == 'paged' else ''} |")
-    ran = [f"- {row['loop']}, {name}: " + ", ".join(f"`{k}`" for k in p["kernels"])
-           for row in rows if "error" not in row for name, p in row["paths"].items() if p.get("kernels")]
-    return "\n".join(lines + (["", "What the first passes ran:", "", *ran] if ran else []))
+    return "\n".join(lines)
 
 
 def client_table(cb: dict) -> str:

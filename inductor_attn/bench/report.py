@@ -11,6 +11,7 @@ one section, replaced by the newest result (:func:`update_results_md`).
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import math
 import re
@@ -265,9 +266,33 @@ def _results_section(kind: str, device: str, body: str) -> str:
 
 
 def _provenance(metas: list[dict]) -> str:
-    """A line per results file: date, commit, command and versions."""
-    return "\n".join(f"- {m['date']}, commit {m['commit']}: `{m['command']}`; " + versions_text(m["versions"])
-                     + (f"; {m['timer']} timer" if "timer" in m else "") for m in metas)
+    """A line per run of consecutive results files that share commit, versions and timer (the shards of one
+    run): their dates, the commit, each file's command, the versions."""
+    lines = []
+    for _, same in itertools.groupby(metas, key=lambda m: (m["commit"], m["versions"], m.get("timer"))):
+        same = list(same)
+        m = same[0]
+        lines.append(f"- {_date_span([x['date'] for x in same])}, commit {m['commit']}: "
+                     + ", ".join(f"`{x['command']}`" for x in same) + "; " + versions_text(m["versions"])
+                     + (f"; {m['timer']} timer" if "timer" in m else ""))
+    return "\n".join(lines)
+
+
+def _date_span(dates: list[str]) -> str:
+    """The first and last of ``dates`` ("YYYY-MM-DD HH:MM UTC"), one day written once.
+
+    >>> _date_span(["2026-11-29 22:02 UTC", "2026-11-29 21:59 UTC"]), _date_span(["2026-11-29 21:59 UTC"])
+    ('2026-11-29 21:59-22:02 UTC', '2026-11-29 21:59 UTC')
+    >>> _date_span(["2026-11-29 23:59 UTC", "2026-11-30 00:10 UTC"])
+    '2026-11-29 23:59 UTC to 2026-11-30 00:10 UTC'
+    """
+    first, last = min(dates), max(dates)
+    if first == last:
+        return first
+    day, clock = first.split(" ", 1)
+    if last.startswith(day + " ") and clock.endswith(" UTC"):
+        return f"{day} {clock.removesuffix(' UTC')}-{last.split(' ', 1)[1]}"
+    return f"{first} to {last}"
 
 
 def versions_text(versions: dict) -> str:
@@ -447,8 +472,11 @@ def _num(x, spec: str) -> str:
 def _notes(rows: list[dict]) -> list[str]:
     """Workloads not measured, and every entry that is wrong, failed, or is a named choice (a mode's
     pick, a backend default) that was not timed, with its reason; one line per distinct finding, with
-    the workloads it applies to."""
+    the workloads it applies to. Backend defaults with no candidate share a line where their reasons and
+    workloads are the same (SDPA's three kernels refuse a problem alike), and one backend default's reasons
+    share a line (split-K decode refuses each prefill length in its own words)."""
     found: dict[str, list[str]] = {}
+    refused: dict[str, dict[str, list[str]]] = {}  # backend default -> reason -> workloads
     for r in rows:
         if r["status"] != "ok":
             found.setdefault(f"{r['status']}: {r['reason']}", []).append(r["name"])
@@ -470,8 +498,13 @@ def _notes(rows: list[dict]) -> list[str]:
         for d in r["defaults"]:
             if not d.get("choice"):
                 reason = d.get("reason") or "no candidate for this problem"
-                found.setdefault(f"{d['label']}: {reason}", []).append(r["name"])
+                refused.setdefault(d["label"], {}).setdefault(reason, []).append(r["name"])
     notes = [f"- {text} ({_workloads_text(names, len(rows))})" for text, names in found.items()]
+    labels: dict[str, list[str]] = {}
+    for label, reasons in refused.items():
+        text = "; ".join(f"{reason} ({_workloads_text(names, len(rows))})" for reason, names in reasons.items())
+        labels.setdefault(text, []).append(label)
+    notes += [f"- {', '.join(names)}: {text}" for text, names in labels.items()]
     if len(notes) > MAX_NOTES:
         notes = notes[:MAX_NOTES] + [f"- ... and {len(notes) - MAX_NOTES} more in results.json"]
     return notes

@@ -86,19 +86,28 @@ def launch_costs(record: dict) -> list[LaunchCost]:
 ENTRY_KNOBS = ("kernel", "backend")
 
 
+def entry_point(name: str) -> str:
+    """A candidate's backend and its ``ENTRY_KNOBS``: the library entry point it is launched through.
+
+    >>> entry_point("sdpa:kernel=flash"), entry_point("fa4:tile_mn=128x176"), entry_point("fa4:default")
+    ('sdpa:kernel=flash', 'fa4', 'fa4')
+    """
+    backend, _, config = name.partition(":")
+    entry = [kv for kv in config.split(",") if kv.partition("=")[0] in ENTRY_KNOBS]
+    return ":".join([backend, ",".join(entry)]) if entry else backend
+
+
 def _launch_path(candidate: dict) -> tuple:
     """What a candidate's host time is a property of: whether compiled code launches its traced kernels or calls
-    the launch op (first, as ``launch_costs`` reads it), its backend and its ``ENTRY_KNOBS``. Other knobs change
-    the kernel, not the Python that launches it, so the probes of one path are pooled (their median): on one
-    H200 run (2026-11-29) FA4 configs' probes of one path spread from 36 to 60 us, and trading the tuner's winner
-    for another config on that spread ran a kernel 26% slower.
+    the launch op (first, as ``launch_costs`` reads it) and its :func:`entry_point`. Other knobs change the
+    kernel, not the Python that launches it, so the probes of one path are pooled (their median): on one H200 run
+    (2026-11-29) FA4 configs' probes of one path spread from 36 to 60 us, and trading the tuner's winner for
+    another config on that spread ran a kernel 26% slower.
 
     >>> _launch_path({"name": "sdpa:kernel=flash", "traced": True}), _launch_path({"name": "fa4:tile_mn=128x176"})
-    ((True, 'sdpa', ('kernel=flash',)), (None, 'fa4', ()))
+    ((True, 'sdpa:kernel=flash'), (None, 'fa4'))
     """
-    backend, _, config = candidate["name"].partition(":")
-    entry = tuple(kv for kv in config.split(",") if kv.partition("=")[0] in ENTRY_KNOBS)
-    return candidate.get("traced"), backend, entry
+    return candidate.get("traced"), entry_point(candidate["name"])
 
 
 def step_ms(cost: LaunchCost, calls: int, rest: GraphWork, host_factor: float = 1.0) -> float:
