@@ -27,10 +27,9 @@ def run_wallclock_suite(suite: str, *, smoke: bool, quick: bool, part: str, out:
     module = {"overhead": overhead, "training": training, "tuning-cost": tuning_cost, "paged": paged,
               "fp8": fp8}[suite]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    stamp = run_stamp(commit)
     meta = {"suite": suite, "smoke": smoke, "quick": quick, "part": part, "shard": f"{shard[0]}/{shard[1]}",
-            "command": command, "commit": stamp["commit"], "date": stamp["date"],
-            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "versions": stamp["versions"]}
+            "command": command, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            **run_stamp(commit)}
     if suite != "tuning-cost" and part in ("shipped", "background", "search"):
         print(f"error: --part {part} applies to bench --suite tuning-cost; {suite} takes all, ops or models",
               file=sys.stderr)

@@ -540,7 +540,7 @@ def run_meta(opts: Options, ctx: Context) -> dict:
         stamp["versions"]["cudnn"] = str(torch.backends.cudnn.version())
     return {
         "device": ctx.dev.name, "capability": f"sm_{ctx.dev.arch}", "sm_count": ctx.dev.sm_count,
-        "date": stamp["date"], "commit": stamp["commit"], "command": opts.command, "versions": stamp["versions"],
+        **stamp, "command": opts.command,
         "python": sys.version.split()[0], "suite": opts.suite, "size": opts.size,
         "shard": f"{opts.shard[0]}/{opts.shard[1]}", "rounds": ctx.rounds, "timer": ctx.timer.name,
         "budget_s": ctx.budget_s, "registry": [b.name for b in backends()], "smoke": opts.smoke,
