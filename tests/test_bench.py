@@ -361,13 +361,26 @@ def test_smoke_results_never_go_into_results_md(tmp_path):
 
 
 def test_report_merges_several_suite_runs_into_one_results_md(tmp_path):
-    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a, b, c = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
     a.write_text(json.dumps(_result("python -m inductor_attn bench --suite dense")))
-    b.write_text(json.dumps(_result("python -m inductor_attn bench --suite decode")))
+    other = _result("python -m inductor_attn bench --suite decode")
+    for row in other["rows"]:
+        row["name"] = row["name"].replace("B4 ", "B8 ").replace("B1 ", "B2 ")
+    b.write_text(json.dumps(other))
     assert main(["bench", "--report", str(a), str(b), "--out", str(tmp_path / "merged")]) == 0
     text = (tmp_path / "merged" / "RESULTS.md").read_text()
     assert "--suite dense" in text and "--suite decode" in text
-    assert text.count("| dense B4 H32 L1k D128 full | TF/s | 100 SDPA default") == 2
+    assert "| dense B4 H32 L1k D128 full | TF/s | 100 SDPA default" in text
+    assert "| dense B8 H32 L1k D128 full | TF/s | 100 SDPA default" in text
+    # a shard run again replaces its rows: the first file's dense row gives way to the third's
+    again = _result("python -m inductor_attn bench --suite dense --shard 1/15")
+    again["rows"] = again["rows"][:1]
+    again["rows"][0]["entries"][0].update(median_ms=0.5, tflops=200.0)
+    c.write_text(json.dumps(again))
+    assert main(["bench", "--report", str(a), str(c), "--out", str(tmp_path / "again")]) == 0
+    text = (tmp_path / "again" / "RESULTS.md").read_text()
+    assert "| dense B4 H32 L1k D128 full | TF/s | 100 SDPA default" not in text
+    assert "| dense B4 H32 L1k D128 full | TF/s | 200 SDPA default" in text and "--shard 1/15" in text
 
 
 def test_compare_tunes_counts_identical_decisions_and_whether_a_difference_is_inside_the_noise():

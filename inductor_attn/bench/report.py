@@ -67,14 +67,26 @@ def _jsonable(x):
 def merge(runs: list[dict], paths: list[Path]) -> dict:
     """Merge the parsed results.json files ``runs`` (read from ``paths``, named in errors) into one result: rows
     concatenated, each run's meta kept in ``runs``, and the runs' quality sections joined (their tunes, compile
-    entries and notes, in run order)."""
+    entries and notes, in run order). A workload of one suite measured by several files on one device keeps the
+    last file's row, in the place of the first: re-running one shard refreshes its rows and leaves the others.
+
+    >>> meta = {"device": "H200"}
+    >>> old = {"schema": 1, "meta": meta, "rows": [{"name": "w1", "v": 1}, {"name": "w2", "v": 1}]}
+    >>> new = {"schema": 1, "meta": meta, "rows": [{"name": "w1", "v": 2}]}
+    >>> [(r["name"], r["v"], r["run"]) for r in merge([old, new], [Path("a"), Path("b")])["rows"]]
+    [('w1', 2, 1), ('w2', 1, 0)]
+    """
     if not runs:
         raise ValueError("give at least one results.json")
     for p, r in zip(paths, runs):
         if r.get("schema") != 1:
             raise ValueError(f"{p}: not a schema-1 inductor_attn bench result")
-    merged = {"schema": 1, "meta": runs[0]["meta"], "runs": [r["meta"] for r in runs],
-              "rows": [{**row, "run": i} for i, r in enumerate(runs) for row in r["rows"]], "quality": None}
+    rows: dict[tuple, dict] = {}
+    for i, r in enumerate(runs):
+        for row in r["rows"]:
+            rows[(row.get("kind"), row["name"], r["meta"].get("device"))] = {**row, "run": i}
+    merged = {"schema": 1, "meta": runs[0]["meta"], "runs": [r["meta"] for r in runs], "rows": list(rows.values()),
+              "quality": None}
     qualities = [r["quality"] for r in runs if r.get("quality")]
     if qualities:
         merged["quality"] = _merge_quality(qualities)
