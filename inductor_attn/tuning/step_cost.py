@@ -19,7 +19,9 @@ the program around the call:
 
 The lowering estimates ``H`` and ``D`` for each graph it compiles (lowering/graph_cost.py) and decides every
 bucket of the graph together (:func:`choose_for_graph`). The tuner's winner stays unless another candidate
-makes the step faster by more than the tie margin, so a near-tie never flips between compiles.
+makes the step faster by more than the tie margin, so a near-tie never flips between compiles; one exception: a
+kernel that ties the winner's within the tie margin and launches cheaper beyond the probes' error takes its
+place (:func:`_incumbent`), since which of two tied kernels won is chance, and ``H`` and ``D`` are estimates.
 ``cache explain`` prints the choice per regime (:func:`explain_choice`). An eager call runs the winner: it pays
 its own launch in any case, and a user who captures eager calls into a CUDA graph pays no host time.
 """
@@ -163,10 +165,29 @@ def _plus(rest: GraphWork, launches) -> GraphWork:
                      rest.device_ms + sum(n * c.device_ms for c, n in launches))
 
 
-def _choose(bucket: Bucket, rest: GraphWork) -> tuple[LaunchCost, str]:
-    """The winner, unless another candidate makes the step faster by more than the tie margin with its host time
-    ``HOST_ERROR`` higher than measured and the winner's that much lower; then the fastest such candidate."""
+def _incumbent(bucket: Bucket) -> tuple[LaunchCost, str]:
+    """The candidate the others must beat, and why it is not the winner (or ""): among the candidates whose kernel
+    ties the winner's (within the tie margin), the one whose launch is cheaper than the winner's beyond the probes'
+    error, the cheapest. Inside the tie margin the tune cannot tell which kernel is faster, so the winner's name
+    there is chance, while a cheaper launch shortens every step that is not clearly device-bound: HF Llama's B4
+    L2048 training step ran FA3's forward (88.5 us of kernel, ~120 us of launch) where FA4's (89.5, ~45) tied it,
+    in graphs the estimate called device-bound and the profile showed waiting on the host (H200, 2026-11-29)."""
     winner = _winner_cost(bucket)
+    tied = [c for c in bucket.costs if c.device_ms <= winner.device_ms * (1 + TIE_MARGIN)
+            and c.host_ms * (1 + HOST_ERROR) < winner.host_ms * (1 - HOST_ERROR)]
+    if not tied:
+        return winner, ""
+    cheapest = min(tied, key=lambda c: (c.host_ms, c.device_ms))
+    return cheapest, (f"; it ties the winner {winner.name}'s kernel ({cheapest.device_ms:.4f} against "
+                      f"{winner.device_ms:.4f} ms, within the {TIE_MARGIN:.0%} tie margin) with a launch cheaper "
+                      f"beyond the probes' error ({cheapest.host_ms:.4f} against {winner.host_ms:.4f} ms)")
+
+
+def _choose(bucket: Bucket, rest: GraphWork) -> tuple[LaunchCost, str]:
+    """The incumbent (:func:`_incumbent`: the winner, or a candidate tied with its kernel and cheaper to launch),
+    unless another candidate makes the step faster by more than the tie margin with its host time ``HOST_ERROR``
+    higher than measured and the incumbent's that much lower; then the fastest such candidate."""
+    winner, tie_note = _incumbent(bucket)
     held = step_ms(winner, bucket.calls, rest, 1 - HOST_ERROR)
     best = min(bucket.costs, key=lambda c: step_ms(c, bucket.calls, rest, 1 + HOST_ERROR))
     bound = "host" if rest.host_ms - rest.device_ms >= 0 else "device"
@@ -177,12 +198,14 @@ def _choose(bucket: Bucket, rest: GraphWork) -> tuple[LaunchCost, str]:
             f"; {best.name} ({best.device_ms:.4f} + {best.host_ms:.4f} ms of host against {winner.device_ms:.4f} + "
             f"{winner.host_ms:.4f}) would cost {step_ms(best, bucket.calls, rest):.3f} ms: not faster once each "
             f"host time may be {HOST_ERROR:.0%} off and with the {TIE_MARGIN:.0%} tie margin")
-        return winner, (f"the winner: the step costs {step_ms(winner, bucket.calls, rest):.3f} ms with it ({context})"
-                        f"{runner_up}")
+        lead = "" if tie_note else "the winner: "
+        return winner, (f"{lead}the step costs {step_ms(winner, bucket.calls, rest):.3f} ms with it ({context})"
+                        f"{tie_note}{runner_up}")
+    named = "" if tie_note else "the winner "
     return best, (f"step {step_ms(best, bucket.calls, rest):.3f} ms against {step_ms(winner, bucket.calls, rest):.3f} "
-                  f"ms with the winner {winner.name} ({best.device_ms:.4f} + {best.host_ms:.4f} ms of host against "
+                  f"ms with {named}{winner.name} ({best.device_ms:.4f} + {best.host_ms:.4f} ms of host against "
                   f"{winner.device_ms:.4f} + {winner.host_ms:.4f}, each host time within {HOST_ERROR:.0%}; "
-                  f"{context})")
+                  f"{context}){tie_note.replace('; it ties', '; that one ties')}")
 
 
 def explain_choice(winner: str, costs: list[LaunchCost]) -> list[str]:
