@@ -178,7 +178,7 @@ def _incumbent(bucket: Bucket) -> tuple[LaunchCost, str]:
     if not tied:
         return winner, ""
     cheapest = min(tied, key=lambda c: (c.host_ms, c.device_ms))
-    return cheapest, (f"; it ties the winner {winner.name}'s kernel ({cheapest.device_ms:.4f} against "
+    return cheapest, (f"; {cheapest.name} ties the winner {winner.name}'s kernel ({cheapest.device_ms:.4f} against "
                       f"{winner.device_ms:.4f} ms, within the {TIE_MARGIN:.0%} tie margin) with a launch cheaper "
                       f"beyond the probes' error ({cheapest.host_ms:.4f} against {winner.host_ms:.4f} ms)")
 
@@ -205,7 +205,7 @@ def _choose(bucket: Bucket, rest: GraphWork) -> tuple[LaunchCost, str]:
     return best, (f"step {step_ms(best, bucket.calls, rest):.3f} ms against {step_ms(winner, bucket.calls, rest):.3f} "
                   f"ms with {named}{winner.name} ({best.device_ms:.4f} + {best.host_ms:.4f} ms of host against "
                   f"{winner.device_ms:.4f} + {winner.host_ms:.4f}, each host time within {HOST_ERROR:.0%}; "
-                  f"{context}){tie_note.replace('; it ties', '; that one ties')}")
+                  f"{context}){tie_note}")
 
 
 def explain_choice(winner: str, costs: list[LaunchCost]) -> list[str]:
