@@ -500,6 +500,20 @@ def test_every_candidate_within_close_of_the_fastest_is_timed_again():
     assert result.noise == pytest.approx(0.176, abs=0.01) and result.winner == "b:default"
 
 
+def test_close_configs_that_decide_nothing_do_not_widen_the_noise():
+    """Two configs behind the two fastest, moving a lot against each other between sessions, are timed again but
+    leave the noise to the ratios that decide: the two fastest (and the default where it is close)."""
+    a = FakeBackend("a", {"default": (1.0, 0.002)})
+    b = FakeBackend("b", {"default": (0.80, 0.002)})
+    c = FakeBackend("c", {"default": (0.81, 0.002)})
+    d = FakeBackend("d", {"default": (0.84, 0.002)})
+    e = FakeBackend("e", {"default": (0.84, 0.002)})
+    timer = SessionTimer([a, b, c, d, e], {"d": [1.0, 1.08, 0.95], "e": [1.0, 0.94, 1.06]})
+    result = _tune_with(a, b, c, d, e, search="exhaustive", timer=timer)
+    assert len(next(r for r in result.candidates if r.name == "e:default").samples) == 60
+    assert result.noise < 0.02 and result.winner == "b:default"
+
+
 def test_top_two_far_apart_are_not_timed_again():
     a = FakeBackend("a", {"default": (1.0, 0.01)})
     b = FakeBackend("b", {"default": (0.5, 0.01)})
