@@ -380,6 +380,12 @@ def test_report_merges_several_suite_runs_into_one_results_md(tmp_path):
     assert main(["bench", "--report", str(a), str(c), "--out", str(tmp_path / "again")]) == 0
     text = (tmp_path / "again" / "RESULTS.md").read_text()
     assert "| dense B4 H32 L1k D128 full | TF/s | 100 SDPA default" not in text
+    merged = report.merge([json.loads(a.read_text()), again], [a, c])
+    assert [t["name"] for t in merged["quality"]["tunes"]] == ["dense B4 H32 L1k D128 full"]
+    # flex_route writes a row per pass under one name: both stay
+    passes = [{"kind": "flex_route", "name": "document", "pass": p} for p in ("forward", "forward+backward")]
+    meta = {"device": "H200"}
+    assert len(report.merge([{"schema": 1, "meta": meta, "rows": passes}], [a])["rows"]) == 2
     assert "| dense B4 H32 L1k D128 full | TF/s | 200 SDPA default" in text and "--shard 1/15" in text
 
 

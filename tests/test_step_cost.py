@@ -52,6 +52,15 @@ def test_a_kernel_tied_with_the_winners_and_cheaper_to_launch_runs_in_plain_mode
     # a launch within the probes' error of the winner's leaves the winner
     close = LaunchCost("fa4:default", device_ms=0.0895, host_ms=0.130)
     assert _choice(device_bound, calls=8, winner=fa3.name, costs=(fa3, close)) == fa3.name
+    # a kernel faster than the winner's beyond the margin is no tie: the cheapest tied launch is the incumbent,
+    # and the faster kernel replaces it only where the step gains
+    faster = LaunchCost("fa4:tile_mn=128x176", device_ms=0.060, host_ms=0.048)
+    tied = LaunchCost("fa4:default", device_ms=0.0870, host_ms=0.023)
+    chosen = choose_for_graph({"k": Bucket(fa3.name, [fa3, faster, tied], 8)}, device_bound)["k"]
+    assert chosen[0] == faster.name and "ties the winner" in chosen[1] and "with fa4:default" in chosen[1]
+    cheapest = LaunchCost("fa4:tile_mn=128x176", device_ms=0.060, host_ms=0.020)  # faster and cheaper: no tie
+    chosen = choose_for_graph({"k": Bucket(fa3.name, [fa3, cheapest], 8)}, device_bound)["k"]
+    assert chosen[0] == cheapest.name and "ties" not in chosen[1] and "with the winner fa3" in chosen[1]
 
 
 def test_buckets_of_one_graph_are_decided_together():

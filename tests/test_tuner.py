@@ -496,7 +496,8 @@ def test_every_candidate_within_close_of_the_fastest_is_timed_again():
     samples = {r.name: len(r.samples) for r in result.candidates}
     assert samples == {"a:default": 60, "b:default": 60, "c:default": 60, "d:default": 60}
     assert "b:default, c:default, d:default timed in" in result.noise_note
-    # d over b per session: 1.075, 0.914, 0.914 -> 17.6%; b is inside that margin of d and earlier in prior order
+    # d's time over b's per session: 1.075, 0.914, 0.914 -> 17.6%; b is inside that margin of d and earlier in
+    # prior order
     assert result.noise == pytest.approx(0.176, abs=0.01) and result.winner == "b:default"
 
 

@@ -83,23 +83,27 @@ def merge(runs: list[dict], paths: list[Path]) -> dict:
             raise ValueError(f"{p}: not a schema-1 inductor_attn bench result")
     rows: dict[tuple, dict] = {}
     for i, r in enumerate(runs):
-        for row in r["rows"]:
-            rows[(row.get("kind"), row["name"], r["meta"].get("device"))] = {**row, "run": i}
+        for row in r["rows"]:  # flex_route has a row per pass of one name
+            rows[(row.get("kind"), row["name"], row.get("pass"), r["meta"].get("device"))] = {**row, "run": i}
     merged = {"schema": 1, "meta": runs[0]["meta"], "runs": [r["meta"] for r in runs], "rows": list(rows.values()),
               "quality": None}
-    qualities = [r["quality"] for r in runs if r.get("quality")]
+    qualities = [(r["quality"], r["meta"].get("device")) for r in runs if r.get("quality")]
     if qualities:
         merged["quality"] = _merge_quality(qualities)
     return merged
 
 
-def _merge_quality(qualities: list[dict]) -> dict:
-    out = {"tunes": [], "compile": [], "notes": []}
-    for q in qualities:
-        out["tunes"] += q.get("tunes") or []
-        out["compile"] += q.get("compile") or []
-        out["notes"] += q.get("notes") or []
-    return out
+def _merge_quality(qualities: list[tuple[dict, str | None]]) -> dict:
+    """The (quality section, device) of several runs as one: tune and compile entries of one workload and device
+    keep the last run's, as rows do (:func:`merge`); notes are all kept."""
+    tunes: dict[tuple, dict] = {}
+    compiles: dict[tuple, dict] = {}
+    notes: list = []
+    for q, device in qualities:
+        tunes.update(((t.get("name"), device), t) for t in q.get("tunes") or [])
+        compiles.update(((c.get("name"), device), c) for c in q.get("compile") or [])
+        notes += q.get("notes") or []
+    return {"tunes": list(tunes.values()), "compile": list(compiles.values()), "notes": notes}
 
 
 # ----------------------------------------------------------------------------------------- markdown

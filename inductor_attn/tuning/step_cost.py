@@ -11,11 +11,11 @@ the program around the call:
   total host time and its total device time, not their sum. A graph with ``n`` calls of a bucket running on
   candidate c, and other work costing ``H`` of host and ``D`` of device time, costs
   ``max(H + n * host_c, D + n * device_c)``. In a device-bound graph a launch's host time hides behind the
-  kernels and the fastest kernel wins; in a host-bound one (decode steps, small batches) the cheapest launch
-  does. A call through the launch op costs compiled code more than the same op called alone, as the tune
-  probes it (``OP_IN_GRAPH_MS``, added to those candidates' probes); the probes of one tune are within about
-  10% of each other's truth (``HOST_ERROR``), so another candidate replaces the winner only where it wins
-  by more than that error.
+  kernels and the fastest kernel wins (or one tied with it and cheaper to launch); in a host-bound one (decode
+  steps, small batches) the cheapest launch does. A call through the launch op costs compiled code more than
+  the same op called alone, as the tune probes it (``OP_IN_GRAPH_MS``, added to those candidates' probes); the
+  probes of one tune are within about 10% of each other's truth (``HOST_ERROR``), so another candidate replaces
+  the winner only where it wins by more than that error.
 
 The lowering estimates ``H`` and ``D`` for each graph it compiles (lowering/graph_cost.py) and decides every
 bucket of the graph together (:func:`choose_for_graph`). The tuner's winner stays unless another candidate
@@ -167,13 +167,15 @@ def _plus(rest: GraphWork, launches) -> GraphWork:
 
 def _incumbent(bucket: Bucket) -> tuple[LaunchCost, str]:
     """The candidate the others must beat, and why it is not the winner (or ""): among the candidates whose kernel
-    ties the winner's (within the tie margin), the one whose launch is cheaper than the winner's beyond the probes'
-    error, the cheapest. Inside the tie margin the tune cannot tell which kernel is faster, so the winner's name
-    there is chance, while a cheaper launch shortens every step that is not clearly device-bound: HF Llama's B4
-    L2048 training step ran FA3's forward (88.5 us of kernel, ~120 us of launch) where FA4's (89.5, ~45) tied it,
-    in graphs the estimate called device-bound and the profile showed waiting on the host (H200, 2026-11-29)."""
+    ties the winner's (within the tie margin either way), the one whose launch is cheaper than the winner's beyond
+    the probes' error, the cheapest. Within that margin the tuner itself calls two kernels tied (its own margin is
+    at least that), so the winner's name there is chance, while a cheaper launch shortens every step that is not
+    clearly device-bound: HF Llama's B4 L2048 training step ran FA3's forward (88.5 us of kernel, ~120 us of
+    launch) where FA4's (89.5, ~45) tied it, in graphs the estimate called device-bound and the profile showed
+    waiting on the host (H200, 2026-11-29). A kernel faster than the winner's by more than the margin is not a
+    tie: the step decides whether it runs (:func:`_choose`)."""
     winner = _winner_cost(bucket)
-    tied = [c for c in bucket.costs if c.device_ms <= winner.device_ms * (1 + TIE_MARGIN)
+    tied = [c for c in bucket.costs if abs(c.device_ms / winner.device_ms - 1) <= TIE_MARGIN
             and c.host_ms * (1 + HOST_ERROR) < winner.host_ms * (1 - HOST_ERROR)]
     if not tied:
         return winner, ""

@@ -366,9 +366,10 @@ class _Search:
         judged = [n for n in group if n in (first, second) or (n == default and default in close)]
         noise = max(_spread([a / b for a, b in zip(medians[x], medians[y])])
                     for x, y in itertools.combinations(judged, 2))
-        ratios = ", ".join(f"{a / b:.3f}" for a, b in zip(medians[second], medians[first]))
+        speedups = ", ".join(f"{a / b:.3f}" for a, b in zip(medians[second], medians[first]))
         return noise, (f"{', '.join(contenders)} timed in {NOISE_SESSIONS} more sessions (fresh inputs, new CUDA "
-                       f"graphs); {first} over {second} per session: {ratios}; largest change {noise:.1%}")
+                       f"graphs); {first}'s speedup over {second} per session: {speedups}; largest change "
+                       f"{noise:.1%}")
 
 
 def _spread(ratios: list[float]) -> float:
