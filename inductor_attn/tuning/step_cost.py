@@ -175,7 +175,7 @@ def _incumbent(bucket: Bucket) -> tuple[LaunchCost, str]:
     waiting on the host (H200, 2026-11-29). A kernel faster than the winner's by more than the margin is not a
     tie: the step decides whether it runs (:func:`_choose`)."""
     winner = _winner_cost(bucket)
-    tied = [c for c in bucket.costs if abs(c.device_ms / winner.device_ms - 1) <= TIE_MARGIN
+    tied = [c for c in bucket.costs if abs(c.device_ms - winner.device_ms) <= TIE_MARGIN * winner.device_ms
             and c.host_ms * (1 + HOST_ERROR) < winner.host_ms * (1 - HOST_ERROR)]
     if not tied:
         return winner, ""
