@@ -65,10 +65,10 @@ def _jsonable(x):
 
 
 def merge(runs: list[dict], paths: list[Path]) -> dict:
-    """Merge the parsed results.json files ``runs`` (read from ``paths``, named in errors) into one result: rows
-    concatenated, each run's meta kept in ``runs``, and the runs' quality sections joined (their tunes, compile
-    entries and notes, in run order). A workload of one suite measured by several files on one device keeps the
-    last file's row, in the place of the first: re-running one shard refreshes its rows and leaves the others.
+    """Merge the parsed results.json files ``runs`` (read from ``paths``, named in errors) into one result: rows in
+    run order, each run's meta kept in ``runs``, and the runs' quality sections joined (:func:`_merge_quality`).
+    A workload of one suite measured by several files on one device keeps the last file's row, in the place of the
+    first: re-running one shard refreshes its rows and leaves the others.
 
     >>> meta = {"device": "H200"}
     >>> old = {"schema": 1, "meta": meta, "rows": [{"name": "w1", "v": 1}, {"name": "w2", "v": 1}]}
