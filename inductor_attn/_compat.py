@@ -273,3 +273,10 @@ def inductor_counters():
     from torch._dynamo.utils import counters
 
     return counters["inductor"]
+
+
+def current_raw_stream(device_index: int) -> int:
+    """The current CUDA stream of a device as an int, the way Inductor's generated code reads it
+    (``torch._C._cuda_getCurrentRawStream``, torch/_inductor/codegen/wrapper.py, 2.11 and 2.13; absent from CPU
+    builds): a C call, where ``torch.cuda.current_stream(i).cuda_stream`` builds a Stream object first."""
+    return torch._C._cuda_getCurrentRawStream(device_index)

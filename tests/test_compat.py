@@ -217,3 +217,8 @@ def test_inductors_counters_are_saved_with_a_cached_graph_and_added_again_on_a_h
     assert _compat.inductor_counters() is torch._dynamo.utils.counters["inductor"]
     assert 'counters["inductor"] += graph.counter_deltas' in inspect.getsource(codecache.FxGraphCache)
     assert 'counters["inductor"] - inductor_counters' in inspect.getsource(compile_fx)
+
+
+def test_the_raw_stream_getter_is_in_every_cuda_build():
+    """Inductor's generated code reads the current stream through it; the replay's kept scratch is keyed on it."""
+    assert hasattr(torch._C, "_cuda_getCurrentRawStream") == (torch.version.cuda is not None)

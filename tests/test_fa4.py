@@ -991,3 +991,31 @@ def test_a_replays_scratch_buffers_share_one_allocation_without_overlapping():
     for (offset, b), (next_offset, _) in zip(starts, starts[1:]):
         assert offset + b.numel() * b.element_size() <= next_offset
     assert starts[-1][1] is b0  # the zeroed buffers first, side by side
+
+
+def test_a_replay_outside_a_check_reuses_one_kept_allocation_and_clears_its_zeroed_buffers(monkeypatch):
+    """Steady-state replays make no tensor but the zero fill: the buffers are views of an allocation kept per
+    device and stream, grown for a larger arena (whose views are then made again); a check's replay (poison
+    given) gets a fresh allocation of its own."""
+    monkeypatch.setattr(record_replay, "_KEPT", {})  # this process's other replays may have grown it
+    seen = []
+
+    def dirty(zeroed, other):  # a kernel that leaves garbage in both buffers
+        seen.append((zeroed.clone(), zeroed.untyped_storage().data_ptr()))
+        zeroed.fill_(7.0)
+        other.fill_(9.0)
+
+    small = record_replay.Replay([(dirty, [(record_replay.SCRATCH, 0), (record_replay.SCRATCH, 1)])],
+                                 [((4,), (1,), torch.float32, True), ((8,), (1,), torch.float32, False)])
+    big = record_replay.Replay([(dirty, [(record_replay.SCRATCH, 0), (record_replay.SCRATCH, 1)])],
+                               [((64,), (1,), torch.float32, True), ((1024,), (1,), torch.float32, False)])
+    q = torch.randn(2)
+    small((q,))
+    small((q,))
+    (first, ptr1), (second, ptr2) = seen
+    assert ptr1 == ptr2 and not first.any() and not second.any()  # kept, and cleared though the kernel dirtied it
+    big((q,))
+    small((q,))
+    assert seen[2][1] == seen[3][1] != ptr1 and not seen[3][0].any()  # grown once, the small one's views remade
+    small((q,), poison=float("nan"))
+    assert seen[4][1] != seen[3][1] and not seen[4][0].any()

@@ -26,6 +26,8 @@ import threading
 
 import torch
 
+from .._compat import current_raw_stream
+
 log = logging.getLogger(__name__)
 
 # What an argument of a replayed kernel call is: a recorded constant, a role (an index into the values) or a
@@ -159,11 +161,13 @@ class Replay:
     values a launch builds), a scratch buffer (allocated per call as recorded: shape, strides, dtype, and zeroed
     or not) or a recorded constant.
 
-    A launch is host time on the critical path of a host-bound step (FA4's backward replay took 110 us, 35 of
-    them its five scratch buffers and two zero fills, H200, 2026-11-29), so the scratch buffers are carved out of
-    one allocation, those to be zeroed side by side and cleared by one fill, each at an offset of a multiple of
-    ``_ALIGN`` bytes as the allocator's own blocks are; and each kernel's arguments are picked out of one tuple
-    of values, buffers and constants by precomputed indices."""
+    A launch is host time on the critical path of a host-bound step (FA4's backward replay of a B4 H16/4 L2k D64
+    call took 167 us, 50 of them making its five scratch buffers, 50 its five kernel calls; H200, 2026-11-30), so
+    the scratch buffers are views of one allocation, those to be zeroed side by side and cleared by one fill, each
+    at an offset of a multiple of ``_ALIGN`` bytes as the allocator's own blocks are. That allocation is kept
+    between calls, one per device and stream (:meth:`_Arena.kept`): a call then makes no tensor but the fill.
+    Each kernel's arguments are picked out of one tuple of values, buffers and constants by precomputed
+    indices."""
 
     def __init__(self, steps: list, scratch: list):
         self.steps, self.scratch = steps, scratch
@@ -171,7 +175,14 @@ class Replay:
         self._picks = None  # (steps they were built from, [(fn, picker)], constants)
 
     def __call__(self, values: tuple, poison: float | None = None):
-        buffers = self._arena.carve(values[0].device, poison)
+        device = values[0].device
+        if poison is not None or not self._arena.places or not _may_keep(device):
+            self._launch(values, self._arena.carve(device, poison))
+            return
+        with _KEPT_LOCK:  # another thread's replay on this stream must not interleave with this one's kernels
+            self._launch(values, self._arena.kept(device))
+
+    def _launch(self, values: tuple, buffers: list) -> None:
         if self._picks is None or self._picks[0] is not self.steps:  # built on first use (tools swap steps)
             self._picks = (self.steps, *_pickers(self.steps, len(values), len(buffers)))
         _, calls, constants = self._picks
@@ -209,19 +220,58 @@ class _Arena:
         self.zeroed = [s[3] for s in scratch]
 
     def carve(self, device: torch.device, poison: float | None) -> list[torch.Tensor]:
-        """The buffers, in scratch order; those not zeroed filled with ``poison`` if given."""
+        """The buffers in a new allocation, in scratch order; those not zeroed filled with ``poison`` if given."""
         if not self.places:
             return []
-        flat = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
-        if self.zeroed_bytes:
-            flat[:self.zeroed_bytes].zero_()
-        typed = {dtype: flat.view(dtype) for dtype in self.dtypes}
-        buffers = [typed[dtype].as_strided(shape, stride, offset) for shape, stride, dtype, offset in self.places]
+        buffers, zeroed = self._views(torch.empty(self.nbytes, dtype=torch.uint8, device=device))
+        if zeroed is not None:
+            zeroed.zero_()
         if poison is not None:
             for buf, zeroed in zip(buffers, self.zeroed):
                 if not zeroed:
                     buf.fill_(poison)
         return buffers
+
+    def kept(self, device: torch.device) -> list[torch.Tensor]:
+        """The buffers as views of the allocation kept for ``device``'s current stream (:data:`_KEPT`), grown to
+        this arena's size where it is smaller; the zeroed ones cleared. The caller holds :data:`_KEPT_LOCK`
+        until its kernels are launched: kernels of one stream run in launch order, so one call's kernels are
+        done with the buffers before the next call's first kernel touches them, as the caching allocator
+        reuses a freed block on its own stream."""
+        key = (device, current_raw_stream(device.index) if device.type == "cuda" else 0)
+        flat, views = _KEPT.get(key, (None, None))
+        if flat is None or flat.numel() < self.nbytes:
+            with torch.inference_mode(False):  # an inference tensor could not be cleared outside inference mode
+                flat, views = _KEPT[key] = torch.empty(self.nbytes, dtype=torch.uint8, device=device), {}
+        made = views.get(self)
+        if made is None:
+            made = views[self] = self._views(flat)
+        buffers, zeroed = made
+        if zeroed is not None:
+            zeroed.zero_()
+        return buffers
+
+    def _views(self, flat: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """The buffers laid out in ``flat`` (bytes, at least ``nbytes``), and the span of the zeroed ones."""
+        typed = {dtype: flat.view(dtype) for dtype in self.dtypes}
+        buffers = [typed[dtype].as_strided(shape, stride, offset) for shape, stride, dtype, offset in self.places]
+        return buffers, (flat[:self.zeroed_bytes] if self.zeroed_bytes else None)
+
+
+# The scratch allocation kept per (device, stream) for replays outside CUDA-graph capture (a capture allocates
+# its own from the graph's pool): as large as the largest arena replayed there, and each arena's views of it.
+# It holds that much memory for the process's life, as a library's workspace does (cuDNN's, cuBLAS's): about
+# 51 MB for FA4's backward at B4 H16/4 L2k D64 (float32 accumulators of dq, and of dk and dv for GQA).
+_KEPT: dict[tuple, tuple[torch.Tensor, dict]] = {}
+_KEPT_LOCK = threading.Lock()
+
+
+def _may_keep(device: torch.device) -> bool:
+    """Whether a replay on ``device`` may use the kept allocation: not while its stream captures a CUDA graph,
+    and on CUDA only for the current device, the one whose stream the capture check reads."""
+    if device.type != "cuda":
+        return True
+    return device.index == torch.cuda.current_device() and not torch.cuda.is_current_stream_capturing()
 
 
 def _pickers(steps: list, num_values: int, num_buffers: int) -> tuple[list, tuple]:
