@@ -228,6 +228,16 @@ def test_every_num_splits_matches_reference(splits):
     assert check_output(out, lse, *float64_reference(call), case.dtype) is None
 
 
+def test_the_most_splits_each_with_keys_merge_in_narrow_column_chunks():
+    """512 splits of one 16-key block each (one sequence shorter, so its last splits see none): the combine
+    reads 512 partials per row in 16-column chunks (_COMBINE_TILE), not 64."""
+    case = Case(b=2, hq=4, hkv=1, lk=512 * 16, d=64, dtype=torch.bfloat16, block_n=16, splits=512,
+                seqlens=(512 * 16, 3000))
+    call = _call(case, seed=4)
+    out, lse = run_poisoned(call, _cfg(case))
+    assert check_output(out, lse, *float64_reference(call), case.dtype) is None
+
+
 def test_default_config_runs_through_the_custom_op():
     case = Case(b=2, hq=4, hkv=2, lq=1, lk=64, causal=True, seqlens=(64, 17))
     call = _call(case, seed=3)

@@ -62,7 +62,14 @@ from .base import AttnCall, Backend, Candidate, Config, Plan, Takes
 from .triton_common import TRITON, eager_launcher, graph_launcher, jit, traceable, warmup_launcher
 
 MAX_LEN_Q = 16
-SPLITS = tuple(2 ** i for i in range(8))  # 1 .. 128
+# 1 .. 512: with one or two KV heads at B1 the tuned split count sat at the old top, 128 (H200, 2026-11-30:
+# B1 H16/2 D256 Lkv16k, 1.55-1.67 TB/s against a 3.3 TB/s copy), so the search goes past it; the untuned
+# default stays at most DEFAULT_MAX_SPLITS, where it was measured.
+SPLITS = tuple(2 ** i for i in range(10))
+DEFAULT_MAX_SPLITS = 128
+# Floats of partial output one combine program reads at once (32 KiB, 64 registers a thread at 4 warps): its
+# column chunk narrows as the split count grows past 128.
+_COMBINE_TILE = 8192
 BLOCK_NS = (32, 64)
 NUM_WARPS = (4, 8)
 _DTYPES = ("float16", "bfloat16", "float32")
@@ -316,7 +323,7 @@ def _default_config(p: Problem, dev: DeviceInfo) -> Config:
     programs = p.batch * p.heads_kv * -(-p.gqa_ratio * p.len_q // _block_m(p.gqa_ratio * p.len_q, p.head_dim))
     want = next_power_of_two(max(1, math.ceil(2 * max(dev.sm_count, 1) / max(programs, 1))))
     blocks = max(1, -(-_visible_keys(p) // block_n))
-    splits = max(s for s in SPLITS if s <= min(want, blocks))
+    splits = max(s for s in SPLITS if s <= min(want, blocks, DEFAULT_MAX_SPLITS))
     return Config.of(block_n=block_n, num_splits=splits, num_warps=4)
 
 
@@ -432,8 +439,8 @@ class DecodePlan:
             USE_PDL=pdl, num_warps=self.num_warps, num_stages=self.stages, **pdl_kw,
         )
         if not single:
-            # up to 128 splits x 64 columns (32 KiB of float32) per program, in one pass
-            block_dc = min(64, _block_d(dv))
+            # all splits x block_dc columns per program, in one pass
+            block_dc = min(64, _block_d(dv), max(16, _COMBINE_TILE // next_power_of_two(splits)))
             launcher(_decode_combine)[(b * hq * lq, -(-dv // block_dc))](
                 target_o, target_lse, out, lse, call.cu_seqlens_q, *g.out, *g.lse, hq, lq, splits, dv,
                 HAS_CU_Q=call.cu_seqlens_q is not None, WRITE_LSE=write_lse, BLOCK_S=next_power_of_two(splits),
