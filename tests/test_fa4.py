@@ -1019,3 +1019,15 @@ def test_a_replay_outside_a_check_reuses_one_kept_allocation_and_clears_its_zero
     assert seen[2][1] == seen[3][1] != ptr1 and not seen[3][0].any()  # grown once, the small one's views remade
     small((q,), poison=float("nan"))
     assert seen[4][1] != seen[3][1] and not seen[4][0].any()
+
+
+@pytest.mark.parametrize("current, stream, keeps, why", [
+    (0, 0, True, "the current device's default stream"),
+    (0, 1234, False, "another stream: a capture, or cudagraph trees' warm-up allocating into the graph's pool"),
+    (1, 0, False, "another device than the current one"),
+])
+def test_a_cuda_replay_keeps_its_scratch_only_on_the_current_devices_default_stream(monkeypatch, current, stream,
+                                                                                  keeps, why):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    monkeypatch.setattr(record_replay, "current_raw_stream", lambda index: stream)
+    assert record_replay._may_keep(torch.device("cuda", 0)) is keeps, why

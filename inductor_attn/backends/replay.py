@@ -165,7 +165,8 @@ class Replay:
     call took 167 us, 50 of them making its five scratch buffers, 50 its five kernel calls; H200, 2026-11-30), so
     the scratch buffers are views of one allocation, those to be zeroed side by side and cleared by one fill, each
     at an offset of a multiple of ``_ALIGN`` bytes as the allocator's own blocks are. That allocation is kept
-    between calls, one per device and stream (:meth:`_Arena.kept`): a call then makes no tensor but the fill.
+    between calls, one per device, for calls on its default stream (:meth:`_Arena.kept`): such a call then makes
+    no tensor but the fill.
     Each kernel's arguments are picked out of one tuple of values, buffers and constants by precomputed
     indices."""
 
@@ -179,7 +180,7 @@ class Replay:
         if poison is not None or not self._arena.places or not _may_keep(device):
             self._launch(values, self._arena.carve(device, poison))
             return
-        with _KEPT_LOCK:  # another thread's replay on this stream must not interleave with this one's kernels
+        with _KEPT_LOCK:  # another thread's replay on this default stream must not interleave its kernels with ours
             self._launch(values, self._arena.kept(device))
 
     def _launch(self, values: tuple, buffers: list) -> None:
@@ -233,16 +234,15 @@ class _Arena:
         return buffers
 
     def kept(self, device: torch.device) -> list[torch.Tensor]:
-        """The buffers as views of the allocation kept for ``device``'s current stream (:data:`_KEPT`), grown to
-        this arena's size where it is smaller; the zeroed ones cleared. The caller holds :data:`_KEPT_LOCK`
-        until its kernels are launched: kernels of one stream run in launch order, so one call's kernels are
-        done with the buffers before the next call's first kernel touches them, as the caching allocator
-        reuses a freed block on its own stream."""
-        key = (device, current_raw_stream(device.index) if device.type == "cuda" else 0)
-        flat, views = _KEPT.get(key, (None, None))
+        """The buffers as views of the allocation kept for ``device`` (:data:`_KEPT`; :func:`_may_keep` says when),
+        grown to this arena's size where it is smaller; the zeroed ones cleared. The caller holds
+        :data:`_KEPT_LOCK` until its kernels are launched: kernels of one stream run in launch order, so one
+        call's kernels are done with the buffers before the next call's first kernel touches them, as the caching
+        allocator reuses a freed block on its own stream."""
+        flat, views = _KEPT.get(device, (None, None))
         if flat is None or flat.numel() < self.nbytes:
             with torch.inference_mode(False):  # an inference tensor could not be cleared outside inference mode
-                flat, views = _KEPT[key] = torch.empty(self.nbytes, dtype=torch.uint8, device=device), {}
+                flat, views = _KEPT[device] = torch.empty(self.nbytes, dtype=torch.uint8, device=device), {}
         made = views.get(self)
         if made is None:
             made = views[self] = self._views(flat)
@@ -258,20 +258,24 @@ class _Arena:
         return buffers, (flat[:self.zeroed_bytes] if self.zeroed_bytes else None)
 
 
-# The scratch allocation kept per (device, stream) for replays outside CUDA-graph capture (a capture allocates
-# its own from the graph's pool): as large as the largest arena replayed there, and each arena's views of it.
-# It holds that much memory for the process's life, as a library's workspace does (cuDNN's, cuBLAS's): about
-# 51 MB for FA4's backward at B4 H16/4 L2k D64 (float32 accumulators of dq, and of dk and dv for GQA).
-_KEPT: dict[tuple, tuple[torch.Tensor, dict]] = {}
+# The scratch allocation kept per device for replays on its default stream (:func:`_may_keep`): as large as
+# the largest arena replayed there, and each arena's views of it. It holds that much memory for the process's
+# life, as a library's workspace does (cuDNN's, cuBLAS's): about 51 MB for FA4's backward at B4 H16/4 L2k D64
+# (float32 accumulators of dq, and of dk and dv for GQA).
+_KEPT: dict[torch.device, tuple[torch.Tensor, dict]] = {}
 _KEPT_LOCK = threading.Lock()
 
 
 def _may_keep(device: torch.device) -> bool:
-    """Whether a replay on ``device`` may use the kept allocation: not while its stream captures a CUDA graph,
-    and on CUDA only for the current device, the one whose stream the capture check reads."""
+    """Whether a replay on ``device`` may use the kept allocation: on CUDA only on the current device's default
+    stream. No CUDA graph is captured there, and cudagraph trees run their warm-up, whose allocations go to the
+    graph's pool, on a stream of their own (``_use_cuda_memory_pool_manager``, torch/_inductor/cudagraph_trees.py,
+    2.11 and 2.13): a buffer kept from there would live in the graph's pool without being an output, which
+    cudagraph trees refuse (backends/triton_decode.py's docstring tells of the time a cache did that). Calls on
+    other streams allocate their buffers per call."""
     if device.type != "cuda":
         return True
-    return device.index == torch.cuda.current_device() and not torch.cuda.is_current_stream_capturing()
+    return device.index == torch.cuda.current_device() and current_raw_stream(device.index) == 0
 
 
 def _pickers(steps: list, num_values: int, num_buffers: int) -> tuple[list, tuple]:
