@@ -199,6 +199,22 @@ def test_demo_on_a_device_it_cannot_run_on_is_a_one_line_error(monkeypatch, caps
     assert capsys.readouterr().err == f"error: {message}\n"
 
 
+@pytest.mark.parametrize("content, message", [
+    (None, "No such file or directory"),
+    ("{not json", "not JSON"),
+    ("[1, 2]", "not an inductor_attn bench results file"),
+    ('{"suite": "dense"}', "not an inductor_attn bench results file"),
+    ('{"schema": 2, "meta": {}, "rows": []}', "not a schema-1 inductor_attn bench result"),
+])
+def test_bench_report_of_a_file_that_is_no_results_file_is_a_one_line_error(tmp_path, capsys, content, message):
+    path = tmp_path / "results.json"
+    if content is not None:
+        path.write_text(content)
+    assert main(["bench", "--report", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}") and message in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_plot_labels_each_decision_apart_and_fits_them_in_the_picture(monkeypatch, tmp_path):
     """The package's tables hold the same problems measured on an H100 and an H200."""
     from matplotlib.figure import Figure

@@ -86,34 +86,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace, command: str) -> int:
     """Run ``bench`` with parsed ``args``; ``command`` is the command line recorded in the results."""
     if args.report:
-        from . import report
-        from .runner import repo_root
-
-        loaded = [json.loads(Path(p).read_text()) for p in args.report]
-        if any(report.summary_suite(d) for d in loaded):  # paged's and fp8's own files: RESULTS.md only
-            if not all(report.summary_suite(d) for d in loaded) or args.out is not None:
-                print(f"error: the results files of bench --suite {' or '.join(report.SUMMARY_SUITES)} are reported "
-                      "alone, into benchmarks/RESULTS.md", file=sys.stderr)
-                return 2
-            if any(d["meta"].get("smoke") for d in loaded):
-                print("error: smoke results are not measurements: they never go into RESULTS.md", file=sys.stderr)
-                return 2
-            path = repo_root() / "benchmarks" / "RESULTS.md"
-            print(f"updated {path}: " + "; ".join(report.update_summary_sections(loaded, path)))
-            return 0
-        result = report.merge(loaded, args.report)
-        if args.out is None:
-            path = repo_root() / "benchmarks" / "RESULTS.md"
-            try:
-                written = report.update_results_md(result, path)
-            except ValueError as err:
-                print(f"error: {err}", file=sys.stderr)
-                return 2
-            print(f"updated {path}: " + "; ".join(written))
-        else:
-            path = report.write_results(result, args.out)[2]
-            print(f"wrote {path} from {len(args.report)} result file(s)")
-        return 0
+        try:
+            return _report(args)
+        except ValueError as err:  # a results file that cannot be read or is not one
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     if args.suite in WALLCLOCK_SUITES:
         from .host_suites import run_wallclock_suite
 
@@ -124,3 +101,46 @@ def main(args: argparse.Namespace, command: str) -> int:
     return run(Options(suite=args.suite, quick=args.quick, smoke=args.smoke, out=args.out, rounds=args.rounds,
                        budget_s=args.budget_s, quality=not args.no_quality, shard=args.shard, commit=args.commit,
                        command=command))
+
+
+def _report(args: argparse.Namespace) -> int:
+    """``bench --report``: the results files into RESULTS.md's sections, or merged into ``--out``."""
+    from . import report
+    from .runner import repo_root
+
+    loaded = [_read_results(Path(p)) for p in args.report]
+    if any(report.summary_suite(d) for d in loaded):  # paged's and fp8's own files: RESULTS.md only
+        if not all(report.summary_suite(d) for d in loaded) or args.out is not None:
+            print(f"error: the results files of bench --suite {' or '.join(report.SUMMARY_SUITES)} are reported "
+                  "alone, into benchmarks/RESULTS.md", file=sys.stderr)
+            return 2
+        if any(d["meta"].get("smoke") for d in loaded):
+            print("error: smoke results are not measurements: they never go into RESULTS.md", file=sys.stderr)
+            return 2
+        path = repo_root() / "benchmarks" / "RESULTS.md"
+        print(f"updated {path}: " + "; ".join(report.update_summary_sections(loaded, path)))
+        return 0
+    result = report.merge(loaded, args.report)
+    if args.out is None:
+        path = repo_root() / "benchmarks" / "RESULTS.md"
+        written = report.update_results_md(result, path)
+        print(f"updated {path}: " + "; ".join(written))
+    else:
+        path = report.write_results(result, args.out)[2]
+        print(f"wrote {path} from {len(args.report)} result file(s)")
+    return 0
+
+
+def _read_results(path: Path) -> dict:
+    """A results file's contents; ValueError naming the file where it cannot be read, is not JSON or is not a
+    results object (a dict with its ``meta``)."""
+    try:
+        data = json.loads(path.read_text())
+    except OSError as err:
+        raise ValueError(f"{path}: {err.strerror or err}") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not JSON ({err})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("meta"), dict):
+        raise ValueError(f"{path}: not an inductor_attn bench results file (no meta)")
+    return data
+
