@@ -215,6 +215,13 @@ def test_bench_report_of_a_file_that_is_no_results_file_is_a_one_line_error(tmp_
     assert err.startswith(f"error: {path}") and message in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_bench_with_an_out_it_cannot_make_stops_before_measuring(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["bench", "--suite", "overhead", "--smoke", "--out", str(blocker / "out")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --out {blocker / 'out'}: ")
+
+
 def test_plot_labels_each_decision_apart_and_fits_them_in_the_picture(monkeypatch, tmp_path):
     """The package's tables hold the same problems measured on an H100 and an H200."""
     from matplotlib.figure import Figure

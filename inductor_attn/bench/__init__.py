@@ -85,6 +85,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace, command: str) -> int:
     """Run ``bench`` with parsed ``args``; ``command`` is the command line recorded in the results."""
+    if args.out is not None:  # made first: a suite that cannot write its results should not run for minutes
+        try:  # the host suites also take a file (a name ending in .json)
+            (args.out.parent if args.out.suffix == ".json" else args.out).mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            print(f"error: --out {args.out}: {err.strerror or err}", file=sys.stderr)
+            return 2
     if args.report:
         try:
             return _report(args)
