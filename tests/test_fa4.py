@@ -1031,3 +1031,25 @@ def test_a_cuda_replay_keeps_its_scratch_only_on_the_current_devices_default_str
     monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
     monkeypatch.setattr(record_replay, "current_raw_stream", lambda index: stream)
     assert record_replay._may_keep(torch.device("cuda", 0)) is keeps, why
+
+
+def test_kept_scratch_first_made_in_inference_mode_serves_calls_outside_it_and_large_arenas_are_not_kept(
+        monkeypatch):
+    """Views made inside ``torch.inference_mode`` would be inference tensors, which a call outside it could not
+    touch; an arena above KEEP_AT_MOST allocates per call, so a process keeps no gigabytes for good."""
+    monkeypatch.setattr(record_replay, "_KEPT", {})
+    seen = []
+
+    def touch(buf):
+        buf.add_(1.0)  # an in-place torch op on the buffer, as a kernel written in torch would do
+        seen.append(buf.untyped_storage().data_ptr())
+
+    replay = record_replay.Replay([(touch, [(record_replay.SCRATCH, 0)])], [((16,), (1,), torch.float32, True)])
+    q = torch.randn(2)
+    with torch.inference_mode():
+        replay((q,))
+    replay((q,))
+    assert seen[0] == seen[1]
+    monkeypatch.setattr(record_replay, "KEEP_AT_MOST", 32)  # below this arena's 512 bytes
+    replay((q,))
+    assert seen[2] != seen[1]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import operator
 import threading
+import weakref
 
 import torch
 
@@ -177,11 +178,12 @@ class Replay:
 
     def __call__(self, values: tuple, poison: float | None = None):
         device = values[0].device
-        if poison is not None or not self._arena.places or not _may_keep(device):
-            self._launch(values, self._arena.carve(device, poison))
+        arena = self._arena
+        if poison is not None or not arena.places or arena.nbytes > KEEP_AT_MOST or not _may_keep(device):
+            self._launch(values, arena.carve(device, poison))
             return
-        with _KEPT_LOCK:  # another thread's replay on this default stream must not interleave its kernels with ours
-            self._launch(values, self._arena.kept(device))
+        with _lock(device):  # another thread's replay on this default stream must not interleave its kernels with ours
+            self._launch(values, arena.kept(device))
 
     def _launch(self, values: tuple, buffers: list) -> None:
         if self._picks is None or self._picks[0] is not self.steps:  # built on first use (tools swap steps)
@@ -236,16 +238,19 @@ class _Arena:
     def kept(self, device: torch.device) -> list[torch.Tensor]:
         """The buffers as views of the allocation kept for ``device`` (:data:`_KEPT`; :func:`_may_keep` says when),
         grown to this arena's size where it is smaller; the zeroed ones cleared. The caller holds
-        :data:`_KEPT_LOCK` until its kernels are launched: kernels of one stream run in launch order, so one
-        call's kernels are done with the buffers before the next call's first kernel touches them, as the caching
-        allocator reuses a freed block on its own stream."""
+        device's lock (:func:`_lock`) until its kernels are launched: kernels of one stream run in launch order, so
+        one call's kernels are done with the buffers before the next call's first kernel touches them, as the
+        caching allocator reuses a freed block on its own stream."""
         flat, views = _KEPT.get(device, (None, None))
         if flat is None or flat.numel() < self.nbytes:
             with torch.inference_mode(False):  # an inference tensor could not be cleared outside inference mode
-                flat, views = _KEPT[device] = torch.empty(self.nbytes, dtype=torch.uint8, device=device), {}
+                flat = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+            views = weakref.WeakKeyDictionary()  # an arena's views go with it
+            _KEPT[device] = (flat, views)
         made = views.get(self)
         if made is None:
-            made = views[self] = self._views(flat)
+            with torch.inference_mode(False):  # nor could a view made inside it
+                made = views[self] = self._views(flat)
         buffers, zeroed = made
         if zeroed is not None:
             zeroed.zero_()
@@ -261,9 +266,16 @@ class _Arena:
 # The scratch allocation kept per device for replays on its default stream (:func:`_may_keep`): as large as
 # the largest arena replayed there, and each arena's views of it. It holds that much memory for the process's
 # life, as a library's workspace does (cuDNN's, cuBLAS's): about 51 MB for FA4's backward at B4 H16/4 L2k D64
-# (float32 accumulators of dq, and of dk and dv for GQA).
-_KEPT: dict[torch.device, tuple[torch.Tensor, dict]] = {}
-_KEPT_LOCK = threading.Lock()
+# (float32 accumulators of dq, and of dk and dv for GQA); an arena larger than KEEP_AT_MOST is allocated per
+# call (its kernels run long enough to hide the allocation, and a process keeps no gigabytes for good). First made
+# inside a ``torch.cuda.use_mem_pool`` context, it lives in that pool.
+_KEPT: dict[torch.device, tuple[torch.Tensor, weakref.WeakKeyDictionary]] = {}
+KEEP_AT_MOST = 256 << 20
+_LOCKS: dict[torch.device, threading.Lock] = {}
+
+
+def _lock(device: torch.device) -> threading.Lock:
+    return _LOCKS.get(device) or _LOCKS.setdefault(device, threading.Lock())  # setdefault: one lock if threads race
 
 
 def _may_keep(device: torch.device) -> bool:
