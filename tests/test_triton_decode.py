@@ -314,6 +314,18 @@ def test_candidates_for_a_decode_problem_keep_their_reasons():
     assert pruned["triton_decode:block_n=32,num_splits=16,num_warps=4"] == "num_splits 16 > kv blocks 8"
 
 
+def test_more_than_128_splits_are_candidates_only_where_128_leave_the_sms_short_of_programs():
+    def pruned(**kw):
+        with only_backends(REFERENCE, decode.BACKEND):
+            cands = enumerate_candidates(_problem(len_k=16384, **kw), H100)
+        return {int(c.config["num_splits"]): c.pruned for c in cands if c.backend == "triton_decode"}
+
+    few = pruned(heads_q=16, heads_kv=2)  # 2 programs a split: 256 at 128 splits, under 4 per SM
+    assert few[256] is None and few[512] is None
+    many = pruned(heads_q=32, heads_kv=16)  # 16 programs a split: 2048 at 128 splits
+    assert many[128] is None and many[256].startswith("num_splits 256 > 128, where 128 splits already make 2048")
+
+
 def test_default_config_fills_the_gpu_with_splits_but_not_past_the_kv_blocks():
     # B1 Hkv2 leaves 2 programs without splitting; ~2 per SM on 132 SMs wants 128 splits
     assert decode._default_config(_problem(heads_q=16, heads_kv=2, len_k=16384), H100)["num_splits"] == 128

@@ -67,6 +67,10 @@ MAX_LEN_Q = 16
 # default stays at most DEFAULT_MAX_SPLITS, where it was measured.
 SPLITS = tuple(2 ** i for i in range(10))
 DEFAULT_MAX_SPLITS = 128
+# Past DEFAULT_MAX_SPLITS, only where that many splits leave fewer programs than this per SM (a B1 call with one
+# or two KV heads): elsewhere more splits add workspace (rows x splits x Dv floats: 4 GB at B32 H32 Lq16 D128 and
+# 512 splits, enough to fail a tune on a full GPU) and no parallelism the SMs lack.
+FILLED_PER_SM = 4
 # Floats of partial output one combine program reads at once (32 KiB, 64 registers a thread at 4 warps): its
 # column chunk narrows as the split count grows past 128.
 _COMBINE_TILE = 8192
@@ -317,11 +321,15 @@ def _num_stages(p: Problem, block_n: int, dev: DeviceInfo) -> int:
     return 3 if _smem_bytes(p, block_n, 3) <= _smem_limit(dev) else 2
 
 
+def _programs(p: Problem) -> int:
+    """Partial-kernel programs per split: (batch, kv head, row block)."""
+    return p.batch * p.heads_kv * -(-p.gqa_ratio * p.len_q // _block_m(p.gqa_ratio * p.len_q, p.head_dim))
+
+
 def _default_config(p: Problem, dev: DeviceInfo) -> Config:
     """Untuned fallback: enough splits for about two programs per SM, never more than the KV blocks."""
     block_n = 64 if p.head_dim <= 128 and p.dtype != "float32" else 32
-    programs = p.batch * p.heads_kv * -(-p.gqa_ratio * p.len_q // _block_m(p.gqa_ratio * p.len_q, p.head_dim))
-    want = next_power_of_two(max(1, math.ceil(2 * max(dev.sm_count, 1) / max(programs, 1))))
+    want = next_power_of_two(max(1, math.ceil(2 * max(dev.sm_count, 1) / _programs(p))))
     blocks = max(1, -(-_visible_keys(p) // block_n))
     splits = max(s for s in SPLITS if s <= min(want, blocks, DEFAULT_MAX_SPLITS))
     return Config.of(block_n=block_n, num_splits=splits, num_warps=4)
@@ -571,6 +579,10 @@ def _pruned(p: Problem, dev: DeviceInfo, cfg: Config) -> str | None:
     blocks = -(-_visible_keys(p) // block_n)
     if splits > blocks:
         return f"num_splits {splits} > kv blocks {blocks}"
+    filled = DEFAULT_MAX_SPLITS * _programs(p)
+    if splits > DEFAULT_MAX_SPLITS and filled >= FILLED_PER_SM * dev.sm_count:
+        return (f"num_splits {splits} > {DEFAULT_MAX_SPLITS}, where {DEFAULT_MAX_SPLITS} splits already make {filled} "
+                f"programs ({FILLED_PER_SM} or more per SM) and the workspace grows with the splits")
     need, limit = _smem_bytes(p, block_n, 2), _smem_limit(dev)
     if need > limit:
         return (f"block_n {block_n} at D {p.head_dim} ({p.dtype}) needs ~{need // 1024} KiB shared memory, "
