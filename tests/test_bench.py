@@ -1152,11 +1152,13 @@ def test_a_profiled_client_call_sums_its_kernels_and_lists_the_longest_first(mon
     """``_device_kernels``: each kernel's time per call (``kernel_ms``: summed over its launches), the longest
     first, and their sum."""
     per_kernel = {"decode": 0.07, "gemm": 0.05, **{f"k{i}": 0.001 for i in range(10)}}
-    monkeypatch.setattr(models, "kernel_ms", lambda fns, calls: per_kernel)
+    asked = []
+    monkeypatch.setattr(models, "kernel_ms", lambda fns, calls, warm: asked.append((calls, warm)) or per_kernel)
     got = models._device_kernels(lambda: None)
     assert got["device_s"] == pytest.approx(130e-6)
     assert got["top_kernels_ms"][:2] == [["decode", 0.07], ["gemm", 0.05]]
     assert len(got["top_kernels_ms"]) == models.CB_TOP_KERNELS
+    assert asked == [(1, False)]  # one call, no warm-up of its own: the timed calls before it were
 
 
 def test_the_client_table_gives_the_median_call_its_range_and_where_the_gpu_spent_it():

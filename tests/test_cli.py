@@ -205,10 +205,14 @@ def test_demo_on_a_device_it_cannot_run_on_is_a_one_line_error(monkeypatch, caps
     ("[1, 2]", "not an inductor_attn bench results file"),
     ('{"suite": "dense"}', "not an inductor_attn bench results file"),
     ('{"schema": 2, "meta": {}, "rows": []}', "not a schema-1 inductor_attn bench result"),
+    ('{"schema": 1, "meta": {}}', "without its rows"),
+    (b"\xff\xfe{", "not JSON"),
 ])
 def test_bench_report_of_a_file_that_is_no_results_file_is_a_one_line_error(tmp_path, capsys, content, message):
     path = tmp_path / "results.json"
-    if content is not None:
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
         path.write_text(content)
     assert main(["bench", "--report", str(path)]) == 2
     err = capsys.readouterr().err

@@ -144,9 +144,11 @@ def _read_results(path: Path) -> dict:
         data = json.loads(path.read_text())
     except OSError as err:
         raise ValueError(f"{path}: {err.strerror or err}") from None
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{path}: not JSON ({err})") from None
     if not isinstance(data, dict) or not isinstance(data.get("meta"), dict):
         raise ValueError(f"{path}: not an inductor_attn bench results file (no meta)")
+    if "schema" in data and not isinstance(data.get("rows"), list):
+        raise ValueError(f"{path}: a kernel-suite results file without its rows")
     return data
 

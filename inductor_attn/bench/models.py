@@ -388,8 +388,9 @@ def _continuous_entry(implementation: str, size: str) -> dict:
     """``reference``: eager ``generate``'s greedy tokens, one batch per prompt length. Else ``generate_batch``
     with ``implementation`` (``OURS`` or a ``BUILT_IN`` key), on one manager: the first call warms up (CUDA
     graphs, compiles, tunes: ``first_run_s``), the next ``CB_TIMED_RUNS`` are timed (fewer where they reach
-    ``CB_TIMED_BUDGET_S``): new tokens per second of the median one (``timed_s``: each one's seconds, sorted). Records the
-    attention implementations that ran (transformers may switch), the tokens, and for ours the kernels."""
+    ``CB_TIMED_BUDGET_S``): new tokens per second of the median one (``timed_s``: each one's seconds, sorted).
+    Records the attention implementations that ran (transformers may switch), the tokens, and for ours the
+    kernels."""
     import transformers
 
     smoke = size == "smoke"
@@ -439,11 +440,11 @@ def _continuous_entry(implementation: str, size: str) -> dict:
 
 
 def _device_kernels(fn) -> dict:
-    """One more call of ``fn`` (a ``generate_batch``, after ``kernel_ms``'s warm-up call), profiled after the timed
-    ones: its kernels' summed time (``device_s``, against the call's wall time: how much of it the GPU worked) and
+    """One more call of ``fn`` (a ``generate_batch``; the timed calls were its warm-up), profiled: its kernels'
+    summed time (``device_s``, against the call's wall time: how much of it the GPU worked) and
     the ``CB_TOP_KERNELS`` kernels that took most of it, in ms (``top_kernels_ms``): where one attention's step
     spends its device time."""
-    per_kernel = kernel_ms([fn], calls=1)
+    per_kernel = kernel_ms([fn], calls=1, warm=False)
     top = sorted(per_kernel.items(), key=lambda item: -item[1])[:CB_TOP_KERNELS]
     return {"device_s": sum(per_kernel.values()) / 1e3, "top_kernels_ms": [[name, ms] for name, ms in top]}
 

@@ -169,11 +169,12 @@ def kernel_us(fn: Callable[[], object], calls: int = 10) -> float | None:
     return sum(e.device_time_total for e in kernel_events(fn, calls)) / calls
 
 
-def kernel_ms(fns: list[Callable[[], object]], calls: int = 20) -> dict[str, float]:
+def kernel_ms(fns: list[Callable[[], object]], calls: int = 20, warm: bool = True) -> dict[str, float]:
     """Device time per call of each kernel that ``fns`` launch, in ms by kernel name: plain launches cycling
-    through ``fns`` (give input copies larger than L2 together), after one warm-up call of each. The
-    calibration tools of benchmarks/tools/ compare it with a timer's figure to see launch gaps."""
-    for fn in fns:
+    through ``fns`` (give input copies larger than L2 together), after one warm-up call of each (``warm``; off
+    for functions the caller has just run). The calibration tools of benchmarks/tools/ compare it with a
+    timer's figure to see launch gaps."""
+    for fn in fns if warm else ():
         fn()
     turns = itertools.cycle(fns)
     per_kernel: dict[str, float] = {}
