@@ -238,7 +238,7 @@ class _Arena:
     def kept(self, device: torch.device) -> list[torch.Tensor]:
         """The buffers as views of the allocation kept for ``device`` (:data:`_KEPT`; :func:`_may_keep` says when),
         grown to this arena's size where it is smaller; the zeroed ones cleared. The caller holds
-        device's lock (:func:`_lock`) until its kernels are launched: kernels of one stream run in launch order, so
+        the device's lock (:func:`_lock`) until its kernels are launched: kernels of one stream run in launch order, so
         one call's kernels are done with the buffers before the next call's first kernel touches them, as the
         caching allocator reuses a freed block on its own stream."""
         flat, views = _KEPT.get(device, (None, None))
