@@ -329,7 +329,7 @@ def _programs(p: Problem) -> int:
 def _default_config(p: Problem, dev: DeviceInfo) -> Config:
     """Untuned fallback: enough splits for about two programs per SM, never more than the KV blocks."""
     block_n = 64 if p.head_dim <= 128 and p.dtype != "float32" else 32
-    want = next_power_of_two(max(1, math.ceil(2 * max(dev.sm_count, 1) / _programs(p))))
+    want = next_power_of_two(max(1, math.ceil(2 * max(dev.sm_count, 1) / max(_programs(p), 1))))
     blocks = max(1, -(-_visible_keys(p) // block_n))
     splits = max(s for s in SPLITS if s <= min(want, blocks, DEFAULT_MAX_SPLITS))
     return Config.of(block_n=block_n, num_splits=splits, num_warps=4)
