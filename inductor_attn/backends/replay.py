@@ -167,9 +167,8 @@ class Replay:
     the scratch buffers are views of one allocation, those to be zeroed side by side and cleared by one fill, each
     at an offset of a multiple of ``_ALIGN`` bytes as the allocator's own blocks are. That allocation is kept
     between calls, one per device, for calls on its default stream (:meth:`_Arena.kept`): such a call then makes
-    no tensor but the fill.
-    Each kernel's arguments are picked out of one tuple of values, buffers and constants by precomputed
-    indices."""
+    no tensor but the fill. Each kernel's arguments are picked out of one tuple of values, buffers and constants
+    by precomputed indices."""
 
     def __init__(self, steps: list, scratch: list):
         self.steps, self.scratch = steps, scratch

@@ -81,6 +81,8 @@ def merge(runs: list[dict], paths: list[Path]) -> dict:
     for p, r in zip(paths, runs):
         if r.get("schema") != 1:
             raise ValueError(f"{p}: not a schema-1 inductor_attn bench result")
+        if not isinstance(r.get("rows"), list):
+            raise ValueError(f"{p}: a kernel-suite results file without its rows")
     rows: dict[tuple, dict] = {}
     for i, r in enumerate(runs):
         for row in r["rows"]:  # flex_route has a row per pass of one name
