@@ -1053,3 +1053,74 @@ def test_kept_scratch_first_made_in_inference_mode_serves_calls_outside_it_and_l
     monkeypatch.setattr(record_replay, "KEEP_AT_MOST", 32)  # below this arena's 512 bytes
     replay((q,))
     assert seen[2] != seen[1]
+
+
+class _FfiFunction:
+    """Stands in for tvm_ffi.Function (a Cython class of tvm_ffi.core): calling it is the kernel call."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def __call__(self, *args):
+        self.log.append(("ffi", args))
+
+
+_FfiFunction.__module__, _FfiFunction.__name__ = "tvm_ffi.core", "Function"
+
+
+def _wrapper(names: str, target, unpack: bool = False):
+    """tvm-ffi's generated kwargs wrapper for positional ``names`` (one with a default), as make_kwargs_wrapper
+    writes it: defaults are filled, a dataclass argument unpacked through ``__i_unpack``."""
+    body = "__i_unpack(a), b" if unpack else "a, b"
+    space = {"__i_target_func": target, "__i_unpack": lambda x: x}
+    exec(f"def wrapper({names}):\n    return __i_target_func({body})", space)
+    return space["wrapper"]
+
+
+class _WithKwargs:
+    """Stands in for TVMFFIJitCompiledFunctionWithKwargs: its call goes through the wrapper to the function."""
+
+    def __init__(self, log, args_spec, names: str, unpack: bool):
+        self.log, self.execution_args, self.raw = log, args_spec, _FfiFunction(log)
+        self._kwargs_wrapper = _wrapper(names, self.raw, unpack)
+
+    def __call__(self, *args):
+        self.log.append(("python", args))
+        return self._kwargs_wrapper(*args)
+
+    def __tvm_ffi_object__(self):
+        return self.raw
+
+
+@pytest.mark.parametrize("kind, num_args, direct", [
+    ("positional", 2, True),
+    ("kwargs", 2, True),
+    ("kwargs_with_a_default_left_out", 1, False),
+    ("kwargs_unpacking_a_dataclass", 2, False),
+    ("pointer_address_args", 2, False),
+    ("plain_callable", 2, False),
+])
+def test_replayed_kernels_are_called_through_their_tvm_ffi_function_where_that_is_all_their_call_does(
+        kind, num_args, direct):
+    """CuTe DSL's compiled objects (tvm_ffi_provider.py, 4.8) reach their tvm-ffi function through Python frames
+    per call; a replay calls that function itself, unless the object's own call would do more with the
+    recorded arguments (fill defaults, unpack a dataclass, convert pointer addresses)."""
+    log = []
+    args_spec = types.SimpleNamespace(has_pointer_address_arg_specs=kind == "pointer_address_args")
+    if kind in ("positional", "pointer_address_args"):
+        class Compiled(_FfiFunction):
+            execution_args = args_spec
+
+            def __call__(self, *args):
+                log.append(("python", args))
+                super().__call__(*args)
+
+        fn = Compiled(log)
+    elif kind == "plain_callable":
+        fn = lambda *args: log.extend([("python", args), ("ffi", args)])  # noqa: E731
+    else:
+        fn = _WithKwargs(log, args_spec, "a, b=3" if "default" in kind else "a, b", unpack="dataclass" in kind)
+    values = tuple(torch.full((1,), float(i)) for i in range(num_args))
+    record_replay.Replay([(fn, [(record_replay.ROLE, i) for i in range(num_args)])], [])(values)
+    assert [where for where, _ in log] == (["ffi"] if direct else ["python", "ffi"])
+    assert all(a is b for a, b in zip(log[-1][1], values))

@@ -310,3 +310,6 @@ def test_a_backward_replay_recorded_over_zeroed_memory_zeroes_only_what_fa4s_ker
         (replay,) = bwd.replays.by_layout.values()
         zeroed = [zeroed for _, _, dtype, zeroed in replay.scratch if dtype.is_floating_point]
         assert sum(zeroed) == (0 if hkv == 4 else 2), replay.scratch
+        # each kernel is called through its tvm-ffi function, not the compiled object's Python __call__
+        kernels = [fn for fn, _ in replay._picks[1]]
+        assert all(fn is not step_fn for fn, (step_fn, _) in zip(kernels, replay.steps)), kernels

@@ -20,6 +20,7 @@ Which objects own the compile caches, and which values a call has, is the backen
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import threading
@@ -304,8 +305,32 @@ def _pickers(steps: list, num_values: int, num_buffers: int) -> tuple[list, tupl
                 at.append(num_values + num_buffers + len(constants))
                 constants.append(x)
         pick = operator.itemgetter(*at) if len(at) > 1 else (lambda pool, at=tuple(at): tuple(pool[i] for i in at))
-        calls.append((fn, pick))
+        calls.append((_direct(fn, len(at)), pick))
     return calls, tuple(constants)
+
+
+def _direct(fn, num_args: int):
+    """The tvm-ffi function behind a CuTe DSL compiled object, for a call of ``num_args`` positional arguments,
+    where calling it is what the object's own ``__call__`` does with them (cutlass/cutlass_dsl/tvm_ffi_provider.py,
+    CuTe DSL 4.8): its Python frames are host time on every replayed kernel call (FA4's backward makes five).
+    ``fn`` itself for anything else: arguments it converts per call (pointer-address specs), and a signature
+    whose generated kwargs wrapper (tvm_ffi.utils.kwargs_wrapper) would fill defaults, take keywords or unpack a
+    dataclass. :func:`checked_replay` runs the replay through what this returns before it is kept."""
+    execution_args = getattr(fn, "execution_args", None)
+    if execution_args is None or getattr(execution_args, "has_pointer_address_arg_specs", True):
+        return fn
+    wrapper = getattr(fn, "_kwargs_wrapper", None)
+    if wrapper is not None:  # TVMFFIJitCompiledFunctionWithKwargs: the wrapper calls the function it holds
+        code = getattr(wrapper, "__code__", None)
+        raw = fn.__tvm_ffi_object__() if hasattr(fn, "__tvm_ffi_object__") else None
+        if (code is None or raw is None or code.co_argcount != num_args or code.co_kwonlyargcount
+                or any(name.startswith("__i_unpack") for name in code.co_names)):
+            return fn
+        return raw
+    for cls in type(fn).__mro__:  # TVMFFIJitCompiledFunction is a tvm_ffi.Function: call that class's __call__
+        if cls.__name__ == "Function" and cls.__module__.startswith("tvm_ffi"):
+            return functools.partial(cls.__call__, fn)
+    return fn
 
 
 # What a check fills the scratch buffers a replay does not zero with: NaN spreads through sums, a large finite
