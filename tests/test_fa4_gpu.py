@@ -310,6 +310,7 @@ def test_a_backward_replay_recorded_over_zeroed_memory_zeroes_only_what_fa4s_ker
         (replay,) = bwd.replays.by_layout.values()
         zeroed = [zeroed for _, _, dtype, zeroed in replay.scratch if dtype.is_floating_point]
         assert sum(zeroed) == (0 if hkv == 4 else 2), replay.scratch
-        # each kernel is called through its tvm-ffi function, not the compiled object's Python __call__
+        # each kernel is called through its tvm-ffi function, not a CuTe DSL compiled object's Python __call__ (a
+        # kernel loaded from FA4's disk cache is such a function already)
         kernels = [fn for fn, _ in replay._picks[1]]
-        assert all(fn is not step_fn for fn, (step_fn, _) in zip(kernels, replay.steps)), kernels
+        assert not any(type(fn).__module__.startswith("cutlass") for fn in kernels), kernels

@@ -544,7 +544,7 @@ def fa4_anatomy(direction: str, launch, run, q) -> None:
     """Host us of an FA4 plan's launch (backends/fa4/) that replays its recorded kernel calls: the whole
     launch, its replay, the replay's scratch buffers alone, and each compiled CuTe kernel called with the
     arguments the replay gave it; the launch less the replay is our argument preparation."""
-    from inductor_attn.backends.replay import Replay
+    from inductor_attn.backends.replay import Replay, _direct
 
     replays = [r for r in launch.replays.by_layout.values() if r is not None]
     if len(replays) != 1:
@@ -559,8 +559,12 @@ def fa4_anatomy(direction: str, launch, run, q) -> None:
     zeroed = sum(z for *_, z in replay.scratch)
     rows = {"whole launch": run,
             f"scratch buffers alone ({len(replay.scratch)}, {zeroed} zeroed)": lambda: scratch((q,))}
-    rows.update((f"kernel {i}: {getattr(fn, '__name__', type(fn).__name__)}, {len(args)} args",
-                 lambda fn=fn, args=args: fn(*args)) for i, (fn, args) in enumerate(made))
+    for i, (fn, args) in enumerate(made):
+        name = f"kernel {i}: {getattr(fn, '__name__', type(fn).__name__)}, {len(args)} args"
+        rows[name] = lambda fn=fn, a=args: fn(*a)
+        direct = _direct(fn, len(args))
+        if direct is not fn:  # what the replay calls (backends/replay.py)
+            rows[f"kernel {i}, its tvm-ffi function as the replay calls it"] = lambda fn=direct, a=args: fn(*a)
     print(f"   {direction} FA4 launch (host us):")
     for name, fn in rows.items():
         print(f"      {host_us(warm(fn), bursts=3):8.1f}  {name}")
