@@ -1050,6 +1050,7 @@ def test_kept_scratch_first_made_in_inference_mode_serves_calls_outside_it_and_l
         replay((q,))
     replay((q,))
     assert seen[0] == seen[1]
+    assert record_replay.kept_bytes(q.device) == 512 and record_replay.kept_bytes(torch.device("meta")) == 0
     monkeypatch.setattr(record_replay, "KEEP_AT_MOST", 32)  # below this arena's 512 bytes
     replay((q,))
     assert seen[2] != seen[1]

@@ -274,6 +274,13 @@ KEEP_AT_MOST = 256 << 20
 _LOCKS: dict[torch.device, threading.Lock] = {}
 
 
+def kept_bytes(device: torch.device) -> int:
+    """Bytes of the scratch allocation kept for replays on ``device`` (0 if none): memory the replays need that
+    no single call allocates, so a peak measured above what was allocated before a call leaves it out."""
+    flat, _ = _KEPT.get(device, (None, None))
+    return 0 if flat is None else flat.numel()
+
+
 def _lock(device: torch.device) -> threading.Lock:
     return _LOCKS.get(device) or _LOCKS.setdefault(device, threading.Lock())  # setdefault: one lock if threads race
 

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..backends.replay import kept_bytes
 from ..tuning.measure import sync
 from ..tuning.timing import burst_cpu_s
 
@@ -233,12 +234,15 @@ def model_part(wanted: bool, measure_model: Callable[[], dict]) -> dict | None:
 
 
 def peak_memory(fn: Callable[[], object]) -> int | None:
-    """Peak GPU bytes allocated during one call, above what was allocated before it."""
+    """Peak GPU bytes allocated during one call, above what was allocated before it, plus the scratch that
+    replayed kernels keep between calls (backends/replay.py): a workspace the call needs, allocated by an
+    earlier one."""
     if not torch.cuda.is_available():
         return None
     sync()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
+    kept = kept_bytes(torch.device("cuda", torch.cuda.current_device()))
     fn()
     sync()
-    return torch.cuda.max_memory_allocated() - before
+    return torch.cuda.max_memory_allocated() - before + kept
