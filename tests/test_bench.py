@@ -679,6 +679,30 @@ def test_settling_collects_garbage_then_calls_each_function_again(monkeypatch):
     assert warm_calls + models.SETTLE_CALLS + models.ROUNDS * models.DECODE_CALLS <= models.DECODE_ROOM
 
 
+def test_peak_memory_adds_the_kept_replay_scratch_a_call_took_and_nothing_to_calls_that_took_none(monkeypatch):
+    """A replay's scratch, kept between calls (backends/replay.py), counts toward the peak of a call that took
+    it from an allocation an earlier call made; a call that replays nothing gets none of it."""
+    import weakref
+
+    from inductor_attn.backends import replay
+    from inductor_attn.bench import wallclock
+
+    allocated = [1000]
+    for name, fn in [("is_available", lambda: True), ("current_device", lambda: 0),
+                     ("reset_peak_memory_stats", lambda: None), ("memory_allocated", lambda: allocated[0]),
+                     ("max_memory_allocated", lambda: allocated[0])]:
+        monkeypatch.setattr(torch.cuda, name, fn)
+    monkeypatch.setattr(wallclock, "sync", lambda: None)
+    cuda0 = torch.device("cuda", 0)
+    # a kept allocation large enough for the arena below (a CPU tensor here), made by an earlier call
+    monkeypatch.setattr(replay, "_KEPT", {cuda0: (torch.empty(4096, dtype=torch.uint8), weakref.WeakKeyDictionary())})
+    monkeypatch.setattr(replay, "_SERVED", {})
+    arena = replay._Arena([((16,), (1,), torch.float32, True)])  # 512 bytes
+    assert wallclock.peak_memory(lambda: None) == 0
+    assert wallclock.peak_memory(lambda: arena.kept(cuda0)) == 512
+    assert wallclock.peak_memory(lambda: None) == 0
+
+
 def test_copies_compiled_at_other_shapes_each_compile_static_shapes():
     """A bench compiles one function per path and shape (own_code), as a user compiles once: a copy compiled after
     another at other sizes must not start with those sizes dynamic (Dynamo's per-function shape memory), or its

@@ -1038,6 +1038,7 @@ def test_kept_scratch_first_made_in_inference_mode_serves_calls_outside_it_and_l
     """Views made inside ``torch.inference_mode`` would be inference tensors, which a call outside it could not
     touch; an arena above KEEP_AT_MOST allocates per call, so a process keeps no gigabytes for good."""
     monkeypatch.setattr(record_replay, "_KEPT", {})
+    monkeypatch.setattr(record_replay, "_SERVED", {})
     seen = []
 
     def touch(buf):
@@ -1051,6 +1052,7 @@ def test_kept_scratch_first_made_in_inference_mode_serves_calls_outside_it_and_l
     replay((q,))
     assert seen[0] == seen[1]
     assert record_replay.kept_bytes(q.device) == 512 and record_replay.kept_bytes(torch.device("meta")) == 0
+    assert record_replay.served_bytes(q.device, reset=True) == 512 and record_replay.served_bytes(q.device) == 0
     monkeypatch.setattr(record_replay, "KEEP_AT_MOST", 32)  # below this arena's 512 bytes
     replay((q,))
     assert seen[2] != seen[1]
@@ -1065,12 +1067,15 @@ class _FfiFunction:
     def __call__(self, *args):
         self.log.append(("ffi", args))
 
+    def __chandle__(self):
+        return 1
+
 
 _FfiFunction.__module__, _FfiFunction.__name__ = "tvm_ffi.core", "Function"
 
 
 def _wrapper(names: str, target, unpack: bool = False):
-    """tvm-ffi's generated kwargs wrapper for positional ``names`` (one with a default), as make_kwargs_wrapper
+    """tvm-ffi's generated kwargs wrapper for ``names`` (a default, keyword-only ones), as make_kwargs_wrapper
     writes it: defaults are filled, a dataclass argument unpacked through ``__i_unpack``."""
     body = "__i_unpack(a), b" if unpack else "a, b"
     space = {"__i_target_func": target, "__i_unpack": lambda x: x}
@@ -1097,6 +1102,8 @@ class _WithKwargs:
     ("positional", 2, True),
     ("kwargs", 2, True),
     ("kwargs_with_a_default_left_out", 1, False),
+    ("kwargs_with_a_default_given", 2, True),
+    ("kwargs_keyword_only", 2, False),
     ("kwargs_unpacking_a_dataclass", 2, False),
     ("pointer_address_args", 2, False),
     ("plain_callable", 2, False),
@@ -1120,7 +1127,9 @@ def test_replayed_kernels_are_called_through_their_tvm_ffi_function_where_that_i
     elif kind == "plain_callable":
         fn = lambda *args: log.extend([("python", args), ("ffi", args)])  # noqa: E731
     else:
-        fn = _WithKwargs(log, args_spec, "a, b=3" if "default" in kind else "a, b", unpack="dataclass" in kind)
+        names = {"kwargs_with_a_default_left_out": "a, b=3", "kwargs_with_a_default_given": "a, b=3",
+                 "kwargs_keyword_only": "a, b, *, c=None"}.get(kind, "a, b")
+        fn = _WithKwargs(log, args_spec, names, unpack="dataclass" in kind)
     values = tuple(torch.full((1,), float(i)) for i in range(num_args))
     record_replay.Replay([(fn, [(record_replay.ROLE, i) for i in range(num_args)])], [])(values)
     assert [where for where, _ in log] == (["ffi"] if direct else ["python", "ffi"])

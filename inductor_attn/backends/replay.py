@@ -247,6 +247,8 @@ class _Arena:
                 flat = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
             views = weakref.WeakKeyDictionary()  # an arena's views go with it
             _KEPT[device] = (flat, views)
+        if _SERVED.get(device, 0) < self.nbytes:
+            _SERVED[device] = self.nbytes
         made = views.get(self)
         if made is None:
             with torch.inference_mode(False):  # nor could a view made inside it
@@ -270,15 +272,22 @@ class _Arena:
 # call (its kernels run long enough to hide the allocation, and a process keeps no gigabytes for good). First made
 # inside a ``torch.cuda.use_mem_pool`` context, it lives in that pool.
 _KEPT: dict[torch.device, tuple[torch.Tensor, weakref.WeakKeyDictionary]] = {}
+_SERVED: dict[torch.device, int] = {}  # served_bytes
 KEEP_AT_MOST = 256 << 20
 _LOCKS: dict[torch.device, threading.Lock] = {}
 
 
 def kept_bytes(device: torch.device) -> int:
-    """Bytes of the scratch allocation kept for replays on ``device`` (0 if none): memory the replays need that
-    no single call allocates, so a peak measured above what was allocated before a call leaves it out."""
+    """Bytes of the scratch allocation kept for replays on ``device`` (0 if none)."""
     flat, _ = _KEPT.get(device, (None, None))
     return 0 if flat is None else flat.numel()
+
+
+def served_bytes(device: torch.device, reset: bool = False) -> int:
+    """The largest arena that replays on ``device`` have taken from its kept allocation since the last reset
+    (0 if none), then reset if asked: what a call needed of memory that an earlier call allocated, which a peak
+    measured above what was allocated before the call leaves out."""
+    return _SERVED.pop(device, 0) if reset else _SERVED.get(device, 0)
 
 
 def _lock(device: torch.device) -> threading.Lock:
@@ -330,13 +339,15 @@ def _direct(fn, num_args: int):
     if wrapper is not None:  # TVMFFIJitCompiledFunctionWithKwargs: the wrapper calls the function it holds
         code = getattr(wrapper, "__code__", None)
         raw = fn.__tvm_ffi_object__() if hasattr(fn, "__tvm_ffi_object__") else None
-        if (code is None or raw is None or code.co_argcount != num_args or code.co_kwonlyargcount
+        if (code is None or raw is None or getattr(wrapper, "__globals__", {}).get("__i_target_func") is not raw
+                or code.co_argcount != num_args or code.co_kwonlyargcount
                 or any(name.startswith("__i_unpack") for name in code.co_names)):
             return fn
         return raw
     for cls in type(fn).__mro__:  # TVMFFIJitCompiledFunction is a tvm_ffi.Function: call that class's __call__
-        if cls.__name__ == "Function" and cls.__module__.startswith("tvm_ffi"):
-            return functools.partial(cls.__call__, fn)
+        if cls.__name__ == "Function" and cls.__module__ == "tvm_ffi.core":
+            # a function not made (compiled for another architecture) raises in the object's own call
+            return functools.partial(cls.__call__, fn) if fn.__chandle__() != 0 else fn
     return fn
 
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..backends.replay import kept_bytes
+from ..backends.replay import kept_bytes, served_bytes
 from ..tuning.measure import sync
 from ..tuning.timing import burst_cpu_s
 
@@ -235,14 +235,17 @@ def model_part(wanted: bool, measure_model: Callable[[], dict]) -> dict | None:
 
 def peak_memory(fn: Callable[[], object]) -> int | None:
     """Peak GPU bytes allocated during one call, above what was allocated before it, plus the scratch that
-    replayed kernels keep between calls (backends/replay.py): a workspace the call needs, allocated by an
-    earlier one."""
+    replayed kernels took from the allocation they keep between calls (backends/replay.py), made by an earlier
+    call: a workspace this call needs. Where the call grew that allocation, the peak holds it already."""
     if not torch.cuda.is_available():
         return None
     sync()
+    device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    kept = kept_bytes(torch.device("cuda", torch.cuda.current_device()))
+    kept = kept_bytes(device)
+    served_bytes(device, reset=True)
     fn()
     sync()
-    return torch.cuda.max_memory_allocated() - before + kept
+    served = served_bytes(device, reset=True) if kept_bytes(device) == kept else 0
+    return torch.cuda.max_memory_allocated() - before + served
