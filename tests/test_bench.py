@@ -696,7 +696,6 @@ def test_peak_memory_adds_the_kept_replay_scratch_a_call_took_and_nothing_to_cal
     cuda0 = torch.device("cuda", 0)
     # a kept allocation large enough for the arena below (a CPU tensor here), made by an earlier call
     monkeypatch.setattr(replay, "_KEPT", {cuda0: (torch.empty(4096, dtype=torch.uint8), weakref.WeakKeyDictionary())})
-    monkeypatch.setattr(replay, "_SERVED", {})
     arena = replay._Arena([((16,), (1,), torch.float32, True)])  # 512 bytes
     assert wallclock.peak_memory(lambda: None) == 0
     assert wallclock.peak_memory(lambda: arena.kept(cuda0)) == 512

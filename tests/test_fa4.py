@@ -1038,7 +1038,6 @@ def test_kept_scratch_first_made_in_inference_mode_serves_calls_outside_it_and_l
     """Views made inside ``torch.inference_mode`` would be inference tensors, which a call outside it could not
     touch; an arena above KEEP_AT_MOST allocates per call, so a process keeps no gigabytes for good."""
     monkeypatch.setattr(record_replay, "_KEPT", {})
-    monkeypatch.setattr(record_replay, "_SERVED", {})
     seen = []
 
     def touch(buf):

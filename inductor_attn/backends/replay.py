@@ -247,8 +247,6 @@ class _Arena:
                 flat = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
             views = weakref.WeakKeyDictionary()  # an arena's views go with it
             _KEPT[device] = (flat, views)
-        if _SERVED.get(device, 0) < self.nbytes:
-            _SERVED[device] = self.nbytes
         made = views.get(self)
         if made is None:
             with torch.inference_mode(False):  # nor could a view made inside it
@@ -272,7 +270,6 @@ class _Arena:
 # call (its kernels run long enough to hide the allocation, and a process keeps no gigabytes for good). First made
 # inside a ``torch.cuda.use_mem_pool`` context, it lives in that pool.
 _KEPT: dict[torch.device, tuple[torch.Tensor, weakref.WeakKeyDictionary]] = {}
-_SERVED: dict[torch.device, int] = {}  # served_bytes
 KEEP_AT_MOST = 256 << 20
 _LOCKS: dict[torch.device, threading.Lock] = {}
 
@@ -285,9 +282,16 @@ def kept_bytes(device: torch.device) -> int:
 
 def served_bytes(device: torch.device, reset: bool = False) -> int:
     """The largest arena that replays on ``device`` have taken from its kept allocation since the last reset
-    (0 if none), then reset if asked: what a call needed of memory that an earlier call allocated, which a peak
-    measured above what was allocated before the call leaves out."""
-    return _SERVED.pop(device, 0) if reset else _SERVED.get(device, 0)
+    (0 if none): what a call needed of memory that an earlier call allocated, which a peak measured above what
+    was allocated before the call leaves out. The arenas served are those holding views of the allocation; a
+    reset forgets the views, which the next replay of each arena makes again (no memory, a few views)."""
+    flat, views = _KEPT.get(device, (None, None))
+    if flat is None:
+        return 0
+    served = max((arena.nbytes for arena in views.keys()), default=0)
+    if reset:
+        _KEPT[device] = (flat, weakref.WeakKeyDictionary())
+    return served
 
 
 def _lock(device: torch.device) -> threading.Lock:
