@@ -104,6 +104,25 @@ def test_fa4_candidates_compile_in_worker_processes_and_this_process_loads_them(
     precompile._POOL.close_idle(older_than_s=0)
 
 
+def test_a_worker_request_leaves_no_cached_memory_behind(tmp_path):
+    """An idle compile worker waits beside the user's program: after a request it holds its CUDA context, not
+    the blocks its call took (subproc.answer, run here in this process)."""
+    from inductor_attn.tuning import subproc
+
+    call = _call(lq=4096, lk=4096)
+    triton = next(c.name for c in enumerate_candidates(call.problem, device_info(call.q.device))
+                  if c.backend == "triton" and c.pruned is None)
+    subproc.save_call(call, tmp_path / "call.pt")
+    del call
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    reply = subproc.answer({"op": "compile", "call": str(tmp_path / "call.pt"), "choice": triton,
+                            "direction": "forward"})
+    assert set(reply) == {"seconds"}, reply
+    assert torch.cuda.memory_reserved() == before
+
+
 def test_background_mode_decides_at_once_and_the_tune_lands_in_the_store(monkeypatch):
     monkeypatch.setattr(decisions, "RECHECK_S", 0.0)
     call = _call(lq=512, lk=512, hq=4, hkv=4, d=64)

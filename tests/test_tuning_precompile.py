@@ -199,7 +199,6 @@ def test_a_few_process_jobs_compile_here_without_starting_a_worker(slow_workers)
     assert done == list(jobs) and set(got) == set(jobs) and SlowStartWorker.started == 0
 
 
-
 def test_a_worker_imports_the_costly_libraries_of_the_backends_before_it_says_ready(monkeypatch):
     """The parent gives jobs only to ready workers: a worker whose first job also imported FA4's CuTe DSL
     (about 3 s) would be slower than this process at that job."""
@@ -226,6 +225,23 @@ def test_a_worker_whose_cuda_context_is_lost_says_so_and_the_parent_takes_no_fur
     monkeypatch.setattr(measure, "device_error", lambda device: "AcceleratorError: illegal memory access")
     assert subproc._error(err, request) == {"error": "RuntimeError: CUDA error: an illegal memory access was "
                                             "encountered", "bug": False, "lost": True}
+
+
+def test_a_worker_gives_a_requests_memory_back_to_the_driver_before_it_answers(monkeypatch, tmp_path):
+    from inductor_attn.tuning import measure, subproc
+
+    save_call(_call(), tmp_path / "call.pt")
+    request = {"op": "compile", "call": str(tmp_path / "call.pt"), "choice": TRITON_FORWARD, "direction": "forward"}
+    assert set(subproc.answer(request)) == {"seconds"}
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    monkeypatch.setattr(measure, "device_error", lambda device: None)
+    reply = subproc.answer({"op": "nope"})
+    assert reply["bug"] and reply["error"] == "KeyError: 'nope'" and emptied == [1]
+    monkeypatch.setattr(measure, "device_error", lambda device: "AcceleratorError: illegal memory access")
+    assert subproc.answer({"op": "nope"})["lost"] and emptied == [1]  # a lost context is not called again
 
 
 def test_a_worker_that_lost_its_cuda_context_gets_no_further_job(monkeypatch):

@@ -210,19 +210,28 @@ def load_costly_libraries() -> None:
             backend.library.load()
 
 
+def answer(req: dict) -> dict:
+    """One request's reply. The memory the request took goes back to the driver before it (``empty_cache``):
+    an idle worker waits beside the user's program (up to a minute: precompile.IDLE_S, background.IDLE_S) and
+    should hold its CUDA context there, not the cached blocks of the largest call it compiled or tuned."""
+    try:
+        reply = {"compile": _compile, "tune": _tune}[req["op"]](req)
+    except Exception as err:  # noqa: BLE001 - reported to the parent, which decides what it means
+        reply = _error(err, req)
+    if torch.cuda.is_initialized() and not reply.get("lost"):  # a lost context frees nothing more
+        torch.cuda.empty_cache()
+    return reply
+
+
 def main() -> int:
     protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # print() and C libraries write to stderr
     sys.stdout = sys.stderr
     load_costly_libraries()
     protocol.write(json.dumps({"id": 0, "ready": True}) + "\n")
-    handlers = {"compile": _compile, "tune": _tune}
     for line in sys.stdin:
         req = json.loads(line)
-        try:
-            reply = handlers[req["op"]](req)
-        except Exception as err:  # noqa: BLE001 - reported to the parent, which decides what it means
-            reply = _error(err, req)
+        reply = answer(req)
         protocol.write(json.dumps({"id": req["id"], **reply}) + "\n")
         if reply.get("lost"):
             return 1  # every later request would fail with the same sticky CUDA error
