@@ -6,6 +6,7 @@ Run: ``python -m pytest -q -m gpu tests/test_tuning_gpu.py``.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import time
 
@@ -114,13 +115,16 @@ def test_a_worker_request_leaves_no_cached_memory_behind(tmp_path):
                   if c.backend == "triton" and c.pruned is None)
     subproc.save_call(call, tmp_path / "call.pt")
     del call
+    gc.collect()  # earlier tests' garbage: freed now, not during the request
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
     reply = subproc.answer({"op": "compile", "call": str(tmp_path / "call.pt"), "choice": triton,
                             "direction": "forward"})
     assert set(reply) == {"seconds"}, reply
-    assert torch.cuda.memory_reserved() == before
+    assert torch.cuda.max_memory_reserved() > before  # the request did take memory (its q, k, v at least)
+    assert torch.cuda.memory_reserved() <= before
 
 
 def test_background_mode_decides_at_once_and_the_tune_lands_in_the_store(monkeypatch):

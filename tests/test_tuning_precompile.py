@@ -232,16 +232,33 @@ def test_a_worker_gives_a_requests_memory_back_to_the_driver_before_it_answers(m
 
     save_call(_call(), tmp_path / "call.pt")
     request = {"op": "compile", "call": str(tmp_path / "call.pt"), "choice": TRITON_FORWARD, "direction": "forward"}
-    assert set(subproc.answer(request)) == {"seconds"}
     emptied = []
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
     monkeypatch.setattr(measure, "device_error", lambda device: None)
+    assert set(subproc.answer(request)) == {"seconds"} and emptied == [1]
     reply = subproc.answer({"op": "nope"})
-    assert reply["bug"] and reply["error"] == "KeyError: 'nope'" and emptied == [1]
+    assert reply["bug"] and reply["error"] == "KeyError: 'nope'" and emptied == [1, 1]
     monkeypatch.setattr(measure, "device_error", lambda device: "AcceleratorError: illegal memory access")
-    assert subproc.answer({"op": "nope"})["lost"] and emptied == [1]  # a lost context is not called again
+    assert subproc.answer({"op": "nope"})["lost"] and emptied == [1, 1]  # a lost context is not called again
+
+
+def test_a_worker_whose_memory_cannot_be_freed_answers_and_says_it_is_lost(monkeypatch, tmp_path):
+    """A sticky CUDA error that the request's own error check did not see (another device's context) surfaces
+    in empty_cache: the reply still goes out, marked lost, so the worker exits after it."""
+    from inductor_attn.tuning import subproc
+
+    save_call(_call(), tmp_path / "call.pt")
+    request = {"op": "compile", "call": str(tmp_path / "call.pt"), "choice": TRITON_FORWARD, "direction": "forward"}
+
+    def sticky():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", sticky)
+    reply = subproc.answer(request)
+    assert reply["lost"] and reply["seconds"] is not None
 
 
 def test_a_worker_that_lost_its_cuda_context_gets_no_further_job(monkeypatch):

@@ -61,9 +61,12 @@ def save_call(call, path: Path) -> None:
 
 
 def load_call(path: Path):
-    """The call :func:`save_call` wrote, with fresh normal q, k, v of the same layouts."""
+    """The call :func:`save_call` wrote, with fresh normal q, k, v of the same layouts. Its GPU becomes the current
+    device, where kernels compile and where :func:`_error` looks for a lost context."""
     data = torch.load(path, weights_only=False)
     device = torch.device(data["device"])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     gen = torch.Generator(device=device).manual_seed(0)
     qkv = {name: torch.empty_strided(shape, stride, dtype=dtype, device=device).normal_(generator=gen)
            for name, (shape, stride, dtype) in data["qkv"].items()}
@@ -211,15 +214,22 @@ def load_costly_libraries() -> None:
 
 
 def answer(req: dict) -> dict:
-    """One request's reply. The memory the request took goes back to the driver before it (``empty_cache``):
-    an idle worker waits beside the user's program (up to a minute: precompile.IDLE_S, background.IDLE_S) and
-    should hold its CUDA context there, not the cached blocks of the largest call it compiled or tuned."""
+    """One request's reply. The memory the request took and freed goes back to the driver before it
+    (``empty_cache``): an idle worker waits beside the user's program (up to a minute: precompile.IDLE_S,
+    background.IDLE_S), and should not hold the cached blocks of the largest call it compiled or tuned there.
+    What a library keeps on purpose stays (cuBLAS's workspace, a kept FA4 backward scratch: backends/replay.py).
+    A CUDA error there (a context lost on another device than the one :func:`_error` looked at) makes the reply
+    ``lost``, so that the worker exits after it."""
     try:
         reply = {"compile": _compile, "tune": _tune}[req["op"]](req)
     except Exception as err:  # noqa: BLE001 - reported to the parent, which decides what it means
         reply = _error(err, req)
     if torch.cuda.is_initialized() and not reply.get("lost"):  # a lost context frees nothing more
-        torch.cuda.empty_cache()
+        try:
+            torch.cuda.empty_cache()
+        except Exception as err:  # noqa: BLE001 - a sticky CUDA error: every later request would fail too
+            log.warning("inductor_attn worker: freeing cached memory failed, exiting after this reply: %s", err)
+            reply = {**reply, "lost": True}
     return reply
 
 
