@@ -226,9 +226,9 @@ class _Arena:
         """The buffers in a new allocation, in scratch order; those not zeroed filled with ``poison`` if given."""
         if not self.places:
             return []
-        buffers, zeroed = self._views(torch.empty(self.nbytes, dtype=torch.uint8, device=device))
-        if zeroed is not None:
-            zeroed.zero_()
+        buffers, zeroed_span = self._views(torch.empty(self.nbytes, dtype=torch.uint8, device=device))
+        if zeroed_span is not None:
+            zeroed_span.zero_()
         if poison is not None:
             for buf, zeroed in zip(buffers, self.zeroed):
                 if not zeroed:
@@ -251,9 +251,9 @@ class _Arena:
         if made is None:
             with torch.inference_mode(False):  # nor could a view made inside it
                 made = views[self] = self._views(flat)
-        buffers, zeroed = made
-        if zeroed is not None:
-            zeroed.zero_()
+        buffers, zeroed_span = made
+        if zeroed_span is not None:
+            zeroed_span.zero_()
         return buffers
 
     def _views(self, flat: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor | None]:
