@@ -48,6 +48,29 @@ def test_tma_aligned_takes_broadcast_dims_only_where_asked_and_size_one_dims_of_
     assert tma_aligned(broadcast, broadcast_ok=True) and not tma_aligned(broadcast, broadcast_ok=False)
 
 
+def test_tma_aligned_agrees_with_its_definition_on_random_layouts():
+    # the definition: last dim contiguous, pointer 16-byte aligned, every other stride a multiple of 16 bytes, and
+    # a stride of 0 on a dim longer than 1 only where broadcasts are taken
+    def defined(x, broadcast_ok):
+        per16 = max(1, 16 // x.element_size())
+        return (x.stride(-1) == 1 and x.data_ptr() % 16 == 0
+                and all(s % per16 == 0 and (broadcast_ok or s != 0 or n == 1)
+                        for s, n in zip(x.stride()[:-1], x.shape[:-1])))
+
+    gen = torch.Generator().manual_seed(0)
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=gen))]
+
+    for dtype in (torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.int64):
+        base = torch.empty(1 << 16, dtype=dtype)
+        for _ in range(400):
+            shape = [pick([1, 2, 3, 8]) for _ in range(pick([1, 2, 3, 4]))]
+            strides = [pick([0, 1, 2, 4, 8, 16, 24, 48, 128]) for _ in shape]
+            x = base.as_strided(shape, strides, pick([0, 1, 2, 4, 8, 16]))
+            for ok in (True, False):
+                assert tma_aligned(x, broadcast_ok=ok) == defined(x, ok), (dtype, shape, strides, x.storage_offset())
+
+
 def test_int32_contiguous_converts_only_what_is_not_unit_stride_int32():
     lens = torch.tensor([3, 5], dtype=torch.int32)
     assert int32_contiguous(lens) is lens and int32_contiguous(None) is None
