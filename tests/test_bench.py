@@ -1297,6 +1297,11 @@ def test_compiled_choice_report_states_the_run_as_measured(tmp_path):
     stamped = {"device": "GPU", "torch": "2.11", "date": "2026-11-29 21:59 UTC", "commit": "3913531", "prefill": [row]}
     (tmp_path / "compiled_choice.json").write_text(json.dumps(stamped))
     assert tool.report(tmp_path).startswith("GPU, torch 2.11, 2026-11-29 21:59 UTC, commit 3913531; command")
+    # --commit corrects a Llama file measured at the same lagging commit, not one of another run
+    assert "at commit def5678 with" in tool.report(tmp_path, "abc1234")
+    stamped["commit"] = "def5678"
+    (tmp_path / "compiled_choice.json").write_text(json.dumps(stamped))
+    assert "at commit abc1234 with" in tool.report(tmp_path, "abc1234")
 
 
 @pytest.mark.parametrize("suite, ops", [

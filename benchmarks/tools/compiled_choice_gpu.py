@@ -30,8 +30,8 @@ leaves anything that slows the calls after it.
 
 ``--report DIR``: the markdown section of benchmarks/RESULTS.md from a run's files in DIR: compiled_choice.json,
 spell.json and llama.json. Each file records its date, commit and library versions (``--commit`` and ``--date``
-override compiled_choice.json's, where the device's git lagged); a spell or Llama file from another run than
-compiled_choice.json's says so.
+override compiled_choice.json's where the device's git lagged, and ``--commit`` a spell or Llama file's recorded at
+the same commit); a spell or Llama file from another run than compiled_choice.json's says so.
 
 ``--llama``: the HF Llama entries of ``inductor_attn.bench.models`` (prefill, the B4 L2048 and B1 L512 training
 steps, the static-cache decode step; plain launches), each in a fresh process with a fresh store, stock
@@ -298,8 +298,10 @@ def llama() -> dict:
 
 def report(run: Path, commit: str | None = None, date: str | None = None) -> str:
     """benchmarks/RESULTS.md's section for one run's files (see the module doc); ``commit`` and ``date`` override
-    what compiled_choice.json records."""
+    what compiled_choice.json records, and ``commit`` also what a Llama or spell file records where that is the same
+    (the device's git lagged for the whole run)."""
     choice = json.loads((run / "compiled_choice.json").read_text())
+    lagged = {choice["commit"]: commit} if commit and "commit" in choice else {}
     commit, date = commit or choice.get("commit", "?"), date or choice.get("date", "?")
     shapes = [row["shape"] for row in choice["prefill"]]
     probed = [row["shape"] for row in choice["prefill"] if row.get("probes")]
@@ -354,7 +356,7 @@ def report(run: Path, commit: str | None = None, date: str | None = None) -> str
         lines += ["", "HF Llama (8 layers, hidden 1024, 16/4 heads, bf16, random weights), stock `torch.compile` "
                   "against `backend=\"inductor_attn\"`, each entry in a fresh process and store, plain launches "
                   "(`PYTHONPATH=. python benchmarks/tools/compiled_choice_gpu.py --out $OUT --llama`)"
-                  f"{_own_run(llama)}:",
+                  f"{_own_run(llama, lagged)}:",
                   "", f"| entry | {STEP_HEADER} |", "|---|---|---|---|---|"]
         for label, entry in llama["llama"].items():
             lines.append(f"| {label} | {step_cells(entry)} |" if "error" not in entry else
@@ -368,8 +370,8 @@ def report(run: Path, commit: str | None = None, date: str | None = None) -> str
         clocks = sorted({w["sm_mhz"] for w in windows})
         gcs = sum(len(w["gcs"]) for w in windows)
         lines += ["", "Calls right after a tune (decode B1 H32/8 Lkv2k D128, `compiled_choice_gpu.py --out $OUT "
-                  f"--spell`{_own_run(spell)}), median us per call of the first 200 / the last 100 of each: ours "
-                  f"{first['ours']:.0f} / "
+                  f"--spell`{_own_run(spell, lagged)}), median us per call of the first 200 / the last 100 of each: "
+                  f"ours {first['ours']:.0f} / "
                   f"{last['ours']:.0f} ({first['ours'] / last['ours']:.2f}x), stock compile {first['stock']:.0f} / "
                   f"{last['stock']:.0f} ({first['stock'] / last['stock']:.2f}x); the main thread's CPU us per call, "
                   f"ours {cpu_first['ours']:.0f} / {cpu_last['ours']:.0f}; SM clock {clocks[0]}-{clocks[-1]} MHz; "
@@ -377,12 +379,13 @@ def report(run: Path, commit: str | None = None, date: str | None = None) -> str
     return "\n".join(lines)
 
 
-def _own_run(part: dict) -> str:
+def _own_run(part: dict, lagged: dict) -> str:
     """Where a part's file was measured in a run of its own (files that record it: date, commit, libraries), as a
-    clause; empty for files without it, which the section's first line describes."""
+    clause, its commit as ``lagged`` corrects it; empty for files without it, which the section's first line
+    describes."""
     if "commit" not in part:
         return ""
-    return (f", measured {part['date']} at commit {part['commit']} with "
+    return (f", measured {part['date']} at commit {lagged.get(part['commit'], part['commit'])} with "
             + versions_text(part["versions"]))
 
 
