@@ -907,6 +907,95 @@ def test_another_threads_fa4_call_during_a_recording_is_not_recorded(monkeypatch
     assert replay is not None and len(replay.steps) == 4  # pre, main, post, post: not the other thread's post
 
 
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_a_call_that_began_before_another_thread_recorded_its_layout_still_runs(monkeypatch, direction):
+    """Plans are shared per problem: thread A starts a call with nothing recorded yet (so it builds no quick key),
+    thread B records the layout meanwhile, and A must not then use the key it never built."""
+    kernel_calls = []
+    if direction == "forward":
+        _, plan = _fwd_plan(monkeypatch, kernel_calls)
+        allocator, name = fa4.launch._buffers, "_buffers"
+
+        def other_call():
+            plan.launch(AttnCall("attention", *_qkv(1), 0.25))
+    else:
+        plan = _bwd_plan(monkeypatch, _compiling_backward(kernel_calls))
+        allocator, name = fa4.launch.new_grads, "new_grads"
+
+        def other_call():
+            call = _bwd_call(1)
+            plan.launch(call, torch.randn_like(call.q), torch.zeros(1, 2, 16), torch.randn_like(call.q), None)
+    interleaved = []
+
+    def allocate(*args):  # thread A is past its quick key and before its lookup: thread B records now
+        if not interleaved:
+            interleaved.append(threading.Thread(target=other_call))
+            interleaved[0].start()
+            interleaved[0].join()
+        return allocator(*args)
+
+    monkeypatch.setattr(fa4.launch, name, allocate)
+    errors = []
+
+    def call_a():
+        try:
+            if direction == "forward":
+                plan.launch(AttnCall("attention", *_qkv(0), 0.25))
+            else:
+                call = _bwd_call(0)
+                plan.launch(call, torch.randn_like(call.q), torch.zeros(1, 2, 16), torch.randn_like(call.q), None)
+        except Exception as err:  # noqa: BLE001 - the failure is what the test looks for
+            errors.append(err)
+
+    a = threading.Thread(target=call_a)
+    a.start()
+    a.join()
+    assert interleaved and not errors, errors
+    assert len(plan.launch.replays.by_layout) == 1
+
+
+def test_a_recording_whose_owner_lacks_the_compile_cache_raises_and_releases_its_lock():
+    with pytest.raises(AttributeError):
+        with record_replay.Recording([types.SimpleNamespace(compile_cache={}), types.SimpleNamespace()]):
+            pass
+    assert not record_replay.Recording._LOCK.locked()
+
+
+def test_a_replay_that_raises_in_its_check_is_refused_and_the_layout_keeps_fa4s_interface(monkeypatch):
+    """A recorded kernel called directly may refuse what FA4's own call converts first: the check refuses the
+    replay (the layout keeps going through FA4, every call right), instead of failing the call it checks."""
+    inside = []
+
+    def kernel(q, k, v, out, lse, scale, window, none):
+        if not inside:
+            raise TypeError("Mismatched type on argument #3")
+        out.copy_(q * scale + v)
+        lse.fill_(1.0)
+
+    def _flash_attn_fwd(q, k, v, **kw):
+        cache = _flash_attn_fwd.compile_cache
+        if ("key",) not in cache:
+            cache[("key",)] = kernel
+        inside.append(1)
+        try:
+            cache[("key",)](q, k, v, kw["out"], kw["lse"], kw["softmax_scale"], 7, None)
+        finally:
+            inside.pop()
+        return kw["out"], kw["lse"]
+
+    _flash_attn_fwd.compile_cache = {}
+    interface = types.SimpleNamespace(_flash_attn_fwd=_flash_attn_fwd)
+    utils = types.SimpleNamespace(_get_use_clc_scheduler_default=lambda: False)
+    monkeypatch.setattr(fa4.loading, "load", lambda: fake_fa4(interface=interface, utils=utils))
+    q0 = torch.randn(1, 2, 16, 16, dtype=torch.float16)
+    plan = fa4.BACKEND.plan(AttnCall("attention", q0, q0, q0, 0.25).problem, SM90, Config(), "forward")
+    for seed in range(3):
+        q, k, v = _qkv(seed)
+        out, _ = plan.launch(AttnCall("attention", q, k, v, 0.25))
+        assert torch.equal(out, q * 0.25 + v)
+    assert list(plan.launch.replays.by_layout.values()) == [None]
+
+
 def test_backward_values_that_fa4_would_copy_are_copied_before_it_sees_them(monkeypatch):
     """b36's maybe_contiguous clones an input with an unaligned pointer; a recording would take that copy for
     a scratch buffer (and an all-zero one for a buffer to zero), so the launch hands FA4 aligned copies."""

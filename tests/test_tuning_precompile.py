@@ -6,6 +6,10 @@ TRITON_INTERPRET=1 a Triton warmup compiles nothing, so they test the protocol, 
 the handling of failures, timeouts and crashes, not a compiler.
 """
 
+import collections
+import queue
+import subprocess
+import sys
 import threading
 import time
 
@@ -109,6 +113,21 @@ def test_a_worker_that_dies_says_why():
     worker.proc.stdin.flush()
     with pytest.raises(WorkerError, match="last stderr line: json.decoder.JSONDecodeError"):
         worker.request("compile", 60, call="/nonexistent", choice=TRITON_FORWARD, direction="forward")
+
+
+def test_a_worker_line_that_is_not_a_reply_ends_that_worker_with_a_worker_error():
+    """Something printed on the protocol pipe (a library's import message): the driver thread gets a WorkerError,
+    which it handles (the job falls to another worker), not a JSON error that would end the thread."""
+    worker = Worker.__new__(Worker)
+    worker.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stdin=subprocess.PIPE)
+    worker.replies, worker.stderr = queue.Queue(), collections.deque()
+    worker._drains = [threading.Thread(target=lambda: None) for _ in range(2)]
+    for thread in worker._drains:
+        thread.start()
+    worker.replies.put("Loaded 3 kernels")
+    with pytest.raises(WorkerError, match="it sent a line that is not a reply: 'Loaded 3 kernels'"):
+        worker._reply(5, "compile request")
+    assert not worker.alive
 
 
 class FakeWorker:

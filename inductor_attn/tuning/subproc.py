@@ -129,7 +129,10 @@ class Worker:
             raise TimeoutError(f"{what} took longer than {timeout_s:g} s") from None
         if line is None:
             raise WorkerError(self._death("it exited"))
-        return json.loads(line)
+        try:
+            return json.loads(line)
+        except ValueError:  # a stray line on the protocol pipe: the worker's state is unknown, so it goes
+            raise WorkerError(self._death(f"it sent a line that is not a reply: {line[:80]!r}")) from None
 
     def _death(self, what: str) -> str:
         self.kill()

@@ -170,8 +170,9 @@ class ForwardLaunch:
         self.replays = Replays()
 
     def __call__(self, call: AttnCall):
-        known = None
-        if self.replays.by_layout:  # something was recorded (never, for a plan that is not thin): the quick key
+        # read once: another thread may record a layout while this call runs (plans are shared per problem)
+        recorded, known = bool(self.replays.by_layout), None
+        if recorded:  # something was recorded (never, for a plan that is not thin): the quick key
             quick = quick_key((call.q, call.k, call.v, call.kv_seqlens, call.cu_seqlens_q, call.cu_seqlens_k),
                               (call.scale, call.max_seqlen_q, call.max_seqlen_k))
             known = self.replays.known.get(quick)
@@ -181,7 +182,7 @@ class ForwardLaunch:
             return out, lse
         out, lse = _buffers(call)
         values = _call_values(call, out, lse)
-        if self.replays.by_layout:  # a layout recorded is one FA4 takes as it is (Replays): no layout checks
+        if recorded:  # a layout recorded is one FA4 takes as it is (Replays): no layout checks
             replay = self.replays.get(values)
             if replay is not None:
                 replay(values)
@@ -224,8 +225,8 @@ class BackwardLaunch:
     def __call__(self, call: AttnCall, out, lse, grad_out, grad_lse):
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        known = None
-        if self.replays.by_layout:  # as in the forward: no quick key before something was recorded
+        recorded, known = bool(self.replays.by_layout), None  # read once, as in the forward
+        if recorded:  # as in the forward: no quick key before something was recorded
             quick = quick_key((call.q, call.k, call.v, out, grad_out, lse, grad_lse, call.kv_seqlens,
                                call.cu_seqlens_q, call.cu_seqlens_k),
                               (call.scale, call.max_seqlen_q, call.max_seqlen_k))
@@ -238,7 +239,7 @@ class BackwardLaunch:
             return tuple(grads)
         grads = new_grads(call.q, call.k, call.v)
         tensors = (call.q, call.k, call.v, out, grad_out, lse, grad_lse, grads)
-        values, replay, into_ours, as_given = self._replayed(call, tensors)
+        values, replay, into_ours, as_given = self._replayed(call, tensors, recorded)
         if replay is not None:
             replay(values)
             if as_given:
@@ -248,12 +249,12 @@ class BackwardLaunch:
         _zero_unused_keys(call, grads)
         return tuple(grads)
 
-    def _replayed(self, call: AttnCall, tensors: tuple) -> tuple[tuple, Replay | None, bool, bool]:
+    def _replayed(self, call: AttnCall, tensors: tuple, recorded: bool) -> tuple[tuple, Replay | None, bool, bool]:
         """(values, the replay recorded for their layout or None, whether FA4 writes into our grads, whether the
-        values are the views of the tensors as given). The views alone are looked up first, with no checks: a
-        layout recorded is one FA4 takes as it is. Else the values made what FA4 takes (copies where FA4 would
-        make them), whose layout may have been recorded too."""
-        if self.replays.by_layout:
+        values are the views of the tensors as given). Where a layout was ``recorded`` when the call began, the
+        views alone are looked up first, with no checks: a layout recorded is one FA4 takes as it is. Else the
+        values made what FA4 takes (copies where FA4 would make them), whose layout may have been recorded too."""
+        if recorded:
             views = _backward_values(call, *tensors, checked=False)
             replay = self.replays.get(views)
             if replay is not None:
