@@ -520,10 +520,15 @@ def test_dsl_errors_become_runtime_errors(monkeypatch):
         run_backend(fa4.BACKEND, AttnCall("attention", q, q, q, 0.25), Config.of(tile_mn="128x176"))
 
 
-def _compiling_interface(kernel_calls: list):
+def _compiling_interface(kernel_calls: list, only_inside: bool = False):
     """A fake FA4 interface whose ``_flash_attn_fwd`` calls a "compiled kernel" from its compile cache with
-    positional arguments, as b36 does: tensors, the scale and a constant."""
+    positional arguments, as b36 does: tensors, the scale and a constant. ``only_inside``: the kernel raises when
+    called other than from ``_flash_attn_fwd`` (a kernel's raw function refusing what the interface converts)."""
+    inside = []
+
     def kernel(q, k, v, out, lse, scale, window, none):
+        if only_inside and not inside:
+            raise TypeError("Mismatched type on argument #3")
         kernel_calls.append(scale)
         out.copy_(q * scale + v)
         lse.fill_(1.0)
@@ -532,15 +537,19 @@ def _compiling_interface(kernel_calls: list):
         cache = _flash_attn_fwd.compile_cache
         if ("key",) not in cache:
             cache[("key",)] = kernel
-        cache[("key",)](q, k, v, kw["out"], kw["lse"], kw["softmax_scale"], 7, None)
+        inside.append(1)
+        try:
+            cache[("key",)](q, k, v, kw["out"], kw["lse"], kw["softmax_scale"], 7, None)
+        finally:
+            inside.pop()
         return kw["out"], kw["lse"]
 
     _flash_attn_fwd.compile_cache = {}
     return types.SimpleNamespace(_flash_attn_fwd=_flash_attn_fwd)
 
 
-def _fwd_plan(monkeypatch, kernel_calls):
-    interface = _compiling_interface(kernel_calls)
+def _fwd_plan(monkeypatch, kernel_calls, only_inside: bool = False):
+    interface = _compiling_interface(kernel_calls, only_inside)
     utils = types.SimpleNamespace(_get_use_clc_scheduler_default=lambda: False)
     monkeypatch.setattr(fa4.loading, "load", lambda: fake_fa4(interface=interface, utils=utils))
     q = torch.randn(1, 2, 16, 16, dtype=torch.float16)
@@ -964,31 +973,7 @@ def test_a_recording_whose_owner_lacks_the_compile_cache_raises_and_releases_its
 def test_a_replay_that_raises_in_its_check_is_refused_and_the_layout_keeps_fa4s_interface(monkeypatch):
     """A recorded kernel called directly may refuse what FA4's own call converts first: the check refuses the
     replay (the layout keeps going through FA4, every call right), instead of failing the call it checks."""
-    inside = []
-
-    def kernel(q, k, v, out, lse, scale, window, none):
-        if not inside:
-            raise TypeError("Mismatched type on argument #3")
-        out.copy_(q * scale + v)
-        lse.fill_(1.0)
-
-    def _flash_attn_fwd(q, k, v, **kw):
-        cache = _flash_attn_fwd.compile_cache
-        if ("key",) not in cache:
-            cache[("key",)] = kernel
-        inside.append(1)
-        try:
-            cache[("key",)](q, k, v, kw["out"], kw["lse"], kw["softmax_scale"], 7, None)
-        finally:
-            inside.pop()
-        return kw["out"], kw["lse"]
-
-    _flash_attn_fwd.compile_cache = {}
-    interface = types.SimpleNamespace(_flash_attn_fwd=_flash_attn_fwd)
-    utils = types.SimpleNamespace(_get_use_clc_scheduler_default=lambda: False)
-    monkeypatch.setattr(fa4.loading, "load", lambda: fake_fa4(interface=interface, utils=utils))
-    q0 = torch.randn(1, 2, 16, 16, dtype=torch.float16)
-    plan = fa4.BACKEND.plan(AttnCall("attention", q0, q0, q0, 0.25).problem, SM90, Config(), "forward")
+    _, plan = _fwd_plan(monkeypatch, [], only_inside=True)
     for seed in range(3):
         q, k, v = _qkv(seed)
         out, _ = plan.launch(AttnCall("attention", q, k, v, 0.25))
