@@ -71,6 +71,21 @@ def test_tma_aligned_agrees_with_its_definition_on_random_layouts():
                 assert tma_aligned(x, broadcast_ok=ok) == defined(x, ok), (dtype, shape, strides, x.storage_offset())
 
 
+def test_kv_seqlens_of_another_stride_give_the_same_attention():
+    """Kernels read a length at index + 1: a strided kv_seqlens (a column of a wider tensor) is made unit stride
+    for every backend (AttnCall), here the Triton kernels the CPU tune picks, with NaN past every length."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 4, n, 32, generator=gen) for n in (1, 40, 40))
+    lens = torch.tensor([40, 7, 23], dtype=torch.int32)
+    for b, n in enumerate(lens.tolist()):
+        k[b, :, n:], v[b, :, n:] = float("nan"), float("nan")
+    strided = torch.stack([lens, torch.full_like(lens, 99)], 1)[:, 0]
+    assert strided.stride(0) == 2
+    want = inductor_attn.attention(q, k, v, kv_seqlens=lens)
+    torch.testing.assert_close(inductor_attn.attention(q, k, v, kv_seqlens=strided), want)
+    assert not want.isnan().any()
+
+
 def test_int32_contiguous_converts_only_what_is_not_unit_stride_int32():
     lens = torch.tensor([3, 5], dtype=torch.int32)
     assert int32_contiguous(lens) is lens and int32_contiguous(None) is None

@@ -263,9 +263,39 @@ def test_bad_arguments_are_named():
     _raises(ValueError, "q.shape\\[0\\] must equal block_table.shape\\[0\\] \\(2\\)", q=x.q[:1])
     _raises(ValueError, r"q.shape\[0\] \(5\) must be at most num_seqs \* max_seqlen_q \(2 \* 2\)",
             q=torch.cat([x.q, x.q, x.q[:1]]), cu_seqlens_q=torch.tensor([0, 2, 5], dtype=torch.int32), max_seqlen_q=2)
+    _raises(ValueError, r"without cu_seqlens_q, each sequence has one query: max_seqlen_q must be 1 .*got 2",
+            max_seqlen_q=2)  # a decode kernel would run a second row per sequence into the same output
     _raises(ValueError, "layout must be one of", layout="NDH")
     _raises(ValueError, "paged_attention is forward only .*: q requires grad while grad mode is on",
             q=x.q.float().requires_grad_(), k_cache=x.k_cache.float(), v_cache=x.v_cache.float())
+
+
+def _strided(x: torch.Tensor, how: str) -> torch.Tensor:
+    """The same values with another memory layout: a column-major table, or every other element of a wider one."""
+    if how == "column-major":
+        return x.t().contiguous().t()
+    return torch.stack([x, torch.full_like(x, -7)], -1)[..., 0]  # stride 2; the other column holds garbage
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("name, what, how", [
+    ("decode_gqa_page16", "block_table", "column-major"), ("decode_gqa_page16", "block_table", "every other"),
+    ("decode_empty_sequence", "kv_seqlens", "every other"), ("chunked_prefill_causal", "cu_seqlens_q", "every other"),
+])
+def test_index_tensors_with_other_strides_give_the_same_attention(name, what, how, compiled, fresh_compile):
+    """The kernels read lengths and table rows at index + 1: an index tensor strided otherwise is made unit
+    stride for them (AttnCall), eager and compiled."""
+    case = CASES[name]
+    x = pi.make(case)
+    if what == "block_table" and how == "column-major":
+        assert _strided(x.block_table, how).stride(-1) != 1
+    x = dataclasses.replace(x, **{what: _strided(getattr(x, what), how)})
+    fn = inductor_attn.paged_attention
+    if compiled:
+        fn = torch.compile(fn, fullgraph=True)
+    out, lse = fn(x.q, x.k_cache, x.v_cache, x.block_table, x.kv_seqlens, return_lse=True, **x.kwargs(case))
+    _check_against_the_oracle(case, x, out, lse)
+    assert any("triton_decode" in key for key in inductor_attn.stats())
 
 
 def test_inputs_that_require_grad_are_taken_under_no_grad():

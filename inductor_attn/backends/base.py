@@ -101,6 +101,9 @@ class Candidate:
         return backend, Config.parse(cfg)
 
 
+_INDEX_FIELDS = ("kv_seqlens", "cu_seqlens_q", "cu_seqlens_k", "block_table")
+
+
 @dataclass
 class AttnCall:
     """The tensors and arguments of one call of an op: what ``Plan.launch`` receives.
@@ -132,6 +135,15 @@ class AttnCall:
     out_dtype: torch.dtype | None = None
     block_table: torch.Tensor | None = None
     _problem: Problem | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        # Our kernels read lengths, cu_seqlens and a table's rows at index + 1, not index * stride (FA3 and FA4 take
+        # them so too): an index tensor strided otherwise (a column of a wider tensor, a column-major table) is
+        # copied here, once for every backend, eager or traced into compiled code
+        for name in _INDEX_FIELDS:
+            x = getattr(self, name)
+            if x is not None and x.shape[-1] > 1 and x.stride(-1) != 1:
+                setattr(self, name, x.contiguous())
 
     @property
     def problem(self) -> Problem:

@@ -434,6 +434,9 @@ def check_paged(q, k_cache, v_cache, block_table, kv_seqlens, cu_seqlens_q, max_
         if m < 1 or m > most:
             what = "q tokens" if name == "max_seqlen_q" else "block_table.shape[1] * page_size"
             fail(ValueError, f"{name} must be in [1, {what}] = [1, {most}], got {m}")
+    if cu_seqlens_q is None and max_seqlen_q is not None and max_seqlen_q != 1:  # a kernel would run rows no query has
+        fail(ValueError, f"without cu_seqlens_q, each sequence has one query: max_seqlen_q must be 1 (or None), got "
+                         f"{max_seqlen_q}")
     # a shape no cu_seqlens_q values can satisfy (each sequence at most max_seqlen_q queries, q.shape[0] in all):
     # refused while tracing, where compiled code's representative call (lowering/emit.py) spreads them evenly
     if cu_seqlens_q is not None and max_seqlen_q is not None and q.shape[0] > num_seqs * max_seqlen_q:
