@@ -463,6 +463,47 @@ def test_a_winner_not_tuned_here_that_computes_wrong_output_never_runs(monkeypat
     torch.testing.assert_close(out, inductor_attn.run_candidate("reference:default", call.q, call.k, call.v))
 
 
+def test_a_background_decision_that_lands_from_elsewhere_is_gated_before_it_runs(monkeypatch, tmp_path):
+    """Background mode answers at once, then takes the stored row once a tune lands; a row this process did not
+    tune (another process's, or a worker's) is gated first, as any decision not tuned here."""
+    import inductor_attn.tuning.decisions as decisions
+
+    monkeypatch.setattr("inductor_attn.tuning.background.schedule", lambda *args: True)  # the row lands below
+    monkeypatch.setattr(decisions, "RECHECK_S", 0.0)
+    with _a_wrong_winner_not_tuned_here(monkeypatch, tmp_path, "stored") as (a, b):
+        store = get_store()
+        (row,) = store.rows()
+        store.delete([row["key"]])
+        with inductor_attn.tuning_mode("background"):
+            call = small_call()
+            decide(call, DEV, "forward")  # provisional: nothing stored yet
+            store.put(row)
+            assert decide(call, DEV, "forward") == "a:default"
+            out = inductor_attn.attention(call.q, call.k, call.v)
+    torch.testing.assert_close(out, inductor_attn.run_candidate("reference:default", call.q, call.k, call.v))
+
+
+def test_a_row_another_process_stored_over_one_tuned_here_is_gated(monkeypatch):
+    """This process tuned a bucket (winner b); another process then stored its own row under the same key (winner
+    c, wrong here). When b gives way at a launch, the bucket is decided again from that row: c is gated, not
+    taken for the row this process tuned."""
+    a = FakeBackend("a", {"default": (1.0, 0.01)})
+    b = FakeBackend("b", {"default": (0.5, 0.01)})
+    c = FakeBackend("c", {"default": (0.8, 0.01)})
+    timed_with_fakes(monkeypatch, a, b, c)
+    call = small_call()
+    with only_backends(a, b, c), inductor_attn.tuning_mode("autotune"):
+        assert decide(call, DEV, "forward") == "b:default"
+        store = get_store()
+        (row,) = store.rows()
+        store.put({**row, "winner": "c:default", "record": {**row["record"], "winner": "c:default"},
+                   "created": row["created"] + 1})
+        c.wrong, b.fail = {"default"}, {"default"}
+        out = inductor_attn.attention(call.q, call.k, call.v)
+        assert decide(call, DEV, "forward") == "a:default"
+    torch.testing.assert_close(out, inductor_attn.run_candidate("reference:default", call.q, call.k, call.v))
+
+
 def test_a_winner_not_tuned_here_is_gated_once_per_process_and_bucket(monkeypatch, tmp_path):
     gated = []
     import inductor_attn.tuning.decisions as decisions

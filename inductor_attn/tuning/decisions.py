@@ -55,9 +55,10 @@ _PROVISIONAL: dict[tuple, list] = {}
 # ran an ungated default, or a winner met another shape of its bucket): memo key -> {choice: reason}. They
 # count as pruned for that bucket in this process, so the next runnable candidate takes over.
 _FAILED: dict[tuple, dict[str, str]] = {}
-# keys of the decisions this process tuned (their candidates passed the gate here), and the gate's verdict on
-# choices of decisions it did not tune: (decision key, choice) -> None (passed) or why not
-_TUNED_HERE: set[str] = set()
+# the decisions this process tuned, as (decision key, winner, created) (their candidates passed the gate here: a row
+# that another process stored under the same key later is not one of them), and the gate's verdict on choices of
+# decisions it did not tune: (decision key, choice) -> None (passed) or why not
+_TUNED_HERE: set[tuple[str, str, float]] = set()
 _GATED: dict[tuple, str | None] = {}
 _LOCK = threading.RLock()
 RECHECK_S = 1.0
@@ -305,7 +306,7 @@ def _measure(call: AttnCall, cands: list[Candidate], direction: str, fields: dic
         return _measure(call, every, direction, fields, store, None, search, grad_lse)
     row = {**fields, "winner": result.winner, "record": result.to_json(), "created": time.time()}
     store.put(row)
-    _TUNED_HERE.add(row["key"])
+    _TUNED_HERE.add(_tuned_here_key(row))
     return row
 
 
@@ -444,7 +445,7 @@ def _checked_here(call: AttnCall, direction: str, grad_lse: bool, choice: str, r
     """None if ``choice`` of decision ``row`` may run here: the row was tuned in this process, or the choice
     passed the gate here (once per process); else why not (``_NOT_NOW`` inside a CUDA-graph capture, where
     nothing can be run to check it)."""
-    if row["key"] in _TUNED_HERE:
+    if _tuned_here_key(row) in _TUNED_HERE:
         return None
     verdict_key = (row["key"], choice)
     if verdict_key not in _GATED:
@@ -456,6 +457,10 @@ def _checked_here(call: AttnCall, direction: str, grad_lse: bool, choice: str, r
         log.info("inductor_attn: gated %s for %s (decision %s, not tuned in this process) in %.2f s: %s", choice,
                  call.problem, row["key"][:12], time.perf_counter() - start, result.status)
     return _GATED[verdict_key]
+
+
+def _tuned_here_key(row: dict) -> tuple:
+    return row["key"], row["winner"], row.get("created")
 
 
 def _memo_key(call: AttnCall, dev: DeviceInfo, direction: str, grad_lse: bool) -> tuple:
@@ -487,7 +492,8 @@ def give_way(call: AttnCall, dev: DeviceInfo, direction: str, choice: str, err: 
 
 
 def _recheck(key: tuple) -> None:
-    """A provisional decision takes the stored one once its tune has landed."""
+    """A provisional decision gives way once its tune has landed in the store: the bucket is decided again from the
+    stored row, whose winner is gated here first (a worker, or another process, tuned it)."""
     due, decision_key = _PROVISIONAL[key]
     if time.monotonic() < due:
         return
@@ -496,7 +502,8 @@ def _recheck(key: tuple) -> None:
         _PROVISIONAL[key][0] = time.monotonic() + RECHECK_S
         return
     del _PROVISIONAL[key]
-    _MEMO[key], _ROWS[key] = row["winner"], row
+    _MEMO.pop(key, None)
+    _ROWS.pop(key, None)
 
 
 def _adopted(call: AttnCall, dev: DeviceInfo, direction: str, grad_lse: bool,
