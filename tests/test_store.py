@@ -211,13 +211,16 @@ def test_eight_concurrent_writer_processes_lose_no_rows(tmp_path, process_contex
 
 # -- rows that are bad inside the store (put there by another tool or an older bug) -------------------------
 def _corrupt(path, key: str, column: str, value) -> None:
+    """``value`` into one cell; bytes go in as TEXT that holds them (not UTF-8, as a flipped bit on disk leaves)."""
+    cell = "CAST(? AS TEXT)" if isinstance(value, bytes) else "?"
     with sqlite3.connect(path) as conn:
-        conn.execute(f"UPDATE decisions SET {column} = ? WHERE key = ?", (value, key))
+        conn.execute(f"UPDATE decisions SET {column} = {cell} WHERE key = ?", (value, key))
 
 
 @pytest.mark.parametrize("column, value", [("record", "garbage"), ("record", "123"), ("record", "{}"),
                                            ("versions", "{"), ("problem", "p1"), ("created", "yesterday"),
-                                           ("winner", 5)])
+                                           ("winner", 5), ("winner", b"b:\xff"),
+                                           ("versions", "[" * 100_000 + "]" * 100_000)])
 def test_a_bad_row_in_the_store_is_skipped_with_one_warning(tmp_path, column, value):
     path = tmp_path / "d.sqlite"
     DecisionStore(path).put_many([decision_row(i) for i in range(3)])

@@ -131,6 +131,18 @@ class Health:
     bad: list[str] = field(default_factory=list)  # "key: why" for rows that do not
 
 
+class _Undecodable(bytes):
+    """A TEXT value that is not UTF-8 (a flipped bit on disk): its row fails ``_parse`` and is skipped alone. SQLite's
+    own decoding would raise in the cursor, which reads as the whole store being unusable."""
+
+
+def _text(raw: bytes) -> str | _Undecodable:
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return _Undecodable(raw)
+
+
 class DecisionStore:
     """One SQLite file of decisions. ``access`` (WRITE, READ, IMMUTABLE) is found from the filesystem when
     not given; passing READ or IMMUTABLE opens a writable file read-only all the same."""
@@ -174,6 +186,7 @@ class DecisionStore:
             flags = "mode=ro&immutable=1" if self.access == IMMUTABLE else "mode=ro"
             conn = sqlite3.connect(f"{self.path.absolute().as_uri()}?{flags}", uri=True, timeout=self.timeout_s,
                                    isolation_level=None)
+        conn.text_factory = _text
         try:
             conn.execute(f"PRAGMA busy_timeout={int(self.timeout_s * 1000)}")
             if self.access == WRITE:
@@ -242,11 +255,14 @@ class DecisionStore:
     def _parse(self, values) -> dict:
         """A stored row as a dict, checked against the schema (RowError if it does not match)."""
         row = dict(zip(COLUMNS, values))
+        for column, value in row.items():
+            if isinstance(value, _Undecodable):
+                raise RowError(column, "is not UTF-8 text")
         for column in ("versions", "record"):
             try:
                 row[column] = json.loads(row[column])
-            except (TypeError, ValueError) as err:
-                raise RowError(column, f"is not JSON ({err})") from None
+            except (TypeError, ValueError, RecursionError) as err:  # RecursionError: nested deeper than Python's stack
+                raise RowError(column, f"is not JSON ({type(err).__name__}: {err})") from None
         return check_row(row)
 
     def _decode(self, values) -> dict | None:

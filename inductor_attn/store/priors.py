@@ -100,7 +100,7 @@ class PriorTable:
             try:
                 data = json.loads(self.path.read_bytes())
                 rows = check_export(data, str(self.path))
-            except (OSError, ValueError) as err:
+            except (OSError, ValueError, RecursionError) as err:  # RecursionError: JSON nested past Python's stack
                 self._error = f"{type(err).__name__}: {err}"
                 warnings.warn(f"inductor_attn: shipped decision table {self.path} is unusable ({self._error}); "
                               "continuing without it", RuntimeWarning, stacklevel=4)

@@ -48,8 +48,8 @@ def read_export(path: str | Path) -> list[dict]:
     path = Path(path)
     try:
         parsed = json.loads(path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: not a JSON file ({err})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        raise ValueError(f"{path}: not a JSON file ({type(err).__name__}: {err})") from None
     return check_export(parsed, str(path))
 
 
