@@ -548,20 +548,25 @@ def test_compiled_code_never_runs_a_wrong_candidate_of_a_record_not_tuned_here(m
     torch.testing.assert_close(out, inductor_attn.run_candidate("reference:default", call.q, call.k, call.v))
 
 
+def _out_of_memory_in(backend: FakeBackend, cfg: str, monkeypatch) -> None:
+    """``backend``'s config ``cfg`` cannot get device memory (a server's cache holds it); the others run."""
+    real = backend._forward
+
+    def forward(config, call):
+        if config == cfg:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.93 GiB (simulated)")
+        return real(config, call)
+
+    monkeypatch.setattr(backend, "_forward", forward)
+
+
 def test_a_tune_that_runs_out_of_device_memory_stores_nothing_and_runs_its_winner_unmeasured(fakes, monkeypatch,
                                                                                              caplog):
     """A server's cache may hold most of the device's memory (transformers' continuous batching sizes its cache
     to it): a candidate that cannot get memory says nothing about its kernel, and a decision stored from that
     tune would hold in later processes that have the room."""
     a, b = fakes
-    real = b._forward
-
-    def forward(cfg, call):
-        if cfg == "x=1":
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.93 GiB (simulated)")
-        return real(cfg, call)
-
-    monkeypatch.setattr(b, "_forward", forward)
+    _out_of_memory_in(b, "x=1", monkeypatch)
     with inductor_attn.tuning_mode("autotune"), caplog.at_level("WARNING"):
         assert decide(small_call(), DEV, "forward") == "b:x=2"  # the tune's winner of those that ran
         runs = a.calls + b.calls
@@ -569,3 +574,17 @@ def test_a_tune_that_runs_out_of_device_memory_stores_nothing_and_runs_its_winne
     assert a.calls + b.calls == runs
     assert get_store().rows() == []
     assert "ran out of device memory in b:x=1" in caplog.text and "nothing stored" in caplog.text
+
+
+def test_code_compiled_with_an_unmeasured_choice_is_not_replayed_by_a_later_process(fakes, monkeypatch):
+    """Inductor's cache key holds the store's revision under autotune, which a new decision leaves alone: a tune
+    that ran out of memory and stored nothing must change it, or a later process with room would replay the
+    unmeasured choice from that cache and never tune the bucket."""
+    from inductor_attn.lowering.graph_pass import DecisionPass
+
+    a, b = fakes
+    _out_of_memory_in(b, "x=1", monkeypatch)
+    with inductor_attn.tuning_mode("autotune"):
+        before = DecisionPass().uuid()
+        assert decide(small_call(), DEV, "forward") == "b:x=2"
+        assert DecisionPass().uuid() != before and get_store().rows() == []

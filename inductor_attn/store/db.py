@@ -20,10 +20,11 @@ per store, and the next tune of its problem replaces it. At the first open in a 
 log whose damage would drop committed transactions (wal.py), or fewer rows than the last write recorded
 in ``meta``, gives one warning naming the file. ``health()`` is what ``cache doctor`` reports.
 
-A new store starts with two random tokens. ``generation`` changes on every write; ``revision`` only on a
-write that changes an answer the store gave: a row replaced with another winner, a delete, a clear. The
-Inductor FX-graph-cache guard (lowering/graph_pass.py) hashes one of them, so compiled code that baked
-decisions is not replayed after the decisions changed, nor against another (e.g. a fresh, empty) store.
+A new store starts with two random tokens. ``generation`` changes on every write; ``revision`` only on a write
+that changes an answer the store gave: a row replaced with another winner, a delete, a clear, or an answer it
+could not give (``unmeasured``). The Inductor FX-graph-cache guard (lowering/graph_pass.py) hashes one of them,
+so compiled code that baked decisions is not replayed after the decisions changed, nor against another (e.g. a
+fresh, empty) store.
 """
 
 from __future__ import annotations
@@ -344,6 +345,19 @@ class DecisionStore:
             return n
 
         return self._guard("clear", wipe, default=0)
+
+    def unmeasured(self) -> None:
+        """A new revision with no row changed: this process's compiled code baked a choice that no stored row
+        backs (a tune that ran out of memory), and a later process must tune instead of replaying that code
+        from Inductor's cache, whose key holds the revision (lowering/graph_pass.py)."""
+        self._check_writable()
+
+        def bump(conn):
+            conn.execute("BEGIN IMMEDIATE")
+            _after_write(conn, True)
+            conn.execute("COMMIT")
+
+        self._guard("write", bump)
 
     def _check_writable(self) -> None:
         if self.access != WRITE:

@@ -83,6 +83,9 @@ class LayeredStore:
     def clear(self) -> int:
         return self.writable.clear()
 
+    def unmeasured(self) -> None:
+        self.writable.unmeasured()
+
     def claim(self, name: str, host: str, pid: int, is_stale) -> dict | None:
         """Claims (tuning/ranks.py) live in the writable layer, shared with the processes that write it."""
         return self.writable.claim(name, host, pid, is_stale)

@@ -185,6 +185,7 @@ def decide_uncached(call: AttnCall, dev: DeviceInfo, direction: str, grad_lse: b
         choice = err.winner if err.winner and not err.winner.startswith("reference") else default_choice(cands)
         log.warning("inductor_attn: %s; nothing stored: %s runs %s in this process, unmeasured (tune it where the "
                     "device has room, e.g. before a server takes its cache)", err, choice, p)
+        store.unmeasured()  # code compiled with this choice is not replayed by a later process, which tunes
         return choice, None, None
     return row["winner"], row, None
 
