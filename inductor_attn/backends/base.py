@@ -142,7 +142,7 @@ class AttnCall:
         # copied here, once for every backend, eager or traced into compiled code
         for name in _INDEX_FIELDS:
             x = getattr(self, name)
-            if x is not None and x.shape[-1] > 1 and x.stride(-1) != 1:
+            if x is not None and x.dim() and x.shape[-1] > 1 and x.stride(-1) != 1:
                 setattr(self, name, x.contiguous())
 
     @property
