@@ -143,6 +143,26 @@ def test_a_key_mask_is_not_shared_across_an_in_place_write():
     assert len(calls) == 2 and calls[0].args[8] is not calls[1].args[8]
 
 
+def test_masks_of_one_structure_are_not_shared_across_a_write_into_what_they_are_built_from():
+    # the same ops on the same inputs, but an input written in place between the two builds: two values
+    def fn(q, k, v, n):
+        first_mask = torch.arange(k.shape[2])[None, :] < n
+        n.add_(4)
+        second_mask = torch.arange(k.shape[2])[None, :] < n
+        return (F.scaled_dot_product_attention(q, k, v, attn_mask=first_mask),
+                F.scaled_dot_product_attention(q, k, v, attn_mask=second_mask))
+
+    q, k, v = qkv(hk=4, lq=5, lk=12)
+    gm = capture(fn, q, k, v, torch.tensor(5))
+    rewrite_graph(gm.graph)
+    gm.recompile()
+    by_name = {"L_q_": q, "L_k_": k, "L_v_": v, "L_n_": torch.tensor(5)}
+    got = gm(*(by_name[n.target] for n in gm.graph.nodes if n.op == "placeholder"))
+    want = fn(q, k, v, torch.tensor(5))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **TOL)
+
+
 def test_tril_mask_on_square_scores_is_routed_as_plain_causal():
     def fn(q, k, v):
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
@@ -301,6 +321,38 @@ def test_mask_built_from_a_tensor_mutated_in_place_stays_sdpa():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True) + kv_idx.sum()
 
     assert_left_alone(fn, *qkv(), reason="mutated in place")
+
+
+def test_a_bound_whose_run_time_part_varies_over_keys_is_no_prefix():
+    # key j visible iff j <= thr[j]: whatever set of keys thr makes, not the first n of them
+    def fn(q, k, v, thr):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(torch.arange(k.shape[2]) <= thr)[None, :])
+
+    q, k, v = qkv(hk=4, lq=5, lk=16)
+    thr = torch.tensor([3, 0, 9, 2, 15, 1, 7, 0, 12, 4, 0, 2, 15, 3, 0, 1])
+    eager, rewritten, _ = rewrite_and_run(fn, q, k, v, thr)
+    torch.testing.assert_close(rewritten, eager, **TOL)
+    assert "prefix" not in only_outcome()
+
+
+def test_zero_size_calls_stay_sdpa():
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v)
+
+    assert_left_alone(fn, *qkv(hk=4, lk=0), reason="zero-size")
+
+
+def test_a_mask_anded_with_a_size_comparison_compiles_with_dynamic_shapes(monkeypatch):
+    monkeypatch.setenv(ROUTE_DEVICES_ENV, "cuda,cpu")
+
+    def fn(q, k, v, lengths):
+        mask = (torch.arange(k.shape[2])[None, :] < lengths[:, None]) & (k.shape[2] > 4)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :])
+
+    q, k, v = qkv(hk=4, lq=1, lk=16)
+    lengths = torch.tensor([16, 9])
+    got = torch.compile(fn, backend="inductor_attn", dynamic=True)(q, k, v, lengths)
+    torch.testing.assert_close(got, fn(q, k, v, lengths), **TOL)
 
 
 def test_dropout_stays_sdpa():

@@ -262,6 +262,8 @@ def _compare(an, node, swap: bool, strict: bool):
     operands = _index_operands(an, node, "comparison with extra arguments")
     if isinstance(operands, Unknown):
         return operands
+    if not isinstance(_example(node), torch.Tensor):  # a comparison of sizes (a SymBool under dynamic shapes)
+        return Unknown("a comparison of Python scalars or sizes")
     a, b = operands
     if swap:
         a, b = b, a

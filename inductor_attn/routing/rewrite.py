@@ -173,6 +173,8 @@ def _check_tensors(q, k, v) -> tuple:
     for name, size in (("q/k head_dim", qs[3]), ("v head_dim", vs[3])):
         if not 8 <= size <= 256:
             raise Skip(f"{name} {size} is outside [8, 256]")
+    if 0 in (qs[0], qs[1], qs[2], ks[1], ks[2]):
+        raise Skip("a zero-size batch, head count or sequence (SDPA returns an empty or zero result)")
     return qe, ke, ve
 
 
@@ -264,7 +266,7 @@ def _mask_plan(mask: torch.fx.Node, shape: tuple, sdpa: torch.fx.Node, qe, ke,
             continue  # always true
         if b.coefs[1] != 0 or 1 in b.free_dims:
             raise Skip("attn_mask varies over heads (our kv_seqlens is per batch)")
-        if b.coefs[3] != 1:
+        if b.coefs[3] != 1 or 3 in b.free_dims:  # an unknown part that varies over keys: any set of keys
             raise Skip("attn_mask has a bound that is not an upper bound on the key index "
                         "(a sliding window, a suffix or a whole-row switch)")
         bounds.append(b)
@@ -441,9 +443,11 @@ def _emit(graph: torch.fx.Graph, node: torch.fx.Node, plan: _Plan, emitted: dict
     otherwise reduce it again (a kernel per layer: HF Llama's static-cache decode step ran 8 of them)."""
     emit = Emitter(graph, node, getattr(ev(plan.q), "fake_mode", None))
     key = _shared_key(plan, seen)
-    # a proven mask's cone is mutation-free (_mask_plan); a key mask is read where it is used, so its reuse
-    # needs nothing to write in place between the two calls (HF's static cache does, once per layer)
-    reused = key in emitted and not (plan.key_mask is not None and mask_proof.mutation_between(emitted[key][1], node))
+    # Two masks of one structure are one value only if nothing writes into what they are computed from (a write
+    # between the two builds makes them differ); and a key mask is read where it is used, so its reuse needs
+    # nothing to write in place between the two calls either (HF's static cache does, once per layer)
+    reused = key in emitted and mask_proof.mutation_free(_sources(plan), stop=set()) and not (
+        plan.key_mask is not None and mask_proof.mutation_between(emitted[key][1], node))
     if reused:
         key_mask, kv = emitted[key]
     else:
@@ -477,6 +481,18 @@ def _emit_fp8(emit: Emitter, plan: _Plan, scale) -> torch.fx.Node:
     x8, descales = ([emit("call_function", operator.getitem, t, i) for t in quantised] for i in (0, 1))
     op = torch.ops.inductor_attn.fp8_attention.default
     return emit("call_function", op, *x8, *descales, scale, plan.causal, -1, -1, ev(plan.q).dtype, "")
+
+
+def _sources(plan: _Plan) -> set[torch.fx.Node]:
+    """Every node the call's key mask or mask is computed from, itself included."""
+    source = plan.key_mask if plan.key_mask is not None else plan.kv_from_mask
+    found, stack = set(), [] if source is None else [source]
+    while stack:
+        node = stack.pop()
+        if node not in found:
+            found.add(node)
+            stack.extend(node.all_input_nodes)
+    return found
 
 
 def _shared_key(plan: _Plan, seen: dict) -> tuple | None:
