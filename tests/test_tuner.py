@@ -1,5 +1,6 @@
 """The tuner's decisions on fake backends with known time distributions (no kernels, CPU only)."""
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -15,6 +16,7 @@ from fakes import FakeBackend, FakeTimer
 from inductor_attn._compat import is_fake
 import inductor_attn
 from inductor_attn.backends import AttnCall, Library, Takes, enumerate_candidates, only_backends
+from inductor_attn.backends.reference import run_forward
 from inductor_attn.device import DeviceInfo
 from inductor_attn.tuning import measure, timing
 from inductor_attn.tuning.tuner import tune
@@ -91,6 +93,75 @@ def test_failing_candidate_is_dropped_with_its_reason_not_raised():
     assert result.winner == "a:default"
     bad = next(c for c in result.candidates if c.name == "b:default")
     assert bad.status == "failed" and "launch failed" in bad.reason
+
+
+class _FailsAfterItsGate(FakeBackend):
+    """Runs right once (the gate), then raises one of its "cannot run here" errors (while being timed)."""
+
+    def _forward(self, cfg, call):
+        if self.calls >= 1:
+            self.calls += 1
+            raise RuntimeError("CUDA error: too many resources requested for launch (simulated)")
+        return super()._forward(cfg, call)
+
+
+def test_a_candidate_that_fails_while_timed_is_dropped_and_the_rest_decide():
+    a = FakeBackend("a", {"default": (1.0, 0.01)})
+    b = _FailsAfterItsGate("b", {"default": (0.5, 0.01)})
+    result = _tune(a, b)
+    assert result.winner == "a:default"
+    bad = next(c for c in result.candidates if c.name == "b:default")
+    assert bad.status == "failed" and bad.reason.startswith("passed the gate but failed while timing")
+
+
+def test_an_output_a_candidate_leaves_unwritten_never_reads_as_the_previous_candidates_answer():
+    """The gate runs candidates one after another: a head that one never writes lands in the block the candidate
+    before it freed, and must read as NaN there, not as that candidate's right answer."""
+    q = torch.randn(1, 8, 256, 64, dtype=torch.bfloat16)
+    gated = measure.gate_inputs(AttnCall("attention", q, q.clone(), q.clone(), 64 ** -0.5), seed=1)
+    mode = measure.Direction("forward", gated)
+    expected = mode.reference(gated)
+
+    def trial(heads_written: int) -> measure.Trial:
+        def run(call):
+            out = torch.empty(call.q.shape, dtype=call.q.dtype)
+            lse = torch.empty(call.q.shape[:-1])
+            right_out, right_lse = run_forward(call)
+            out[:, :heads_written] = right_out[:, :heads_written]
+            lse.copy_(right_lse)
+            return out, lse
+        return measure.Trial(f"writes {heads_written} heads", lambda call: lambda: run(call), lambda err: False)
+
+    verdicts = [measure.gate(trial(n), gated, expected, lambda got: mode.check(got, expected, q.dtype)).status
+                for n in (8, 6, 8, 6)]
+    assert verdicts == ["passed", "wrong", "passed", "wrong"]
+
+
+def test_gate_inputs_of_a_varlen_call_hold_nan_in_the_packed_rows_past_its_last_sequence():
+    # a CUDA graph's padding rows: no kernel may read them into a sequence's output
+    q, k, v = (torch.randn(n, 2, 8) for n in (10, 12, 12))
+    cu_q, cu_k = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 5, 9], dtype=torch.int32)
+    call = AttnCall("varlen", q, k, v, 0.35, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=4, max_seqlen_k=5)
+    gated = measure.gate_inputs(call, seed=1)
+    for x in (gated.k, gated.v):
+        assert x[9:].isnan().all() and not x[:9].isnan().any()
+
+
+def test_two_equally_close_medians_are_timed_again_as_one_group():
+    """Whether to time again and which candidates count as close are one test: medians 1.1x apart by one test
+    and not by the other once made agree() take a lone contender for a pair."""
+    from inductor_attn.store.record import CandidateResult
+    from inductor_attn.tuning import tuner
+
+    first, second = 4.95939652004849, 5.45533617205334
+    state = tuner._Search.__new__(tuner._Search)
+    state.results = {n: CandidateResult(n, "passed") for n in ("x", "y")}
+    for name, ms in (("x", first), ("y", second)):
+        state.results[name].median_ms, state.results[name].samples = ms, [ms] * 5
+    state.seconds = collections.Counter()
+    state.sample = lambda names: {n: [state.results[n].median_ms] * 5 for n in names}
+    noise, what = state.agree(["x", "y"])
+    assert noise == 0.0 and "x, y timed in" in what
 
 
 LOST = "AcceleratorError: CUDA error: an illegal memory access was encountered"

@@ -141,12 +141,17 @@ def fresh_pool(k: torch.Tensor, v: torch.Tensor, num_seqs: int, width: int, gen:
 
 def gate_inputs(call: AttnCall, seed: int) -> AttnCall:
     """:func:`fresh_inputs` with NaN in k and v past ``kv_seqlens`` (for a paged call: in every slot of the pool
-    that holds no key of a sequence): what keys past a length hold must never reach an output or a gradient (the
-    kv_seqlens contract), so a candidate that lets it through fails the gate. Timing inputs and the benchmark's
-    gate keep finite values there (stock SDPA, a baseline, does not keep the contract)."""
+    that holds no key of a sequence; for a varlen call: in the packed rows past the last sequence, a CUDA graph's
+    padding): what keys past a length hold must never reach an output or a gradient (the kv_seqlens contract), so
+    a candidate that lets it through fails the gate. Timing inputs and the benchmark's gate keep finite values
+    there (stock SDPA, a baseline, does not keep the contract)."""
     fresh = fresh_inputs(call, seed)
     if call.op == "paged":
         fill_unused(fresh.k, fresh.v, fresh.block_table, fresh.kv_seqlens, float("nan"))
+    elif call.op == "varlen":
+        end = int(call.cu_seqlens_k[-1])
+        for x in (fresh.k, fresh.v):
+            x[end:].fill_(float("nan"))
     elif call.kv_seqlens is not None:
         for x in (fresh.k, fresh.v):
             _nan_past(x, call.kv_seqlens)
@@ -395,7 +400,8 @@ def gate(trial: Trial, call: AttnCall, expected, check: Callable[[object], tuple
     """Run ``trial`` once on ``call`` and ``check`` its outputs (``check(got) -> (reason, rel. error)``).
 
     The allocator is first filled with NaN where the outputs will likely land (the caching allocator hands
-    freed blocks of the same size class back first), so an output the kernel never writes shows as NaN."""
+    freed blocks of the same size class back first), and after the check the blocks of the outputs are too
+    (:func:`_poison_blocks`), so an output the next kernel never writes shows as NaN."""
     device = call.q.device
     try:
         if device.type == "cuda":
@@ -413,9 +419,30 @@ def gate(trial: Trial, call: AttnCall, expected, check: Callable[[object], tuple
             log.warning("%s raised %s (a bug, please report): %s", trial.name, type(err).__name__, err)
         return GateResult("failed", describe(err))
     reason, error = check(got)
+    blocks = _blocks(got)
+    del got
+    _poison_blocks(blocks)
     if reason is not None and call.kv_seqlens is not None and _passes_without_nan_tails(trial, call, check):
         reason = f"{NAN_REACHED}: {reason}"
     return GateResult("wrong" if reason else "passed", reason, error, seconds)
+
+
+def _blocks(got) -> list[tuple[int, torch.device]]:
+    """The memory blocks (bytes, device) of a candidate's floating-point outputs, for :func:`_poison_blocks`."""
+    blocks = {}
+    for t in got if isinstance(got, (tuple, list)) else (got,):
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            blocks[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), t.device)
+    return list(blocks.values())
+
+
+def _poison_blocks(blocks: list[tuple[int, torch.device]]) -> None:
+    """Fill blocks of these sizes with NaN through new allocations, once a checked candidate's outputs are freed:
+    an allocator hands a freed block back to the next request of its size first, so the next candidate's outputs
+    would otherwise start as this one's right answer, and memory a kernel never writes would pass the check. Not
+    through the outputs themselves, which may share memory with tensors still in use."""
+    for nbytes, device in blocks:
+        torch.full((max(nbytes // 4, 1),), POISON, dtype=torch.float32, device=device)
 
 
 def _passes_without_nan_tails(trial: Trial, call: AttnCall, check) -> bool:
@@ -430,7 +457,11 @@ def _passes_without_nan_tails(trial: Trial, call: AttnCall, check) -> bool:
     except Exception as err:  # noqa: BLE001 - it ran on the NaN: an error now says nothing about the NaN
         raise_if_context_lost(trial.name, err, call.q.device)
         return False
-    return check(got)[0] is None
+    passed = check(got)[0] is None
+    blocks = _blocks(got)
+    del got
+    _poison_blocks(blocks)
+    return passed
 
 
 def gate_once(call: AttnCall, choice: str, direction: str, grad_lse: bool = False) -> GateResult:

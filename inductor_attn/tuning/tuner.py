@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -139,6 +140,11 @@ class _Search:
     def runnable(self) -> list[str]:
         return [n for n in self.order if self.cands[n].pruned is None]
 
+    def drop(self, name: str, reason: str) -> None:
+        """``name`` failed after its gate (while timing): it leaves the search, marked failed with ``reason``."""
+        self.cands[name] = dataclasses.replace(self.cands[name], pruned=reason)
+        self.results[name] = CandidateResult(name, "failed", reason)
+
     def passed(self, names) -> list[str]:
         wanted = set(names)
         return [n for n in self.order if n in wanted and self.results[n].status == "passed"]
@@ -207,7 +213,7 @@ class _Search:
             if t.out_of_memory:
                 raise torch.OutOfMemoryError(f"{name} passed the gate but failed {t.failed}")
             if t.failed:  # the rounds are paired: a candidate that stops running leaves no fair comparison
-                raise RuntimeError(f"{name} passed the gate but failed {t.failed}")
+                raise _FailedWhileTiming(name, f"passed the gate but failed {t.failed}")
             self.results[name].note = self.results[name].note or t.note
         return {name: t.samples for name, t in zip(names, timed)}
 
@@ -349,7 +355,7 @@ class _Search:
         # every candidate within CLOSE of the fastest, not the two fastest only: one session can misrank 12 ms
         # kernels by 8% (H200, B2 H32 L16k D128 full: FA3 8% behind an FA4 config in the tune, 1% ahead in the
         # bench's session), so a third one as close may be the true fastest
-        close = {n for n in finalists if self.results[n].median_ms <= self.results[first].median_ms * (1 + CLOSE)}
+        close = {n for n in finalists if self.results[n].median_ms / self.results[first].median_ms <= 1 + CLOSE}
         group = [n for n in finalists if n in close or n == default]  # the default pairs every sample
         medians = {n: [self.results[n].median_ms] for n in group}
         with self.phase("timing"):
@@ -381,6 +387,14 @@ def _spread(ratios: list[float]) -> float:
     return max(ratios) / min(ratios) - 1
 
 
+class _FailedWhileTiming(Exception):
+    """A candidate that passed the gate raised one of its "cannot run here" errors while being timed."""
+
+    def __init__(self, name: str, reason: str):
+        super().__init__(f"{name} {reason}")
+        self.name, self.reason = name, reason
+
+
 class NoCandidateRan(RuntimeError):
     """Every candidate given to ``tune`` failed or was pruned."""
 
@@ -398,7 +412,14 @@ def tune(call: AttnCall, candidates: list[Candidate], *, direction: str = "forwa
     state = _Search(call, candidates, direction, timer, rounds or default_rounds(), progress or (lambda: None),
                     grad_lse, forward)
     margin = stage_margin()
-    finalists, others = state.staged(margin) if search == "staged" else state.exhaustive()
+    while True:  # a candidate that fails while timing (one of its "cannot run" errors) is dropped, the search re-run
+        try:
+            finalists, others = state.staged(margin) if search == "staged" else state.exhaustive()
+            noise, noise_note = state.agree(finalists) if len(finalists) > 1 else (None, "")
+            break
+        except _FailedWhileTiming as failed:
+            log.warning("%s is dropped from the tune of %s: it %s", failed.name, call.problem, failed.reason)
+            state.drop(failed.name, failed.reason)
     results = [state.results[n] for n in state.order]
     described = note or (f"staged (margin {margin:.2f}x)" if search == "staged" else "exhaustive")
     if not finalists:
@@ -409,7 +430,6 @@ def tune(call: AttnCall, candidates: list[Candidate], *, direction: str = "forwa
         return TuneResult(call.problem, direction, default.name, default.name,
                           "the only candidate that ran and matched the reference", timer.name, results,
                           search=described, seconds=_seconds(state, start), paired_with=state.mode.forward or "")
-    noise, noise_note = state.agree(finalists)
     finals = [state.results[n] for n in finalists]
     winner, why = _choose(finals, max(TIE_MARGIN, noise or 0.0))
     with state.phase("host"):
