@@ -292,7 +292,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
             the totals. Sequence i is ``q[cu_seqlens_q[i]:cu_seqlens_q[i+1]]``. A sequence's keys never
             reach another sequence's outputs or gradients, whatever they hold (a padding sequence of no
             queries may hold NaN).
-        max_seqlen_q, max_seqlen_k: longest sequence; computed from cu_seqlens (a device sync) if None.
+        max_seqlen_q, max_seqlen_k: longest sequence; computed from cu_seqlens (a device sync) if None, which
+            compiled code cannot hold: a graph break, and an error under ``fullgraph=True``. Pass them there.
         causal, scale, window: as in :func:`attention`, aligned per sequence (lower-right).
         return_lse: also return the float32 lse of shape (Hq, total_q).
         check_indices: check cu_seqlens_q/k (start at 0, non-decreasing, end at the totals) and that

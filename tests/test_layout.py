@@ -86,6 +86,21 @@ def test_kv_seqlens_of_another_stride_give_the_same_attention():
     assert not want.isnan().any()
 
 
+def test_a_window_as_long_as_int32_allows_is_no_window_forward_and_backward():
+    """2**31 - 1, the largest window accepted, plus a position overflowed the kernels' int32 arithmetic (every row
+    came out empty); AttnCall caps windows at a length no sequence has."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=gen, requires_grad=True) for n in (20, 24, 24))
+    for window, causal in ((2**31 - 1, False), ((5, 2**31 - 2), False), (2**31 - 1, True)):
+        got = inductor_attn.attention(q, k, v, window=window, causal=causal)
+        left = window[0] if isinstance(window, tuple) else window
+        want = inductor_attn.attention(q, k, v, window=(left, -1) if left < 2**30 else None, causal=causal)
+        torch.testing.assert_close(got, want)
+        grads = torch.autograd.grad(got.sum(), (q, k, v))
+        for g, w in zip(grads, torch.autograd.grad(want.sum(), (q, k, v))):
+            torch.testing.assert_close(g, w)
+
+
 def test_int32_contiguous_converts_only_what_is_not_unit_stride_int32():
     lens = torch.tensor([3, 5], dtype=torch.int32)
     assert int32_contiguous(lens) is lens and int32_contiguous(None) is None

@@ -102,6 +102,7 @@ class Candidate:
 
 
 _INDEX_FIELDS = ("kv_seqlens", "cu_seqlens_q", "cu_seqlens_k", "block_table")
+WINDOW_CAP = 2**30  # longer than any sequence a kernel is given (int32 positions)
 
 
 @dataclass
@@ -137,6 +138,12 @@ class AttnCall:
     _problem: Problem | None = field(default=None, repr=False)
 
     def __post_init__(self):
+        # a window past any sequence is no limit at all; capped, so that kernels adding it to a position in int32
+        # (Triton's type for a Python int below 2**31) do not wrap around, as 2**31 - 1, the largest accepted, did
+        if self.window_left > WINDOW_CAP:
+            self.window_left = WINDOW_CAP
+        if self.window_right > WINDOW_CAP:
+            self.window_right = WINDOW_CAP
         # Our kernels read lengths, cu_seqlens and a table's rows at index + 1, not index * stride (FA3 and FA4 take
         # them so too): an index tensor strided otherwise (a column of a wider tensor, a column-major table) is
         # copied here, once for every backend, eager or traced into compiled code

@@ -190,9 +190,15 @@ def check_scale(scale) -> None:
         # not known: the op's fake impl checks it at trace time, where the op's float argument has made it a
         # value (a guard on that value: another scale traces again)
         return
-    if not math.isfinite(scale):
+    try:
+        as_float = float(scale)
+    except OverflowError:  # an int past float's range
+        as_float = math.inf
+    if not math.isfinite(as_float):
         fail(ValueError, f"scale must be finite, got {scale}")
-    if float(scale) != scale:
+    if abs(as_float) > torch.finfo(torch.float32).max:  # the kernels scale in float32, where it would be inf
+        fail(ValueError, f"scale must be within float32's range (+-3.4e38), got {scale}")
+    if as_float != scale:
         fail(ValueError, f"scale must convert to float without loss, got {scale!r}")
 
 
