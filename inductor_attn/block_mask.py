@@ -117,16 +117,15 @@ def unpack_bits(words: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _eval_mask_mod(mask_mod, b, h, q_idx, kv_idx) -> torch.Tensor:
-    """Evaluate a flex mask_mod on broadcastable index tensors; vmap for mods that need scalars."""
+    """Evaluate a flex mask_mod on broadcastable index tensors, under vmap as flex's ``create_mask`` does: each
+    (b, h, q, kv) on its own, so a mod that reduces over an index (``valid[b].any()``) reduces over that one value,
+    not over every block of a chunk. A mod vmap cannot run is called on the tensors themselves."""
+    shape = torch.broadcast_shapes(b.shape, h.shape, q_idx.shape, kv_idx.shape)
+    flat = [t.expand(shape).reshape(-1) for t in (b, h, q_idx, kv_idx)]
     try:
-        out = mask_mod(b, h, q_idx, kv_idx)
-        return torch.as_tensor(out, device=q_idx.device).bool().expand(
-            torch.broadcast_shapes(b.shape, h.shape, q_idx.shape, kv_idx.shape)
-        )
-    except (RuntimeError, TypeError, IndexError):
-        shape = torch.broadcast_shapes(b.shape, h.shape, q_idx.shape, kv_idx.shape)
-        flat = [t.expand(shape).reshape(-1) for t in (b, h, q_idx, kv_idx)]
         return torch.vmap(mask_mod)(*flat).bool().reshape(shape)
+    except (RuntimeError, TypeError, IndexError, ValueError):
+        return torch.as_tensor(mask_mod(b, h, q_idx, kv_idx), device=q_idx.device).bool().expand(shape)
 
 
 def _from_block_mask(bm) -> BlockSparseMask:

@@ -68,9 +68,22 @@ def test_q_blocks_that_see_nothing_list_no_kv_block():
 
 
 def test_mask_mod_that_needs_scalar_indices_is_evaluated_through_vmap():
-    # torch.stack refuses the broadcast index shapes, so the conversion falls back to vmap
+    # torch.stack refuses broadcast index shapes: vmap evaluates one index at a time
     sparse, expected = convert(lambda b, h, q, k: torch.stack([q, k]).amax(0) == q, None, None, 90, 70, 32)
     assert torch.equal(sparse.dense_mask(), expected)
+
+
+def test_a_mask_mod_that_reduces_over_an_index_converts_as_create_mask_evaluates_it():
+    # valid[b].any() is per sequence; called on a chunk of blocks at once it would reduce over every b of the chunk
+    valid = torch.ones(2, 128, dtype=torch.bool)
+    valid[1] = False
+
+    def mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) | (valid[b].any() & (kv_idx % 2 == 0))
+
+    converted = BlockSparseMask.from_block_mask(create_block_mask(mod, 2, None, 128, 128, device="cpu",
+                                                                  BLOCK_SIZE=32))
+    assert torch.equal(converted.dense_mask(), create_mask(mod, 2, None, 128, 128, device="cpu"))
 
 
 def test_kv_block_size_not_a_multiple_of_32_is_refused():
