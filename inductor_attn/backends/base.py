@@ -139,7 +139,7 @@ class AttnCall:
 
     def __post_init__(self):
         # a window past any sequence is no limit at all; capped, so that kernels adding it to a position in int32
-        # (Triton's type for a Python int below 2**31) do not wrap around, as 2**31 - 1, the largest accepted, did
+        # (Triton's type for a Python int below 2**31) cannot wrap around: the checks accept up to 2**31 - 1
         if self.window_left > WINDOW_CAP:
             self.window_left = WINDOW_CAP
         if self.window_right > WINDOW_CAP:
