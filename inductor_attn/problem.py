@@ -18,7 +18,7 @@ OPS = ("attention", "varlen", "block_sparse", "paged")
 DECIDED_AT_COMPILE_TIME = ("attention", "paged")
 # Fields added after decisions were first stored: left out of ``key()`` at their default, so the keys of every
 # problem that does not use them (and the shipped tables' rows) stay what they were.
-_KEY_OPTIONAL = {"page_size": 0}
+_KEY_OPTIONAL = {"page_size": 0, "equal_chunks": False}
 
 
 def next_power_of_two(n: int) -> int:
@@ -60,7 +60,9 @@ class Problem:
     For paged problems (a KV cache in pages, ops/paged.py) ``batch`` is the number of sequences, ``len_q`` the
     longest query run, ``total_q`` the packed query tokens, ``len_k`` the longest kv length (rounded up to a
     power of two already: kernels read each sequence's length from ``kv_seqlens``) and ``page_size`` the keys
-    per page; ``total_k`` is 0 (the page pool's size does not change which kernel is fastest).
+    per page; ``total_k`` is 0 (the page pool's size does not change which kernel is fastest); ``equal_chunks``:
+    every sequence has ``len_q`` queries (decode, or equal chunks), which a bucket keeps apart, since a kernel may
+    run only those (the gather baseline) and bucketing the sizes alone mixes them with uneven chunks.
     """
 
     op: str
@@ -85,6 +87,7 @@ class Problem:
     density: float = 1.0
     partial_fraction: float = 0.0
     page_size: int = 0
+    equal_chunks: bool = False
 
     def __post_init__(self):
         if self.op not in OPS:

@@ -548,6 +548,27 @@ def test_compiled_code_never_runs_a_wrong_candidate_of_a_record_not_tuned_here(m
     torch.testing.assert_close(out, inductor_attn.run_candidate("reference:default", call.q, call.k, call.v))
 
 
+def test_a_choice_remembered_before_the_registry_changed_is_made_again():
+    """A bucket decided inside only_backends(...), or while a backend was registered, is decided again from the
+    registry as it is now, not run from the memo with a backend that is gone."""
+    from inductor_attn.backends import REFERENCE, register_backend, unregister_backend
+
+    q, k, v = (torch.randn(1, 2, 16, 16) for _ in range(3))
+    fast = FakeBackend("fast", {"a=1": (0.1, 0.0)})
+    with only_backends(fast, REFERENCE):
+        inductor_attn.attention(q, k, v)
+    inductor_attn.attention(q, k, v)  # raised "unknown backend 'fast'" before
+    mine = FakeBackend("mine", {"a=1": (0.1, 0.0)})
+    register_backend(mine, first=True)
+    try:
+        inductor_attn.attention(q, k, v)
+    finally:
+        unregister_backend("mine")
+    inductor_attn.reset_stats()
+    inductor_attn.attention(q, k, v)
+    assert not any("mine" in key or "fast" in key for key in inductor_attn.stats())
+
+
 def _out_of_memory_in(backend: FakeBackend, cfg: str, monkeypatch) -> None:
     """``backend``'s config ``cfg`` cannot get device memory (a server's cache holds it); the others run."""
     real = backend._forward

@@ -187,8 +187,21 @@ def test_candidates_of_a_paged_decode():
     assert listed["reference:default"] is None
     assert listed["paged_gather:-"] == "needs a CUDA device (SDPA's kernels)"
     assert any(name.startswith("triton_decode:") and why is None for name, why in listed.items())
-    assert GATHER.supports(dataclasses.replace(call.problem, device_type="cuda", total_q=3, batch=2),
+    assert GATHER.supports(dataclasses.replace(call.problem, device_type="cuda", total_q=3, batch=2,
+                                               equal_chunks=False),
                            device_info("cpu")).startswith("needs as many queries in every sequence")
+
+
+def test_a_bucket_keeps_equal_chunks_apart_from_uneven_ones():
+    """Chunks of 2, 2, 2, 2 and of 2, 2, 1 round to one batch, length and token count; the gather baseline runs
+    only the first, so they are two buckets, or a decision made for one would run the other."""
+    even, uneven = (pi.PagedCase(kv_lens=(9, 9, 9, 9)[:len(q_lens)], q_lens=q_lens, page_size=4)
+                    for q_lens in ((2, 2, 2, 2), (2, 2, 1)))
+    problems = [_call(case, pi.make(case)).problem for case in (even, uneven)]
+    assert problems[0].equal_chunks and not problems[1].equal_chunks
+    assert problems[0].bucket() != problems[1].bucket()
+    cuda = dataclasses.replace(problems[1].bucket(), device_type="cuda")
+    assert GATHER.supports(cuda, device_info("cpu")).startswith("needs as many queries in every sequence")
 
 
 def test_gate_inputs_hold_nan_wherever_no_key_lives_and_nowhere_else():

@@ -167,9 +167,11 @@ def problem_of(call: AttnCall) -> Problem:
     if call.op == "paged":
         # len_k is bucketed here already: the kernels read each sequence's length from kv_seqlens, and a serving
         # loop whose longest sequence grows every step then builds no plan per step (plans are per problem)
-        return Problem(batch=call.block_table.shape[0], heads_q=q.shape[1], heads_kv=k.shape[2],
+        num_seqs = call.block_table.shape[0]
+        return Problem(batch=num_seqs, heads_q=q.shape[1], heads_kv=k.shape[2],
                        len_q=call.max_seqlen_q, len_k=next_power_of_two(call.max_seqlen_k), total_q=q.shape[0],
-                       has_kv_seqlens=True, page_size=k.shape[1], **common)
+                       has_kv_seqlens=True, page_size=k.shape[1],
+                       equal_chunks=bool(q.shape[0] == num_seqs * call.max_seqlen_q), **common)
     if call.op == "varlen":
         return Problem(batch=call.cu_seqlens_q.shape[0] - 1, heads_q=q.shape[1], heads_kv=k.shape[1],
                        len_q=call.max_seqlen_q, len_k=call.max_seqlen_k, total_q=q.shape[0],

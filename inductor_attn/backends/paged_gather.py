@@ -53,7 +53,7 @@ class PagedGatherBackend(Backend):
             return "needs a CUDA device (SDPA's kernels)"
         if p.dtype == "float64":
             return "float64 runs on the reference only"
-        if p.total_q != p.batch * p.len_q:
+        if not p.equal_chunks:  # not total_q == batch * len_q: a bucket rounds the three apart
             return (f"needs as many queries in every sequence (decode, equal chunks): {p.total_q} tokens in {p.batch} "
                     f"sequences of at most {p.len_q}")
         return None

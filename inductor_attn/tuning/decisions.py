@@ -28,6 +28,7 @@ import torch
 
 from ..backends import AttnCall, Candidate, backends, enumerate_candidates, get_backend, source_hash
 from ..backends.registry import LOOKUP_ONLY, required_distributions
+from ..backends.registry import state as registry_state
 from ..device import DeviceInfo, device_info
 from ..problem import Problem
 from ..store.db import get_store
@@ -465,7 +466,9 @@ def _tuned_here_key(row: dict) -> tuple:
 
 
 def _memo_key(call: AttnCall, dev: DeviceInfo, direction: str, grad_lse: bool) -> tuple:
-    return _variant(direction, grad_lse), call.problem.bucket(), dev.key(), current_mode(call.problem.device_type)
+    # the registry's generation: a choice remembered before a backend was registered or removed is not one now
+    return (_variant(direction, grad_lse), call.problem.bucket(), dev.key(), current_mode(call.problem.device_type),
+            registry_state["generation"])
 
 
 def give_way(call: AttnCall, dev: DeviceInfo, direction: str, choice: str, err: Exception,
@@ -476,7 +479,10 @@ def give_way(call: AttnCall, dev: DeviceInfo, direction: str, choice: str, err: 
     for any other error (a bug, to raise), for the reference, which has no successor, for running out of
     device memory, which says nothing about the kernel, and for an error that left the CUDA context unusable
     (every candidate after it would fail the same way)."""
-    backend = get_backend(choice.partition(":")[0])
+    try:
+        backend = get_backend(choice.partition(":")[0])
+    except ValueError:  # no longer registered: the error the caller got says so, and nothing here can recover
+        return False
     if (backend.name == "reference" or isinstance(err, torch.OutOfMemoryError)
             or not is_candidate_error(err, backend) or device_error(call.q.device) is not None):
         return False
