@@ -268,6 +268,9 @@ def export_priors(path: str | Path | None = None, store: DecisionStore | Layered
     from .store.schema import COLUMNS
 
     dev = device or device_info("cuda" if torch.cuda.is_available() else "cpu")
+    if path is None and dev.arch == 0:  # every later process loads the package's tables: they hold GPUs' decisions
+        raise ValueError("export-priors writes into the package's shipped tables only on a GPU; on a CPU pass --out "
+                         "FILE")
     stale = _stale_check()
     store = _layered(store)
     rows = [_shippable({c: row[c] for c in COLUMNS}) for row in store.rows()

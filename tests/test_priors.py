@@ -279,6 +279,16 @@ def test_cache_explain_says_where_each_decision_came_from(fakes, shipped):
     assert socket.gethostname() != "node-7"
 
 
+def test_export_priors_on_a_cpu_writes_nothing_into_the_package(capsys):
+    from inductor_attn.store.priors import PACKAGE_DIR
+
+    before = sorted(PACKAGE_DIR.iterdir())
+    assert main(["cache", "export-priors"]) == 2
+    assert capsys.readouterr().err == ("error: export-priors writes into the package's shipped tables only on a GPU; "
+                                       "on a CPU pass --out FILE\n")
+    assert sorted(PACKAGE_DIR.iterdir()) == before
+
+
 def test_export_priors_without_decisions_for_this_device_says_how_to_tune_them(tmp_path, capsys):
     assert main(["cache", "export-priors", "--out", str(tmp_path / "t.json")]) == 2
     err = capsys.readouterr().err
