@@ -100,7 +100,8 @@ def test_a_file_that_is_not_a_valid_export_is_refused_naming_it(tmp_path, store,
     _unchanged(store, generation)
 
 
-@pytest.mark.parametrize("content", [b"", b"{not json", b"\xff\xfe\x00garbage"])
+@pytest.mark.parametrize("content", [b"", b"{not json", b"\xff\xfe\x00garbage",
+                                     b'{"schema": 1, "decisions": [' + b"[" * 100_000 + b"]" * 100_000 + b"]}"])
 def test_a_file_that_is_not_json_is_refused_naming_it(tmp_path, store, content):
     path = tmp_path / "in.json"
     path.write_bytes(content)

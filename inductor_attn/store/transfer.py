@@ -170,6 +170,8 @@ class _Reader:
             except json.JSONDecodeError as err:
                 if self.done or len(self.text) - self.pos > MAX_VALUE:
                     raise self.error(err.msg, err.pos) from None
+            except RecursionError:  # nested deeper than Python's stack: no export is
+                raise self.error("nested too deep") from None
             self._more()
 
     def error(self, what: str, pos: int | None = None) -> ValueError:
