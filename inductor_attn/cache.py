@@ -20,7 +20,7 @@ from .problem import Problem
 from .store.db import DecisionStore, get_store
 from .store.keys import ABSENT, library_versions, stale_reason, versions_like
 from .store.layers import LayeredStore
-from .store.priors import is_shipped
+from .store.priors import PriorTable, is_shipped
 from .store.schema import StoreError
 from .tuning.step_cost import WALL_CLOCK, explain_choice, launch_costs
 
@@ -56,14 +56,19 @@ def _layered(store) -> LayeredStore:
 
 
 def _stale_check():
-    """``row -> reason or None``: does a row's versions still match this process's libraries and the
-    source of each registered backend? A stale row's key is never looked up again. A shipped row is never
-    stale: it answers for its bucket whatever its versions (store/priors.py)."""
+    """``(row, layer) -> reason or None``: does a row's versions still match this process's libraries and the
+    source of each registered backend? A stale row's key is never looked up again. A shipped table's row is
+    never stale: it answers for its bucket whatever its versions (store/priors.py); but one in another layer
+    (an older ``cache export``, imported) answers for nothing."""
     from .backends import backends, source_hash
 
     sources = {b.name: source_hash(b) for b in backends()}
-    return lambda row: None if is_shipped(row) else stale_reason(row["versions"], versions_like(row["versions"]),
-                                                                  sources)
+
+    def stale(row: dict, layer) -> str | None:
+        if is_shipped(row):
+            return None if isinstance(layer, PriorTable) else "a shipped table's decision outside its table"
+        return stale_reason(row["versions"], versions_like(row["versions"]), sources)
+    return stale
 
 
 def list_decisions(store: DecisionStore | LayeredStore | None = None) -> list[dict]:
@@ -81,7 +86,7 @@ def list_decisions(store: DecisionStore | LayeredStore | None = None) -> list[di
                 "key": row["key"], "op": row["op"], "problem": short_problem(row["problem"]),
                 "device": row["device"], "winner": row["winner"], "default": row["record"]["default"],
                 "speedup": None if winner is None else winner.get("speedup"), "store": layer.describe(),
-                "stale": stale(row),
+                "stale": stale(row, layer),
             })
     return out
 
@@ -233,7 +238,11 @@ def clear(store: DecisionStore | LayeredStore | None = None) -> int:
     from .tuning.decisions import forget_decisions
 
     forget_decisions()
-    return _layered(store).clear()
+    store = _layered(store)
+    deleted = store.clear()
+    if store.broken:
+        raise StoreError(f"the decision store is unusable ({store.broken}); nothing was deleted")
+    return deleted
 
 
 def prune(store: DecisionStore | LayeredStore | None = None) -> tuple[int, int]:
@@ -241,9 +250,13 @@ def prune(store: DecisionStore | LayeredStore | None = None) -> tuple[int, int]:
     deleted, how many stale ones read-only stores keep)."""
     store = _layered(store)
     stale = _stale_check()
-    by_layer = {id(layer): [row["key"] for row in rows if stale(row)] for layer, rows in store.rows_by_layer()}
+    by_layer = {id(layer): [row["key"] for row in rows if stale(row, layer)]
+                for layer, rows in store.rows_by_layer()}
     writable = by_layer.pop(id(store.writable))
-    return store.delete(writable) if writable else 0, sum(map(len, by_layer.values()))
+    deleted = store.delete(writable) if writable else 0
+    if store.broken:
+        raise StoreError(f"the decision store is unusable ({store.broken}); nothing was deleted")
+    return deleted, sum(map(len, by_layer.values()))
 
 
 def export(path: str | Path, store: DecisionStore | LayeredStore | None = None) -> int:
@@ -274,7 +287,7 @@ def export_priors(path: str | Path | None = None, store: DecisionStore | Layered
     stale = _stale_check()
     store = _layered(store)
     rows = [_shippable({c: row[c] for c in COLUMNS}) for row in store.rows()
-            if row["device"] == dev.key() and not is_shipped(row) and not stale(row)]
+            if row["device"] == dev.key() and not is_shipped(row) and not stale(row, store.writable)]
     if store.broken:
         raise StoreError(f"the decision store is unreadable ({store.broken}); no table was written")
     if not rows:
@@ -313,9 +326,9 @@ def doctor(store: DecisionStore | LayeredStore | None = None) -> tuple[str, bool
     lines, healthy = [], True
     with warnings.catch_warnings():  # damage found at open is in the report
         warnings.simplefilter("ignore", RuntimeWarning)
-        reports = [(layer.health(), layer is store.writable) for layer in store.layers]
-    for report, writable in reports:
-        lines += _health_lines(report, stale, writable)
+        reports = [(layer.health(), layer) for layer in store.layers]
+    for report, layer in reports:
+        lines += _health_lines(report, lambda row: stale(row, layer), layer is store.writable)
         healthy &= report.error is None and report.integrity == ["ok"] and not report.bad and not report.damage
     return "\n".join(lines), healthy
 
@@ -335,19 +348,25 @@ def _health_lines(report, stale, writable: bool) -> list[str]:
         lines.append(f"    {n:5d}  {label}{'  (current)' if label in current else ''}")
     n_stale = sum(1 for row in report.rows if stale(row))
     if n_stale:
-        lines.append(f"  {n_stale} stale (versions or backend sources changed): "
+        lines.append(f"  {n_stale} stale (never looked up again; `cache list` says why): "
                      + ("`cache prune` deletes them" if writable else "a read-only store, which `cache prune` leaves"))
     return lines
 
 
 def _library_label(versions: dict) -> str:
-    return ", ".join(f"{name} {value}" for name, value in versions.items() if name != "sources")
+    """torch and this package first, then the rest by name: one label whatever order a file keeps them in."""
+    names = sorted(set(versions) - {"sources"}, key=lambda name: (name != "torch", name != "inductor_attn", name))
+    return ", ".join(f"{name} {versions[name]}" for name in names)
 
 
 def plot(path: str | Path, store: DecisionStore | LayeredStore | None = None) -> int:
-    """Draw each decision's winner and its speedup over the default (with the 95% CI) to a PNG, one bar per
-    decision, labelled with its problem, op, device and key (``cache explain KEY`` tells more). Needs
-    matplotlib (the ``plot`` extra): ImportError without it."""
+    """Draw each decision's winner and its speedup over the default (with the 95% CI) to ``path``, one bar per
+    decision, labelled with its problem, op, device and key (``cache explain KEY`` tells more): a PNG unless the
+    file name ends in another format matplotlib writes (.svg, .pdf). Needs matplotlib (the ``plot`` extra):
+    ImportError without it."""
+    from .store.transfer import file_to_write
+
+    path = file_to_write(path)
     try:
         import matplotlib
     except ImportError:
@@ -384,6 +403,7 @@ def plot(path: str | Path, store: DecisionStore | LayeredStore | None = None) ->
     # as wide as the longest label needs, plus room for the bars: the layout fits the rest
     widest = max(label.get_window_extent(fig.canvas.get_renderer()).width for label in ax.get_yticklabels())
     fig.set_figwidth(widest / fig.dpi + 8)
-    fig.savefig(path, dpi=120)
+    suffix = path.suffix[1:].lower()  # the file is written where it was asked for, not with a .png added
+    fig.savefig(path, dpi=120, format=suffix if suffix in fig.canvas.get_supported_filetypes() else "png")
     plt.close(fig)
     return len(rows)

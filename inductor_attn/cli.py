@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     for verb, text in (("show", "the whole stored row as JSON"), ("explain", "why the winner won")):
         verbs.add_parser(verb, help=text).add_argument("key", help="a decision key (a unique prefix suffices)")
     verbs.add_parser("clear", help="delete every decision of the writable store")
-    verbs.add_parser("prune", help="delete stale decisions (versions or backend sources changed)")
+    verbs.add_parser("prune", help="delete the writable store's stale decisions (never looked up again)")
     verbs.add_parser("doctor", help="integrity check, damage, unreadable rows, rows per library versions")
     for verb, text in (("export", "write decisions to a JSON file"), ("import", "add decisions from a JSON file"),
                        ("plot", "draw winners and speedups to a PNG")):
@@ -61,7 +61,12 @@ def bench_parser() -> argparse.ArgumentParser:
 
 def run_cache(args) -> int:
     from . import cache
+    from .store.db import default_path, file_in_the_way
 
+    # the library falls back to another store there; a command would act on that one, not the one named
+    if (in_the_way := file_in_the_way(default_path())) is not None:
+        raise cache.StoreError(f"the decision store {default_path()} cannot be made: {in_the_way} is a file, not a "
+                               "directory (INDUCTOR_ATTN_CACHE_DIR names the store's directory)")
     store = cache.get_store()
     status = _CACHE_VERBS[args.verb](cache, store, args)
     if store.broken:
@@ -84,7 +89,7 @@ def _list(cache, store, args) -> int:
     kept = sum(r["store"] != store.writable.describe() for r in stale)
     if stale:
         prune = "`python -m inductor_attn cache prune` deletes " + ("those of the writable store" if kept else "them")
-        print(f"{len(stale)} stale: never looked up again, since versions or backend sources changed ("
+        print(f"{len(stale)} stale: never looked up again, each for the reason it gives ("
               + ("read-only stores keep them" if kept == len(stale) else prune) + ")")
     return 0
 
@@ -134,6 +139,10 @@ def _export_priors(cache, store, args) -> int:
     command = " ".join(["python -m inductor_attn cache export-priors", *(["--tune", *args.tune] if args.tune else []),
                         *(["--quick"] if args.quick else []), *(["--smoke"] if args.smoke else []),
                         *([f"--shard {args.shard}"] if args.shard != "1/1" else [])])
+    if not args.tune and (args.quick or args.smoke or args.shard != "1/1"):
+        given = [f for f, on in (("--quick", args.quick), ("--smoke", args.smoke), ("--shard", args.shard != "1/1"))
+                 if on]
+        raise ValueError(f"{' and '.join(given)} choose what --tune tunes; without --tune nothing is tuned")
     if args.tune:
         from .bench import _shard
         from .bench.tuning_cost import tune_suites

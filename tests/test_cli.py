@@ -1,5 +1,6 @@
 """python -m inductor_attn cache ... on a store filled through the public API."""
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -95,6 +96,65 @@ def test_import_of_a_bad_row_names_file_row_and_field_and_writes_nothing(one_dec
     assert len(inductor_attn.cache.list_decisions()) == 1
 
 
+def test_a_file_argument_that_is_no_regular_file_is_one_line_and_nothing_is_written(one_decision, tmp_path,
+                                                                                   monkeypatch, capsys):
+    """The empty name is the current directory; a FIFO would block the import for ever, waiting for a writer."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    os.mkfifo(work / "fifo")
+    for argv, message in ((["export", ""], "'' is a directory: give the name of a file to write"),
+                          (["export", str(work)], f"{str(work)!r} is a directory"),
+                          (["plot", str(work)], f"{str(work)!r} is a directory"),
+                          (["import", "fifo"], "'fifo' is not a regular file (a directory, a pipe or a device)")):
+        assert main(["cache", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+    assert [p.name for p in work.iterdir()] == ["fifo"]
+
+
+def test_plot_writes_the_file_it_was_given_and_says_so(one_decision, tmp_path, capsys):
+    # matplotlib alone would add .png to a name without a suffix, and the message would name a file that is not there
+    assert main(["cache", "plot", str(tmp_path / "drawing")]) == 0
+    assert capsys.readouterr().out == f"plotted 1 decisions to {tmp_path / 'drawing'}\n"
+    assert (tmp_path / "drawing").read_bytes()[:4] == b"\x89PNG"
+    assert main(["cache", "plot", str(tmp_path / "drawing.svg")]) == 0
+    assert b"<svg" in (tmp_path / "drawing.svg").read_bytes()[:1000]
+
+
+def test_clear_and_prune_of_an_unusable_store_say_nothing_was_deleted(tmp_path, capsys):
+    _store_path().parent.mkdir(parents=True, exist_ok=True)
+    _store_path().write_bytes(b"SQLite format 3\0" + os.urandom(4000))
+    for verb in ("clear", "prune"):
+        with pytest.warns(RuntimeWarning, match="unusable") if verb == "clear" else contextlib.nullcontext():
+            assert main(["cache", verb]) == 1  # the store warns once per process
+        out, err = capsys.readouterr()
+        assert "deleted" not in out and err.endswith("; nothing was deleted\n"), (out, err)
+
+
+def test_a_cache_dir_that_is_a_file_is_an_error_not_another_store(tmp_path, monkeypatch, capsys):
+    # the library goes on with a store elsewhere; `cache clear` would clear that one
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("INDUCTOR_ATTN_CACHE_DIR", str(tmp_path / "file" / "store"))
+    assert main(["cache", "clear"]) == 1
+    assert capsys.readouterr().err == (f"error: the decision store {tmp_path / 'file' / 'store' / 'decisions.sqlite'} "
+                                       f"cannot be made: {tmp_path / 'file'} is a file, not a directory "
+                                       "(INDUCTOR_ATTN_CACHE_DIR names the store's directory)\n")
+
+
+@pytest.mark.parametrize("argv", [["--quick"], ["--smoke"], ["--shard", "1/2"]])
+def test_export_priors_options_of_the_tune_without_tune_are_refused(tmp_path, capsys, argv):
+    assert main(["cache", "export-priors", *argv, "--out", str(tmp_path / "t.json")]) == 2
+    assert capsys.readouterr().err.endswith("choose what --tune tunes; without --tune nothing is tuned\n")
+
+
+@pytest.mark.parametrize("argv", [["--rounds", "0"], ["--rounds", "2.5"], ["--budget-s", "-1"], ["--budget-s", "nan"]])
+def test_bench_refuses_rounds_and_budgets_that_are_not_above_zero(capsys, argv):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--smoke", *argv])
+    assert exit_.value.code == 2 and f"argument {argv[0]}: {argv[0]} takes a" in capsys.readouterr().err
+
+
 def test_import_prints_the_count_written(one_decision, tmp_path, capsys):
     assert main(["cache", "export", str(tmp_path / "d.json")]) == 0
     assert main(["cache", "clear"]) == 0
@@ -163,10 +223,10 @@ def test_stale_rows_of_a_read_only_store_are_said_to_stay(tmp_path, monkeypatch,
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     _simulate_read_only(monkeypatch, image, image.parent)
     assert main(["cache", "list"]) == 0
-    assert "2 stale: never looked up again, since versions or backend sources changed (read-only stores keep " \
-           "them)" in capsys.readouterr().out
+    assert "2 stale: never looked up again, each for the reason it gives (read-only stores keep them)" in \
+        capsys.readouterr().out
     assert main(["cache", "doctor"]) == 0
-    assert "2 stale (versions or backend sources changed): a read-only store, which `cache prune` leaves" in \
+    assert "2 stale (never looked up again; `cache list` says why): a read-only store, which `cache prune` leaves" in \
            capsys.readouterr().out
     assert main(["cache", "prune"]) == 0
     assert capsys.readouterr().out.endswith("kept 2 stale decisions of read-only stores\n")
@@ -204,17 +264,23 @@ def test_demo_on_a_device_it_cannot_run_on_is_a_one_line_error(monkeypatch, caps
     ("{not json", "not JSON"),
     ("[1, 2]", "not an inductor_attn bench results file"),
     ('{"suite": "dense"}', "not an inductor_attn bench results file"),
-    ('{"schema": 2, "meta": {}, "rows": []}', "not a schema-1 inductor_attn bench result"),
-    ('{"schema": 1, "meta": {}}', "without its rows"),
+    ('{"schema": 2, "meta": META, "rows": []}', "not a schema-1 inductor_attn bench result"),
+    ('{"schema": 1, "meta": META}', "without its rows"),
     (b"\xff\xfe{", "not JSON"),
+    ('{"schema": 1, "meta": {"device": "H200"}, "rows": []}', "its meta lacks date, commit, command"),
+    ('{"schema": 1, "meta": META, "rows": ["dense B1"]}', "its rows are not a list of workloads"),
+    ('{"schema": 1, "meta": META, "rows": [{"kind": "dense"}]}', "its rows are not a list of workloads"),
+    ('{"meta": META, "rows": {"shape": "decode"}}', "its rows are not a list of workloads"),
+    ('{"schema": 1, "meta": META, "rows": [{"name": "dense B1", "status": 3}]}', "a row lacks a field or holds one"),
 ])
 def test_bench_report_of_a_file_that_is_no_results_file_is_a_one_line_error(tmp_path, capsys, content, message):
     path = tmp_path / "results.json"
+    meta = {"device": "H200", "date": "2026-11-30 08:00 UTC", "commit": "abc1234", "command": "bench", "versions": {}}
     if isinstance(content, bytes):
         path.write_bytes(content)
     elif content is not None:
-        path.write_text(content)
-    assert main(["bench", "--report", str(path)]) == 2
+        path.write_text(content.replace("META", json.dumps(meta)))
+    assert main(["bench", "--report", str(path), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {path}") and message in err and len(err.strip().splitlines()) == 1, err
 

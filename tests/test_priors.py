@@ -319,3 +319,29 @@ def test_an_exported_table_keeps_each_candidates_statistics_but_not_its_samples_
 def test_export_priors_names_a_bad_shard_and_what_it_accepts(tmp_path, capsys):
     assert main(["cache", "export-priors", "--tune", "dense", "--shard", "3/2", "--out", str(tmp_path / "t.json")]) == 2
     assert "error: --shard K/N needs 1 <= K <= N, got '3/2'" in capsys.readouterr().err
+
+
+def test_an_export_leaves_shipped_decisions_out_and_one_imported_from_an_older_export_is_stale(shipped, tmp_path,
+                                                                                              capsys):
+    """A shipped table's row answers only from its table: in the writable store (an export of an older
+    inductor_attn, imported) nothing looks it up, so list calls it stale and prune deletes it."""
+    (table_row,) = get_store().rows()
+    assert cache.export(tmp_path / "out.json") == 0 and read_export(tmp_path / "out.json") == []
+    write_export(tmp_path / "old.json", [table_row])  # what an older export held: the row with its origin
+    assert cache.import_decisions(tmp_path / "old.json") == 1
+    (listed,) = cache.list_decisions()
+    assert listed["stale"] == "a shipped table's decision outside its table"
+    main(["cache", "doctor"])
+    assert "1 stale (never looked up again; `cache list` says why): `cache prune` deletes them" in \
+        capsys.readouterr().out
+    assert cache.prune() == (1, 0) and [r["key"] for r in get_store().rows()] == [table_row["key"]]
+
+
+def test_doctor_counts_rows_of_one_set_of_versions_as_one_whatever_order_a_file_keeps_them_in(capsys):
+    rows = []
+    for i, versions in enumerate(({"torch": "2.13", "triton": "3.6"}, {"triton": "3.6", "torch": "2.13"})):
+        row = {**decision_row(i), "versions": {**versions, "sources": {}}}
+        rows.append({**row, "key": keys.key_of({c: row[c] for c in ("op", "problem", "device", "versions")})})
+    get_store().put_many(rows)
+    main(["cache", "doctor"])
+    assert "    2  torch 2.13, triton 3.6\n" in capsys.readouterr().out

@@ -30,7 +30,8 @@ def decision_row(i: int, winner: str = "b:x=1") -> dict:
     record = {"problem": problem, "direction": "forward", "winner": winner, "default": "a:default",
               "why": "b:x=1 is 2.00x faster", "timer": "fake", "tuned_at": 1.0,
               "candidates": [{"name": "a:default", "status": "passed", "median_ms": 1.0, "speedup": 1.0,
-                              "samples": [1.0, 1.01]}]}
+                              "samples": [1.0, 1.01]},
+                             {"name": "b:x=1", "status": "passed", "median_ms": 0.5, "speedup": 2.0}]}
     return {"key": key_of(fields), **fields, "winner": winner, "record": record, "created": 1700000000.0 + i}
 
 

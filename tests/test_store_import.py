@@ -67,6 +67,10 @@ BAD_FIELDS = [
     ("device", "cpu\ud800", "device"), ("record.why", "\udc80", "record.why"),
     ("versions.torch", "2.13\ud800", "versions"),
     ("record.candidates.0.reason", "\ud800", "record.candidates[0].reason"),
+    # a winner or default that no candidate of the record is, or one the gate did not pass: compiled code weighs
+    # the candidates' times and would run another kernel than the winner
+    ("winner", "c:x=9", "winner"), ("record.winner", "c:x=9", "record.winner"),
+    ("record.default", "c:x=9", "record.default"), ("record.candidates.1.status", "wrong", "winner"),
 ]
 
 
@@ -233,7 +237,8 @@ def test_a_field_the_tuner_adds_to_its_record_is_accepted_and_checked(tmp_path, 
     monkeypatch.setattr(record, "TuneResult", Later)
     monkeypatch.setattr(schema, "_record_checker", functools.cache(schema._record_checker.__wrapped__))
     result = Later(Problem.from_key(decision_row(1)["record"]["problem"]), "forward", "b:x=1", "a:default", "why",
-                   "fake", [record.CandidateResult("a:default", "passed", median_ms=1.0)], launches=3.0)
+                   "fake", [record.CandidateResult(n, "passed", median_ms=1.0) for n in ("a:default", "b:x=1")],
+                   launches=3.0)
     row = {**decision_row(1), "record": result.to_json()}
     assert store.import_json(_export_file(tmp_path / "in.json", [row])) == 1
     with pytest.raises(ValueError, match="field 'record.launches': must be a number or null, got str 'x'"):

@@ -34,6 +34,20 @@ WALLCLOCK_SUITES = ("overhead", "training", "tuning-cost", "paged", "fp8")
 SUITE_CHOICES = KERNEL_SUITES + WALLCLOCK_SUITES
 
 
+def _positive(kind: type, option: str):
+    """An argparse type: ``kind(text)``, refused unless above zero (a finite float)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"{option} takes {'a whole' if kind is int else 'a'} number above zero, "
+                                             f"got {text!r}")
+        return value
+    return parse
+
+
 def _shard(text: str) -> tuple[int, int]:
     """``"2/3"`` -> ``(2, 3)``.
 
@@ -59,8 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write results here (default: bench/<suite>-<device>-<time>/ beside the decision store)")
     parser.add_argument("--shard", type=_shard, default=(1, 1), metavar="K/N",
                         help="every N-th workload (training: shape) from the K-th: split a suite over several calls")
-    parser.add_argument("--rounds", type=int, default=None, help="timing rounds per workload (default 30; quick 20)")
-    parser.add_argument("--budget-s", type=float, default=None,
+    parser.add_argument("--rounds", type=_positive(int, "--rounds"), default=None,
+                        help="timing rounds per workload (default 30; quick 20)")
+    parser.add_argument("--budget-s", type=_positive(float, "--budget-s"), default=None,
                         help="seconds the call may take; no workload starts after 60%% of it (70%% with --quick), the "
                              "rest is for the quality phase (default 480; quick 450); tuning-cost: the whole run, no "
                              "worker past it (default 540), the process's own start-up (10-15 s on the GPU "
@@ -96,6 +111,11 @@ def main(args: argparse.Namespace, command: str) -> int:
             return _report(args)
         except ValueError as err:  # a results file that cannot be read or is not one
             print(f"error: {err}", file=sys.stderr)
+            return 2
+        except (KeyError, TypeError, AttributeError) as err:  # a field _read_results does not check
+            names = ", ".join(str(p) for p in args.report)
+            print(f"error: {names}: a row lacks a field or holds one of another type ({type(err).__name__}: "
+                  f"{err}); was it written by another version of inductor_attn, or edited?", file=sys.stderr)
             return 2
     if args.suite in WALLCLOCK_SUITES:
         from .host_suites import run_wallclock_suite
@@ -148,4 +168,13 @@ def _read_results(path: Path) -> dict:
         raise ValueError(f"{path}: not JSON ({err})") from None
     if not isinstance(data, dict) or not isinstance(data.get("meta"), dict):
         raise ValueError(f"{path}: not an inductor_attn bench results file (no meta)")
+    meta = data["meta"]
+    missing = [k for k in ("device", "date", "commit", "command") if not isinstance(meta.get(k), str)]
+    if missing or not isinstance(meta.get("versions"), dict):
+        raise ValueError(f"{path}: its meta lacks {', '.join(missing or ['versions'])}: every table says which run "
+                         "made it (a file edited by hand, or not written by bench?)")
+    rows = data.get("rows", [])
+    named = "schema" not in data or all(isinstance(r, dict) and isinstance(r.get("name"), str) for r in rows)
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows) or not named:
+        raise ValueError(f"{path}: its rows are not a list of workloads (a file edited by hand?)")
     return data

@@ -108,9 +108,29 @@ def path_access(path: Path) -> str | None:
 
 
 def _creatable(directory: Path) -> bool:
+    return _nearest_existing(directory).is_dir() and os.access(_nearest_existing(directory), os.W_OK | os.X_OK)
+
+
+def _nearest_existing(directory: Path) -> Path:
     while not directory.exists():
         directory = directory.parent
-    return directory.is_dir() and os.access(directory, os.W_OK | os.X_OK)
+    return directory
+
+
+def file_in_the_way(path: Path) -> Path | None:
+    """The file that stands where a directory of ``path`` must be (INDUCTOR_ATTN_CACHE_DIR naming a file), or
+    None."""
+    try:
+        found = _nearest_existing(path.parent)
+    except OSError:  # a directory on the way cannot be searched: not a file in the way
+        return None
+    return None if found.is_dir() else found
+
+
+def _why_not_creatable(path: Path) -> str:
+    """Why no store can be created at ``path`` (path_access said None), for the log line."""
+    in_the_way = file_in_the_way(path)
+    return f"{in_the_way} is not a directory" if in_the_way else "its directory cannot be written or searched"
 
 
 def _log_size(path: Path) -> int:
@@ -479,7 +499,7 @@ def open_layers(primary: Path) -> LayeredStore:
         return LayeredStore(DecisionStore(primary, access=WRITE), shipped)
     read_only = [] if access is None else [DecisionStore(primary, access=access)]
     overlay = _overlay(primary)
-    what = "is read-only: its decisions are used" if read_only else "cannot be created here (read-only path)"
+    what = "is read-only: its decisions are used" if read_only else f"cannot be created ({_why_not_creatable(primary)})"
     log.warning("inductor_attn: decision store %s %s; new decisions go to %s", primary, what, overlay.describe())
     return LayeredStore(overlay, read_only + shipped)
 

@@ -42,7 +42,8 @@ import uuid
 import warnings
 from pathlib import Path
 
-from .schema import FORMAT_VERSION, check_export
+from .schema import FORMAT_VERSION, check_export, is_shipped  # noqa: F401 - is_shipped: read from here too
+from .transfer import file_to_write
 
 ENV_VAR = "INDUCTOR_ATTN_PRIORS"
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "priors"
@@ -181,10 +182,6 @@ def shipped_match(store, fields: dict) -> dict | None:
     return max(matches, key=lambda r: r["created"], default=None)
 
 
-def is_shipped(row: dict) -> bool:
-    return str(row["record"].get("origin", "")).startswith("shipped")
-
-
 def shortlist(row: dict, k: int, margin: float | None = None, compile_factor: float | None = None,
               rivals: bool = False) -> list[str]:
     """A decision's winner, then the other candidates that passed in its record, fastest first, ``k`` in all;
@@ -237,7 +234,7 @@ def shortlist(row: dict, k: int, margin: float | None = None, compile_factor: fl
 def write_table(path: Path, rows: list[dict], meta: dict) -> None:
     """Write a table: ``meta`` (device, versions, commit, created, command) and the rows. Written next to
     the target and renamed over it when complete, so a failure leaves an existing table whole."""
-    target = Path(path).resolve()
+    target = file_to_write(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.tmp")
     created = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

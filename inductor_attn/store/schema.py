@@ -33,6 +33,11 @@ ORIGIN = "origin"
 MAX_TIME_S = 1e12  # 31,000 years after the epoch: a larger time is no time (the time functions overflow)
 
 
+def is_shipped(row: dict) -> bool:
+    """Whether a row was read from a shipped table (priors.py gives those rows their ``origin``)."""
+    return str(row["record"].get(ORIGIN, "")).startswith("shipped")
+
+
 class RowError(ValueError):
     """A row that does not match the schema; ``field`` names the offending field."""
 
@@ -70,6 +75,7 @@ def check_row(row) -> dict:
         raise RowError("winner", f"must be 'backend:config', got {row['winner']!r}")
     _check_versions(row["versions"])
     _check_record(row["record"])
+    _check_choice(row["winner"], row["record"])
     _check_created(row["created"])
     expected = key_of({c: row[c] for c in ("op", "problem", "device", "versions")})
     if row["key"] != expected:
@@ -179,6 +185,16 @@ def _check_record(record) -> None:
     _record_checker()(record, "record")
     if "tuned_at" in record:  # cache explain formats it as a local time
         _check_time(record["tuned_at"], "record.tuned_at")
+
+
+def _check_choice(winner: str, record: dict) -> None:
+    """The winner and the record's own winner and default must be candidates the record saw pass the gate: a
+    reader weighs their times (compiled code) and shows them (``cache explain``)."""
+    passed = {c["name"] for c in record["candidates"] if c["status"] == "passed"}
+    for field, name in (("winner", winner), ("record.winner", record["winner"]), ("record.default", record["default"])):
+        if name not in passed:
+            raise RowError(field, f"{name!r} is not a candidate of the record that passed the gate (passed: "
+                                  f"{', '.join(sorted(passed)) or 'none'})")
 
 
 @functools.cache

@@ -17,20 +17,39 @@ import uuid
 from pathlib import Path
 
 from .schema import (COLUMNS, FORMAT_VERSION, StoreError, check_decision, check_decisions, check_export,
-                     check_header)
+                     check_header, is_shipped)
 
 IMPORT_BATCH = 1000  # rows per transaction: tens of milliseconds of holding the write lock
 CHUNK = 1 << 20  # characters read at a time
 MAX_VALUE = 64 << 20  # characters one row may span: a larger or unterminated one is no decision
 
 
+def file_to_read(path: str | Path) -> Path:
+    """``path`` as a Path; ValueError where it names a directory, a pipe or a device (reading a FIFO would wait
+    for a writer for ever). A missing file is left to ``open``: FileNotFoundError."""
+    path = Path(path)
+    if path.exists() and not path.is_file():
+        raise ValueError(f"{str(path)!r} is not a regular file (a directory, a pipe or a device)")
+    return path
+
+
+def file_to_write(path: str | Path) -> Path:
+    """``path`` resolved, for a file that is written next to it and renamed over it; ValueError where it names a
+    directory (the empty name is the current one) or something else that is not a regular file."""
+    target = Path(path).resolve()
+    if target.exists() and not target.is_file():
+        raise ValueError(f"{str(path)!r} is {'a directory' if target.is_dir() else 'not a regular file'}: give the "
+                         "name of a file to write")
+    return target
+
+
 def import_file(store, path: str | Path) -> int:
     """Add every decision of an export file; returns how many were written.
 
     Raises FileNotFoundError/OSError if the file cannot be read, ValueError naming the file, the row and
-    the field if any row is bad (nothing is written then), StoreError if the store cannot be written (the
-    transactions before the one that failed stay written)."""
-    path = Path(path)
+    the field if any row is bad or the path is no regular file (nothing is written then), StoreError if the store
+    cannot be written (the transactions before the one that failed stay written)."""
+    path = file_to_read(path)
     with open(path, encoding="utf-8-sig", newline="") as f:  # both passes read the same file
         total, written = _check_file(f, path), 0
         f.seek(0)
@@ -45,7 +64,7 @@ def import_file(store, path: str | Path) -> int:
 
 def read_export(path: str | Path) -> list[dict]:
     """The checked rows of a small export file, read whole (see schema.check_export)."""
-    path = Path(path)
+    path = file_to_read(path)
     try:
         parsed = json.loads(path.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
@@ -180,9 +199,10 @@ class _Reader:
 
 
 def export_file(store, path: str | Path) -> int:
-    """Write every decision ``store`` can read to ``path``; returns how many. An unreadable store raises
-    StoreError and leaves ``path`` as it was."""
-    rows = store.rows()
+    """Write every decision ``store`` can read to ``path``, but those of shipped tables (every install has them,
+    and imported they would answer for nothing: only a table's own rows are looked up as shipped decisions);
+    returns how many. An unreadable store raises StoreError and leaves ``path`` as it was."""
+    rows = [row for row in store.rows() if not is_shipped(row)]
     if store.broken:
         raise StoreError(f"the decision store is unreadable ({store.broken}); {path} was left as it was")
     write_export(path, [{c: row[c] for c in COLUMNS} for row in rows])
@@ -192,7 +212,7 @@ def export_file(store, path: str | Path) -> int:
 def write_export(path: str | Path, rows: list[dict]) -> None:
     """Write rows as an export file. A temporary file in the target's directory is renamed over the target
     once written and synced, so a failure at any point leaves an existing file whole."""
-    target = Path(path).resolve()
+    target = file_to_write(path)
     tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         with open(tmp, "x") as f:
