@@ -52,7 +52,9 @@ def _window(window, causal: bool) -> tuple[int, int]:
         return left, right
     # torch.compile traces a NumPy scalar as an array, whose repr it cannot take
     traced_numpy = torch.compiler.is_compiling() and type(window).__module__ == "numpy"
-    got = f"{type(window).__name__}; in compiled code pass int(window)" if traced_numpy else repr(window)
+    traced_tensor = torch.compiler.is_compiling() and isinstance(window, torch.Tensor)  # no repr while traced
+    got = (f"{type(window).__name__}; in compiled code pass int(window)" if traced_numpy
+           else "a Tensor" if traced_tensor else repr(window))
     fail(TypeError, f"window must be None, an int or a (left, right) pair of ints, got {got}")
 
 
@@ -63,8 +65,11 @@ def _scale(scale, q) -> float:
     return scale if isinstance(scale, torch.SymFloat) else float(scale)
 
 
-def _longest(cu_seqlens: torch.Tensor) -> int:
-    """The longest sequence of packed offsets (a read of the device where they live)."""
+def _longest(cu_seqlens: torch.Tensor, name: str) -> int:
+    """The longest sequence of packed offsets (a read of the device where they live): for ``name`` (max_seqlen_q
+    or max_seqlen_k) not given, which compiled code cannot read without a graph break."""
+    refuse_to_trace(ValueError, f"{name} is None: it is read from the cu_seqlens values, a graph break in compiled "
+                                f"code; under fullgraph=True pass {name}")
     return int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
 
 
@@ -95,7 +100,11 @@ def _as_sparse(block_mask, q, k) -> BlockSparseMask:
             f"block_mask must be a torch.nn.attention.flex_attention.BlockMask or an inductor_attn.BlockSparseMask, "
             f"got {type(block_mask).__name__}"
         )
-    lengths = tuple(int(x) for x in block_mask.seq_lengths)
+    lengths = block_mask.seq_lengths
+    if not (isinstance(lengths, (tuple, list)) and len(lengths) == 2
+            and all(isinstance(x, (int, torch.SymInt)) and not isinstance(x, bool) for x in lengths)):
+        fail(TypeError, f"block_mask.seq_lengths must be a (Q_LEN, KV_LEN) pair of ints, got {lengths!r}")
+    lengths = tuple(lengths)
     if lengths != (q.shape[2], k.shape[2]):
         fail(
             ValueError,
@@ -116,8 +125,10 @@ def make_call(q, k, v, *, causal: bool = False, scale: float | None = None, wind
         if causal or window is not None or kv_seqlens is not None or key_mask is not None:
             fail(ValueError, "block_mask already encodes the mask: leave causal, window, kv_seqlens and "
                              "key_mask unset")
-        check_attention(q, k, v, scale, -1, -1, None)
+        check_attention(q, k, v, scale, -1, -1, None, allow_empty=True)
         scale = _scale(scale, q)
+        if _zero_size(q.shape[:3] + k.shape[2:3]):  # attention() answers it with no kernel: nothing to mask
+            return AttnCall("attention", q, k, v, scale)
         sparse = _as_sparse(block_mask, q, k)
         check_block_sparse(q, k, v, sparse, scale)
         if check_indices:
@@ -164,13 +175,17 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, wind
     empty outputs, or with Lk = 0 zeros and lse = -inf.
     """
     if (block_mask is None and torch.compiler.is_compiling() and isinstance(q, torch.Tensor)
-            and isinstance(k, torch.Tensor) and (kv_seqlens is None or isinstance(kv_seqlens, torch.Tensor))
+            and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and q.dim() == k.dim() == v.dim() == 4
+            and q.is_floating_point() and q.dtype == k.dtype == v.dtype
+            and (kv_seqlens is None or isinstance(kv_seqlens, torch.Tensor))
+            and (key_mask is None or isinstance(key_mask, torch.Tensor) and key_mask.dtype == torch.bool)
             and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] != 0):
         # Traced by Dynamo, which guards every global and function a compiled call passes through and checks
         # those guards on every call: the op's fake impl makes the structural checks (check_attention, with the
         # same messages); the default scale skips check_scale (only _scale's default_scale runs) and the default
-        # window calls no helper, nor do flags that are bools. Zero sizes (which never reach the op) and non-tensor
-        # q, k, kv_seqlens take the checked path.
+        # window calls no helper, nor do flags that are bools. Zero sizes (which never reach the op), and arguments
+        # of the wrong type, rank or dtype, take the checked path: a TypeError raised in a fake impl is logged
+        # with a traceback by FakeTensorMode before it reaches the user, and a rank below 3 cannot be indexed.
         for name, flag in (("causal", causal), ("return_lse", return_lse), ("check_indices", check_indices)):
             if flag is not True and flag is not False:
                 check_bool(name, flag)
@@ -234,13 +249,14 @@ def _zero_size(sizes) -> bool:
 def _zero_size_result(q, k, v):
     """(out, lse) of a call with a zero size: the output is empty, or with no keys every row is fully masked
     (zeros, lse = -inf). The two matmuls contract over a zero-size dim or produce an empty tensor, so they
-    cost nothing and keep autograd connected to q, k and v (whose gradients are zeros)."""
+    cost nothing and keep autograd connected to q, k and v (whose gradients are zeros); the lse too, as the sum
+    of no scores, so that a loss on it alone can be differentiated as with ``kv_seqlens`` of 0."""
     b, hq, lq, _ = q.shape
     hkv = k.shape[1]
     groups = hq // hkv if hkv else 1
     scores = q.reshape(b, hkv, groups, lq, q.shape[-1]) @ k.unsqueeze(2).transpose(-1, -2)
     out = conform((scores @ v.unsqueeze(2)).reshape(b, hq, lq, v.shape[-1]), q)
-    return out, torch.full((b, hq, lq), float("-inf"), dtype=torch.float32, device=q.device)
+    return out, scores.float().sum(-1).reshape(b, hq, lq) + float("-inf")
 
 
 def _call_op(call: AttnCall, choice: str = ""):
@@ -309,8 +325,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
                  allow_empty=True)
     scale = _scale(scale, q)
     if max_seqlen_q is None or max_seqlen_k is None:
-        max_seqlen_q = max_seqlen_q or _longest(cu_seqlens_q)
-        max_seqlen_k = max_seqlen_k or _longest(cu_seqlens_k)
+        max_seqlen_q = max_seqlen_q or _longest(cu_seqlens_q, "max_seqlen_q")
+        max_seqlen_k = max_seqlen_k or _longest(cu_seqlens_k, "max_seqlen_k")
     if check_indices:
         check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if _zero_size((q.shape[0], q.shape[1], k.shape[0])):
@@ -370,7 +386,7 @@ def paged_attention(q, k_cache, v_cache, block_table, kv_seqlens, *, cu_seqlens_
                 right)
     refuse_grad("paged_attention", {"q": q, "k_cache": k_cache, "v_cache": v_cache})
     if max_seqlen_q is None:
-        max_seqlen_q = 1 if cu_seqlens_q is None else _longest(cu_seqlens_q)
+        max_seqlen_q = 1 if cu_seqlens_q is None else _longest(cu_seqlens_q, "max_seqlen_q")
     if max_seqlen_k is None:
         max_seqlen_k = block_table.shape[1] * k_cache.shape[1]
     if check_indices:

@@ -98,15 +98,20 @@ def use(model, name: str = NAME):
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
               softcap=None, cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None,
               block_table=None, k_cache=None, v_cache=None, cache=None, read_index=None, write_index=None,
-              max_seqlen_q=None, max_seqlen_k=None, **kwargs):
+              max_seqlen_q=None, max_seqlen_k=None, is_causal=None, s_aux=None, sinks=None, **kwargs):
     """transformers' attention-function signature, as continuous batching calls it (5.17's and 5.24's arguments,
-    see above): query (1, Hq, total_q, D), key and value (1, Hkv, *, D); returns ((1, total_q, Hq, Dv), None)."""
+    see above): query (1, Hq, total_q, D), key and value (1, Hkv, *, D); returns ((1, total_q, Hq, Dv), None).
+    ``is_causal`` (else the module's) as transformers' flash function reads it: a vision encoder passes False."""
     from . import paged_attention, varlen_attention
 
     if dropout:
         raise ValueError(f"{NAME} runs inference only: dropout must be 0, got {dropout}")
     if softcap is not None:
         raise ValueError(f"{NAME} has no logit softcap (got softcap={softcap})")
+    if s_aux is not None or sinks is not None:  # GPT-OSS and others: a learned sink column in every softmax
+        raise ValueError(f"{NAME} has no attention sinks (got {'s_aux' if s_aux is not None else 'sinks'}); use "
+                         "transformers' own attention for this model")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if cu_seq_lens_q is None or cu_seq_lens_k is None:
         raise ValueError(f"{NAME} is for continuous batching (generate_batch), which passes cu_seq_lens_q and "
                          f"cu_seq_lens_k; got none")
@@ -135,16 +140,18 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         block_table = block_table[:n].to(torch.int32)
         lengths = (cu_seq_lens_k[1:n + 1] - cu_seq_lens_k[:n]).to(torch.int32)
         _append(k_cache, v_cache, block_table, lengths, key[0].transpose(0, 1), value[0].transpose(0, 1))
-        out = paged_attention(q, k_cache, v_cache, block_table, lengths, causal=True, scale=scaling, window=window,
-                              check_indices=False)
+        out = paged_attention(q, k_cache, v_cache, block_table, lengths, causal=causal, scale=scaling,
+                              window=window, check_indices=False)
     else:
         if cache is not None:  # 5.17: write the new keys, gather each sequence's: (total_k, Hkv, D)
             k, v = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
                                 read_index=read_index, write_index=write_index)
         else:  # 5.24: cache.update has done both
             k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
-        out = varlen_attention(q, k, v, cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32), int(max_q),
-                               int(max_k), causal=True, scale=scaling, window=window, check_indices=False)
+        # lengths not given (a caller other than continuous batching) are read from cu_seq_lens: one sync
+        max_q, max_k = (None if m is None else int(m) for m in (max_q, max_k))
+        out = varlen_attention(q, k, v, cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32), max_q, max_k,
+                               causal=causal, scale=scaling, window=window, check_indices=False)
     return out[None], None
 
 

@@ -120,9 +120,22 @@ DENSE_CASES = {
                    r"q head_dim must be in \[8, 256\], got 0"),
     "k_heads_0_with_q_heads": (lambda: attention(Q, t(2, 0, 8, 16), t(2, 0, 8, 16)), ValueError,
                                r"q heads \(4\) must be a multiple of k/v heads \(0\)"),
-    "block_mask_batch_0": (lambda: attention(t(0, 4, 8, 16), t(0, 2, 8, 16), t(0, 2, 8, 16),
-                                             block_mask=causal_block_mask(8, 8)),
-                           ValueError, r"batch must be >= 1 for the inductor_attn ops, got 0"),
+    "block_sparse_mask_density_nan": (
+        lambda: attention(Q64, Q64, Q64, block_mask=dataclasses.replace(SPARSE_64, density=float("nan"))),
+        ValueError, r"density must be a fraction in \[0, 1\] \(or -1, unknown\), got nan"),
+    "block_sparse_mask_density_none": (
+        lambda: attention(Q64, Q64, Q64, block_mask=dataclasses.replace(SPARSE_64, density=None)),
+        TypeError, r"density must be a fraction in \[0, 1\] \(or -1, unknown\), got None"),
+    "block_sparse_mask_kv_indices_none": (
+        lambda: attention(Q64, Q64, Q64, block_mask=dataclasses.replace(SPARSE_64, kv_indices=None)),
+        TypeError, r"kv_indices must be an int32 tensor, got NoneType"),
+    "block_sparse_mask_seq_lengths_str": (
+        lambda: attention(Q64, Q64, Q64, block_mask=dataclasses.replace(SPARSE_64, seq_lengths="ab")),
+        TypeError, r"block_mask.seq_lengths must be a \(Q_LEN, KV_LEN\) pair of ints, got 'ab'"),
+    "q_sparse": (lambda: attention(Q.to_sparse(), K, V), TypeError,
+                 r"q must be a dense \(strided\) tensor, got a torch.sparse_coo one"),
+    "causal_numpy_bool": (lambda: attention(Q, K, V, causal=np.bool_(True)), TypeError,
+                          r"causal must be a bool \(True or False\), got numpy.bool_?$"),
     "block_mask_other_lengths": (lambda: attention(Q, K, V, block_mask=causal_block_mask(16, 8)), ValueError,
                                  r"block_mask was built for \(Q_LEN, KV_LEN\) = \(16, 8\), but q/k have lengths "
                                  r"\(8, 8\)"),
@@ -153,6 +166,13 @@ if hasattr(torch, "float8_e4m3fn"):
 def test_attention_refuses_bad_input_naming_the_argument(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+@pytest.mark.parametrize("q_shape", [(0, 4, 8, 16), (2, 0, 8, 16)], ids=["batch_0", "heads_0"])
+def test_a_block_mask_call_of_a_zero_size_gives_the_empty_output_as_other_calls_do(q_shape):
+    q, k = t(*q_shape), t(q_shape[0], 2 if q_shape[1] else 0, 8, 16)
+    for mask in (causal_block_mask(8, 8), BlockSparseMask.from_block_mask(causal_block_mask(8, 8))):
+        assert attention(q, k, k, block_mask=mask).shape == q_shape
 
 
 # q (10, 4, 16), k/v (12, 2, 16): two sequences, q lengths (4, 6), k lengths (5, 7)
@@ -325,6 +345,7 @@ def test_zero_sizes_give_sdpa_shaped_outputs_with_no_keys_as_fully_masked_rows(q
     out, lse = attention(q, k, v, causal=True, return_lse=True)
     assert out.shape == (*q_shape[:3], 8) and lse.shape == q_shape[:3] and lse.dtype == torch.float32
     assert torch.equal(out, torch.zeros_like(out)) and bool((lse == float("-inf")).all())
+    torch.where(lse.isinf(), 0.0, lse).sum().backward(retain_graph=True)  # the lse alone, as with kv_seqlens 0
     out.sum().backward()
     for x in (q, k, v):
         assert torch.equal(x.grad, torch.zeros_like(x))
@@ -338,6 +359,15 @@ def test_varlen_zero_sizes_give_empty_outputs_or_fully_masked_rows(q_total, head
     out, lse = varlen_attention(q, k, v, cu_q, cu_k, 5, 6, return_lse=True)
     assert out.shape == (q_total, heads, 8) and lse.shape == (heads, q_total)
     assert torch.equal(out, torch.zeros_like(out)) and bool((lse == float("-inf")).all())
+    # the longest sequence of no tokens is 0, as compiled code passes it
+    longest = [5 if q_total else 0, 6 if k_total else 0]
+    torch.testing.assert_close(varlen_attention(q, k, v, cu_q, cu_k, *longest), out, rtol=0, atol=0)
+
+
+def test_varlen_max_seqlen_of_0_where_there_are_tokens_is_refused():
+    q = t(4, 2, 16)
+    with pytest.raises(ValueError, match=r"^max_seqlen_q must be >= 1, or 0 with no tokens, got 0"):
+        varlen_attention(q, q, q, i32(0, 2, 4), i32(0, 2, 4), 0, 2, check_indices=False)
 
 
 # ------------------------------------------------------------------ what a compiled (traced) call reports
@@ -390,14 +420,28 @@ def test_compiled_call_with_a_wrong_kv_seqlens_reports_our_message_first(lens, e
         fn(Q, K, V, lens)
 
 
+@pytest.mark.parametrize("call", [
+    lambda cu: varlen_attention(QV, KV, VV, CU_Q, cu, None, 7),
+    lambda cu: paged_attention(QV, t(3, 4, 2, 16), t(3, 4, 2, 16), i32(0, 1, 2, 1).view(2, 2), i32(5, 7),
+                               cu_seqlens_q=cu),
+], ids=["varlen", "paged"])
+def test_a_longest_sequence_left_to_read_under_fullgraph_says_to_pass_it(call, fresh_dynamo):
+    # read from the values, it is a graph break; Dynamo's own error spoke of a data-dependent guard
+    with pytest.raises(ValueError, match="^max_seqlen_q is None: it is read from the cu_seqlens values, a graph "
+                                         "break in compiled code; under fullgraph=True pass max_seqlen_q"):
+        torch.compile(call, fullgraph=True)(CU_Q)
+
+
 def test_fake_impl_of_an_op_called_in_compiled_code_reports_our_message_first(fresh_dynamo):
     fn = torch.compile(lambda q, k, v: OPS.attention(q, k, v, 0.25, False, -7, -1, None, None, ""), fullgraph=True)
     with pytest.raises(ValueError, match=r"^window_left must be -1 \(unbounded\) or >= 0, got -7"):
         fn(Q, K, V)
 
 
-def test_compiled_call_with_a_zero_size_matches_eager(fresh_dynamo):
-    fn = torch.compile(lambda q, k, v: attention(q, k, v, return_lse=True), fullgraph=True)
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_call_with_a_zero_size_matches_eager(dynamic, fresh_dynamo):
+    # dynamic: the output's layout follows q's symbolic strides (Dynamo could not sort by them)
+    fn = torch.compile(lambda q, k, v: attention(q, k, v, return_lse=True), fullgraph=True, dynamic=dynamic)
     k, v = t(2, 2, 0, 16), t(2, 2, 0, 16)
     for compiled, eager in zip(fn(Q, k, v), attention(Q, k, v, return_lse=True)):
         torch.testing.assert_close(compiled, eager)
@@ -440,6 +484,17 @@ COMPILED_BAD = {
                           r"^causal must be a bool"),
     "varlen_max_seqlen": (lambda q, k, v: varlen_attention(QV, KV, VV, CU_Q, CU_K, 6, 2**64), ValueError,
                           r"^max_seqlen_k must be at most 2147483647"),
+    # the traced fast path once indexed q.shape[2], repr()-ed a traced tensor, and left these to the op
+    "q_two_dims": (lambda q, k, v: attention(q[0, 0], k, v), ValueError,
+                   r"^q must have 4 dims \(batch, heads, seq_len, head_dim\), got shape \(8, 16\)"),
+    "key_mask_list": (lambda q, k, v: attention(q, k, v, key_mask=[True] * 8), TypeError,
+                      r"^key_mask must be a bool torch.Tensor"),
+    "window_tensor": (lambda q, k, v: attention(q, k, v, window=torch.tensor(3)), TypeError,
+                      r"^window must be None, an int or a \(left, right\) pair of ints, got a Tensor"),
+    "scale_int_past_float": (lambda q, k, v: attention(q, k, v, scale=10**400), ValueError,
+                             r"^scale must be finite, got 1000"),
+    "scale_int_lossy": (lambda q, k, v: attention(q, k, v, scale=2**53 + 1), ValueError,
+                        r"^scale must convert to float without loss, got 9007199254740993"),
 }
 
 
@@ -448,6 +503,13 @@ def test_compiled_call_refuses_bad_flags_and_out_of_range_sizes_naming_the_argum
                                                                                     fresh_dynamo):
     with pytest.raises(error, match=message):
         torch.compile(call, fullgraph=True)(Q, K, V)
+
+
+def test_a_compiled_call_of_mixed_dtypes_reads_as_our_error_alone(fresh_dynamo, caplog):
+    # raised in the op's fake impl, a TypeError is first logged with its traceback by FakeTensorMode
+    with caplog.at_level("ERROR"), pytest.raises(TypeError, match=r"^k has dtype torch.float16 but q has"):
+        torch.compile(lambda q, k, v: attention(q, k, v), fullgraph=True)(Q, K.half(), V)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
 
 
 def test_a_block_mask_under_fullgraph_says_to_convert_it_first(fresh_dynamo):

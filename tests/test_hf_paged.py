@@ -189,3 +189,36 @@ def test_append_on_cuda_writes_what_the_host_indexed_append_writes():
 def test_names_without_flash_are_refused():
     with pytest.raises(ValueError, match="must contain 'flash'"):
         hf_paged.register("inductor_attn_paged")
+
+
+def _varlen_arguments(n_tokens: int = 6):
+    """What transformers' flash path hands the attention function for two packed sequences of 2 and 4 tokens."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, h, n_tokens, 16) for h in (4, 2, 2))
+    cu = torch.tensor([0, 2, n_tokens], dtype=torch.int32)
+    return (torch.nn.Module(), q, k, v, None), dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+
+
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_is_causal_is_read_as_transformers_flash_function_reads_it(is_causal):
+    """A vision encoder (Qwen2-VL's) passes is_causal=False with cu_seq_lens: the sequences see every key."""
+    args, kwargs = _varlen_arguments()
+    out, _ = hf_paged.attention(*args, **kwargs, max_length_q=4, max_length_k=4, is_causal=is_causal)
+    q, k, v = (x[0].transpose(0, 1) for x in args[1:4])
+    want = inductor_attn.varlen_attention(q, k, v, kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"], 4, 4,
+                                          causal=is_causal)
+    torch.testing.assert_close(out[0], want)
+
+
+def test_lengths_not_given_are_read_from_cu_seq_lens():
+    args, kwargs = _varlen_arguments()
+    torch.testing.assert_close(hf_paged.attention(*args, **kwargs)[0],
+                               hf_paged.attention(*args, **kwargs, max_length_q=4, max_length_k=4)[0])
+
+
+@pytest.mark.parametrize("name", ["s_aux", "sinks"])
+def test_attention_sinks_are_refused_not_dropped(name):
+    # GPT-OSS passes s_aux: a learned column in every softmax; ignoring it changed the greedy tokens
+    args, kwargs = _varlen_arguments()
+    with pytest.raises(ValueError, match=f"has no attention sinks \\(got {name}\\)"):
+        hf_paged.attention(*args, **kwargs, max_length_q=4, max_length_k=4, **{name: torch.zeros(4)})

@@ -209,3 +209,15 @@ def test_gradient_flows_from_lse_alone():
     # lse does not depend on v; it does on q and k
     assert torch.count_nonzero(dv) == 0
     assert torch.count_nonzero(dq) > 0 and torch.count_nonzero(dk) > 0
+
+
+@pytest.mark.parametrize("op", ["attention", "varlen_attention", "block_sparse_attention"])
+def test_a_second_derivative_is_refused_in_our_words(op):
+    # torch's own error asked the caller to register an autograd formula for our backward op
+    q, k, v, *rest = {"attention": lambda: dense_args(torch.float64, True, causal=True),
+                        "varlen_attention": lambda: varlen_args(torch.float64, True),
+                        "block_sparse_attention": lambda: block_sparse_args(torch.float64, True)}[op]()
+    out, _ = getattr(OPS, op)(q, k, v, *rest)
+    (dq,) = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
+    with pytest.raises(NotImplementedError, match="has no second derivative"):
+        dq.sum().backward()

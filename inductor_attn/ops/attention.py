@@ -218,3 +218,13 @@ block_sparse_attention_op.register_autograd(_sparse_grad, setup_context=_sparse_
 
 FORWARD_OPS = (attention_op, varlen_attention_op, block_sparse_attention_op)
 BACKWARD_OPS = (attention_backward_op, varlen_attention_backward_op, block_sparse_attention_backward_op)
+
+
+def _no_double_backward(ctx, *grads):
+    # without it, torch's own error asks the caller to register an autograd formula
+    raise NotImplementedError("inductor_attn's attention has no second derivative: gradients made with "
+                              "create_graph=True cannot be differentiated again (double backward)")
+
+
+for _op in BACKWARD_OPS:
+    _op.register_autograd(_no_double_backward)

@@ -89,6 +89,8 @@ def _dtype_names(dtypes) -> str:
 def check_tensor(name: str, x, ndim: int, layout: str) -> None:
     if not isinstance(x, torch.Tensor):
         fail(TypeError, f"{name} must be a torch.Tensor of shape {layout}, got {type(x).__name__}")
+    if x.is_nested or x.layout is not torch.strided:  # kernels index memory through strides
+        fail(TypeError, f"{name} must be a dense (strided) tensor, got a {'nested' if x.is_nested else x.layout} one")
     if x.dim() != ndim:
         fail(ValueError, f"{name} must have {ndim} dims {layout}, got shape {tuple(x.shape)}")
 
@@ -141,7 +143,10 @@ def check_not_empty(sizes: dict[str, int]) -> None:
 def check_bool(name: str, value) -> None:
     """A flag: True or False only, never a truthy string or a tensor (whose truth is read on the host)."""
     if value is not True and value is not False:
-        fail(TypeError, f"{name} must be a bool (True or False), got {type(value).__name__}")
+        kind = type(value).__name__
+        if kind in ("bool", "bool_"):  # NumPy's: its 2.x type is called bool too
+            kind = f"{type(value).__module__}.{kind}"
+        fail(TypeError, f"{name} must be a bool (True or False), got {kind}")
 
 
 def refuse_grad(op: str, tensors: dict) -> None:
@@ -185,20 +190,18 @@ def check_scale(scale) -> None:
         traced_numpy = torch.compiler.is_compiling() and type(scale).__module__ == "numpy"
         accepted = "; in compiled code pass float(scale)" if traced_numpy else " (an int or NumPy scalar works too)"
         fail(TypeError, f"scale must be a float, got {type(scale).__name__}{accepted}")
-    if torch.compiler.is_dynamo_compiling():
+    if torch.compiler.is_dynamo_compiling() and type(scale) is not int:
         # traced code (the public functions'), where Dynamo may trace a float argument as a symbol whose value is
         # not known: the op's fake impl checks it at trace time, where the op's float argument has made it a
-        # value (a guard on that value: another scale traces again)
+        # value (a guard on that value: another scale traces again). An int is a constant there, and only here
+        # can one past float's range or precision be told: the op sees the float it became.
         return
-    try:
-        as_float = float(scale)
-    except OverflowError:  # an int past float's range
-        as_float = math.inf
-    if not math.isfinite(as_float):
+    # an int past float's range is compared as an int: float() overflows (inside Dynamo, an internal error)
+    if not (math.isfinite(scale) if type(scale) is not int else abs(scale) < 2 ** 1024):
         fail(ValueError, f"scale must be finite, got {scale}")
-    if abs(as_float) > torch.finfo(torch.float32).max:  # the kernels scale in float32, where it would be inf
+    if abs(scale) > torch.finfo(torch.float32).max:  # the kernels scale in float32, where it would be inf
         fail(ValueError, f"scale must be within float32's range (+-3.4e38), got {scale}")
-    if as_float != scale:
+    if float(scale) != scale:
         fail(ValueError, f"scale must convert to float without loss, got {scale!r}")
 
 
@@ -273,7 +276,8 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
                  window_right, *, allow_empty: bool = False) -> None:
     """Everything the varlen op needs that does not read tensor values. The public API also passes None for
     max_seqlen_q/k (computed from cu_seqlens after this check) and for scale (the default), and allows 0
-    heads (``allow_empty``); 0 tokens are allowed either way."""
+    heads, and max_seqlen_q/k of 0 with 0 tokens (``allow_empty``: it runs no kernel then); 0 tokens are allowed
+    either way."""
     check_qkv(q, k, v, 3)
     if k.shape[0] != v.shape[0]:
         fail(ValueError, f"k and v must share total_tokens, got {k.shape[0]} and {v.shape[0]}")
@@ -285,12 +289,12 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
         fail(ValueError, f"cu_seqlens_q and cu_seqlens_k must have the same length (num_seqs + 1), "
                          f"got {cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
-    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+    for name, m, tokens in (("max_seqlen_q", max_seqlen_q, q.shape[0]), ("max_seqlen_k", max_seqlen_k, k.shape[0])):
         if m is None:
             continue
         check_int(name, m)
-        if m < 1:
-            fail(ValueError, f"{name} must be >= 1, got {m}")
+        if m < 1 and not (allow_empty and m == 0 and tokens == 0):
+            fail(ValueError, f"{name} must be >= 1" + (", or 0 with no tokens" if allow_empty else "") + f", got {m}")
         if m > MAX_INT32:
             fail(ValueError, f"{name} must be at most {MAX_INT32} (cu_seqlens are int32), got {m}")
     check_scale(scale)
@@ -354,6 +358,14 @@ def check_block_sparse(q, k, v, sparse, scale) -> None:
             f"block mask was built for other lengths or sizes: kv_num_blocks has shape {(b, h, m)}, expected "
             f"({batch} or 1, {heads} or 1, {n_q}) for Lq={q.shape[2]}, block_q={bq}"
         )
+    for name in ("kv_indices", "partial_bits") + (("full_kv_indices",) if sparse.full_kv_indices is not None else ()):
+        if not isinstance(getattr(sparse, name), torch.Tensor):
+            fail(TypeError, f"{name} must be an int32 tensor, got {type(getattr(sparse, name)).__name__}")
+    for name in ("density", "partial_fraction"):  # they pick the tuning bucket; -1: unknown
+        x = getattr(sparse, name)
+        if not isinstance(x, numbers.Real) or isinstance(x, bool) or not (x == -1 or 0 <= x <= 1):
+            fail(ValueError if isinstance(x, numbers.Real) else TypeError,
+                 f"{name} must be a fraction in [0, 1] (or -1, unknown), got {x!r}")
     n_partial = sparse.kv_indices.shape[-1]
     check_index_tensor("kv_num_blocks", cnt, (b, h, m), q.device, "[B, H, q_blocks]")
     check_index_tensor("kv_indices", sparse.kv_indices, (b, h, m, n_partial), q.device, "[B, H, q_blocks, n]")
