@@ -234,10 +234,10 @@ def _fmt(x, spec: str) -> str:
 
 def clear(store: DecisionStore | LayeredStore | None = None) -> int:
     """Delete every decision of the writable store (returns how many; read-only stores are never changed);
-    in-memory decisions of this process are dropped too."""
-    from .tuning.decisions import forget_decisions
+    this process's remembered choices are dropped too."""
+    from .tuning.decisions import forget_choices
 
-    forget_decisions()
+    forget_choices()
     store = _layered(store)
     deleted = store.clear()
     if store.broken:
@@ -312,9 +312,9 @@ def import_decisions(path: str | Path, store: DecisionStore | LayeredStore | Non
     """Add the decisions of a JSON export to the writable store (rows with the same key are replaced);
     returns how many were written. The whole file is checked first: a bad one raises ValueError naming the
     row and the field, and nothing is written (store/transfer.py)."""
-    from .tuning.decisions import forget_decisions
+    from .tuning.decisions import forget_choices
 
-    forget_decisions()
+    forget_choices()
     return _layered(store).import_json(path)
 
 

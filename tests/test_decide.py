@@ -11,6 +11,7 @@ import inductor_attn
 from inductor_attn import cache
 from inductor_attn.backends import AttnCall, Library, only_backends
 from inductor_attn.device import DeviceInfo
+from inductor_attn.lowering.graph_pass import DecisionPass
 from inductor_attn.store import keys
 from inductor_attn.store.db import get_store
 from inductor_attn.tuning.decisions import decide, decide_with_record, forget_decisions
@@ -179,7 +180,10 @@ def test_an_ungated_choice_that_cannot_run_gives_way_to_the_next_candidate(mode,
     q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
     inductor_attn.reset_stats()
     with only_backends(a, b), inductor_attn.tuning_mode(mode):
+        before = DecisionPass().uuid()
         out = inductor_attn.attention(q, k, v, causal=True)
+        # a graph compiled before it failed bakes it: Inductor's cache must not replay that graph now
+        assert DecisionPass().uuid() != before
         again = inductor_attn.attention(q, k, v, causal=True)
         with pytest.raises(RuntimeError, match="simulated"):  # a choice the caller names is never replaced
             inductor_attn.run_candidate("a:default", q, k, v, causal=True)
@@ -512,8 +516,8 @@ def test_a_winner_not_tuned_here_is_gated_once_per_process_and_bucket(monkeypatc
     monkeypatch.setattr(decisions, "gate_once", lambda *args, **kw: gated.append(args[1]) or real(*args, **kw))
     with _a_wrong_winner_not_tuned_here(monkeypatch, tmp_path, "stored") as (a, b):
         b.wrong = set()  # right here too: it runs, after one check
-        with inductor_attn.tuning_mode("autotune"):
-            for _ in range(3):
+        for mode in ("autotune", "autotune", "cache-only", "autotune"):  # a mode switch learns nothing new
+            with inductor_attn.tuning_mode(mode):
                 assert decide(small_call(), DEV, "forward") == "b:default"
     assert gated == ["b:default"]
 

@@ -217,6 +217,34 @@ def test_the_compile_after_a_cold_tune_finds_the_code_that_tune_compiled(fakes, 
     assert counters["inductor"]["fxgraph_cache_hit"] == 1
 
 
+def test_a_compile_after_another_process_wrote_the_store_bakes_what_the_store_answers(fakes):
+    """The cache key holds the store's token, and this process's remembered choice was made under an older one:
+    compiled under the new key, the stale choice would be replayed from Inductor's cache by every later process."""
+    from inductor_attn.store.db import get_store
+
+    q, k, v = _qkv(24)
+    _attn(q, k, v)  # a tune (autotune): b wins
+    (row,) = get_store().rows()
+    get_store().clear()  # the store as another process will find it, then write
+    with inductor_attn.tuning_mode("cache-only"):
+        assert "'forward|a:default|" in run_and_get_code(torch.compile(_attn, fullgraph=True), q, k, v)[1][0]
+        get_store().put(row)  # another process's tune lands
+        torch._dynamo.reset()
+        assert "'forward|b:x=1|" in run_and_get_code(torch.compile(_attn, fullgraph=True), q, k, v)[1][0]
+
+
+@pytest.mark.parametrize("mode", ["off", "heuristic"])
+def test_a_store_write_moves_no_guard_of_a_mode_that_reads_no_store(mode):
+    from test_store import decision_row
+
+    from inductor_attn.store.db import get_store
+
+    with inductor_attn.tuning_mode(mode):
+        before = DecisionPass().uuid()
+        get_store().put(decision_row(1))
+        assert DecisionPass().uuid() == before
+
+
 @pytest.mark.parametrize("mode, moves", [("autotune", False), ("cache-only", True)])
 def test_a_new_decision_moves_the_guard_only_where_compiles_bake_guesses(mode, moves):
     # autotune measures a problem it has no decision for; cache-only bakes a guess that a new decision overrides

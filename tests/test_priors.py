@@ -345,3 +345,15 @@ def test_doctor_counts_rows_of_one_set_of_versions_as_one_whatever_order_a_file_
     get_store().put_many(rows)
     main(["cache", "doctor"])
     assert "    2  torch 2.13, triton 3.6\n" in capsys.readouterr().out
+
+
+def test_a_shipped_decision_is_no_measurement_when_ranks_agree(fakes, shipped, monkeypatch):
+    """sync_decisions prefers a rank whose decision a tune backs, and writes its row to the other ranks' stores:
+    a shipped table's guess is neither (its row belongs in its table)."""
+    from inductor_attn.tuning.decisions import decision_entries
+
+    monkeypatch.setattr("inductor_attn.tuning.background.schedule", lambda *args: True)  # no worker process
+    with inductor_attn.tuning_mode("background"):
+        decide(small_call(), DEV, "forward")
+        ((_, choice, row),) = decision_entries()
+    assert choice == "b:x=1" and row is None

@@ -230,3 +230,18 @@ def test_an_agreed_backward_choice_must_take_the_lse_gradient_where_the_bucket_n
     with caplog.at_level(logging.WARNING, logger=decisions.__name__):
         assert decide(small_call(), DEV, "backward", grad_lse=True) == "a:default"
     assert "b:x=1" in caplog.text and "cannot run" in caplog.text
+
+
+def test_an_agreed_choice_that_was_this_ranks_provisional_one_stays_when_its_tune_lands(fakes, monkeypatch):
+    """Background mode: this rank decided the bucket without a measurement and queued its tune; the ranks agreed
+    on that choice. The tune landing later must not move this rank alone off what every rank runs."""
+    monkeypatch.setattr("inductor_attn.tuning.background.schedule", lambda *args: True)  # lands below
+    monkeypatch.setattr(decisions, "RECHECK_S", 0.0)
+    row = _stored_row_of_a_tune(small_call())
+    with inductor_attn.tuning_mode("background"):
+        first = decide(small_call(), DEV, "forward")
+        ((memo_key, choice, _),) = decision_entries()
+        assert first == choice != row["winner"]
+        adopt_decisions({memo_key: (choice, None)})
+        get_store().put(row)
+        assert decide(small_call(), DEV, "forward") == first

@@ -5,6 +5,8 @@ Most tests replace the worker process with one that tunes in this process (so th
 registered); one runs a real worker process on the CPU's Triton interpreter and reference."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -75,20 +77,26 @@ def test_a_bucket_is_queued_once_per_process(fakes):
     assert InProcessWorker.tunes == 1
 
 
-def test_a_bucket_another_live_process_has_claimed_is_left_to_it(fakes, monkeypatch):
+def test_a_bucket_another_live_process_has_claimed_is_left_to_it_until_it_lets_go(fakes, monkeypatch):
+    """That process's tune lands in the store, or it ends without a decision (its worker died): then this one
+    tunes the bucket, which it would otherwise run on its first guess for good."""
     from inductor_attn.tuning.ranks import _HOST
 
-    schedule = background.schedule
+    schedule, keys = background.schedule, []
 
     def schedule_after_a_claim(call, direction, key, deterministic):
         get_store().claim(key, _HOST, os.getppid(), lambda holder: False)  # our parent: a live process
+        keys.append(key)
         return schedule(call, direction, key, deterministic)
 
     monkeypatch.setattr(background, "schedule", schedule_after_a_claim)
+    monkeypatch.setattr(background, "RETRY_S", 0.05)
     with inductor_attn.tuning_mode("background"):
         assert decide(small_call(), DEV, "forward") == "b:x=2"
-        background.wait(timeout_s=60)
-    assert InProcessWorker.tunes == 0 and get_store().rows() == []
+        assert not background.wait(timeout_s=0.5) and InProcessWorker.tunes == 0  # left to it
+        get_store().release(keys[0], _HOST, os.getppid())  # it ends without storing a decision
+        assert background.wait(timeout_s=60)
+    assert InProcessWorker.tunes == 1 and [row["winner"] for row in get_store().rows()] == ["b:x=1"]
 
 
 @pytest.mark.parametrize("full", ["mkdtemp", "save_call"])
@@ -188,3 +196,20 @@ def test_a_worker_started_under_other_settings_is_replaced(monkeypatch, tmp_path
     monkeypatch.setenv("INDUCTOR_ATTN_CACHE_DIR", str(tmp_path / "two"))
     second = background._worker()
     assert second is not first and closed == [first] and len(started) == 2
+
+
+def test_a_forked_child_starts_its_own_tuning_thread_and_workers():
+    """Only the forking thread survives a fork: a child that inherited the handle of its parent's thread would
+    queue tunes that nobody runs, and its parent's worker pipes would carry both processes' requests."""
+    script = ("import os\n"
+              "from inductor_attn.tuning import background, precompile\n"
+              "background._STATE.update(thread=object(), worker=object())\n"
+              "background._SCHEDULED.add('k')\n"
+              "precompile._POOL.idle.append(object())\n"
+              "pid = os.fork()\n"
+              "if pid == 0:\n"
+              "    print(background._STATE, background._SCHEDULED, precompile._POOL.idle, flush=True)\n"
+              "    os._exit(0)\n"
+              "os.waitpid(pid, 0)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.stdout == "{'thread': None, 'worker': None} set() []\n", out.stderr

@@ -8,6 +8,7 @@ the handling of failures, timeouts and crashes, not a compiler.
 
 import collections
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -101,7 +102,7 @@ def test_worker_processes_compile_candidates_and_report_errors_and_timeouts(monk
     worker = precompile._POOL.take()
     assert worker.ready
     with pytest.raises(TimeoutError, match="compile request took longer than 0.2 s"):
-        worker._reply(0.2, "compile request")  # an answer that does not come in time
+        worker._reply(0.2, "compile request", 1)  # an answer that does not come in time
     assert not worker.alive  # killed: it may have been stuck in a compile
     precompile._POOL.close_idle(older_than_s=0)
 
@@ -115,18 +116,22 @@ def test_a_worker_that_dies_says_why():
         worker.request("compile", 60, call="/nonexistent", choice=TRITON_FORWARD, direction="forward")
 
 
-def test_a_worker_line_that_is_not_a_reply_ends_that_worker_with_a_worker_error():
-    """Something printed on the protocol pipe (a library's import message): the driver thread gets a WorkerError,
-    which it handles (the job falls to another worker), not a JSON error that would end the thread."""
+@pytest.mark.parametrize("line", ["Loaded 3 kernels", '{"level": "info", "msg": "loaded"}', '{"id": 7, "ok": 1}',
+                                  "[1, 2]"])
+def test_a_worker_line_that_is_not_a_reply_ends_that_worker_with_a_worker_error(line):
+    """Something printed on the protocol pipe (a library's import message, JSON or not): the driver thread gets a
+    WorkerError, which it handles (the job falls to another worker), not a JSON error or a reply taken for the
+    next one (every later reply one off: a KeyError ended background mode's thread)."""
     worker = Worker.__new__(Worker)
     worker.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stdin=subprocess.PIPE)
     worker.replies, worker.stderr = queue.Queue(), collections.deque()
     worker._drains = [threading.Thread(target=lambda: None) for _ in range(2)]
     for thread in worker._drains:
         thread.start()
-    worker.replies.put("Loaded 3 kernels")
-    with pytest.raises(WorkerError, match="it sent a line that is not a reply: 'Loaded 3 kernels'"):
-        worker._reply(5, "compile request")
+    worker.replies.put(line)
+    with pytest.raises(WorkerError, match=re.escape(f"it sent a line that is not the reply to compile request: "
+                                                    f"{line!r}")):
+        worker._reply(5, "compile request", 1)
     assert not worker.alive
 
 

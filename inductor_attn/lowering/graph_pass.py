@@ -16,7 +16,11 @@ mutations and lowers), once per compiled graph, forward and backward. Two jobs:
    that meets a problem with no decision measures it and bakes what it stores, so code cached before the
    store grew stays right, and the process after a cold tune finds the code that tune compiled (its key
    was taken before the tune wrote). In the other modes a compile bakes a guess where no decision is, so
-   the token is the generation, which every write changes.
+   the token is the generation, which every write changes; ``off`` and ``heuristic`` read no store and
+   take none. Where the token moved since this process remembered its choices (another process tuned,
+   cleared or imported), they are forgotten first: the compile must bake what the store answers under the
+   key it is cached with. Choices that failed at a launch here are hashed too: a graph that bakes one
+   must not replay after.
 
 A pass the user had already put in that slot is kept, run first, and its uuid is part of ours.
 """
@@ -54,13 +58,17 @@ class DecisionPass(_Base):
         from ..tuning.modes import ENV_VAR as MODE_ENV
         from ..tuning.modes import current_mode
 
+        from ..tuning.decisions import failed_here, follow_store
+
         store = get_store()
         mode = current_mode("cuda")
-        token = store.revision() if mode == "autotune" else store.generation()
+        # off and heuristic never read the store: its writes need not recompile their graphs
+        token = {"autotune": store.revision, "off": str, "heuristic": str}.get(mode, store.generation)()
         if store.broken:  # decisions are not persisted: never let a cached graph stand in for a tune
             return uuid.uuid4().hex
+        follow_store(token)
         parts = [__version__, token, mode, os.environ.get(MODE_ENV, ""), os.environ.get(DEVICE_ENV, ""),
-                 _rule_hash()]
+                 _rule_hash(), failed_here()]
         parts += [f"{b.name}={backends.source_hash(b)}" for b in backends.backends()]
         # decisions are keyed on these too: a new FA4 brings new decisions, which a new row does not signal
         parts += sorted(library_versions(backends.registry.required_distributions()).items())

@@ -6,7 +6,8 @@ and JIT compile would hold the compile; else the hand rule, else the default) an
 One daemon thread per process works through the queue: it claims the bucket's key in the store
 (ranks.py) and has a worker process (subproc.py) tune the bucket under the device claim and store the
 decision; a bucket that a live process has claimed is left to it, since its decision lands in the same
-store.
+store, and looked at again after the others queued: where that process lets go without a decision (its
+worker died), this one tunes it. A forked child starts its own thread and worker.
 
 The tune runs in another process rather than a thread of this one, so that it holds none of the job's
 GIL and never allocates, synchronizes or captures a CUDA graph in it: while this process captures a
@@ -33,10 +34,12 @@ choice (use ``autotune`` for them).
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from ..store.db import get_store
@@ -47,11 +50,24 @@ from .subproc import Worker, WorkerError, save_call, settings_env
 log = logging.getLogger(__name__)
 
 IDLE_S = 60.0  # the worker holds a CUDA context: it exits when no tune came for this long
+RETRY_S = 1.0  # between looks at a bucket another process is tuning
 
 _QUEUE: queue.Queue = queue.Queue()
 _SCHEDULED: set[str] = set()  # decision keys queued by this process (each is tuned at most once)
 _LOCK = threading.Lock()
 _STATE: dict = {"thread": None, "worker": None}
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has no tuning thread (only the forking thread survives a fork) and shares its parent's
+    worker pipes: it starts its own of both when it next queues a tune. The parent's queue is the parent's."""
+    global _QUEUE, _LOCK
+    _QUEUE, _LOCK = queue.Queue(), threading.Lock()
+    _SCHEDULED.clear()
+    _STATE.update(thread=None, worker=None)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def schedule(call, direction: str, key: str, deterministic: bool) -> bool:
@@ -87,34 +103,47 @@ def _loop() -> None:
             _close_worker()
             item = _QUEUE.get()
         key, direction, deterministic, tmp = item
+        again = False
         try:
-            _tune(key, direction, deterministic, tmp / "call.pt")
+            again = _tune(key, direction, deterministic, tmp / "call.pt")
         except (OSError, TimeoutError, WorkerError) as err:
             log.warning("inductor_attn: background tune of decision %s failed: %s", key[:12], err)
+        except Exception:  # noqa: BLE001 - this thread tunes every later bucket of the process: it must go on
+            log.exception("inductor_attn: background tune of decision %s failed (a bug, please report)", key[:12])
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if again:  # after the others queued: they need not wait for another process's tune
+                time.sleep(RETRY_S)
+                _QUEUE.put(item)
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
             _QUEUE.task_done()
 
 
-def _tune(key: str, direction: str, deterministic: bool, path: Path) -> None:
+def _tune(key: str, direction: str, deterministic: bool, path: Path) -> bool:
+    """Tune ``key`` in the worker and store the row; True where another process holds its claim: it is tried
+    again later, since that process may end without storing a decision (its worker died)."""
     store = get_store()
     if not try_claim(store, key):
-        log.info("inductor_attn: decision %s is being tuned by another process; its result will be used", key[:12])
-        return
+        row = store.get(key)
+        if row is None or is_shipped(row):
+            log.info("inductor_attn: decision %s is being tuned by another process; its result will be used",
+                     key[:12])
+        return row is None or is_shipped(row)
     try:
         row = store.get(key)
         if row is not None and not is_shipped(row):
-            return
+            return False
         reply = _worker().request("tune", claim_timeout_s(), call=str(path), direction=direction, key=key,
                                   deterministic=deterministic)
         if reply.get("lost"):
             _STATE["worker"] = None  # it exited with its CUDA context: the next tune starts another
         if "error" in reply:
             log.warning("inductor_attn: background tune of decision %s failed: %s", key[:12], reply["error"])
-            return
+            return False
         log.info("inductor_attn: background tune of decision %s chose %s", key[:12], reply["winner"])
         if reply["row"] is not None and store.writable.get(key) is None:
             store.put(reply["row"])  # the worker's writable store is not ours: each process's own memory
+        return False
     except (TimeoutError, WorkerError):
         _STATE["worker"] = None  # killed or dead: the next tune starts another
         raise

@@ -67,16 +67,46 @@ NOT_ENUMERATED = ("not enumerated: the shipped decision names none of its config
                   "(enumerating them imports a large library)")
 
 
+# the store's token (lowering/graph_pass.py) that the remembered choices answer to: compiled code is cached under it
+_STORE_TOKEN: list[str | None] = [None]
+
+
 def forget_decisions() -> None:
-    """Drop the in-memory decisions (the store is untouched)."""
+    """Drop everything this process remembers about decisions (the store is untouched): the choices, and what
+    it learned of them (tunes run here, gate verdicts, choices that failed at a launch, ranks' agreement)."""
     with _LOCK:
-        _MEMO.clear()
-        _ROWS.clear()
+        forget_choices()
         _AGREED.clear()
-        _PROVISIONAL.clear()
         _FAILED.clear()
         _TUNED_HERE.clear()
         _GATED.clear()
+
+
+def forget_choices() -> None:
+    """Drop the remembered choices, so that the next call of each bucket reads the store again; what this process
+    learned of them (tunes run here, gate verdicts, failed launches, ranks' agreement) stays: a mode switch or
+    another process's write changes no such fact, and forgetting one would gate or fail a choice again."""
+    with _LOCK:
+        _MEMO.clear()
+        _ROWS.clear()
+        _PROVISIONAL.clear()
+
+
+def follow_store(token: str) -> None:
+    """Compiled code is about to be keyed on the store's ``token``: where the choices were remembered under
+    another one (another process tuned, cleared or imported since), forget them, so that what the compile bakes
+    is what the store answers under that key, and what a later process replays from Inductor's cache too."""
+    with _LOCK:
+        if _STORE_TOKEN[0] != token:
+            forget_choices()
+            _STORE_TOKEN[0] = token
+
+
+def failed_here() -> str:
+    """The choices that failed at a launch in this process, as text for the FX graph cache key: a graph compiled
+    before one failed bakes it, and must not be replayed after."""
+    with _LOCK:
+        return repr(sorted((repr(key), sorted(failed)) for key, failed in _FAILED.items()))
 
 
 def default_choice(cands: list[Candidate]) -> str:
@@ -528,10 +558,12 @@ def _adopted(call: AttnCall, dev: DeviceInfo, direction: str, grad_lse: bool,
 
 
 def decision_entries() -> list[tuple]:
-    """This process's decisions as ``(memo key, choice, row or None)``, for sync_decisions."""
+    """This process's decisions as ``(memo key, choice, row or None)``, for sync_decisions: a row only where a
+    tune backs the choice (a shipped table's is a guess from another machine, and lives in its table only)."""
     with _LOCK:
         entries = [(key, choice, _ROWS.get(key)) for key, choice in _MEMO.items()]
-        return entries + [(key, choice, row) for key, (choice, row) in _AGREED.items()]
+        entries += [(key, choice, row) for key, (choice, row) in _AGREED.items()]
+        return [(key, choice, None if row is None or is_shipped(row) else row) for key, choice, row in entries]
 
 
 def adopt_decisions(agreed: dict[tuple, tuple[str, dict | None]]) -> int:
@@ -546,6 +578,7 @@ def adopt_decisions(agreed: dict[tuple, tuple[str, dict | None]]) -> int:
             if _MEMO.get(key) == choice:
                 if row is not None:
                     _ROWS[key] = row
+                _PROVISIONAL.pop(key, None)  # as below: a background tune's later result must not move it
                 continue
             if key in _MEMO:
                 changed.add(key)

@@ -45,9 +45,9 @@ def set_mode(mode: str | None) -> None:
     """Set the mode for this process (None: back to the environment variable / device default)."""
     global _override
     _override = None if mode is None else _check(mode)
-    from .decisions import forget_decisions
+    from .decisions import forget_choices
 
-    forget_decisions()
+    forget_choices()
 
 
 @contextlib.contextmanager

@@ -189,6 +189,8 @@ class _Pool:
 
 
 _POOL = _Pool()
+# a forked child shares its parent's workers' pipes: its requests and the parent's would interleave on them
+os.register_at_fork(after_in_child=_POOL.__init__)
 
 
 def prestart(candidates: int) -> None:

@@ -108,7 +108,7 @@ class Worker:
             self.proc.stdin.flush()
         except OSError as err:
             raise WorkerError(self._death(f"cannot write to it ({err})")) from None
-        reply = self._reply(timeout_s, f"{op} request")
+        reply = self._reply(timeout_s, f"{op} request", self._next)
         self.idle_since = time.monotonic()
         if reply.get("lost"):  # it exits after this reply: no later request may go to it
             self.kill()
@@ -117,11 +117,15 @@ class Worker:
     def wait_ready(self) -> None:
         """Block until the worker's imports are done; TimeoutError or WorkerError if it does not start."""
         if not self.ready:
-            self._reply(STARTUP_TIMEOUT_S, "start-up")
+            if not self._reply(STARTUP_TIMEOUT_S, "start-up", 0).get("ready"):
+                raise WorkerError(self._death("its first line was no ready message"))
             self.ready = True
             log.debug("worker pid %d ready %.1f s after its start", self.proc.pid, time.monotonic() - self.started)
 
-    def _reply(self, timeout_s: float, what: str) -> dict:
+    def _reply(self, timeout_s: float, what: str, request_id: int) -> dict:
+        """The reply to request ``request_id`` (0: the ready message). Anything else on the protocol pipe (a line
+        some library printed before the worker took its stdout, JSON or not) leaves the worker's state unknown,
+        and every later reply one off: the worker goes."""
         try:
             line = self.replies.get(timeout=timeout_s)
         except queue.Empty:
@@ -130,9 +134,12 @@ class Worker:
         if line is None:
             raise WorkerError(self._death("it exited"))
         try:
-            return json.loads(line)
-        except ValueError:  # a stray line on the protocol pipe: the worker's state is unknown, so it goes
-            raise WorkerError(self._death(f"it sent a line that is not a reply: {line[:80]!r}")) from None
+            reply = json.loads(line)
+        except ValueError:
+            reply = None
+        if not isinstance(reply, dict) or reply.get("id") != request_id:
+            raise WorkerError(self._death(f"it sent a line that is not the reply to {what}: {line[:80]!r}"))
+        return reply
 
     def _death(self, what: str) -> str:
         self.kill()
