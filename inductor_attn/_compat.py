@@ -266,6 +266,14 @@ def cudagraphs_enabled() -> bool:
     return bool(inductor_config().triton.cudagraphs)
 
 
+def op_types() -> tuple[type, type, type]:
+    """torch's ``(OpOverload, OpOverloadPacket, HigherOrderOperator)`` (torch/_ops.py, 2.11 and 2.13): what an FX
+    node's target is when it names an aten op (``aten.add.default``, ``aten.add``) or a higher-order op."""
+    from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
+
+    return OpOverload, OpOverloadPacket, HigherOrderOperator
+
+
 def inductor_counters():
     """Inductor's counters (``torch._dynamo.utils.counters["inductor"]``): what a compile adds to them is kept
     with its FX-graph cache entry and added again on every cache hit (torch/_inductor/codecache.py,

@@ -222,3 +222,10 @@ def test_inductors_counters_are_saved_with_a_cached_graph_and_added_again_on_a_h
 def test_the_raw_stream_getter_is_in_every_cuda_build():
     """Inductor's generated code reads the current stream through it; the replay's kept scratch is keyed on it."""
     assert hasattr(torch._C, "_cuda_getCurrentRawStream") == (torch.version.cuda is not None)
+
+
+def test_op_types_are_what_fx_targets_of_aten_and_higher_order_ops_are():
+    overload, packet, higher_order = _compat.op_types()
+    assert isinstance(torch.ops.aten.add.default, overload) and isinstance(torch.ops.aten.add, packet)
+    assert isinstance(torch.ops.higher_order.cond, higher_order)
+    assert torch.Tag.nondeterministic_seeded in torch.ops.aten.bernoulli.default.tags  # what routing reads

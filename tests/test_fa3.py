@@ -191,6 +191,9 @@ def _bad(name, value):
     ("k_descale", torch.full((2, 2), float("inf")), ValueError, "k_descale must be finite and >= 0, got inf"),
     ("out_dtype", torch.float8_e4m3fn, TypeError,
      "out_dtype must be one of bfloat16, float16, float32, got torch.float8_e4m3fn"),
+    # not a hint that attention() answers zero sizes: fp8_attention has no such path
+    ("q", torch.zeros(2, 4, 0, 64, dtype=torch.float8_e4m3fn), ValueError,
+     r"^q seq_len must be >= 1 for fp8_attention, got 0 \(it runs a kernel for every call\)$"),
 ])
 def test_fp8_errors_name_the_argument_what_was_given_and_what_is_accepted(name, value, error, message):
     q, k, v, kwargs = _bad(name, value)

@@ -213,6 +213,22 @@ def test_decode_mask_given_as_a_graph_input_becomes_a_key_mask(mask):
     assert (got[empty] == 0).all()
 
 
+@pytest.mark.parametrize("draw", [lambda p: p.bernoulli().bool(), lambda p: F.dropout(p, 0.5, True) > 0,
+                                  lambda p: torch.rand_like(p) < p],
+                         ids=["bernoulli_method", "dropout_function", "rand_like"])
+def test_two_masks_drawn_at_random_the_same_way_are_two_masks(draw):
+    # one structure, but each draw is another value: fx's is_impure misses methods and F.dropout
+    def fn(q, k, v, p):
+        first, second = draw(p), draw(p)
+        return (F.scaled_dot_product_attention(q, k, v, attn_mask=first),
+                F.scaled_dot_product_attention(q, k, v, attn_mask=second))
+
+    gm = capture(fn, *qkv(hk=4, lq=1, lk=24), torch.full((2, 1, 1, 24), 0.5))
+    rewrite_graph(gm.graph)
+    calls = routed_calls(gm)
+    assert len(calls) == 2 and calls[0].args[8] is not calls[1].args[8]
+
+
 def test_padding_mask_the_same_for_every_query_is_a_key_mask_up_to_16_queries():
     def fn(q, k, v, padding):  # a padding mask, (B, 1, 1, Lk), over a few queries (speculative decoding)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=padding[:, None, None, :], enable_gqa=True)

@@ -139,6 +139,36 @@ def test_an_output_a_candidate_leaves_unwritten_never_reads_as_the_previous_cand
     assert verdicts == ["passed", "wrong", "passed", "wrong"]
 
 
+def _fp8_call() -> AttnCall:
+    """An fp8 call quantised as a user would (per-tensor descales of about amax / 448)."""
+    from inductor_attn.fp8 import quantize
+    from inductor_attn.ops.fp8 import per_kv_head
+
+    qs = [quantize(torch.randn(2, h, 128, 64) * 3) for h in (8, 2, 2)]
+    return AttnCall("attention", *(x8 for x8, _ in qs), 64 ** -0.5, True,
+                    descale=tuple(per_kv_head(d, 2, 2) for _, d in qs), out_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("bug", ["reads descale[0, 0] for every head", "ignores q_descale", "ignores q @ k.T"])
+def test_the_gate_of_an_fp8_call_fails_a_kernel_that_gets_its_scores_wrong(bug):
+    """With the caller's descales on values of about 1 every score is about 0, and the softmax so flat that
+    these passed; its inputs keep the scores of order 1, with a descale per (batch, kv head)."""
+    from inductor_attn.tuning.correctness import check_output
+
+    def buggy(call):
+        descale = list(call.descale)
+        if bug == "reads descale[0, 0] for every head":
+            descale = [d[:1, :1].expand_as(d) for d in descale]
+        elif bug == "ignores q_descale":
+            descale[0] = torch.ones_like(descale[0])
+        return run_forward(dataclasses.replace(call, descale=tuple(descale), _problem=call._problem,
+                                               scale=0.0 if bug == "ignores q @ k.T" else call.scale))
+
+    gated = measure.gate_inputs(_fp8_call(), seed=1)
+    assert check_output(*run_forward(gated), *run_forward(gated), torch.float8_e4m3fn) is None
+    assert check_output(*buggy(gated), *run_forward(gated), torch.float8_e4m3fn) is not None
+
+
 def test_gate_inputs_of_a_varlen_call_hold_nan_in_the_packed_rows_past_its_last_sequence():
     # a CUDA graph's padding rows: no kernel may read them into a sequence's output
     q, k, v = (torch.randn(n, 2, 8) for n in (10, 12, 12))

@@ -132,12 +132,17 @@ def check_heads(heads_q, heads_kv, v_heads) -> None:
         fail(ValueError, f"q heads ({heads_q}) must be a multiple of k/v heads ({heads_kv}) for GQA/MQA")
 
 
-def check_not_empty(sizes: dict[str, int]) -> None:
-    """The ops run kernels and need every size >= 1; the public functions answer zero-size calls themselves."""
+# who refuses a zero size, and why: the ops run kernels; attention() and varlen_attention() answer such calls
+OPS_NEED_SIZES = ("the inductor_attn ops", "inductor_attn.attention and varlen_attention return empty outputs for zero "
+                                           "sizes")
+
+
+def check_not_empty(sizes: dict[str, int], refused_by: tuple[str, str] = OPS_NEED_SIZES) -> None:
+    """Every size >= 1, else a ValueError naming the size and ``refused_by`` (who, why)."""
+    who, why = refused_by
     for name, size in sizes.items():
         if size < 1:
-            fail(ValueError, f"{name} must be >= 1 for the inductor_attn ops, got {size} (inductor_attn.attention and "
-                             f"varlen_attention return empty outputs for zero sizes)")
+            fail(ValueError, f"{name} must be >= 1 for {who}, got {size} ({why})")
 
 
 def check_bool(name: str, value) -> None:
@@ -221,7 +226,7 @@ def check_index_tensor(name: str, x, shape: tuple, device: torch.device, layout:
 
 
 def check_attention(q, k, v, scale, window_left, window_right, kv_seqlens, key_mask=None, *,
-                    allow_empty: bool = False, dtypes=SUPPORTED_DTYPES) -> None:
+                    allow_empty: bool = False, dtypes=SUPPORTED_DTYPES, refused_by=OPS_NEED_SIZES) -> None:
     """Everything the ops need that does not read tensor values. ``allow_empty``: batch, heads and lengths
     may be 0 (the public API answers those calls without a kernel). ``dtypes``: those q, k, v may have."""
     check_qkv(q, k, v, 4, dtypes)
@@ -232,7 +237,7 @@ def check_attention(q, k, v, scale, window_left, window_right, kv_seqlens, key_m
     check_heads(q.shape[1], k.shape[1], v.shape[1])
     if not allow_empty:
         check_not_empty({"batch": q.shape[0], "q heads": q.shape[1], "q seq_len": q.shape[2],
-                         "k seq_len": k.shape[2]})
+                         "k seq_len": k.shape[2]}, refused_by)
     check_scale(scale)
     check_window(window_left, window_right)
     if kv_seqlens is not None:
@@ -434,7 +439,8 @@ def check_paged(q, k_cache, v_cache, block_table, kv_seqlens, cu_seqlens_q, max_
     check_index_tensor("block_table", block_table, (num_seqs, pages), q.device, "(num_seqs, pages per sequence)")
     check_index_tensor("kv_seqlens", kv_seqlens, (num_seqs,), q.device, "(num_seqs,), one per block_table row")
     check_not_empty({"num_seqs (block_table.shape[0])": num_seqs, "block_table.shape[1]": pages,
-                     "num_blocks": k_cache.shape[0], "q tokens": q.shape[0], "q heads": q.shape[1]})
+                     "num_blocks": k_cache.shape[0], "q tokens": q.shape[0], "q heads": q.shape[1]},
+                    ("paged_attention", "it runs a kernel for every call"))
     if cu_seqlens_q is None:
         if q.shape[0] != num_seqs:
             fail(ValueError, f"without cu_seqlens_q, q holds one token per sequence: q.shape[0] must equal "

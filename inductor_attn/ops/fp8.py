@@ -32,7 +32,8 @@ DESCALE_VALUES = "fp8_attention: a descale is negative, NaN or infinite"
 def check_fp8(q, k, v, descales, scale, window_left: int, window_right: int, out_dtype) -> None:
     """What the op needs that does not read tensor values: q, k, v all float8_e4m3fn (B, H, L, D) tensors, the
     descales float32 of shape (), (1,) or (B, Hkv) on q's device, and a supported ``out_dtype``."""
-    check_attention(q, k, v, scale, window_left, window_right, None, dtypes=FP8_DTYPES)
+    check_attention(q, k, v, scale, window_left, window_right, None, dtypes=FP8_DTYPES,
+                    refused_by=("fp8_attention", "it runs a kernel for every call"))
     batch, heads_kv = q.shape[0], k.shape[1]
     for name, d in zip(DESCALES, descales):
         if not isinstance(d, torch.Tensor):

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from .._compat import statically_known_true
+from .._compat import op_types, statically_known_true
 
 _INT_DTYPES = (torch.int32, torch.int64)
 
@@ -438,9 +438,10 @@ def may_mutate(node: torch.fx.Node) -> bool:
         name = node.target
         return name.endswith("_") and not name.startswith("__")
     target = node.target
-    if target in _INPLACE_OPERATORS or isinstance(target, torch._ops.HigherOrderOperator):
+    overload, _, higher_order = op_types()
+    if target in _INPLACE_OPERATORS or isinstance(target, higher_order):
         return True
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, overload):
         return target._schema.is_mutable
     name = getattr(target, "__name__", "")
     return name.endswith("_") and not name.startswith("__")

@@ -71,7 +71,7 @@ from pathlib import Path
 import torch
 import torch.fx
 
-from .._compat import custom_graph_pass_base, size_hint, statically_known_true
+from .._compat import custom_graph_pass_base, op_types, size_hint, statically_known_true
 from ..backends import REFERENCE, enumerate_candidates
 from ..device import DeviceInfo, device_info
 from .. import fp8 as fp8_entry
@@ -427,7 +427,7 @@ def structure(node, seen: dict) -> str | None:
         if node.op in ("placeholder", "get_attr"):
             seen[node] = f"{node.op}:{node.name}"
         elif node.op in ("call_function", "call_method") and not node.is_impure() and not (
-                node.op == "call_method" and node.target.endswith("_")):
+                node.op == "call_method" and node.target.endswith("_")) and not _draws_random_numbers(node):
             refs = []
             args = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: refs.append(structure(n, seen)) or
                                          _Ref(refs[-1]))
@@ -435,6 +435,21 @@ def structure(node, seen: dict) -> str | None:
                 spelled = f"{node.op}:{getattr(node.target, '__qualname__', node.target)}{args!r}"
                 seen[node] = hashlib.sha256(spelled.encode()).hexdigest()
     return seen[node]
+
+
+def _draws_random_numbers(node: torch.fx.Node) -> bool:
+    """Whether ``node`` gives another value at each run on the same inputs (``x.bernoulli()``, ``F.dropout``):
+    fx's ``is_impure`` says so for ``torch.rand`` but not for methods or torch.nn.functional's Python functions.
+    An aten op says so by its tag; another function by its name."""
+    overload, overload_packet, _ = op_types()
+    target = node.target
+    if isinstance(target, overload):
+        return torch.Tag.nondeterministic_seeded in target.tags
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    packet = getattr(torch.ops.aten, name, None) if name else None
+    if isinstance(packet, overload_packet):
+        return any(torch.Tag.nondeterministic_seeded in getattr(packet, o).tags for o in packet.overloads())
+    return "dropout" in name or "rand" in name
 
 
 def _emit(graph: torch.fx.Graph, node: torch.fx.Node, plan: _Plan, emitted: dict, seen: dict) -> None:

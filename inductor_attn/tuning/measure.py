@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._compat import fake_copies, trace_functional
+from .._compat import fake_copies, op_types, trace_functional
 from ..backends import REFERENCE, AttnCall, Plan, get_backend, plan_for, run_backend
 from ..backends.pages import fill_unused
 from ..device import device_info
@@ -116,7 +116,15 @@ def fresh_inputs(call: AttnCall, seed: int) -> AttnCall:
 
     if call.op == "paged":
         return _fresh_pages(call, gen, like)
-    return dataclasses.replace(call, q=like(call.q), k=like(call.k), v=like(call.v), _problem=call._problem)
+    fresh = dataclasses.replace(call, q=like(call.q), k=like(call.k), v=like(call.v), _problem=call._problem)
+    if call.descale is not None:
+        # the caller's descales (about amax / 448) on values of about 1 would make every score about 0: a softmax
+        # so flat that a kernel ignoring q @ k.T, a descale or the scale passes. One of 0.5-1.5 per (batch, kv
+        # head) and tensor keeps the scores of order 1 and tells a kernel reading one descale for all apart.
+        b, hkv = call.descale[0].shape
+        descale = tuple(torch.rand(b, hkv, generator=gen, device=call.q.device) + 0.5 for _ in range(3))
+        fresh = dataclasses.replace(fresh, descale=descale)
+    return fresh
 
 
 def _fresh_pages(call: AttnCall, gen: torch.Generator, like) -> AttnCall:
@@ -357,7 +365,8 @@ def _aten_calls_of(traced, call: AttnCall, grads) -> Callable[[], object] | None
 
 
 def _aten_only(graph: torch.fx.GraphModule) -> bool:
-    return all(n.op != "call_function" or isinstance(n.target, torch._ops.OpOverload) or n.target is operator.getitem
+    overload = op_types()[0]
+    return all(n.op != "call_function" or isinstance(n.target, overload) or n.target is operator.getitem
                for n in graph.graph.nodes)
 
 
