@@ -19,6 +19,7 @@ from inductor_attn.backends import AttnCall, Library, Takes, enumerate_candidate
 from inductor_attn.backends.reference import run_forward
 from inductor_attn.device import DeviceInfo
 from inductor_attn.tuning import measure, timing
+from inductor_attn.tuning.correctness import TOLERANCES
 from inductor_attn.tuning.tuner import tune
 
 DEV = DeviceInfo("cpu", (0, 0), 2)
@@ -707,3 +708,22 @@ def test_the_gate_leaves_out_packed_rows_past_the_last_sequence(direction):
     assert mode.check(tuple(got), want, torch.float32)[0] is None
     got[0][6] += 1.0  # a row of the last sequence
     assert mode.check(tuple(got), want, torch.float32)[0] is not None
+
+
+@pytest.mark.parametrize("dtype, wrong", [(torch.bfloat16, 1), (torch.float8_e4m3fn, 14)])
+def test_the_gate_fails_an_output_with_a_few_wrong_rows_that_one_norm_would_pass(dtype, wrong):
+    """A tail tile left unwritten: 14 of 4,096 rows zeroed kept the fp8 output's whole-tensor error under its bound
+    (one row, bf16's)."""
+    from inductor_attn.tuning.correctness import check_output, rel_err
+
+    torch.manual_seed(0)
+    ref, lse = torch.randn(1, 2, 4096, 64), torch.randn(1, 2, 4096)
+    assert check_output(ref.to(dtype).float(), lse, ref, lse, dtype) is None  # rounding: far from the row bound
+    got = ref.clone()
+    got[:, 1, -wrong:] = 0
+    assert rel_err(got, ref) < TOLERANCES[dtype]
+    assert check_output(got, lse, ref, lse, dtype) == (f"output row {2 * 4096 - wrong} rel. error 1.00e+00 > "
+                                                       f"{10 * TOLERANCES[dtype]:.0e} (some rows wrong)")
+    masked = ref.clone()
+    masked[:, :, :3] = 0  # rows no key reaches: zeros in both, no norm of their own
+    assert check_output(masked, lse, masked, lse, dtype) is None

@@ -291,7 +291,7 @@ class Direction:
         if self.rows is not None:  # packed rows past the last sequence: outside every sequence, never read
             got, want = self._covered(got), self._covered(want)
         if self.grads is None and isinstance(got, torch.Tensor):
-            return check_tensor("output", got, want[0], dtype), rel_err(got, want[0])
+            return check_tensor("output", got, want[0], dtype, rows=True), rel_err(got, want[0])
         if self.grads is None:
             return check_output(got[0], got[1], want[0], want[1], dtype), rel_err(got[0], want[0])
         reasons = [check_tensor(name, g, w, dtype) for name, g, w in zip(("dq", "dk", "dv"), got, want)]
