@@ -86,13 +86,23 @@ def _gives_way(call: AttnCall, dev: DeviceInfo, direction: str, choice: str, res
                grad_lse: bool = False) -> bool:
     """Whether a choice decided here that cannot run here after all (a mode that does not measure ran an
     ungated default; flex's own tile ran out of shared memory on a GPU) gives way to the next candidate,
-    instead of failing the user's call. A choice named by the caller (``run_candidate``, compiled code's
-    baked choice) is never replaced."""
+    instead of failing the user's call. A choice named by the caller (``run_candidate``) is never replaced;
+    compiled code's baked one gives way through :func:`baked_gives_way`."""
     if choice and choice != CHECKED:
         return False
     from .tuning.decisions import give_way
 
     return give_way(call, dev, direction, resolved, err, grad_lse)
+
+
+def baked_gives_way(call: AttnCall, direction: str, choice: str, err: Exception, grad_lse: bool = False) -> bool:
+    """Whether ``choice``, which compiled code baked for ``call``, gives way after it raised ``err`` at its launch:
+    as a choice decided at run time does (:func:`_gives_way`), where ``err`` means it cannot run here (a mode that
+    does not measure baked an ungated default). The caller then runs the call as one decided at run time; the
+    bucket's later compiles bake the next candidate (the failure is part of the FX graph cache key)."""
+    from .tuning.decisions import give_way
+
+    return give_way(call, device_info(call.q.device), direction, choice, err, grad_lse)
 
 
 def stats() -> dict[str, int]:

@@ -233,6 +233,24 @@ def test_a_compile_after_another_process_wrote_the_store_bakes_what_the_store_an
         assert "'forward|b:x=1|" in run_and_get_code(torch.compile(_attn, fullgraph=True), q, k, v)[1][0]
 
 
+@pytest.mark.parametrize("mode", ["cache-only", "heuristic"])
+def test_a_baked_choice_that_cannot_run_here_gives_way_as_an_eager_one_does(monkeypatch, mode):
+    """A mode that does not measure bakes an ungated default; when it fails at its launch (cannot run here), the
+    compiled call runs the next candidate instead of failing, and the next compile bakes that one."""
+    a = FakeBackend("a", {"default": (1.0, 0.01)}, fail={"default"})
+    b = FakeBackend("b", {"x=1": (0.5, 0.01)})
+    timed_with_fakes(monkeypatch, a, b)
+    torch._dynamo.reset()
+    q, k, v = _qkv(24)
+    with only_backends(a, b, REFERENCE), inductor_attn.tuning_mode(mode):
+        out, (code,) = run_and_get_code(torch.compile(_attn, fullgraph=True), q, k, v)
+        assert "'forward|a:default|" in code and b.calls == 1
+        torch.testing.assert_close(out, _attn(q, k, v))
+        torch._dynamo.reset()
+        assert "'forward|b:x=1|" in run_and_get_code(torch.compile(_attn, fullgraph=True), q, k, v)[1][0]
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("mode", ["off", "heuristic"])
 def test_a_store_write_moves_no_guard_of_a_mode_that_reads_no_store(mode):
     from test_store import decision_row
