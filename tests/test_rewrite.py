@@ -537,3 +537,16 @@ def test_fx_graph_cache_hit_still_runs_our_op(tmp_path, monkeypatch):
     assert inductor_attn.routing_report() == {}  # the pass did not run: the cached code replayed
     assert sum(inductor_attn.stats().values()) == 1  # and the cached code calls our op
     torch.testing.assert_close(out, fn(q, k, v), **TOL)
+
+
+@pytest.mark.parametrize("env, value, message", [
+    (ROUTE_DEVICES_ENV, "cuda,gpu", "INDUCTOR_ATTN_ROUTE_DEVICES must list device types .* got 'gpu' in 'cuda,gpu'"),
+    ("INDUCTOR_ATTN_ROUTE_FLEX", "yes", "INDUCTOR_ATTN_ROUTE_FLEX must be 1 \\(on\\) or 0 \\(off\\), got 'yes'"),
+])
+def test_a_routing_setting_that_would_route_nothing_silently_is_named(monkeypatch, env, value, message):
+    from inductor_attn.routing.flex_route import routing_requested
+    from inductor_attn.routing.rewrite import routed_device_types
+
+    monkeypatch.setenv(env, value)
+    with pytest.raises(ValueError, match=message):
+        routed_device_types() if env == ROUTE_DEVICES_ENV else routing_requested()

@@ -529,6 +529,12 @@ def test_bad_search_settings_are_named_with_what_is_accepted(monkeypatch, env, v
         _tune_with(*_staged_backends(), search=None)
 
 
+def test_a_strict_setting_other_than_0_or_1_is_named_not_taken_for_off(monkeypatch):
+    monkeypatch.setenv("INDUCTOR_ATTN_STRICT", "true")
+    with pytest.raises(ValueError, match=r"^INDUCTOR_ATTN_STRICT must be 1 \(on\) or 0 \(off\), got 'true'"):
+        measure.strict()
+
+
 def test_stage_one_times_a_backends_hand_rule_config_as_its_default():
     a = FakeBackend("a", {"default": (1.0, 0.01)})
     c = FakeBackend("c", {"x=1": (2.0, 0.01), "x=2": (0.3, 0.01)}, heuristic="x=2")

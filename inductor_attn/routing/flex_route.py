@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import math
 import operator
-import os
 
 import torch
 import torch.fx
 from torch.fx.node import map_arg
 
 from .._compat import size_hint, statically_known_true
+from ..tuning.settings import env_flag
 from .graph_edit import Emitter, Skip, ev
 
 # Opt-in: on an H100, our block-sparse kernels plus the per-call bitmaps ran slower than compiled flex on
@@ -94,7 +94,7 @@ def _outputs(node: torch.fx.Node) -> dict[int, torch.fx.Node]:
 
 
 def routing_requested() -> bool:
-    return os.environ.get(ROUTE_ENV, "") == "1"
+    return env_flag(ROUTE_ENV)
 
 
 def plan_flex(node: torch.fx.Node) -> dict:

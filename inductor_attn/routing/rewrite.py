@@ -97,6 +97,14 @@ def routed_device_types() -> frozenset[str]:
     ``INDUCTOR_ATTN_ROUTE_DEVICES``. Elsewhere the reference is the only kernel (backends/), and a routed call
     would run it instead of SDPA's own kernels."""
     listed = {d.strip() for d in os.environ.get(ROUTE_DEVICES_ENV, "").split(",")} - {""}
+    for name in listed:
+        try:
+            known = torch.device(name).type == name
+        except RuntimeError:
+            known = False
+        if not known:  # a device type no tensor has would route nothing, silently
+            raise ValueError(f"{ROUTE_DEVICES_ENV} must list device types (cuda, cpu, ...) separated by commas, got "
+                             f"{name!r} in {os.environ[ROUTE_DEVICES_ENV]!r}")
     return frozenset(listed or {"cuda"})
 
 

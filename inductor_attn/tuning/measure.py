@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
-import os
 import random
 import time
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from ..device import device_info
 from ..layout import empty_like_layout, filled_like
 from ..problem import DECIDED_AT_COMPILE_TIME
 from .correctness import POISON, check_output, check_tensor, rel_err
+from .settings import env_flag
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def is_candidate_error(err: BaseException, backend) -> bool:
 
 def strict() -> bool:
     """INDUCTOR_ATTN_STRICT=1 (the test suite sets it): programming errors in a candidate raise."""
-    return os.environ.get("INDUCTOR_ATTN_STRICT") == "1"
+    return env_flag("INDUCTOR_ATTN_STRICT")
 
 
 def sync(device: torch.device | None = None) -> None:

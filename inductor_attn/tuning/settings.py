@@ -23,3 +23,15 @@ def env_number(name: str, default, parse: Callable[[str], float], valid: Callabl
     if value is None or not valid(value):
         raise ValueError(f"{name} must be {accepted}, got {text!r}")
     return value
+
+
+def env_flag(name: str) -> bool:
+    """``1`` on, ``0`` (or unset, or empty) off; anything else a ValueError, not a silent off.
+
+    >>> env_flag("INDUCTOR_ATTN_UNSET_EXAMPLE")
+    False
+    """
+    text = os.environ.get(name, "")
+    if text not in ("", "0", "1"):
+        raise ValueError(f"{name} must be 1 (on) or 0 (off), got {text!r}")
+    return text == "1"
