@@ -30,6 +30,11 @@ def call_pairs(call: AttnCall) -> int:
     right = call.window_right
     if call.op == "block_sparse":
         return sparse_pairs(call.sparse, call.q.shape[0], hq)
+    if call.op == "paged":  # sequence b: its queries (one each without cu_seqlens_q), kv_seqlens[b] keys
+        lens_k = call.kv_seqlens.tolist()
+        starts = call.cu_seqlens_q.tolist() if call.cu_seqlens_q is not None else range(len(lens_k) + 1)
+        lens_q = [b - a for a, b in zip(starts, starts[1:])]
+        return hq * sum(kept_pairs(lq, lk, call.causal, call.window_left, right) for lq, lk in zip(lens_q, lens_k))
     if call.op == "varlen":
         starts_q, starts_k = call.cu_seqlens_q.tolist(), call.cu_seqlens_k.tolist()
         lens = zip((b - a for a, b in zip(starts_q, starts_q[1:])), (b - a for a, b in zip(starts_k, starts_k[1:])))

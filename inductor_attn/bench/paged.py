@@ -59,6 +59,7 @@ from ..tuning.measure import (NAN_REACHED, Direction, Trial, candidate_trial, de
 from ..tuning.modes import tuning_mode
 from ..tuning.stats import median
 from ..tuning.timing import default_timer
+from .metrics import call_flops
 from .report import cell
 from .runner import stored_record
 from .wallclock import interleaved_loops, own_code
@@ -220,7 +221,8 @@ def run_shape(s: Shape, device: torch.device, rounds: int) -> dict:
         return direction.check(got, expected, dtype)
 
     kv_bytes = 2 * s.batch * s.len_k * s.heads_kv * s.head_dim * call.k.element_size()
-    trials, row = [], {"shape": s.name, "heads_kv": s.heads_kv, "kv_bytes": kv_bytes, "flops": call.problem.flops(),
+    # counted from the call's lengths: its problem holds the kv length rounded up to a power of two (the bucket)
+    trials, row = [], {"shape": s.name, "heads_kv": s.heads_kv, "kv_bytes": kv_bytes, "flops": call_flops(call),
                        "candidates": {}}
     for cand in enumerate_candidates(call.problem, device_info(device)):
         if cand.pruned is not None:

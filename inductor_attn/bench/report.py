@@ -353,7 +353,8 @@ def _summary(rows: list[dict]) -> str:
         best = [r["choices"]["oracle"].get("speedup") for r in ok]
         regrets = sorted(r["regret"] for r in ok if r.get("regret") is not None)
         wrong = sum(e["status"] == "wrong" for r in ok for e in r["entries"])
-        lines.append(f"| {kind} | {len(ok)} | {len(mine) - len(ok)} | {_geomean(auto)} | {_geomean(best)} | "
+        lines.append(f"| {kind} | {len(ok)} | {len(mine) - len(ok)} | {_geomean(auto, len(ok))} | "
+                     f"{_geomean(best, len(ok))} | "
                      f"{_pct(regrets[len(regrets) // 2]) if regrets else ''} | "
                      f"{_pct(regrets[-1]) if regrets else ''} | {wrong} |")
     if not lines:
@@ -363,9 +364,18 @@ def _summary(rows: list[dict]) -> str:
                       "|---|---|---|---|---|---|---|---|", *lines])
 
 
-def _geomean(xs) -> str:
+def _geomean(xs, rows: int) -> str:
+    """The geomean of the speedups ``xs`` of ``rows`` measured rows, saying how many it left out (a pick that
+    failed, or a baseline that did not run, has none).
+
+    >>> _geomean([2.0, None, 2.0], 3)
+    '2.000x (over 2 of 3)'
+    """
     xs = [x for x in xs if x]
-    return f"{math.exp(sum(math.log(x) for x in xs) / len(xs)):.3f}x" if xs else ""
+    if not xs:
+        return ""
+    text = f"{math.exp(sum(math.log(x) for x in xs) / len(xs)):.3f}x"
+    return text if len(xs) == rows else f"{text} (over {len(xs)} of {rows})"
 
 
 def _pct(x) -> str:

@@ -33,12 +33,14 @@ def paired_bootstrap_speedup(baseline: list[float], candidate: list[float], *, s
     n = min(len(baseline), len(candidate))
     if n == 0:
         raise ValueError("paired_bootstrap_speedup needs at least one paired sample")
+    # medians as ``median`` takes them (the midpoint of an even count, as the tables' times are): torch.median
+    # takes the lower middle sample, which put a ratio beside two times it was not the ratio of
+    point = median(baseline[:n]) / median(candidate[:n])
     base = torch.tensor(baseline[:n], dtype=torch.float64)
     cand = torch.tensor(candidate[:n], dtype=torch.float64)
-    point = base.median().item() / cand.median().item()
     gen = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, n, (resamples, n), generator=gen)
-    ratios = base[idx].median(dim=1).values / cand[idx].median(dim=1).values
+    ratios = base[idx].quantile(0.5, dim=1) / cand[idx].quantile(0.5, dim=1)
     alpha = (1 - CONFIDENCE) / 2
     lo, hi = torch.quantile(ratios, torch.tensor([alpha, 1 - alpha], dtype=torch.float64)).tolist()
     return point, lo, hi
