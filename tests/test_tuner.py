@@ -593,6 +593,49 @@ def test_a_lead_larger_than_the_measured_noise_wins():
     assert result.winner == "b:default" and result.noise == pytest.approx(0.015, abs=0.005)
 
 
+def test_the_winner_is_the_fastest_by_speedup_when_the_clock_changed_between_sessions():
+    """Step 5 times the close group again, in sessions where the GPU ran 25% slower for everyone; b, timed once,
+    kept its first session's median and looked faster than c's pooled one: it won while 13% slower than c."""
+    a, b = FakeBackend("a", {"default": (2.0, 0.01)}), FakeBackend("b", {"default": (1.08, 0.005)})
+    c, d = FakeBackend("c", {"default": (0.95, 0.005)}), FakeBackend("d", {"default": (0.96, 0.005)})
+    slower = {name: [1.0, 1.25, 1.25] for name in "abcd"}
+    result = _tune_with(a, b, c, d, search="exhaustive", timer=SessionTimer([a, b, c, d], slower))
+    assert result.winner == "c:default", result.why
+
+
+def test_noise_measured_between_two_candidates_ties_no_candidate_that_was_not_timed_again():
+    """c and d swap places between sessions (a noise of about 50%); b, 13% slower than both and timed once, must
+    not win on prior order inside a tie margin that was never measured for it."""
+    a, b = FakeBackend("a", {"default": (2.0, 0.01)}), FakeBackend("b", {"default": (1.08, 0.005)})
+    c, d = FakeBackend("c", {"default": (0.95, 0.005)}), FakeBackend("d", {"default": (0.96, 0.005)})
+    timer = SessionTimer([a, b, c, d], {"c": [1.0, 0.9, 1.1], "d": [1.0, 1.1, 0.9]})
+    result = _tune_with(a, b, c, d, search="exhaustive", timer=timer)
+    assert result.noise > 0.2 and result.winner == "c:default", result.why
+
+
+def test_a_search_run_again_after_a_candidate_failed_searches_what_stage_one_had_pruned_against_it():
+    """b:k=1, the best stage-1 default, fails while timed in stage 2; against the new best, c's default is within
+    the margin, so c's knobs are searched (its k=2 twice as fast as anything else), not left pruned against
+    b:k=1."""
+    a = FakeBackend("a", {"default": (2.0, 0.01)})
+    b = FakeBackend("b", {"k=1": (0.5, 0.005), "k=2": (0.6, 0.005)})
+    c = FakeBackend("c", {"k=1": (0.7, 0.005), "k=2": (0.3, 0.005)})
+    timer, sessions = FakeTimer([a, b, c]), collections.Counter()
+    prepare = timer.prepare
+
+    def failing_in_stage_two(fns):
+        runner = prepare(fns)
+        sessions[FakeTimer.last] += 1
+        if FakeTimer.last == ("b", "k=1") and sessions[FakeTimer.last] == 2:
+            raise RuntimeError("CUDA error: launch failed (simulated)")
+        return runner
+
+    timer.prepare = failing_in_stage_two
+    result = _tune_with(a, b, c, search="staged", timer=timer)
+    assert next(r for r in result.candidates if r.name == "b:k=1").status == "failed"
+    assert result.winner == "c:k=2", result.why
+
+
 def test_every_candidate_within_close_of_the_fastest_is_timed_again():
     """One session can misrank long kernels by more than their gap (H200: a 12 ms FA3 forward read 8% behind an FA4
     config in a tune, 1% ahead in the bench): the third-fastest of a close field gets the more sessions too, and

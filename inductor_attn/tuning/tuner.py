@@ -26,9 +26,11 @@ which the benchmark shares):
    close, is the between-process noise, recorded as ``noise``.
 6. Decision: the default is the first passing candidate in prior order. Another candidate replaces it
    only if the paired-bootstrap 95% CI of its speedup over the default lies above 1 and the speedup
-   exceeds the tie margin, the larger of ``TIE_MARGIN`` and the noise. Among those, the fastest wins,
-   and candidates within the tie margin of the fastest go by prior order: inside the noise, prior order
-   decides, so two tunes agree.
+   exceeds the tie margin, the larger of ``TIE_MARGIN`` and the noise. Among those, the fastest (by speedup over
+   the default, paired within the sessions both were timed in: medians of candidates timed again and of those
+   timed once come from different sessions) wins, and candidates within the tie margin of the fastest go by prior
+   order: inside the noise, prior order decides, so two tunes agree. The noise was measured among the candidates
+   timed again, so only they tie by it; one timed once ties within ``TIE_MARGIN`` alone.
 7. Host time: each candidate that was timed and passed gets its host time too, the CPU time of one launch as
    compiled code makes it (``host_ms``): through the thin op for a plan without a traced form, the plan's
    launch for a traced one; with autograd off, as compiled code runs (AOTAutograd's compiled forward runs
@@ -136,14 +138,25 @@ class _Search:
         self.results = {c.name: CandidateResult(c.name, "pruned", c.pruned) for c in candidates}
         self.seconds: collections.Counter = collections.Counter()
         self.sessions = itertools.count(100, 10)  # input seeds: every timing session gets new inputs
+        self.retimed: frozenset[str] = frozenset()  # timed again in step 5 (agree)
+        self.staged_marks: set[str] = set()  # pruned or noted by stage 1 (against the timings of this search)
 
     def runnable(self) -> list[str]:
         return [n for n in self.order if self.cands[n].pruned is None]
 
     def drop(self, name: str, reason: str) -> None:
-        """``name`` failed after its gate (while timing): it leaves the search, marked failed with ``reason``."""
+        """``name`` failed after its gate (while timing): it leaves the search, marked failed with ``reason``, and
+        the search runs again: stage 1's prunes and notes, made against timings that had it (perhaps as the
+        best), are undone, so that a backend it kept out of stage 2 is searched if it now comes close."""
         self.cands[name] = dataclasses.replace(self.cands[name], pruned=reason)
         self.results[name] = CandidateResult(name, "failed", reason)
+        for other in self.staged_marks - {name}:
+            res = self.results[other]
+            if res.status == "pruned":
+                res.reason = None
+            res.note = ""
+        self.staged_marks.clear()
+        self.retimed = frozenset()
 
     def passed(self, names) -> list[str]:
         wanted = set(names)
@@ -280,6 +293,7 @@ class _Search:
                    f"({best} {best_ms:.3f} ms); margin {margin:.2f}x")
             for name in self._ungated(groups[b]):
                 self.results[name].reason = why
+                self.staged_marks.add(name)
         later = [n for b in expanded for n in self._ungated(groups[b])]
         if not later:
             return stage1, []
@@ -292,6 +306,7 @@ class _Search:
         others = [n for n in stage1 if n not in finalists]
         for name in others:
             self.results[name].note = f"timed in stage 1 only ({ratio[self.cands[name].backend]:.2f}x the best)"
+            self.staged_marks.add(name)
         return finalists, others
 
     def _oracle_aside(self, names: list[str]) -> list[str]:
@@ -357,6 +372,7 @@ class _Search:
         # bench's session), so a third one as close may be the true fastest
         close = {n for n in finalists if self.results[n].median_ms / self.results[first].median_ms <= 1 + CLOSE}
         group = [n for n in finalists if n in close or n == default]  # the default pairs every sample
+        self.retimed = frozenset(group)
         medians = {n: [self.results[n].median_ms] for n in group}
         with self.phase("timing"):
             for _ in range(NOISE_SESSIONS):
@@ -431,7 +447,7 @@ def tune(call: AttnCall, candidates: list[Candidate], *, direction: str = "forwa
                           "the only candidate that ran and matched the reference", timer.name, results,
                           search=described, seconds=_seconds(state, start), paired_with=state.mode.forward or "")
     finals = [state.results[n] for n in finalists]
-    winner, why = _choose(finals, max(TIE_MARGIN, noise or 0.0))
+    winner, why = _choose(finals, max(TIE_MARGIN, noise or 0.0), state.retimed)
     with state.phase("host"):
         state.host_times(finalists + others)
     return TuneResult(call.problem, direction, winner.name, default.name, why, timer.name, results,
@@ -443,8 +459,10 @@ def _seconds(state: _Search, start: float) -> dict[str, float]:
     return {**{k: round(v, 4) for k, v in state.seconds.items()}, "total": round(time.perf_counter() - start, 4)}
 
 
-def _choose(finals: list[CandidateResult], tie: float = TIE_MARGIN) -> tuple[CandidateResult, str]:
-    """Step 6 of the module doc; ``finals`` in prior order, the default first."""
+def _choose(finals: list[CandidateResult], tie: float = TIE_MARGIN,
+            retimed: frozenset[str] = frozenset()) -> tuple[CandidateResult, str]:
+    """Step 6 of the module doc; ``finals`` in prior order, the default first; ``retimed``: the candidates timed
+    again in step 5, among which ``tie`` (the measured noise) holds."""
     default = finals[0]
     faster = [r for r in finals[1:] if r.ci_low > 1.0 and r.speedup > 1 + tie]
     if not faster:
@@ -452,7 +470,14 @@ def _choose(finals: list[CandidateResult], tie: float = TIE_MARGIN) -> tuple[Can
             return default, (f"no candidate beat the default by more than the tie margin ({tie:.1%}, the larger "
                              "of the fixed margin and the measured noise)")
         return default, "no candidate beat the default with 95% confidence (CI of the speedup includes 1)"
-    best = min(r.median_ms for r in faster)
-    winner = next(r for r in faster if r.median_ms <= best * (1 + tie))
+    best = max(faster, key=lambda r: r.speedup)
+
+    def ties(r: CandidateResult) -> bool:
+        margin = tie if r.name in retimed and best.name in retimed else TIE_MARGIN
+        return r.speedup * (1 + margin) >= best.speedup
+
+    winner = next(r for r in faster if ties(r))
+    passed_over = "" if winner is best else (f"; {best.name} measured {best.speedup / winner.speedup - 1:.1%} "
+                                             "faster, within the tie margin: prior order decides")
     return winner, (f"{winner.speedup:.3f}x faster than the default {default.name} "
-                    f"(95% CI {winner.ci_low:.3f}-{winner.ci_high:.3f}; tie margin {tie:.1%})")
+                    f"(95% CI {winner.ci_low:.3f}-{winner.ci_high:.3f}; tie margin {tie:.1%}{passed_over})")
