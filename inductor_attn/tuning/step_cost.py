@@ -28,6 +28,9 @@ its own launch in any case, and a user who captures eager calls into a CUDA grap
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -138,7 +141,11 @@ class Bucket:
 def choose_for_graph(buckets: dict, rest: GraphWork | None) -> dict:
     """``{bucket key: (choice, why)}`` for the calls of one compiled graph; ``rest`` is the graph's other work,
     None under CUDA graphs. Buckets are decided one at a time against the others' current choices, repeated
-    until none changes (a few rounds: a change only moves the graph toward one bound)."""
+    until none changes (a few rounds: a change only moves the graph toward one bound). That can settle far from
+    the best joint choice: the first bucket decided sees a graph host-bound only because the others still run
+    their dear launches, takes a cheap launch of a slow kernel, and leaves the graph device-bound for the others.
+    So the combination of every bucket's candidates that makes the step cheapest (``_joint``) replaces it where
+    it is faster by more than the tie margin, with each host time that much off against it."""
     if rest is None:
         return {key: (b.winner, "under CUDA graphs a launch costs no host time: the fastest kernel")
                 for key, b in buckets.items()}
@@ -155,8 +162,41 @@ def choose_for_graph(buckets: dict, rest: GraphWork | None) -> dict:
             chosen[key], whys[key] = pick, why
         if not changed:
             break
+    joint = _joint(buckets, rest, chosen)
+    if joint is not None:
+        step, alone = joint.pop(None)
+        for key, cost in joint.items():
+            if cost is not chosen[key]:
+                chosen[key] = cost
+                whys[key] = (f"chosen with the graph's other buckets: the step costs {step:.3f} ms against "
+                             f"{alone:.3f} ms with each bucket decided alone ({cost.device_ms:.4f} + "
+                             f"{cost.host_ms:.4f} ms of host, {buckets[key].calls} call(s))")
     return {key: ((c.name if c is not None else b.winner), whys[key] or "no host time measured: the winner")
             for (key, b), c in zip(buckets.items(), chosen.values())}
+
+
+JOINT_LIMIT = 4096  # combinations tried at most: 2-4 launch paths per bucket, a few buckets per graph
+
+
+def _joint(buckets: dict, rest: GraphWork, chosen: dict) -> dict | None:
+    """The cheapest combination of the measured buckets' candidates, ``{key: cost, None: (its step, the step of
+    chosen)}``, where it beats ``chosen`` by more than the tie margin with its host times ``HOST_ERROR`` higher
+    and chosen's that much lower; else None (or where there are more than ``JOINT_LIMIT`` combinations)."""
+    keys = [key for key in buckets if chosen[key] is not None and len(buckets[key].costs) > 1]
+    if len(keys) < 2 or math.prod(len(buckets[key].costs) for key in keys) > JOINT_LIMIT:
+        return None
+    fixed = _plus(rest, [(c, buckets[k].calls) for k, c in chosen.items() if k not in keys and c is not None])
+
+    def step(costs, host_factor: float) -> float:
+        work = _plus(fixed, [(dataclasses.replace(c, host_ms=c.host_ms * host_factor), buckets[k].calls)
+                             for k, c in zip(keys, costs)])
+        return max(work.host_ms, work.device_ms)
+
+    best = min(itertools.product(*(buckets[key].costs for key in keys)), key=lambda costs: step(costs, 1.0))
+    current = [chosen[key] for key in keys]
+    if step(best, 1 + HOST_ERROR) * (1 + TIE_MARGIN) >= step(current, 1 - HOST_ERROR):
+        return None
+    return {**dict(zip(keys, best)), None: (step(best, 1.0), step(current, 1.0))}
 
 
 def _winner_cost(bucket: Bucket) -> LaunchCost | None:
