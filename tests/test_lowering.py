@@ -643,3 +643,31 @@ def test_the_ops_the_lowering_decides_while_compiling_are_the_ones_the_tuner_pro
 
     assert {op for op, _ in emit._COMPILE_TIME.values()} == set(DECIDED_AT_COMPILE_TIME)
     assert not {op for op, _ in emit._RUN_TIME.values()} & set(DECIDED_AT_COMPILE_TIME)
+
+
+def test_calls_without_measured_launches_count_in_the_rest_of_the_graph(monkeypatch):
+    """choose_for_graph adds back the launches of buckets whose record holds host times; a bucket without them
+    (a record from before host times, a named choice) was left out of the graph's host and device time
+    altogether, as if its calls cost nothing."""
+    from inductor_attn.lowering import emit
+
+    a = FakeBackend("a", {"default": (0.12, 0.0)}, traceable=True)
+    b = FakeBackend("b", {"default": (0.02, 0.0)})
+    unmeasured = {"timer": "cuda-graph", "candidates": [{"name": "a:default", "status": "passed", "median_ms": 0.12,
+                                                          "host_ms": None}]}
+    measured = {"timer": "cuda-graph", "candidates": [
+        {"name": "b:default", "status": "passed", "median_ms": 0.02, "host_ms": 0.045, "traced": False},
+        {"name": "a:default", "status": "passed", "median_ms": 0.045, "host_ms": 0.02, "traced": True}]}
+    monkeypatch.setattr(emit, "_decide", lambda call, direction, grad_lse: ("a:default", unmeasured)
+                        if call.q.shape[2] == 8 else ("b:default", measured))
+    monkeypatch.setattr(emit, "cudagraphs_enabled", lambda: False)
+    skipped = []
+    real = emit.graph_work
+    monkeypatch.setattr(emit, "graph_work", lambda graph, skip, dev, training: skipped.append(len(skip)) or
+                        real(graph, skip, dev, training))
+    torch._dynamo.reset()
+    with only_backends(a, b, REFERENCE), inductor_attn.tuning_mode("autotune"):
+        torch.compile(lambda x, y: (inductor_attn.attention(x, x, x), inductor_attn.attention(y, y, y)),
+                      fullgraph=True)(torch.randn(1, 2, 8, 16), torch.randn(1, 2, 24, 16))
+    torch._dynamo.reset()
+    assert skipped == [1]  # the measured bucket's call; the other counts as any node of the graph

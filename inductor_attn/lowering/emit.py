@@ -100,7 +100,12 @@ def emit_plans(graph: torch.fx.Graph) -> None:
             buckets[key].calls += 1
         static.append((node, args, vals, call, op, direction, key))
     training = any(direction == "backward" or _lse_read(node) for node, _, _, _, _, direction, _ in static)
-    chosen = _choose(graph, buckets, first_calls, {entry[0] for entry in static}, training)
+    # the calls whose launches choose_for_graph adds back: those of buckets with measured costs (the winner's among
+    # them); the rest of the graph counts the others (a named choice, a record without host times) as it counts
+    # any node, not as nothing
+    costed = {node for node, *_, key in static
+              if key is not None and any(c.name == buckets[key].winner for c in buckets[key].costs)}
+    chosen = _choose(graph, buckets, first_calls, costed, training)
     checked_in_kernel = {}  # op node -> (the checks its kernel makes, the index tensors it reads)
     for node, args, vals, call, op, direction, key in static:
         choice = args["choice"] or chosen[key]
@@ -137,7 +142,8 @@ def _lse_read(node: torch.fx.Node) -> bool:
 
 def _choose(graph: torch.fx.Graph, buckets: dict, first_calls: dict, nodes: set, training: bool) -> dict:
     """What compiled code runs for each bucket of this graph (step_cost.py): by device time under CUDA graphs,
-    by the estimated step time of this graph with plain launches (the rest of the graph: all but ``nodes``;
+    by the estimated step time of this graph with plain launches (the rest of the graph: all but ``nodes``, the
+    calls whose measured launches are added back;
     ``training``: a graph of a training step). A candidate other than the winner, of a decision not tuned in
     this process, passes the gate here first."""
     if not buckets:
