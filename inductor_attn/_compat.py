@@ -28,6 +28,15 @@ def custom_graph_pass_base():
     return CustomGraphPass
 
 
+def inference_aware_pass_base():
+    """``CustomInferenceAwareGraphPass`` (torch/_inductor/custom_graph_pass.py, 2.13): a custom pass of this kind
+    is called with ``is_inference`` (torch/_inductor/fx_passes/post_grad.py), whether AOTAutograd compiles an
+    inference graph or one of a training step; the plain base where torch has none."""
+    import torch._inductor.custom_graph_pass as passes
+
+    return getattr(passes, "CustomInferenceAwareGraphPass", passes.CustomGraphPass)
+
+
 def inductor_config():
     """``torch._inductor.config`` (the module whose attributes are Inductor's settings)."""
     import torch._inductor.config as config

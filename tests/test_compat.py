@@ -229,3 +229,12 @@ def test_op_types_are_what_fx_targets_of_aten_and_higher_order_ops_are():
     assert isinstance(torch.ops.aten.add.default, overload) and isinstance(torch.ops.aten.add, packet)
     assert isinstance(torch.ops.higher_order.cond, higher_order)
     assert torch.Tag.nondeterministic_seeded in torch.ops.aten.bernoulli.default.tags  # what routing reads
+
+
+def test_the_inference_aware_pass_base_is_what_post_grad_passes_is_inference_to():
+    # without it the lowering costs a graph that reads the lse as a training step's (emit.py's fallback)
+    import torch._inductor.fx_passes.post_grad as post_grad
+
+    base = _compat.inference_aware_pass_base()
+    assert base.__name__ == "CustomInferenceAwareGraphPass"
+    assert "is_inference=is_inference" in inspect.getsource(post_grad.post_grad_passes)

@@ -671,3 +671,20 @@ def test_calls_without_measured_launches_count_in_the_rest_of_the_graph(monkeypa
                       fullgraph=True)(torch.randn(1, 2, 8, 16), torch.randn(1, 2, 24, 16))
     torch._dynamo.reset()
     assert skipped == [1]  # the measured bucket's call; the other counts as any node of the graph
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_graph_is_costed_as_a_training_steps_only_when_aotautograd_compiles_one(fakes, monkeypatch, grad):
+    """An inference graph that returns the lse (cascade or ring attention merge it) was costed as a training
+    step's, whose wrappers add 0.41 ms of host: the cheap launch of a 20% slower kernel won there."""
+    from inductor_attn.lowering import emit
+
+    seen = []
+    real = emit.graph_work
+    monkeypatch.setattr(emit, "graph_work", lambda graph, skip, dev, training: seen.append(training) or
+                        real(graph, skip, dev, training))
+    monkeypatch.setattr(emit, "cudagraphs_enabled", lambda: False)
+    q, k, v = _qkv(24, requires_grad=grad)
+    with torch.set_grad_enabled(grad):
+        torch.compile(lambda q, k, v: inductor_attn.attention(q, k, v, return_lse=True), fullgraph=True)(q, k, v)
+    assert seen and set(seen) == {grad}

@@ -68,7 +68,7 @@ _RUN_TIME = {block_sparse_attention_op._opoverload: ("block_sparse", "forward"),
              varlen_attention_backward_op._opoverload: ("varlen", "backward")}
 
 
-def emit_plans(graph: torch.fx.Graph) -> None:
+def emit_plans(graph: torch.fx.Graph, is_inference: bool | None = None) -> None:
     readers, asserts = _index_checks(graph)
     static = []  # (node, args, vals, call, op, direction, bucket key or None for a named choice)
     buckets: dict[tuple, Bucket] = {}
@@ -99,7 +99,9 @@ def emit_plans(graph: torch.fx.Graph) -> None:
                 first_calls[key] = call
             buckets[key].calls += 1
         static.append((node, args, vals, call, op, direction, key))
-    training = any(direction == "backward" or _lse_read(node) for node, _, _, _, _, direction, _ in static)
+    # a training step's graph runs AOTAutograd's wrappers (graph_cost.py); a user's return_lse in inference does not
+    training = (not is_inference if is_inference is not None
+                else any(direction == "backward" or _lse_read(node) for node, _, _, _, _, direction, _ in static))
     # the calls whose launches choose_for_graph adds back: those of buckets with measured costs (the winner's among
     # them); the rest of the graph counts the others (a named choice, a record without host times) as it counts
     # any node, not as nothing

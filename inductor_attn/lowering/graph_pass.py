@@ -33,21 +33,26 @@ import os
 import uuid
 from pathlib import Path
 
-from .._compat import custom_graph_pass_base, inductor_config, launch_user_triton_kernels_statically
+from .._compat import inductor_config, inference_aware_pass_base, launch_user_triton_kernels_statically
 
-_Base = custom_graph_pass_base()
+_Base = inference_aware_pass_base()
 
 
 class DecisionPass(_Base):
     def __init__(self, chained=None):
         self.chained = chained
 
-    def __call__(self, graph) -> None:
+    def __call__(self, graph, is_inference: bool | None = None) -> None:
+        """``is_inference``: whether AOTAutograd compiles an inference graph (torch passes it to this kind of pass;
+        None where it does not: then a graph with a backward call or a read lse counts as a training step's)."""
         if self.chained is not None:
-            self.chained(graph)
+            if is_inference is not None and isinstance(self.chained, inference_aware_pass_base()):
+                self.chained(graph, is_inference=is_inference)
+            else:
+                self.chained(graph)
         from .emit import emit_plans
 
-        emit_plans(graph)
+        emit_plans(graph, is_inference)
 
     def uuid(self):
         from .. import backends
