@@ -613,3 +613,22 @@ def test_code_compiled_with_an_unmeasured_choice_is_not_replayed_by_a_later_proc
         before = DecisionPass().uuid()
         assert decide(small_call(), DEV, "forward") == "b:x=2"
         assert DecisionPass().uuid() != before and get_store().rows() == []
+
+
+def test_following_the_store_keeps_choices_it_still_backs_and_forgets_the_others(monkeypatch):
+    """A compile keys its graph on the store's token (lowering/graph_pass.py): a choice whose row the store still
+    holds as it was stays (a training compile's backward pairs with the forward the same compile just tuned); one
+    whose row another process replaced is read again."""
+    from inductor_attn.tuning import decisions
+
+    a, b = FakeBackend("a", {"default": (1.0, 0.01)}), FakeBackend("b", {"default": (0.5, 0.01)})
+    timed_with_fakes(monkeypatch, a, b)
+    with only_backends(a, b), inductor_attn.tuning_mode("autotune"):
+        assert decide(small_call(), DEV, "forward") == "b:default"
+        decisions.follow_store(lambda: "moved")
+        assert [choice for _, choice, _ in decisions.decision_entries()] == ["b:default"]  # kept, not re-read
+        (row,) = get_store().rows()
+        get_store().put({**row, "winner": "a:default", "record": {**row["record"], "winner": "a:default"},
+                         "created": row["created"] + 1})  # another process's tune lands
+        decisions.follow_store(lambda: "moved again")
+        assert decide(small_call(), DEV, "forward") == "a:default"

@@ -243,9 +243,12 @@ def test_a_baked_choice_that_cannot_run_here_gives_way_as_an_eager_one_does(monk
     torch._dynamo.reset()
     q, k, v = _qkv(24)
     with only_backends(a, b, REFERENCE), inductor_attn.tuning_mode(mode):
-        out, (code,) = run_and_get_code(torch.compile(_attn, fullgraph=True), q, k, v)
+        compiled = torch.compile(_attn, fullgraph=True)
+        out, (code,) = run_and_get_code(compiled, q, k, v)
         assert "'forward|a:default|" in code and b.calls == 1
         torch.testing.assert_close(out, _attn(q, k, v))
+        compiled(q, k, v)
+        assert a.calls == 1  # later calls of the graph go straight to b: no failing launch, no warning, each time
         torch._dynamo.reset()
         assert "'forward|b:x=1|" in run_and_get_code(torch.compile(_attn, fullgraph=True), q, k, v)[1][0]
     torch._dynamo.reset()

@@ -245,3 +245,14 @@ def test_an_agreed_choice_that_was_this_ranks_provisional_one_stays_when_its_tun
         adopt_decisions({memo_key: (choice, None)})
         get_store().put(row)
         assert decide(small_call(), DEV, "forward") == first
+
+
+def test_an_agreed_choice_survives_a_compile_that_follows_the_store(fakes):
+    """A compile keys its graph on the store's token and forgets the choices the store no longer backs; the one the
+    ranks agreed on is no store's to take back (docs/ranks.md: warm up, sync_decisions(), then compile)."""
+    decide(small_call(), DEV, "forward")
+    ((memo_key, choice, _),) = decision_entries()
+    adopt_decisions({memo_key: ("a:default", None)})
+    assert decide(small_call(), DEV, "forward") == "a:default"
+    decisions.follow_store(lambda: "a token the store never had")
+    assert decide(small_call(), DEV, "forward") == "a:default"

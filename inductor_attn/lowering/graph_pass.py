@@ -68,10 +68,9 @@ class DecisionPass(_Base):
         store = get_store()
         mode = current_mode("cuda")
         # off and heuristic never read the store: its writes need not recompile their graphs
-        token = {"autotune": store.revision, "off": str, "heuristic": str}.get(mode, store.generation)()
+        token = follow_store({"autotune": store.revision, "off": str, "heuristic": str}.get(mode, store.generation))
         if store.broken:  # decisions are not persisted: never let a cached graph stand in for a tune
             return uuid.uuid4().hex
-        follow_store(token)
         parts = [__version__, token, mode, os.environ.get(MODE_ENV, ""), os.environ.get(DEVICE_ENV, ""),
                  _rule_hash(), failed_here()]
         parts += [f"{b.name}={backends.source_hash(b)}" for b in backends.backends()]

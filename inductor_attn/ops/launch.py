@@ -87,6 +87,7 @@ def _launch(tensors, plan: str):
     except Exception as err:
         if not runtime.baked_gives_way(call, stat[1], stat[2], err, len(rest) == 4 and rest[3] is not None):
             raise
+        _PLANS[key] = (None, *found[1:])  # later calls of this graph go straight to the next candidate: one warning
         return list(run(call, runtime.CHECKED, *rest))
     runtime.count_call(stat)
     return result

@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -69,6 +70,8 @@ NOT_ENUMERATED = ("not enumerated: the shipped decision names none of its config
 
 # the store's token (lowering/graph_pass.py) that the remembered choices answer to: compiled code is cached under it
 _STORE_TOKEN: list[str | None] = [None]
+# memo keys whose choice the ranks agreed on (sync_decisions): no change of the store moves them
+_PINNED: set[tuple] = set()
 
 
 def forget_decisions() -> None:
@@ -90,16 +93,33 @@ def forget_choices() -> None:
         _MEMO.clear()
         _ROWS.clear()
         _PROVISIONAL.clear()
+        _PINNED.clear()
 
 
-def follow_store(token: str) -> None:
-    """Compiled code is about to be keyed on the store's ``token``: where the choices were remembered under
-    another one (another process tuned, cleared or imported since), forget them, so that what the compile bakes
-    is what the store answers under that key, and what a later process replays from Inductor's cache too."""
+def follow_store(read_token: Callable[[], str]) -> str:
+    """Compiled code is about to be keyed on the store's token (``read_token()``, read under this module's lock):
+    where it moved since the choices were remembered (another process tuned, cleared or imported), forget those
+    the store no longer backs, so that what the compile bakes is what the store answers under that key, and what
+    a later process replays from Inductor's cache too. Kept: a choice whose row the store still holds as it was
+    (this process's own tunes: the next graph of the compile pairs its backward with that forward), and one the
+    ranks agreed on. Returns the token."""
     with _LOCK:
+        token = read_token()
         if _STORE_TOKEN[0] != token:
-            forget_choices()
+            store = get_store()
+            for key in [k for k in _MEMO if k not in _PINNED and not _still_stored(store, _ROWS.get(k))]:
+                _MEMO.pop(key, None)
+                _ROWS.pop(key, None)
+                _PROVISIONAL.pop(key, None)
             _STORE_TOKEN[0] = token
+        return token
+
+
+def _still_stored(store, row: dict | None) -> bool:
+    """Whether the store still answers ``row`` (the one a choice was made from) for its key; False for none (a
+    default taken without a decision, or a provisional one: the store may hold one now)."""
+    now = None if row is None else store.get(row["key"])
+    return now is not None and (now["winner"], now.get("created")) == (row["winner"], row.get("created"))
 
 
 def failed_here() -> str:
@@ -449,6 +469,8 @@ def decide(call: AttnCall, dev: DeviceInfo, direction: str, grad_lse: bool = Fal
                 _ROWS[key] = row
             if pending is not None:
                 _PROVISIONAL[key] = [time.monotonic() + RECHECK_S, pending]
+            if agreed and choice == agreed[0]:
+                _PINNED.add(key)
             _MEMO[key] = choice
         return _MEMO[key]
 
@@ -579,6 +601,7 @@ def adopt_decisions(agreed: dict[tuple, tuple[str, dict | None]]) -> int:
                 if row is not None:
                     _ROWS[key] = row
                 _PROVISIONAL.pop(key, None)  # as below: a background tune's later result must not move it
+                _PINNED.add(key)
                 continue
             if key in _MEMO:
                 changed.add(key)
