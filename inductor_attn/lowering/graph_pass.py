@@ -60,10 +60,9 @@ class DecisionPass(_Base):
         from ..device import ENV_VAR as DEVICE_ENV
         from ..store.db import get_store
         from ..store.keys import library_versions
+        from ..tuning.decisions import failed_here, follow_store
         from ..tuning.modes import ENV_VAR as MODE_ENV
         from ..tuning.modes import current_mode
-
-        from ..tuning.decisions import failed_here, follow_store
 
         store = get_store()
         mode = current_mode("cuda")
