@@ -231,6 +231,27 @@ def test_a_host_probe_that_leaves_the_cuda_context_unusable_names_its_candidate(
         _tune(a, b)
 
 
+@pytest.mark.parametrize("warmup", [0, 10])
+def test_a_fault_the_device_reports_at_the_next_sync_is_charged_to_the_launch_that_made_it(monkeypatch, warmup):
+    """A kernel's illegal access surfaces at the next synchronize: the probe synced at a burst's start, inside the
+    next candidate's turn, and never after a warm-up, so the fault was charged to the candidate after it."""
+    fault = []
+
+    def sync(device=None):
+        if fault:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def launch_of(name):
+        return lambda: fault.append(name) if name == "b" else None
+
+    monkeypatch.setattr(timing, "sync", sync)
+    blamed = []
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        timing.host_ms_each({n: launch_of(n) for n in "abc"}, torch.device("cpu"), warmup=warmup, bursts=2, calls=3,
+                            failed=lambda name, err: blamed.append(name))
+    assert blamed == ["b"]
+
+
 @pytest.mark.parametrize("broken_in", ["prepare", "sample"])
 def test_an_error_while_timing_that_leaves_the_cuda_context_unusable_names_its_candidate(monkeypatch, broken_in):
     def broken():

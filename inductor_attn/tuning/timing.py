@@ -48,12 +48,14 @@ def host_ms_each(launches: dict, device: torch.device, warmup: int = 10, bursts:
     and processes take of the cores meanwhile (compile workers, Inductor's) is not charged to a launch; the
     median, not the best burst, because a launch's CPU time itself moves between bursts (FA4's through the launch
     op: 49-84 us per burst on an H200, 2026-11-29). ``failed(name, err)`` is told which launch raised, before
-    the error propagates."""
+    the error propagates; each candidate's launches are synchronized before the next one's start, so that a kernel
+    fault the device reports late is charged to its own launch."""
     name, per_call = None, {name: [] for name in launches}
     try:
         for name, launch in launches.items():
             for _ in range(warmup):
                 launch()
+            sync(device)
         for _ in range(bursts):
             for name, launch in launches.items():
                 per_call[name].append(burst_cpu_s(launch, device, calls) / calls)
@@ -66,13 +68,16 @@ def host_ms_each(launches: dict, device: torch.device, warmup: int = 10, bursts:
 
 
 def burst_cpu_s(launch, device: torch.device | None, calls: int) -> float:
-    """This thread's CPU seconds for ``calls`` launches back to back, started on an idle device: the loop of one
-    burst, which the tuner's host probe and the benchmarks' burst figures aggregate their own ways."""
+    """This thread's CPU seconds for ``calls`` launches back to back, started on an idle device and synchronized
+    after (untimed): the loop of one burst, which the tuner's host probe and the benchmarks' burst figures
+    aggregate their own ways. The sync after is what names a kernel that faults: the device reports it late."""
     sync(device)
     start = time.thread_time()
     for _ in range(calls):
         launch()
-    return time.thread_time() - start
+    elapsed = time.thread_time() - start
+    sync(device)
+    return elapsed
 
 
 class Runner:
