@@ -16,7 +16,7 @@ import time
 import warnings
 from pathlib import Path
 
-from .problem import Problem
+from .problem import DECIDED_AT_COMPILE_TIME, Problem
 from .store.db import DecisionStore, get_store
 from .store.keys import ABSENT, library_versions, stale_reason, versions_like
 from .store.layers import LayeredStore
@@ -145,7 +145,7 @@ def explain(key_prefix: str, store: DecisionStore | LayeredStore | None = None) 
         "  versions:         " + ", ".join(f"{k} {v}" for k, v in row["versions"].items() if k != "sources"),
         f"  winner:           {row['winner']}  (default {rec['default']})",
         f"  why:              {rec['why']}",
-        *_compiled_lines(rec, row["winner"]),
+        *_compiled_lines(rec, row["winner"], Problem.from_key(row["problem"]).op),
         *_pairing_lines(row),
         *_search_lines(rec),
         "",
@@ -217,13 +217,16 @@ def _search_lines(rec: dict) -> list[str]:
     return lines
 
 
-def _compiled_lines(rec: dict, winner: str) -> list[str]:
+def _compiled_lines(rec: dict, winner: str, op: str) -> list[str]:
     """What compiled code runs, by the rule of tuning/step_cost.py on the record's device and host times: the
     winner under CUDA graphs; with plain launches it depends on how host-bound the rest of the graph is (its
     host time H minus its device time D, per call of this bucket, as lowering/graph_cost.py estimates them;
-    the INFO log of ``inductor_attn.lowering.emit`` says what each compiled graph chose and why)."""
+    the INFO log of ``inductor_attn.lowering.emit`` says what each compiled graph chose and why). Ops decided at
+    run time (varlen, block-sparse) run the winner in compiled code too: the rule is applied at compile time."""
     if rec.get("timer") == WALL_CLOCK:
         return [f"  compiled code:    {winner}  (timed by the wall clock, its launch included)"]
+    if op not in DECIDED_AT_COMPILE_TIME:
+        return [f"  compiled code:    {winner}  ({op} calls are decided at run time: the winner runs)"]
     lines = explain_choice(winner, launch_costs(rec))
     return [f"  compiled code:    {lines[0]}", *(f"                    {line}" for line in lines[1:])]
 

@@ -357,3 +357,13 @@ def test_a_shipped_decision_is_no_measurement_when_ranks_agree(fakes, shipped, m
         decide(small_call(), DEV, "forward")
         ((_, choice, row),) = decision_entries()
     assert choice == "b:x=1" and row is None
+
+
+def test_explain_of_a_decision_made_at_run_time_says_the_winner_runs_in_compiled_code(monkeypatch, capsys):
+    """Varlen and block-sparse calls are decided per call, and the host/device rule is applied only at compile
+    time: their explain printed plain-launch alternatives that compiled code never runs."""
+    monkeypatch.delenv("INDUCTOR_ATTN_PRIORS")
+    row = next(r for r in get_store().rows() if r["op"].startswith("varlen"))
+    assert main(["cache", "explain", row["key"][:12]]) == 0
+    assert (f"  compiled code:    {row['winner']}  (varlen calls are decided at run time: the winner runs)"
+            in capsys.readouterr().out)
