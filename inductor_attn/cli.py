@@ -64,9 +64,10 @@ def run_cache(args) -> int:
     from .store.db import default_path, file_in_the_way
 
     # the library falls back to another store there; a command would act on that one, not the one named
-    if (in_the_way := file_in_the_way(default_path())) is not None:
-        raise cache.StoreError(f"the decision store {default_path()} cannot be made: {in_the_way} is a file, not a "
-                               "directory (INDUCTOR_ATTN_CACHE_DIR names the store's directory)")
+    path = default_path()
+    if (in_the_way := file_in_the_way(path)) is not None:
+        raise cache.StoreError(f"the decision store {path} cannot be made: {in_the_way} is a file, not a directory "
+                               "(INDUCTOR_ATTN_CACHE_DIR names the store's directory)")
     store = cache.get_store()
     status = _CACHE_VERBS[args.verb](cache, store, args)
     if store.broken:

@@ -108,7 +108,8 @@ def path_access(path: Path) -> str | None:
 
 
 def _creatable(directory: Path) -> bool:
-    return _nearest_existing(directory).is_dir() and os.access(_nearest_existing(directory), os.W_OK | os.X_OK)
+    found = _nearest_existing(directory)
+    return found.is_dir() and os.access(found, os.W_OK | os.X_OK)
 
 
 def _nearest_existing(directory: Path) -> Path:

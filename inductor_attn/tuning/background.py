@@ -125,10 +125,11 @@ def _tune(key: str, direction: str, deterministic: bool, path: Path) -> bool:
     store = get_store()
     if not try_claim(store, key):
         row = store.get(key)
-        if row is None or is_shipped(row):
+        waiting = row is None or is_shipped(row)
+        if waiting:
             log.info("inductor_attn: decision %s is being tuned by another process; its result will be used",
                      key[:12])
-        return row is None or is_shipped(row)
+        return waiting
     try:
         row = store.get(key)
         if row is not None and not is_shipped(row):

@@ -108,11 +108,17 @@ def follow_store(read_token: Callable[[], str]) -> str:
         if _STORE_TOKEN[0] != token:
             store = get_store()
             for key in [k for k in _MEMO if k not in _PINNED and not _still_stored(store, _ROWS.get(k))]:
-                _MEMO.pop(key, None)
-                _ROWS.pop(key, None)
-                _PROVISIONAL.pop(key, None)
+                _forget_choice(key)
             _STORE_TOKEN[0] = token
         return token
+
+
+def _forget_choice(key: tuple) -> None:
+    """Drop the choice remembered for memo key ``key``: the next call of its bucket decides again."""
+    _MEMO.pop(key, None)
+    _ROWS.pop(key, None)
+    _PROVISIONAL.pop(key, None)
+    _PINNED.discard(key)
 
 
 def _still_stored(store, row: dict | None) -> bool:
@@ -542,9 +548,7 @@ def give_way(call: AttnCall, dev: DeviceInfo, direction: str, choice: str, err: 
         key = _memo_key(call, dev, direction, grad_lse)
         _FAILED.setdefault(key, {})[choice] = f"at a launch: {describe(err)}"
         if _MEMO.get(key) == choice:
-            del _MEMO[key]
-            _ROWS.pop(key, None)
-            _PROVISIONAL.pop(key, None)
+            _forget_choice(key)
     log.warning("inductor_attn: %s failed at its launch on %s (%s); the next candidate runs this bucket in this "
                 "process", choice, call.problem, describe(err))
     return True
@@ -560,9 +564,7 @@ def _recheck(key: tuple) -> None:
     if row is None or is_shipped(row):
         _PROVISIONAL[key][0] = time.monotonic() + RECHECK_S
         return
-    del _PROVISIONAL[key]
-    _MEMO.pop(key, None)
-    _ROWS.pop(key, None)
+    _forget_choice(key)
 
 
 def _adopted(call: AttnCall, dev: DeviceInfo, direction: str, grad_lse: bool,
@@ -605,8 +607,6 @@ def adopt_decisions(agreed: dict[tuple, tuple[str, dict | None]]) -> int:
                 continue
             if key in _MEMO:
                 changed.add(key)
-            _MEMO.pop(key, None)
-            _ROWS.pop(key, None)
-            _PROVISIONAL.pop(key, None)  # the agreed choice stands, not a background tune's later result
+            _forget_choice(key)  # the agreed choice stands, not a background tune's later result
             _AGREED[key] = (choice, row)
     return len(changed)

@@ -414,8 +414,7 @@ def gate(trial: Trial, call: AttnCall, expected, check: Callable[[object], tuple
     device = call.q.device
     try:
         if device.type == "cuda":
-            nbytes = sum(t.numel() * t.element_size() for t in expected)
-            torch.full((max(nbytes // 4, 1),), POISON, dtype=torch.float32, device=device)
+            _poison_blocks([(sum(t.numel() * t.element_size() for t in expected), device)])
         start = time.perf_counter()
         got = trial.bind(call)()
         sync(device)

@@ -28,7 +28,6 @@ its own launch in any case, and a user who captures eager calls into a CUDA grap
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import statistics
@@ -188,9 +187,9 @@ def _joint(buckets: dict, rest: GraphWork, chosen: dict) -> dict | None:
     fixed = _plus(rest, [(c, buckets[k].calls) for k, c in chosen.items() if k not in keys and c is not None])
 
     def step(costs, host_factor: float) -> float:
-        work = _plus(fixed, [(dataclasses.replace(c, host_ms=c.host_ms * host_factor), buckets[k].calls)
-                             for k, c in zip(keys, costs)])
-        return max(work.host_ms, work.device_ms)
+        launches = [(c, buckets[k].calls) for k, c in zip(keys, costs)]
+        return max(fixed.host_ms + host_factor * sum(n * c.host_ms for c, n in launches),
+                   fixed.device_ms + sum(n * c.device_ms for c, n in launches))
 
     best = min(itertools.product(*(buckets[key].costs for key in keys)), key=lambda costs: step(costs, 1.0))
     current = [chosen[key] for key in keys]
