@@ -1317,6 +1317,25 @@ def test_compiled_choice_report_states_the_run_as_measured(tmp_path):
     assert "at commit abc1234 with" in tool.report(tmp_path, "abc1234")
 
 
+def test_compiled_choice_llama_runs_the_chosen_entries_and_keeps_each_one_it_finished(monkeypatch):
+    """``--llama ENTRY ...`` measures only those entries, and the file is written after each, so that a run its time
+    limit cuts short keeps the entries it finished."""
+    import importlib.util
+
+    from inductor_attn.bench import models
+
+    spec = importlib.util.spec_from_file_location(
+        "compiled_choice_gpu", runner.repo_root() / "benchmarks" / "tools" / "compiled_choice_gpu.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    ran, saved = [], []
+    monkeypatch.setattr(models, "isolated", lambda kind, *args: ran.append((kind, *args)) or {"stock_ms": 1.0})
+    labels = ["decode step B4 (static cache)", "prefill B4 L2048"]
+    tool.llama(labels, lambda done: saved.append(list(done)))
+    assert ran == [tool.LLAMA[label] for label in labels]
+    assert saved == [labels[:1], labels]
+
+
 @pytest.mark.parametrize("suite, ops", [
     ("overhead", {"rows": [{"case": "decode B1", "paths": {
         "stock compile": {"host_us": 50.0, "wall_us": 60.0, "kernel_us": 10.0},

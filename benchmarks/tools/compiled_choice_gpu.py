@@ -284,15 +284,18 @@ LLAMA = {"prefill B4 L2048": ("overhead", "prefill", "default"),
          "decode step B4 (static cache)": ("overhead", "decode step", "default")}
 
 
-def llama() -> dict:
-    """Each entry of :data:`LLAMA` in a fresh process (``models.isolated``) on a fresh decision store."""
+def llama(labels: list[str], save) -> dict:
+    """The entries ``labels`` of :data:`LLAMA`, each in a fresh process (``models.isolated``) on a fresh decision
+    store; ``save`` is called after each, so that a run cut short keeps the entries it finished."""
     from inductor_attn.bench import models
 
     out = {}
-    for label, (kind, *args) in LLAMA.items():
+    for label in labels:
+        kind, *args = LLAMA[label]
         with fresh_store():  # the child process inherits its directory
             out[label] = models.isolated(kind, *args)
         print(json.dumps({label: out[label]}), flush=True)
+        save(out)
     return out
 
 
@@ -412,7 +415,8 @@ def main() -> None:
     parser.add_argument("--report", type=Path, metavar="DIR", help="print RESULTS.md's section for a run's files")
     parser.add_argument("--commit", help="the commit measured (default: git's); with --report, overrides the file's")
     parser.add_argument("--date", help="with --report: overrides the date compiled_choice.json records")
-    parser.add_argument("--llama", action="store_true", help="measure the HF Llama entries (llama.json)")
+    parser.add_argument("--llama", nargs="*", choices=list(LLAMA), metavar="ENTRY",
+                        help=f"measure these HF Llama entries (default: all of {', '.join(map(repr, LLAMA))}; llama.json)")
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--probes", nargs="*", default=["512c", "2048c"], help="shapes whose probes are checked")
     parser.add_argument("--training", action="store_true")
@@ -427,15 +431,18 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               **run_stamp(args.commit)}
-    if args.llama:
-        result["llama"] = llama()
-    elif args.spell:
+    name = "llama.json" if args.llama is not None else "spell.json" if args.spell else "compiled_choice.json"
+    if args.llama is not None:
+        llama(args.llama or list(LLAMA),
+              lambda done: (args.out / name).write_text(json.dumps({**result, "llama": done}, indent=1)))
+        return
+    if args.spell:
         result["spell"] = spell()
         print(json.dumps({k: v for k, v in result["spell"].items() if k != "windows"}), flush=True)
     else:
         result["prefill"] = []
-        for name in args.shapes:
-            row = prefill(name, *SHAPES[name], with_probes=name in args.probes)
+        for shape in args.shapes:
+            row = prefill(shape, *SHAPES[shape], with_probes=shape in args.probes)
             result["prefill"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "probes"}), flush=True)
             _print_probes(row.get("probes", []))
@@ -445,7 +452,6 @@ def main() -> None:
             result["training"] = row = training()
             print(json.dumps({k: v for k, v in row.items() if not k.endswith("probes")}), flush=True)
             _print_probes(row["forward_probes"] + row["backward_probes"])
-    name = "llama.json" if args.llama else "spell.json" if args.spell else "compiled_choice.json"
     (args.out / name).write_text(json.dumps(result, indent=1))
 
 
