@@ -308,3 +308,31 @@ def test_block_tensors_shared_by_masks_of_other_lengths_do_not_share_bitmaps():
         length = q.shape[2]
         ref, _ = attend(q, k, v, create_mask(causal, 1, 1, length, length, device="cpu"), 32 ** -0.5)
         assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-6
+
+
+def test_calls_sharing_a_block_mask_whose_buffer_is_written_between_them_build_their_own_bitmaps():
+    """flex evaluates the mask_mod with its buffers' values at each call: a buffer written in place between two
+    calls of one block mask gives the second call other partial blocks (found in review: it reused the first's)."""
+    docs = torch.zeros(128, dtype=torch.long)
+    docs[50:], docs[100:] = 1, 2
+    new_docs = torch.zeros(128, dtype=torch.long)
+    new_docs[40:], new_docs[90:] = 1, 2
+
+    def mask_mod(b, h, i, j):
+        return (docs[i] == docs[j]) & (j <= i)
+
+    block_mask = create_block_mask(mask_mod, None, None, 128, 128, device="cpu", BLOCK_SIZE=32)
+
+    def fn(q, k, v, written):
+        first = flex_attention(q, k, v, block_mask=block_mask)
+        docs.copy_(written)
+        return first, flex_attention(q, k, v, block_mask=block_mask)
+
+    q, k, v = qkv(1, 2, 2, 128, 128)
+    saved = docs.clone()
+    outs = torch.compile(fn, backend=rewriting_backend([]), fullgraph=True)(q, k, v, new_docs)
+    assert inductor_attn.routing_report() == {"flex_attention: routed (block-sparse)": 2}
+    for out, ids in zip(outs, (saved, new_docs)):
+        docs.copy_(ids)
+        ref, _ = attend(q, k, v, create_mask(mask_mod, 1, 1, 128, 128, device="cpu"), 32 ** -0.5)
+        assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5

@@ -163,6 +163,83 @@ def test_masks_of_one_structure_are_not_shared_across_a_write_into_what_they_are
         torch.testing.assert_close(g, w, **TOL)
 
 
+def graph_outputs(gm, fn, *args):
+    by_name = {f"L_{name}_": arg for name, arg in zip(inspect.signature(fn).parameters, args)}
+    return gm(*(by_name[n.target] for n in gm.graph.nodes if n.op == "placeholder"))
+
+
+def key_masks_one_written_in_place(q, k, v, am):
+    first = am.ne(0)[:, None, None, :]
+    first[..., 0] = False  # this layer hides key 0
+    o1 = F.scaled_dot_product_attention(q, k, v, attn_mask=first)
+    return o1, F.scaled_dot_product_attention(q, k, v, attn_mask=am.ne(0)[:, None, None, :])
+
+
+def prefix_masks_one_written_in_place(q, k, v, n):
+    n1 = n * 1
+    n1.add_(4)
+    o1 = F.scaled_dot_product_attention(q, k, v, attn_mask=torch.arange(k.shape[2])[None, :] < n1)
+    return o1, F.scaled_dot_product_attention(q, k, v, attn_mask=torch.arange(k.shape[2])[None, :] < n * 1)
+
+
+def prefix_mask_punched_by_an_explicit_dunder(q, k, v, n, extra):
+    mask = torch.arange(k.shape[2])[None, :] < n
+    mask.__iand__(extra)  # written out, Dynamo records a method call, not operator.iand
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask), q
+
+
+@pytest.mark.parametrize("fn, args", [
+    (key_masks_one_written_in_place, (*qkv(hk=4, lq=1, lk=8), torch.ones(2, 8, dtype=torch.long))),
+    (prefix_masks_one_written_in_place, (*qkv(hk=4, lq=5, lk=12), torch.tensor(5))),
+    (prefix_mask_punched_by_an_explicit_dunder, (*qkv(hk=4, lq=5, lk=12), torch.tensor(9),
+                                                 torch.tensor([True, False] * 6))),
+])
+def test_a_mask_written_in_place_after_it_is_built_is_neither_shared_nor_proven(fn, args):
+    """A mask written into after it is built (through a fresh op's result, or by an in-place dunder written
+    out) is not the value its ops describe: a second mask of the same ops is not that value, and no proof holds."""
+    gm = capture(fn, *args)
+    rewrite_graph(gm.graph)
+    gm.recompile()
+    for got, want in zip(graph_outputs(gm, fn, *args), fn(*args)):
+        torch.testing.assert_close(got, want, **TOL)
+
+
+def test_a_mask_the_analysis_cannot_read_leaves_the_call_alone_not_the_compile_failed():
+    def by_keyword(q, k, v):  # torch.tril(input=...): the analysis read args[0]
+        mask = torch.tril(input=torch.ones(q.shape[2], k.shape[2], dtype=torch.bool))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def deep(q, k, v, x):  # a key mask at the end of a chain deeper than Python's recursion limit
+        for _ in range(1200):
+            x = x + 1
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(x > 0)[:, None, None, :])
+
+    assert_left_alone(by_keyword, *qkv(hk=4), reason="the analysis failed: IndexError")
+    inductor_attn.reset_routing_report()
+    eager, rewritten, gm = rewrite_and_run(deep, *qkv(hk=4, lq=1), torch.randn(2, 8))
+    torch.testing.assert_close(rewritten, eager, **TOL)
+
+
+@pytest.mark.parametrize("where", ["region", "around"])
+def test_sdpa_under_autocast_is_routed_in_the_autocast_dtype(where):
+    """SDPA is an autocast op: its float32 inputs run and return bfloat16; our op is not one, so the rewrite
+    casts them, whether the region is in the graph or autocast is on around the compiled call."""
+    import contextlib
+
+    def fn(q, k, v):
+        with torch.autocast("cpu", torch.bfloat16) if where == "region" else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    q, k, v = qkv(hk=4)
+    with torch.autocast("cpu", torch.bfloat16) if where == "around" else contextlib.nullcontext():
+        gm = capture(fn, q, k, v)
+        rewrite_graph(gm.graph)
+        gm.recompile()
+        want, got = fn(q, k, v), run_graph(gm, fn, q, k, v)
+    assert routed_calls(gm) and got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
 def test_tril_mask_on_square_scores_is_routed_as_plain_causal():
     def fn(q, k, v):
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()

@@ -39,6 +39,7 @@ from torch.fx.node import map_arg
 
 from .._compat import size_hint, statically_known_true
 from ..tuning.settings import env_flag
+from . import mask_proof
 from .graph_edit import Emitter, Skip, ev
 
 # Opt-in: on an H100, our block-sparse kernels plus the per-call bitmaps ran slower than compiled flex on
@@ -256,8 +257,16 @@ def _bits_key(plan: dict) -> tuple:
 def emit_flex(graph: torch.fx.Graph, node: torch.fx.Node, plan: dict, *, bits_memo: dict) -> None:
     """Replace the call; ``bits_memo`` (one per graph) lets later calls reuse bitmaps already built for
     the same block mask, as every layer of a model reuses one mask (nothing downstream merges them)."""
+    out = ev(plan["outs"].get(0))
+    if isinstance(out, torch.Tensor) and out.dtype != ev(plan["q"]).dtype:
+        raise Skip(f"flex_attention returns {out.dtype} for {ev(plan['q']).dtype} inputs here (autocast)")
     emit = Emitter(graph, node, getattr(ev(plan["q"]), "fake_mode", None))
-    key = _bits_key(plan)
+    # bitmaps are the mask_mod's values when they are built: shared only while nothing writes into what they are
+    # built from (a buffer the mask_mod reads, the block mask's tensors), anywhere in the graph; flex calls only
+    # read theirs
+    read = {x for x in (plan["cnt"], plan["idx"], *plan["buffers"]) if isinstance(x, torch.fx.Node)}
+    flex_calls = {n for n in graph.nodes if is_flex(n)}
+    key = _bits_key(plan) if mask_proof.mutation_free(read, stop=flex_calls) else None
     try:
         bits = bits_memo[key] if key in bits_memo else _partial_bits(emit, plan)
         # the op's fake impl checks what flex accepts and we do not (head dims, index dtypes, the block
@@ -270,7 +279,8 @@ def emit_flex(graph: torch.fx.Graph, node: torch.fx.Node, plan: dict, *, bits_me
         if isinstance(exc, Skip):
             raise
         raise Skip(f"{type(exc).__name__}: {exc}") from exc
-    bits_memo[key] = bits
+    if key is not None:
+        bits_memo[key] = bits
     outs = plan["outs"]
     if 0 in outs:
         outs[0].replace_all_uses_with(emit.fn(operator.getitem, result, 0))

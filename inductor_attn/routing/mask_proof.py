@@ -424,6 +424,16 @@ _FRESH_FUNCTIONS = frozenset({
     torch._C._nn.scaled_dot_product_attention, torch._C._nn.linear, torch.matmul,
 })
 _FRESH_METHODS = frozenset({"add", "sub", "mul", "le", "lt", "ge", "gt", "eq", "ne", "sum", "__and__", "__or__"})
+# the in-place dunders by name (``x.__iand__(m)`` written out is recorded as this method call, ``x &= m`` as
+# operator.iand)
+_INPLACE_DUNDERS = frozenset({f"__{name}__" for name in (
+    "setitem", "delitem", "iadd", "isub", "imul", "imatmul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior",
+    "ixor", "ilshift", "irshift")})
+
+
+def _writes_by_name(name: str) -> bool:
+    """torch's naming of in-place ops: a trailing underscore (``add_``), and the in-place dunders."""
+    return (name.endswith("_") and not name.startswith("__")) or name in _INPLACE_DUNDERS
 
 
 def may_mutate(node: torch.fx.Node) -> bool:
@@ -435,16 +445,14 @@ def may_mutate(node: torch.fx.Node) -> bool:
     if node.kwargs.get("inplace") is True or "out" in node.kwargs:
         return True
     if node.op == "call_method":
-        name = node.target
-        return name.endswith("_") and not name.startswith("__")
+        return _writes_by_name(node.target)
     target = node.target
     overload, _, higher_order = op_types()
     if target in _INPLACE_OPERATORS or isinstance(target, higher_order):
         return True
     if isinstance(target, overload):
         return target._schema.is_mutable
-    name = getattr(target, "__name__", "")
-    return name.endswith("_") and not name.startswith("__")
+    return _writes_by_name(getattr(target, "__name__", ""))
 
 
 def _fresh(node: torch.fx.Node) -> bool:

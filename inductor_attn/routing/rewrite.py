@@ -430,18 +430,29 @@ def structure(node, seen: dict) -> str | None:
     """
     if not isinstance(node, torch.fx.Node):
         return repr(node)
-    if node not in seen:
-        seen[node] = None  # a cycle cannot occur in a graph; this only guards the recursion
-        if node.op in ("placeholder", "get_attr"):
-            seen[node] = f"{node.op}:{node.name}"
-        elif node.op in ("call_function", "call_method") and not node.is_impure() and not (
-                node.op == "call_method" and node.target.endswith("_")) and not _draws_random_numbers(node):
-            refs = []
-            args = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: refs.append(structure(n, seen)) or
-                                         _Ref(refs[-1]))
-            if None not in refs:  # hashed: a shared subexpression would otherwise be spelled out per use
-                spelled = f"{node.op}:{getattr(node.target, '__qualname__', node.target)}{args!r}"
-                seen[node] = hashlib.sha256(spelled.encode()).hexdigest()
+    stack = [node]  # a loop, not recursion: a mask may be built at the end of a chain of thousands of ops
+    while stack:
+        n = stack[-1]
+        if n in seen:
+            stack.pop()
+            continue
+        if n.op in ("placeholder", "get_attr"):
+            seen[stack.pop()] = f"{n.op}:{n.name}"
+            continue
+        if n.op not in ("call_function", "call_method") or n.is_impure() or (
+                n.op == "call_method" and n.target.endswith("_")) or _draws_random_numbers(n):
+            seen[stack.pop()] = None
+            continue
+        todo = [m for m in n.all_input_nodes if m not in seen]
+        if todo:
+            stack.extend(todo)
+            continue
+        stack.pop()
+        refs = []
+        args = torch.fx.node.map_arg((n.args, n.kwargs), lambda m: refs.append(seen[m]) or _Ref(refs[-1]))
+        # hashed: a shared subexpression would otherwise be spelled out per use
+        seen[n] = None if None in refs else hashlib.sha256(
+            f"{n.op}:{getattr(n.target, '__qualname__', n.target)}{args!r}".encode()).hexdigest()
     return seen[node]
 
 
@@ -465,11 +476,13 @@ def _emit(graph: torch.fx.Graph, node: torch.fx.Node, plan: _Plan, emitted: dict
     (``structure``, memoized in ``seen``): the calls of a model's layers take one mask, and each would
     otherwise reduce it again (a kernel per layer: HF Llama's static-cache decode step ran 8 of them)."""
     emit = Emitter(graph, node, getattr(ev(plan.q), "fake_mode", None))
-    key = _shared_key(plan, seen)
-    # Two masks of one structure are one value only if nothing writes into what they are computed from (a write
-    # between the two builds makes them differ); and a key mask is read where it is used, so its reuse needs
-    # nothing to write in place between the two calls either (HF's static cache does, once per layer)
-    reused = key in emitted and mask_proof.mutation_free(_sources(plan), stop=set()) and not (
+    plan = _as_sdpa_computes(emit, node, plan)
+    # Two masks of one structure are one value only if nothing writes into what either is computed from (a write
+    # into one copy, or between the two builds, makes them differ): a value written in place is never shared;
+    # and a key mask is read where it is used, so its reuse needs nothing to write in place between the two calls
+    # either (HF's static cache does, once per layer)
+    key = _shared_key(plan, seen) if mask_proof.mutation_free(_sources(plan), stop=set()) else None
+    reused = key in emitted and not (
         plan.key_mask is not None and mask_proof.mutation_between(emitted[key][1], node))
     if reused:
         key_mask, kv = emitted[key]
@@ -493,6 +506,18 @@ def _emit(graph: torch.fx.Graph, node: torch.fx.Node, plan: _Plan, emitted: dict
     graph.erase_node(node)
     if key is not None and not reused:
         emitted[key] = (key_mask, kv)
+
+
+def _as_sdpa_computes(emit: Emitter, node: torch.fx.Node, plan: _Plan) -> _Plan:
+    """``plan`` with q, k and v cast to the dtype the SDPA call ran in. Autocast (a region in the graph, or on
+    around the compiled call) casts SDPA's float32 inputs to its lower precision; our ops are not autocast ops,
+    and would run and return float32 where SDPA returns bfloat16."""
+    dtype = getattr(ev(node), "dtype", None)
+    cast = {name: getattr(plan, name) for name in ("q", "k", "v")
+            if dtype is not None and ev(getattr(plan, name)).dtype != dtype}
+    if not cast:
+        return plan
+    return dataclasses.replace(plan, **{name: emit("call_method", "to", x, dtype) for name, x in cast.items()})
 
 
 def _emit_fp8(emit: Emitter, plan: _Plan, scale) -> torch.fx.Node:
@@ -552,7 +577,7 @@ def rewrite_graph(graph: torch.fx.Graph, fp8: bool = False) -> int:
         else:
             continue
         try:
-            plan = plan_fn(node)
+            plan = _planned(plan_fn, node)
             emit_fn(graph, node, plan)
         except Skip as skip:
             _REPORT[f"{kind}: left alone ({skip})"] += 1
@@ -562,6 +587,17 @@ def rewrite_graph(graph: torch.fx.Graph, fp8: bool = False) -> int:
         _REPORT[f"{kind}: routed ({what})"] += 1
         rewritten += 1
     return rewritten
+
+
+def _planned(plan_fn, node: torch.fx.Node):
+    """``plan_fn(node)``; an analysis that fails (a mask built in a form it does not read, a chain too deep for
+    Python's recursion) leaves the call alone, as one it cannot prove does: routing never fails a compile."""
+    try:
+        return plan_fn(node)
+    except Skip:
+        raise
+    except Exception as exc:  # noqa: BLE001 - reported as the reason the call stays as it is
+        raise Skip(f"the analysis failed: {type(exc).__name__}: {str(exc)[:200]}") from exc
 
 
 # what the rewritten graph is made of (fp8_entry: the quantisation it emits)
