@@ -8,6 +8,7 @@ scheduler, split-KV) can be enumerated and pruned on a CPU or Hopper machine, as
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass
@@ -101,3 +102,12 @@ def _cpu_info() -> DeviceInfo:
 def _cuda_info(index: int) -> DeviceInfo:
     props = torch.cuda.get_device_properties(index)
     return DeviceInfo(props.name, (props.major, props.minor), props.multi_processor_count)
+
+
+def on_device_of(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """``t``'s CUDA device made the current one while inside, where it is not: Triton launches, CUDA graphs,
+    streams and events take the current device, not their tensors' (a model on ``cuda:1`` with device 0
+    current would launch our kernels on the wrong GPU). Nothing for any other tensor, or where it already is."""
+    if t.is_cuda and t.get_device() != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()

@@ -52,6 +52,7 @@ from __future__ import annotations
 import torch
 
 from .backends.triton_common import jit
+from .device import on_device_of
 from .problem import next_power_of_two
 
 try:
@@ -183,11 +184,12 @@ def _append_in_kernel(k_cache, v_cache, block_table, lengths, k_new, v_new) -> N
     n, heads = k_new.shape[:2]
     if n == 0:
         return
-    _append_kernel[(n,)](
-        k_cache, v_cache, block_table, lengths, k_new, v_new, *k_cache.stride(), *v_cache.stride(),
-        *block_table.stride(), *k_new.stride(), *v_new.stride(), heads, k_new.shape[-1], v_new.shape[-1],
-        k_cache.shape[1], block_table.shape[1], k_cache.shape[0], BLOCK_H=next_power_of_two(heads),
-        BLOCK_D=next_power_of_two(k_new.shape[-1]), BLOCK_DV=next_power_of_two(v_new.shape[-1]))
+    with on_device_of(k_cache):  # Triton launches on the current device, not its tensors'
+        _append_kernel[(n,)](
+            k_cache, v_cache, block_table, lengths, k_new, v_new, *k_cache.stride(), *v_cache.stride(),
+            *block_table.stride(), *k_new.stride(), *v_new.stride(), heads, k_new.shape[-1], v_new.shape[-1],
+            k_cache.shape[1], block_table.shape[1], k_cache.shape[0], BLOCK_H=next_power_of_two(heads),
+            BLOCK_D=next_power_of_two(k_new.shape[-1]), BLOCK_DV=next_power_of_two(v_new.shape[-1]))
 
 
 # The new keys' strides follow the number of sequences in the step, which changes from step to step: never

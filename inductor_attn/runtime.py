@@ -13,7 +13,7 @@ import threading
 
 from ._compat import inductor_counters
 from .backends import AttnCall, plan_for
-from .device import DeviceInfo, device_info
+from .device import DeviceInfo, device_info, on_device_of
 
 # The ``choice`` of op calls decided at run time whose arguments were checked before the op: by the fake impl while
 # tracing (compiled code), or by the public functions (api.py) eagerly. The op skips its checks (ops/attention.py).
@@ -59,25 +59,35 @@ def count_compiled(op: str, direction: str, choice: str) -> None:
 
 
 def forward(call: AttnCall, choice: str):
+    with on_device_of(call.q):  # deciding (and tuning) and launching on the call's device
+        return _forward(call, choice)
+
+
+def _forward(call: AttnCall, choice: str):
     resolved, dev = _resolve(call, choice, "forward")
     try:
         result = plan_for(call.problem, resolved, dev, "forward").launch(call)
     except Exception as err:
         if not _gives_way(call, dev, "forward", choice, resolved, err):
             raise
-        return forward(call, choice)
+        return _forward(call, choice)
     count_call((call.op, "forward", resolved))
     return result
 
 
 def backward(call: AttnCall, choice: str, out, lse, grad_out, grad_lse):
+    with on_device_of(call.q):
+        return _backward(call, choice, out, lse, grad_out, grad_lse)
+
+
+def _backward(call: AttnCall, choice: str, out, lse, grad_out, grad_lse):
     resolved, dev = _resolve(call, choice, "backward", grad_lse is not None)
     try:
         result = plan_for(call.problem, resolved, dev, "backward").launch(call, out, lse, grad_out, grad_lse)
     except Exception as err:
         if not _gives_way(call, dev, "backward", choice, resolved, err, grad_lse is not None):
             raise
-        return backward(call, choice, out, lse, grad_out, grad_lse)
+        return _backward(call, choice, out, lse, grad_out, grad_lse)
     count_call((call.op, "backward", resolved))
     return result
 

@@ -632,3 +632,37 @@ def test_following_the_store_keeps_choices_it_still_backs_and_forgets_the_others
                          "created": row["created"] + 1})  # another process's tune lands
         decisions.follow_store(lambda: "moved again")
         assert decide(small_call(), DEV, "forward") == "a:default"
+
+
+def test_a_first_call_inside_a_cuda_graph_capture_is_not_remembered(fakes, monkeypatch):
+    """Nothing can be measured inside a capture, so its call runs the default; the bucket is still tuned at its
+    first call outside one (it used to keep the default for the process's life)."""
+    from inductor_attn.tuning import decisions
+
+    capturing = [True]
+    monkeypatch.setattr(decisions, "_capturing", lambda call: capturing[0])
+    with inductor_attn.tuning_mode("autotune"):
+        assert decide(small_call(), DEV, "forward") == "a:default"
+        capturing[0] = False
+        assert decide(small_call(), DEV, "forward") == "b:x=1"
+
+
+def test_background_mode_queues_no_tune_from_inside_a_cuda_graph_capture(monkeypatch):
+    """Queueing a tune saves the call's tensors for the worker: a copy to the host, which would spoil the user's
+    capture. Inside one the shipped record's fastest candidate enumerated here runs, and nothing is queued."""
+    from inductor_attn.backends import Candidate, Config
+    from inductor_attn.backends.registry import LOOKUP_ONLY
+    from inductor_attn.tuning import decisions
+
+    queued = []
+    monkeypatch.setattr(decisions, "_schedule_tune", lambda *args: queued.append(args))
+    monkeypatch.setattr(decisions, "get_backend", lambda name: type("B", (), {"library": Library()})())
+    light = [Candidate("jit", None, pruned=LOOKUP_ONLY), Candidate("a", Config())]
+    record = {"candidates": [{"name": "jit:-", "status": "passed", "median_ms": 1.0},
+                             {"name": "a:default", "status": "passed", "median_ms": 1.5}]}
+    prior = {"winner": "jit:-", "record": record}
+    for capturing, want in ((True, ("a:default", None, None)), (False, ("a:default", None, "k"))):
+        monkeypatch.setattr(decisions, "_capturing", lambda call, c=capturing: c)
+        assert decisions._background_without_costly_imports(small_call(), light, {"key": "k"}, prior,
+                                                            "forward") == want
+    assert len(queued) == 1

@@ -280,3 +280,24 @@ def test_a_paged_decode_launch_gives_the_ops_lse_with_empty_rows_at_minus_inf():
     expected = fa3_lse.squeeze(-1).t().clone()
     expected[expected == float("inf")] = float("-inf")
     assert torch.equal(lse.isnan(), expected.isnan()) and torch.equal(lse.nan_to_num(0.0), expected.nan_to_num(0.0))
+
+
+def test_a_paged_launch_hands_fa3_a_query_its_tma_loads_take():
+    """A query whose pointer is not 16-byte aligned (a view at an odd offset of a fused projection) is copied
+    before FA3's paged forward, as the dense launches copy theirs; an aligned one goes as it is."""
+    from inductor_attn.ops.paged import paged_call
+
+    handed = []
+
+    def fwd(q, k, v, *args):
+        handed.append(q)
+        return args[3], torch.zeros(q.shape[0], q.shape[2], 1)
+
+    pool = torch.zeros(4, 16, 2, 8)
+    base = torch.randn(3 * 4 * 8 + 1)
+    for q in (base[1:].view(3, 4, 8), base[:-1].view(3, 4, 8)):
+        lengths = torch.tensor([5, 1, 3], dtype=torch.int32)
+        call = paged_call(q, pool, pool, torch.zeros(3, 1, dtype=torch.int32), lengths, None, 1, 16, 0.3, True, -1, 0)
+        fa3._PagedLaunch(fwd, num_splits=0)(call)
+        assert handed[-1].data_ptr() % 16 == 0 and torch.equal(handed[-1].squeeze(1), q)
+    assert handed[-1].data_ptr() == base.data_ptr()  # the aligned query is not copied

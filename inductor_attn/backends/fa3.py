@@ -284,8 +284,7 @@ class _PagedLaunch:
         table = call.block_table if call.block_table.stride(-1) == 1 else call.block_table.contiguous()
         out = new_out(call.q, call.v)
         q, fa_out = (x.unsqueeze(1) for x in (call.q, out)) if decode else (call.q, out)
-        if q.stride(-1) != 1:
-            q = q.contiguous()
+        q = _as_fa3_takes(q, transpose=False)  # FA3 loads q by TMA here too (a view of a fused projection may not suit)
         if fa_out.stride(-1) != 1:
             fa_out = None  # FA3 allocates, conform() copies below
         cu_seqlens_q = None if decode else int32_contiguous(call.cu_seqlens_q)

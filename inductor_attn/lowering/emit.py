@@ -40,7 +40,7 @@ import torch
 
 from .._compat import cudagraphs_enabled, eager_mode, fake_mode_of, trace_functional
 from ..backends import AttnCall
-from ..device import device_info
+from ..device import device_info, on_device_of
 from ..layout import filled_like
 from ..ops import (BACKWARD_OPS, FORWARD_OPS, attention_backward_op, attention_op,
                    block_sparse_attention_backward_op, block_sparse_attention_op, paged_attention_op,
@@ -296,20 +296,20 @@ def _concrete_call(op: str, vals: dict) -> AttnCall:
 def _decide(call: AttnCall, direction: str, grad_lse: bool) -> tuple[str, dict | None]:
     from ..tuning import decide_with_record
 
-    with eager_mode():
+    with eager_mode(), on_device_of(call.q):  # a graph's device need not be the current one while it compiles
         return decide_with_record(call, device_info(call.q.device), direction, grad_lse=grad_lse)
 
 
 def _check_choice(call: AttnCall, direction: str, choice: str, grad_lse: bool) -> str | None:
     from ..tuning.decisions import check_choice
 
-    with eager_mode():
+    with eager_mode(), on_device_of(call.q):
         return check_choice(call, device_info(call.q.device), direction, choice, grad_lse)
 
 
 def _warm(plan, call: AttnCall, direction: str) -> None:
     """One eager launch: what the traced launch reads from it (e.g. a persistent grid's programs per SM)."""
-    with eager_mode():
+    with eager_mode(), on_device_of(call.q):
         if direction == "forward":
             plan.launch(call)
         else:

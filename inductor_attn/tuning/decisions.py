@@ -316,6 +316,8 @@ def _background_without_costly_imports(call: AttnCall, light: list[Candidate], f
     choice = next((n for n in shortlist(prior, len(prior["record"]["candidates"])) if n in runnable), None)
     if choice is None:
         return None
+    if _capturing(call):  # queueing saves the call's tensors (a copy to the host): the next call queues it
+        return choice, None, None
     _schedule_tune(call, direction, fields["key"])
     return choice, None, fields["key"]
 
@@ -471,6 +473,8 @@ def decide(call: AttnCall, dev: DeviceInfo, direction: str, grad_lse: bool = Fal
                 log.warning("inductor_attn: %s, decided for %s by a decision not tuned in this process, is not "
                             "used here: %s", choice, call.problem, reason)
                 choice, row, pending = decide_uncached(call, dev, direction, grad_lse, _FAILED[key])
+            if row is None and pending is None and _capturing(call):
+                return choice  # nothing measured may run inside a capture: not remembered, decided at the next call
             if row is not None:
                 _ROWS[key] = row
             if pending is not None:

@@ -119,7 +119,7 @@ class CudaGraphTimer:
         self._flush = None
 
     def _flush_l2(self) -> None:
-        if self._flush is None:
+        if self._flush is None or self._flush.get_device() != torch.cuda.current_device():
             self._flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
         self._flush.zero_()
 
@@ -128,7 +128,7 @@ class CudaGraphTimer:
             for fn in fns:
                 fn()
 
-        stream = torch.cuda.Stream()
+        stream = torch.cuda.Stream()  # on the current device: the caller's (runtime and the lowering see to it)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up off the capture: compiles, autotunes, allocates
             for _ in range(self.warmup):
@@ -138,11 +138,10 @@ class CudaGraphTimer:
         graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
         note = ""
         try:
-            with torch.cuda.graph(graph, pool=pool):
-                run_all()
+            _capture(graph, pool, stream, run_all)
             launch = graph.replay
         except RuntimeError as err:  # not capturable (host sync, unsupported API): time plain launches
-            end_failed_capture(torch.cuda.current_device(), pool)
+            end_failed_capture(stream.device.index, pool)
             torch.cuda.synchronize()
             note = f"timed without CUDA graph: {str(err).splitlines()[0][:120]}"
             launch = run_all
@@ -160,6 +159,21 @@ class CudaGraphTimer:
         runner = Runner(sample, note)
         runner.graph = graph
         return runner
+
+
+def _capture(graph: torch.cuda.CUDAGraph, pool, stream: torch.cuda.Stream, fn: Callable[[], object]) -> None:
+    """``fn``'s launches captured into ``graph`` on ``stream``, in ``thread_local`` mode. A tune runs inside the
+    user's program: torch.cuda.graph's default ``global`` mode makes unsafe CUDA calls of every other thread fail
+    while a capture runs (a DataLoader's pin-memory thread pinning the next batch would end a training run, and
+    spoil this capture), as Inductor's own CUDA graphs avoid by this mode. Unlike torch.cuda.graph, whose exit
+    skips restoring the stream when ending the capture raises, the caller's stream and device are current again
+    however the capture ends."""
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            fn()
+        finally:
+            graph.capture_end()
 
 
 def default_timer(device_type: str):
