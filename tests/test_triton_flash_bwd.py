@@ -402,3 +402,36 @@ def test_a_compile_passes_block_lists_laid_out_as_the_computed_ones(with_full):
     assert computed[2] == unfilled[2]
     for a, b in zip(computed[:2], unfilled[:2]):
         assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
+
+
+def test_transposed_lists_are_safe_to_share_between_threads(monkeypatch):
+    """Autograd runs backward in a thread per device and servers call from many: one thread's eviction must not
+    take the entry another has just made (a KeyError in move_to_end)."""
+    import threading
+    import time
+
+    real = flash_bwd.transpose_block_lists
+
+    def slow(sparse, n):
+        time.sleep(0.001)
+        return real(sparse, n)
+
+    monkeypatch.setattr(flash_bwd, "transpose_block_lists", slow)
+    monkeypatch.setattr(flash_bwd, "_TRANSPOSED_KEPT", 1)
+    masks = [random_block_mask(1, 1, 64, 64, 16, 32, seed=s) for s in range(6)]
+    errors = []
+
+    def work():
+        try:
+            for _ in range(10):
+                for sparse in masks:
+                    flash_bwd.transposed_block_lists(sparse, 2)
+        except Exception as err:  # noqa: BLE001 - what the test reports
+            errors.append(err)
+
+    threads = [threading.Thread(target=work) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(flash_bwd._TRANSPOSED) == 1

@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import math
 import os
+import threading
 
 import torch
 
@@ -269,6 +270,7 @@ def transpose_block_lists(sparse, num_kv_blocks: int):
 
 _TRANSPOSED: collections.OrderedDict = collections.OrderedDict()  # mask tensors' identity -> transpose_block_lists
 _TRANSPOSED_KEPT = 8  # masks; a model has one or a few
+_TRANSPOSED_LOCK = threading.Lock()
 
 
 def transposed_block_lists(sparse, num_kv_blocks: int):
@@ -282,14 +284,21 @@ def transposed_block_lists(sparse, num_kv_blocks: int):
     if any(type(t) is not torch.Tensor for t in tensors) or (
             tensors[0].is_cuda and torch.cuda.is_current_stream_capturing()):
         return transpose_block_lists(sparse, num_kv_blocks)
-    key = (num_kv_blocks, sparse.full_kv_num_blocks is None,
+    # per stream: an entry is written on the stream that made it, and the allocator reuses its memory once it is
+    # evicted as soon as that stream is done with it, not another's
+    stream = torch.cuda.current_stream(tensors[0].device).cuda_stream if tensors[0].is_cuda else 0
+    key = (num_kv_blocks, sparse.full_kv_num_blocks is None, stream,
            *((t.data_ptr(), t.device, t.shape, t.stride(), t.dtype, t._version) for t in tensors))
-    found = _TRANSPOSED.get(key)
-    if found is None:
-        found = _TRANSPOSED[key] = (transpose_block_lists(sparse, num_kv_blocks), tensors)
+    with _TRANSPOSED_LOCK:  # autograd runs backward in a thread per device
+        found = _TRANSPOSED.get(key)
+        if found is not None:
+            _TRANSPOSED.move_to_end(key)
+            return found[0]
+    found = (transpose_block_lists(sparse, num_kv_blocks), tensors)
+    with _TRANSPOSED_LOCK:
+        _TRANSPOSED[key] = found
         while len(_TRANSPOSED) > _TRANSPOSED_KEPT:
             _TRANSPOSED.popitem(last=False)
-    _TRANSPOSED.move_to_end(key)
     return found[0]
 
 
