@@ -359,10 +359,12 @@ def paged_attention(q, k_cache, v_cache, block_table, kv_seqlens, *, cu_seqlens_
             ``seqused_k``; ``cache_seqlens`` after the append). Keys past it and pages the table does not reach
             never reach an output, whatever they hold.
         cu_seqlens_q: int32 (num_seqs + 1,) as in :func:`varlen_attention`; None: one query per sequence (decode).
-        max_seqlen_q: the most queries of one sequence; None: 1 for decode, else read from cu_seqlens_q (a host
-            sync, and a graph break in compiled code: pass it there).
+        max_seqlen_q: at least the most queries of one sequence (a bound, as in FlashAttention: one bound for
+            chunks of any size keeps compiled code on one graph); None: 1 for decode, else read from cu_seqlens_q
+            (a host sync, and a graph break in compiled code: pass it there).
         max_seqlen_k: the longest kv length, which picks the tuning bucket (powers of two); None: the table's
-            capacity, ``block_table.shape[1] * page_size`` (no host sync).
+            capacity, ``block_table.shape[1] * page_size`` (no host sync). In compiled code leave it None or
+            pass a fixed bound: a value that grows every step is a dynamic int, decided per call at run time.
         causal: queries are the last tokens of their sequence: query i of a sequence with n queries and L keys sees
             keys j <= i + L - n (lower-right, per sequence). Decode is the same either way.
         scale, window: as in :func:`attention`, aligned per sequence.

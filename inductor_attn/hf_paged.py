@@ -91,7 +91,19 @@ def register(name: str = NAME) -> str:
 
 def use(model, name: str = NAME):
     """Register :func:`attention` under ``name`` and make it ``model``'s attention implementation (see above for
-    why not through ``set_attn_implementation``). Returns the model."""
+    why not through ``set_attn_implementation``). Returns the model. A model whose attention takes what ours has
+    not (a logit softcap, learned sinks) is refused here: inside ``generate_batch`` the error would only reach
+    each request's ``error`` and the log."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap:
+        raise ValueError(f"{NAME} has no logit softcap (the model's config has attn_logit_softcapping={softcap}); "
+                         "use transformers' own attention for this model")
+    sinks = next((f"{n}.{a}" for n, m in model.named_modules() for a in ("sinks", "s_aux")
+                  if isinstance(getattr(m, a, None), torch.Tensor)), None)
+    if sinks is not None:
+        raise ValueError(f"{NAME} has no attention sinks (the model has {sinks}); use transformers' own attention "
+                         "for this model")
     model.config._attn_implementation = register(name)
     return model
 
@@ -156,6 +168,10 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     return out[None], None
 
 
+# Outside compiled code, as transformers keeps its own cache.update: a layer's two pools are overlapping views of
+# one buffer (5.24), and AOTAutograd's handling of in-place writes into aliased inputs wrote one of them into the
+# wrong slots once shapes were dynamic (torch 2.13, CPU: wrong tokens from the second decode step)
+@torch.compiler.disable
 def _append(k_cache, v_cache, block_table, lengths, k_new, v_new) -> None:
     """Write each sequence's new key and value (one per sequence: decode) into the slot of position
     ``lengths[b] - 1``, as flash_attn_with_kvcache does with ``cache_seqlens = lengths - 1``. A sequence of no keys

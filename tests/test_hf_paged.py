@@ -222,3 +222,41 @@ def test_attention_sinks_are_refused_not_dropped(name):
     args, kwargs = _varlen_arguments()
     with pytest.raises(ValueError, match=f"has no attention sinks \\(got {name}\\)"):
         hf_paged.attention(*args, **kwargs, max_length_q=4, max_length_k=4, **{name: torch.zeros(4)})
+
+
+def test_the_fast_paths_cache_write_runs_outside_compiled_code():
+    """transformers 5.24 keeps a layer's K and V pools as overlapping views of one buffer (V a page after K).
+    Compiled, the append's in-place writes into those aliased inputs put one of them in the wrong slots once the
+    shapes turned dynamic (found in review: wrong tokens from a compiled decode step); it runs eagerly now."""
+    heads, dim, page = 2, 16, 4
+    buffers = [torch.full((50688,), math.nan) for _ in range(2)]
+
+    def pools(buffer, layer):
+        flat = buffer.view(-1, heads, dim)
+        k, v = (flat[(2 * layer + i) * page:].view(-1, page, heads, dim) for i in (0, 1))
+        n = min(k.shape[0], v.shape[0])
+        return k[:n], v[:n]
+
+    gen = torch.Generator().manual_seed(0)
+    compiled = torch.compile(lambda *a: hf_paged._append(*a), backend="aot_eager")  # as a compiled step calls it
+    for rows in ([[390, 384, -1]], [[378, 372, -1], [366, 360, -1]]):
+        for layer in range(3):  # as generate_batch's warm-up calls it: three layers of one sequence, then of two
+            table = torch.tensor(rows, dtype=torch.int32)
+            new = [torch.randn(len(rows), heads, dim, generator=gen) for _ in range(2)]
+            args = (table, torch.full((len(rows),), 5, dtype=torch.int32), *new)
+            hf_paged._append(*pools(buffers[0], layer), *args)
+            compiled(*pools(buffers[1], layer), *args)
+            assert torch.equal(buffers[0].nan_to_num(7.0), buffers[1].nan_to_num(7.0))
+
+
+def test_use_refuses_a_model_with_a_logit_softcap_or_attention_sinks():
+    """Inside generate_batch the refusal would reach only each request's error and the log: use() says it."""
+    model = _model()
+    model.config.attn_logit_softcapping = 50.0  # Gemma 2's
+    with pytest.raises(ValueError, match="no logit softcap .*attn_logit_softcapping=50.0"):
+        hf_paged.use(model)
+    model = _model()
+    model.model.layers[0].self_attn.sinks = torch.nn.Parameter(torch.zeros(4))  # GPT-OSS's
+    with pytest.raises(ValueError, match="no attention sinks .*layers.0.self_attn.sinks"):
+        hf_paged.use(model)
+    assert hf_paged.use(_model()).config._attn_implementation.endswith(hf_paged.NAME)

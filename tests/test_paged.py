@@ -521,3 +521,17 @@ def test_the_representative_paged_call_copies_the_pages_its_table_can_name_not_t
     call = emit._concrete_call("paged", vals)
     assert call.k.shape == call.v.shape == (16, 8, 2, 16)
     assert call.k.stride() == call.v.stride() == (256, 16, 128, 1) and int(call.block_table.max()) < 16
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_max_seqlen_q_is_a_bound_on_any_chunk_not_the_steps_longest(compiled, fresh_compile):
+    """As in FlashAttention, a bound: a serving loop passes one for steps of any size (using.md's example passes
+    16 for chunks of 5 and 6 queries), which was refused as more than the step's query tokens."""
+    case = CASES["chunked_prefill_causal"]
+    x = pi.make(case)
+    fn = torch.compile(inductor_attn.paged_attention, fullgraph=True) if compiled else inductor_attn.paged_attention
+    kwargs = x.kwargs(case) | {"max_seqlen_q": 10_000}
+    out, lse = fn(x.q, x.k_cache, x.v_cache, x.block_table, x.kv_seqlens, return_lse=True, **kwargs)
+    _check_against_the_oracle(case, x, out, lse)
+    assert paged_call(x.q, x.k_cache, x.v_cache, x.block_table, x.kv_seqlens, x.cu_seqlens_q, 10_000, 64, 0.1,
+                      True, -1, 0).max_seqlen_q == x.q.shape[0]

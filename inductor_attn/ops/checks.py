@@ -450,13 +450,14 @@ def check_paged(q, k_cache, v_cache, block_table, kv_seqlens, cu_seqlens_q, max_
         if cu_seqlens_q.shape[0] != num_seqs + 1:
             fail(ValueError, f"cu_seqlens_q must have shape (num_seqs + 1,) = ({num_seqs + 1},), got "
                              f"{tuple(cu_seqlens_q.shape)}")
-    for name, m, most in (("max_seqlen_q", max_seqlen_q, q.shape[0]),
-                          ("max_seqlen_k", max_seqlen_k, pages * page_size)):
+    # max_seqlen_q is a bound on any sequence's queries, as in FlashAttention: a serving loop passes one bound for
+    # steps of any size (paged_call clamps it to the step's queries); max_seqlen_k is one within the table's reach
+    for name, m, most, what in (("max_seqlen_q", max_seqlen_q, MAX_INT32, "MAX_INT32 (cu_seqlens are int32)"),
+                                ("max_seqlen_k", max_seqlen_k, pages * page_size, "block_table.shape[1] * page_size")):
         if m is None:
             continue
         check_int(name, m)
         if m < 1 or m > most:
-            what = "q tokens" if name == "max_seqlen_q" else "block_table.shape[1] * page_size"
             fail(ValueError, f"{name} must be in [1, {what}] = [1, {most}], got {m}")
     if cu_seqlens_q is None and max_seqlen_q is not None and max_seqlen_q != 1:  # a kernel would run rows no query has
         fail(ValueError, f"without cu_seqlens_q, each sequence has one query: max_seqlen_q must be 1 (or None), got "

@@ -25,8 +25,10 @@ from .attention import LIB, _on_trace
 
 def paged_call(q, k_cache, v_cache, block_table, kv_seqlens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale,
                causal, window_left, window_right) -> AttnCall:
+    """The call; ``max_seqlen_q``, a bound on any sequence's queries, clamped to the step's query tokens (no
+    sequence has more), so that the kernels and the problem see the longest run the step can hold."""
     return AttnCall("paged", q, k_cache, v_cache, scale, causal, window_left, window_right, kv_seqlens,
-                    cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                    cu_seqlens_q=cu_seqlens_q, max_seqlen_q=min(max_seqlen_q, q.shape[0]), max_seqlen_k=max_seqlen_k,
                     block_table=block_table)
 
 
