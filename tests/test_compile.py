@@ -63,6 +63,24 @@ def test_compiled_dense_attention_matches_eager_forward_and_backward():
     assert sum(n for key, n in inductor_attn.stats().items() if key.startswith("attention/forward")) == 2
 
 
+@pytest.mark.parametrize("how", ["checkpointed", "chained"])
+def test_an_op_reading_another_ops_output_in_one_graph_compiles_and_matches_eager(how):
+    """A backward reading the out and lse of a forward recomputed in its graph (activation checkpointing), or one
+    call's output fed to the next: each op's arguments must be read after the ops before it were replaced (the
+    lowering kept them from before, and Inductor failed on the erased nodes)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def block(x):
+        return inductor_attn.attention(x * 2, x, x, causal=True)
+
+    def fn(x):
+        if how == "checkpointed":
+            return (checkpoint(block, x, use_reentrant=False),)
+        return (inductor_attn.attention(block(x), x, x),)
+
+    assert_same(*eager_and_compiled(fn, lambda: [rand(torch.Generator().manual_seed(0), 1, 2, 8, 16)]))
+
+
 def test_compiled_varlen_attention_matches_eager_forward_and_backward():
     cu_q, cu_k = torch.tensor([0, 5, 12], dtype=torch.int32), torch.tensor([0, 9, 20], dtype=torch.int32)
 

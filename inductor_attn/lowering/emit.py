@@ -110,6 +110,9 @@ def emit_plans(graph: torch.fx.Graph, is_inference: bool | None = None) -> None:
     chosen = _choose(graph, buckets, first_calls, costed, training)
     checked_in_kernel = {}  # op node -> (the checks its kernel makes, the index tensors it reads)
     for node, args, vals, call, op, direction, key in static:
+        # bound again: an argument may be an output of an op replaced above (a backward reading the out and lse of
+        # a forward recomputed in its graph, activation checkpointing; one op's output fed to the next)
+        args = _bind(node)
         choice = args["choice"] or chosen[key]
         plan = plan_for(call.problem, choice, device_info(call.q.device), direction)
         names = _tensor_names(op, direction)
