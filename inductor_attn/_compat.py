@@ -251,6 +251,21 @@ def is_fake(tensor: torch.Tensor) -> bool:
     return fake(tensor)
 
 
+def wrapper_subclass(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` (an example value of a traced graph) is a tensor wrapper subclass such as DTensor, whose
+    ops need rules of their own (our ops have no sharding rule); a FakeTensor is not one
+    (``is_traceable_wrapper_subclass``, torch/utils/_python_dispatch.py, 2.11 and 2.13)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return is_traceable_wrapper_subclass(tensor)
+
+
+def functorch_wrapped(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is wrapped by a torch.func transform (vmap, grad), whose ops need a batching rule (ours
+    have none): ``torch._C._functorch.is_functorch_wrapped_tensor``, 2.11 and 2.13."""
+    return torch._C._functorch.is_functorch_wrapped_tensor(tensor)
+
+
 def end_failed_capture(device_index: int, pool) -> None:
     """Tell the CUDA caching allocator that a capture into ``pool`` is over after it failed. On torch 2.11
     ``CUDAGraph::capture_end`` (aten/src/ATen/cuda/CUDAGraph.cpp) checks ``cudaStreamEndCapture``'s error before

@@ -238,3 +238,17 @@ def test_the_inference_aware_pass_base_is_what_post_grad_passes_is_inference_to(
     base = _compat.inference_aware_pass_base()
     assert base.__name__ == "CustomInferenceAwareGraphPass"
     assert "is_inference=is_inference" in inspect.getsource(post_grad.post_grad_passes)
+
+
+def test_wrapper_subclasses_and_functorch_wrapped_tensors_are_told_from_plain_and_fake_ones():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    plain = [torch.zeros(2)]
+    with FakeTensorMode():
+        plain.append(torch.zeros(2))
+    assert not any(_compat.wrapper_subclass(t) or _compat.functorch_wrapped(t) for t in plain)
+    assert _compat.wrapper_subclass(TwoTensor(torch.zeros(2), torch.zeros(2)))
+    seen = []
+    torch.func.vmap(lambda x: seen.append(_compat.functorch_wrapped(x)) or x)(torch.zeros(3, 2))
+    assert seen == [True]

@@ -343,6 +343,29 @@ def assert_left_alone(fn, *args, reason: str):
     assert outcome.startswith("sdpa: left alone") and reason in outcome, outcome
 
 
+def test_sdpa_under_a_torch_func_transform_stays_sdpa():
+    def fn(q, k, v):
+        return torch.func.vmap(lambda q: F.scaled_dot_product_attention(q, k, v, is_causal=True))(q)
+
+    q, k, v = qkv(hk=4)
+    assert_left_alone(fn, q[None].expand(3, -1, -1, -1, -1) + 0, k, v,
+                      reason="under a torch.func transform (vmap, grad): our ops have no batching rule")
+
+
+def test_sdpa_on_a_tensor_subclass_stays_sdpa():
+    """DTensor (tensor parallel, context parallel) has sharding rules for SDPA and none for our ops: routing it
+    failed the compile. TwoTensor stands for it here (no process group needed)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    q, k, v = (TwoTensor(x, x.clone()) for x in qkv(hk=4))
+    gm = capture(fn, q, k, v)
+    rewrite_graph(gm.graph)
+    assert not routed_calls(gm) and "q/k/v include a TwoTensor: our ops have no sharding rule" in only_outcome()
+
+
 @pytest.mark.parametrize("listed", ["", "cuda", "cuda, xpu"])
 def test_calls_on_a_device_not_routed_stay_sdpa(monkeypatch, listed):
     """By default only CUDA calls are routed: on a CPU the reference would replace SDPA's own kernels."""

@@ -71,7 +71,8 @@ from pathlib import Path
 import torch
 import torch.fx
 
-from .._compat import custom_graph_pass_base, op_types, size_hint, statically_known_true
+from .._compat import (custom_graph_pass_base, functorch_wrapped, op_types, size_hint, statically_known_true,
+                       wrapper_subclass)
 from ..backends import REFERENCE, enumerate_candidates
 from ..device import DeviceInfo, device_info
 from .. import fp8 as fp8_entry
@@ -161,6 +162,11 @@ def _check_tensors(q, k, v) -> tuple:
     if not all(isinstance(t, torch.Tensor) for t in evs):
         raise Skip("no example values for q/k/v in the graph")
     qe, ke, ve = evs
+    subclass = next((type(t).__name__ for t in evs if wrapper_subclass(t)), None)
+    if subclass is not None:
+        raise Skip(f"q/k/v include a {subclass}: our ops have no sharding rule for it")
+    if any(functorch_wrapped(t) for t in evs):
+        raise Skip("q/k/v are under a torch.func transform (vmap, grad): our ops have no batching rule")
     if not all(t.dim() == 4 for t in evs):
         raise Skip("q/k/v are not 4-D (batch, heads, seq, head_dim)")
     if not (qe.dtype == ke.dtype == ve.dtype) or qe.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -476,6 +482,21 @@ def _emit(graph: torch.fx.Graph, node: torch.fx.Node, plan: _Plan, emitted: dict
     (``structure``, memoized in ``seen``): the calls of a model's layers take one mask, and each would
     otherwise reduce it again (a kernel per layer: HF Llama's static-cache decode step ran 8 of them)."""
     emit = Emitter(graph, node, getattr(ev(plan.q), "fake_mode", None))
+    try:
+        out, key, shared = _emit_call(emit, node, plan, emitted, seen)
+    except Exception as exc:  # noqa: BLE001 - what our op's fake impl refuses of what SDPA takes stays SDPA
+        emit.rollback()
+        if isinstance(exc, Skip):
+            raise
+        raise Skip(f"{type(exc).__name__}: {str(exc)[:200]}") from exc
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+    if key is not None:  # the latest emission: a later call sharing it reads it after any write before this one
+        emitted[key] = shared
+
+
+def _emit_call(emit: Emitter, node: torch.fx.Node, plan: _Plan, emitted: dict, seen: dict) -> tuple:
+    """(the routed call's output node, the key its key mask / kv_seqlens are shared under or None, those two)."""
     plan = _as_sdpa_computes(emit, node, plan)
     # Two masks of one structure are one value only if nothing writes into what either is computed from (a write
     # into one copy, or between the two builds, makes them differ): a value written in place is never shared;
@@ -501,11 +522,7 @@ def _emit(graph: torch.fx.Graph, node: torch.fx.Node, plan: _Plan, emitted: dict
     else:
         op = torch.ops.inductor_attn.attention.default
         result = emit("call_function", op, plan.q, plan.k, plan.v, scale, plan.causal, -1, -1, kv, key_mask, "")
-    out = emit("call_function", operator.getitem, result, 0)
-    node.replace_all_uses_with(out)
-    graph.erase_node(node)
-    if key is not None and not reused:
-        emitted[key] = (key_mask, kv)
+    return emit("call_function", operator.getitem, result, 0), key, (key_mask, kv)
 
 
 def _as_sdpa_computes(emit: Emitter, node: torch.fx.Node, plan: _Plan) -> _Plan:
