@@ -251,6 +251,25 @@ def is_fake(tensor: torch.Tensor) -> bool:
     return fake(tensor)
 
 
+def dynamo_compile_lock():
+    """The re-entrant lock Dynamo holds while it compiles a frame (torch/_dynamo/convert_frame.py ``compile_lock``,
+    a ``threading.RLock``, 2.11 and 2.13)."""
+    from torch._dynamo.convert_frame import compile_lock
+
+    return compile_lock
+
+
+def new_dynamo_compile_lock() -> None:
+    """In a forked child: a new compile lock for Dynamo, whose parent's may have been held by another thread at the
+    fork (a compile, or one of our tunes, which hold it): the child's first compile would wait on it for ever.
+    Dynamo reads the module global at each use (``with compile_lock:``)."""
+    import threading
+
+    import torch._dynamo.convert_frame as convert_frame
+
+    convert_frame.compile_lock = threading.RLock()
+
+
 def wrapper_subclass(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` (an example value of a traced graph) is a tensor wrapper subclass such as DTensor, whose
     ops need rules of their own (our ops have no sharding rule); a FakeTensor is not one

@@ -122,7 +122,7 @@ def stats() -> dict[str, int]:
     from Inductor's cache, under keys ending in ``(launched by compiled code, per graph)``. Calls replayed
     inside a CUDA graph are not counted."""
     calls = {f"{op}/{direction} -> {choice}": n for (op, direction, choice), n in sorted(_STATS.items())}
-    counters = inductor_counters()
+    counters = dict(inductor_counters())  # a copy in one step: another thread's compile adds keys
     compiled = {f"{key[len(IN_GRAPHS):]} (launched by compiled code, per graph)": counters[key]
                 for key in sorted(counters) if key.startswith(IN_GRAPHS)}
     return calls | compiled
@@ -131,5 +131,5 @@ def stats() -> dict[str, int]:
 def reset_stats() -> None:
     _STATS.clear()
     counters = inductor_counters()
-    for key in [k for k in counters if k.startswith(IN_GRAPHS)]:
-        del counters[key]
+    for key in [k for k in list(counters) if k.startswith(IN_GRAPHS)]:  # list(): one step, as a compile adds keys
+        counters.pop(key, None)

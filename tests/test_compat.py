@@ -252,3 +252,19 @@ def test_wrapper_subclasses_and_functorch_wrapped_tensors_are_told_from_plain_an
     seen = []
     torch.func.vmap(lambda x: seen.append(_compat.functorch_wrapped(x)) or x)(torch.zeros(3, 2))
     assert seen == [True]
+
+
+def test_dynamos_compile_lock_is_a_reentrant_lock_held_while_compiling():
+    """decisions._measuring takes it before its own lock, as a compiling thread holds it when it asks for ours."""
+    import threading
+
+    lock = _compat.dynamo_compile_lock()
+    assert type(lock) is type(threading.RLock())
+    held = []
+
+    def backend(gm, inputs):
+        held.append(lock._is_owned())
+        return gm.forward
+
+    torch.compile(lambda x: x + 1, backend=backend)(torch.zeros(1))
+    assert held == [True]

@@ -38,6 +38,7 @@ import threading
 import time
 import uuid
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -165,6 +166,9 @@ def _text(raw: bytes) -> str | _Undecodable:
         return _Undecodable(raw)
 
 
+_OPENED: weakref.WeakSet = weakref.WeakSet()  # every store of this process, for _new_locks_in_child
+
+
 class DecisionStore:
     """One SQLite file of decisions. ``access`` (WRITE, READ, IMMUTABLE) is found from the filesystem when
     not given; passing READ or IMMUTABLE opens a writable file read-only all the same."""
@@ -180,6 +184,7 @@ class DecisionStore:
         self._opened = False
         self._warned_rows = False
         self._lock = threading.Lock()
+        _OPENED.add(self)
 
     def describe(self) -> str:
         return {WRITE: f"{self.path}", READ: f"{self.path} (read-only)",
@@ -517,11 +522,44 @@ def _overlay(primary: Path) -> DecisionStore:
 
 
 _STORES: dict[Path, LayeredStore] = {}
+_STORES_LOCK = threading.Lock()
 
 
 def get_store() -> LayeredStore:
     """The process-wide store for the current location (re-read from the environment on each call)."""
     path = default_path()
-    if path not in _STORES:
-        _STORES[path] = open_layers(path)
-    return _STORES[path]
+    store = _STORES.get(path)
+    if store is None:
+        with _STORES_LOCK:  # one store per location: threads that raced here would each keep their own layers
+            store = _STORES.get(path)
+            if store is None:
+                store = _STORES[path] = open_layers(path)
+    return store
+
+
+def _hold_for_fork() -> None:
+    """Before a fork: wait until no thread of this process is inside a store, each of which holds its store's lock
+    while it uses SQLite. A child forked while another thread was inside SQLite would find SQLite's own mutexes
+    held for ever (its first store access hung); and one forked while a store's lock was held, that lock."""
+    global _HELD
+    _STORES_LOCK.acquire()
+    _HELD = sorted(_OPENED, key=id)
+    for store in _HELD:
+        store._lock.acquire()
+
+
+def _release_after_fork() -> None:
+    for store in reversed(_HELD):
+        store._lock.release()
+    _STORES_LOCK.release()
+
+
+def _new_locks_in_child() -> None:
+    global _STORES_LOCK
+    _STORES_LOCK = threading.Lock()
+    for store in _HELD:
+        store._lock = threading.Lock()
+
+
+_HELD: list = []
+os.register_at_fork(before=_hold_for_fork, after_in_parent=_release_after_fork, after_in_child=_new_locks_in_child)

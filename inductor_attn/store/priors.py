@@ -96,20 +96,23 @@ class PriorTable:
         self._generation: str | None = None
 
     def _load(self) -> list[dict]:
-        if self._rows is None:
-            self._rows = []
+        # published whole: a thread reading while another loads must see the rows or load them itself, never
+        # an empty table
+        rows = self._rows
+        if rows is None:
             try:
                 data = json.loads(self.path.read_bytes())
-                rows = check_export(data, str(self.path))
+                found = check_export(data, str(self.path))
             except (OSError, ValueError, RecursionError) as err:  # RecursionError: JSON nested past Python's stack
                 self._error = f"{type(err).__name__}: {err}"
                 warnings.warn(f"inductor_attn: shipped decision table {self.path} is unusable ({self._error}); "
                               "continuing without it", RuntimeWarning, stacklevel=4)
-                return self._rows
+                rows = self._rows = []
+                return rows
             self._meta = {k: v for k, v in data.items() if k != "decisions"}
             origin = f"shipped: {self.path.name} ({self.summary()})"
-            self._rows = [{**row, "record": {**row["record"], "origin": origin}} for row in rows]
-        return self._rows
+            rows = self._rows = [{**row, "record": {**row["record"], "origin": origin}} for row in found]
+        return rows
 
     def summary(self) -> str:
         """Where and with what the table was measured, e.g. ``NVIDIA H200, torch 2.11.0, commit abc1234``."""

@@ -19,14 +19,17 @@ each checks the store at most once a second (``RECHECK_S``) until the tune's dec
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 
 import torch
 
+from .._compat import dynamo_compile_lock, new_dynamo_compile_lock
 from ..backends import AttnCall, Candidate, backends, enumerate_candidates, get_backend, source_hash
 from ..backends.registry import LOOKUP_ONLY, required_distributions
 from ..backends.registry import state as registry_state
@@ -64,6 +67,26 @@ _TUNED_HERE: set[tuple[str, str, float]] = set()
 _GATED: dict[tuple, str | None] = {}
 _LOCK = threading.RLock()
 RECHECK_S = 1.0
+
+
+@contextlib.contextmanager
+def _measuring():
+    """The locks held while a decision may run candidates (a tune, a gate): Dynamo's compile lock, then ``_LOCK``.
+    A candidate may compile (flex is torch.compile'd at its first call), and a thread compiling holds Dynamo's lock
+    when it asks for ``_LOCK`` (the pass's uuid, the lowering's decisions): taken in this one order, the two never
+    wait on each other. It also keeps one thread's timings from overlapping another's."""
+    with dynamo_compile_lock(), _LOCK:
+        yield
+
+
+def _new_locks_in_child() -> None:
+    """A process forked while a thread of its parent held the locks of a tune would wait on them for ever."""
+    global _LOCK
+    _LOCK = threading.RLock()
+    new_dynamo_compile_lock()
+
+
+os.register_at_fork(after_in_child=_new_locks_in_child)
 NOT_ENUMERATED = ("not enumerated: the shipped decision names none of its configs "
                   "(enumerating them imports a large library)")
 
@@ -459,7 +482,7 @@ def decide(call: AttnCall, dev: DeviceInfo, direction: str, grad_lse: bool = Fal
     choice = _MEMO.get(key)
     if choice is not None and key not in _PROVISIONAL:
         return choice
-    with _LOCK:
+    with _measuring():
         if key in _PROVISIONAL:
             _recheck(key)
         if key not in _MEMO:
@@ -497,8 +520,9 @@ def decide_with_record(call: AttnCall, dev: DeviceInfo, direction: str,
 def check_choice(call: AttnCall, dev: DeviceInfo, direction: str, choice: str, grad_lse: bool = False) -> str | None:
     """Why ``choice``, another candidate of the record behind ``call``'s decision (compiled code's pick for its
     graph), must not run here, or None: a record not tuned in this process is gated here first."""
-    row = _ROWS.get(_memo_key(call, dev, direction, grad_lse))
-    reason = None if row is None else _checked_here(call, direction, grad_lse, choice, row)
+    with _measuring():  # the gate runs candidates
+        row = _ROWS.get(_memo_key(call, dev, direction, grad_lse))
+        reason = None if row is None else _checked_here(call, direction, grad_lse, choice, row)
     return None if reason is _NOT_NOW else reason
 
 

@@ -23,7 +23,12 @@ import os
 
 MODES = ("autotune", "background", "cache-only", "heuristic", "off")
 ENV_VAR = "INDUCTOR_ATTN_MODE"
-_override: str | None = None
+_override: str | None = None  # set_mode's
+# tuning_mode blocks now open, (token, mode), innermost last: the last one opened rules while it lasts. Process-wide,
+# not per thread: autograd runs a backward in a thread of its own, which must see the block its caller opened; so a
+# block in one thread rules other threads' calls too while it lasts, and each block's exit removes its own entry
+# (restoring "the previous mode" let two threads' blocks, closed out of order, leave one's mode set for good).
+_SCOPED: list[tuple[object, str]] = []
 
 
 def _check(mode: str) -> str:
@@ -33,6 +38,9 @@ def _check(mode: str) -> str:
 
 
 def current_mode(device_type: str) -> str:
+    scoped = _SCOPED[-1:]  # one read: another thread may close its block meanwhile
+    if scoped:
+        return scoped[0][1]
     if _override is not None:
         return _override
     env = os.environ.get(ENV_VAR)
@@ -42,19 +50,27 @@ def current_mode(device_type: str) -> str:
 
 
 def set_mode(mode: str | None) -> None:
-    """Set the mode for this process (None: back to the environment variable / device default)."""
+    """Set the mode for this process (None: back to the environment variable / device default); a
+    :func:`tuning_mode` block open rules while it lasts."""
     global _override
     _override = None if mode is None else _check(mode)
-    from .decisions import forget_choices
-
-    forget_choices()
+    _forget()
 
 
 @contextlib.contextmanager
 def tuning_mode(mode: str):
-    previous = _override
-    set_mode(mode)
+    """``mode`` while the block runs, for the whole process (a backward runs in autograd's own thread)."""
+    entry = (object(), _check(mode))
+    _SCOPED.append(entry)
+    _forget()
     try:
         yield
     finally:
-        set_mode(previous)
+        _SCOPED.remove(entry)
+        _forget()
+
+
+def _forget() -> None:
+    from .decisions import forget_choices
+
+    forget_choices()
