@@ -270,6 +270,15 @@ def new_dynamo_compile_lock() -> None:
     convert_frame.compile_lock = threading.RLock()
 
 
+def sdpa_kernel_nodes() -> tuple:
+    """What Dynamo records for ``with sdpa_kernel([...]):`` inside a compiled function: a call of
+    ``torch.nn.attention._sdpa_kernel`` whose first argument lists the backends allowed, each an ``SDPBackend``
+    or a call of ``_backend_from_string(name)`` (torch/nn/attention/__init__.py, 2.11 and 2.13)."""
+    from torch.nn import attention
+
+    return attention._sdpa_kernel, attention._backend_from_string
+
+
 def wrapper_subclass(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` (an example value of a traced graph) is a tensor wrapper subclass such as DTensor, whose
     ops need rules of their own (our ops have no sharding rule); a FakeTensor is not one

@@ -268,3 +268,18 @@ def test_dynamos_compile_lock_is_a_reentrant_lock_held_while_compiling():
 
     torch.compile(lambda x: x + 1, backend=backend)(torch.zeros(1))
     assert held == [True]
+
+
+def test_a_compiled_sdpa_kernel_block_is_recorded_as_the_calls_the_rewrite_reads():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    setter, from_string = _compat.sdpa_kernel_nodes()
+    graphs = []
+
+    def fn(q):
+        with sdpa_kernel([SDPBackend.MATH]):
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+    torch.compile(fn, backend=lambda gm, inputs: graphs.append(gm) or gm.forward)(torch.randn(1, 1, 4, 8))
+    first = next(n for n in graphs[0].graph.nodes if n.target is setter)
+    assert [b.target for b in first.args[0]] == [from_string] and first.args[0][0].args == ("MATH",)

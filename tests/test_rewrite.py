@@ -343,6 +343,28 @@ def assert_left_alone(fn, *args, reason: str):
     assert outcome.startswith("sdpa: left alone") and reason in outcome, outcome
 
 
+@pytest.mark.parametrize("where", ["inside", "around"])
+def test_sdpa_restricted_by_sdpa_kernel_stays_sdpa(where):
+    """A user who limits SDPA's backends (MATH to debug, or for reproducibility) chose its kernel: routing it to
+    ours would drop that choice. The calls after the block are routed again."""
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def fn(q, k, v):
+        with sdpa_kernel([SDPBackend.MATH]) if where == "inside" else contextlib.nullcontext():
+            first = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(first, k, v, is_causal=True)
+
+    with sdpa_kernel([SDPBackend.MATH]) if where == "around" else contextlib.nullcontext():
+        eager, rewritten, gm = rewrite_and_run(fn, *qkv(hk=4))
+    torch.testing.assert_close(rewritten, eager, **TOL)
+    report = inductor_attn.routing_report()
+    assert report.get("sdpa: left alone (sdpa_kernel allows SDPA's MATH only: the user chose its kernel)") == \
+        (1 if where == "inside" else 2)
+    assert len(routed_calls(gm)) == (1 if where == "inside" else 0)
+
+
 def test_sdpa_under_a_torch_func_transform_stays_sdpa():
     def fn(q, k, v):
         return torch.func.vmap(lambda q: F.scaled_dot_product_attention(q, k, v, is_causal=True))(q)

@@ -71,8 +71,8 @@ from pathlib import Path
 import torch
 import torch.fx
 
-from .._compat import (custom_graph_pass_base, functorch_wrapped, op_types, size_hint, statically_known_true,
-                       wrapper_subclass)
+from .._compat import (custom_graph_pass_base, functorch_wrapped, op_types, sdpa_kernel_nodes, size_hint,
+                       statically_known_true, wrapper_subclass)
 from ..backends import REFERENCE, enumerate_candidates
 from ..device import DeviceInfo, device_info
 from .. import fp8 as fp8_entry
@@ -318,7 +318,32 @@ def _key_mask_plan(mask: torch.fx.Node, shape: tuple, qe, ke, ve, unproven: Skip
     return {"causal": False, "key_mask": mask, "what": "key_mask from an unproven mask the same for every query"}
 
 
+_SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
+
+
+def _sdpa_backends_allowed(node: torch.fx.Node) -> set[str] | None:
+    """The SDPA backends a user's ``sdpa_kernel([...])`` allows for this call (the last such block entered before it
+    in the graph, else the flags set while compiling); None where it allows all of them."""
+    setter, from_string = sdpa_kernel_nodes()
+    n = node.prev
+    while n.op != "root" and not (n.op == "call_function" and n.target is setter):
+        n = n.prev
+    if n.op == "root":
+        flags = torch.backends.cuda
+        on = {"FLASH_ATTENTION": flags.flash_sdp_enabled(), "EFFICIENT_ATTENTION": flags.mem_efficient_sdp_enabled(),
+              "CUDNN_ATTENTION": flags.cudnn_sdp_enabled(), "MATH": flags.math_sdp_enabled()}
+        allowed = {name for name, enabled in on.items() if enabled}
+    else:
+        allowed = {b.args[0] if isinstance(b, torch.fx.Node) and b.target is from_string else getattr(b, "name", b)
+                   for b in n.args[0]}
+    return None if allowed >= set(_SDPA_BACKENDS) else allowed
+
+
 def plan_sdpa(node: torch.fx.Node, analysis: mask_proof.MaskAnalysis) -> _Plan:
+    allowed = _sdpa_backends_allowed(node)
+    if allowed is not None:
+        raise Skip(f"sdpa_kernel allows SDPA's {', '.join(sorted(allowed)) or 'no backend'} only: the user chose "
+                   "its kernel")
     args = _sdpa_args(node)
     if args["dropout_p"] not in (0, 0.0):
         raise Skip("dropout_p is not 0")
