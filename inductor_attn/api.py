@@ -176,6 +176,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, wind
     """
     if (block_mask is None and torch.compiler.is_compiling() and isinstance(q, torch.Tensor)
             and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and q.dim() == k.dim() == v.dim() == 4
+            and q.layout == k.layout == v.layout == torch.strided  # nested ones: their sizes are no ints
             and q.is_floating_point() and q.dtype == k.dtype == v.dtype
             and (kv_seqlens is None or isinstance(kv_seqlens, torch.Tensor))
             and (key_mask is None or isinstance(key_mask, torch.Tensor) and key_mask.dtype == torch.bool)

@@ -395,7 +395,9 @@ def test_compiled_call_reports_our_type_error_first(fresh_dynamo):
 @pytest.mark.parametrize("q, error, message", [
     ([1.0, 2.0], TypeError, r"^q must be a torch.Tensor of shape \(batch, heads, seq_len, head_dim\), got list"),
     (t(2, 4, 8), ValueError, r"^q must have 4 dims \(batch, heads, seq_len, head_dim\), got shape \(2, 4, 8\)"),
-], ids=["a_list", "three_dims"])
+    (torch.nested.nested_tensor([t(5, 4, 16), t(3, 4, 16)], layout=torch.jagged).transpose(1, 2), TypeError,
+     r"^q must be a dense \(strided\) tensor, got a nested one"),
+], ids=["a_list", "three_dims", "nested"])
 def test_compiled_call_with_a_wrong_q_reports_our_message_first(q, error, message, fresh_dynamo):
     # traced dense calls leave the structural checks to the op's fake impl; a q that is not a tensor never
     # reaches it, and one of the wrong rank reaches it: both must still read as our message
