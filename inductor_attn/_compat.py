@@ -263,11 +263,12 @@ def new_dynamo_compile_lock() -> None:
     """In a forked child: a new compile lock for Dynamo, whose parent's may have been held by another thread at the
     fork (a compile, or one of our tunes, which hold it): the child's first compile would wait on it for ever.
     Dynamo reads the module global at each use (``with compile_lock:``)."""
+    import sys
     import threading
 
-    import torch._dynamo.convert_frame as convert_frame
-
-    convert_frame.compile_lock = threading.RLock()
+    convert_frame = sys.modules.get("torch._dynamo.convert_frame")
+    if convert_frame is not None:  # not imported in the parent: no lock to replace (and no import in the child)
+        convert_frame.compile_lock = threading.RLock()
 
 
 def sdpa_kernel_nodes() -> tuple:

@@ -256,3 +256,16 @@ def test_an_agreed_choice_survives_a_compile_that_follows_the_store(fakes):
     assert decide(small_call(), DEV, "forward") == "a:default"
     decisions.follow_store(lambda: "a token the store never had")
     assert decide(small_call(), DEV, "forward") == "a:default"
+
+
+def test_an_agreed_choice_first_called_inside_a_cuda_graph_capture_still_answers_after_it(fakes, monkeypatch):
+    """A call inside a capture is answered and not remembered; the choice the ranks agreed on must still answer
+    the next call outside it (it was taken from the agreed set, and this rank then decided on its own)."""
+    decide(small_call(), DEV, "forward")
+    ((memo_key, _, _),) = decision_entries()
+    adopt_decisions({memo_key: ("a:default", None)})
+    capturing = [True]
+    monkeypatch.setattr(decisions, "_capturing", lambda call: capturing[0])
+    assert decide(small_call(), DEV, "forward") == "a:default"
+    capturing[0] = False
+    assert decide(small_call(), DEV, "forward") == "a:default"

@@ -365,6 +365,17 @@ def test_sdpa_restricted_by_sdpa_kernel_stays_sdpa(where):
     assert len(routed_calls(gm)) == (1 if where == "inside" else 0)
 
 
+def test_the_sdpa_backends_enabled_while_compiling_are_part_of_the_pass_uuid():
+    """A graph routed with every backend enabled must not be replayed from Inductor's cache in a process that
+    limits them, nor the other way round."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    default = RewritePass().uuid()
+    with sdpa_kernel([SDPBackend.MATH]):
+        assert RewritePass().uuid() != default
+    assert RewritePass().uuid() == default
+
+
 def test_sdpa_under_a_torch_func_transform_stays_sdpa():
     def fn(q, k, v):
         return torch.func.vmap(lambda q: F.scaled_dot_product_attention(q, k, v, is_causal=True))(q)

@@ -205,3 +205,45 @@ def test_a_shipped_table_is_never_seen_empty_while_another_thread_loads_it(tmp_p
     with pytest.warns(RuntimeWarning):
         table.rows()
     assert seen == [None]
+
+
+def test_a_call_in_a_mode_that_never_measures_does_not_wait_for_another_threads_compile(monkeypatch):
+    """Only decisions that may run candidates take Dynamo's compile lock (to keep its order with ours)."""
+    from fakes import FakeBackend, small_call, timed_with_fakes
+
+    from inductor_attn._compat import dynamo_compile_lock
+    from inductor_attn.backends import only_backends
+    from inductor_attn.device import DeviceInfo
+    from inductor_attn.tuning.decisions import decide
+
+    a = FakeBackend("a", {"default": (1.0, 0.01)})
+    timed_with_fakes(monkeypatch, a)
+    held, release = threading.Event(), threading.Event()
+
+    def compiling():
+        with dynamo_compile_lock():
+            held.set()
+            release.wait(10)
+
+    other = threading.Thread(target=compiling)
+    other.start()
+    held.wait(10)
+    try:
+        with only_backends(a), modes.tuning_mode("off"):
+            start = time.perf_counter()
+            assert decide(small_call(lq=70), DeviceInfo("cpu", (0, 0), 2), "forward") == "a:default"
+            assert time.perf_counter() - start < 5
+    finally:
+        release.set()
+        other.join()
+
+
+def test_tuning_mode_none_is_the_default_whatever_set_mode_set(monkeypatch):
+    monkeypatch.delenv(modes.ENV_VAR, raising=False)
+    modes.set_mode("off")
+    try:
+        with modes.tuning_mode(None):
+            assert modes.current_mode("cuda") == "autotune"
+        assert modes.current_mode("cuda") == "off"
+    finally:
+        modes.set_mode(None)

@@ -321,6 +321,14 @@ def _key_mask_plan(mask: torch.fx.Node, shape: tuple, qe, ke, ve, unproven: Skip
 _SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
 
 
+def _sdpa_backends_allowed_globally() -> set[str]:
+    """The SDPA backends the global flags enable (``sdpa_kernel`` around the compiled function sets them)."""
+    flags = torch.backends.cuda
+    on = {"FLASH_ATTENTION": flags.flash_sdp_enabled(), "EFFICIENT_ATTENTION": flags.mem_efficient_sdp_enabled(),
+          "CUDNN_ATTENTION": flags.cudnn_sdp_enabled(), "MATH": flags.math_sdp_enabled()}
+    return {name for name, enabled in on.items() if enabled}
+
+
 def _sdpa_backends_allowed(node: torch.fx.Node) -> set[str] | None:
     """The SDPA backends a user's ``sdpa_kernel([...])`` allows for this call (the last such block entered before it
     in the graph, else the flags set while compiling); None where it allows all of them."""
@@ -329,10 +337,7 @@ def _sdpa_backends_allowed(node: torch.fx.Node) -> set[str] | None:
     while n.op != "root" and not (n.op == "call_function" and n.target is setter):
         n = n.prev
     if n.op == "root":
-        flags = torch.backends.cuda
-        on = {"FLASH_ATTENTION": flags.flash_sdp_enabled(), "EFFICIENT_ATTENTION": flags.mem_efficient_sdp_enabled(),
-              "CUDNN_ATTENTION": flags.cudnn_sdp_enabled(), "MATH": flags.math_sdp_enabled()}
-        allowed = {name for name, enabled in on.items() if enabled}
+        allowed = _sdpa_backends_allowed_globally()
     else:
         allowed = {b.args[0] if isinstance(b, torch.fx.Node) and b.target is from_string else getattr(b, "name", b)
                    for b in n.args[0]}
@@ -673,6 +678,7 @@ class RewritePass(custom_graph_pass_base()):
         h.update(str(flex_route.routing_requested()).encode())  # the settings change the rewritten graph
         h.update(",".join(sorted(routed_device_types())).encode())
         h.update(f"fp8={self.fp8}".encode())
+        h.update(repr(sorted(_sdpa_backends_allowed_globally())).encode())  # calls it leaves to SDPA
         for path in _SOURCES:
             h.update(path.read_bytes())
         for p in self._chain():

@@ -166,7 +166,8 @@ def _text(raw: bytes) -> str | _Undecodable:
         return _Undecodable(raw)
 
 
-_OPENED: weakref.WeakSet = weakref.WeakSet()  # every store of this process, for _new_locks_in_child
+_OPENED: weakref.WeakSet = weakref.WeakSet()  # every store of this process, for the fork handlers below
+_OPENED_LOCK = threading.Lock()
 
 
 class DecisionStore:
@@ -184,7 +185,8 @@ class DecisionStore:
         self._opened = False
         self._warned_rows = False
         self._lock = threading.Lock()
-        _OPENED.add(self)
+        with _OPENED_LOCK:  # a fork walks the set
+            _OPENED.add(self)
 
     def describe(self) -> str:
         return {WRITE: f"{self.path}", READ: f"{self.path} (read-only)",
@@ -541,24 +543,27 @@ def _hold_for_fork() -> None:
     """Before a fork: wait until no thread of this process is inside a store, each of which holds its store's lock
     while it uses SQLite. A child forked while another thread was inside SQLite would find SQLite's own mutexes
     held for ever (its first store access hung); and one forked while a store's lock was held, that lock."""
-    global _HELD
-    _STORES_LOCK.acquire()
-    _HELD = sorted(_OPENED, key=id)
-    for store in _HELD:
+    _STORES_LOCK.acquire()  # get_store's order: it opens stores (which join _OPENED) under _STORES_LOCK
+    _OPENED_LOCK.acquire()
+    for store in sorted(_OPENED, key=id):
         store._lock.acquire()
+        _HELD.append(store)  # one by one: after the fork, exactly these are released
 
 
 def _release_after_fork() -> None:
     for store in reversed(_HELD):
         store._lock.release()
+    _HELD.clear()
+    _OPENED_LOCK.release()
     _STORES_LOCK.release()
 
 
 def _new_locks_in_child() -> None:
-    global _STORES_LOCK
-    _STORES_LOCK = threading.Lock()
+    global _STORES_LOCK, _OPENED_LOCK
+    _STORES_LOCK, _OPENED_LOCK = threading.Lock(), threading.Lock()
     for store in _HELD:
         store._lock = threading.Lock()
+    _HELD.clear()
 
 
 _HELD: list = []

@@ -70,13 +70,18 @@ RECHECK_S = 1.0
 
 
 @contextlib.contextmanager
-def _measuring():
-    """The locks held while a decision may run candidates (a tune, a gate): Dynamo's compile lock, then ``_LOCK``.
-    A candidate may compile (flex is torch.compile'd at its first call), and a thread compiling holds Dynamo's lock
-    when it asks for ``_LOCK`` (the pass's uuid, the lowering's decisions): taken in this one order, the two never
-    wait on each other. It also keeps one thread's timings from overlapping another's."""
-    with dynamo_compile_lock(), _LOCK:
-        yield
+def _measuring(device_type: str):
+    """The locks held while a decision may run candidates (a tune, a gate: the modes that measure): Dynamo's compile
+    lock, then ``_LOCK``. A candidate may compile (flex is torch.compile'd at its first call), and a thread compiling
+    holds Dynamo's lock when it asks for ``_LOCK`` (the pass's uuid, the lowering's decisions): taken in this one
+    order, the two never wait on each other. It also keeps one thread's timings from overlapping another's. Modes
+    that never measure take ``_LOCK`` alone: their calls need not wait for another thread's compile."""
+    if current_mode(device_type) in ("autotune", "background"):
+        with dynamo_compile_lock(), _LOCK:
+            yield
+    else:
+        with _LOCK:
+            yield
 
 
 def _new_locks_in_child() -> None:
@@ -482,7 +487,7 @@ def decide(call: AttnCall, dev: DeviceInfo, direction: str, grad_lse: bool = Fal
     choice = _MEMO.get(key)
     if choice is not None and key not in _PROVISIONAL:
         return choice
-    with _measuring():
+    with _measuring(call.problem.device_type):
         if key in _PROVISIONAL:
             _recheck(key)
         if key not in _MEMO:
@@ -490,13 +495,15 @@ def decide(call: AttnCall, dev: DeviceInfo, direction: str, grad_lse: bool = Fal
             choice, row, pending = ((*agreed, None) if agreed
                                     else decide_uncached(call, dev, direction, grad_lse, _FAILED.get(key)))
             while row is not None and (reason := _checked_here(call, direction, grad_lse, choice, row)):
-                if reason is _NOT_NOW:
-                    return choice  # inside a CUDA-graph capture: not remembered, checked at the next call
+                if reason is _NOT_NOW:  # inside a CUDA-graph capture: not remembered, checked at the next call
+                    if agreed:
+                        _AGREED[key] = agreed  # what the ranks agreed on still answers that call
+                    return choice
                 _FAILED.setdefault(key, {})[choice] = reason
                 log.warning("inductor_attn: %s, decided for %s by a decision not tuned in this process, is not "
                             "used here: %s", choice, call.problem, reason)
                 choice, row, pending = decide_uncached(call, dev, direction, grad_lse, _FAILED[key])
-            if row is None and pending is None and _capturing(call):
+            if row is None and pending is None and not agreed and _capturing(call):
                 return choice  # nothing measured may run inside a capture: not remembered, decided at the next call
             if row is not None:
                 _ROWS[key] = row
@@ -520,7 +527,7 @@ def decide_with_record(call: AttnCall, dev: DeviceInfo, direction: str,
 def check_choice(call: AttnCall, dev: DeviceInfo, direction: str, choice: str, grad_lse: bool = False) -> str | None:
     """Why ``choice``, another candidate of the record behind ``call``'s decision (compiled code's pick for its
     graph), must not run here, or None: a record not tuned in this process is gated here first."""
-    with _measuring():  # the gate runs candidates
+    with _measuring(call.problem.device_type):  # the gate runs candidates
         row = _ROWS.get(_memo_key(call, dev, direction, grad_lse))
         reason = None if row is None else _checked_here(call, direction, grad_lse, choice, row)
     return None if reason is _NOT_NOW else reason

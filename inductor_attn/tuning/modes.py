@@ -40,8 +40,9 @@ def _check(mode: str) -> str:
 def current_mode(device_type: str) -> str:
     scoped = _SCOPED[-1:]  # one read: another thread may close its block meanwhile
     if scoped:
-        return scoped[0][1]
-    if _override is not None:
+        if scoped[0][1] is not None:
+            return scoped[0][1]
+    elif _override is not None:
         return _override
     env = os.environ.get(ENV_VAR)
     if env:
@@ -58,9 +59,10 @@ def set_mode(mode: str | None) -> None:
 
 
 @contextlib.contextmanager
-def tuning_mode(mode: str):
-    """``mode`` while the block runs, for the whole process (a backward runs in autograd's own thread)."""
-    entry = (object(), _check(mode))
+def tuning_mode(mode: str | None):
+    """``mode`` while the block runs, for the whole process (a backward runs in autograd's own thread); None: the
+    environment variable's or the device's default, whatever set_mode set."""
+    entry = (object(), None if mode is None else _check(mode))
     _SCOPED.append(entry)
     _forget()
     try:
