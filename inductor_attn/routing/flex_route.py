@@ -40,7 +40,7 @@ from torch.fx.node import map_arg
 from .._compat import size_hint, statically_known_true
 from ..tuning.settings import env_flag
 from . import mask_proof
-from .graph_edit import Emitter, Skip, ev
+from .graph_edit import Emitter, Skip, ev, failures_skip
 
 # Opt-in: on an H100, our block-sparse kernels plus the per-call bitmaps ran slower than compiled flex on
 # sliding-window and document masks (`bench --suite flex_route`, benchmarks/RESULTS.md), and which of the two
@@ -267,18 +267,13 @@ def emit_flex(graph: torch.fx.Graph, node: torch.fx.Node, plan: dict, *, bits_me
     read = {x for x in (plan["cnt"], plan["idx"], *plan["buffers"]) if isinstance(x, torch.fx.Node)}
     flex_calls = {n for n in graph.nodes if is_flex(n)}
     key = _bits_key(plan) if mask_proof.mutation_free(read, stop=flex_calls) else None
-    try:
+    with failures_skip(emit):  # whatever fails in the fake evaluation, flex keeps the call
         bits = bits_memo[key] if key in bits_memo else _partial_bits(emit, plan)
         # the op's fake impl checks what flex accepts and we do not (head dims, index dtypes, the block
         # mask's head count): a refusal leaves the call to flex
         result = emit.fn(torch.ops.inductor_attn.block_sparse_attention.default, plan["q"], plan["k"], plan["v"],
                          plan["cnt"], plan["idx"], plan["full_cnt"], plan["full_idx"], bits, plan["block_q"],
                          plan["block_kv"], plan["scale"], -1.0, -1.0, "")
-    except Exception as exc:  # noqa: BLE001 - whatever fails in the fake evaluation, flex keeps the call
-        emit.rollback()
-        if isinstance(exc, Skip):
-            raise
-        raise Skip(f"{type(exc).__name__}: {exc}") from exc
     if key is not None:
         bits_memo[key] = bits
     outs = plan["outs"]

@@ -14,6 +14,20 @@ class Skip(Exception):
     """An attention call that stays as it is; the message is the reason."""
 
 
+@contextlib.contextmanager
+def failures_skip(emit: Emitter | None = None, why: str = ""):
+    """Inside, any exception leaves the call as it is: a Skip whose reason is ``why`` then the exception (routing
+    never fails a compile), after the nodes ``emit`` added are taken out again."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - reported as the reason the call stays as it is
+        if emit is not None:
+            emit.rollback()
+        if isinstance(exc, Skip):
+            raise
+        raise Skip(f"{why}{type(exc).__name__}: {str(exc)[:200]}") from exc
+
+
 def ev(x):
     """The example value Dynamo recorded for a node (a module for a ``get_attr``), or ``x`` itself."""
     if not isinstance(x, torch.fx.Node):

@@ -79,7 +79,7 @@ from .. import fp8 as fp8_entry
 from ..fp8 import quantize
 from ..problem import Problem, default_scale
 from . import flex_route, graph_edit, mask_proof
-from .graph_edit import Emitter, Skip, ev
+from .graph_edit import Emitter, Skip, ev, failures_skip
 
 log = logging.getLogger(__name__)
 
@@ -512,13 +512,8 @@ def _emit(graph: torch.fx.Graph, node: torch.fx.Node, plan: _Plan, emitted: dict
     (``structure``, memoized in ``seen``): the calls of a model's layers take one mask, and each would
     otherwise reduce it again (a kernel per layer: HF Llama's static-cache decode step ran 8 of them)."""
     emit = Emitter(graph, node, getattr(ev(plan.q), "fake_mode", None))
-    try:
+    with failures_skip(emit):  # what our op's fake impl refuses of what SDPA takes stays SDPA
         out, key, shared = _emit_call(emit, node, plan, emitted, seen)
-    except Exception as exc:  # noqa: BLE001 - what our op's fake impl refuses of what SDPA takes stays SDPA
-        emit.rollback()
-        if isinstance(exc, Skip):
-            raise
-        raise Skip(f"{type(exc).__name__}: {str(exc)[:200]}") from exc
     node.replace_all_uses_with(out)
     graph.erase_node(node)
     if key is not None:  # the latest emission: a later call sharing it reads it after any write before this one
@@ -624,7 +619,8 @@ def rewrite_graph(graph: torch.fx.Graph, fp8: bool = False) -> int:
         else:
             continue
         try:
-            plan = _planned(plan_fn, node)
+            with failures_skip(why="the analysis failed: "):  # a mask in a form it does not read, a chain too deep
+                plan = plan_fn(node)
             emit_fn(graph, node, plan)
         except Skip as skip:
             _REPORT[f"{kind}: left alone ({skip})"] += 1
@@ -634,17 +630,6 @@ def rewrite_graph(graph: torch.fx.Graph, fp8: bool = False) -> int:
         _REPORT[f"{kind}: routed ({what})"] += 1
         rewritten += 1
     return rewritten
-
-
-def _planned(plan_fn, node: torch.fx.Node):
-    """``plan_fn(node)``; an analysis that fails (a mask built in a form it does not read, a chain too deep for
-    Python's recursion) leaves the call alone, as one it cannot prove does: routing never fails a compile."""
-    try:
-        return plan_fn(node)
-    except Skip:
-        raise
-    except Exception as exc:  # noqa: BLE001 - reported as the reason the call stays as it is
-        raise Skip(f"the analysis failed: {type(exc).__name__}: {str(exc)[:200]}") from exc
 
 
 # what the rewritten graph is made of (fp8_entry: the quantisation it emits)
