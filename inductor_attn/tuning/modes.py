@@ -28,7 +28,7 @@ _override: str | None = None  # set_mode's
 # not per thread: autograd runs a backward in a thread of its own, which must see the block its caller opened; so a
 # block in one thread rules other threads' calls too while it lasts, and each block's exit removes its own entry
 # (restoring "the previous mode" let two threads' blocks, closed out of order, leave one's mode set for good).
-_SCOPED: list[tuple[object, str]] = []
+_SCOPED: list[tuple[object, str | None]] = []  # (token, mode; None: the default)
 
 
 def _check(mode: str) -> str:
