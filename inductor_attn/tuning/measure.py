@@ -444,13 +444,21 @@ def _blocks(got) -> list[tuple[int, torch.device]]:
     return list(blocks.values())
 
 
+HOST_POISON_BLOCKS, HOST_POISON_BYTES = 32, 64 << 20  # at most, and at most this much memory at once
+
+
 def _poison_blocks(blocks: list[tuple[int, torch.device]]) -> None:
     """Fill blocks of these sizes with NaN through new allocations, once a checked candidate's outputs are freed:
     an allocator hands a freed block back to the next request of its size first, so the next candidate's outputs
     would otherwise start as this one's right answer, and memory a kernel never writes would pass the check. Not
     through the outputs themselves, which may share memory with tensors still in use."""
     for nbytes, device in blocks:
-        torch.full((max(nbytes // 4, 1),), POISON, dtype=torch.float32, device=device)
+        # CUDA's caching allocator hands the block just freed to the next request of its size; the host's malloc
+        # merges and splits free chunks and may hand out another (on a perturbed heap 126 of 300 unwritten
+        # heads read as the right answer with one block, none with 32), so on the host several are filled at once
+        copies = 1 if device.type == "cuda" else max(1, min(HOST_POISON_BLOCKS, HOST_POISON_BYTES // max(nbytes, 1)))
+        held = [torch.full((max(nbytes // 4, 1),), POISON, dtype=torch.float32, device=device) for _ in range(copies)]
+        del held
 
 
 def _passes_without_nan_tails(trial: Trial, call: AttnCall, check) -> bool:
