@@ -55,6 +55,9 @@ DENSE_CASES = {
                       r"v is on meta but q is on cpu"),
     "int_dtype": (lambda: attention(Q.int(), K.int(), V.int()), TypeError,
                   r"q has dtype torch.int32; supported dtypes are float16, bfloat16, float32, float64"),
+    "fp8_dtype": (lambda: attention(*(x.to(torch.float8_e4m3fn) for x in (Q, K, V))), TypeError,
+                  r"q has dtype torch.float8_e4m3fn; supported dtypes are float16, bfloat16, float32, float64; "
+                  r"float8_e4m3fn q, k, v with their descales go to inductor_attn.fp8_attention$"),
     "head_dim_4": (lambda: attention(t(2, 4, 8, 4), t(2, 2, 8, 4), t(2, 2, 8, 4)), ValueError,
                    r"q head_dim must be in \[8, 256\], got 4"),
     "head_dim_512": (lambda: attention(t(2, 4, 8, 512), t(2, 2, 8, 512), t(2, 2, 8, 512)), ValueError,
@@ -322,6 +325,21 @@ def test_checks_run_on_fake_tensors_while_tracing():
                       -1, -1, None, None, "")
 
 
+@pytest.mark.parametrize("call, args", [
+    (lambda q, k, v, lens: attention(q, k, v, kv_seqlens=lens), (Q, K, V, i32(3, 8))),
+    (lambda q, k, v, cu_q, cu_k: varlen_attention(q, k, v, cu_q, cu_k, 6, 7), (QV, KV, VV, CU_Q, CU_K)),
+    (lambda q, k, v, table, lens: paged_attention(q, k, v, table, lens),
+     (QV[:2], t(3, 4, 2, 16), t(3, 4, 2, 16), i32(0, 1, 2, 1).view(2, 2), i32(5, 7))),
+], ids=["kv_seqlens", "varlen", "paged"])
+@pytest.mark.parametrize("tracing_mode", ["fake", "symbolic"])
+def test_value_checks_on_fake_tensors_become_device_asserts_as_in_compiled_code(call, args, tracing_mode):
+    # make_fx and FakeTensorMode run the eager path on tensors whose values cannot be read
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    graph = make_fx(call, tracing_mode=tracing_mode)(*args).graph
+    assert any("_assert_async" in str(node.target) for node in graph.nodes)
+
+
 @pytest.mark.parametrize("scale", [np.float32(0.5), np.float64(0.5), np.int64(1), 1, fractions.Fraction(1, 2)],
                          ids=["np_float32", "np_float64", "np_int64", "int", "exact_fraction"])
 def test_scale_takes_real_scalars_that_convert_to_float_exactly(scale):
@@ -398,10 +416,12 @@ def test_compiled_call_reports_our_type_error_first(fresh_dynamo):
     (torch.nested.nested_tensor([t(5, 4, 16), t(3, 4, 16)], layout=torch.jagged).transpose(1, 2), TypeError,
      r"^q must be a dense \(strided\) tensor, got a nested one"),
 ], ids=["a_list", "three_dims", "nested"])
-def test_compiled_call_with_a_wrong_q_reports_our_message_first(q, error, message, fresh_dynamo):
+@pytest.mark.parametrize("dynamic", [None, True], ids=["dynamic_default", "dynamic"])
+def test_compiled_call_with_a_wrong_q_reports_our_message_first(q, error, message, dynamic, fresh_dynamo):
     # traced dense calls leave the structural checks to the op's fake impl; a q that is not a tensor never
-    # reaches it, and one of the wrong rank reaches it: both must still read as our message
-    fn = torch.compile(lambda q, k, v: attention(q, k, v), fullgraph=True)
+    # reaches it, and one of the wrong rank reaches it: both must still read as our message, also where its
+    # sizes are symbolic (the message is a constant built one size at a time: checks.shape_text)
+    fn = torch.compile(lambda q, k, v: attention(q, k, v), fullgraph=True, dynamic=dynamic)
     with pytest.raises(error, match=message):
         fn(q, K, V)
 
@@ -411,13 +431,13 @@ def test_compiled_call_with_a_wrong_q_reports_our_message_first(q, error, messag
     (torch.tensor([3, 40]), TypeError, r"^kv_seqlens must have dtype int32, got torch.int64"),
     (torch.tensor([3, 4, 40], dtype=torch.int32), ValueError, r"^kv_seqlens must have shape \(2,\) \(batch,\)"),
 ], ids=["a_list", "int64", "three_lengths"])
-@pytest.mark.parametrize("fullgraph", [True, False])
-def test_compiled_call_with_a_wrong_kv_seqlens_reports_our_message_first(lens, error, message, fullgraph,
+@pytest.mark.parametrize("fullgraph, dynamic", [(True, None), (False, None), (True, True)])
+def test_compiled_call_with_a_wrong_kv_seqlens_reports_our_message_first(lens, error, message, fullgraph, dynamic,
                                                                         fresh_dynamo):
     # the traced path writes the values' device assert itself; lengths of the wrong kind get our message
     # while tracing, before that assert exists (without fullgraph a graph break after it would run it first:
     # the lengths here are also out of range); a kv_seqlens that is not a tensor takes the checked path
-    fn = torch.compile(lambda q, k, v, lens: attention(q, k, v, kv_seqlens=lens), fullgraph=fullgraph)
+    fn = torch.compile(lambda q, k, v, lens: attention(q, k, v, kv_seqlens=lens), fullgraph=fullgraph, dynamic=dynamic)
     with pytest.raises(error, match=message):
         fn(Q, K, V, lens)
 

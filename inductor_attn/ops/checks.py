@@ -3,9 +3,10 @@
 Every message names the argument, what was given and what is accepted. Structural checks (types, shapes,
 dtypes, devices, sizes) work on fake tensors too: they run eagerly, in the ops, and while torch.compile
 traces (in the public API and in the ops' fake impls). Checks on index *values* (``check_*_values``)
-read the tensors: eagerly they sync the device and raise ValueError; in compiled code they become
-device-side asserts, which stop the compiled call at run time without a host sync. Their messages hold
-no sizes: a symbolic size formatted into a string would be specialised (one compilation per length).
+read the tensors: eagerly they sync the device and raise ValueError; in compiled code and on fake tensors
+(``make_fx``, ``FakeTensorMode``) they become device-side asserts, which stop the compiled call at run time
+without a host sync. Their messages hold no sizes: a symbolic size formatted into a string would be
+specialised (one compilation per length).
 """
 
 from __future__ import annotations
@@ -74,6 +75,18 @@ def _traced_error(error: type[Exception]) -> type[Exception]:
     return Traced
 
 
+def shape_text(sizes) -> str:
+    """``str(tuple(sizes))``, built one size at a time: while torch.compile traces, a message passed to
+    :func:`fail` must be a constant, and Dynamo formats a symbolic size in an f-string but not a tuple of them
+    (``dynamic=True``).
+
+    >>> shape_text(torch.Size([2, 3])), shape_text((5,)), shape_text(())
+    ('(2, 3)', '(5,)', '()')
+    """
+    items = [f"{size}" for size in sizes]
+    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+
+
 def assert_on_device(cond: torch.Tensor, message: str) -> None:
     """Compiled code only: stop at run time unless the 0-dim bool ``cond`` holds, with no host sync. On the
     CPU, Inductor's kernel raises RuntimeError(message); on CUDA it is a Triton device assert (the kernel
@@ -92,13 +105,15 @@ def check_tensor(name: str, x, ndim: int, layout: str) -> None:
     if x.is_nested or x.layout is not torch.strided:  # kernels index memory through strides
         fail(TypeError, f"{name} must be a dense (strided) tensor, got a {'nested' if x.is_nested else x.layout} one")
     if x.dim() != ndim:
-        fail(ValueError, f"{name} must have {ndim} dims {layout}, got shape {tuple(x.shape)}")
+        fail(ValueError, f"{name} must have {ndim} dims {layout}, got shape {shape_text(x.shape)}")
 
 
 def check_same_dtype_device(tensors: dict[str, torch.Tensor], dtypes=SUPPORTED_DTYPES) -> None:
     (first, ref), *rest = tensors.items()
     if ref.dtype not in dtypes:
-        fail(TypeError, f"{first} has dtype {ref.dtype}; supported dtypes are {_dtype_names(dtypes)}")
+        hint = "; float8_e4m3fn q, k, v with their descales go to inductor_attn.fp8_attention"
+        fail(TypeError, f"{first} has dtype {ref.dtype}; supported dtypes are {_dtype_names(dtypes)}"
+                        + (hint if ref.dtype == torch.float8_e4m3fn else ""))
     for name, t in rest:
         if t.dtype != ref.dtype:
             fail(TypeError, f"{name} has dtype {t.dtype} but {first} has {ref.dtype}; q, k and v must share one dtype")
@@ -188,7 +203,7 @@ def check_scale(scale) -> None:
     if scale is None or isinstance(scale, torch.SymFloat):
         return  # under dynamic shapes the default scale is symbolic: its value is checked when it runs
     if isinstance(scale, torch.Tensor):
-        fail(TypeError, f"scale must be a float, got a Tensor of shape {tuple(scale.shape)}; pass float(scale) "
+        fail(TypeError, f"scale must be a float, got a Tensor of shape {shape_text(scale.shape)}; pass float(scale) "
                         f"(a host sync for a device tensor)")
     if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
         # torch.compile traces a NumPy scalar as an array (F.scaled_dot_product_attention refuses it there too)
@@ -220,7 +235,7 @@ def check_index_tensor(name: str, x, shape: tuple, device: torch.device, layout:
     if x.dtype != dtype:
         fail(TypeError, f"{name} must have dtype {kind}, got {x.dtype}")
     if tuple(x.shape) != tuple(shape):
-        fail(ValueError, f"{name} must have shape {tuple(shape)} {layout}, got {tuple(x.shape)}")
+        fail(ValueError, f"{name} must have shape {shape_text(shape)} {layout}, got {shape_text(x.shape)}")
     if x.device != device:
         fail(ValueError, f"{name} is on {x.device} but q is on {device}")
 
@@ -247,6 +262,12 @@ def check_attention(q, k, v, scale, window_left, window_right, kv_seqlens, key_m
                            "(batch, k seq_len), True = the key may be attended", dtype=torch.bool)
 
 
+def values_deferred(*tensors) -> bool:
+    """Whether a check of index or scale *values* becomes a device-side assert instead of a host read: in compiled
+    code, and on fake tensors (``FakeTensorMode``, ``make_fx``), whose values cannot be read."""
+    return torch.compiler.is_compiling() or any(isinstance(t, torch.Tensor) and _compat.is_fake(t) for t in tensors)
+
+
 def check_kv_seqlens(q, kv_seqlens) -> None:
     check_index_tensor("kv_seqlens", kv_seqlens, (q.shape[0],), q.device, "(batch,)")
 
@@ -256,7 +277,7 @@ def check_attention_values(k, kv_seqlens) -> None:
     if kv_seqlens is None:
         return
     lk = k.shape[2]
-    if torch.compiler.is_compiling():
+    if values_deferred(kv_seqlens):
         assert_on_device(((kv_seqlens >= 0) & (kv_seqlens <= lk)).all(), KV_SEQLENS_VALUES)
         return
     if kv_seqlens.numel() == 0:
@@ -272,7 +293,7 @@ def check_cu_seqlens(name: str, cu, device: torch.device) -> None:
     if cu.dtype != torch.int32:
         fail(TypeError, f"{name} must have dtype int32, got {cu.dtype}")
     if cu.dim() != 1 or cu.shape[0] < 2:
-        fail(ValueError, f"{name} must have shape (num_seqs + 1,) with num_seqs >= 1, got {tuple(cu.shape)}")
+        fail(ValueError, f"{name} must have shape (num_seqs + 1,) with num_seqs >= 1, got {shape_text(cu.shape)}")
     if cu.device != device:
         fail(ValueError, f"{name} is on {cu.device} but q is on {device}")
 
@@ -315,7 +336,7 @@ def check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 def check_cu_seqlens_values(name: str, cu: torch.Tensor, total, max_len) -> None:
     """One side of :func:`check_varlen_values` (``name`` ends in q or k: the side its messages name)."""
-    if torch.compiler.is_compiling():
+    if values_deferred(cu):
         _assert_cu_seqlens(name, cu, total, max_len)
         return
     values = cu.tolist()
@@ -355,13 +376,13 @@ def check_block_sparse(q, k, v, sparse, scale) -> None:
     cnt = sparse.kv_num_blocks
     if not isinstance(cnt, torch.Tensor) or cnt.dim() != 3:
         fail(ValueError, f"kv_num_blocks must be an int32 tensor [batch or 1, heads or 1, q_blocks], got "
-                         f"{tuple(cnt.shape) if isinstance(cnt, torch.Tensor) else type(cnt).__name__}")
+                         f"{shape_text(cnt.shape) if isinstance(cnt, torch.Tensor) else type(cnt).__name__}")
     b, h, m = cnt.shape
     if b not in (1, batch) or h not in (1, heads) or m != n_q:
         fail(
             ValueError,
-            f"block mask was built for other lengths or sizes: kv_num_blocks has shape {(b, h, m)}, expected "
-            f"({batch} or 1, {heads} or 1, {n_q}) for Lq={q.shape[2]}, block_q={bq}"
+            f"block mask was built for other lengths or sizes: kv_num_blocks has shape {shape_text((b, h, m))}, "
+            f"expected ({batch} or 1, {heads} or 1, {n_q}) for Lq={q.shape[2]}, block_q={bq}"
         )
     for name in ("kv_indices", "partial_bits") + (("full_kv_indices",) if sparse.full_kv_indices is not None else ()):
         if not isinstance(getattr(sparse, name), torch.Tensor):
@@ -396,7 +417,7 @@ def check_block_sparse_values(k, sparse) -> None:
     for count_name, index_name, count, index in lists:
         slots = index.shape[-1]
         listed_index = torch.where(torch.arange(slots, device=index.device) < count[..., None], index, 0)
-        if torch.compiler.is_compiling():
+        if values_deferred(count, index):
             assert_on_device(((count >= 0) & (count <= slots)).all(),
                              f"{count_name} values must be in [0, {index_name}.shape[-1]]")
             assert_on_device(((listed_index >= 0) & (listed_index < n_kv)).all(),
@@ -449,7 +470,7 @@ def check_paged(q, k_cache, v_cache, block_table, kv_seqlens, cu_seqlens_q, max_
         check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
         if cu_seqlens_q.shape[0] != num_seqs + 1:
             fail(ValueError, f"cu_seqlens_q must have shape (num_seqs + 1,) = ({num_seqs + 1},), got "
-                             f"{tuple(cu_seqlens_q.shape)}")
+                             f"{shape_text(cu_seqlens_q.shape)}")
     # max_seqlen_q is a bound on any sequence's queries, as in FlashAttention: a serving loop passes one bound for
     # steps of any size (paged_call clamps it to the step's queries); max_seqlen_k is one within the table's reach
     for name, m, most, what in (("max_seqlen_q", max_seqlen_q, MAX_INT32, "MAX_INT32 (cu_seqlens are int32)"),
@@ -480,7 +501,7 @@ def check_paged_values(k_cache, block_table, kv_seqlens, cu_seqlens_q, q, max_se
     ids = torch.where(reached, block_table, 0)
     if cu_seqlens_q is not None:
         check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
-    if torch.compiler.is_compiling():
+    if values_deferred(kv_seqlens, block_table):
         assert_on_device(((kv_seqlens >= 0) & (kv_seqlens <= max_seqlen_k)).all(), PAGED_KV_SEQLENS_VALUES)
         assert_on_device(((ids >= 0) & (ids < num_blocks)).all(), PAGED_BLOCK_IDS)
         return

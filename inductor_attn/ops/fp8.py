@@ -21,7 +21,7 @@ from ..backends import AttnCall
 from ..layout import new_outputs
 from ..runtime import CHECKED
 from .attention import _on_trace
-from .checks import _dtype_names, assert_on_device, check_attention, fail
+from .checks import _dtype_names, assert_on_device, check_attention, fail, shape_text, values_deferred
 
 FP8_DTYPES = (torch.float8_e4m3fn,)  # what FA3's fp8 kernels read (its build has no e5m2, no fnuz)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -43,7 +43,7 @@ def check_fp8(q, k, v, descales, scale, window_left: int, window_right: int, out
             fail(TypeError, f"{name} must have dtype float32, got {d.dtype}")
         if tuple(d.shape) not in ((), (1,), (batch, heads_kv)):
             fail(ValueError, f"{name} must have shape (), (1,) or (batch, kv heads) = ({batch}, {heads_kv}), got "
-                             f"{tuple(d.shape)}")
+                             f"{shape_text(d.shape)}")
         if d.device != q.device:
             fail(ValueError, f"{name} is on {d.device} but q is on {q.device}")
     if out_dtype not in OUT_DTYPES:
@@ -53,7 +53,7 @@ def check_fp8(q, k, v, descales, scale, window_left: int, window_right: int, out
 def check_fp8_values(descales) -> None:
     """Every descale finite and >= 0. Eagerly a device sync and a ValueError naming the tensor; compiled, a
     device-side assert."""
-    if torch.compiler.is_compiling():
+    if values_deferred(*descales):
         ok = torch.stack([(d.isfinite() & (d >= 0)).all() for d in descales]).all()
         assert_on_device(ok, DESCALE_VALUES)
         return
@@ -61,7 +61,7 @@ def check_fp8_values(descales) -> None:
         bad = ~(d.isfinite() & (d >= 0))
         if bad.any():
             fail(ValueError, f"{name} must be finite and >= 0, got {d[bad].flatten()[0].item()} at index "
-                             f"{tuple(i.item() for i in bad.nonzero()[0])} (shape {tuple(d.shape)})")
+                             f"{tuple(i.item() for i in bad.nonzero()[0])} (shape {shape_text(d.shape)})")
 
 
 def per_kv_head(d: Tensor, batch: int, heads_kv: int) -> Tensor:
