@@ -9,6 +9,7 @@ from .ops.checks import check_bool, refuse_grad
 from .ops.fp8 import check_fp8, check_fp8_values, fp8_attention_op
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+QUANTISED_FROM = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what quantize() takes
 
 
 def fp8_attention(q, k, v, *, q_descale, k_descale, v_descale, causal: bool = False, scale: float | None = None,
@@ -23,8 +24,8 @@ def fp8_attention(q, k, v, *, q_descale, k_descale, v_descale, causal: bool = Fa
         causal, scale, window: as in :func:`inductor_attn.attention` (scale applies to the dequantised scores).
         out_dtype: bfloat16 (what FA3 writes), float16 or float32.
         return_lse: also return the float32 lse (B, Hq, Lq).
-        check_values: check the descales' values (eagerly a device sync and a ValueError; compiled, a device-side
-            assert). False skips it.
+        check_values: check the descales' values (eagerly a device sync and a ValueError; compiled or on fake
+            tensors, a device-side assert). False skips it.
 
     Runs on the fastest correct candidate for the shape (FA3's fp8 forward on an H100/H200 with tokenspeed-fa3
     installed; the reference elsewhere), each gated against the reference of the dequantised inputs within
@@ -63,15 +64,18 @@ def quantize(x: torch.Tensor, heads_kv: int | None = None) -> tuple[torch.Tensor
     >>> d.tolist(), (x8.float() * d[:, :, None, None]).tolist() == x.tolist()
     ([[0.004464285913854837, 0.0011160714784637094]], True)
     """
-    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dim() != 4:
-        raise TypeError(f"x must be a floating point (B, H, L, D) torch.Tensor, got "
+    if not isinstance(x, torch.Tensor) or x.dtype not in QUANTISED_FROM or x.dim() != 4:
+        raise TypeError(f"x must be a float16, bfloat16, float32 or float64 (B, H, L, D) torch.Tensor, got "
                         f"{getattr(x, 'dtype', type(x).__name__)} of shape {tuple(getattr(x, 'shape', ()))}")
     batch, heads = x.shape[:2]
     # a SymInt too: the routing pass quantises with k's head count, symbolic under dynamic shapes
     if heads_kv is not None and (isinstance(heads_kv, bool) or not isinstance(heads_kv, (int, torch.SymInt))
                                  or heads_kv < 1 or heads % heads_kv):
         raise ValueError(f"heads_kv must be None or a positive int dividing x's {heads} heads, got {heads_kv!r}")
-    amax = x.abs().amax(dim=(2, 3)).float()  # (B, H): no copy of a strided x
+    if x.shape[2] * x.shape[3] == 0:  # no values: each group is all-zero (amax refuses an empty reduction)
+        amax = torch.zeros(batch, heads, dtype=torch.float32, device=x.device)
+    else:
+        amax = x.abs().amax(dim=(2, 3)).float()  # (B, H): no copy of a strided x
     if heads_kv is None:
         amax = amax.amax()
     else:

@@ -201,6 +201,16 @@ def test_fp8_errors_name_the_argument_what_was_given_and_what_is_accepted(name, 
         inductor_attn.fp8_attention(q, k, v, **kwargs)
 
 
+def test_quantize_refuses_what_it_cannot_scale_and_gives_an_empty_tensor_the_smallest_descale():
+    from inductor_attn.fp8 import quantize
+
+    with pytest.raises(TypeError, match=r"^x must be a float16, bfloat16, float32 or float64 \(B, H, L, D\) "
+                                        r"torch.Tensor, got torch.float8_e4m3fn of shape \(1, 2, 3, 8\)"):
+        quantize(torch.zeros(1, 2, 3, 8, dtype=torch.float8_e4m3fn))
+    x8, descale = quantize(torch.zeros(2, 4, 0, 8), heads_kv=2)
+    assert x8.shape == (2, 4, 0, 8) and descale.tolist() == [[torch.finfo(torch.float32).tiny] * 2] * 2
+
+
 def test_fp8_refuses_inputs_that_require_grad_while_grad_mode_is_on():
     q, k, v, descales = fp8_inputs()
     descales["q_descale"].requires_grad_(True)
@@ -226,6 +236,40 @@ def test_fp8_compiled_errors_are_the_eager_ones():
         compiled(q, k, v, **{**descales, "q_descale": torch.tensor([0.5], dtype=torch.float64)})
     with pytest.raises(RuntimeError, match="a descale is negative, NaN or infinite"):
         compiled(q, k, v, **{**descales, "v_descale": torch.tensor(-2.0)})
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("k_descale", torch.ones(3, 2),
+     r"^k_descale must have shape \(\), \(1,\) or \(batch, kv heads\) = \(2, 2\), got \(3, 2\)"),
+    ("q", torch.zeros(4, 16, 64, dtype=torch.float8_e4m3fn),
+     r"^q must have 4 dims \(batch, heads, seq_len, head_dim\), got shape \(4, 16, 64\)"),
+], ids=["descale_shape", "q_rank"])
+def test_fp8_compiled_shape_errors_under_dynamic_shapes_are_the_eager_ones(name, value, message):
+    # symbolic sizes in the message: it must still be a constant while Dynamo traces (checks.shape_text)
+    torch._dynamo.reset()
+    q, k, v, kwargs = _bad(name, value)
+    compiled = torch.compile(lambda q, k, v, kw: inductor_attn.fp8_attention(q, k, v, **kw), fullgraph=True,
+                             dynamic=True)
+    with pytest.raises(ValueError, match=message):
+        compiled(q, k, v, kwargs)
+
+
+def test_fp8_descale_checks_on_fake_tensors_become_a_device_assert():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q, k, v, descales = fp8_inputs()
+    graph = make_fx(lambda q, k, v, d: inductor_attn.fp8_attention(q, k, v, **d), tracing_mode="fake")(
+        q, k, v, descales).graph
+    assert any("_assert_async" in str(node.target) for node in graph.nodes)
+
+
+def test_the_fp8_module_is_an_attribute_of_the_package_as_docs_use_it():
+    import subprocess
+    import sys
+
+    code = "import inductor_attn; print(inductor_attn.fp8.quantize.__name__)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout == "quantize\n"
 
 
 # ------------------------------------------------------------------------- pairing in cache explain
