@@ -154,7 +154,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, wind
             convention; with ``kv_seqlens`` the alignment uses each batch's own length).
         scale: softmax scale, default ``1 / sqrt(D)``: a float, int or NumPy real scalar.
         window: sliding window. ``w`` keeps keys within w positions before the (aligned) diagonal, and
-            after it too unless causal; ``(left, right)`` sets both sides, -1 = unbounded.
+            after it too unless causal; ``(left, right)`` sets both sides, -1 = unbounded (with ``causal``
+            the right side is 0 whatever is given, as in FlashAttention).
         kv_seqlens: int32 (B,): only the first ``kv_seqlens[b]`` keys of batch b are valid (KV cache). Keys
             and values past a length never reach an output or a gradient, whatever they hold (NaN in an
             unwritten cache slot included), and get zero gradients; backends that cannot keep this are pruned.
@@ -326,8 +327,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
                  allow_empty=True)
     scale = _scale(scale, q)
     if max_seqlen_q is None or max_seqlen_k is None:
-        max_seqlen_q = max_seqlen_q or _longest(cu_seqlens_q, "max_seqlen_q")
-        max_seqlen_k = max_seqlen_k or _longest(cu_seqlens_k, "max_seqlen_k")
+        max_seqlen_q = _longest(cu_seqlens_q, "max_seqlen_q") if max_seqlen_q is None else max_seqlen_q
+        max_seqlen_k = _longest(cu_seqlens_k, "max_seqlen_k") if max_seqlen_k is None else max_seqlen_k
     if check_indices:
         check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if _zero_size((q.shape[0], q.shape[1], k.shape[0])):

@@ -454,6 +454,13 @@ def test_a_longest_sequence_left_to_read_under_fullgraph_says_to_pass_it(call, f
         torch.compile(call, fullgraph=True)(CU_Q)
 
 
+def test_a_max_seqlen_of_0_is_taken_as_given_not_as_unset(fresh_dynamo):
+    # with no q tokens 0 is right; the message must name the one left unset (max_seqlen_k), not max_seqlen_q
+    call = torch.compile(lambda q, cu_q: varlen_attention(q, KV, VV, cu_q, CU_K, 0, None), fullgraph=True)
+    with pytest.raises(ValueError, match="^max_seqlen_k is None: it is read from the cu_seqlens values"):
+        call(t(0, 4, 16), i32(0, 0, 0))
+
+
 def test_fake_impl_of_an_op_called_in_compiled_code_reports_our_message_first(fresh_dynamo):
     fn = torch.compile(lambda q, k, v: OPS.attention(q, k, v, 0.25, False, -7, -1, None, None, ""), fullgraph=True)
     with pytest.raises(ValueError, match=r"^window_left must be -1 \(unbounded\) or >= 0, got -7"):

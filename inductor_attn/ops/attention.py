@@ -2,7 +2,9 @@
 
 Each op returns ``(out, lse)``; ``lse`` is float32 (B, H, Lq), or (H, total_q) for varlen. The last
 argument, ``choice``, is
-- ``""`` for user calls: the arguments are checked and the kernel is decided at run time, per bucket;
+- ``""`` for user calls: the arguments' structure is checked (types, shapes, dtypes, devices; not the values of
+  index tensors, which the public functions check: here that would sync the device on every call, the
+  backward's included) and the kernel is decided at run time, per bucket;
 - ``CHECKED`` (``"*"``): decided at run time too, unchecked, because the arguments were checked before: by the
   fake impl once while tracing (compiled code with dynamic shapes: lowering/ sets it), or by the public
   functions (api.py), whose eager calls pass it;
