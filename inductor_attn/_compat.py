@@ -295,6 +295,14 @@ def functorch_wrapped(tensor: torch.Tensor) -> bool:
     return torch._C._functorch.is_functorch_wrapped_tensor(tensor)
 
 
+def has_tangent(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a dual tensor of forward-mode AD (``torch.autograd.forward_ad.make_dual``, as
+    ``torch.func.jvp`` and ``jacfwd`` make them): ``forward_ad._current_level`` (-1 outside any dual level, read
+    first: it costs nothing) and ``unpack_dual``, 2.11 and 2.13."""
+    forward_ad = torch.autograd.forward_ad
+    return forward_ad._current_level >= 0 and forward_ad.unpack_dual(tensor).tangent is not None
+
+
 def end_failed_capture(device_index: int, pool) -> None:
     """Tell the CUDA caching allocator that a capture into ``pool`` is over after it failed. On torch 2.11
     ``CUDAGraph::capture_end`` (aten/src/ATen/cuda/CUDAGraph.cpp) checks ``cudaStreamEndCapture``'s error before

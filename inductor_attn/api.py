@@ -14,7 +14,7 @@ from .ops import BlockSparseMask, attention_op, block_sparse_attention_op, varle
 from .ops.checks import (KV_SEQLENS_VALUES, MAX_INT32, check_attention, check_attention_values, check_block_sparse,
                          check_block_sparse_values, check_bool, check_kv_seqlens, check_paged, check_paged_values,
                          check_scale, check_varlen, check_varlen_values, check_window, device_message, fail,
-                         refuse_grad, refuse_to_trace)
+                         refuse_forward_ad, refuse_grad, refuse_to_trace)
 from .problem import default_scale
 from .runtime import CHECKED
 
@@ -204,6 +204,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, wind
         return (out, lse) if return_lse else out
     check_bool("return_lse", return_lse)
     check_bool("check_indices", check_indices)
+    refuse_forward_ad("attention", {"q": q, "k": k, "v": v})
     call = make_call(q, k, v, causal=causal, scale=scale, window=window, kv_seqlens=kv_seqlens,
                      key_mask=key_mask, block_mask=block_mask, check_indices=check_indices)
     if _zero_size(q.shape[:3] + k.shape[2:3]):
@@ -289,6 +290,7 @@ def run_candidate(candidate: Candidate | str, q, k, v, *, return_lse: bool = Fal
     name = candidate.name if isinstance(candidate, Candidate) else candidate
     if not isinstance(name, str):
         raise TypeError(f"candidate must be a Candidate or a 'backend:config' string, got {type(candidate).__name__}")
+    refuse_forward_ad("run_candidate", {"q": q, "k": k, "v": v})
     call = make_call(q, k, v, **kwargs)
     listed = {c.name: c for c in enumerate_candidates((_as_documents(call) or call).problem, device_info(q.device))}
     if name not in listed:
@@ -322,6 +324,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
     """
     for name, flag in (("causal", causal), ("return_lse", return_lse), ("check_indices", check_indices)):
         check_bool(name, flag)
+    refuse_forward_ad("varlen_attention", {"q": q, "k": k, "v": v})
     left, right = _window(window, causal)
     check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right,
                  allow_empty=True)
@@ -389,6 +392,7 @@ def paged_attention(q, k_cache, v_cache, block_table, kv_seqlens, *, cu_seqlens_
     check_paged(q, k_cache, v_cache, block_table, kv_seqlens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale, left,
                 right)
     refuse_grad("paged_attention", {"q": q, "k_cache": k_cache, "v_cache": v_cache})
+    refuse_forward_ad("paged_attention", {"q": q, "k_cache": k_cache, "v_cache": v_cache})
     if max_seqlen_q is None:
         max_seqlen_q = 1 if cu_seqlens_q is None else _longest(cu_seqlens_q, "max_seqlen_q")
     if max_seqlen_k is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .api import _scale, _window, checked
-from .ops.checks import check_bool, refuse_grad
+from .ops.checks import check_bool, refuse_forward_ad, refuse_grad
 from .ops.fp8 import check_fp8, check_fp8_values, fp8_attention_op
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
@@ -34,6 +34,8 @@ def fp8_attention(q, k, v, *, q_descale, k_descale, v_descale, causal: bool = Fa
     """
     refuse_grad("fp8_attention", {"q": q, "k": k, "v": v, "q_descale": q_descale, "k_descale": k_descale,
                                   "v_descale": v_descale})
+    refuse_forward_ad("fp8_attention", {"q": q, "k": k, "v": v, "q_descale": q_descale, "k_descale": k_descale,
+                                        "v_descale": v_descale})
     for name, flag in (("causal", causal), ("return_lse", return_lse), ("check_values", check_values)):
         check_bool(name, flag)
     left, right = _window(window, causal)

@@ -319,6 +319,18 @@ def test_an_eager_call_is_checked_once_by_its_public_function_not_again_by_the_o
     assert seen == []
 
 
+@pytest.mark.parametrize("call", [
+    lambda q: attention(q, K, V),
+    lambda q: varlen_attention(q[0].transpose(0, 1), KV[:8], VV[:8], i32(0, 8), i32(0, 8)),
+    lambda q: paged_attention(q[:, :, 0], t(3, 4, 2, 16), t(3, 4, 2, 16), i32(0, 1, 2, 1).view(2, 2), i32(5, 7)),
+], ids=["attention", "varlen", "paged"])
+def test_forward_mode_ad_is_refused_not_answered_with_a_zero_derivative(call):
+    # a custom op drops the tangents of inputs that need no grad: jvp gave a tangent of 0 without an error
+    with pytest.raises(NotImplementedError, match=r"has no forward-mode derivative \(torch.func.jvp, jacfwd, "
+                                                  r"torch.autograd.forward_ad\): q carries a tangent"):
+        torch.func.jvp(call, (Q,), (torch.ones_like(Q),))
+
+
 def test_checks_run_on_fake_tensors_while_tracing():
     with FakeTensorMode(), pytest.raises(ValueError, match=r"q heads \(6\) must be a multiple of k/v heads \(4\)"):
         OPS.attention(torch.empty(2, 6, 8, 16), torch.empty(2, 4, 8, 16), torch.empty(2, 4, 8, 16), 0.25, True,

@@ -254,6 +254,18 @@ def test_wrapper_subclasses_and_functorch_wrapped_tensors_are_told_from_plain_an
     assert seen == [True]
 
 
+def test_dual_tensors_of_forward_mode_ad_are_told_from_plain_ones():
+    import torch.autograd.forward_ad as fwAD
+
+    x = torch.zeros(3)
+    assert not _compat.has_tangent(x)
+    with fwAD.dual_level():
+        assert _compat.has_tangent(fwAD.make_dual(x, torch.ones(3))) and not _compat.has_tangent(x)
+    seen = []
+    torch.func.jvp(lambda y: seen.append(_compat.has_tangent(y)) or y, (x,), (x,))
+    assert seen == [True]
+
+
 def test_dynamos_compile_lock_is_a_reentrant_lock_held_while_compiling():
     """decisions._measuring takes it before its own lock, as a compiling thread holds it when it asks for ours."""
     import threading

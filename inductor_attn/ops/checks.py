@@ -181,6 +181,17 @@ def refuse_grad(op: str, tensors: dict) -> None:
                              f"pass {name}.detach() or call {op} under torch.no_grad() or torch.inference_mode()")
 
 
+def refuse_forward_ad(function: str, tensors: dict) -> None:
+    """Forward-mode AD (``torch.func.jvp``, ``jacfwd``, ``torch.autograd.forward_ad``): our ops have no forward
+    derivative, and PyTorch's custom ops drop the tangents of inputs that do not require grad, which would give a
+    derivative of zero without an error; so no tensor of ``tensors`` may carry a tangent."""
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and _compat.has_tangent(t):
+            fail(NotImplementedError, f"{function} has no forward-mode derivative (torch.func.jvp, jacfwd, "
+                                      f"torch.autograd.forward_ad): {name} carries a tangent; use reverse mode "
+                                      f"(backward, torch.autograd.grad)")
+
+
 def check_int(name: str, value, accepted: str = "") -> None:
     """A Python int or, in traced code, a SymInt (torch.compile made a value that changed between calls
     symbolic: decided at run time then); never a bool. ``accepted``: what the message adds after "an int"."""
