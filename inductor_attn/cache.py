@@ -255,7 +255,7 @@ def prune(store: DecisionStore | LayeredStore | None = None) -> tuple[int, int]:
     stale = _stale_check()
     by_layer = {id(layer): [row["key"] for row in rows if stale(row, layer)]
                 for layer, rows in store.rows_by_layer()}
-    writable = by_layer.pop(id(store.writable))
+    writable = by_layer.pop(id(store.writable)) + store.writable.other_version_keys()
     deleted = store.delete(writable) if writable else 0
     if store.broken:
         raise StoreError(f"the decision store is unusable ({store.broken}); nothing was deleted")
@@ -344,6 +344,10 @@ def _health_lines(report, stale, writable: bool) -> list[str]:
     lines += [f"  damage: {what}" for what in report.damage]
     lines.append(f"  {len(report.rows)} decisions, {len(report.bad)} unreadable")
     lines += [f"    unreadable {what}" for what in report.bad[:10]]
+    if report.other_version:
+        fate = "`cache prune` deletes them" if writable else "a read-only store, which `cache prune` leaves"
+        lines.append(f"  {len(report.other_version)} written by another inductor_attn version in a form this one "
+                     f"cannot read (stale: never looked up here; {fate})")
     per_version = collections.Counter(_library_label(row["versions"]) for row in report.rows)
     current = {label for row in report.rows
                if (label := _library_label(row["versions"])) == _library_label(versions_like(row["versions"]))}

@@ -249,6 +249,24 @@ def test_doctor_reports_an_unreadable_row_and_exits_1(one_decision, capsys):
     assert "0 decisions, 1 unreadable" in out and "field 'versions': is not JSON" in out
 
 
+def test_a_row_a_newer_version_wrote_is_stale_not_damage_and_prune_deletes_it(one_decision, capsys, recwarn):
+    # a newer inductor_attn may add record fields this one refuses; its key (its version) is never looked up here
+    with sqlite3.connect(_store_path()) as conn:
+        columns = [row[1] for row in conn.execute("PRAGMA table_info(decisions)")]
+        row = dict(zip(columns, conn.execute("SELECT * FROM decisions").fetchone()))
+        versions, record = json.loads(row["versions"]), json.loads(row["record"])
+        row.update(key="newer" + row["key"][5:], versions=json.dumps({**versions, "inductor_attn": "99.0"}),
+                   record=json.dumps({**record, "a_later_field": 1}))
+        conn.execute(f"INSERT INTO decisions VALUES ({', '.join('?' * len(columns))})", list(row.values()))
+    assert main(["cache", "list"]) == 0 and main(["cache", "doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "1 decisions, 0 unreadable" in out and "1 written by another inductor_attn version" in out
+    assert not [w for w in recwarn if "unreadable decision" in str(w.message)]
+    assert main(["cache", "prune"]) == 0
+    with sqlite3.connect(_store_path()) as conn:
+        assert [key for (key,) in conn.execute("SELECT key FROM decisions")] == [one_decision]
+
+
 @pytest.mark.parametrize("device, message", [
     ("tpu", "--device must be cpu or cuda, got 'tpu'"),
     ("cuda", "--device cuda needs a CUDA GPU, and torch finds none here (torch.cuda.is_available() is False)"),

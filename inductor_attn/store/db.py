@@ -152,6 +152,20 @@ class Health:
     damage: list[str] = field(default_factory=list)  # found at open: a damaged WAL, lost rows
     rows: list[dict] = field(default_factory=list)  # rows that match the schema
     bad: list[str] = field(default_factory=list)  # "key: why" for rows that do not
+    # keys of rows another version of this package wrote that this one cannot read (a newer schema): stale, not bad
+    other_version: list[str] = field(default_factory=list)
+
+
+def _other_version(values) -> str | None:
+    """The inductor_attn version named in a stored row's versions where it is not this package's (a row a newer
+    version wrote, whose record this one may not read), else None."""
+    from .._version import __version__
+
+    try:
+        version = json.loads(dict(zip(COLUMNS, values))["versions"]).get("inductor_attn")
+    except (TypeError, ValueError, AttributeError, RecursionError):
+        return None
+    return version if isinstance(version, str) and version != __version__ else None
 
 
 class _Undecodable(bytes):
@@ -295,16 +309,32 @@ class DecisionStore:
         return check_row(row)
 
     def _decode(self, values) -> dict | None:
-        """``_parse``, but a bad row is skipped (None) with one warning per store."""
+        """``_parse``, but a bad row is skipped (None) with one warning per store; a row another version of the
+        package wrote (:func:`_other_version`) is skipped without one: its key is never looked up here."""
         try:
             return self._parse(values)
         except RowError as err:
-            if not self._warned_rows:
+            if not self._warned_rows and not _other_version(values):
                 self._warned_rows = True
                 warnings.warn(f"inductor_attn: decision store {self.path}: skipping unreadable decision "
                               f"{_short_key(values[0])} ({err}), and any other; the next tune of its problem "
                               "replaces it", RuntimeWarning, stacklevel=4)
             return None
+
+    def other_version_keys(self) -> list[str]:
+        """The keys of rows another version of the package wrote that this one cannot read (:func:`_other_version`):
+        stale here, as rows of another version are; ``cache prune`` deletes them."""
+        def read(conn):
+            keys = []
+            for values in conn.execute(_SELECT):
+                try:
+                    self._parse(values)
+                except RowError:
+                    if _other_version(values):
+                        keys.append(values[0])
+            return keys
+
+        return self._guard("list", read, default=[])
 
     def get(self, key: str) -> dict | None:
         def read(conn):
@@ -420,7 +450,10 @@ class DecisionStore:
                     try:
                         report.rows.append(self._parse(values))
                     except RowError as err:
-                        report.bad.append(f"{_short_key(values[0])}: {err}")
+                        if _other_version(values):
+                            report.other_version.append(values[0])
+                        else:
+                            report.bad.append(f"{_short_key(values[0])}: {err}")
         except (sqlite3.Error, OSError) as err:
             report.error = f"{type(err).__name__}: {err}"
         report.damage = list(self.damage)
