@@ -287,7 +287,27 @@ def test_access_is_found_from_the_filesystem(tmp_path, monkeypatch):
     Path(f"{path}-shm").write_bytes(b"its index")
     assert path_access(path) == "read"  # the log and its index exist: SQLite reads both read-only
     read_only.discard(tmp_path)
-    assert path_access(path) == "read"  # read-only file in a writable directory
+    assert path_access(path) == "read"  # read-only file in a writable directory, its owner's index there
+    Path(f"{path}-shm").unlink()
+    # without it, a mode=ro reader would create the -wal and -shm files, as its own, where the owner writes
+    assert path_access(path) == "immutable"
+
+
+def test_a_read_only_store_read_while_its_owner_writes_is_read_again_not_given_up(tmp_path, monkeypatch, recwarn):
+    path = tmp_path / "d.sqlite"
+    _filled(path)
+    store = DecisionStore(path, access="immutable")
+    real_open, failures = DecisionStore._open, [sqlite3.DatabaseError("database disk image is malformed")] * 2
+
+    def open_while_checkpointed(self):
+        if failures:
+            raise failures.pop()
+        return real_open(self)
+
+    monkeypatch.setattr(DecisionStore, "_open", open_while_checkpointed)
+    assert len(store.rows()) == 3 and store.broken is None and not recwarn.list
+    failures[:] = [sqlite3.DatabaseError("database disk image is malformed")] * 9
+    assert store.rows() == [] and "malformed" in store.broken  # for good: it gives up, once
 
 
 def _simulate_read_only(monkeypatch, *paths) -> None:

@@ -68,6 +68,7 @@ _SELECT = f"SELECT {', '.join(COLUMNS)} FROM decisions"
 
 # How a store file can be opened (path_access).
 WRITE, READ, IMMUTABLE = "write", "read", "immutable"
+READ_RETRIES = 3  # reads again of a read-only store before it counts as unusable (DecisionStore._guard)
 # Who is tuning what right now (tuning/ranks.py): a row lives only while its process tunes or measures,
 # so that other processes sharing this file wait for its decision instead of tuning the same bucket.
 _CLAIMS_SCHEMA = """
@@ -89,11 +90,11 @@ def default_path() -> Path:
 def path_access(path: Path) -> str | None:
     """How a store at ``path`` can be opened by this process.
 
-    WRITE: the file and its directory are writable (or the file can be created). READ (``mode=ro``):
-    SQLite still needs the directory writable for the WAL index, or the log's ``-wal``/``-shm`` files there
-    to read. IMMUTABLE (``immutable=1``): a read-only directory and no log, or a log without the ``-shm``
-    index that SQLite needs to read it (the file is then read as of its last checkpoint), so no lock or
-    index file is needed. None: no file, and none can be created.
+    WRITE: the file and its directory are writable (or the file can be created). READ (``mode=ro``): a file
+    this process may not write whose WAL index (``-shm``) exists, as while its owner has it open. IMMUTABLE
+    (``immutable=1``): no index to read the log by (the file is then read as of its last checkpoint), so no
+    lock or index file is needed or made. None: no file, and none can be created. A read-only open can meet the
+    owner writing at that moment: :meth:`DecisionStore._guard` retries it.
     """
     try:
         if not path.exists():
@@ -103,7 +104,9 @@ def path_access(path: Path) -> str | None:
     directory_writable = os.access(path.parent, os.W_OK)
     if directory_writable and os.access(path, os.W_OK):
         return WRITE
-    if directory_writable or _log_size(path) > 0 and Path(f"{path}-shm").exists():
+    # Only with the -shm index there: in a writable directory SQLite would create the -wal and -shm files for a
+    # mode=ro reader, owned by it, and the store's owner could not write through them again
+    if Path(f"{path}-shm").exists() and (directory_writable or _log_size(path) > 0):
         return READ
     return IMMUTABLE
 
@@ -194,6 +197,7 @@ class DecisionStore:
         if access not in (None, WRITE, READ, IMMUTABLE):
             raise ValueError(f"access must be one of {WRITE!r}, {READ!r}, {IMMUTABLE!r} or None, got {access!r}")
         self.access = access or path_access(self.path) or WRITE
+        self._found_access = access is None
         self.damage: list[str] = []
         self._broken: str | None = None
         self._opened = False
@@ -258,20 +262,32 @@ class DecisionStore:
         conn.close()
 
     def _guard(self, action: str, fn, default=None):
-        """Run ``fn(conn)``; on a store problem warn once, remember it and return ``default``."""
+        """Run ``fn(conn)``; on a store problem warn once, remember it and return ``default``. A read-only store
+        is read again a few times first: its owner may be writing it just then (an immutable read of a file being
+        checkpointed reads as malformed), and the WAL index it writes may appear or go between our reads."""
         if self._broken:
             return default
-        try:
-            with self._lock, self._connect() as conn:
-                return fn(conn)
-        except (sqlite3.Error, OSError) as err:
-            self._broken = f"{type(err).__name__}: {err}"
-            warnings.warn(
-                f"inductor_attn: decision store {self.path} unusable while trying to {action} ({self._broken}); "
-                "continuing without it for this process (decisions are tuned but not persisted)",
-                RuntimeWarning, stacklevel=3,
-            )
-            return default
+        for attempt in range(READ_RETRIES + 1):
+            try:
+                with self._lock, self._connect() as conn:
+                    return fn(conn)
+            except sqlite3.DatabaseError as err:
+                if self.access == WRITE or attempt == READ_RETRIES:
+                    return self._give_up(action, err, default)
+                time.sleep(0.05 * (attempt + 1))
+                found = path_access(self.path) if self._found_access else None
+                self.access = found if found in (READ, IMMUTABLE) else self.access
+            except (sqlite3.Error, OSError) as err:
+                return self._give_up(action, err, default)
+
+    def _give_up(self, action: str, err: Exception, default):
+        self._broken = f"{type(err).__name__}: {err}"
+        warnings.warn(
+            f"inductor_attn: decision store {self.path} unusable while trying to {action} ({self._broken}); "
+            "continuing without it for this process (decisions are tuned but not persisted)",
+            RuntimeWarning, stacklevel=4,
+        )
+        return default
 
     @property
     def broken(self) -> str | None:
