@@ -176,6 +176,17 @@ def test_lse_is_float32_and_out_keeps_the_input_dtype(op, make_args, dtype):
     assert lse.shape == expected_lse
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_outputs_are_tensors_of_their_own_not_views_of_a_buffer(dtype):
+    # a view of the reference's grouped buffer read to autograd as one of several views: detach_() and in-place
+    # ops on it were refused, as they are not on SDPA's output (and were not for bf16, where a cast copies)
+    q = torch.randn(1, 4, 8, 16, dtype=dtype, requires_grad=True)
+    k, v = torch.randn(1, 2, 8, 16, dtype=dtype), torch.randn(1, 2, 8, 16, dtype=dtype)
+    out, lse = inductor_attn.attention(q, k, v, return_lse=True)
+    assert not out._is_view() and not lse._is_view()
+    out.detach_()
+
+
 def test_fake_impl_gives_shapes_and_dtypes_without_running_a_kernel():
     inductor_attn.reset_stats()
     with FakeTensorMode():

@@ -79,8 +79,11 @@ def forward(q, k, v, scale: float, mask_fn: MaskFn | None, align: int = 1, lengt
     qg = q.to(acc).reshape(b, hkv, hq // hkv, lq, q.shape[-1])
     # keys past the lengths need no zeros here: their scores are masked to -inf before anything reads them
     kf, vf = k.to(acc), _keys(v, acc, lengths)
-    out = torch.empty(b, hkv, hq // hkv, lq, dv, dtype=acc, device=q.device)
-    lse = torch.empty(b, hkv, hq // hkv, lq, dtype=acc, device=q.device)
+    # written through grouped views, returned as the tensors themselves: an output that is a view of a buffer
+    # reads to autograd as one of several views of it (in-place ops and detach_() on it would be refused)
+    out_bhld = torch.empty(b, hq, lq, dv, dtype=acc, device=q.device)
+    lse_bhl = torch.empty(b, hq, lq, dtype=acc, device=q.device)
+    out, lse = out_bhld.view(b, hkv, hq // hkv, lq, dv), lse_bhl.view(b, hkv, hq // hkv, lq)
     step = _chunk_rows(q, lk, align)
     for s in range(0, lq, step):
         e = min(lq, s + step)
@@ -91,7 +94,7 @@ def forward(q, k, v, scale: float, mask_fn: MaskFn | None, align: int = 1, lengt
         denom = p.sum(-1, keepdim=True)
         out[:, :, :, s:e] = _grouped_matmul(p, vf) / torch.where(denom == 0, 1.0, denom)
         lse[:, :, :, s:e] = (m + torch.log(denom)).squeeze(-1)
-    return out.reshape(b, hq, lq, dv).to(q.dtype), lse.reshape(b, hq, lq).to(torch.float32)
+    return out_bhld.to(q.dtype), lse_bhl.to(torch.float32)
 
 
 def backward(q, k, v, out, lse, grad_out, grad_lse, scale: float, mask_fn: MaskFn | None, align: int = 1,
