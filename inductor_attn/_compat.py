@@ -95,6 +95,15 @@ def statically_known_true(expr) -> bool:
     return known(expr)
 
 
+def guard_or_false(expr) -> bool:
+    """``expr`` (a bool or SymBool) where it can be decided, guarding as ``bool()`` would; False where it cannot (a
+    size read from a tensor with ``.item()`` under ``capture_scalar_outputs``): no data-dependent guard error
+    (torch/fx/experimental/symbolic_shapes.py, 2.11 and 2.13)."""
+    from torch.fx.experimental.symbolic_shapes import guard_or_false as decided
+
+    return decided(expr)
+
+
 def inductor_compile_patches(mode: str | None, options: dict | None) -> dict:
     """The Inductor config patches ``torch.compile(mode=..., options=...)`` applies, validated the same way
     (``torch._TorchCompileInductorWrapper``, torch/__init__.py, 2.11 and 2.13)."""

@@ -466,6 +466,18 @@ def test_a_longest_sequence_left_to_read_under_fullgraph_says_to_pass_it(call, f
         torch.compile(call, fullgraph=True)(CU_Q)
 
 
+def test_a_max_seqlen_read_from_a_tensor_in_compiled_code_is_checked_at_run_time(fresh_dynamo):
+    # under capture_scalar_outputs, .item() gives a size with no value while tracing: `m < 1` raised Dynamo's
+    # data-dependent guard error under fullgraph; the device asserts compare it with the lengths when it runs
+    def call(q, k, v, cu_q, cu_k):
+        longest = int((cu_k[1:] - cu_k[:-1]).max().item())
+        return varlen_attention(q, k, v, cu_q, cu_k, 6, longest)
+
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        compiled = torch.compile(call, fullgraph=True)(QV, KV, VV, CU_Q, CU_K)
+    torch.testing.assert_close(compiled, call(QV, KV, VV, CU_Q, CU_K))
+
+
 def test_a_max_seqlen_of_0_is_taken_as_given_not_as_unset(fresh_dynamo):
     # with no q tokens 0 is right; the message must name the one left unset (max_seqlen_k), not max_seqlen_q
     call = torch.compile(lambda q, cu_q: varlen_attention(q, KV, VV, cu_q, CU_K, 0, None), fullgraph=True)

@@ -254,6 +254,21 @@ def test_wrapper_subclasses_and_functorch_wrapped_tensors_are_told_from_plain_an
     assert seen == [True]
 
 
+def test_guard_or_false_decides_what_it_can_and_says_false_where_it_cannot():
+    assert _compat.guard_or_false(True) and not _compat.guard_or_false(False)
+    seen = []
+
+    def f(x, n):
+        m = n.max().item()
+        seen.append(_compat.guard_or_false(m < 1))  # a size with no value while tracing
+        return x * m
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        torch.compile(f, fullgraph=True)(torch.ones(2), torch.tensor([2, 3]))
+    assert seen == [False]
+
+
 def test_dual_tensors_of_forward_mode_ad_are_told_from_plain_ones():
     import torch.autograd.forward_ad as fwAD
 

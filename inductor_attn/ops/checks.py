@@ -330,9 +330,11 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         if m is None:
             continue
         check_int(name, m)
-        if m < 1 and not (allow_empty and m == 0 and tokens == 0):
+        # guard_or_false: a max_seqlen read from a tensor in compiled code (.item()) has no value while tracing; the
+        # device asserts of check_varlen_values compare it with the lengths at run time
+        if _compat.guard_or_false(m < 1) and not (allow_empty and m == 0 and tokens == 0):
             fail(ValueError, f"{name} must be >= 1" + (", or 0 with no tokens" if allow_empty else "") + f", got {m}")
-        if m > MAX_INT32:
+        if _compat.guard_or_false(m > MAX_INT32):
             fail(ValueError, f"{name} must be at most {MAX_INT32} (cu_seqlens are int32), got {m}")
     check_scale(scale)
     check_window(window_left, window_right)
