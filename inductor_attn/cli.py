@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import warnings
 
@@ -132,6 +133,11 @@ def _export(cache, store, args) -> int:
 
 
 def _import(cache, store, args) -> int:
+    from .store.db import MemoryStore
+
+    if isinstance(store.writable, MemoryStore):  # this command's process ends here: nothing would be kept
+        raise cache.StoreError("no decision store can be written here (see the warning above; set "
+                               "INDUCTOR_ATTN_CACHE_DIR to a writable directory): nothing was imported")
     print(f"imported {cache.import_decisions(args.file, store)} decisions into {store.writable.describe()}")
     return 0
 
@@ -179,8 +185,12 @@ def _cache(args) -> int:
     except (StoreError, ImportError, OutOfMemoryWhileTuning) as err:  # the last: export-priors --tune
         print(f"error: {err}", file=sys.stderr)
         return 1
-    except OSError as err:  # the file argument cannot be read or written
-        print(f"error: {getattr(args, 'file', None) or err.filename}: {err.strerror or err}", file=sys.stderr)
+    except BrokenPipeError:  # `cache list | head`: the reader has gone; say nothing, as a shell command would
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at exit, flushing stdout
+        return 1
+    except OSError as err:  # the file argument cannot be read or written, or the output (stdout) written
+        where = getattr(args, "file", None) or err.filename or "the output"
+        print(f"error: {where}: {err.strerror or err}", file=sys.stderr)
         return 2
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)

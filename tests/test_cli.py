@@ -249,6 +249,17 @@ def test_doctor_reports_an_unreadable_row_and_exits_1(one_decision, capsys):
     assert "0 decisions, 1 unreadable" in out and "field 'versions': is not JSON" in out
 
 
+def test_output_to_a_reader_that_has_gone_ends_quietly_and_a_full_disk_in_one_line(tmp_path):
+    env = {**os.environ, "INDUCTOR_ATTN_CACHE_DIR": str(tmp_path)}  # the shipped tables' rows are listed
+    listing = [sys.executable, "-m", "inductor_attn", "cache", "list"]
+    gone = subprocess.Popen(listing, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    gone.stdout.close()  # before it writes: `cache list | head -0`
+    assert gone.wait(timeout=120) == 1 and gone.stderr.read() == ""
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(listing, env=env, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr == "error: the output: No space left on device\n"
+
+
 def test_a_row_a_newer_version_wrote_is_stale_not_damage_and_prune_deletes_it(one_decision, capsys, recwarn):
     # a newer inductor_attn may add record fields this one refuses; its key (its version) is never looked up here
     with sqlite3.connect(_store_path()) as conn:

@@ -350,6 +350,22 @@ def test_new_decisions_stay_in_memory_when_no_store_can_be_written(tmp_path, mon
     assert shipped.read_bytes() == before
 
 
+def test_cache_import_where_no_store_can_be_written_imports_nothing_and_says_so(tmp_path, monkeypatch, capsys):
+    from inductor_attn.cli import main
+
+    exported = tmp_path / "decisions.json"
+    DecisionStore(tmp_path / "elsewhere.sqlite").put(decision_row(3))
+    DecisionStore(tmp_path / "elsewhere.sqlite").export_json(exported)
+    shipped = tmp_path / "inductor" / "inductor_attn" / "decisions.sqlite"
+    shipped.parent.mkdir(parents=True)
+    _filled(shipped, n=1)
+    monkeypatch.delenv("INDUCTOR_ATTN_CACHE_DIR")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    _simulate_read_only(monkeypatch, shipped, shipped.parent)
+    assert main(["cache", "import", str(exported)]) == 1  # "imported into memory" would be lost as the command ends
+    assert capsys.readouterr().err.endswith("INDUCTOR_ATTN_CACHE_DIR to a writable directory): nothing was imported\n")
+
+
 _UNPRIVILEGED_READ = """
 import os, sys
 from inductor_attn.store.db import get_store
