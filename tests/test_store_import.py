@@ -90,6 +90,8 @@ def test_one_bad_row_refuses_the_whole_file_and_names_file_row_and_field(tmp_pat
     ({"schema": 1, "decisions": None}, "'decisions' must be a list of rows, got null"),
     ({"schema": 1, "decisions": [None]}, "decision 0: field 'row': must be a JSON object, got null"),
     ({"schema": 2, "decisions": []}, "format version 2; this inductor_attn reads version 1"),
+    ({"schema": True, "decisions": []}, "format version True; this inductor_attn reads version 1"),
+    ({"schema": 1.0, "decisions": []}, "format version 1.0; this inductor_attn reads version 1"),
     ({"decisions": []}, "not an inductor_attn decision export"),
     ([], "not an inductor_attn decision export"),
     ({"schema": 1, "decisions": [{**decision_row(1), "extra": 1}]}, "decision 0: field 'extra': unknown"),

@@ -98,7 +98,7 @@ def check_header(members, source: str) -> None:
     if not isinstance(members, dict) or "schema" not in members:
         raise ValueError(f"{source}: not an inductor_attn decision export (a JSON object with 'schema' and "
                          f"'decisions'), got {_kind(members)}")
-    if members["schema"] != FORMAT_VERSION:
+    if type(members["schema"]) is not int or members["schema"] != FORMAT_VERSION:  # true and 1.0 equal 1
         raise ValueError(f"{source}: format version {members['schema']!r}; this inductor_attn reads version "
                          f"{FORMAT_VERSION}")
 
