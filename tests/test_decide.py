@@ -80,6 +80,9 @@ def test_mode_from_environment_and_bad_mode_named_in_error(fakes, monkeypatch):
     assert decide(small_call(), DEV, "forward") == "a:default"
     with pytest.raises(ValueError, match="tuning mode must be one of autotune"):
         inductor_attn.set_mode("fastest")
+    monkeypatch.setenv("INDUCTOR_ATTN_MODE", "fastest")  # the variable named, as every other setting's error does
+    with pytest.raises(ValueError, match="^INDUCTOR_ATTN_MODE must be one of autotune, .*, got 'fastest'$"):
+        decide(small_call(), DEV, "forward")
 
 
 def test_a_new_library_version_invalidates_stored_decisions(fakes, monkeypatch):

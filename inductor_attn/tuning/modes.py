@@ -31,9 +31,9 @@ _override: str | None = None  # set_mode's
 _SCOPED: list[tuple[object, str | None]] = []  # (token, mode; None: the default)
 
 
-def _check(mode: str) -> str:
+def _check(mode: str, name: str = "tuning mode") -> str:
     if mode not in MODES:
-        raise ValueError(f"tuning mode must be one of {', '.join(MODES)}, got {mode!r}")
+        raise ValueError(f"{name} must be one of {', '.join(MODES)}, got {mode!r}")
     return mode
 
 
@@ -46,7 +46,7 @@ def current_mode(device_type: str) -> str:
         return _override
     env = os.environ.get(ENV_VAR)
     if env:
-        return _check(env)
+        return _check(env, ENV_VAR)
     return "autotune" if device_type == "cuda" else "heuristic"
 
 
