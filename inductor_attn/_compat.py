@@ -304,6 +304,13 @@ def functorch_wrapped(tensor: torch.Tensor) -> bool:
     return torch._C._functorch.is_functorch_wrapped_tensor(tensor)
 
 
+def storage_holders(tensor: torch.Tensor) -> int:
+    """How many tensors hold ``tensor``'s memory, itself included: 1 where no other tensor can see it. A Python
+    ``UntypedStorage`` of it is not counted (torch keeps one such object per storage, the one made here).
+    ``torch._C._storage_Use_Count``, less that object's reference (2.11 and 2.13)."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) - 1
+
+
 def has_tangent(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a dual tensor of forward-mode AD (``torch.autograd.forward_ad.make_dual``, as
     ``torch.func.jvp`` and ``jacfwd`` make them): ``forward_ad._current_level`` (-1 outside any dual level, read

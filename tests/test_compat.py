@@ -269,6 +269,15 @@ def test_guard_or_false_decides_what_it_can_and_says_false_where_it_cannot():
     assert seen == [False]
 
 
+def test_storage_holders_counts_the_tensors_that_see_a_memory_block():
+    t = torch.zeros(8)
+    assert _compat.storage_holders(t) == 1
+    view = t[2:]
+    assert _compat.storage_holders(t) == _compat.storage_holders(view) == 2
+    del view
+    assert _compat.storage_holders(t) == 1
+
+
 def test_dual_tensors_of_forward_mode_ad_are_told_from_plain_ones():
     import torch.autograd.forward_ad as fwAD
 

@@ -151,6 +151,25 @@ def test_an_output_a_candidate_leaves_unwritten_never_reads_as_the_previous_cand
                 for n in (8, 6)] == ["passed", "wrong"]
 
 
+def test_the_gate_poisons_a_candidates_own_outputs_but_never_memory_it_shares():
+    # a wrong candidate returning its input as its output: the input must come out of the gate as it went in
+    q = torch.randn(1, 2, 16, 8)
+    gated = measure.gate_inputs(AttnCall("attention", q, q.clone(), q.clone(), 8 ** -0.5), seed=1)
+    mode = measure.Direction("forward", gated)
+    expected = mode.reference(gated)
+    before, kept = gated.q.clone(), []
+
+    def run(call):
+        out, lse = call.q, torch.zeros(call.q.shape[:-1])
+        kept.append(lse.view(-1))  # the candidate keeps a view of one (a cache): not poisoned either
+        return out, lse
+
+    trial = measure.Trial("returns q", lambda call: lambda: run(call), lambda err: False)
+    assert measure.gate(trial, gated, expected, lambda got: mode.check(got, expected, q.dtype)).status == "wrong"
+    assert torch.equal(gated.q, before)
+    assert torch.equal(kept[0], torch.zeros(1 * 2 * 16))
+
+
 def _fp8_call() -> AttnCall:
     """An fp8 call quantised as a user would (per-tensor descales of about amax / 448)."""
     from inductor_attn.fp8 import quantize

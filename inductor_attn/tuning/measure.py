@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._compat import fake_copies, op_types, trace_functional
+from .._compat import fake_copies, op_types, storage_holders, trace_functional
 from ..backends import REFERENCE, AttnCall, Plan, get_backend, plan_for, run_backend
 from ..backends.pages import fill_unused
 from ..device import device_info
@@ -428,6 +428,7 @@ def gate(trial: Trial, call: AttnCall, expected, check: Callable[[object], tuple
         return GateResult("failed", describe(err))
     reason, error = check(got)
     blocks = _blocks(got)
+    _poison_own_host_outputs(got)
     del got
     _poison_blocks(blocks)
     if reason is not None and call.kv_seqlens is not None and _passes_without_nan_tails(trial, call, check):
@@ -442,6 +443,19 @@ def _blocks(got) -> list[tuple[int, torch.device]]:
         if isinstance(t, torch.Tensor) and t.is_floating_point():
             blocks[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), t.device)
     return list(blocks.values())
+
+
+def _poison_own_host_outputs(got) -> None:
+    """NaN bytes (0xFF: NaN in every float dtype) into a checked candidate's host outputs that nothing else holds,
+    before they are freed: the host's malloc may hand that memory, whole or in part, to the next candidate's
+    outputs, and no number of fresh blocks filled afterwards (:func:`_poison_blocks`) is sure to cover it. An output
+    sharing its memory with another tensor (an input, one the candidate keeps) is left as it is."""
+    tensors = [t for t in (got if isinstance(got, (tuple, list)) else (got,))
+               if isinstance(t, torch.Tensor) and t.is_floating_point() and t.device.type != "cuda"]
+    for t in tensors:
+        sharing = sum(1 for other in tensors if other.untyped_storage().data_ptr() == t.untyped_storage().data_ptr())
+        if storage_holders(t) == sharing:
+            torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage()).fill_(255)
 
 
 HOST_POISON_BLOCKS, HOST_POISON_BYTES = 32, 64 << 20  # at most, and at most this much memory at once
