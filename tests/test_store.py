@@ -293,6 +293,22 @@ def test_access_is_found_from_the_filesystem(tmp_path, monkeypatch):
     assert path_access(path) == "immutable"
 
 
+def test_a_read_only_store_never_makes_the_log_files_its_owner_writes_through(tmp_path):
+    # opened while the owner had the file open (its -shm there), read again after the owner closed it (SQLite then
+    # removes -wal and -shm): a mode=ro open would make both, as the reader's own
+    path = tmp_path / "d.sqlite"
+    _filled(path)
+    owner = sqlite3.connect(path)
+    owner.execute("SELECT count(*) FROM decisions").fetchone()
+    assert Path(f"{path}-shm").exists()
+    reader = DecisionStore(path, access="read")
+    assert len(reader.rows()) == 3
+    owner.close()
+    assert not Path(f"{path}-shm").exists() and not Path(f"{path}-wal").exists()
+    assert len(reader.rows()) == 3
+    assert not Path(f"{path}-shm").exists() and not Path(f"{path}-wal").exists()
+
+
 def test_a_read_only_store_read_while_its_owner_writes_is_read_again_not_given_up(tmp_path, monkeypatch, recwarn):
     path = tmp_path / "d.sqlite"
     _filled(path)

@@ -93,8 +93,9 @@ def path_access(path: Path) -> str | None:
     WRITE: the file and its directory are writable (or the file can be created). READ (``mode=ro``): a file
     this process may not write whose WAL index (``-shm``) exists, as while its owner has it open. IMMUTABLE
     (``immutable=1``): no index to read the log by (the file is then read as of its last checkpoint), so no
-    lock or index file is needed or made. None: no file, and none can be created. A read-only open can meet the
-    owner writing at that moment: :meth:`DecisionStore._guard` retries it.
+    lock or index file is needed or made. None: no file, and none can be created. A READ store is opened immutable
+    whenever the index has gone (``DecisionStore._open``), and a read-only open that meets the owner writing is
+    tried again (``DecisionStore._guard``).
     """
     try:
         if not path.exists():
@@ -197,7 +198,6 @@ class DecisionStore:
         if access not in (None, WRITE, READ, IMMUTABLE):
             raise ValueError(f"access must be one of {WRITE!r}, {READ!r}, {IMMUTABLE!r} or None, got {access!r}")
         self.access = access or path_access(self.path) or WRITE
-        self._found_access = access is None
         self.damage: list[str] = []
         self._broken: str | None = None
         self._opened = False
@@ -230,7 +230,10 @@ class DecisionStore:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             conn = sqlite3.connect(self.path, timeout=self.timeout_s, isolation_level=None)
         else:
-            flags = "mode=ro&immutable=1" if self.access == IMMUTABLE else "mode=ro"
+            # decided at each open: once the owner closes the file its -wal and -shm go, and a mode=ro open would
+            # make them again, as this process's own (the owner could not write through them)
+            immutable = self.access == IMMUTABLE or not Path(f"{self.path}-shm").exists()
+            flags = "mode=ro&immutable=1" if immutable else "mode=ro"
             conn = sqlite3.connect(f"{self.path.absolute().as_uri()}?{flags}", uri=True, timeout=self.timeout_s,
                                    isolation_level=None)
         conn.text_factory = _text
@@ -264,7 +267,7 @@ class DecisionStore:
     def _guard(self, action: str, fn, default=None):
         """Run ``fn(conn)``; on a store problem warn once, remember it and return ``default``. A read-only store
         is read again a few times first: its owner may be writing it just then (an immutable read of a file being
-        checkpointed reads as malformed), and the WAL index it writes may appear or go between our reads."""
+        checkpointed reads as malformed), and the WAL index it writes may appear or go between our opens."""
         if self._broken:
             return default
         for attempt in range(READ_RETRIES + 1):
@@ -272,11 +275,10 @@ class DecisionStore:
                 with self._lock, self._connect() as conn:
                     return fn(conn)
             except sqlite3.DatabaseError as err:
-                if self.access == WRITE or attempt == READ_RETRIES:
+                # "locked": the busy timeout has already waited; a writable store is written, not read again
+                if self.access == WRITE or attempt == READ_RETRIES or "locked" in str(err):
                     return self._give_up(action, err, default)
                 time.sleep(0.05 * (attempt + 1))
-                found = path_access(self.path) if self._found_access else None
-                self.access = found if found in (READ, IMMUTABLE) else self.access
             except (sqlite3.Error, OSError) as err:
                 return self._give_up(action, err, default)
 
