@@ -99,6 +99,10 @@ def guard_or_false(expr) -> bool:
     """``expr`` (a bool or SymBool) where it can be decided, guarding as ``bool()`` would; False where it cannot (a
     size read from a tensor with ``.item()`` under ``capture_scalar_outputs``): no data-dependent guard error
     (torch/fx/experimental/symbolic_shapes.py, 2.11 and 2.13)."""
+    # an eager call's plain ints: no import, no call into torch (not while Dynamo traces: its isinstance of a
+    # SymBool decides the expression, a guard on it)
+    if not torch.compiler.is_compiling() and isinstance(expr, bool):
+        return expr
     from torch.fx.experimental.symbolic_shapes import guard_or_false as decided
 
     return decided(expr)

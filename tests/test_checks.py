@@ -331,6 +331,18 @@ def test_forward_mode_ad_is_refused_not_answered_with_a_zero_derivative(call):
         torch.func.jvp(call, (Q,), (torch.ones_like(Q),))
 
 
+def test_the_forward_mode_check_adds_no_guard_to_compiled_calls(fresh_dynamo):
+    # read while tracing, the dual level was a guard on every compiled call, and a new graph inside dual_level()
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    call = torch.compile(lambda q, k, v: varlen_attention(q, k, v, CU_Q, CU_K, 6, 7), backend=counter, fullgraph=True)
+    call(QV, KV, VV)
+    with torch.autograd.forward_ad.dual_level():
+        call(QV, KV, VV)
+    assert counter.frame_count == 1
+
+
 def test_checks_run_on_fake_tensors_while_tracing():
     with FakeTensorMode(), pytest.raises(ValueError, match=r"q heads \(6\) must be a multiple of k/v heads \(4\)"):
         OPS.attention(torch.empty(2, 6, 8, 16), torch.empty(2, 4, 8, 16), torch.empty(2, 4, 8, 16), 0.25, True,

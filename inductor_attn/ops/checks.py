@@ -184,7 +184,10 @@ def refuse_grad(op: str, tensors: dict) -> None:
 def refuse_forward_ad(function: str, tensors: dict) -> None:
     """Forward-mode AD (``torch.func.jvp``, ``jacfwd``, ``torch.autograd.forward_ad``): our ops have no forward
     derivative, and PyTorch's custom ops drop the tangents of inputs that do not require grad, which would give a
-    derivative of zero without an error; so no tensor of ``tensors`` may carry a tangent."""
+    derivative of zero without an error; so no tensor of ``tensors`` may carry a tangent. Not while torch.compile
+    traces: reading the dual level there would be a guard on every compiled call."""
+    if torch.compiler.is_compiling():
+        return
     for name, t in tensors.items():
         if isinstance(t, torch.Tensor) and _compat.has_tangent(t):
             fail(NotImplementedError, f"{function} has no forward-mode derivative (torch.func.jvp, jacfwd, "
@@ -276,7 +279,9 @@ def check_attention(q, k, v, scale, window_left, window_right, kv_seqlens, key_m
 def values_deferred(*tensors) -> bool:
     """Whether a check of index or scale *values* becomes a device-side assert instead of a host read: in compiled
     code, and on fake tensors (``FakeTensorMode``, ``make_fx``), whose values cannot be read."""
-    return torch.compiler.is_compiling() or any(isinstance(t, torch.Tensor) and _compat.is_fake(t) for t in tensors)
+    # a plain torch.Tensor is no FakeTensor (a subclass): the eager call's usual case costs no is_fake call
+    return torch.compiler.is_compiling() or any(isinstance(t, torch.Tensor) and type(t) is not torch.Tensor
+                                                and _compat.is_fake(t) for t in tensors)
 
 
 def check_kv_seqlens(q, kv_seqlens) -> None:

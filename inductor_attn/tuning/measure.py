@@ -428,7 +428,7 @@ def gate(trial: Trial, call: AttnCall, expected, check: Callable[[object], tuple
         return GateResult("failed", describe(err))
     reason, error = check(got)
     blocks = _blocks(got)
-    _poison_own_host_outputs(got)
+    _poison_own_host_outputs(got, call)
     del got
     _poison_blocks(blocks)
     if reason is not None and call.kv_seqlens is not None and _passes_without_nan_tails(trial, call, check):
@@ -445,17 +445,31 @@ def _blocks(got) -> list[tuple[int, torch.device]]:
     return list(blocks.values())
 
 
-def _poison_own_host_outputs(got) -> None:
-    """NaN bytes (0xFF: NaN in every float dtype) into a checked candidate's host outputs that nothing else holds,
+def _poison_own_host_outputs(got, call: AttnCall) -> None:
+    """NaN bytes (0xFF: NaN in every float dtype) into a checked candidate's CPU outputs that nothing else holds,
     before they are freed: the host's malloc may hand that memory, whole or in part, to the next candidate's
-    outputs, and no number of fresh blocks filled afterwards (:func:`_poison_blocks`) is sure to cover it. An output
-    sharing its memory with another tensor (an input, one the candidate keeps) is left as it is."""
+    outputs, and no number of fresh blocks filled afterwards (:func:`_poison_blocks`) is sure to cover it. Left as
+    they are: an output sharing its memory with another tensor (a view the candidate keeps) or with the call's
+    inputs. (A buffer object a candidate returns on every call would be filled too, and written on its next.)"""
     tensors = [t for t in (got if isinstance(got, (tuple, list)) else (got,))
-               if isinstance(t, torch.Tensor) and t.is_floating_point() and t.device.type != "cuda"]
+               if isinstance(t, torch.Tensor) and t.is_floating_point() and t.device.type == "cpu"]
+    inputs = {x.untyped_storage().data_ptr() for x in _tensors_of(call)}
     for t in tensors:
-        sharing = sum(1 for other in tensors if other.untyped_storage().data_ptr() == t.untyped_storage().data_ptr())
-        if storage_holders(t) == sharing:
+        ptr = t.untyped_storage().data_ptr()
+        sharing = sum(1 for other in tensors if other.untyped_storage().data_ptr() == ptr)
+        if ptr not in inputs and storage_holders(t) == sharing:
             torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage()).fill_(255)
+
+
+def _tensors_of(call: AttnCall) -> list[torch.Tensor]:
+    """Every tensor a call holds (its fields, and tensors in tuples or dataclasses one level down)."""
+    found = []
+    for f in dataclasses.fields(call):
+        value = getattr(call, f.name)
+        items = value if isinstance(value, (tuple, list)) else (
+            [getattr(value, g.name) for g in dataclasses.fields(value)] if dataclasses.is_dataclass(value) else [value])
+        found += [x for x in items if isinstance(x, torch.Tensor)]
+    return found
 
 
 HOST_POISON_BLOCKS, HOST_POISON_BYTES = 32, 64 << 20  # at most, and at most this much memory at once
