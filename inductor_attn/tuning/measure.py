@@ -427,8 +427,7 @@ def gate(trial: Trial, call: AttnCall, expected, check: Callable[[object], tuple
             log.warning("%s raised %s (a bug, please report): %s", trial.name, type(err).__name__, err)
         return GateResult("failed", describe(err))
     reason, error = check(got)
-    blocks = _blocks(got)
-    _poison_own_host_outputs(got, call)
+    blocks = _let_go(got, call)
     del got
     _poison_blocks(blocks)
     if reason is not None and call.kv_seqlens is not None and _passes_without_nan_tails(trial, call, check):
@@ -436,29 +435,23 @@ def gate(trial: Trial, call: AttnCall, expected, check: Callable[[object], tuple
     return GateResult("wrong" if reason else "passed", reason, error, seconds)
 
 
-def _blocks(got) -> list[tuple[int, torch.device]]:
-    """The memory blocks (bytes, device) of a candidate's floating-point outputs, for :func:`_poison_blocks`."""
-    blocks = {}
-    for t in got if isinstance(got, (tuple, list)) else (got,):
-        if isinstance(t, torch.Tensor) and t.is_floating_point():
-            blocks[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), t.device)
-    return list(blocks.values())
-
-
-def _poison_own_host_outputs(got, call: AttnCall) -> None:
-    """NaN bytes (0xFF: NaN in every float dtype) into a checked candidate's CPU outputs that nothing else holds,
-    before they are freed: the host's malloc may hand that memory, whole or in part, to the next candidate's
-    outputs, and no number of fresh blocks filled afterwards (:func:`_poison_blocks`) is sure to cover it. Left as
-    they are: an output sharing its memory with another tensor (a view the candidate keeps) or with the call's
-    inputs. (A buffer object a candidate returns on every call would be filled too, and written on its next.)"""
+def _let_go(got, call: AttnCall) -> list[tuple[int, torch.device]]:
+    """Before a checked candidate's outputs are freed: the memory blocks (bytes, device) of its floating-point
+    outputs, for :func:`_poison_blocks` once they are; and NaN bytes (0xFF: NaN in every float dtype) into its CPU
+    outputs that nothing else holds, since the host's malloc may hand that memory, whole or in part, to the next
+    candidate's outputs, and no number of fresh blocks filled afterwards is sure to cover it. Left as they are: an
+    output sharing its memory with another tensor (a view the candidate keeps) or with the call's inputs. (A buffer
+    object a candidate returns on every call would be filled too, and written on its next.)"""
     tensors = [t for t in (got if isinstance(got, (tuple, list)) else (got,))
-               if isinstance(t, torch.Tensor) and t.is_floating_point() and t.device.type == "cpu"]
+               if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    blocks = {t.untyped_storage().data_ptr(): (t.untyped_storage().nbytes(), t.device) for t in tensors}
     inputs = {x.untyped_storage().data_ptr() for x in _tensors_of(call)}
     for t in tensors:
         ptr = t.untyped_storage().data_ptr()
         sharing = sum(1 for other in tensors if other.untyped_storage().data_ptr() == ptr)
-        if ptr not in inputs and storage_holders(t) == sharing:
+        if t.device.type == "cpu" and ptr not in inputs and storage_holders(t) == sharing:
             torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage()).fill_(255)
+    return list(blocks.values())
 
 
 def _tensors_of(call: AttnCall) -> list[torch.Tensor]:
@@ -478,8 +471,8 @@ HOST_POISON_BLOCKS, HOST_POISON_BYTES = 32, 64 << 20  # at most, and at most thi
 def _poison_blocks(blocks: list[tuple[int, torch.device]]) -> None:
     """Fill blocks of these sizes with NaN through new allocations, once a checked candidate's outputs are freed:
     an allocator hands a freed block back to the next request of its size first, so the next candidate's outputs
-    would otherwise start as this one's right answer, and memory a kernel never writes would pass the check. Not
-    through the outputs themselves, which may share memory with tensors still in use."""
+    would otherwise start as this one's right answer, and memory a kernel never writes would pass the check. Beside
+    the outputs themselves (:func:`_let_go`), which cannot be filled where they share memory with tensors in use."""
     for nbytes, device in blocks:
         # CUDA's caching allocator hands the block just freed to the next request of its size; the host's malloc
         # merges and splits free chunks and may hand out another (on a perturbed heap 126 of 300 unwritten
@@ -502,7 +495,7 @@ def _passes_without_nan_tails(trial: Trial, call: AttnCall, check) -> bool:
         raise_if_context_lost(trial.name, err, call.q.device)
         return False
     passed = check(got)[0] is None
-    blocks = _blocks(got)
+    blocks = _let_go(got, finite)
     del got
     _poison_blocks(blocks)
     return passed
