@@ -18,7 +18,9 @@ Per shape, in one process with a fresh decision store: ``inductor_attn.attention
   minus a compiled ``q + 1``): the probe must stand for what compiled code pays.
 
 ``--training``: B4 Hq16/Hkv4 L2048 D64 causal, forward and backward compiled as one training step (plain):
-the kernels of both directions against each direction's best, and the step's wall time against stock's.
+the kernels of both directions against each direction's best, and the step's wall time against stock's; then the
+same step with each pair of the fastest launch paths' kernels forced (``PAIR_PATHS`` per direction), its kernel,
+host, loop host and wall us taking turns with ours and stock's: which pair the step really runs fastest with.
 
 Last, the cost of gating decisions not tuned in this process: the decisions are forgotten (as in a new process
 that finds them in the store) and each shape's first decision is timed, the gate of its winner included.
@@ -57,7 +59,7 @@ from inductor_attn.backends import AttnCall, plan_for
 from inductor_attn.bench.models import STEP_HEADER, step_cells
 from inductor_attn.bench.report import cell, versions_text
 from inductor_attn.bench.runner import fresh_store, run_stamp, whole_record
-from inductor_attn.bench.wallclock import BURST, burst_host_us, interleaved_wall_us, own_code, warm
+from inductor_attn.bench.wallclock import BURST, burst_host_us, interleaved_measure, interleaved_wall_us, own_code, warm
 from inductor_attn.device import device_info
 from inductor_attn.tuning.measure import Direction
 from inductor_attn.tuning.step_cost import entry_point
@@ -221,14 +223,55 @@ def training() -> dict:
         steps[name] = warm(lambda c=compiled: torch.autograd.grad(c(q, k, v), (q, k, v), grad))
         if name == "ours":
             stats = inductor_attn.stats()
-    walls = interleaved_wall_us(steps, calls=50)
-    row = {"stats": stats, "wall_us": walls, "wall_ours_over_stock": walls["ours"] / walls["stock"]}
     call = AttnCall("attention", q.detach(), k.detach(), v.detach(), 64 ** -0.5, True)
-    for direction in ("forward", "backward"):
-        rec = whole_record(call.problem, direction)
+    records = {direction: whole_record(call.problem, direction) for direction in ("forward", "backward")}
+    pairs = [(f, b) for f in _fastest_paths(records["forward"]) for b in _fastest_paths(records["backward"])]
+    for pair in pairs:
+        compiled = torch.compile(own_code(_forced_pair(*pair, call.scale)), fullgraph=True)
+        steps[" + ".join(pair)] = warm(lambda c=compiled: torch.autograd.grad(c(q, k, v), (q, k, v), grad))
+    measured = interleaved_measure(steps)
+    walls = {name: m["wall_us"] for name, m in measured.items()}
+    row = {"stats": stats, "wall_us": {name: walls[name] for name in ("ours", "stock")},
+           "wall_ours_over_stock": walls["ours"] / walls["stock"], "steps": measured}
+    for direction, rec in records.items():
         row[direction] = _devices(rec, _choice_of(stats, direction))
         row[f"{direction}_probes"] = probes(rec, call, direction)
     return row
+
+
+PAIR_PATHS = 3  # launch paths per direction whose pairs the training step forces
+
+
+def _fastest_paths(rec: dict) -> list[str]:
+    """The fastest candidate of each of the ``PAIR_PATHS`` launch paths with the fastest kernels in ``rec``."""
+    best: dict[str, dict] = {}
+    for c in rec["candidates"]:
+        if c["status"] != "passed" or not c.get("median_ms") or c["name"].startswith("reference"):
+            continue
+        path = entry_point(c["name"])
+        if path not in best or c["median_ms"] < best[path]["median_ms"]:
+            best[path] = c
+    return [c["name"] for c in sorted(best.values(), key=lambda c: c["median_ms"])[:PAIR_PATHS]]
+
+
+def _forced_pair(forward: str, backward: str, scale: float):
+    """A causal attention whose compiled forward runs ``forward`` and backward ``backward`` (named choices of the
+    ops, which the lowering emits as it emits a decision)."""
+    fwd_op, bwd_op = torch.ops.inductor_attn.attention.default, torch.ops.inductor_attn.attention_backward.default
+
+    class Pair(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            out, lse = fwd_op(q, k, v, scale, True, -1, -1, None, None, forward)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            q, k, v, out, lse = ctx.saved_tensors
+            return bwd_op(grad_out, None, q, k, v, out, lse, scale, True, -1, -1, None, None, backward)
+
+    return Pair.apply
 
 
 def spell() -> dict:
@@ -328,6 +371,14 @@ def report(run: Path, commit: str | None = None, date: str | None = None) -> str
                   f"backward `{t['backward']['choice']}` ({1 + t['backward']['regret']:.2f}x); wall "
                   f"{t['wall_ours_over_stock']:.2f}x stock compile's ({t['wall_us']['ours']:.0f} / "
                   f"{t['wall_us']['stock']:.0f} us)."]
+        if "steps" in t:
+            lines += ["", "The same step with each pair of the fastest launch paths' kernels forced (the tune's "
+                      f"fastest config of each of the {PAIR_PATHS} paths with the fastest kernels, per direction), "
+                      "taking turns with ours and stock's (`bench/wallclock.py`'s `interleaved_measure`):", "",
+                      "| step | kernels us | host us (burst) | loop host us | wall us |", "|---|---|---|---|---|"]
+            for name, m in sorted(t["steps"].items(), key=lambda item: item[1]["wall_us"]):
+                lines.append(f"| `{name}` | {_fmt_us(m['kernel_us'])} | {m['host_us']:.0f} | "
+                             f"{m['loop_host_us']:.0f} | {m['wall_us']:.0f} |")
     probes = [(row["shape"], p) for row in choice["prefill"] for p in row.get("probes", [])]
     if "training" in choice:
         probes += [(f"train {d}", p) for d in ("forward", "backward") for p in choice["training"][f"{d}_probes"]]
@@ -394,6 +445,10 @@ def _own_run(part: dict, lagged: dict) -> str:
 
 def _fmt_ratio(x) -> str:
     return "" if x is None else f"{x:.2f}"
+
+
+def _fmt_us(x) -> str:
+    return "" if x is None else f"{x:.0f}"
 
 
 def _spell_medians(windows: list[dict], part: slice, field: str = "us") -> dict:
