@@ -271,7 +271,10 @@ def _forced_pair(forward: str, backward: str, scale: float):
             q, k, v, out, lse = ctx.saved_tensors
             return bwd_op(grad_out, None, q, k, v, out, lse, scale, True, -1, -1, None, None, backward)
 
-    return Pair.apply
+    def step(q, k, v):  # compiling ``Pair.apply`` itself fails on torch 2.11 (Dynamo takes ``cls`` for a tensor)
+        return Pair.apply(q, k, v)
+
+    return step
 
 
 def spell() -> dict:
