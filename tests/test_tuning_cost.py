@@ -65,6 +65,16 @@ def test_the_summary_names_the_numbers_of_the_targets():
     assert "- note: regret: skipped" in text
 
 
+def test_the_table_leaves_out_workloads_the_time_budget_skipped_and_counts_them_in_one_line():
+    result = {"workloads": ["d", "e", "f"], "summary": {}, "agreement": [], "regret": [],
+              "cold": [{"name": "d", "kind": "dense", "cold_added_s": 4.0}],
+              "notes": ["cold/warm: e skipped (time budget)", "cold/warm: f skipped (time budget)", "tune: stopped"]}
+    text = tuning_cost.table(result)
+    assert "| d |" in text and "| e |" not in text and "| f |" not in text
+    assert "- cold and warm first calls: 2 of 3 workloads not started within the time budget" in text
+    assert "e skipped" not in text and "- note: tune: stopped" in text
+
+
 def test_the_warm_process_calls_in_off_mode_first_so_its_one_time_costs_stay_out_of_the_problems(monkeypatch):
     """Cold: autotune first (the default kernel's first compile counts as tuning, an upper bound); warm: every
     backend's import and an off call first (the process's one-time costs, paid once, not the store hit's)."""

@@ -133,13 +133,16 @@ def _cache_env(directory: Path) -> dict[str, str]:
     return {env: str(directory / env.lower()) for env in CACHE_ENV}
 
 
+SKIPPED_PREFIX, SKIPPED_SUFFIX = "cold/warm: ", " skipped (time budget)"  # a workload's note; table() counts them
+
+
 def _cold_and_warm(w: Workload, directory: Path, deadline: float, end: float, smoke: bool, notes: list,
                    shipped: bool, cold_verb: str) -> dict | None:
     """Two processes on ``directory``'s empty caches, both with the shipped decision tables when ``shipped``:
     the cold one (``cold_verb``), then the warm one. None starts after the phase's ``deadline``; none runs
     past the run's ``end``."""
     if time.monotonic() > deadline:
-        notes.append(f"cold/warm: {w.name} skipped (time budget)")
+        notes.append(f"{SKIPPED_PREFIX}{w.name}{SKIPPED_SUFFIX}")
         return None
     env = _cache_env(directory)
     row = {"name": w.name, "kind": w.kind}
@@ -212,14 +215,17 @@ def summarize(result: dict) -> dict:
 
 
 def table(result: dict) -> str:
-    """Markdown: per workload the cold and warm added seconds, agreement and regret; then the summary."""
+    """Markdown: per workload measured, the cold and warm added seconds, agreement and regret; then the summary,
+    with the workloads the time budget left out counted in one line (a run on one device call measures a few)."""
     tunes = {t["name"]: t for t in result["agreement"]}
     regret = {r["name"]: r for r in result["regret"]}
+    colds = {r["name"]: r for r in result["cold"]}
+    measured = [name for name in result["workloads"] if name in colds or name in tunes or name in regret]
     lines = [("| workload | stock first call s | cold vs stock s | cold added s | cold tune s (compile / gate / "
               "timing; timed) | warm added s | warm imports s | warm first call s | fresh tunes | regret staged vs "
               "exhaustive | staged / exhaustive tune s |"), "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for name in result["workloads"]:
-        cold = next((r for r in result["cold"] if r["name"] == name), {})
+    for name in measured:
+        cold = colds.get(name, {})
         t, r = tunes.get(name), regret.get(name, {})
         agree = "" if t is None else "agree" if t["same"] else \
             f"differ ({'inside' if t.get('inside_noise') else 'OUTSIDE'} the noise)"
@@ -239,7 +245,11 @@ def table(result: dict) -> str:
             lines.append(f"- {cold['name']}: cold first call in background mode; its tune "
                          f"{'stored ' + str(first.get('landed_winner')) if first['landed'] else 'had not landed'} "
                          f"{first['landed_s']:.1f} s after it")
-    lines += [f"- note: {n}" for n in result["notes"]]
+    skipped = [n for n in result["notes"] if n.startswith(SKIPPED_PREFIX) and n.endswith(SKIPPED_SUFFIX)]
+    if skipped:
+        lines.append(f"- cold and warm first calls: {len(skipped)} of {len(result['workloads'])} workloads not "
+                     "started within the time budget")
+    lines += [f"- note: {n}" for n in result["notes"] if n not in skipped]
     return "\n".join(lines)
 
 
