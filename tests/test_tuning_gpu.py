@@ -118,12 +118,14 @@ def test_a_worker_request_leaves_no_cached_memory_behind(tmp_path):
     gc.collect()  # earlier tests' garbage: freed now, not during the request
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    before = torch.cuda.memory_reserved()
+    before, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     reply = subproc.answer({"op": "compile", "call": str(tmp_path / "call.pt"), "choice": triton,
                             "direction": "forward"})
     assert set(reply) == {"seconds"}, reply
-    assert torch.cuda.max_memory_reserved() > before  # the request did take memory (its q, k, v at least)
+    # the request did take memory (its q, k, v at least), which may have fit in segments earlier tests' live
+    # tensors keep reserved: allocated, not reserved, says so
+    assert torch.cuda.max_memory_allocated() > allocated
     assert torch.cuda.memory_reserved() <= before
 
 
@@ -131,6 +133,8 @@ def test_background_mode_decides_at_once_and_the_tune_lands_in_the_store(monkeyp
     monkeypatch.setattr(decisions, "RECHECK_S", 0.0)
     call = _call(lq=512, lk=512, hq=4, hkv=4, d=64)
     dev = device_info(call.q.device)
+    # the libraries' first imports (FA3's 300 MB library: ~5 s) are the process's, not the decision's
+    enumerate_candidates(call.problem, dev)
     with inductor_attn.tuning_mode("background"):
         start = time.perf_counter()
         first = decisions.decide(call, dev, "forward")
