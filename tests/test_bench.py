@@ -1289,7 +1289,12 @@ def test_compiled_choice_report_states_the_run_as_measured(tmp_path):
     row = {"shape": "2048c", "plain": pick, "reduce-overhead": pick, "wall_ours_over_stock": 0.9,
            "wall_us": {"ours": 90.0, "stock": 100.0}, "probes": [
                {"name": "fa4:default", "device_us": 68.0, "probe_us": 40.0, "loop_us": 38.0, "probe_over_loop": 1.05, "probe_now_over_loop": 1.02}]}
-    (tmp_path / "compiled_choice.json").write_text(json.dumps({"device": "GPU", "torch": "2.11", "prefill": [row]}))
+    pair = {"host_us": 700.0, "loop_host_us": 800.0, "wall_us": 810.0, "kernel_us": 400.0}
+    training = {"forward": pick, "backward": pick, "wall_ours_over_stock": 0.9, "wall_us": {"ours": 810, "stock": 900},
+                "forward_probes": [], "backward_probes": [],
+                "steps": {"ours": pair, "stock": {**pair, "wall_us": 900.0}, "fa4:a + fa4:b": {"error": "Boom: no"}}}
+    (tmp_path / "compiled_choice.json").write_text(json.dumps({"device": "GPU", "torch": "2.11", "prefill": [row],
+                                                               "training": training}))
     (tmp_path / "llama.json").write_text(json.dumps({
         "date": "2026-11-29 18:04 UTC", "commit": "def5678", "versions": {"tokenspeed-fa3": "3.0"}, "llama": {
         "prefill B4 L2048": {"stock_ms": 6.0, "ours_ms": 4.0, "stock_device_ms": 5.9, "ours_device_ms": 3.5},
@@ -1299,8 +1304,12 @@ def test_compiled_choice_report_states_the_run_as_measured(tmp_path):
                for n in ("ours", "stock") for us in [120.0] * 10 + [100.0] * 10]
     (tmp_path / "spell.json").write_text(json.dumps({"spell": {"windows": windows}}))
     text = tool.report(tmp_path, "abc1234", "2026-11-29")
-    assert "--shapes 2048c --probes 2048c`" in text and "| L2048c | `fa4:default` |" in text
-    assert "| 2048c | `fa4` (1) | 68.0 | 40.0 | 38.0 | 1.05 | 1.02 |" in text
+    assert "--shapes 2048c --probes 2048c --training`" in text and "| L2048c | `fa4:default` |" in text
+    assert ("1 launch paths (configs pooled, as the rule pools them, tuning/step_cost.py; per path in "
+            "compiled_choice.json): the tune's probe / loop 1.05 (`fa4`, 2048c) to 1.05 (`fa4`, 2048c), median 1.05; "
+            "the probe taken again") in text
+    assert ("| `ours` | 400 | 700 | 800 | 810 |\n| `stock` | 400 | 700 | 800 | 900 |\n"
+            "| `fa4:a + fa4:b` | Boom: no |") in text
     assert "| prefill B4 L2048 | 6.00 | 4.00 | 1.50x | 5.90 / 3.50 (host) |" in text
     assert "| training step B4 L2048 | 20.00 | 16.00 | 1.25x | 19.50 / 15.50 (device) |" in text
     assert "| training step B1 L512 | | | timed out | |" in text

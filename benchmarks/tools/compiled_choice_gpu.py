@@ -392,19 +392,21 @@ def report(run: Path, commit: str | None = None, date: str | None = None) -> str
     probes = [(row["shape"], p) for row in choice["prefill"] for p in row.get("probes", [])]
     if "training" in choice:
         probes += [(f"train {d}", p) for d in ("forward", "backward") for p in choice["training"][f"{d}_probes"]]
-    lines += ["", "Host probe (what the tune recorded) against a loop of the same launches, and the probe taken again "
-              f"taking turns with the loop ({ROUNDS} rounds, medians), per launch path: the medians over its configs, "
-              "as the rule pools their probes (tuning/step_cost.py):", "",
-              "| call | launch path (configs) | fastest kernel us | probe us | loop us | probe / loop "
-              "| probe again / loop |", "|---|---|---|---|---|---|---|"]
     paths: dict[tuple, list[dict]] = {}
     for shape, p in probes:
         paths.setdefault((shape, entry_point(p["name"])), []).append(p)
-    for (shape, path), group in paths.items():
-        probe, loop = (statistics.median(p[key] for p in group) for key in ("probe_us", "loop_us"))
+    ratios = {}  # (call, launch path) -> (probe / loop, probe again / loop), medians over its configs
+    for key, group in paths.items():
+        probe, loop = (statistics.median(p[k] for p in group) for k in ("probe_us", "loop_us"))
         again = [p["probe_now_over_loop"] for p in group if p.get("probe_now_over_loop") is not None]
-        lines.append(f"| {shape} | `{path}` ({len(group)}) | {min(p['device_us'] for p in group):.1f} | {probe:.1f} | "
-                     f"{loop:.1f} | {probe / loop:.2f} | {_fmt_ratio(statistics.median(again) if again else None)} |")
+        ratios[key] = (probe / loop, statistics.median(again) if again else None)
+    if ratios:
+        lines += ["", f"Host probe against a loop of the same launches, {len(ratios)} launch paths (configs pooled, "
+                  "as the rule pools them, tuning/step_cost.py; per path in compiled_choice.json): "
+                  + "; ".join(_ratio_range(ratios, i, what) for i, what in
+                              ((0, "the tune's probe / loop"),
+                               (1, f"the probe taken again, taking turns with the loop ({ROUNDS} rounds) / loop")))
+                  + "."]
     costs = ["L{} (its `q + 1` {:.0f} us): {}".format(
         row["shape"], row["compiled_us"]["floor_us"], ", ".join(
             f"`{k}` {v:.0f} us" for k, v in row["compiled_us"].items() if k != "floor_us" and isinstance(v, float)))
@@ -453,8 +455,14 @@ def _own_run(part: dict, lagged: dict) -> str:
             + versions_text(part["versions"]))
 
 
-def _fmt_ratio(x) -> str:
-    return "" if x is None else f"{x:.2f}"
+def _ratio_range(ratios: dict, index: int, what: str) -> str:
+    """``what`` from its lowest to its highest over the launch paths of ``ratios``, each end named."""
+    got = {key: r[index] for key, r in ratios.items() if r[index] is not None}
+    if not got:
+        return f"{what}: not measured"
+    low, high = min(got, key=got.get), max(got, key=got.get)
+    return (f"{what} {got[low]:.2f} (`{low[1]}`, {low[0]}) to {got[high]:.2f} (`{high[1]}`, {high[0]}), "
+            f"median {statistics.median(got.values()):.2f}")
 
 
 def _fmt_us(x) -> str:
