@@ -95,6 +95,14 @@ def statically_known_true(expr) -> bool:
     return known(expr)
 
 
+def contiguous_strides(shape) -> tuple:
+    """The strides of a contiguous tensor of ``shape`` (symbolic sizes too), as torch's own ``empty`` lays it out
+    (torch/_prims_common, 2.11 and 2.13)."""
+    from torch._prims_common import make_contiguous_strides_for
+
+    return tuple(make_contiguous_strides_for(shape))
+
+
 def guard_or_false(expr) -> bool:
     """``expr`` (a bool or SymBool) where it can be decided, guarding as ``bool()`` would; False where it cannot (a
     size read from a tensor with ``.item()`` under ``capture_scalar_outputs``): no data-dependent guard error

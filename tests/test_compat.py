@@ -269,6 +269,11 @@ def test_guard_or_false_decides_what_it_can_and_says_false_where_it_cannot():
     assert seen == [False]
 
 
+def test_contiguous_strides_are_what_empty_lays_out():
+    for shape in ((2, 4, 8, 16), (1, 4, 1, 16), (3,), ()):
+        assert _compat.contiguous_strides(shape) == torch.empty(shape).stride()
+
+
 def test_storage_holders_counts_the_tensors_that_see_a_memory_block():
     t = torch.zeros(8)
     assert _compat.storage_holders(t) == 1

@@ -71,8 +71,8 @@ from pathlib import Path
 import torch
 import torch.fx
 
-from .._compat import (custom_graph_pass_base, functorch_wrapped, op_types, sdpa_kernel_nodes, size_hint,
-                       statically_known_true, wrapper_subclass)
+from .._compat import (contiguous_strides, custom_graph_pass_base, functorch_wrapped, op_types, sdpa_kernel_nodes,
+                       size_hint, statically_known_true, wrapper_subclass)
 from ..backends import REFERENCE, enumerate_candidates
 from ..device import DeviceInfo, device_info
 from .. import fp8 as fp8_entry
@@ -547,7 +547,26 @@ def _emit_call(emit: Emitter, node: torch.fx.Node, plan: _Plan, emitted: dict, s
     else:
         op = torch.ops.inductor_attn.attention.default
         result = emit("call_function", op, plan.q, plan.k, plan.v, scale, plan.causal, -1, -1, kv, key_mask, "")
-    return emit("call_function", operator.getitem, result, 0), key, (key_mask, kv)
+    return _laid_out_as_sdpa(emit, node, emit("call_function", operator.getitem, result, 0)), key, (key_mask, kv)
+
+
+def _laid_out_as_sdpa(emit: Emitter, node: torch.fx.Node, out: torch.fx.Node) -> torch.fx.Node:
+    """``out`` with the strides of the SDPA call's output, which the code after it was traced against (a ``view``
+    there may need them). Our ops' output follows q's stride order (layout.py), as SDPA's fused kernels' does for
+    the usual layouts; where SDPA's differs (an expanded q, a q whose last dim is strided, the CPU's math kernel for
+    a value head dim other than q's: a contiguous output), a copy into SDPA's layout, if that is contiguous; else
+    the call stays SDPA."""
+    want, got = ev(node), ev(out)
+    if _same(want.stride(), got.stride()):
+        return out
+    if _same(want.stride(), contiguous_strides(want.shape)):
+        return emit("call_method", "contiguous", out)
+    raise Skip(f"SDPA's output strides {tuple(want.stride())} are neither ours {tuple(got.stride())} nor contiguous")
+
+
+def _same(a, b) -> bool:
+    """Whether two stride tuples are equal for every size the graph may see (symbolic ones too), without a guard."""
+    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
 
 
 def _as_sdpa_computes(emit: Emitter, node: torch.fx.Node, plan: _Plan) -> _Plan:
