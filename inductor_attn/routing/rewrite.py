@@ -364,7 +364,7 @@ def plan_sdpa(node: torch.fx.Node, analysis: mask_proof.MaskAnalysis) -> _Plan:
             raise Skip("is_causal with Lq != Lk (SDPA aligns upper-left, our causal lower-right)")
         return _Plan(q, k, v, scale, causal, what="causal" if causal else "dense")
     if causal:
-        raise Skip("both attn_mask and is_causal (SDPA rejects this)")
+        raise Skip("both attn_mask and is_causal: no route takes the two together")
     if not isinstance(mask, torch.fx.Node):
         raise Skip("attn_mask is not a tensor")
     shape = _mask_shape(mask, qe, ke)
