@@ -593,6 +593,18 @@ def test_stage_one_times_a_backends_hand_rule_config_as_its_default():
     assert result.winner == "c:x=2" and c.calls >= 2  # x=2 represented c; x=1 was searched after
 
 
+def test_stage_one_times_each_entry_point_of_a_backend_which_launch_at_their_own_host_cost():
+    """SDPA's kernels are one backend, three entry points: a kernel slower than the best by more than the stage
+    margin may still make the faster step in a host-bound graph, for its cheaper launch, so each gets its own time
+    (and so its host time, which the step rule weighs)."""
+    a = FakeBackend("a", {"default": (0.5, 0.01)})
+    s = FakeBackend("s", {"kernel=cudnn": (0.7, 0.01), "kernel=flash": (0.8, 0.01), "kernel=efficient": (2.0, 0.01)})
+    result = _tune_with(a, s, search="staged")
+    by_name = {r.name: r for r in result.candidates}
+    assert all(by_name[f"s:kernel={k}"].status == "passed" for k in ("cudnn", "flash", "efficient"))
+    assert by_name["s:kernel=flash"].host_ms is not None and result.winner == "a:default"
+
+
 def test_a_backend_whose_default_fails_is_represented_by_its_next_candidate():
     a = FakeBackend("a", {"default": (1.0, 0.01)})
     b = FakeBackend("b", {"k=1": (0.9, 0.01), "k=2": (0.5, 0.01)}, fail={"k=1"})

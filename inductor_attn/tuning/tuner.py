@@ -6,7 +6,10 @@ which the benchmark shares):
    ``heuristic()`` config where it names a runnable one, else its first runnable candidate; plus the
    overall default), then expands the knobs only of backends whose default came within
    ``INDUCTOR_ATTN_STAGE_MARGIN`` (default 1.25x) of the best; the other candidates are recorded as
-   pruned with the stage-1 numbers as the reason. ``exhaustive`` measures every runnable candidate.
+   pruned with the stage-1 numbers as the reason. A backend with several entry points (SDPA's kernels,
+   flex's backends: step_cost.entry_point) counts as one backend per entry point: each launches at its own
+   host cost, which can make a slower kernel the faster step (step 7), so each gets its own stage-1 time.
+   ``exhaustive`` measures every runnable candidate.
 2. Compile: before each stage's gate, every candidate of the stage compiles (precompile.py: FA4's in
    worker processes, each with a timeout, Triton's in this thread meanwhile); one that fails or times out
    is dropped with its reason.
@@ -71,7 +74,7 @@ from .measure import (
 )
 from .settings import env_number
 from .stats import median, paired_bootstrap_speedup
-from .step_cost import TIE_MARGIN, WALL_CLOCK
+from .step_cost import TIE_MARGIN, WALL_CLOCK, entry_point
 from .timing import default_timer
 
 log = logging.getLogger(__name__)
@@ -273,8 +276,8 @@ class _Search:
         default = self.runnable()[0]
         # workers for stage 2, started while stage 1 runs: a backend compiling in processes is searched
         # whenever it comes close, and on Hopper FA4 does
-        precompile.prestart(sum(len(names) - 1 for b, names in groups.items()
-                                if get_backend(b).library.compiles_to_disk))
+        precompile.prestart(sum(len(names) - 1 for names in groups.values()
+                                if get_backend(self.cands[names[0]].backend).library.compiles_to_disk))
         reps = self._representatives(groups, default)
         stage1 = self._oracle_aside(self.passed([*reps.values(), default]))
         reps = {b: rep for b, rep in reps.items() if rep in stage1}
@@ -299,13 +302,13 @@ class _Search:
             return stage1, []
         self.gate(later)
         finalists = self._oracle_aside(
-            self.passed([default] + [n for n in self.order if self.cands[n].backend in expanded]))
+            self.passed([default] + [n for n in self.order if entry_point(n) in expanded]))
         if len(finalists) < 2:  # stage 2 added nobody who passed: stage 1's timings decide
             return stage1, []
         self.time(finalists)
         others = [n for n in stage1 if n not in finalists]
         for name in others:
-            self.results[name].note = f"timed in stage 1 only ({ratio[self.cands[name].backend]:.2f}x the best)"
+            self.results[name].note = f"timed in stage 1 only ({ratio[entry_point(name)]:.2f}x the best)"
             self.staged_marks.add(name)
         return finalists, others
 
@@ -329,32 +332,34 @@ class _Search:
         return [n for n in names if self.results[n].status == "pruned" and self.results[n].reason is None]
 
     def _groups(self) -> dict[str, list[str]]:
-        """Runnable candidates per backend (prior order), the backend's heuristic config first."""
+        """Runnable candidates per entry point (a backend, or one of its entry points: prior order), the backend's
+        heuristic config first in its group."""
         groups: dict[str, list[str]] = {}
         for name in self.runnable():
-            groups.setdefault(self.cands[name].backend, []).append(name)
-        for backend, names in groups.items():
+            groups.setdefault(entry_point(name), []).append(name)
+        for backend in {self.cands[name].backend for name in self.runnable()}:
             cfg = get_backend(backend).heuristic(self.call.problem, self.mode.dev)
             rule = f"{backend}:{cfg}" if cfg is not None else None
-            if rule in names:
+            names = groups.get(entry_point(rule)) if rule is not None else None
+            if names is not None and rule in names:
                 names.remove(rule)
                 names.insert(0, rule)
         return groups
 
     def _representatives(self, groups: dict[str, list[str]], default: str) -> dict[str, str]:
-        """Each backend's first candidate that passes the gate, all backends compiling ahead together; the
+        """Each group's first candidate that passes the gate, all groups compiling ahead together; the
         overall default is gated with the first round (it is the baseline every candidate must beat)."""
         reps: dict[str, str] = {}
         queues = {b: list(names) for b, names in groups.items()}
         batch = [q.pop(0) for q in queues.values()]
         if default not in batch:
             batch.append(default)
-            queues[self.cands[default].backend].remove(default)
+            queues[entry_point(default)].remove(default)
         while batch:
             passed = set(self.gate(batch))
             for name in batch:  # batch order: a backend's heuristic config before the overall default
                 if name in passed:
-                    reps.setdefault(self.cands[name].backend, name)
+                    reps.setdefault(entry_point(name), name)
             batch = [q.pop(0) for b, q in queues.items() if b not in reps and q]
         return {b: reps[b] for b in groups if b in reps}
 
