@@ -95,6 +95,19 @@ def statically_known_true(expr) -> bool:
     return known(expr)
 
 
+def traced_argument_uses(fn, args: tuple) -> list[bool] | None:
+    """Whether each positional argument of ``fn`` has a use in its FX trace on ``args`` (make_fx on the real
+    tensors, torch/fx/experimental/proxy_tensor, 2.11 and 2.13): an argument the function never reads has none.
+    None where the function cannot be traced so (a value read back into Python, a call make_fx refuses)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    try:
+        gm = make_fx(fn, tracing_mode="real")(*args)
+    except Exception:  # noqa: BLE001 - any failure to trace means: not known
+        return None
+    return [bool(n.users) for n in gm.graph.nodes if n.op == "placeholder"]
+
+
 def contiguous_strides(shape) -> tuple:
     """The strides of a contiguous tensor of ``shape`` (symbolic sizes too), as torch's own ``empty`` lays it out
     (torch/_prims_common, 2.11 and 2.13)."""

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ._compat import traced_argument_uses
+
 # Bitmaps are filled this many partial blocks at a time: bounds the bool scratch to
 # chunk * block_q * block_kv bytes (64 blocks of 128x128 = 1 MiB).
 _BITMAP_CHUNK = 64
@@ -54,15 +56,24 @@ class BlockSparseMask:
     density: float
     partial_fraction: float
     documents: Documents | None = None
+    # dims ("batch", "head") the mask is shared over (size 1) although its mask_mod reads that index: right only
+    # for calls of one batch row / one head (api.py refuses others); see from_block_mask
+    shared_but_read: tuple[str, ...] = ()
 
     @property
     def num_q_blocks(self) -> int:
         return self.kv_num_blocks.shape[-1]
 
     @classmethod
-    def from_block_mask(cls, block_mask) -> BlockSparseMask:
-        """Convert a flex ``BlockMask`` (evaluates its mask_mod on the partial blocks only, on its device)."""
-        return _from_block_mask(block_mask)
+    def from_block_mask(cls, block_mask, batch: int | None = None, heads: int | None = None) -> BlockSparseMask:
+        """Convert a flex ``BlockMask`` (evaluates its mask_mod on the partial blocks only, on its device).
+
+        A BlockMask made with ``B=None`` or ``H=None`` is shared over that dim, while flex still calls its
+        mask_mod with each call's real batch and head index. Where the mask_mod reads that index, the bitmaps
+        differ per row or head: given the call's ``batch`` / ``heads``, the mask is built per row / head; without
+        them it stays shared, noted in ``shared_but_read``, and a call with more than one such row or head is
+        refused (``attention`` with a flex BlockMask passes both itself)."""
+        return _from_block_mask(block_mask, batch, heads)
 
     def dense_mask(self) -> torch.Tensor:
         """Bool ``[B', H', Lq, Lk]`` view of the mask: O(Lq x Lk), for tests and debugging only."""
@@ -128,20 +139,41 @@ def _eval_mask_mod(mask_mod, b, h, q_idx, kv_idx) -> torch.Tensor:
         return torch.as_tensor(mask_mod(b, h, q_idx, kv_idx), device=q_idx.device).bool().expand(shape)
 
 
-def _from_block_mask(bm) -> BlockSparseMask:
+def _index_reads(mask_mod, device) -> list[bool]:
+    """Whether ``mask_mod`` reads its batch index and its head index, from its trace under vmap (as flex's
+    ``create_mask`` calls it: a mod may index a tensor with them) on one index each; a mod that cannot be traced
+    so is taken to read both (its bitmaps are then built per row and head, which is right whatever it reads)."""
+    indices = tuple(torch.zeros(1, dtype=torch.int32, device=device) for _ in range(4))
+    uses = traced_argument_uses(torch.vmap(mask_mod), indices)
+    return [True, True] if uses is None or len(uses) < 2 else uses[:2]
+
+
+def _from_block_mask(bm, batch: int | None = None, heads: int | None = None) -> BlockSparseMask:
     lq, lk = (int(x) for x in bm.seq_lengths)
     bq, bk = (int(x) for x in bm.BLOCK_SIZE) if isinstance(bm.BLOCK_SIZE, tuple) else (bm.BLOCK_SIZE,) * 2
     if bk % 32 != 0:
         raise ValueError(f"block_mask kv block size must be a multiple of 32, got {bk}")
-    cnt = bm.kv_num_blocks.to(torch.int32)
+    lists = [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices]
+    shared_but_read = []
+    sizes = (batch, heads)
+    for dim, reads in enumerate(_index_reads(bm.mask_mod, bm.kv_num_blocks.device)
+                                if 1 in bm.kv_num_blocks.shape[:2] else ()):
+        if bm.kv_num_blocks.shape[dim] != 1 or not reads:
+            continue
+        if sizes[dim] is None or sizes[dim] == 1:
+            shared_but_read.append(("batch", "head")[dim])
+            continue
+        # flex calls the mask_mod with each real index: one mask per row (head), its block lists repeated
+        lists = [t if t is None else t.expand(*t.shape[:dim], sizes[dim], *t.shape[dim + 1:]) for t in lists]
+    cnt = lists[0].to(torch.int32).contiguous()
     n_partial = int(cnt.max()) if cnt.numel() else 0
-    kv_idx = bm.kv_indices[..., : max(n_partial, 1)].to(torch.int32).contiguous()
+    kv_idx = lists[1][..., : max(n_partial, 1)].to(torch.int32).contiguous()
     full_cnt = full_idx = None
     n_full = 0
-    if bm.full_kv_num_blocks is not None:
-        full_cnt = bm.full_kv_num_blocks.to(torch.int32)
+    if lists[2] is not None:
+        full_cnt = lists[2].to(torch.int32).contiguous()
         n_full = int(full_cnt.max()) if full_cnt.numel() else 0
-        full_idx = bm.full_kv_indices[..., : max(n_full, 1)].to(torch.int32).contiguous()
+        full_idx = lists[3][..., : max(n_full, 1)].to(torch.int32).contiguous()
 
     bsz, heads, n_q = cnt.shape
     bits = torch.zeros(bsz, heads, n_q, kv_idx.shape[-1], bq, bk // 32, dtype=torch.int32, device=cnt.device)
@@ -173,6 +205,7 @@ def _from_block_mask(bm) -> BlockSparseMask:
         partial_bits=bits,
         density=total_listed / max(rows * n_kv_blocks, 1),
         partial_fraction=int(cnt.sum()) / max(total_listed, 1),
+        shared_but_read=tuple(shared_but_read),
     )
     mask.documents = find_documents(mask)
     return mask

@@ -96,11 +96,51 @@ def test_attention_converts_a_block_mask_once(monkeypatch):
     block_mask = create_block_mask(lambda b, h, q, k: q >= k, None, None, 40, 40, device="cpu", BLOCK_SIZE=32)
     calls = []
     convert_once = BlockSparseMask.from_block_mask
-    monkeypatch.setattr(BlockSparseMask, "from_block_mask", lambda bm: calls.append(bm) or convert_once(bm))
+    monkeypatch.setattr(BlockSparseMask, "from_block_mask",
+                        lambda bm, *sizes: calls.append(bm) or convert_once(bm, *sizes))
     q = torch.randn(1, 2, 40, 16)
     first = inductor_attn.attention(q, q, q, block_mask=block_mask)
     second = inductor_attn.attention(q, q, q, block_mask=block_mask)
     assert len(calls) == 1 and torch.equal(first, second)
+
+
+def _per_row_documents(batch, length):
+    """Causal documents that differ per batch row with one block structure (blocks of 128): flex's result is exact
+    for a mask shared over the batch (B=None) whose mask_mod reads b."""
+    ids = torch.zeros(batch, length, dtype=torch.long)
+    for b in range(batch):
+        ids[b, 100 - 40 * b:] = 1
+    return lambda b, h, q, k: (ids[b, q] == ids[b, k]) & (k <= q)
+
+
+@pytest.mark.parametrize("shared", ["batch", "head"])
+def test_a_mask_shared_over_a_dim_its_mask_mod_reads_is_built_per_row_or_head_as_flex_runs_it(shared):
+    b, h, n, d = 2, 3, 256, 16
+    if shared == "batch":
+        mod, sizes = _per_row_documents(b, n), (None, None)
+    else:  # a sliding window per head
+        mod, sizes = (lambda b, h, q, k: (k <= q) & (q - k < 8 * (h + 1))), (b, None)
+    block_mask = create_block_mask(mod, *sizes, n, n, device="cpu")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, generator=g) for _ in range(3))
+    dense = create_mask(mod, b, h, n, n, device="cpu")
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=dense)
+    got = inductor_attn.attention(q, k, v, block_mask=block_mask)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+    # converted without the call's sizes, the mask holds index 0's bitmaps only: a call with more is refused
+    sparse = BlockSparseMask.from_block_mask(block_mask)
+    assert sparse.shared_but_read == (shared,)
+    with pytest.raises(ValueError, match=f"block_mask: its mask_mod reads the {shared} index, but the mask is shared"):
+        inductor_attn.attention(q, k, v, block_mask=sparse)
+    first = (slice(0, 1),) if shared == "batch" else (slice(None), slice(0, 1))  # index 0 of that dim: right
+    one = inductor_attn.attention(*(x[first] for x in (q, k, v)), block_mask=sparse)
+    torch.testing.assert_close(one.double(), want[first], rtol=1e-4, atol=1e-4)
+
+
+def test_a_shared_mask_whose_mask_mod_reads_neither_index_stays_shared():
+    block_mask = create_block_mask(lambda b, h, q, k: q >= k, None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
+    sparse = BlockSparseMask.from_block_mask(block_mask, batch=4, heads=8)
+    assert sparse.kv_num_blocks.shape[:2] == (1, 1) and sparse.shared_but_read == ()
 
 
 @settings(RANDOM, max_examples=25)

@@ -269,6 +269,13 @@ def test_guard_or_false_decides_what_it_can_and_says_false_where_it_cannot():
     assert seen == [False]
 
 
+def test_traced_argument_uses_says_which_arguments_a_function_reads_and_none_where_it_cannot_trace():
+    ids = torch.tensor([0, 1, 1])
+    args = tuple(torch.zeros(1, dtype=torch.int32) for _ in range(3))
+    assert _compat.traced_argument_uses(torch.vmap(lambda a, b, c: ids[a] == ids[c]), args) == [True, False, True]
+    assert _compat.traced_argument_uses(lambda a, b, c: a if bool(b.sum() > 0) else c, args) is None
+
+
 def test_contiguous_strides_are_what_empty_lays_out():
     for shape in ((2, 4, 8, 16), (1, 4, 1, 16), (3,), ()):
         assert _compat.contiguous_strides(shape) == torch.empty(shape).stride()

@@ -138,8 +138,11 @@ def test_documents_run_as_varlen_and_match_float64(batch, mask_rows, layout, pac
     gen = torch.Generator().manual_seed(0)
     length = 150
     ids = document_ids([[40, 70, 40], [3, 100, 47]])
-    sparse = convert(lambda b, h, q, k: (ids[b, q] == ids[b, k]) & (k <= q), mask_rows if mask_rows > 1 else None,
-                     None, length)
+    if mask_rows == 1:  # one mask shared by the batch: a mask_mod that reads no batch index
+        first = ids[0]
+        sparse = convert(lambda b, h, q, k: (first[q] == first[k]) & (k <= q), None, None, length)
+    else:
+        sparse = convert(lambda b, h, q, k: (ids[b, q] == ids[b, k]) & (k <= q), mask_rows, None, length)
     assert sparse.documents is not None
     q, k, v = _inputs(batch, length, layout, gen)
     grad = torch.randn(batch, 4, length, 16, generator=gen)
