@@ -56,18 +56,14 @@ def oracle_grads(q, k, v, mask, scale, grad_out, grad_lse):
 
 
 def run_ours(call, cfg, out, lse, grad_out, grad_lse, monkeypatch):
-    """flash_bwd.backward with every torch.empty/empty_like it calls filled with NaN."""
-    real_empty, real_like = torch.empty, torch.empty_like
-
-    def empty(*a, **kw):
-        return real_empty(*a, **kw).fill_(float("nan"))
-
-    def empty_like(*a, **kw):
-        return real_like(*a, **kw).fill_(float("nan"))
+    """flash_bwd.backward with every buffer it allocates filled with NaN (dq, dk and dv come from
+    torch.empty_permuted: layout.new_grads), so an element a kernel leaves unwritten shows."""
+    def poisoned(real):
+        return lambda *a, **kw: real(*a, **kw).fill_(float("nan"))
 
     with monkeypatch.context() as m, bounds_checked():
-        m.setattr(torch, "empty", empty)
-        m.setattr(torch, "empty_like", empty_like)
+        for name in ("empty", "empty_like", "empty_permuted", "empty_strided"):
+            m.setattr(torch, name, poisoned(getattr(torch, name)))
         return flash_bwd.backward(cfg, eager_launcher, call, out, lse, grad_out, grad_lse)
 
 
