@@ -96,8 +96,9 @@ def statically_known_true(expr) -> bool:
 
 
 def traced_argument_uses(fn, args: tuple) -> list[bool] | None:
-    """Whether each positional argument of ``fn`` has a use in its FX trace on ``args`` (make_fx on the real
-    tensors, torch/fx/experimental/proxy_tensor, 2.11 and 2.13): an argument the function never reads has none.
+    """Whether each positional argument of ``fn`` has a use that reads its values in its FX trace on ``args`` (make_fx
+    on the real tensors, torch/fx/experimental/proxy_tensor, 2.11 and 2.13): an argument the function never reads,
+    or reads the size of only (``new_ones``), has none.
     None where the function cannot be traced so (a value read back into Python, a call make_fx refuses)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -105,7 +106,17 @@ def traced_argument_uses(fn, args: tuple) -> list[bool] | None:
         gm = make_fx(fn, tracing_mode="real")(*args)
     except Exception:  # noqa: BLE001 - any failure to trace means: not known
         return None
-    return [bool(n.users) for n in gm.graph.nodes if n.op == "placeholder"]
+    return [any(_reads_value(user) for user in n.users) for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+# ops that read a tensor's sizes, dtype and device only (flex's ``noop_mask`` makes its result with ``new_ones``)
+_SHAPE_ONLY = ("new_ones", "new_zeros", "new_full", "new_empty", "empty_like", "ones_like", "zeros_like", "full_like",
+               "sym_size")
+
+
+def _reads_value(node) -> bool:
+    target = getattr(node.target, "__name__", str(node.target))
+    return target.split(".")[0] not in _SHAPE_ONLY
 
 
 def contiguous_strides(shape) -> tuple:

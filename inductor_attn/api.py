@@ -76,21 +76,24 @@ def _longest(cu_seqlens: torch.Tensor, name: str) -> int:
 # What a fullgraph compile of a call with a BlockMask reads first (a graph break is what Dynamo would say)
 _BLOCK_MASK_TRACED = ("block_mask: a flex_attention BlockMask is converted by running its mask_mod, a graph break; "
                       "under fullgraph=True convert it first, outside the compiled function: "
-                      "inductor_attn.BlockSparseMask.from_block_mask(block_mask)")
+                      "inductor_attn.BlockSparseMask.from_block_mask(block_mask, batch=B, heads=H) with q's batch "
+                      "and head counts")
 
 
 @torch.compiler.disable
 def _convert_block_mask(block_mask, batch: int, heads: int) -> BlockSparseMask:
     # A graph break under torch.compile (refused under fullgraph=True with _BLOCK_MASK_TRACED): the bitmaps
-    # come from running the mask_mod. The result is kept on the BlockMask per batch and head count (a mask
-    # shared over a dim its mask_mod reads is built per row or head: BlockSparseMask.from_block_mask), so a mask
-    # reused across layers is converted once.
-    converted = getattr(block_mask, "_inductor_attn_sparse", {})
-    cached = converted.get((batch, heads))
-    if cached is None:
-        cached = BlockSparseMask.from_block_mask(block_mask, batch, heads)
-        block_mask._inductor_attn_sparse = {**converted, (batch, heads): cached}
-    return cached
+    # come from running the mask_mod. The result is kept on the BlockMask, so a mask reused across layers is
+    # converted once; a mask shared over a dim its mask_mod reads (BlockSparseMask.from_block_mask) once per
+    # batch and head count as well, built per row or head.
+    converted = getattr(block_mask, "_inductor_attn_sparse", None)
+    if converted is None:
+        converted = block_mask._inductor_attn_sparse = {None: BlockSparseMask.from_block_mask(block_mask)}
+    if not converted[None].shared_but_read:
+        return converted[None]
+    if (batch, heads) not in converted:
+        converted[(batch, heads)] = BlockSparseMask.from_block_mask(block_mask, batch, heads)
+    return converted[(batch, heads)]
 
 
 def _check_shared_but_read(sparse: BlockSparseMask, q) -> None:

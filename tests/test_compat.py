@@ -274,6 +274,11 @@ def test_traced_argument_uses_says_which_arguments_a_function_reads_and_none_whe
     args = tuple(torch.zeros(1, dtype=torch.int32) for _ in range(3))
     assert _compat.traced_argument_uses(torch.vmap(lambda a, b, c: ids[a] == ids[c]), args) == [True, False, True]
     assert _compat.traced_argument_uses(lambda a, b, c: a if bool(b.sum() > 0) else c, args) is None
+    # flex's noop_mask makes its result from the batch index's size alone: no read of its value
+    from torch.nn.attention.flex_attention import noop_mask
+
+    index = tuple(torch.zeros(1, dtype=torch.int32) for _ in range(4))
+    assert _compat.traced_argument_uses(torch.vmap(noop_mask), index) == [False] * 4
 
 
 def test_contiguous_strides_are_what_empty_lays_out():

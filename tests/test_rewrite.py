@@ -81,12 +81,12 @@ def test_causal_gqa_without_mask_is_routed_as_causal_and_matches_sdpa():
     assert only_outcome() == "sdpa: routed (causal)"
 
 
-@pytest.mark.parametrize("layout", ["expanded q", "strided last dim", "value head dim"])
+@pytest.mark.parametrize("layout", ["expanded q", "strided last dim", "value head dim", "one head"])
 def test_a_routed_call_returns_sdpas_output_strides_so_a_view_after_it_compiles(layout):
     """Our op's output follows q's stride order; where SDPA's does not (its math kernel returns a contiguous
     output for these on the CPU), code traced against SDPA's (a ``view``) must still compile and run."""
-    b, h, n, d = 2, 4, 16, 32
-    dv = 64 if layout == "value head dim" else d
+    b, h, n, d = 2, 1 if layout == "one head" else 4, 16, 32
+    dv = 64 if layout == "value head dim" else d  # one head: strides of a size-1 dim differ, which no view reads
     g = torch.Generator().manual_seed(0)
     # learned queries shared by the batch; q stored (B, H, D, L); q (B, L, H, D) as projections give it
     shape = {"expanded q": (1, h, n, d), "strided last dim": (b, h, d, n)}.get(layout, (b, n, h, d))
@@ -94,8 +94,8 @@ def test_a_routed_call_returns_sdpas_output_strides_so_a_view_after_it_compiles(
     k, v = torch.randn(b, h, n, d, generator=g), torch.randn(b, n, h, dv, generator=g)
 
     def fn(x, k, v):
-        q = (x.expand(b, -1, -1, -1) if layout == "expanded q" else x.transpose(2, 3) if layout == "strided last dim" else
-             x.transpose(1, 2))
+        q = {"expanded q": lambda: x.expand(b, -1, -1, -1),
+             "strided last dim": lambda: x.transpose(2, 3)}.get(layout, lambda: x.transpose(1, 2))()
         out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True)
         return out.view(b * h, n, dv)
 

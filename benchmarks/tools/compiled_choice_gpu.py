@@ -234,7 +234,7 @@ def training() -> dict:
         except Exception as err:  # noqa: BLE001 - a pair that cannot run is recorded, the others measured
             failed[" + ".join(pair)] = f"{type(err).__name__}: {str(err)[:200]}"
     measured = interleaved_measure(steps) | {name: {"error": why} for name, why in failed.items()}
-    walls = {name: m["wall_us"] for name, m in measured.items()}
+    walls = {name: m["wall_us"] for name, m in measured.items() if "wall_us" in m}
     row = {"stats": stats, "wall_us": {name: walls[name] for name in ("ours", "stock")},
            "wall_ours_over_stock": walls["ours"] / walls["stock"], "steps": measured}
     for direction, rec in records.items():

@@ -414,22 +414,25 @@ def _regret_worker(w: Workload, device: torch.device, smoke: bool) -> dict:
 
 
 def needed_margin(record, dev) -> float | None:
-    """From an exhaustive tune: the largest stage-1 ratio (backend default / best default) among backends
-    whose best config is within 1% of the best; the stage margin that finds all of them. A backend's default
-    is the one stage 1 times (tuner.py ``_groups``/``_representatives``): its hand rule's config, else its
-    first candidate, in prior order, that passed."""
+    """From an exhaustive tune: the largest stage-1 ratio (group default / best default) among the groups stage 1
+    times (a backend, or one of its entry points: step_cost.entry_point) whose best config is within 1% of the
+    best; the stage margin that finds all of them. A group's default is the one stage 1 times (tuner.py
+    ``_groups``/``_representatives``): its backend's hand rule's config, else its first candidate, in prior order,
+    that passed."""
     from ..backends import get_backend
+    from ..tuning.step_cost import entry_point
 
     timed = [c for c in record.candidates if c.status == "passed" and c.median_ms is not None]
     if not timed:
         return None
     per_backend: dict[str, list] = {}
     for c in timed:
-        per_backend.setdefault(c.name.split(":")[0], []).append(c)
+        per_backend.setdefault(entry_point(c.name), []).append(c)
     defaults = {}
-    for backend, mine in per_backend.items():
+    for group, mine in per_backend.items():
+        backend = group.partition(":")[0]
         rule = get_backend(backend).heuristic(record.problem, dev)
-        defaults[backend] = next((c for c in mine if rule is not None and c.name == f"{backend}:{rule}"), mine[0])
+        defaults[group] = next((c for c in mine if rule is not None and c.name == f"{backend}:{rule}"), mine[0])
     best_default = min(c.median_ms for c in defaults.values())
     best = min(c.median_ms for c in timed)
     found = [defaults[b].median_ms / best_default for b, mine in per_backend.items()

@@ -551,22 +551,29 @@ def _emit_call(emit: Emitter, node: torch.fx.Node, plan: _Plan, emitted: dict, s
 
 
 def _laid_out_as_sdpa(emit: Emitter, node: torch.fx.Node, out: torch.fx.Node) -> torch.fx.Node:
-    """``out`` with the strides of the SDPA call's output, which the code after it was traced against (a ``view``
-    there may need them). Our ops' output follows q's stride order (layout.py), as SDPA's fused kernels' does for
-    the usual layouts; where SDPA's differs (an expanded q, a q whose last dim is strided, the CPU's math kernel for
-    a value head dim other than q's: a contiguous output), a copy into SDPA's layout, if that is contiguous; else
-    the call stays SDPA."""
+    """``out`` laid out as the SDPA call's output, which the code after it was traced against (a ``view`` there may
+    need it). Our ops' output follows q's stride order (layout.py); SDPA's may not: the CPU's math kernel returns a
+    contiguous output for an expanded q, a q whose last dim is strided or a value head dim other than q's, and
+    CUDA's efficient kernel always a (B, L, H, Dv) one. Where the two differ beyond dims of size 1 (whose strides
+    no view reads), a copy into SDPA's dim order, if its output is dense; else the call stays SDPA."""
     want, got = ev(node), ev(out)
-    if _same(want.stride(), got.stride()):
+    sizes = want.shape
+    if _same(want.stride(), got.stride(), sizes):
         return out
-    if _same(want.stride(), contiguous_strides(want.shape)):
-        return emit("call_method", "contiguous", out)
-    raise Skip(f"SDPA's output strides {tuple(want.stride())} are neither ours {tuple(got.stride())} nor contiguous")
+    order = sorted(range(want.dim()), key=lambda d: -size_hint(want.stride(d)))  # SDPA's dims, outermost first
+    dense = contiguous_strides([sizes[d] for d in order])
+    if not _same([want.stride(d) for d in order], dense, [sizes[d] for d in order]):
+        raise Skip(f"SDPA's output is not dense (strides {tuple(want.stride())}): not ours {tuple(got.stride())}")
+    back = sorted(range(want.dim()), key=order.index)
+    permuted = emit("call_method", "permute", out, *order)
+    return emit("call_method", "permute", emit("call_method", "contiguous", permuted), *back)
 
 
-def _same(a, b) -> bool:
-    """Whether two stride tuples are equal for every size the graph may see (symbolic ones too), without a guard."""
-    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
+def _same(a, b, sizes) -> bool:
+    """Whether two stride tuples agree on every dim of more than one element, for every size the graph may see
+    (symbolic ones too), without a guard."""
+    return len(a) == len(b) and all(statically_known_true(n <= 1) or statically_known_true(x == y)
+                                    for x, y, n in zip(a, b, sizes))
 
 
 def _as_sdpa_computes(emit: Emitter, node: torch.fx.Node, plan: _Plan) -> _Plan:
