@@ -96,18 +96,6 @@ def _convert_block_mask(block_mask, batch: int, heads: int) -> BlockSparseMask:
     return converted[(batch, heads)]
 
 
-def _check_shared_but_read(sparse: BlockSparseMask, q) -> None:
-    """A mask shared over a dim its mask_mod reads (BlockSparseMask.shared_but_read) holds the mask of index 0
-    of that dim only."""
-    for dim, name, flag, plural in ((0, "batch", "B", "batch rows"), (1, "head", "H", "heads")):
-        if name in sparse.shared_but_read and sparse.kv_num_blocks.shape[dim] == 1 and q.shape[dim] != 1:
-            fail(ValueError,
-                 f"block_mask: its mask_mod reads the {name} index, but the mask is shared over the {name} dim "
-                 f"({flag}=None or 1 when it was made) while q has {q.shape[dim]} {plural}; make the BlockMask with "
-                 f"{flag}={q.shape[dim]}, or convert it with BlockSparseMask.from_block_mask(block_mask, "
-                 f"batch={q.shape[0]}, heads={q.shape[1]})")
-
-
 def _as_sparse(block_mask, q, k) -> BlockSparseMask:
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -129,8 +117,7 @@ def _as_sparse(block_mask, q, k) -> BlockSparseMask:
         )
     if isinstance(block_mask, BlockMask):
         refuse_to_trace(TypeError, _BLOCK_MASK_TRACED)
-        block_mask = _convert_block_mask(block_mask, q.shape[0], q.shape[1])
-    _check_shared_but_read(block_mask, q)
+        return _convert_block_mask(block_mask, q.shape[0], q.shape[1])
     return block_mask
 
 

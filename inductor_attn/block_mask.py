@@ -57,7 +57,7 @@ class BlockSparseMask:
     partial_fraction: float
     documents: Documents | None = None
     # dims ("batch", "head") the mask is shared over (size 1) although its mask_mod reads that index: right only
-    # for calls of one batch row / one head (api.py refuses others); see from_block_mask
+    # for calls of one batch row / one head (check_block_sparse refuses others); see from_block_mask
     shared_but_read: tuple[str, ...] = ()
 
     @property

@@ -425,17 +425,17 @@ def needed_margin(record, dev) -> float | None:
     timed = [c for c in record.candidates if c.status == "passed" and c.median_ms is not None]
     if not timed:
         return None
-    per_backend: dict[str, list] = {}
+    per_group: dict[str, list] = {}
     for c in timed:
-        per_backend.setdefault(entry_point(c.name), []).append(c)
+        per_group.setdefault(entry_point(c.name), []).append(c)
     defaults = {}
-    for group, mine in per_backend.items():
+    for group, mine in per_group.items():
         backend = group.partition(":")[0]
         rule = get_backend(backend).heuristic(record.problem, dev)
         defaults[group] = next((c for c in mine if rule is not None and c.name == f"{backend}:{rule}"), mine[0])
     best_default = min(c.median_ms for c in defaults.values())
     best = min(c.median_ms for c in timed)
-    found = [defaults[b].median_ms / best_default for b, mine in per_backend.items()
+    found = [defaults[b].median_ms / best_default for b, mine in per_group.items()
              if min(c.median_ms for c in mine) <= best * 1.01]
     return max(found)
 

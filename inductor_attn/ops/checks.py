@@ -402,6 +402,14 @@ def check_block_sparse(q, k, v, sparse, scale) -> None:
             f"block mask was built for other lengths or sizes: kv_num_blocks has shape {shape_text((b, h, m))}, "
             f"expected ({batch} or 1, {heads} or 1, {n_q}) for Lq={q.shape[2]}, block_q={bq}"
         )
+    # a mask shared over a dim its mask_mod reads (BlockSparseMask.shared_but_read) holds index 0's mask only
+    for size, given, name, flag, plural in ((b, batch, "batch", "B", "batch rows"), (h, heads, "head", "H", "heads")):
+        if name in sparse.shared_but_read and size == 1 and given != 1:
+            fail(ValueError,
+                 f"block_mask: its mask_mod reads the {name} index, but the mask is shared over the {name} dim "
+                 f"({flag}=None or 1 when it was made) while q has {given} {plural}; make the BlockMask with "
+                 f"{flag}={given}, or convert it with BlockSparseMask.from_block_mask(block_mask, batch={batch}, "
+                 f"heads={heads})")
     for name in ("kv_indices", "partial_bits") + (("full_kv_indices",) if sparse.full_kv_indices is not None else ()):
         if not isinstance(getattr(sparse, name), torch.Tensor):
             fail(TypeError, f"{name} must be an int32 tensor, got {type(getattr(sparse, name)).__name__}")
