@@ -35,9 +35,12 @@ from dataclasses import dataclass
 
 TIE_MARGIN = 0.02  # the tuner's: a candidate must make the step this much faster to replace the winner
 # How far apart two candidates' host probes of one tune may be from what compiled code pays them, relative to
-# each other (H200, 2026-11-29: each probe taken again against a loop of its launches, 0.95-1.05; the drift
-# between a tune and a later loop, 0.6-1.1, moves every candidate alike): another candidate replaces the winner
-# only if it wins with its host time this much higher and the winner's this much lower.
+# each other (H200, 2026-11-29: each probe taken again against a loop of its launches, 0.95-1.05): another candidate
+# replaces the winner only if it wins with its host time this much higher and the winner's this much lower. It
+# does not cover the host's own drift: on an H200 host with nothing else running, the same launch's CPU time
+# alternates between two levels 1.45-1.55x apart in spells of 0.2-2 s (benchmarks/tools/host_speed.py,
+# 2026-11-30), and a tune's probes read 0.97-1.66x a later loop of the same launches, aten paths 0.97-1.31x and
+# launch-op paths 1.36-1.66x in one training tune: within one tune mostly alike, not always.
 HOST_ERROR = 0.1
 # What compiled code pays for a call through the launch op beyond the op called alone (the tune's probe): a
 # compiled function making one such call against a compiled ``q + 1`` plus the op's probe, B1 H32 D128 L512 and

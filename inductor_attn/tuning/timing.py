@@ -44,7 +44,8 @@ def host_ms_each(launches: dict, device: torch.device, warmup: int = 10, bursts:
     enough for the launch queue so the CPU never waits; the median burst of each. Taking turns, as the device
     timings do: the host's speed drifts within a process (a first tune's probes read 1.2-2.0x a later loop of
     the same launches for every candidate, and the same probe taken later in turns with the loop 0.8-1.1x, H200,
-    2026-11-29), and a drift then falls on all alike. Timed by this thread's CPU clock, so that what other threads
+    2026-11-29; on an idle host, two levels 1.5x apart in spells of 0.2-2 s, benchmarks/tools/host_speed.py),
+    and a drift then falls on all alike. Timed by this thread's CPU clock, so that what other threads
     and processes take of the cores meanwhile (compile workers, Inductor's) is not charged to a launch; the
     median, not the best burst, because a launch's CPU time itself moves between bursts (FA4's through the launch
     op: 49-84 us per burst on an H200, 2026-11-29). ``failed(name, err)`` is told which launch raised, before
