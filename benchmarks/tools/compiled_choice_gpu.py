@@ -37,7 +37,9 @@ the same commit); a spell or Llama file from another run than compiled_choice.js
 
 ``--llama``: the HF Llama entries of ``inductor_attn.bench.models`` (prefill, the B4 L2048 and B1 L512 training
 steps, the static-cache decode step; plain launches), each in a fresh process with a fresh store, stock
-``torch.compile`` against ours: llama.json, an entry that fails or times out recorded with its reason.
+``torch.compile`` against ours: llama.json, an entry that fails or times out recorded with its reason. The first
+three took 270-300 s on an H200 host (2026-11-30), so all four do not fit one 600 s device call with a warm-up:
+run the decode entry in a call of its own.
 """
 
 from __future__ import annotations
