@@ -22,7 +22,7 @@ _LAZY = {
     "stats": "runtime", "reset_stats": "runtime",
     "MODES": "tuning.modes", "set_mode": "tuning.modes", "tuning_mode": "tuning.modes",
     "sync_decisions": "tuning.ranks",
-    "cache": None, "fp8": None,
+    "cache": None, "fp8": None, "hf_paged": None,
 }
 
 
@@ -37,7 +37,8 @@ ops.attention.ON_FIRST_TRACE.append(_install_inductor_pass)
 __all__ = [
     "attention", "varlen_attention", "fp8_attention", "paged_attention", "BlockSparseMask", "candidates",
     "run_candidate", "Candidate", "Config",
-    "register_backend", "set_mode", "tuning_mode", "MODES", "stats", "reset_stats", "cache", "fp8", "__version__",
+    "register_backend", "set_mode", "tuning_mode", "MODES", "stats", "reset_stats", "cache", "fp8", "hf_paged",
+    "__version__",
     "enable", "disable", "enabled", "is_enabled", "routing_report", "reset_routing_report", "sync_decisions",
 ]
 
