@@ -334,10 +334,11 @@ class _Search:
     def _groups(self) -> dict[str, list[str]]:
         """Runnable candidates per entry point (a backend, or one of its entry points: prior order), the backend's
         heuristic config first in its group."""
+        runnable = self.runnable()
         groups: dict[str, list[str]] = {}
-        for name in self.runnable():
+        for name in runnable:
             groups.setdefault(entry_point(name), []).append(name)
-        for backend in {self.cands[name].backend for name in self.runnable()}:
+        for backend in dict.fromkeys(self.cands[name].backend for name in runnable):  # each once, in prior order
             cfg = get_backend(backend).heuristic(self.call.problem, self.mode.dev)
             rule = f"{backend}:{cfg}" if cfg is not None else None
             names = groups.get(entry_point(rule)) if rule is not None else None
