@@ -9,6 +9,7 @@
     PYTHONPATH=. python benchmarks/tools/host_profile.py --output-code DIR --llama-decode
     PYTHONPATH=. python benchmarks/tools/host_profile.py --loop [--case CASE] [--mode MODE]
     PYTHONPATH=. python benchmarks/tools/host_profile.py --guards [--case CASE] [--mode MODE]
+    PYTHONPATH=. python benchmarks/tools/host_profile.py --continuous-batching IMPLEMENTATION
 
 For each backend (only it and the reference are registered, so the tuner must pick it): host us per call
 of the compiled function, of the plan's launch called directly, and a cProfile of the compiled calls
@@ -30,6 +31,11 @@ that size, stock ``torch.compile`` and ours, the same way.
 
 ``--only BACKEND`` (with ``--training`` or ``--llama-training``): ours with that backend alone registered (and the
 reference), so that two trees compare one backend's launch, whatever their tunes would choose.
+
+``--continuous-batching IMPLEMENTATION``: the paged suite's transformers ``generate_batch`` workload
+(bench/models.py) with that attention (``inductor_attn`` or one of transformers' paged paths, e.g.
+``flash_attention_3``): seconds per call after a warm-up call, and a cProfile of one call (top entries by own
+time, then by cumulative time): where a host-bound serving loop spends its Python, ours against transformers'.
 
 ``--output-code DIR``: Inductor's generated code of stock compiled SDPA and of ours, written to DIR (one file
 per graph, forward and backward), for one of the overhead suite's calls as the suite writes them (``--case``,
@@ -90,7 +96,12 @@ def main() -> None:
     parser.add_argument("--loop", action="store_true", help="time the --case call's loops call by call")
     parser.add_argument("--guards", action="store_true", help="the --case call with and without the API's Python, "
                         "and Dynamo's frame and guards alone")
+    parser.add_argument("--continuous-batching", metavar="IMPLEMENTATION",
+                        help="profile transformers' generate_batch with this attention")
     args = parser.parse_args()
+    if args.continuous_batching:
+        continuous_batching(args.continuous_batching)
+        return
     only = (only_backends(get_backend(args.only), REFERENCE) if args.only else contextlib.nullcontext())
     if args.training:
         with only:
@@ -146,6 +157,22 @@ def main() -> None:
         print(f"== {name}: {choice}\n   compiled call {compiled:.1f} us host; plan.launch alone {direct:.1f} us; "
               f"stats {stats}")
         print("\n".join(text.getvalue().splitlines()[6:30]))
+
+
+def continuous_batching(implementation: str) -> None:
+    from inductor_attn.bench.models import OURS, cb_session, fast_path
+
+    generate, asked, ran = cb_session(implementation, smoke=False)
+    with fast_path(implementation == OURS):
+        first = generate()[1]
+        timed = sorted(generate()[1] for _ in range(3))
+        text = io.StringIO()
+        stats = _profiled(generate, 1, text)
+    print(f"== {implementation} (asked {asked}, ran {sorted(ran)}): first call {first:.2f} s, then {timed} s; "
+          f"stats {inductor_attn.stats()}")
+    for order, rows in (("tottime", 30), ("cumulative", 45)):
+        stats.sort_stats(order).print_stats(rows)
+    print("\n".join(line for line in text.getvalue().splitlines() if line.strip()))
 
 
 LLAMA_MAX_CALLS = 250  # within bench/models.py's DECODE_ROOM (512) less the warm-up's, settle's, host bursts',

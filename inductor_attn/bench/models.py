@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -394,15 +395,46 @@ def _continuous_entry(implementation: str, size: str) -> dict:
     import transformers
 
     smoke = size == "smoke"
+    if implementation == "reference":
+        model, prompts, greedy = _cb_model(smoke)
+        tokens, near_ties = _eager_tokens(model, prompts, greedy)
+        return {"tokens": tokens, "near_ties": near_ties, "transformers": transformers.__version__}
+    generate, asked, ran = cb_session(implementation, smoke)
+    from .. import reset_stats
+
+    reset_stats()
+    with fast_path(implementation == OURS):
+        _, first_s = generate()
+        runs = []
+        while len(runs) < (1 if smoke else CB_TIMED_RUNS) and sum(s for _, s in runs) < CB_TIMED_BUDGET_S:
+            runs.append(generate())
+        profiled = _device_kernels(generate) if not smoke else {}
+    tokens, seconds = runs[-1][0], sorted(s for _, s in runs)
+    return {"asked": asked, "ran": sorted(ran), "tokens_per_s": sum(map(len, tokens)) / statistics.median(seconds),
+            "timed_s": seconds, "first_run_s": first_s, "transformers": transformers.__version__, **profiled,
+            "kernels": _ours_ran() if implementation == OURS else None, "tokens": tokens}
+
+
+def _cb_model(smoke: bool):
+    """The continuous-batching workload's model (random weights), prompts and greedy generation config."""
+    import transformers
+
     model_size, prompts, new_tokens = cb_workload(smoke)
     device, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
     model = build_llama(**model_size, max_len=max(map(len, prompts)) + new_tokens, device=device, dtype=dtype).eval()
     model.generation_config.eos_token_id = None
     greedy = transformers.GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
                                            pad_token_id=0)
-    if implementation == "reference":
-        tokens, near_ties = _eager_tokens(model, prompts, greedy)
-        return {"tokens": tokens, "near_ties": near_ties, "transformers": transformers.__version__}
+    return model, prompts, greedy
+
+
+def cb_session(implementation: str, smoke: bool) -> tuple[Callable[[], tuple[list[list[int]], float]], str, set]:
+    """(generate, the name asked for, the names that ran): ``generate()`` runs ``generate_batch`` over the workload
+    with ``implementation`` on one persistent manager and returns each prompt's tokens and its seconds; call it
+    inside ``fast_path(implementation == OURS)``. ``benchmarks/tools/host_profile.py`` profiles it too."""
+    import transformers
+
+    model, prompts, greedy = _cb_model(smoke)
     ran = set()
     model.model.layers[0].self_attn.register_forward_pre_hook(
         lambda module, args: ran.add(module.config._attn_implementation))
@@ -424,19 +456,7 @@ def _continuous_entry(implementation: str, size: str) -> dict:
         by_prompt = {tuple(r.prompt_ids): r.generated_tokens for r in results.values()}
         return [by_prompt[tuple(p)] for p in prompts], seconds
 
-    from .. import reset_stats
-
-    reset_stats()
-    with _fast_path(implementation == OURS):
-        _, first_s = generate()
-        runs = []
-        while len(runs) < (1 if smoke else CB_TIMED_RUNS) and sum(s for _, s in runs) < CB_TIMED_BUDGET_S:
-            runs.append(generate())
-        profiled = _device_kernels(generate) if device == "cuda" else {}
-    tokens, seconds = runs[-1][0], sorted(s for _, s in runs)
-    return {"asked": asked, "ran": sorted(ran), "tokens_per_s": sum(map(len, tokens)) / statistics.median(seconds),
-            "timed_s": seconds, "first_run_s": first_s, "transformers": transformers.__version__, **profiled,
-            "kernels": _ours_ran() if implementation == OURS else None, "tokens": tokens}
+    return generate, asked, ran
 
 
 def _device_kernels(fn) -> dict:
@@ -467,7 +487,7 @@ def _ask_for(model, implementation: str) -> str:
 
 
 @contextlib.contextmanager
-def _fast_path(on: bool):
+def fast_path(on: bool):
     """transformers turns its decode fast path (block table, paged decode) on only for FlashAttention 2/3 on CUDA
     or XPU; for ours it is turned on here, as tests/test_hf_paged.py does."""
     if not on:
