@@ -1184,6 +1184,48 @@ def test_the_paged_suites_model_part_runs_continuous_batching_on_each_attention(
     assert "| sdpa | `paged\\|sdpa` |" in printed
 
 
+def test_implementations_of_one_client_entry_take_turns_call_by_call(monkeypatch):
+    """``"a+b"``: one session each, warmed up in order, then timed calls taking turns, who goes first alternating,
+    until each has its timed calls; each result names the others it took turns with."""
+    pytest.importorskip("transformers")
+    order = []
+
+    def session(name, smoke):
+        def generate():
+            order.append(name)
+            return [[1, 2]], 0.5
+        return generate, f"asked {name}", {name}
+
+    monkeypatch.setattr(models, "cb_session", session)
+    monkeypatch.setattr(models, "CB_TIMED_RUNS", 3)
+    monkeypatch.setattr(models, "_device_kernels", lambda fn: fn() and {})
+    got = models._continuous_entry("a+b", "full")["implementations"]
+    assert order == ["a", "b"] + ["a", "b", "b", "a", "a", "b"] + ["a", "b"]  # warm-ups, turns, profiled calls
+    assert got["a"]["taking_turns"] == ["b"] and got["b"]["taking_turns"] == ["a"]
+    assert got["a"]["timed_s"] == [0.5] * 3 and got["b"]["tokens_per_s"] == 4.0
+
+
+def test_ours_and_transformers_flash_path_share_one_process_the_others_get_their_own(monkeypatch):
+    """continuous_batching runs ours with the first installed of ``PAIRED`` in one entry (here eager stands in for
+    a flash path, which a CPU lacks), the rest each in its own; tokens are compared for all."""
+    pytest.importorskip("transformers")
+    entries = []
+
+    def entry(kind, *args):
+        entries.append(args[0])
+        return models._ENTRIES[kind](*args)
+
+    monkeypatch.setattr(models, "isolated", entry)
+    monkeypatch.setattr(models, "PAIRED", ("flash_attention_2", "eager"))
+    cb = models.continuous_batching(smoke=True)
+    impls = cb["implementations"]
+    assert entries[:2] == ["reference", "inductor_attn+eager"] and entries.count("eager") == 0
+    assert impls["inductor_attn"]["taking_turns"] == ["eager"] and impls["eager"]["taking_turns"] == ["inductor_attn"]
+    assert impls["inductor_attn"]["identical"] == cb["prompts"] and "identical" in impls["eager"]
+    if not torch.cuda.is_available():
+        assert impls["flash_attention_2"] == {"skipped": "flash_attn_2_cuda is not installed"}
+
+
 def test_a_profiled_client_call_sums_its_kernels_and_lists_the_longest_first(monkeypatch):
     """``_device_kernels``: each kernel's time per call (``kernel_ms``: summed over its launches), the longest
     first, and their sum."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import statistics
@@ -334,8 +335,12 @@ def cb_workload(smoke: bool) -> tuple[dict, list[list[int]], int]:
 def continuous_batching(smoke: bool) -> dict:
     """tokens/s of ``generate_batch`` with our attention (hf_paged, its decode fast path turned on) and with each
     of transformers' built-in paged paths, and whether each one's greedy tokens are those of eager ``generate``;
-    each in a fresh process (``isolated``; compile state and the fast path's switch stay there). A path whose
-    module is not installed is skipped with the reason, and all of them without transformers."""
+    each in a fresh process (``isolated``; compile state and the fast path's switch stay there), except that ours
+    and transformers' FlashAttention path (3, else 2, where installed) share one process and take turns call by
+    call (``taking_turns``): a call is host-bound on transformers' own Python, and the host's speed drifts by
+    tens of percent between processes minutes apart (H200, 2026-11-30: FA3's call 0.45 s in one process, 0.66-0.70
+    s in another), so only calls taking turns compare the two. A path whose module is not installed is skipped
+    with the reason, and all of them without transformers."""
     import importlib.util
 
     if importlib.util.find_spec("transformers") is None:
@@ -346,17 +351,30 @@ def continuous_batching(smoke: bool) -> dict:
     expected, ties = reference.pop("tokens", None), reference.pop("near_ties", None)
     out = {"prompts": len(prompts), "prompt_lengths": sorted({len(p) for p in prompts}), "new_tokens": new_tokens,
            "reference": reference, "implementations": {}}
+    installed = {name: module is None or importlib.util.find_spec(module) is not None
+                 for name, (_, module) in BUILT_IN.items()}
+    partner = next((name for name in PAIRED if installed[name]), None)
+    results = {}
+    if partner is not None:
+        pair = isolated("continuous", f"{OURS}{TURNS}{partner}", size)
+        results = pair.get("implementations") or {OURS: pair, partner: pair}  # a failed process: its error for both
     for name in (OURS, *BUILT_IN):
-        module = BUILT_IN.get(name, ((), None))[1]
-        if module is not None and importlib.util.find_spec(module) is None:
-            out["implementations"][name] = {"skipped": f"{module} is not installed"}
-            continue
-        result = isolated("continuous", name, size)
+        if name in results:
+            result = results[name]
+        elif name != OURS and not installed[name]:
+            result = {"skipped": f"{BUILT_IN[name][1]} is not installed"}
+        else:
+            result = isolated("continuous", name, size)
         tokens = result.pop("tokens", None)
         if tokens is not None and expected is not None:
             result.update(agreement(tokens, expected, ties))
         out["implementations"][name] = result
     return out
+
+
+# transformers' paths that ours runs beside, taking turns in one process: the first installed
+PAIRED = ("flash_attention_3", "flash_attention_2")
+TURNS = "+"  # joins the implementations of one entry that take turns
 
 
 def agreement(got: list[list[int]], expected: list[list[int]], near_ties: list[list[int]] | None = None) -> dict:
@@ -387,11 +405,12 @@ NEAR_TIE = 8
 
 def _continuous_entry(implementation: str, size: str) -> dict:
     """``reference``: eager ``generate``'s greedy tokens, one batch per prompt length. Else ``generate_batch``
-    with ``implementation`` (``OURS`` or a ``BUILT_IN`` key), on one manager: the first call warms up (CUDA
-    graphs, compiles, tunes: ``first_run_s``), the next ``CB_TIMED_RUNS`` are timed (fewer where they reach
-    ``CB_TIMED_BUDGET_S``): new tokens per second of the median one (``timed_s``: each one's seconds, sorted).
-    Records the attention implementations that ran (transformers may switch), the tokens, and for ours the
-    kernels."""
+    with ``implementation`` (``OURS`` or a ``BUILT_IN`` key; several joined by ``TURNS`` take turns, one model and
+    manager each), on one manager: the first call warms up (CUDA graphs, compiles, tunes: ``first_run_s``), the
+    next ``CB_TIMED_RUNS`` are timed (fewer where they reach ``CB_TIMED_BUDGET_S``): new tokens per second of the
+    median one (``timed_s``: each one's seconds, sorted). Records the attention implementations that ran
+    (transformers may switch), the tokens, and for ours the kernels. Several implementations:
+    ``{"implementations": {name: that}}``, each with ``taking_turns`` (the others' names)."""
     import transformers
 
     smoke = size == "smoke"
@@ -399,20 +418,33 @@ def _continuous_entry(implementation: str, size: str) -> dict:
         model, prompts, greedy = _cb_model(smoke)
         tokens, near_ties = _eager_tokens(model, prompts, greedy)
         return {"tokens": tokens, "near_ties": near_ties, "transformers": transformers.__version__}
-    generate, asked, ran = cb_session(implementation, smoke)
+    names = implementation.split(TURNS)
+    sessions = {name: cb_session(name, smoke) for name in names}
     from .. import reset_stats
 
     reset_stats()
-    with fast_path(implementation == OURS):
-        _, first_s = generate()
-        runs = []
-        while len(runs) < (1 if smoke else CB_TIMED_RUNS) and sum(s for _, s in runs) < CB_TIMED_BUDGET_S:
-            runs.append(generate())
-        profiled = _device_kernels(generate) if not smoke else {}
-    tokens, seconds = runs[-1][0], sorted(s for _, s in runs)
-    return {"asked": asked, "ran": sorted(ran), "tokens_per_s": sum(map(len, tokens)) / statistics.median(seconds),
-            "timed_s": seconds, "first_run_s": first_s, "transformers": transformers.__version__, **profiled,
-            "kernels": _ours_ran() if implementation == OURS else None, "tokens": tokens}
+    runs, first_s = {name: [] for name in names}, {}
+    with fast_path(OURS in names):
+        for name in names:
+            first_s[name] = sessions[name][0]()[1]
+        wanted = 1 if smoke else CB_TIMED_RUNS
+        for turn in itertools.count():
+            left = [n for n in names if len(runs[n]) < wanted and sum(s for _, s in runs[n]) < CB_TIMED_BUDGET_S]
+            if not left:
+                break
+            for name in left if turn % 2 == 0 else left[::-1]:  # who goes first alternates
+                runs[name].append(sessions[name][0]())
+        profiled = {name: _device_kernels(sessions[name][0]) if not smoke else {} for name in names}
+    results = {}
+    for name in names:
+        tokens, seconds = runs[name][-1][0], sorted(s for _, s in runs[name])
+        results[name] = {
+            "asked": sessions[name][1], "ran": sorted(sessions[name][2]),
+            "tokens_per_s": sum(map(len, tokens)) / statistics.median(seconds), "timed_s": seconds,
+            "first_run_s": first_s[name], "transformers": transformers.__version__, **profiled[name],
+            "kernels": _ours_ran() if name == OURS else None, "tokens": tokens,
+            **({"taking_turns": [n for n in names if n != name]} if len(names) > 1 else {})}
+    return results[names[0]] if len(names) == 1 else {"implementations": results}
 
 
 def _cb_model(smoke: bool):
@@ -489,14 +521,22 @@ def _ask_for(model, implementation: str) -> str:
 @contextlib.contextmanager
 def fast_path(on: bool):
     """transformers turns its decode fast path (block table, paged decode) on only for FlashAttention 2/3 on CUDA
-    or XPU; for ours it is turned on here, as tests/test_hf_paged.py does."""
+    or XPU; for ours it is turned on here, as tests/test_hf_paged.py does: its check is skipped for a model whose
+    attention is ours (``config``, its first argument in 5.17 and 5.24) and made as before for the others."""
     if not on:
         yield
         return
     from transformers.generation.continuous_batching import initialization
 
+    from ..hf_paged import NAME
+
     check = initialization.ensure_decode_fast_path_is_available
-    initialization.ensure_decode_fast_path_is_available = lambda *args: None
+
+    def unless_ours(config, *args, **kwargs):
+        if NAME not in str(config._attn_implementation):
+            check(config, *args, **kwargs)
+
+    initialization.ensure_decode_fast_path_is_available = unless_ours
     try:
         yield
     finally:

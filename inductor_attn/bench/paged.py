@@ -483,6 +483,8 @@ def client_table(cb: dict) -> str:
         cells = [name, _code(r["asked"]), ", ".join(map(_code, r["ran"])), _tokens_per_s_text(r),
                  f"{r['tokens_per_s'] / best:.2f}" if best else "", same, f"{r['first_run_s']:.1f}",
                  "; ".join(filter(None, [busy, f"our ops: {ops}" if ops else "",
+                                         r.get("taking_turns") and "calls taking turns with "
+                                         + ", ".join(r["taking_turns"]) + " (one process)",
                                          r.get("exit_error") and f"after its result: {cell(r['exit_error'])}"]))]
         lines.append("| " + " | ".join(cells) + " |")
     kernels = [f"- {name}: " + ", ".join(f"`{cell(k[:KERNEL_NAME_CHARS])}` {ms:.0f}" for k, ms in r["top_kernels_ms"])
