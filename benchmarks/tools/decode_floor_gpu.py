@@ -1,6 +1,7 @@
 """Where split-K decode's time goes: ``triton_decode`` against a kernel that only reads the same bytes.
 
     PYTHONPATH=. python benchmarks/tools/decode_floor_gpu.py --out DIR      (about a minute on an H100)
+    PYTHONPATH=. python benchmarks/tools/decode_floor_gpu.py --out DIR --sweep
 
 For each decode target of issue #4 (bf16, Lq 1, no kv_seqlens):
 1. every runnable ``triton_decode`` config through its plan, timed with the tuner's timer
@@ -13,6 +14,11 @@ For each decode target of issue #4 (bf16, Lq 1, no kv_seqlens):
 3. SDPA (enable_gqa) as users call it.
 Fractions are of the copy bandwidth the benchmark measures (``bench.runner.measure_copy_gbps``), bytes
 as the benchmark counts them (``bench.metrics.decode_bytes``). Writes DIR/decode_floor_gpu.json.
+
+``--sweep``: the few-KV-head shape (B1 Hq16 Hkv2 D256 Lkv16k) over knobs the tuner does not search (pipeline
+stages, block_n 16, 2 warps) and the combine's column tile, each config with its kernels' device times:
+where its time goes between the two kernels, to find what a faster default or knob would be.
+Writes DIR/decode_sweep_gpu.json.
 """
 
 from __future__ import annotations
@@ -117,10 +123,60 @@ def run_shape(shape, copy_gbps: float) -> dict:
                 all_configs=ours, all_read=floor)
 
 
+SWEEP_SHAPE = (1, 16, 2, 256, 16384)
+
+
+def sweep() -> list[dict]:
+    """Every (splits, block_n, warps, stages) of the grid below that fits shared memory, then the fastest three
+    with the combine's tile (floats one combine program reads) narrowed: device time per call, and per kernel for
+    the fastest eight."""
+    import itertools
+
+    from inductor_attn.backends import triton_decode
+    from inductor_attn.backends.base import Config
+
+    calls = calls_for(SWEEP_SHAPE)
+    dev, problem = device_info("cuda"), calls[0].problem
+    limit = triton_decode._smem_limit(dev)
+    rows = []
+
+    def timed(cfg: Config, tile: int) -> dict:
+        triton_decode._COMBINE_TILE = tile
+        plan = plan_for(problem, f"triton_decode:{cfg}", dev, "forward")
+        return dict(config=str(cfg), combine_tile=tile, ms=time_ms([lambda c=c: plan.launch(c) for c in calls]),
+                    fns=[lambda c=c: plan.launch(c) for c in calls])
+
+    default_tile = triton_decode._COMBINE_TILE
+    for splits, block_n, warps, stages in itertools.product((64, 128, 256), (16, 32, 64), (2, 4, 8), (2, 3, 4, 5)):
+        if triton_decode._smem_bytes(problem, block_n, stages) > limit:
+            continue
+        cfg = Config.of(block_n=block_n, num_splits=splits, num_warps=warps, num_stages=stages)
+        rows.append(timed(cfg, default_tile))
+    for row in sorted(rows, key=lambda r: r["ms"])[:3]:
+        for tile in (1024, 2048, 4096):
+            rows.append(timed(Config.parse(row["config"]), tile))
+    for row in sorted(rows, key=lambda r: r["ms"])[:8]:
+        triton_decode._COMBINE_TILE = row["combine_tile"]
+        row["kernel_ms"] = kernel_ms(row["fns"])
+    for row in rows:
+        del row["fns"]
+    triton_decode._COMBINE_TILE = default_tile
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
+    if args.sweep:
+        rows = sweep()
+        for r in sorted(rows, key=lambda r: r["ms"])[:25]:
+            kernels = ", ".join(f"{k[:16]} {v * 1e3:.1f}" for k, v in r.get("kernel_ms", {}).items())
+            print(f"{r['ms'] * 1e3:6.1f} us  tile {r['combine_tile']:5}  {r['config']:55} {kernels}")
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "decode_sweep_gpu.json").write_text(json.dumps(dict(case=case_name(SWEEP_SHAPE), rows=rows)))
+        return
     copy_gbps = measure_copy_gbps(torch.device("cuda"), CudaGraphTimer())
     results = [run_shape(shape, copy_gbps) for shape in SHAPES]
     print(f"copy bandwidth {copy_gbps:.0f} GB/s")

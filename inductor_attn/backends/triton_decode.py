@@ -64,7 +64,10 @@ from .triton_common import TRITON, eager_launcher, graph_launcher, jit, traceabl
 MAX_LEN_Q = 16
 # 1 .. 512: with one or two KV heads at B1 the tuned split count sat at the old top, 128 (H200, 2026-11-30:
 # B1 H16/2 D256 Lkv16k, 1.55-1.67 TB/s against a 3.3 TB/s copy), so the search goes past it; the untuned
-# default stays at most DEFAULT_MAX_SPLITS, where it was measured.
+# default stays at most DEFAULT_MAX_SPLITS, where it was measured. Knobs the search leaves out (2 warps, block_n 16,
+# 2-5 pipeline stages, a narrower combine tile) moved nothing there: 15.5-16.8 us a call against 15.7 for the tuned
+# config, whose partial kernel takes 12.1 us and combine 2.1, where a kernel that only reads the same bytes takes 11.4
+# (H200, 2026-11-30, benchmarks/tools/decode_floor_gpu.py --sweep).
 SPLITS = tuple(2 ** i for i in range(10))
 DEFAULT_MAX_SPLITS = 128
 # Past DEFAULT_MAX_SPLITS, only where that many splits leave fewer programs than this per SM (a B1 call with one
