@@ -143,7 +143,7 @@ class FakeTimer:
         self.seed = seed
 
     @staticmethod
-    def host_ms_each(launches: dict, device, failed=None) -> dict:
+    def host_ms_each(launches: dict, device, failed=None, device_ms=None) -> dict:
         times = {}
         for name, launch in launches.items():
             FakeTimer.last_host_s = 0.0  # a launch of no fake (the reference's) declares none

@@ -399,7 +399,7 @@ def test_explain_shows_the_host_time_the_rule_weighs_and_each_probe_beside_it(mo
     figure, and a config whose own probe differs says so."""
     b = FakeBackend("b", {"x=1": (0.5, 0.01), "x=2": (0.6, 0.01)}, fail=())
     monkeypatch.setattr(FakeTimer, "host_ms_each", staticmethod(
-        lambda launches, device, failed=None: dict(zip(launches, [0.030, 0.050]))))
+        lambda launches, device, failed=None, device_ms=None: dict(zip(launches, [0.030, 0.050]))))
     timed_with_fakes(monkeypatch, b)
     q = torch.randn(1, 2, 32, 16)
     with only_backends(b), inductor_attn.tuning_mode("autotune"):

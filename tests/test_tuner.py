@@ -251,9 +251,9 @@ def test_a_host_probe_that_leaves_the_cuda_context_unusable_names_its_candidate(
                 raise RuntimeError("CUDA error: an illegal memory access was encountered")
         return run
 
-    def host_ms_each(launches, device, failed=None):  # the real probe, which takes turns
+    def host_ms_each(launches, device, failed=None, device_ms=None):  # the real probe, which takes turns
         return timing.host_ms_each({name: breaking(launch) for name, launch in launches.items()}, device, warmup=0,
-                                   bursts=1, calls=1, failed=failed)
+                                   bursts=1, calls=1, failed=failed, device_ms=device_ms)
 
     monkeypatch.setattr(FakeTimer, "host_ms_each", staticmethod(host_ms_each))
     monkeypatch.setattr(measure, "device_error", lambda device: LOST)
@@ -393,7 +393,7 @@ def test_every_timed_candidate_gets_its_host_time_as_compiled_code_launches_it()
     grad_modes = []
     real = FakeTimer.host_ms_each
 
-    def noting_grad_mode(launches, device, failed=None):
+    def noting_grad_mode(launches, device, failed=None, device_ms=None):
         return real({name: (lambda launch=launch: grad_modes.append(torch.is_grad_enabled()) or launch())
                      for name, launch in launches.items()}, device)
 
@@ -452,6 +452,22 @@ def test_host_probes_of_several_launches_take_turns_burst_by_burst():
     times = timing.host_ms_each(launches, torch.device("cpu"), warmup=1, bursts=3, calls=2)
     assert sorted(times) == ["a", "b"] and all(ms >= 0 for ms in times.values())
     assert "".join(turns) == "ab" + "aabb" * 3
+
+
+def test_a_host_probe_of_a_long_kernel_takes_shorter_bursts_and_the_tuner_says_each_device_time(monkeypatch):
+    """Each burst queues at most BURST_DEVICE_MS of device work, never fewer than MIN_BURST_CALLS launches: a 3 ms
+    kernel's bursts are 10 launches, a short one's the full count; the tuner hands each candidate's device time."""
+    counts = {"short": 0, "long": 0}
+    launches = {name: (lambda name=name: counts.__setitem__(name, counts[name] + 1)) for name in counts}
+    timing.host_ms_each(launches, torch.device("cpu"), warmup=0, bursts=2, calls=40,
+                        device_ms={"short": 0.05, "long": 3.0})
+    assert counts == {"short": 80, "long": 2 * timing.MIN_BURST_CALLS}
+    seen = {}
+    real = FakeTimer.host_ms_each
+    monkeypatch.setattr(FakeTimer, "host_ms_each", staticmethod(
+        lambda launches, device, failed=None, device_ms=None: seen.update(device_ms) or real(launches, device)))
+    result = _tune(FakeBackend("a", {"default": (1.0, 0.01)}), FakeBackend("b", {"default": (2.0, 0.01)}))
+    assert seen == {r.name: r.median_ms for r in result.candidates if r.median_ms is not None} and len(seen) == 2
 
 
 def test_host_time_of_an_untraced_candidate_goes_through_the_launch_op_and_is_not_counted(monkeypatch):

@@ -17,6 +17,7 @@ A call's device time split by kernel (torch.profiler) is bench/wallclock.py's ``
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -35,8 +36,30 @@ def host_ms(launch, device: torch.device, warmup: int = 10, bursts: int = 5, cal
     return host_ms_each({None: launch}, device, warmup, bursts, calls)[None]
 
 
+# A host probe's burst queues at most this much device work (ms) where the launch's device time is known, and takes
+# at least MIN_BURST_CALLS launches: the device drains each burst before the next, so 210 launches of a 3 ms kernel
+# cost a tune 0.6 s (a first compile of B2 H32 L16k D128 causal spent 4.4 s probing its three candidates, H200,
+# 2026-11-30). Only kernels over 0.5 ms get shorter bursts, which read high (host_ms_each), and their launch costs
+# 0.03-0.15 ms: a few percent of the step at most, where no choice turns on it.
+BURST_DEVICE_MS = 20.0
+MIN_BURST_CALLS = 10
+
+
+def burst_calls(device_ms: float | None, calls: int = 40) -> int:
+    """Launches per host-probe burst for a launch whose kernels take ``device_ms`` (None: unknown): ``calls``, fewer
+    where they would queue more than ``BURST_DEVICE_MS`` of device work, never fewer than ``MIN_BURST_CALLS``.
+
+    >>> burst_calls(None), burst_calls(0.08), burst_calls(1.0), burst_calls(3.0), burst_calls(3.0, calls=4)
+    (40, 40, 20, 10, 4)
+    """
+    if not device_ms or device_ms <= 0:
+        return calls
+    return min(calls, max(MIN_BURST_CALLS, math.ceil(BURST_DEVICE_MS / device_ms)))
+
+
 def host_ms_each(launches: dict, device: torch.device, warmup: int = 10, bursts: int = 5, calls: int = 40,
-                 failed: Callable[[object, BaseException], None] | None = None) -> dict:
+                 failed: Callable[[object, BaseException], None] | None = None,
+                 device_ms: dict | None = None) -> dict:
     """CPU time of one launch of each of ``launches`` (name -> launch) in steady state: ``warmup`` calls of each
     first (a plan records its replay, Triton specializes), then ``bursts`` rounds in which each takes one burst of
     ``calls`` launches back to back, as a loop of compiled calls makes them (bursts of 10, each after a
@@ -48,7 +71,8 @@ def host_ms_each(launches: dict, device: torch.device, warmup: int = 10, bursts:
     and a drift then falls on all alike. Timed by this thread's CPU clock, so that what other threads
     and processes take of the cores meanwhile (compile workers, Inductor's) is not charged to a launch; the
     median, not the best burst, because a launch's CPU time itself moves between bursts (FA4's through the launch
-    op: 49-84 us per burst on an H200, 2026-11-29). ``failed(name, err)`` is told which launch raised, before
+    op: 49-84 us per burst on an H200, 2026-11-29). ``device_ms`` (name -> ms, where known): a launch whose kernels
+    take long gets shorter bursts (:func:`burst_calls`). ``failed(name, err)`` is told which launch raised, before
     the error propagates; each candidate's launches are synchronized before the next one's start, so that a kernel
     fault the device reports late is charged to its own launch."""
     name, per_call = None, {name: [] for name in launches}
@@ -57,9 +81,10 @@ def host_ms_each(launches: dict, device: torch.device, warmup: int = 10, bursts:
             for _ in range(warmup):
                 launch()
             sync(device)
+        sizes = {name: burst_calls((device_ms or {}).get(name), calls) for name in launches}
         for _ in range(bursts):
             for name, launch in launches.items():
-                per_call[name].append(burst_cpu_s(launch, device, calls) / calls)
+                per_call[name].append(burst_cpu_s(launch, device, sizes[name]) / sizes[name])
     except Exception as err:
         if failed is not None:
             failed(name, err)

@@ -258,7 +258,8 @@ class _Search:
                 launches[name] = self.mode.as_compiled_code_runs(plan, self.call, name)
             # an error that lost the context names its candidate (each burst syncs)
             times = self.timer.host_ms_each(launches, device,
-                                            failed=lambda name, err: raise_if_context_lost(name, err, device))
+                                            failed=lambda name, err: raise_if_context_lost(name, err, device),
+                                            device_ms={name: self.results[name].median_ms for name in names})
         for name, ms in times.items():
             self.results[name].host_ms = ms
 
