@@ -936,6 +936,28 @@ def test_a_tuning_cost_result_writes_its_own_section_and_a_later_one_replaces_it
     assert text.count("### Tuning cost: NVIDIA H200") == 1 and "| w | 2.00 | -1.50 | 0.25 |" in text
 
 
+def test_the_shards_of_a_tuning_cost_run_make_one_table_and_one_summary(tmp_path):
+    """Shards (``--shard k/n``, one device call each) keep their rows under "cold", not "rows": all of them go into
+    the section, and its summary is taken over all of them, not the last file's."""
+    from inductor_attn.bench import tuning_cost
+
+    def shard(name: str, added_s: float) -> dict:
+        cold = {"name": name, "kind": "dense", "stock_s": 0.5, "cold_vs_stock_s": added_s, "cold_added_s": added_s,
+                "cold": {"autotune_s": 1.0, "off_s": 0.5}}
+        out = {"meta": {"suite": "tuning-cost", "device": "NVIDIA H200", "date": "2026-11-30 21:28 UTC",
+                        "commit": "abc1234", "command": f"bench --suite tuning-cost --shard {name}",
+                        "versions": {"torch": "2.11.0"}},
+               "workloads": [name], "notes": [], "cold": [cold], "agreement": [], "regret": []}
+        return {**out, "summary": tuning_cost.summarize(out)}
+
+    path = tmp_path / "RESULTS.md"
+    path.write_text(f"{report.SECTIONS_BEGIN}\n{report.SECTIONS_END}\n")
+    report.update_summary_sections([shard("a", 9.0), shard("b", 0.5)], path)
+    text = path.read_text()
+    assert "| a | 0.50 | 9.00 |" in text and "| b | 0.50 | 0.50 |" in text
+    assert "- cold_added_s_max[dense]: 9.000" in text
+
+
 def test_issue_54s_target_line_reads_the_few_kv_head_decode_rows_only():
     from inductor_attn.bench import paged
 

@@ -205,7 +205,7 @@ def update_summary_sections(datas: list[dict], path: Path) -> list[str]:
         module = importlib.import_module(f".{suite.replace('-', '_')}", __package__)
         name = f"{suite}-{_slug(device)}"
         if getattr(module, "PARTS", None) is None:
-            merged = _merged(group)
+            merged = _merged(group, module)
             body = (_provenance([data["meta"] for data in group]) + _summary_plot(module, merged, name, Path(path))
                     + "\n\n" + module.summary(merged) + "\n" + _not_run(merged))
         else:
@@ -228,7 +228,7 @@ def _part_blocks(module, group: list[dict], old_section: str, name: str, results
     for part, keys in module.PARTS.items():
         covering = [data for data in group if data["meta"].get("part", "all") in ("all", part)]
         if covering:
-            merged = _merged(covering)
+            merged = _merged(covering, module)
             result = {"rows": [], **{k: merged[k] for k in keys if k in merged}}
             plot = _summary_plot(module, result, f"{name}-{part}", results_md)
             blocks.append(f"<!-- part {part} -->\n{_provenance([d['meta'] for d in covering])}{plot}\n\n"
@@ -238,13 +238,17 @@ def _part_blocks(module, group: list[dict], old_section: str, name: str, results
     return "\n".join(blocks)
 
 
-def _merged(group: list[dict]) -> dict:
+def _merged(group: list[dict], module=None) -> dict:
     """One result from the files of one suite and device: their rows and the shapes they did not reach
-    (``not_run``) in turn, each other key from the last file that has it."""
-    listed = ("rows", "not_run")
+    (``not_run``) in turn, and so the other lists a suite module names in ``SHARD_LISTS`` (its shards' rows under
+    other keys), each other key from the last file that has it; a module's ``merged_summary(result)`` then
+    recomputes what sums its rows up."""
+    listed = ("rows", "not_run", *getattr(module, "SHARD_LISTS", ()))
     merged = {key: [x for data in group for x in data.get(key, ())] for key in listed}
     for data in group:
         merged.update({k: v for k, v in data.items() if k != "meta" and k not in listed})
+    if hasattr(module, "merged_summary"):
+        merged["summary"] = module.merged_summary(merged)
     return merged
 
 

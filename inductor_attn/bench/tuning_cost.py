@@ -192,6 +192,10 @@ def _worker(verb: str, workloads: list[Workload], env: dict, deadline: float, sm
     return {d["name"]: d for d in lines}
 
 
+# A run's keys whose lists its shards' files add up (report.py ``_merged``), and its summary recomputed from them.
+SHARD_LISTS = ("workloads", "notes", "cold", "agreement", "regret")
+
+
 def summarize(result: dict) -> dict:
     """The numbers the issue's targets name."""
     summary: dict = {}
@@ -254,6 +258,7 @@ def table(result: dict) -> str:
 
 
 summary = table  # RESULTS.md's section (report.py ``update_summary_sections``)
+merged_summary = summarize
 
 
 def bars(result: dict) -> dict | None:
