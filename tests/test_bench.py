@@ -938,24 +938,30 @@ def test_a_tuning_cost_result_writes_its_own_section_and_a_later_one_replaces_it
 
 def test_the_shards_of_a_tuning_cost_run_make_one_table_and_one_summary(tmp_path):
     """Shards (``--shard k/n``, one device call each) keep their rows under "cold", not "rows": all of them go into
-    the section, and its summary is taken over all of them, not the last file's."""
+    one table, a workload that two files measured once, and one summary taken over all of them, not the last
+    file's; the shipped tables are on only where every file with cold rows had them on."""
     from inductor_attn.bench import tuning_cost
 
-    def shard(name: str, added_s: float) -> dict:
-        cold = {"name": name, "kind": "dense", "stock_s": 0.5, "cold_vs_stock_s": added_s, "cold_added_s": added_s,
-                "cold": {"autotune_s": 1.0, "off_s": 0.5}}
+    def shard(names: str, added_s: float, shipped: bool = True) -> dict:
+        colds = [{"name": name, "kind": "dense", "stock_s": 0.5, "cold_vs_stock_s": added_s, "cold_added_s": added_s,
+                  "cold": {"autotune_s": 1.0, "off_s": 0.5}} for name in names]
         out = {"meta": {"suite": "tuning-cost", "device": "NVIDIA H200", "date": "2026-11-30 21:28 UTC",
-                        "commit": "abc1234", "command": f"bench --suite tuning-cost --shard {name}",
+                        "commit": "abc1234", "command": f"bench --suite tuning-cost --shard {names}",
                         "versions": {"torch": "2.11.0"}},
-               "workloads": [name], "notes": [], "cold": [cold], "agreement": [], "regret": []}
+               "workloads": list(names), "notes": [], "shipped_tables": shipped, "cold": colds, "agreement": [],
+               "regret": []}
         return {**out, "summary": tuning_cost.summarize(out)}
 
     path = tmp_path / "RESULTS.md"
     path.write_text(f"{report.SECTIONS_BEGIN}\n{report.SECTIONS_END}\n")
-    report.update_summary_sections([shard("a", 9.0), shard("b", 0.5)], path)
+    report.update_summary_sections([shard("ab", 9.0), shard("bc", 0.5)], path)
     text = path.read_text()
-    assert "| a | 0.50 | 9.00 |" in text and "| b | 0.50 | 0.50 |" in text
-    assert "- cold_added_s_max[dense]: 9.000" in text
+    assert "| a | 0.50 | 9.00 |" in text and "| b | 0.50 | 0.50 |" in text and "| c | 0.50 | 0.50 |" in text
+    assert text.count("| b |") == 1 and text.count("| workload |") == 1
+    assert text.count("- cold_added_s_max[dense]: 9.000") == 1 and "- shipped decision tables: on" in text
+    report.update_summary_sections([shard("a", 9.0), shard("b", 0.5, shipped=False)], path)
+    text = path.read_text()
+    assert "- shipped decision tables: on" not in text and "on in some, off in others" in text
 
 
 def test_issue_54s_target_line_reads_the_few_kv_head_decode_rows_only():
@@ -1208,15 +1214,16 @@ def test_the_paged_suites_model_part_runs_continuous_batching_on_each_attention(
 
 def test_implementations_of_one_client_entry_take_turns_call_by_call(monkeypatch):
     """``"a+b"``: one session each, warmed up in order, then timed calls taking turns, who goes first alternating,
-    until each has its timed calls; each result names the others it took turns with."""
+    all stopping when one has its timed calls or its time budget; each result names the others it took turns with.
+    One implementation alone: its result as it is."""
     pytest.importorskip("transformers")
-    order = []
+    order, seconds = [], {"a": 0.5, "b": 0.5}
 
     def session(name, smoke):
         def generate():
             order.append(name)
-            return [[1, 2]], 0.5
-        return generate, f"asked {name}", {name}
+            return [[1, 2]], seconds[name]
+        return models.CBSession(generate, f"asked {name}", {name})
 
     monkeypatch.setattr(models, "cb_session", session)
     monkeypatch.setattr(models, "CB_TIMED_RUNS", 3)
@@ -1225,6 +1232,11 @@ def test_implementations_of_one_client_entry_take_turns_call_by_call(monkeypatch
     assert order == ["a", "b"] + ["a", "b", "b", "a", "a", "b"] + ["a", "b"]  # warm-ups, turns, profiled calls
     assert got["a"]["taking_turns"] == ["b"] and got["b"]["taking_turns"] == ["a"]
     assert got["a"]["timed_s"] == [0.5] * 3 and got["b"]["tokens_per_s"] == 4.0
+    seconds["a"] = 0.6 * models.CB_TIMED_BUDGET_S  # a's budget ends after its second call: b stops with it
+    got = models._continuous_entry("a+b", "full")["implementations"]
+    assert len(got["a"]["timed_s"]) == len(got["b"]["timed_s"]) == 2
+    alone = models._continuous_entry("b", "full")
+    assert alone["asked"] == "asked b" and "taking_turns" not in alone and len(alone["timed_s"]) == 3
 
 
 def test_ours_and_transformers_flash_path_share_one_process_the_others_get_their_own(monkeypatch):
@@ -1241,11 +1253,36 @@ def test_ours_and_transformers_flash_path_share_one_process_the_others_get_their
     monkeypatch.setattr(models, "PAIRED", ("flash_attention_2", "eager"))
     cb = models.continuous_batching(smoke=True)
     impls = cb["implementations"]
-    assert entries[:2] == ["reference", "inductor_attn+eager"] and entries.count("eager") == 0
+    expected = ["reference", "inductor_attn+eager", "sdpa"] + [n for n in ("flash_attention_3",) if n in impls and
+                                                                "skipped" not in impls[n]]
+    assert entries == expected and "taking_turns_error" not in cb
     assert impls["inductor_attn"]["taking_turns"] == ["eager"] and impls["eager"]["taking_turns"] == ["inductor_attn"]
-    assert impls["inductor_attn"]["identical"] == cb["prompts"] and "identical" in impls["eager"]
+    assert impls["inductor_attn"]["identical"] == impls["eager"]["identical"] == cb["prompts"]
     if not torch.cuda.is_available():
         assert impls["flash_attention_2"] == {"skipped": "flash_attn_2_cuda is not installed"}
+
+
+def test_a_failed_shared_client_process_runs_each_alone_and_one_that_died_after_its_results_keeps_them(monkeypatch):
+    """Where the entry of ours and its partner fails, each runs in a process of its own and the section says why;
+    where its process died after printing both results, both keep them with the exit error."""
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(models, "PAIRED", ("eager",))
+    one = {"tokens_per_s": 5.0, "timed_s": [1.0], "first_run_s": 1.0, "asked": "x", "ran": ["x"]}
+
+    def entry(pair_result):
+        def run(kind, name, size):
+            return pair_result if models.TURNS in name else {} if name == "reference" else {**one, "alone": True}
+        return run
+
+    monkeypatch.setattr(models, "isolated", entry({"error": "exit 1: boom"}))
+    cb = models.continuous_batching(smoke=True)
+    assert cb["taking_turns_error"] == "inductor_attn and eager in one process: exit 1: boom"
+    assert cb["implementations"]["inductor_attn"]["alone"] and cb["implementations"]["eager"]["alone"]
+    died = {"implementations": {"inductor_attn": dict(one), "eager": dict(one)}, "exit_error": "exit -6: abort"}
+    monkeypatch.setattr(models, "isolated", entry(died))
+    impls = models.continuous_batching(smoke=True)["implementations"]
+    assert impls["inductor_attn"]["exit_error"] == impls["eager"]["exit_error"] == "exit -6: abort"
+    assert "alone" not in impls["inductor_attn"] and impls["sdpa"]["alone"]
 
 
 def test_a_profiled_client_call_sums_its_kernels_and_lists_the_longest_first(monkeypatch):

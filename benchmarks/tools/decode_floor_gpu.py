@@ -128,40 +128,57 @@ SWEEP_SHAPE = (1, 16, 2, 256, 16384)
 
 def sweep() -> list[dict]:
     """Every (splits, block_n, warps, stages) of the grid below that fits shared memory, then the fastest three
-    with the combine's tile (floats one combine program reads) narrowed: device time per call, and per kernel for
-    the fastest eight."""
+    with the combine's tile (floats one combine program reads) narrowed, each width of its column chunk once:
+    device time per call, and per kernel for the fastest eight."""
     import itertools
 
     from inductor_attn.backends import triton_decode
     from inductor_attn.backends.base import Config
+    from inductor_attn.problem import next_power_of_two
 
     calls = calls_for(SWEEP_SHAPE)
     dev, problem = device_info("cuda"), calls[0].problem
     limit = triton_decode._smem_limit(dev)
-    rows = []
-
-    def timed(cfg: Config, tile: int) -> dict:
-        triton_decode._COMBINE_TILE = tile
-        plan = plan_for(problem, f"triton_decode:{cfg}", dev, "forward")
-        return dict(config=str(cfg), combine_tile=tile, ms=time_ms([lambda c=c: plan.launch(c) for c in calls]),
-                    fns=[lambda c=c: plan.launch(c) for c in calls])
-
     default_tile = triton_decode._COMBINE_TILE
+    rows, fns, seen = [], [], set()
+
+    def chunk(cfg: Config, tile: int) -> int:  # the combine's column chunk, as DecodePlan.run sizes it
+        d = triton_decode._block_d(problem.head_dim_v)
+        return min(64, d, max(16, tile // next_power_of_two(int(cfg["num_splits"]))))
+
+    def timed(cfg: Config, tile: int) -> None:
+        if (str(cfg), chunk(cfg, tile)) in seen:
+            return
+        seen.add((str(cfg), chunk(cfg, tile)))
+        plan = plan_for(problem, f"triton_decode:{cfg}", dev, "forward")
+        launches = [lambda c=c: plan.launch(c) for c in calls]
+        triton_decode._COMBINE_TILE = tile
+        try:
+            rows.append(dict(config=str(cfg), combine_tile=tile, combine_chunk=chunk(cfg, tile), ms=time_ms(launches)))
+        finally:
+            triton_decode._COMBINE_TILE = default_tile
+        fns.append(launches)
+
     for splits, block_n, warps, stages in itertools.product((64, 128, 256), (16, 32, 64), (2, 4, 8), (2, 3, 4, 5)):
-        if triton_decode._smem_bytes(problem, block_n, stages) > limit:
-            continue
-        cfg = Config.of(block_n=block_n, num_splits=splits, num_warps=warps, num_stages=stages)
-        rows.append(timed(cfg, default_tile))
+        if triton_decode._smem_bytes(problem, block_n, stages) <= limit:
+            timed(Config.of(block_n=block_n, num_splits=splits, num_warps=warps, num_stages=stages), default_tile)
     for row in sorted(rows, key=lambda r: r["ms"])[:3]:
         for tile in (1024, 2048, 4096):
-            rows.append(timed(Config.parse(row["config"]), tile))
-    for row in sorted(rows, key=lambda r: r["ms"])[:8]:
-        triton_decode._COMBINE_TILE = row["combine_tile"]
-        row["kernel_ms"] = kernel_ms(row["fns"])
-    for row in rows:
-        del row["fns"]
-    triton_decode._COMBINE_TILE = default_tile
+            timed(Config.parse(row["config"]), tile)
+    for i in sorted(range(len(rows)), key=lambda i: rows[i]["ms"])[:8]:
+        triton_decode._COMBINE_TILE = rows[i]["combine_tile"]
+        try:
+            rows[i]["kernel_ms"] = kernel_ms(fns[i])
+        finally:
+            triton_decode._COMBINE_TILE = default_tile
     return rows
+
+
+def run_meta(copy_gbps: float | None = None) -> dict:
+    """Where and when a run measured: device, commit, versions, date (and the copy bandwidth it measured)."""
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return dict(device=torch.cuda.get_device_name(), commit=git_commit(), torch=torch.__version__,
+                triton=triton.__version__, date=date, **({"copy_gbps": copy_gbps} if copy_gbps is not None else {}))
 
 
 def main() -> None:
@@ -173,9 +190,10 @@ def main() -> None:
         rows = sweep()
         for r in sorted(rows, key=lambda r: r["ms"])[:25]:
             kernels = ", ".join(f"{k[:16]} {v * 1e3:.1f}" for k, v in r.get("kernel_ms", {}).items())
-            print(f"{r['ms'] * 1e3:6.1f} us  tile {r['combine_tile']:5}  {r['config']:55} {kernels}")
+            print(f"{r['ms'] * 1e3:6.1f} us  combine chunk {r['combine_chunk']:3}  {r['config']:55} {kernels}")
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "decode_sweep_gpu.json").write_text(json.dumps(dict(case=case_name(SWEEP_SHAPE), rows=rows)))
+        (args.out / "decode_sweep_gpu.json").write_text(
+            json.dumps(dict(meta=run_meta(), case=case_name(SWEEP_SHAPE), rows=rows), indent=1))
         return
     copy_gbps = measure_copy_gbps(torch.device("cuda"), CudaGraphTimer())
     results = [run_shape(shape, copy_gbps) for shape in SHAPES]
@@ -186,9 +204,7 @@ def main() -> None:
         print(f"{r['case']:30} {r['ours']['ms'] * 1e3:8.1f} {r['ours']['frac_copy']:8.2f} "
               f"{r['read_floor']['ms'] * 1e3:8.1f} {r['read_floor']['frac_copy']:8.2f} {r['sdpa']['ms'] * 1e3:8.1f}"
               f"  {kernels}  [{r['ours']['config']}]")
-    meta = dict(device=torch.cuda.get_device_name(), commit=git_commit(), torch=torch.__version__,
-                triton=triton.__version__, copy_gbps=copy_gbps,
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    meta = run_meta(copy_gbps)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode_floor_gpu.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
 

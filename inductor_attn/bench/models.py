@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -332,15 +333,21 @@ def cb_workload(smoke: bool) -> tuple[dict, list[list[int]], int]:
     return size, prompts, CB_SMOKE["new_tokens"] if smoke else CB_NEW_TOKENS
 
 
+# transformers' paths that ours runs beside, taking turns in one process: the first installed
+PAIRED = ("flash_attention_3", "flash_attention_2")
+TURNS = "+"  # joins the implementations of one entry that take turns
+
+
 def continuous_batching(smoke: bool) -> dict:
     """tokens/s of ``generate_batch`` with our attention (hf_paged, its decode fast path turned on) and with each
     of transformers' built-in paged paths, and whether each one's greedy tokens are those of eager ``generate``;
     each in a fresh process (``isolated``; compile state and the fast path's switch stay there), except that ours
-    and transformers' FlashAttention path (3, else 2, where installed) share one process and take turns call by
-    call (``taking_turns``): a call is host-bound on transformers' own Python, and the host's speed drifts by
+    and transformers' FlashAttention path (the first installed of ``PAIRED``) share one process and take turns call
+    by call (``taking_turns``): a call is host-bound on transformers' own Python, and the host's speed drifts by
     tens of percent between processes minutes apart (H200, 2026-11-30: FA3's call 0.45 s in one process, 0.66-0.70
-    s in another), so only calls taking turns compare the two. A path whose module is not installed is skipped
-    with the reason, and all of them without transformers."""
+    s in another), so only calls taking turns compare the two. Where that shared process fails, each runs in a
+    process of its own, and ``taking_turns_error`` says why. A path whose module is not installed is skipped with
+    the reason, and all of them without transformers."""
     import importlib.util
 
     if importlib.util.find_spec("transformers") is None:
@@ -354,13 +361,19 @@ def continuous_batching(smoke: bool) -> dict:
     installed = {name: module is None or importlib.util.find_spec(module) is not None
                  for name, (_, module) in BUILT_IN.items()}
     partner = next((name for name in PAIRED if installed[name]), None)
-    results = {}
+    paired = {}
     if partner is not None:
         pair = isolated("continuous", f"{OURS}{TURNS}{partner}", size)
-        results = pair.get("implementations") or {OURS: pair, partner: pair}  # a failed process: its error for both
+        if "implementations" in pair:
+            paired = pair["implementations"]
+            for result in paired.values():  # the process died after printing both results
+                if "exit_error" in pair:
+                    result.setdefault("exit_error", pair["exit_error"])
+        else:
+            out["taking_turns_error"] = f"{OURS} and {partner} in one process: {pair.get('error')}"
     for name in (OURS, *BUILT_IN):
-        if name in results:
-            result = results[name]
+        if name in paired:
+            result = paired[name]
         elif name != OURS and not installed[name]:
             result = {"skipped": f"{BUILT_IN[name][1]} is not installed"}
         else:
@@ -370,11 +383,6 @@ def continuous_batching(smoke: bool) -> dict:
             result.update(agreement(tokens, expected, ties))
         out["implementations"][name] = result
     return out
-
-
-# transformers' paths that ours runs beside, taking turns in one process: the first installed
-PAIRED = ("flash_attention_3", "flash_attention_2")
-TURNS = "+"  # joins the implementations of one entry that take turns
 
 
 def agreement(got: list[list[int]], expected: list[list[int]], near_ties: list[list[int]] | None = None) -> dict:
@@ -405,12 +413,16 @@ NEAR_TIE = 8
 
 def _continuous_entry(implementation: str, size: str) -> dict:
     """``reference``: eager ``generate``'s greedy tokens, one batch per prompt length. Else ``generate_batch``
-    with ``implementation`` (``OURS`` or a ``BUILT_IN`` key; several joined by ``TURNS`` take turns, one model and
-    manager each), on one manager: the first call warms up (CUDA graphs, compiles, tunes: ``first_run_s``), the
-    next ``CB_TIMED_RUNS`` are timed (fewer where they reach ``CB_TIMED_BUDGET_S``): new tokens per second of the
-    median one (``timed_s``: each one's seconds, sorted). Records the attention implementations that ran
-    (transformers may switch), the tokens, and for ours the kernels. Several implementations:
-    ``{"implementations": {name: that}}``, each with ``taking_turns`` (the others' names)."""
+    with ``implementation`` (``OURS`` or a ``BUILT_IN`` key) on one manager: the first call warms up (CUDA graphs,
+    compiles, tunes: ``first_run_s``), the next ``CB_TIMED_RUNS`` are timed (fewer where they reach
+    ``CB_TIMED_BUDGET_S``): new tokens per second of the median one (``timed_s``: each one's seconds, sorted), then
+    one profiled call (``_device_kernels``). Records the attention implementations that ran (transformers may
+    switch), the tokens, and for ours the kernels.
+
+    Several implementations joined by ``TURNS``: a model and manager each, warmed up in that order (the first pays
+    the process's start-up in its ``first_run_s``), then their timed calls taking turns, who goes first alternating,
+    all stopping when one reaches its count or budget; ``{"implementations": {name: its result}}``, each with
+    ``taking_turns`` (the others' names)."""
     import transformers
 
     smoke = size == "smoke"
@@ -424,22 +436,21 @@ def _continuous_entry(implementation: str, size: str) -> dict:
 
     reset_stats()
     runs, first_s = {name: [] for name in names}, {}
+    timed_calls = 1 if smoke else CB_TIMED_RUNS
     with fast_path(OURS in names):
         for name in names:
-            first_s[name] = sessions[name][0]()[1]
-        wanted = 1 if smoke else CB_TIMED_RUNS
+            first_s[name] = sessions[name].generate()[1]
         for turn in itertools.count():
-            left = [n for n in names if len(runs[n]) < wanted and sum(s for _, s in runs[n]) < CB_TIMED_BUDGET_S]
-            if not left:
+            if any(len(runs[n]) >= timed_calls or sum(s for _, s in runs[n]) >= CB_TIMED_BUDGET_S for n in names):
                 break
-            for name in left if turn % 2 == 0 else left[::-1]:  # who goes first alternates
-                runs[name].append(sessions[name][0]())
-        profiled = {name: _device_kernels(sessions[name][0]) if not smoke else {} for name in names}
+            for name in names if turn % 2 == 0 else names[::-1]:  # who goes first alternates
+                runs[name].append(sessions[name].generate())
+        profiled = {name: _device_kernels(sessions[name].generate) if not smoke else {} for name in names}
     results = {}
     for name in names:
         tokens, seconds = runs[name][-1][0], sorted(s for _, s in runs[name])
         results[name] = {
-            "asked": sessions[name][1], "ran": sorted(sessions[name][2]),
+            "asked": sessions[name].asked, "ran": sorted(sessions[name].ran),
             "tokens_per_s": sum(map(len, tokens)) / statistics.median(seconds), "timed_s": seconds,
             "first_run_s": first_s[name], "transformers": transformers.__version__, **profiled[name],
             "kernels": _ours_ran() if name == OURS else None, "tokens": tokens,
@@ -460,10 +471,19 @@ def _cb_model(smoke: bool):
     return model, prompts, greedy
 
 
-def cb_session(implementation: str, smoke: bool) -> tuple[Callable[[], tuple[list[list[int]], float]], str, set]:
-    """(generate, the name asked for, the names that ran): ``generate()`` runs ``generate_batch`` over the workload
-    with ``implementation`` on one persistent manager and returns each prompt's tokens and its seconds; call it
-    inside ``fast_path(implementation == OURS)``. ``benchmarks/tools/host_profile.py`` profiles it too."""
+class CBSession(NamedTuple):
+    """``generate()`` runs ``generate_batch`` over the workload on one persistent manager and returns each prompt's
+    tokens and its seconds; ``asked``: the attention name the model was given; ``ran``: the names its first
+    layer's attention ran under (filled as calls run)."""
+
+    generate: Callable[[], tuple[list[list[int]], float]]
+    asked: str
+    ran: set
+
+
+def cb_session(implementation: str, smoke: bool) -> CBSession:
+    """The workload's model with ``implementation``'s attention and its generate function; call it inside
+    ``fast_path(implementation == OURS)``. ``benchmarks/tools/host_profile.py`` profiles it too."""
     import transformers
 
     model, prompts, greedy = _cb_model(smoke)
@@ -488,7 +508,7 @@ def cb_session(implementation: str, smoke: bool) -> tuple[Callable[[], tuple[lis
         by_prompt = {tuple(r.prompt_ids): r.generated_tokens for r in results.values()}
         return [by_prompt[tuple(p)] for p in prompts], seconds
 
-    return generate, asked, ran
+    return CBSession(generate, asked, ran)
 
 
 def _device_kernels(fn) -> dict:
@@ -522,7 +542,8 @@ def _ask_for(model, implementation: str) -> str:
 def fast_path(on: bool):
     """transformers turns its decode fast path (block table, paged decode) on only for FlashAttention 2/3 on CUDA
     or XPU; for ours it is turned on here, as tests/test_hf_paged.py does: its check is skipped for a model whose
-    attention is ours (``config``, its first argument in 5.17 and 5.24) and made as before for the others."""
+    attention is ours under its default name (``config``, the check's first argument in 5.17 and 5.24) and made
+    as before for the others."""
     if not on:
         yield
         return

@@ -452,8 +452,9 @@ def serving_table(rows: list[dict]) -> str:
 
 def client_table(cb: dict) -> str:
     """Markdown: transformers' ``generate_batch`` per attention implementation: what was asked for and what ran,
-    new tokens per second against the best of transformers' own paths, and greedy tokens against eager
-    ``generate``."""
+    new tokens per second against the best of transformers' own paths (for ours, when it took turns with one of
+    them in one process, against that one: the only figure of the same host speed), and greedy tokens against
+    eager ``generate``."""
     if "error" in cb or "skipped" in cb:
         return f"transformers continuous batching: {cb.get('error') or cb['skipped']}"
     from .models import BUILT_IN
@@ -480,11 +481,13 @@ def client_table(cb: dict) -> str:
                 same += f"; {r['differ_at_near_tie']} of the others first at a near tie"
         ops = ", ".join(sorted({key.split(" -> ")[0] for key in r.get("kernels") or {}}))
         busy = "device_s" in r and f"GPU busy {r['device_s']:.2f} s of a {statistics.median(r['timed_s']):.2f} s call"
+        partner = next((impls[n] for n in r.get("taking_turns", ()) if n in BUILT_IN and "tokens_per_s" in impls[n]),
+                       None)
+        against = partner["tokens_per_s"] if partner else best
+        turns = f"calls taking turns with {', '.join(r['taking_turns'])} (one process)" if r.get("taking_turns") else ""
         cells = [name, _code(r["asked"]), ", ".join(map(_code, r["ran"])), _tokens_per_s_text(r),
-                 f"{r['tokens_per_s'] / best:.2f}" if best else "", same, f"{r['first_run_s']:.1f}",
-                 "; ".join(filter(None, [busy, f"our ops: {ops}" if ops else "",
-                                         r.get("taking_turns") and "calls taking turns with "
-                                         + ", ".join(r["taking_turns"]) + " (one process)",
+                 f"{r['tokens_per_s'] / against:.2f}" if against else "", same, f"{r['first_run_s']:.1f}",
+                 "; ".join(filter(None, [busy, f"our ops: {ops}" if ops else "", turns,
                                          r.get("exit_error") and f"after its result: {cell(r['exit_error'])}"]))]
         lines.append("| " + " | ".join(cells) + " |")
     kernels = [f"- {name}: " + ", ".join(f"`{cell(k[:KERNEL_NAME_CHARS])}` {ms:.0f}" for k, ms in r["top_kernels_ms"])
@@ -492,6 +495,8 @@ def client_table(cb: dict) -> str:
     if kernels:
         lines += ["", "The kernels that took most of one call's device time, in ms (a profiled call after the timed "
                       "ones):", "", *kernels]
+    if "taking_turns_error" in cb:
+        lines += ["", f"- Each ran in a process of its own: {cell(cb['taking_turns_error'])}"]
     if any(r.get("differ_at_near_tie") for r in impls.values()):
         from .models import NEAR_TIE
 

@@ -238,17 +238,16 @@ def _part_blocks(module, group: list[dict], old_section: str, name: str, results
     return "\n".join(blocks)
 
 
-def _merged(group: list[dict], module=None) -> dict:
-    """One result from the files of one suite and device: their rows and the shapes they did not reach
-    (``not_run``) in turn, and so the other lists a suite module names in ``SHARD_LISTS`` (its shards' rows under
-    other keys), each other key from the last file that has it; a module's ``merged_summary(result)`` then
-    recomputes what sums its rows up."""
-    listed = ("rows", "not_run", *getattr(module, "SHARD_LISTS", ()))
+def _merged(group: list[dict], module) -> dict:
+    """One result from the files of one suite and device: the suite module's ``merge(group)`` where it keeps its
+    rows under keys of its own (tuning-cost), else their rows and the shapes they did not reach (``not_run``) in
+    turn, each other key from the last file that has it."""
+    if hasattr(module, "merge"):
+        return module.merge(group)
+    listed = ("rows", "not_run")
     merged = {key: [x for data in group for x in data.get(key, ())] for key in listed}
     for data in group:
         merged.update({k: v for k, v in data.items() if k != "meta" and k not in listed})
-    if hasattr(module, "merged_summary"):
-        merged["summary"] = module.merged_summary(merged)
     return merged
 
 

@@ -192,10 +192,6 @@ def _worker(verb: str, workloads: list[Workload], env: dict, deadline: float, sm
     return {d["name"]: d for d in lines}
 
 
-# A run's keys whose lists its shards' files add up (report.py ``_merged``), and its summary recomputed from them.
-SHARD_LISTS = ("workloads", "notes", "cold", "agreement", "regret")
-
-
 def summarize(result: dict) -> dict:
     """The numbers the issue's targets name."""
     summary: dict = {}
@@ -258,7 +254,23 @@ def table(result: dict) -> str:
 
 
 summary = table  # RESULTS.md's section (report.py ``update_summary_sections``)
-merged_summary = summarize
+
+
+def merge(results: list[dict]) -> dict:
+    """One result from the files of several shards and parts of one device (report.py ``_merged``): their rows in
+    turn (a workload measured twice keeps both rows' phases, the later file's where both measured one), the summary
+    over all of them. The shipped tables are on where every file with cold rows had them on; files that differ say
+    so in a note."""
+    merged = {key: [x for r in results for x in r.get(key, ())] for key in ("notes", "cold", "agreement", "regret")}
+    merged["workloads"] = list(dict.fromkeys(w for r in results for w in r.get("workloads", ())))
+    for key in ("cold", "agreement", "regret"):
+        merged[key] = list({row["name"]: row for row in merged[key]}.values())
+    shipped = {bool(r.get("shipped_tables")) for r in results if r.get("cold")}
+    merged["shipped_tables"] = shipped == {True}
+    if len(shipped) > 1:
+        merged["notes"].append("cold and warm rows of several files: shipped decision tables on in some, off in others")
+    merged["summary"] = summarize(merged)
+    return merged
 
 
 def bars(result: dict) -> dict | None:
