@@ -779,13 +779,13 @@ class Compiling(FakeBackend):
         self.compiled.append(cfg)
 
 
-def test_candidates_compile_in_the_tuning_thread_before_their_gate(monkeypatch):
+def test_candidates_compile_at_once_in_threads_before_their_gate(monkeypatch):
     monkeypatch.setenv("INDUCTOR_ATTN_COMPILE_WORKERS", "4")
     a = FakeBackend("a", {"default": (1.0, 0.01)})
     b = Compiling("b", {f"k={i}": (0.9, 0.01) for i in range(4)}, compile_s=0.1)
     result = _tune_with(a, b, search="exhaustive")
-    assert b.compiled == [f"k={i}" for i in range(4)] and b.threads == {threading.main_thread().name}
-    assert result.seconds["compile"] >= 0.4
+    assert sorted(b.compiled) == [f"k={i}" for i in range(4)] and threading.main_thread().name not in b.threads
+    assert 0.1 <= result.seconds["compile"] < 0.4  # four compiles of 0.1 s at once, not in turn
     assert all(r.compile_s >= 0.1 for r in result.candidates if r.name.startswith("b:"))
 
 

@@ -20,7 +20,7 @@ from fakes import FakeBackend
 
 from inductor_attn.backends import AttnCall, Library
 from inductor_attn.block_mask import BlockSparseMask
-from inductor_attn.tuning import precompile
+from inductor_attn.tuning import measure, precompile
 from inductor_attn.tuning.subproc import Worker, WorkerError, load_call, save_call
 
 TRITON_FORWARD = "triton:block_m=64,block_n=32,num_stages=2,num_warps=4,schedule=tile"
@@ -55,23 +55,46 @@ def test_a_saved_block_sparse_call_keeps_its_mask(tmp_path):
     assert torch.equal(back.partial_bits, sparse.partial_bits) and back.seq_lengths == (64, 64)
 
 
-def test_compile_jobs_run_in_the_tuning_thread_one_after_another_and_report_each_outcome(monkeypatch):
-    # threads were followed by illegal memory accesses on an H100 (precompile.py's module doc)
+def test_compile_jobs_run_in_threads_at_once_up_to_the_worker_count_and_report_each_outcome(monkeypatch):
+    """Triton's compiler releases the GIL: a stage's compile jobs run in threads, at most the worker count at
+    once, each outcome (its seconds, its error) under its name."""
     monkeypatch.setenv("INDUCTOR_ATTN_COMPILE_WORKERS", "3")
-    ran = []
+    running, most, lock = set(), [0], threading.Lock()
 
     def job(name, fail=False):
         def run():
-            ran.append((name, threading.current_thread() is threading.main_thread()))
-            time.sleep(0.1)
+            assert threading.current_thread() is not threading.main_thread()
+            with lock:
+                running.add(name)
+                most[0] = max(most[0], len(running))
+            time.sleep(0.2)
+            with lock:
+                running.discard(name)
             if fail:
                 raise RuntimeError(f"{name} does not compile")
         return run
 
-    got = precompile.compile_all({"a": job("a"), "b": job("b"), "c": job("c", fail=True)}, {}, _call())
-    assert ran == [("a", True), ("b", True), ("c", True)]
-    assert got["a"].seconds >= 0.1 and not got["a"].failed
+    start = time.perf_counter()
+    got = precompile.compile_all({n: job(n, fail=n == "c") for n in "abcd"}, {}, _call())
+    assert most[0] == 3 and time.perf_counter() - start < 0.75  # two rounds of three threads, not four in turn (0.8)
+    assert list(got) == list("abcd") and got["a"].seconds >= 0.2 and not got["a"].failed
     assert got["c"].failed and str(got["c"].error) == "c does not compile"
+
+
+def test_a_compile_thread_that_loses_the_cuda_context_stops_the_stage_naming_its_candidate(monkeypatch):
+    monkeypatch.setenv("INDUCTOR_ATTN_COMPILE_WORKERS", "2")
+    lost = measure.CudaContextLost("candidate b left this process's CUDA context unusable")
+
+    def job(name):
+        def run():
+            if name == "b":
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return run
+
+    monkeypatch.setattr(precompile, "raise_if_context_lost",
+                        lambda name, err, device: (_ for _ in ()).throw(lost) if name == "b" else None)
+    with pytest.raises(measure.CudaContextLost, match="candidate b"):
+        precompile.compile_all({n: job(n) for n in "abc"}, {}, _call())
 
 
 @pytest.mark.parametrize("text", ["-1", "many"])

@@ -13,7 +13,7 @@ How decisions use them (tuning/decisions.py), for the same op, bucket and device
   that on a machine of the same model to matter, and each one costs a JIT compile (seconds for each FA4
   config on an H100 or H200, 2026-11); when none of them runs here, the whole search runs. Candidates compile
   before timing (tuning/precompile.py: FA4's at once in workers, or one after another in this process when
-  few; Triton's one after another in this process), so a long compile adds to a cold tune's wait: a
+  few; Triton's in threads of this process), so a long compile adds to a cold tune's wait: a
   near-tie whose recorded compile took more than ``SHORTLIST_COMPILE_FACTOR`` times the fastest
   candidate's (which must compile anyway; at least ``SHORTLIST_COMPILE_FLOOR_S``) is left out, as its gain
   is within the margin. Configs of one library rise and fall together from one session to the next, two

@@ -3,10 +3,14 @@
 JIT compilation is most of a cold tune (issue 16: seven problems took 140 s with cold kernel caches and
 14 s with warm ones, H200), so before a stage's gate (tuner.py):
 
-- plans with ``Plan.compile`` (Triton: ``kernel.warmup``) compile in the tuning thread, one after another,
-  while worker processes compile the candidates below. Whether threads, as Inductor's max-autotune
-  precompiles its template choices with (select_algorithm.py, ``make_precompile_fn``), would shorten a
-  cold full search is not measured; a shipped table shortlists at most two candidates;
+- plans with ``Plan.compile`` (Triton: ``kernel.warmup``) compile in threads of this process, as Inductor's
+  max-autotune precompiles its template choices (select_algorithm.py, ``make_precompile_fn``), while worker
+  processes compile the candidates below. Triton's compiler releases the GIL: six Triton flash configs compiled
+  for sm_90 in 6.5 s one after another and 3.4 s in two threads on two cores (Triton 3.9, 2026-11-30). (Threads
+  were taken out once, 2026-11-28, for an illegal memory access that turned out to be SDPA's efficient backward
+  reading past ``out``, benchmarks/RESULTS.md at c00410e, Findings.) Two threads that compile the first configs of
+  one kernel at once may each build Triton's per-device cache of it, and one's compiled kernel is then kept by
+  neither: the gate's first call loads it from Triton's disk cache;
 - plans without it, of backends whose library has ``compiles_to_disk`` (FA4: its CuTe DSL front end is Python that
   holds the GIL, and a recorded first launch holds backends/replay.py's lock), compile in worker processes
   (subproc.py), as Inductor compiles its generated kernels in a pool of subprocesses
@@ -20,11 +24,12 @@ JIT compilation is most of a cold tune (issue 16: seven problems took 140 s with
   them once;
 - other plans (SDPA's aten ops, flex's torch.compile) compile at their first call in the gate.
 
-``INDUCTOR_ATTN_COMPILE_WORKERS`` caps the worker processes (default: the cores this process may use, split
-among the ranks of the node, at most 8; 0 compiles every candidate at its first call);
+``INDUCTOR_ATTN_COMPILE_WORKERS`` caps the compile threads and, apart, the worker processes (default: the cores
+this process may use, split among the ranks of the node, at most 8; 0 compiles every candidate at its first call);
 ``INDUCTOR_ATTN_COMPILE_TIMEOUT_S`` (default 60 s; a compile took 1-3 s on an H200) bounds each
 candidate's compile in a worker: one that times out drops its candidate with that reason and its worker is
-killed. A compile in the tuning thread is not bounded, as the gate's first call of a candidate never was.
+killed. A compile in a thread of this process is not bounded (a thread cannot be stopped), as the gate's first
+call of a candidate never was.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,7 +100,7 @@ def timeout_s() -> float:
 
 def compile_all(compiles: dict[str, Callable[[], object]], processes: dict[str, tuple[str, str]],
                 call, here: dict[str, Callable[[], object]] | None = None) -> dict[str, Compiled]:
-    """Run the ``compiles`` jobs (name -> compile function) in this thread while workers compile the
+    """Run the ``compiles`` jobs (name -> compile function) in threads of this process while workers compile the
     ``processes`` jobs (name -> (choice, direction), on inputs like ``call``'s); a Compiled per name compiled
     ahead. A name without one compiles at the gate's first call: all of them when max_workers() is 0, and
     process jobs not in ``here`` when fewer than MIN_WORKER_JOBS leave the workers out. ``here``: for
@@ -110,7 +116,7 @@ def compile_all(compiles: dict[str, Callable[[], object]], processes: dict[str, 
         processes, worker_processes = {name: job for name, job in processes.items() if name in here}, 0
     jobs = _ProcessJobs(processes, call, timeout_s(), worker_processes) if processes else None
     try:
-        results = {name: _compile_here(name, fn, call.q.device) for name, fn in compiles.items()}
+        results = _in_threads(compiles, call.q.device, workers)
         if jobs is not None:
             results.update(jobs.finish(here))
     except CudaContextLost:
@@ -118,6 +124,19 @@ def compile_all(compiles: dict[str, Callable[[], object]], processes: dict[str, 
             jobs.abandon()  # the tune stops: workers take no further jobs of it
         raise
     return results
+
+
+def _in_threads(compiles: dict[str, Callable[[], object]], device: torch.device, threads: int) -> dict[str, Compiled]:
+    """Each job in one of ``threads`` threads; a lost CUDA context raises here (CudaContextLost) once the job that
+    met it is reached in order, and the jobs not started are dropped."""
+    if not compiles:
+        return {}
+    pool = ThreadPoolExecutor(max_workers=min(threads, len(compiles)), thread_name_prefix="inductor_attn-compile")
+    try:
+        futures = {name: pool.submit(_compile_here, name, fn, device) for name, fn in compiles.items()}
+        return {name: future.result() for name, future in futures.items()}
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _compile_here(name: str, fn: Callable[[], object], device: torch.device) -> Compiled:
