@@ -455,16 +455,16 @@ def test_host_probes_of_several_launches_take_turns_burst_by_burst():
 
 
 def test_a_host_probe_of_a_long_kernel_takes_shorter_bursts_and_the_tuner_says_each_device_time(monkeypatch):
-    """Each burst queues at most BURST_DEVICE_MS of device work for the longest kernel, never fewer than
-    MIN_BURST_CALLS launches, one size for every candidate (a burst's size moves what it reads): beside a 3 ms kernel
-    all take bursts of 10 launches, short kernels alone the full count; the tuner hands each candidate's device time."""
+    """A burst queues at most BURST_DEVICE_MS of a launch's device work, never fewer than MIN_BURST_CALLS launches,
+    each launch its own size: a 3 ms kernel's bursts are 10 launches, a short kernel's beside it the full count (its
+    host time may decide its step, and short bursts read high); the tuner hands each candidate's device time."""
     def probed(device_ms):
         counts = dict.fromkeys(device_ms, 0)
         launches = {name: (lambda name=name: counts.__setitem__(name, counts[name] + 1)) for name in counts}
         timing.host_ms_each(launches, torch.device("cpu"), warmup=0, bursts=2, calls=40, device_ms=device_ms)
         return counts
 
-    assert probed({"short": 0.05, "long": 3.0}) == dict.fromkeys(("short", "long"), 2 * timing.MIN_BURST_CALLS)
+    assert probed({"short": 0.05, "long": 3.0}) == {"short": 80, "long": 2 * timing.MIN_BURST_CALLS}
     assert probed({"short": 0.05, "unknown": None}) == {"short": 80, "unknown": 80}
     seen = {}
     real = FakeTimer.host_ms_each

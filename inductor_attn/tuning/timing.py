@@ -39,8 +39,8 @@ def host_ms(launch, device: torch.device, warmup: int = 10, bursts: int = 5, cal
 # A host probe's burst queues at most this much device work (ms) where the launch's device time is known, and takes
 # at least MIN_BURST_CALLS launches: the device drains each burst before the next, so 210 launches of a 3 ms kernel
 # cost a tune 0.6 s (a first compile of B2 H32 L16k D128 causal spent 4.4 s probing its three candidates, H200,
-# 2026-11-30). Only probes with a kernel over 0.5 ms get shorter bursts, which read high (host_ms_each), where a
-# launch costs 0.03-0.15 ms: a few percent of the step at most, where no choice turns on it.
+# 2026-11-30). Only kernels over 0.5 ms get shorter bursts, which read high (host_ms_each), and their launch costs
+# 0.03-0.15 ms: a few percent of the step at most, where no choice turns on it.
 BURST_DEVICE_MS = 20.0
 MIN_BURST_CALLS = 10
 
@@ -71,9 +71,11 @@ def host_ms_each(launches: dict, device: torch.device, warmup: int = 10, bursts:
     and a drift then falls on all alike. Timed by this thread's CPU clock, so that what other threads
     and processes take of the cores meanwhile (compile workers, Inductor's) is not charged to a launch; the
     median, not the best burst, because a launch's CPU time itself moves between bursts (FA4's through the launch
-    op: 49-84 us per burst on an H200, 2026-11-29). ``device_ms`` (name -> ms, where known): where the longest
-    kernel among them takes long, every launch's bursts are shorter (:func:`burst_calls`), one size for all, since a
-    burst's size moves what it reads. ``failed(name, err)`` is told which launch raised, before
+    op: 49-84 us per burst on an H200, 2026-11-29). ``device_ms`` (name -> ms, where known): a launch whose kernels
+    take long gets shorter bursts (:func:`burst_calls`), each launch its own size: the high reading of short bursts
+    then falls only on launches whose kernels outlast their host time several times over, where it decides nothing,
+    and not on a fast kernel probed beside a slow one, whose host time may decide its step.
+    ``failed(name, err)`` is told which launch raised, before
     the error propagates; each candidate's launches are synchronized before the next one's start, so that a kernel
     fault the device reports late is charged to its own launch."""
     name, per_call = None, {name: [] for name in launches}
@@ -82,10 +84,10 @@ def host_ms_each(launches: dict, device: torch.device, warmup: int = 10, bursts:
             for _ in range(warmup):
                 launch()
             sync(device)
-        size = burst_calls(max((ms for ms in (device_ms or {}).values() if ms), default=None), calls)
+        sizes = {name: burst_calls((device_ms or {}).get(name), calls) for name in launches}
         for _ in range(bursts):
             for name, launch in launches.items():
-                per_call[name].append(burst_cpu_s(launch, device, size) / size)
+                per_call[name].append(burst_cpu_s(launch, device, sizes[name]) / sizes[name])
     except Exception as err:
         if failed is not None:
             failed(name, err)
