@@ -19,7 +19,7 @@ import inductor_attn
 from inductor_attn.backends import AttnCall, Library, Takes, enumerate_candidates, only_backends
 from inductor_attn.backends.reference import run_forward
 from inductor_attn.device import DeviceInfo
-from inductor_attn.tuning import measure, timing
+from inductor_attn.tuning import measure, precompile, timing
 from inductor_attn.tuning.correctness import TOLERANCES
 from inductor_attn.tuning.tuner import tune
 
@@ -781,6 +781,7 @@ class Compiling(FakeBackend):
 
 def test_candidates_compile_at_once_in_threads_before_their_gate(monkeypatch):
     monkeypatch.setenv("INDUCTOR_ATTN_COMPILE_WORKERS", "4")
+    monkeypatch.setattr(precompile, "parallel_parse_safe", lambda: True)
     a = FakeBackend("a", {"default": (1.0, 0.01)})
     b = Compiling("b", {f"k={i}": (0.9, 0.01) for i in range(4)}, compile_s=0.1)
     result = _tune_with(a, b, search="exhaustive")

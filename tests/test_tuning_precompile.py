@@ -57,8 +57,10 @@ def test_a_saved_block_sparse_call_keeps_its_mask(tmp_path):
 
 def test_compile_jobs_run_in_threads_at_once_up_to_the_worker_count_and_report_each_outcome(monkeypatch):
     """Triton's compiler releases the GIL: a stage's compile jobs run in threads, at most the worker count at
-    once, each outcome (its seconds, its error) under its name."""
+    once, each outcome (its seconds, its error) under its name; one at a time where Python's parser is not
+    thread-safe (the Triton compiler parses each kernel's source)."""
     monkeypatch.setenv("INDUCTOR_ATTN_COMPILE_WORKERS", "3")
+    monkeypatch.setattr(precompile, "parallel_parse_safe", lambda: True)
     running, most, lock = set(), [0], threading.Lock()
 
     def job(name, fail=False):
@@ -79,6 +81,18 @@ def test_compile_jobs_run_in_threads_at_once_up_to_the_worker_count_and_report_e
     assert most[0] == 3 and time.perf_counter() - start < 0.75  # two rounds of three threads, not four in turn (0.8)
     assert list(got) == list("abcd") and got["a"].seconds >= 0.2 and not got["a"].failed
     assert got["c"].failed and str(got["c"].error) == "c does not compile"
+    monkeypatch.setattr(precompile, "parallel_parse_safe", lambda: False)
+    most[0] = 0
+    precompile.compile_all({n: job(n) for n in "ab"}, {}, _call())
+    assert most[0] == 1
+
+
+@pytest.mark.parametrize("version, safe", [((3, 10, 14), True), ((3, 11, 7), False), ((3, 11, 8), False),
+                                           ((3, 11, 9), True), ((3, 12, 1), False), ((3, 12, 2), True),
+                                           ((3, 13, 0), True)])
+def test_compile_threads_parse_at_once_only_on_pythons_whose_parser_allows_it(monkeypatch, version, safe):
+    monkeypatch.setattr(precompile.sys, "version_info", (*version, "final", 0))
+    assert precompile.parallel_parse_safe() is safe
 
 
 def test_a_compile_thread_that_loses_the_cuda_context_stops_the_stage_naming_its_candidate(monkeypatch):

@@ -9,8 +9,11 @@ JIT compilation is most of a cold tune (issue 16: seven problems took 140 s with
   for sm_90 in 6.5 s one after another and 3.4 s in two threads on two cores (Triton 3.9, 2026-11-30). (Threads
   were taken out once, 2026-11-28, for an illegal memory access that turned out to be SDPA's efficient backward
   reading past ``out``, benchmarks/RESULTS.md at c00410e, Findings.) Two threads that compile the first configs of
-  one kernel at once may each build Triton's per-device cache of it, and one's compiled kernel is then kept by
-  neither: the gate's first call loads it from Triton's disk cache;
+  one kernel at once may each build Triton's per-device cache of it, and the compiled kernels stored in the one
+  that loses are dropped: the gate's first call loads them from Triton's disk cache. On Pythons whose ``ast``
+  parser is not thread-safe (3.11 up to 3.11.8, 3.12.0-3.12.1: cpython#106905, a ``SystemError`` when a garbage
+  collection runs Python code during a parse; Inductor's precompile threads are off there too) they compile one
+  at a time;
 - plans without it, of backends whose library has ``compiles_to_disk`` (FA4: its CuTe DSL front end is Python that
   holds the GIL, and a recorded first launch holds backends/replay.py's lock), compile in worker processes
   (subproc.py), as Inductor compiles its generated kernels in a pool of subprocesses
@@ -37,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -116,7 +120,7 @@ def compile_all(compiles: dict[str, Callable[[], object]], processes: dict[str, 
         processes, worker_processes = {name: job for name, job in processes.items() if name in here}, 0
     jobs = _ProcessJobs(processes, call, timeout_s(), worker_processes) if processes else None
     try:
-        results = _in_threads(compiles, call.q.device, workers)
+        results = _in_threads(compiles, call.q.device, workers if parallel_parse_safe() else 1)
         if jobs is not None:
             results.update(jobs.finish(here))
     except CudaContextLost:
@@ -124,6 +128,14 @@ def compile_all(compiles: dict[str, Callable[[], object]], processes: dict[str, 
             jobs.abandon()  # the tune stops: workers take no further jobs of it
         raise
     return results
+
+
+def parallel_parse_safe() -> bool:
+    """Whether threads may parse Python source at once (Triton parses each kernel's source when it compiles it):
+    not on 3.11 up to 3.11.8, nor 3.12.0-3.12.1 (cpython#106905; the range Inductor's precompile threads avoid
+    for 3.11, torch/_inductor/select_algorithm.py)."""
+    version = sys.version_info[:3]
+    return not ((3, 11) <= version <= (3, 11, 8) or (3, 12) <= version < (3, 12, 2))
 
 
 def _in_threads(compiles: dict[str, Callable[[], object]], device: torch.device, threads: int) -> dict[str, Compiled]:
