@@ -87,6 +87,20 @@ def test_compile_jobs_run_in_threads_at_once_up_to_the_worker_count_and_report_e
     assert most[0] == 1
 
 
+def test_a_compile_that_runs_out_of_memory_beside_others_is_left_to_the_gate_but_alone_it_fails(monkeypatch):
+    monkeypatch.setattr(precompile, "parallel_parse_safe", lambda: True)
+
+    def big():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setenv("INDUCTOR_ATTN_COMPILE_WORKERS", "2")
+    got = precompile.compile_all({"a": lambda: None, "b": big}, {}, _call())
+    assert not got["b"].failed and got["b"].skipped == "out of device memory compiling beside others"
+    monkeypatch.setenv("INDUCTOR_ATTN_COMPILE_WORKERS", "1")
+    got = precompile.compile_all({"a": lambda: None, "b": big}, {}, _call())
+    assert got["b"].failed and isinstance(got["b"].error, torch.OutOfMemoryError)
+
+
 @pytest.mark.parametrize("version, safe", [((3, 10, 14), True), ((3, 11, 7), False), ((3, 11, 8), False),
                                            ((3, 11, 9), True), ((3, 12, 1), False), ((3, 12, 2), True),
                                            ((3, 13, 0), True)])

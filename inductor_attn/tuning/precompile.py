@@ -140,15 +140,23 @@ def parallel_parse_safe() -> bool:
 
 def _in_threads(compiles: dict[str, Callable[[], object]], device: torch.device, threads: int) -> dict[str, Compiled]:
     """Each job in one of ``threads`` threads; a lost CUDA context raises here (CudaContextLost) once the job that
-    met it is reached in order, and the jobs not started are dropped."""
+    met it is reached in order, and the jobs not started are dropped. A compile that ran out of device memory beside
+    others is left to the gate's first call (``skipped``), which compiles it alone: its outputs with the others'
+    may not fit where its own do."""
     if not compiles:
         return {}
-    pool = ThreadPoolExecutor(max_workers=min(threads, len(compiles)), thread_name_prefix="inductor_attn-compile")
+    threads = min(threads, len(compiles))
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="inductor_attn-compile")
     try:
         futures = {name: pool.submit(_compile_here, name, fn, device) for name, fn in compiles.items()}
-        return {name: future.result() for name, future in futures.items()}
+        results = {name: future.result() for name, future in futures.items()}
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
+    if threads > 1:
+        for name, got in results.items():
+            if isinstance(got.error, torch.OutOfMemoryError):
+                results[name] = Compiled(seconds=got.seconds, skipped="out of device memory compiling beside others")
+    return results
 
 
 def _compile_here(name: str, fn: Callable[[], object], device: torch.device) -> Compiled:
