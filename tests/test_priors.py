@@ -57,6 +57,8 @@ def test_an_exported_table_holds_device_versions_commit_command_and_reads_as_an_
     assert data["device"] == "cpu" and data["commit"] == "abc1234" and data["command"] == "test"
     assert data["versions"]["torch"] == torch.__version__ and data["created"].endswith("UTC")
     assert [row["winner"] for row in read_export(shipped)] == ["b:x=1"]
+    decision_lines = [line for line in shipped.read_text().splitlines() if line.startswith('  {"key":')]
+    assert len(decision_lines) == 1 and json.loads(decision_lines[0])["winner"] == "b:x=1"  # one line per decision
 
 
 def test_a_shipped_decision_shortens_the_autotune_to_the_candidates_close_to_its_winner(shipped):

@@ -234,6 +234,15 @@ def shortlist(row: dict, k: int, margin: float | None = None, compile_factor: fl
     return [c["name"] for c in chosen]
 
 
+def table_text(body: dict) -> str:
+    """A table's JSON as the package ships it: the header indented, one line per decision. A decision with its
+    candidates' statistics is a few KB; a line each keeps a regenerated table's diff per decision at three quarters
+    of the indented size (the H100 and H200 tables: 199 KB against 261 KB)."""
+    head = json.dumps({k: v for k, v in body.items() if k != "decisions"}, indent=1)
+    rows = ",\n".join("  " + json.dumps(row, separators=(",", ":")) for row in body["decisions"])
+    return head[:-2] + ',\n "decisions": [\n' + rows + "\n ]\n}\n"
+
+
 def write_table(path: Path, rows: list[dict], meta: dict) -> None:
     """Write a table: ``meta`` (device, versions, commit, created, command) and the rows. Written next to
     the target and renamed over it when complete, so a failure leaves an existing table whole."""
@@ -243,7 +252,7 @@ def write_table(path: Path, rows: list[dict], meta: dict) -> None:
     created = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     body = {"schema": FORMAT_VERSION, "created": created, **meta, "decisions": rows}
     try:
-        tmp.write_text(json.dumps(body, indent=1))
+        tmp.write_text(table_text(body))
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
