@@ -45,7 +45,9 @@ HOST_ERROR = 0.1
 # What compiled code pays for a call through the launch op beyond the op called alone (the tune's probe): a
 # compiled function making one such call against a compiled ``q + 1`` plus the op's probe, B1 H32 D128 L512 and
 # L2048 causal on an H200: 15-21 us for FA4, SDPA flash and cuDNN plans through the op (2026-11-29, one run),
-# 35-39 us for FA4 in an earlier one; traced aten calls cost compiled code no more than their probes. It grows with
+# 35-39 us for FA4 in an earlier one, 9-14 us for FA4 in three runs of 2026-11-30 (36 in a slow spell of the host),
+# when traced aten calls (cuDNN, flash) cost compiled code 6-12 us less than their probes: the op path 20-22 us more
+# than an aten one, against the 30 charged here, which no prefill shape's choice turned on. It grows with
 # the Python work of a launch, and much of it looks like that work meeting caches the graph's other code has cooled,
 # which a probe's loop keeps warm. On a CPU (2026-11-30): a trivial Python op costs a graph 0.3 us more than alone;
 # the reference plan through this op (58 us alone) 17 us more, and 8 us more alone when a compiled ``q + 1`` runs
