@@ -134,7 +134,6 @@ def sweep() -> list[dict]:
 
     from inductor_attn.backends import triton_decode
     from inductor_attn.backends.base import Config
-    from inductor_attn.problem import next_power_of_two
 
     calls = calls_for(SWEEP_SHAPE)
     dev, problem = device_info("cuda"), calls[0].problem
@@ -143,8 +142,7 @@ def sweep() -> list[dict]:
     rows, fns, seen = [], [], set()
 
     def chunk(cfg: Config, tile: int) -> int:  # the combine's column chunk, as DecodePlan.run sizes it
-        d = triton_decode._block_d(problem.head_dim_v)
-        return min(64, d, max(16, tile // next_power_of_two(int(cfg["num_splits"]))))
+        return triton_decode.combine_chunk(problem.head_dim_v, int(cfg["num_splits"]), tile)
 
     def timed(cfg: Config, tile: int) -> None:
         if (str(cfg), chunk(cfg, tile)) in seen:

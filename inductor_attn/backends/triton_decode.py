@@ -297,6 +297,16 @@ def _block_m(group_rows: int, head_dim: int) -> int:
     return max(16, min(next_power_of_two(group_rows), cap))
 
 
+def combine_chunk(dv: int, splits: int, tile: int) -> int:
+    """Output columns one combine program merges: as many as keep its ``splits`` x columns of float partials within
+    ``tile`` floats (``_COMBINE_TILE``), between 16 and 64, and no more than the padded Dv.
+
+    >>> combine_chunk(256, 16, 8192), combine_chunk(256, 256, 8192), combine_chunk(256, 512, 8192)
+    (64, 32, 16)
+    """
+    return min(64, _block_d(dv), max(16, tile // next_power_of_two(splits)))
+
+
 def _visible_keys(p: Problem) -> int:
     """Keys that some query row can see: a left window bounds them to window_left + Lq.
 
@@ -451,7 +461,7 @@ class DecodePlan:
         )
         if not single:
             # all splits x block_dc columns per program, in one pass
-            block_dc = min(64, _block_d(dv), max(16, _COMBINE_TILE // next_power_of_two(splits)))
+            block_dc = combine_chunk(dv, splits, _COMBINE_TILE)
             launcher(_decode_combine)[(b * hq * lq, -(-dv // block_dc))](
                 target_o, target_lse, out, lse, call.cu_seqlens_q, *g.out, *g.lse, hq, lq, splits, dv,
                 HAS_CU_Q=call.cu_seqlens_q is not None, WRITE_LSE=write_lse, BLOCK_S=next_power_of_two(splits),
