@@ -366,8 +366,8 @@ def continuous_batching(smoke: bool) -> dict:
         pair = isolated("continuous", f"{OURS}{TURNS}{partner}", size)
         if "implementations" in pair:
             paired = pair["implementations"]
-            for result in paired.values():  # the process died after printing both results
-                if "exit_error" in pair:
+            if "exit_error" in pair:  # the process died after printing both results
+                for result in paired.values():
                     result.setdefault("exit_error", pair["exit_error"])
         else:
             out["taking_turns_error"] = f"{OURS} and {partner} in one process: {pair.get('error')}"
