@@ -6,9 +6,9 @@ JIT compilation is most of a cold tune (issue 16: seven problems took 140 s with
 - plans with ``Plan.compile`` (Triton: ``kernel.warmup``) compile in threads of this process, as Inductor's
   max-autotune precompiles its template choices (select_algorithm.py, ``make_precompile_fn``), while worker
   processes compile the candidates below. Triton's compiler releases the GIL: six Triton flash configs compiled
-  for sm_90 in 6.5 s one after another and 3.4 s in two threads on two cores (Triton 3.9, 2026-11-30). (Threads
-  were taken out once, 2026-11-28, for an illegal memory access that turned out to be SDPA's efficient backward
-  reading past ``out``, benchmarks/RESULTS.md at c00410e, Findings.) Two threads that compile the first configs of
+  for sm_90 in 6.5 s one after another and 3.4 s in two threads on two cores (Triton 3.9, 2026-11-30); on an H200
+  (Python 3.12.3, Triton 3.6) the first ``generate_batch`` call of transformers' continuous batching, which tunes
+  its buckets, took 30.5 s against 51-65 s one at a time (the paged suite's client). Two threads that compile the first configs of
   one kernel at once may each build Triton's per-device cache of it, and the compiled kernels stored in the one
   that loses are dropped: the gate's first call loads them from Triton's disk cache. On Pythons whose ``ast``
   parser is not thread-safe (3.11 up to 3.11.8, 3.12.0-3.12.1: cpython#106905, a ``SystemError`` when a garbage
