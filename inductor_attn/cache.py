@@ -11,6 +11,7 @@ Every function takes an optional ``store``: a DecisionStore (one file) or the pr
 from __future__ import annotations
 
 import collections
+import dataclasses
 import socket
 import time
 import warnings
@@ -21,6 +22,7 @@ from .store.db import DecisionStore, get_store
 from .store.keys import ABSENT, library_versions, stale_reason, versions_like
 from .store.layers import LayeredStore
 from .store.priors import PriorTable, is_shipped
+from .store.record import CandidateResult
 from .store.schema import StoreError
 from .tuning.step_cost import WALL_CLOCK, explain_choice, launch_costs
 
@@ -306,9 +308,26 @@ def export_priors(path: str | Path | None = None, store: DecisionStore | Layered
 def _shippable(row: dict) -> dict:
     """A row for a table that ships in the package: its candidates keep their statistics (what the
     shortlist and ``cache explain`` read) but not every timing sample, and the measuring machine's host
-    name is left out (the table names the device)."""
-    candidates = [{**c, "samples": []} for c in row["record"]["candidates"]]
-    return {**row, "record": {**row["record"], "candidates": candidates, "host": ""}}
+    name is left out (the table names the device). Measured figures keep four significant digits, finer
+    than any timing's noise (0.3% at the least between sessions), and a candidate's fields that hold their
+    defaults are left out (readers take ``CandidateResult``'s defaults): a third off a table's size."""
+    defaults = {f.name: f.default for f in dataclasses.fields(CandidateResult)
+                if f.default is not dataclasses.MISSING}
+    candidates = [{k: v for k, v in _four_digits(c).items()
+                   if k != "samples" and (k not in defaults or v != defaults[k])}
+                  for c in row["record"]["candidates"]]
+    record = _four_digits(row["record"])
+    seconds = _four_digits(record.get("seconds") or {})
+    return {**row, "record": {**record, "seconds": seconds, "candidates": candidates, "host": ""}}
+
+
+def _four_digits(fields: dict) -> dict:
+    """``fields`` with each float to four significant digits.
+
+    >>> _four_digits({"median_ms": 0.030248820520297, "speedup": 1.1723, "n": 3, "name": "a"})
+    {'median_ms': 0.03025, 'speedup': 1.172, 'n': 3, 'name': 'a'}
+    """
+    return {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in fields.items()}
 
 
 def import_decisions(path: str | Path, store: DecisionStore | LayeredStore | None = None) -> int:

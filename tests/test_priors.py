@@ -314,7 +314,7 @@ def test_export_priors_tune_measures_the_bench_workloads_and_writes_the_table(fa
 def test_an_exported_table_keeps_each_candidates_statistics_but_not_its_samples_or_host(shipped):
     (row,) = read_export(shipped)
     winner = next(c for c in row["record"]["candidates"] if c["name"] == "b:x=1")
-    assert winner["samples"] == [] and winner["median_ms"] == pytest.approx(0.5, abs=0.05)
+    assert "samples" not in winner and winner["median_ms"] == pytest.approx(0.5, abs=0.05)
     assert row["record"]["host"] == ""
 
 

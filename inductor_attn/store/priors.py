@@ -237,7 +237,7 @@ def shortlist(row: dict, k: int, margin: float | None = None, compile_factor: fl
 def table_text(body: dict) -> str:
     """A table's JSON as the package ships it: the header indented, one line per decision. A decision with its
     candidates' statistics is a few KB; a line each keeps a regenerated table's diff per decision at three quarters
-    of the indented size (the H100 and H200 tables: 199 KB against 261 KB)."""
+    of the indented size."""
     head = json.dumps({k: v for k, v in body.items() if k != "decisions"}, indent=1)
     rows = ",\n".join("  " + json.dumps(row, separators=(",", ":")) for row in body["decisions"])
     return head[:-2] + ',\n "decisions": [\n' + rows + "\n ]\n}\n"
