@@ -13,8 +13,7 @@ from inductor_attn.problem import Problem, kept_pairs
 
 
 @pytest.mark.parametrize("module", [inductor_attn.problem, inductor_attn.device, inductor_attn.backends.base,
-                                    inductor_attn.block_mask, inductor_attn.layout, inductor_attn.tuning.stats,
-                                    inductor_attn.cache])
+                                    inductor_attn.block_mask, inductor_attn.layout, inductor_attn.tuning.stats])
 def test_doctest_examples_hold(module):
     assert doctest.testmod(module).failed == 0
 
