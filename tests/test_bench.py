@@ -958,7 +958,7 @@ def test_the_shards_of_a_tuning_cost_run_make_one_table_and_one_summary(tmp_path
     text = path.read_text()
     assert "| a | 0.50 | 9.00 |" in text and "| b | 0.50 | 0.50 |" in text and "| c | 0.50 | 0.50 |" in text
     assert text.count("| b |") == 1 and text.count("| workload |") == 1
-    assert text.count("- cold_added_s_max[dense]: 9.000") == 1 and "- shipped decision tables: on" in text
+    assert text.count("cold_added_s_max[dense]: 9.000") == 1 and "- shipped decision tables: on" in text
     report.update_summary_sections([shard("a", 9.0), shard("b", 0.5, shipped=False)], path)
     text = path.read_text()
     assert "- shipped decision tables: on" not in text and "on in some, off in others" in text

@@ -236,7 +236,8 @@ def table(result: dict) -> str:
                      f"{_fmt(cold.get('warm_added_s'))} | "
                      f"{_fmt(warm.get('imports_s'))} | {_fmt(warm.get('off_s'))} | {agree} | "
                      f"{_fmt(r.get('regret'), '.2%')} | {seconds} |")
-    lines += ["", *(f"- {k}: {_fmt(v, '.3f')}" for k, v in result["summary"].items())]
+    summary = "; ".join(f"{k}: {_fmt(v, '.3f')}" for k, v in result["summary"].items())
+    lines += ["", *([f"- {summary}"] if summary else [])]
     if result.get("shipped_tables"):
         lines.append("- shipped decision tables: on (cold and warm only)")
     for cold in result["cold"]:
