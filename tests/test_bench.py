@@ -1142,12 +1142,12 @@ def test_report_draws_each_suites_plot_beside_results_md_and_links_it(tmp_path):
 
 
 def test_the_stored_record_keeps_the_noise_that_inside_noise_reads(monkeypatch):
-    from inductor_attn.bench import quality, runner
+    from inductor_attn.bench import quality, records
 
     rec = {"winner": "b", "default": "a", "why": "", "timer": "fake", "noise": 0.05,
            "candidates": [{"name": "a", "median_ms": 1.0, "samples": [1.0]}, {"name": "b", "median_ms": 1.04}]}
-    monkeypatch.setattr(runner, "whole_record", lambda problem, direction: rec)
-    stored = runner.stored_record(None)
+    monkeypatch.setattr(records, "whole_record", lambda problem, direction: rec)
+    stored = records.stored_record(None)
     assert stored["noise"] == 0.05 and quality.inside_noise(stored, "a", "b")
 
 

@@ -160,15 +160,15 @@ def test_split_k_decode_rebuilds_a_calls_geometry_only_when_its_strides_change(m
 def test_the_gather_baseline_looks_up_sdpas_plan_once_per_table_width(monkeypatch):
     """Per launch, no dense Problem built and no plan looked up; a wider table (a dense call of another length)
     gets its own. SDPA's kernels need CUDA: here the dense call runs on the reference."""
-    from inductor_attn.backends import registry
+    from inductor_attn.backends import paged_gather
 
     looked_up = []
 
-    def plan_for(problem, choice, dev, direction):
-        looked_up.append((choice, problem.len_k))
+    def sdpa_plan(problem, dev, cfg, direction):
+        looked_up.append((cfg["kernel"], problem.len_k))
         return REFERENCE.plan(problem, dev, None, direction)
 
-    monkeypatch.setattr(registry, "plan_for", plan_for)
+    monkeypatch.setattr(paged_gather.SDPA, "plan", sdpa_plan)
     plan = None
     for width, seed in ((5, 0), (5, 1), (6, 2), (5, 3)):  # 80 and 96 keys: one problem (its len_k is 128)
         case = dataclasses.replace(CASES["decode_gqa_page16"], width=width)
@@ -177,7 +177,7 @@ def test_the_gather_baseline_looks_up_sdpas_plan_once_per_table_width(monkeypatc
         plan = plan or GATHER.plan(call.problem, device_info("cpu"), Config.of(kernel="efficient"), "forward")
         out, lse = plan.launch(call)
         _check_against_the_oracle(case, x, out, lse)
-    assert looked_up == [("sdpa:kernel=efficient", 80), ("sdpa:kernel=efficient", 96)]
+    assert looked_up == [("efficient", 80), ("efficient", 96)]
 
 
 def test_candidates_of_a_paged_decode():

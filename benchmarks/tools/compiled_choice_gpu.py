@@ -60,7 +60,8 @@ import inductor_attn
 from inductor_attn.backends import AttnCall, plan_for
 from inductor_attn.bench.models import STEP_HEADER, step_cells
 from inductor_attn.bench.report import cell, versions_text
-from inductor_attn.bench.runner import fresh_store, run_stamp, whole_record
+from inductor_attn.bench.records import whole_record
+from inductor_attn.bench.runner import fresh_store, run_stamp
 from inductor_attn.bench.wallclock import BURST, burst_host_us, interleaved_measure, interleaved_wall_us, own_code, warm
 from inductor_attn.device import device_info
 from inductor_attn.tuning.measure import Direction

@@ -21,7 +21,7 @@ from ..problem import Problem
 from .base import AttnCall, Backend, Candidate, Config, Plan, Takes
 from ..layout import conform
 from .pages import gather_padded, key_slots
-from .sdpa import dtype_pruned
+from .sdpa import BACKEND as SDPA, dtype_pruned
 
 KERNELS = ("efficient", "cudnn")
 
@@ -62,9 +62,7 @@ class PagedGatherBackend(Backend):
         return [Candidate(self.name, Config.of(kernel=k), dtype_pruned(k, p.dtype)) for k in KERNELS]
 
     def plan(self, p: Problem, dev: DeviceInfo, cfg: Config, direction: str) -> Plan:
-        from .registry import plan_for  # the registry imports this module
-
-        choice = f"sdpa:kernel={cfg['kernel']}"
+        sdpa_cfg = Config.of(kernel=cfg["kernel"])
         # SDPA's plan of the dense call, by pages per sequence: the one size of it that p leaves open. Looked up
         # once, not per launch (a Problem built and hashed per call)
         dense_plans = {}
@@ -74,7 +72,7 @@ class PagedGatherBackend(Backend):
             width = call.block_table.shape[1]
             found = dense_plans.get(width)
             if found is None:
-                found = dense_plans[width] = plan_for(dense.problem, choice, dev, "forward")
+                found = dense_plans[width] = SDPA.plan(dense.problem, dev, sdpa_cfg, "forward")
             return as_packed(*found.launch(dense), call.q)
 
         return Plan(launch)

@@ -61,7 +61,7 @@ from ..tuning.stats import median
 from ..tuning.timing import default_timer
 from .metrics import call_flops
 from .report import cell
-from .runner import stored_record
+from .records import stored_record
 from .wallclock import interleaved_loops, own_code
 
 

@@ -159,7 +159,7 @@ def _tune_worker(workloads: list[Workload], out: Path) -> None:
     from ..tuning.decisions import decide
     from ..tuning.modes import tuning_mode
     from . import suites
-    from .runner import stored_record
+    from .records import stored_record
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = device_info(device)

@@ -50,7 +50,7 @@ import torch
 from ..backends import AttnCall, Candidate, Config, backends, enumerate_candidates
 from ..backends.registry import required_distributions
 from ..device import DeviceInfo, device_info
-from ..store.db import default_path, get_store
+from ..store.db import default_path
 from ..store.keys import library_versions
 from ..tuning.decisions import decide, forget_decisions
 from ..tuning.measure import (Direction, describe, device_error, fresh_inputs, gate, input_copies, strict, sync,
@@ -60,6 +60,8 @@ from ..tuning.stats import median, paired_bootstrap_speedup
 from ..tuning.timing import default_timer
 from . import flex_route, metrics, report, suites
 from .entries import BASELINES, Entry, candidate_entry, user_entries
+from .quality import run_quality
+from .records import stored_record
 from .suites import Workload
 
 ROUNDS = {"full": 30, "quick": 20, "smoke": 5}
@@ -184,25 +186,6 @@ def measure_copy_gbps(device: torch.device, timer, samples: int = 10) -> float:
 
 
 # ---------------------------------------------------------------------------------------- decisions
-def whole_record(problem, direction: str = "forward") -> dict | None:
-    """The tuner's record of this problem's bucket in the current store."""
-    key = problem.bucket().key()
-    return next((row["record"] for row in get_store().rows()
-                 if row["op"] == f"{problem.op}/{direction}" and row["problem"] == key), None)
-
-
-def stored_record(problem, direction: str = "forward") -> dict | None:
-    """The tuner's record of this problem's bucket in the current store, without its samples."""
-    rec = whole_record(problem, direction)
-    if rec is None:
-        return None
-    cands = [{k: c.get(k) for k in ("name", "status", "reason", "median_ms", "speedup", "ci_low", "ci_high",
-                                     "compile_s")} for c in rec["candidates"]]
-    # the noise too: quality.inside_noise reads it (the tie margin the tuner itself applied)
-    return {"winner": rec["winner"], "default": rec["default"], "why": rec["why"], "timer": rec["timer"],
-            "noise": rec.get("noise"), "candidates": cands}
-
-
 def decisions(call: AttnCall, dev: DeviceInfo, direction: str = "forward") -> dict:
     """The choice of each tuning mode; autotune with its wall time and the tuner's record."""
     out = {}
@@ -395,8 +378,6 @@ def run(opts: Options) -> int:
             _print_row(result["rows"][-1])
             report.write_results(result, out_dir, plots=False)
         if opts.quality:
-            from .quality import run_quality
-
             deadline = started + ctx.budget_s
             result["quality"] = run_quality(workloads, result["rows"], ctx, store_dir, deadline)
     result["meta"]["elapsed_s"] = time.perf_counter() - started

@@ -61,7 +61,7 @@ import torch
 from ..tuning.measure import sync
 from . import suites
 from .quality import compare_tunes
-from .runner import whole_record
+from .records import whole_record
 from .suites import Workload
 
 BUDGET_S = 540.0  # stays under a 10-minute job limit

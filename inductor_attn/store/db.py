@@ -39,14 +39,13 @@ import time
 import uuid
 import warnings
 import weakref
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from .._compat import inductor_cache_dir
 from . import transfer
 from .layers import LayeredStore
 from .priors import shipped_layers
-from .schema import COLUMNS, RowError, StoreError, check_row
+from .schema import COLUMNS, Health, RowError, StoreError, check_row
 from .wal import wal_damage
 
 log = logging.getLogger(__name__)
@@ -144,20 +143,6 @@ def _log_size(path: Path) -> int:
         return os.path.getsize(f"{path}-wal")
     except OSError:
         return 0
-
-
-@dataclass
-class Health:
-    """What ``cache doctor`` reports for one store."""
-
-    where: str
-    error: str | None = None  # the store could not be opened or read
-    integrity: list[str] = field(default_factory=list)  # PRAGMA integrity_check; ["ok"] when sound
-    damage: list[str] = field(default_factory=list)  # found at open: a damaged WAL, lost rows
-    rows: list[dict] = field(default_factory=list)  # rows that match the schema
-    bad: list[str] = field(default_factory=list)  # "key: why" for rows that do not
-    # keys of rows another version of this package wrote that this one cannot read (a newer schema): stale, not bad
-    other_version: list[str] = field(default_factory=list)
 
 
 def _other_version(values) -> str | None:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from . import transfer
+from .schema import is_shipped
 
 
 class LayeredStore:
@@ -71,8 +72,6 @@ class LayeredStore:
     def put_many(self, rows: list[dict]) -> int:
         # a row that changes what a read-only store answered changes an answer too (a shipped decision is
         # never used as is where the revision is what counts: autotune re-measures it)
-        from .priors import is_shipped
-
         supersedes = any((old := layer.get(row["key"])) is not None and not is_shipped(old)
                          and old["winner"] != row["winner"] for row in rows for layer in self.read_only)
         return self.writable.put_many(rows, supersedes=supersedes)

@@ -42,7 +42,7 @@ import uuid
 import warnings
 from pathlib import Path
 
-from .schema import FORMAT_VERSION, check_export, is_shipped  # noqa: F401 - is_shipped: read from here too
+from .schema import FORMAT_VERSION, Health, check_export, is_shipped  # noqa: F401 - is_shipped: read from here too
 from .transfer import file_to_write
 
 ENV_VAR = "INDUCTOR_ATTN_PRIORS"
@@ -158,9 +158,7 @@ class PriorTable:
     def revision(self) -> str:
         return self.generation()
 
-    def health(self):
-        from .db import Health
-
+    def health(self) -> Health:
         report = Health(self.describe())
         if self.error:
             report.error = self.error

@@ -9,7 +9,8 @@ of the tuner's ``TuneResult`` and ``CandidateResult`` (store/record.py), read fr
 field added there is accepted here; the fields without a default are required, the others may be absent
 (records from before they existed). Every string must be UTF-8 text (JSON can hold a lone surrogate,
 which SQLite and a terminal refuse). A row that fails raises ``RowError`` naming the field; the store
-skips such rows when reading, and an import refuses the whole file.
+skips such rows when reading, and an import refuses the whole file. ``Health`` is what ``cache doctor``
+reports of one store: the rows that pass and those that fail.
 """
 
 from __future__ import annotations
@@ -31,6 +32,20 @@ COLUMNS = ("key", "op", "problem", "device", "versions", "winner", "record", "cr
 # exports of a layered store carry it.
 ORIGIN = "origin"
 MAX_TIME_S = 1e12  # 31,000 years after the epoch: a larger time is no time (the time functions overflow)
+
+
+@dataclasses.dataclass
+class Health:
+    """What ``cache doctor`` reports for one store."""
+
+    where: str
+    error: str | None = None  # the store could not be opened or read
+    integrity: list[str] = dataclasses.field(default_factory=list)  # PRAGMA integrity_check; ["ok"] when sound
+    damage: list[str] = dataclasses.field(default_factory=list)  # found at open: a damaged WAL, lost rows
+    rows: list[dict] = dataclasses.field(default_factory=list)  # rows that match the schema
+    bad: list[str] = dataclasses.field(default_factory=list)  # "key: why" for rows that do not
+    # keys of rows another version of this package wrote that this one cannot read (a newer schema): stale, not bad
+    other_version: list[str] = dataclasses.field(default_factory=list)
 
 
 def is_shipped(row: dict) -> bool:
