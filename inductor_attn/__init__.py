@@ -21,7 +21,7 @@ _LAZY = {
     "routing_report": "routing.rewrite", "reset_routing_report": "routing.rewrite",
     "stats": "runtime", "reset_stats": "runtime",
     "MODES": "tuning.modes", "set_mode": "tuning.modes", "tuning_mode": "tuning.modes",
-    "sync_decisions": "tuning.ranks",
+    "sync_decisions": "tuning.decisions",
     "cache": None, "fp8": None, "hf_paged": None,
 }
 

@@ -18,7 +18,7 @@ from inductor_attn.device import DeviceInfo, device_info
 from inductor_attn.store import db
 from inductor_attn.store.db import get_store
 from inductor_attn.store.layers import LayeredStore
-from inductor_attn.tuning import background, decisions, subproc
+from inductor_attn.tuning import background, decisions, worker
 from inductor_attn.tuning.decisions import decide, forget_decisions
 
 DEV = DeviceInfo("cpu", (0, 0), 2)
@@ -31,7 +31,7 @@ class InProcessWorker:
 
     def request(self, op, timeout_s, **req):
         InProcessWorker.tunes += 1
-        return subproc._tune(req)
+        return worker._tune(req)
 
     def close(self):
         pass

@@ -107,8 +107,8 @@ def test_fa4_candidates_compile_in_worker_processes_and_this_process_loads_them(
 
 def test_a_worker_request_leaves_no_cached_memory_behind(tmp_path):
     """An idle compile worker waits beside the user's program: after a request it holds its CUDA context, not
-    the blocks its call took (subproc.answer, run here in this process)."""
-    from inductor_attn.tuning import subproc
+    the blocks its call took (worker.answer, run here in this process)."""
+    from inductor_attn.tuning import subproc, worker
 
     call = _call(lq=4096, lk=4096)
     triton = next(c.name for c in enumerate_candidates(call.problem, device_info(call.q.device))
@@ -120,7 +120,7 @@ def test_a_worker_request_leaves_no_cached_memory_behind(tmp_path):
     torch.cuda.empty_cache()
     before, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    reply = subproc.answer({"op": "compile", "call": str(tmp_path / "call.pt"), "choice": triton,
+    reply = worker.answer({"op": "compile", "call": str(tmp_path / "call.pt"), "choice": triton,
                             "direction": "forward"})
     assert set(reply) == {"seconds"}, reply
     # the request did take memory (its q, k, v at least), which may have fit in segments earlier tests' live

@@ -1,5 +1,5 @@
-"""Compiling ahead in the tuning thread and in worker processes (tuning/precompile.py, tuning/subproc.py), on
-the CPU.
+"""Compiling ahead in the tuning thread and in worker processes (tuning/precompile.py, tuning/subproc.py and
+tuning/worker.py), on the CPU.
 
 The worker-process tests start real workers (a fresh interpreter each) that compile real candidates: under
 TRITON_INTERPRET=1 a Triton warmup compiles nothing, so they test the protocol, the call's round trip and
@@ -277,33 +277,33 @@ def test_a_few_process_jobs_compile_here_without_starting_a_worker(slow_workers)
 def test_a_worker_imports_the_costly_libraries_of_the_backends_before_it_says_ready(monkeypatch):
     """The parent gives jobs only to ready workers: a worker whose first job also imported FA4's CuTe DSL
     (about 3 s) would be slower than this process at that job."""
-    from inductor_attn.tuning import subproc
+    from inductor_attn.tuning import worker
 
     loaded = []
     cheap, costly = FakeBackend("cheap", {"default": (1.0, 0.0)}), FakeBackend("costly", {"default": (1.0, 0.0)})
     for backend in (cheap, costly):
         monkeypatch.setattr(backend, "library", Library(costly_import=backend is costly,
                                                         load=lambda name=backend.name: loaded.append(name)))
-    monkeypatch.setattr("inductor_attn.backends.backends", lambda: [cheap, costly])
-    subproc.load_costly_libraries()
+    monkeypatch.setattr(worker, "backends", lambda: [cheap, costly])
+    worker.load_costly_libraries()
     assert loaded == ["costly"]
 
 
 def test_a_worker_whose_cuda_context_is_lost_says_so_and_the_parent_takes_no_further_job_to_it(monkeypatch):
-    from inductor_attn.tuning import measure, subproc
+    from inductor_attn.tuning import worker
 
     err = RuntimeError("CUDA error: an illegal memory access was encountered")
     request = {"op": "compile", "choice": TRITON_FORWARD}
-    assert "lost" not in subproc._error(err, request)
+    assert "lost" not in worker._error(err, request)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(measure, "device_error", lambda device: "AcceleratorError: illegal memory access")
-    assert subproc._error(err, request) == {"error": "RuntimeError: CUDA error: an illegal memory access was "
+    monkeypatch.setattr(worker, "device_error", lambda device: "AcceleratorError: illegal memory access")
+    assert worker._error(err, request) == {"error": "RuntimeError: CUDA error: an illegal memory access was "
                                             "encountered", "bug": False, "lost": True}
 
 
 def test_a_worker_gives_a_requests_memory_back_to_the_driver_before_it_answers(monkeypatch, tmp_path):
-    from inductor_attn.tuning import measure, subproc
+    from inductor_attn.tuning import worker
 
     save_call(_call(), tmp_path / "call.pt")
     request = {"op": "compile", "call": str(tmp_path / "call.pt"), "choice": TRITON_FORWARD, "direction": "forward"}
@@ -311,18 +311,18 @@ def test_a_worker_gives_a_requests_memory_back_to_the_driver_before_it_answers(m
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
-    monkeypatch.setattr(measure, "device_error", lambda device: None)
-    assert set(subproc.answer(request)) == {"seconds"} and emptied == [1]
-    reply = subproc.answer({"op": "nope"})
+    monkeypatch.setattr(worker, "device_error", lambda device: None)
+    assert set(worker.answer(request)) == {"seconds"} and emptied == [1]
+    reply = worker.answer({"op": "nope"})
     assert reply["bug"] and reply["error"] == "KeyError: 'nope'" and emptied == [1, 1]
-    monkeypatch.setattr(measure, "device_error", lambda device: "AcceleratorError: illegal memory access")
-    assert subproc.answer({"op": "nope"})["lost"] and emptied == [1, 1]  # a lost context is not called again
+    monkeypatch.setattr(worker, "device_error", lambda device: "AcceleratorError: illegal memory access")
+    assert worker.answer({"op": "nope"})["lost"] and emptied == [1, 1]  # a lost context is not called again
 
 
 def test_a_worker_whose_memory_cannot_be_freed_answers_and_says_it_is_lost(monkeypatch, tmp_path):
     """A sticky CUDA error that the request's own error check did not see (another device's context) surfaces
     in empty_cache: the reply still goes out, marked lost, so the worker exits after it."""
-    from inductor_attn.tuning import subproc
+    from inductor_attn.tuning import worker
 
     save_call(_call(), tmp_path / "call.pt")
     request = {"op": "compile", "call": str(tmp_path / "call.pt"), "choice": TRITON_FORWARD, "direction": "forward"}
@@ -332,7 +332,7 @@ def test_a_worker_whose_memory_cannot_be_freed_answers_and_says_it_is_lost(monke
 
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", sticky)
-    reply = subproc.answer(request)
+    reply = worker.answer(request)
     assert reply["lost"] and reply["seconds"] is not None
 
 

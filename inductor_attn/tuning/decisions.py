@@ -41,9 +41,9 @@ from ..store.priors import (SHORTLIST, SHORTLIST_COMPILE_FACTOR, SHORTLIST_COMPI
                             is_shipped, shipped_match, shortlist)
 from . import background
 from .measure import describe, device_error, gate_once, is_candidate_error
-from .modes import current_mode
+from .modes import current_mode, on_change
 from .progress import progress_ticker
-from .ranks import on_device, tune_once
+from .ranks import agreed_across, on_device, tune_once
 from .tuner import NoCandidateRan, default_rounds, tune
 
 log = logging.getLogger(__name__)
@@ -122,6 +122,9 @@ def forget_choices() -> None:
         _ROWS.clear()
         _PROVISIONAL.clear()
         _PINNED.clear()
+
+
+on_change(forget_choices)  # a choice made under another tuning mode is not this mode's
 
 
 def follow_store(read_token: Callable[[], str]) -> str:
@@ -614,6 +617,30 @@ def _adopted(call: AttnCall, dev: DeviceInfo, direction: str, grad_lse: bool,
     log.warning("inductor_attn: the choice the ranks agreed on, %s, cannot run %s here; this rank decides "
                 "on its own", agreed[0], call.problem)
     return None
+
+
+def sync_decisions(group=None) -> int:
+    """Make every rank of ``group`` (default: the world) run the same kernel for every bucket that any
+    rank has decided so far. A collective: call it at a point that every rank reaches, such as after a
+    warm-up step. Under NCCL, set each rank's CUDA device first, as for any object collective.
+
+    Each rank's in-memory decisions are all-gathered, and for each bucket every rank adopts the one of
+    the lowest rank whose decision a measurement backs (else of the lowest rank; see ``agree``). The
+    adopted row is written to this rank's store when the store holds another winner, so the next
+    process on this node starts from it.
+
+    Run-time decisions (eager calls, dynamic shapes, varlen, block masks, kv_seqlens) follow the agreed
+    choice from the next call, on ranks that meet the bucket only later too. Code already compiled with
+    another choice baked in keeps it until it is recompiled; the recompile bakes the agreed one, and the
+    FX-graph-cache guard, which hashes the store's revision, never replays the old code after the
+    store changed. A rank where the agreed kernel cannot run (another set of libraries installed)
+    keeps its own decision and logs a warning.
+
+    Returns how many of this rank's decisions changed. Without torch.distributed, or with one rank,
+    does nothing and returns 0.
+    """
+    agreed = agreed_across(decision_entries(), group)
+    return 0 if agreed is None else adopt_decisions(agreed)
 
 
 def decision_entries() -> list[tuple]:

@@ -72,7 +72,16 @@ def tuning_mode(mode: str | None):
         _forget()
 
 
-def _forget() -> None:
-    from .decisions import forget_choices
+# Called whenever the mode changes: decisions.py registers the dropping of the choices it remembers, made under the
+# old mode (it imports this module, not the reverse).
+_ON_CHANGE: list = []
 
-    forget_choices()
+
+def on_change(fn) -> None:
+    """Call ``fn()`` whenever the mode changes (set_mode, a tuning_mode block's start and end)."""
+    _ON_CHANGE.append(fn)
+
+
+def _forget() -> None:
+    for fn in _ON_CHANGE:
+        fn()

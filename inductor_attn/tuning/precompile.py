@@ -5,15 +5,15 @@ JIT compilation is most of a cold tune (issue 16: seven problems took 140 s with
 
 - plans with ``Plan.compile`` (Triton: ``kernel.warmup``) compile in threads of this process, as Inductor's
   max-autotune precompiles its template choices (select_algorithm.py, ``make_precompile_fn``), while worker
-  processes compile the candidates below. Triton's compiler releases the GIL: six Triton flash configs compiled
-  for sm_90 in 6.5 s one after another and 3.4 s in two threads on two cores (Triton 3.9, 2026-11-30); on an H200
+  processes compile the candidates below. Triton's compiler releases the GIL: six Triton flash configs compiled for
+  sm_90 in 6.5 s one after another and 3.4 s in two threads on two cores (Triton 3.9, 2026-11-30); on an H200
   (Python 3.12.3, Triton 3.6) the first ``generate_batch`` call of transformers' continuous batching, which tunes
-  its buckets, took 30.5 s against 51-65 s one at a time (the paged suite's client). Two threads that compile the first configs of
-  one kernel at once may each build Triton's per-device cache of it, and the compiled kernels stored in the one
-  that loses are dropped: the gate's first call loads them from Triton's disk cache. On Pythons whose ``ast``
-  parser is not thread-safe (3.11 up to 3.11.8, 3.12.0-3.12.1: cpython#106905, a ``SystemError`` when a garbage
-  collection runs Python code during a parse; Inductor's precompile threads are off there too) they compile one
-  at a time;
+  its buckets, took 30.5 s against 51-65 s one at a time (the paged suite's client). Two threads that compile the
+  first configs of one kernel at once may each build Triton's per-device cache of it, and the compiled kernels
+  stored in the one that loses are dropped: the gate's first call loads them from Triton's disk cache. On Pythons
+  whose ``ast`` parser is not thread-safe (3.11 up to 3.11.8, 3.12.0-3.12.1: cpython#106905, a ``SystemError`` when
+  a garbage collection runs Python code during a parse; Inductor's precompile threads are off there too) they
+  compile one at a time;
 - plans without it, of backends whose library has ``compiles_to_disk`` (FA4: its CuTe DSL front end is Python that
   holds the GIL, and a recorded first launch holds backends/replay.py's lock), compile in worker processes
   (subproc.py), as Inductor compiles its generated kernels in a pool of subprocesses

@@ -23,8 +23,9 @@ with another rank's collective for another bucket, or waits for a partner that n
   (under the device claim), while the others skip it (``try_claim``) and read the decision from the
   shared store once it lands, at their next run-time decision or compile. Until then ranks may run
   different kernels for a bucket, all checked against the reference; ``sync_decisions()`` aligns them.
-- **sync_decisions()**: an explicit collective that users call where every rank provably arrives;
-  afterwards every rank runs the same choice for every bucket that any rank had decided.
+- **sync_decisions()** (decisions.py, over :func:`agreed_across`): an explicit collective that users call where
+  every rank provably arrives; afterwards every rank runs the same choice for every bucket that any rank had
+  decided.
 """
 
 from __future__ import annotations
@@ -171,31 +172,13 @@ def agree(per_rank: list[list[tuple]]) -> dict:
     return agreed
 
 
-def sync_decisions(group=None) -> int:
-    """Make every rank of ``group`` (default: the world) run the same kernel for every bucket that any
-    rank has decided so far. A collective: call it at a point that every rank reaches, such as after a
-    warm-up step. Under NCCL, set each rank's CUDA device first, as for any object collective.
-
-    Each rank's in-memory decisions are all-gathered, and for each bucket every rank adopts the one of
-    the lowest rank whose decision a measurement backs (else of the lowest rank; see ``agree``). The
-    adopted row is written to this rank's store when the store holds another winner, so the next
-    process on this node starts from it.
-
-    Run-time decisions (eager calls, dynamic shapes, varlen, block masks, kv_seqlens) follow the agreed
-    choice from the next call, on ranks that meet the bucket only later too. Code already compiled with
-    another choice baked in keeps it until it is recompiled; the recompile bakes the agreed one, and the
-    FX-graph-cache guard, which hashes the store's revision, never replays the old code after the
-    store changed. A rank where the agreed kernel cannot run (another set of libraries installed)
-    keeps its own decision and logs a warning.
-
-    Returns how many of this rank's decisions changed. Without torch.distributed, or with one rank,
-    does nothing and returns 0.
-    """
+def agreed_across(entries: list[tuple], group=None) -> dict | None:
+    """What every rank of ``group`` (default: the world) adopts: each rank's ``(key, choice, row)`` entries,
+    all-gathered, then :func:`agree`. A collective (decisions.sync_decisions calls it); None without
+    torch.distributed or with one rank."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return 0
-    from .decisions import adopt_decisions, decision_entries
-
+        return None
     gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, decision_entries(), group=group)
-    return adopt_decisions(agree(gathered))
+    dist.all_gather_object(gathered, entries, group=group)
+    return agree(gathered)

@@ -1,6 +1,7 @@
-"""Worker processes: compiling candidates whose compiler holds the GIL, and tuning in the background.
+"""Worker processes, the parent's side: compiling candidates whose compiler holds the GIL, and tuning in the
+background. The worker's side, what answers the requests, is worker.py.
 
-A worker is ``python -m inductor_attn.tuning.subproc``: a fresh interpreter, not multiprocessing's spawn,
+A worker is ``python -m inductor_attn.tuning.worker``: a fresh interpreter, not multiprocessing's spawn,
 which re-imports the user's ``__main__`` and would rerun a script that lacks a ``__main__`` guard. It
 inherits the parent's environment, so it opens the same decision store and the same kernel disk caches,
 and it never starts workers of its own (``INDUCTOR_ATTN_COMPILE_WORKERS=0``). It answers ``ready`` once
@@ -86,7 +87,7 @@ class Worker:
         self.settings = settings_env()
         env = {**os.environ, "INDUCTOR_ATTN_COMPILE_WORKERS": "0",
                "PYTHONPATH": os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))}
-        self.proc = subprocess.Popen([sys.executable, "-m", "inductor_attn.tuning.subproc"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "inductor_attn.tuning.worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.replies: queue.Queue = queue.Queue()
         self.stderr: collections.deque = collections.deque(maxlen=20)
@@ -170,93 +171,3 @@ def _drain(stream, sink, mark_end: bool) -> None:
         sink(line.rstrip("\n"))
     if mark_end:  # the reply queue learns that no answer will come
         sink(None)
-
-
-# ------------------------------------------------------------------------------------ worker side
-def _compile(req: dict) -> dict:
-    from ..backends import plan_for
-    from ..device import device_info
-    from .measure import Direction, sync
-
-    call = load_call(Path(req["call"]))
-    mode = Direction(req["direction"], call)
-    plan = plan_for(call.problem, req["choice"], device_info(call.q.device), req["direction"])
-    start = time.perf_counter()
-    if plan.compile is not None:
-        mode.compile(plan, call)
-    else:
-        mode.run(plan, call)
-    sync(call.q.device)
-    return {"seconds": time.perf_counter() - start}
-
-
-def _tune(req: dict) -> dict:
-    from ..store.db import get_store
-    from .decisions import tune_in_worker
-
-    call = load_call(Path(req["call"]))
-    winner = tune_in_worker(call, req["direction"], req["key"], req["deterministic"])
-    return {"winner": winner, "row": get_store().get(req["key"])}
-
-
-def _error(err: Exception, req: dict) -> dict:
-    """The error reply; with ``lost`` when the error left this worker's CUDA context unusable (it then
-    exits, and the parent starts another worker for what comes next)."""
-    from ..backends import Candidate, backends
-    from .measure import describe, device_error, is_candidate_error
-
-    name = Candidate.split(req["choice"])[0] if req.get("choice") else None
-    backend = next((b for b in backends() if b.name == name), None)
-    reply = {"error": describe(err), "bug": backend is None or not is_candidate_error(err, backend)}
-    if torch.cuda.is_initialized() and device_error(torch.device("cuda", torch.cuda.current_device())):
-        reply["lost"] = True
-    return reply
-
-
-def load_costly_libraries() -> None:
-    """What a worker imports before it says ready: the registry and the backends' costly libraries, which
-    its first compile would pay otherwise (FA4's CuTe DSL: about 3 s)."""
-    from ..backends import backends
-
-    for backend in backends():
-        if backend.library.costly_import:
-            backend.library.load()
-
-
-def answer(req: dict) -> dict:
-    """One request's reply. The memory the request took and freed goes back to the driver before it
-    (``empty_cache``): an idle worker waits beside the user's program (up to a minute: precompile.IDLE_S,
-    background.IDLE_S), and should not hold the cached blocks of the largest call it compiled or tuned there.
-    What a library keeps on purpose stays (cuBLAS's workspace, a kept FA4 backward scratch: backends/replay.py).
-    A CUDA error there (a context lost on another device than the one :func:`_error` looked at) makes the reply
-    ``lost``, so that the worker exits after it."""
-    try:
-        reply = {"compile": _compile, "tune": _tune}[req["op"]](req)
-    except Exception as err:  # noqa: BLE001 - reported to the parent, which decides what it means
-        reply = _error(err, req)
-    if torch.cuda.is_initialized() and not reply.get("lost"):  # a lost context frees nothing more
-        try:
-            torch.cuda.empty_cache()
-        except Exception as err:  # noqa: BLE001 - a sticky CUDA error: every later request would fail too
-            log.warning("inductor_attn worker: freeing cached memory failed, exiting after this reply: %s", err)
-            reply = {**reply, "lost": True}
-    return reply
-
-
-def main() -> int:
-    protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # print() and C libraries write to stderr
-    sys.stdout = sys.stderr
-    load_costly_libraries()
-    protocol.write(json.dumps({"id": 0, "ready": True}) + "\n")
-    for line in sys.stdin:
-        req = json.loads(line)
-        reply = answer(req)
-        protocol.write(json.dumps({"id": req["id"], **reply}) + "\n")
-        if reply.get("lost"):
-            return 1  # every later request would fail with the same sticky CUDA error
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
