@@ -625,7 +625,7 @@ def sync_decisions(group=None) -> int:
     warm-up step. Under NCCL, set each rank's CUDA device first, as for any object collective.
 
     Each rank's in-memory decisions are all-gathered, and for each bucket every rank adopts the one of
-    the lowest rank whose decision a measurement backs (else of the lowest rank; see ``agree``). The
+    the lowest rank whose decision a measurement backs (else of the lowest rank; see ``ranks.agree``). The
     adopted row is written to this rank's store when the store holds another winner, so the next
     process on this node starts from it.
 

@@ -53,8 +53,8 @@ def _error(err: Exception, req: dict) -> dict:
 
 
 def load_costly_libraries() -> None:
-    """What a worker imports before it says ready: the registry and the backends' costly libraries, which
-    its first compile would pay otherwise (FA4's CuTe DSL: about 3 s)."""
+    """What a worker imports before it says ready, beyond this module's imports: the backends' costly libraries,
+    which its first compile would pay otherwise (FA4's CuTe DSL: about 3 s)."""
     for backend in backends():
         if backend.library.costly_import:
             backend.library.load()
