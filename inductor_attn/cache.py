@@ -308,17 +308,18 @@ def export_priors(path: str | Path | None = None, store: DecisionStore | Layered
 def _shippable(row: dict) -> dict:
     """A row for a table that ships in the package: its candidates keep their statistics (what the
     shortlist and ``cache explain`` read) but not every timing sample, and the measuring machine's host
-    name is left out (the table names the device). Measured figures keep four significant digits, finer
-    than any timing's noise (0.3% at the least between sessions), and a candidate's fields that hold their
-    defaults are left out (readers take ``CandidateResult``'s defaults): a third off a table's size."""
+    name is left out (the table names the device). Measured figures (timings, the noise, phase seconds; not
+    times of day) keep four significant digits, finer than any timing's noise (0.3% at the least between
+    sessions), and a candidate's fields that hold their defaults are left out (readers take
+    ``CandidateResult``'s defaults): a third off a table's size."""
     defaults = {f.name: f.default for f in dataclasses.fields(CandidateResult)
                 if f.default is not dataclasses.MISSING}
     candidates = [{k: v for k, v in _four_digits(c).items()
                    if k != "samples" and (k not in defaults or v != defaults[k])}
                   for c in row["record"]["candidates"]]
-    record = _four_digits(row["record"])
-    seconds = _four_digits(record.get("seconds") or {})
-    return {**row, "record": {**record, "seconds": seconds, "candidates": candidates, "host": ""}}
+    record = row["record"]
+    measured = {"seconds": _four_digits(record.get("seconds") or {}), **_four_digits({"noise": record.get("noise")})}
+    return {**row, "record": {**record, **measured, "candidates": candidates, "host": ""}}
 
 
 def _four_digits(fields: dict) -> dict:

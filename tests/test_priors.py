@@ -315,7 +315,17 @@ def test_an_exported_table_keeps_each_candidates_statistics_but_not_its_samples_
     (row,) = read_export(shipped)
     winner = next(c for c in row["record"]["candidates"] if c["name"] == "b:x=1")
     assert "samples" not in winner and winner["median_ms"] == pytest.approx(0.5, abs=0.05)
+    assert "note" not in winner  # at CandidateResult's default: readers take it from there
     assert row["record"]["host"] == ""
+
+
+def test_a_shipped_row_keeps_four_digits_of_what_was_measured_and_every_digit_of_when():
+    record = {"tuned_at": 1795960886.123, "noise": 0.0302488, "seconds": {"timing": 1.23456},
+              "candidates": [{"name": "a:x", "status": "passed", "median_ms": 0.0302488, "note": "", "samples": [1.0]}]}
+    shipped = cache._shippable({"key": "k", "record": record})["record"]
+    assert shipped["tuned_at"] == 1795960886.123 and shipped["noise"] == 0.03025
+    assert shipped["seconds"] == {"timing": 1.235} and shipped["host"] == ""
+    assert shipped["candidates"] == [{"name": "a:x", "status": "passed", "median_ms": 0.03025}]
 
 
 def test_export_priors_names_a_bad_shard_and_what_it_accepts(tmp_path, capsys):

@@ -8,8 +8,8 @@ libraries. One that fails counts as failed here, and the bucket is decided again
 
 Decisions are local to the process and never issue a collective: processes that
 share a store tune each bucket once (the others wait for it), and ranks agree where they all meet, in
-``sync_decisions()`` (see ranks.py; independent tunes can disagree: FlashInfer RFC #3920 saw 86 of 191
-keys differ).
+``sync_decisions()`` (below, over ranks.py's collective; independent tunes can disagree: FlashInfer RFC #3920 saw 86
+of 191 keys differ).
 
 A decision of the shipped tables (store/priors.py) for the bucket shortens an autotune to the candidates
 close to its winner (``priors.shortlist``), is used as it is in cache-only mode, and runs until the tune
@@ -463,7 +463,7 @@ def _shortlist_of(prior: dict) -> list[str]:
 
 
 def tune_in_worker(call: AttnCall, direction: str, key: str, deterministic: bool) -> str:
-    """Background mode's tune, in a worker process (subproc.py): measure the bucket under the device claim
+    """Background mode's tune, in a worker process (worker.py): measure the bucket under the device claim
     (its parent holds the claim on ``key``) and store the decision; returns the winner. Raises
     RuntimeError when this process computes another key than ``key``: its parent registered backends at
     run time, or has other versions."""

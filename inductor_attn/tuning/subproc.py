@@ -63,7 +63,7 @@ def save_call(call, path: Path) -> None:
 
 def load_call(path: Path):
     """The call :func:`save_call` wrote, with fresh normal q, k, v of the same layouts. Its GPU becomes the current
-    device, where kernels compile and where :func:`_error` looks for a lost context."""
+    device, where kernels compile and where ``worker._error`` looks for a lost context."""
     data = torch.load(path, weights_only=False)
     device = torch.device(data["device"])
     if device.type == "cuda":
