@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/tools/decode_floor_gpu.py --out DIR      (about a minute on an H100)
     PYTHONPATH=. python benchmarks/tools/decode_floor_gpu.py --out DIR --sweep
+    PYTHONPATH=. python benchmarks/tools/decode_floor_gpu.py --out DIR --replay-cost
 
 For each decode target of issue #4 (bf16, Lq 1, no kv_seqlens):
 1. every runnable ``triton_decode`` config through its plan, timed with the tuner's timer
@@ -19,6 +20,12 @@ as the benchmark counts them (``bench.metrics.decode_bytes``). Writes DIR/decode
 stages, block_n 16, 2 warps) and the combine's column tile, each config with its kernels' device times:
 where its time goes between the two kernels, to find what a faster default or knob would be.
 Writes DIR/decode_sweep_gpu.json.
+
+``--replay-cost``: one config of that shape timed with as many calls per graph replay as the tuner's timer makes
+(``measure.input_copies``), as this script makes, and with this script's copies cycled two and four times per
+replay; and a trivial kernel per copy. A replay carries a fixed cost (graph launch, events: ~10-12 us, 24a336e)
+that each timed call shares with the others of its replay, so a per-call time that falls as the calls per replay
+grow says how much of a suite's decode time is the timer's. Writes DIR/decode_replay_cost_gpu.json.
 """
 
 from __future__ import annotations
@@ -172,6 +179,25 @@ def sweep() -> list[dict]:
     return rows
 
 
+REPLAY_CONFIG = "triton_decode:block_n=32,num_splits=128,num_warps=4"  # the paged suite's fastest, 2026-11-30
+
+
+def replay_cost() -> list[dict]:
+    """Per-call time of REPLAY_CONFIG on SWEEP_SHAPE (and of a trivial kernel) by calls per replay (module doc)."""
+    from inductor_attn.tuning.measure import input_copies
+
+    calls = calls_for(SWEEP_SHAPE)
+    plan = plan_for(calls[0].problem, REPLAY_CONFIG, device_info("cuda"), "forward")
+    one = torch.zeros(1, device="cuda")
+    rows = []
+    for copies, passes in ((input_copies(calls[0]), 1), (len(calls), 1), (len(calls), 2), (len(calls), 4)):
+        decode = [lambda c=c: plan.launch(c) for c in calls[:copies]] * passes
+        trivial = [one.zero_] * len(decode)
+        rows.append(dict(copies=copies, passes=passes, calls_per_replay=len(decode), decode_ms=time_ms(decode),
+                         trivial_ms=time_ms(trivial)))
+    return rows
+
+
 def run_meta(copy_gbps: float | None = None) -> dict:
     """Where and when a run measured: device, commit, versions, date (and the copy bandwidth it measured)."""
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -183,7 +209,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--replay-cost", action="store_true")
     args = parser.parse_args()
+    if args.replay_cost:
+        rows = replay_cost()
+        for r in rows:
+            print(f"{r['calls_per_replay']:3} calls a replay ({r['copies']} copies x {r['passes']}): decode "
+                  f"{r['decode_ms'] * 1e3:6.1f} us a call, a trivial kernel {r['trivial_ms'] * 1e3:5.1f} us a call")
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "decode_replay_cost_gpu.json").write_text(
+            json.dumps(dict(meta=run_meta(), case=case_name(SWEEP_SHAPE), config=REPLAY_CONFIG, rows=rows), indent=1))
+        return
     if args.sweep:
         rows = sweep()
         for r in sorted(rows, key=lambda r: r["ms"])[:25]:
