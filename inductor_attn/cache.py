@@ -314,21 +314,22 @@ def _shippable(row: dict) -> dict:
     ``CandidateResult``'s defaults): a third off a table's size."""
     defaults = {f.name: f.default for f in dataclasses.fields(CandidateResult)
                 if f.default is not dataclasses.MISSING}
-    candidates = [{k: v for k, v in _four_digits(c).items()
+    candidates = [{k: _four_digits(v) for k, v in c.items()
                    if k != "samples" and (k not in defaults or v != defaults[k])}
                   for c in row["record"]["candidates"]]
     record = row["record"]
-    measured = {"seconds": _four_digits(record.get("seconds") or {}), **_four_digits({"noise": record.get("noise")})}
-    return {**row, "record": {**record, **measured, "candidates": candidates, "host": ""}}
+    seconds = {k: _four_digits(v) for k, v in (record.get("seconds") or {}).items()}
+    return {**row, "record": {**record, "noise": _four_digits(record.get("noise")), "seconds": seconds,
+                              "candidates": candidates, "host": ""}}
 
 
-def _four_digits(fields: dict) -> dict:
-    """``fields`` with each float to four significant digits.
+def _four_digits(value):
+    """A float to four significant digits; any other value as it is.
 
-    >>> _four_digits({"median_ms": 0.030248820520297, "speedup": 1.1723, "n": 3, "name": "a"})
-    {'median_ms': 0.03025, 'speedup': 1.172, 'n': 3, 'name': 'a'}
+    >>> _four_digits(0.030248820520297), _four_digits(1.1723), _four_digits(3), _four_digits(None)
+    (0.03025, 1.172, 3, None)
     """
-    return {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in fields.items()}
+    return float(f"{value:.4g}") if isinstance(value, float) else value
 
 
 def import_decisions(path: str | Path, store: DecisionStore | LayeredStore | None = None) -> int:

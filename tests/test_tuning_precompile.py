@@ -1,5 +1,5 @@
-"""Compiling ahead in the tuning thread and in worker processes (tuning/precompile.py, tuning/subproc.py and
-tuning/worker.py), on the CPU.
+"""Compiling ahead in threads of the tuning process and in worker processes (tuning/precompile.py,
+tuning/subproc.py and tuning/worker.py), on the CPU.
 
 The worker-process tests start real workers (a fresh interpreter each) that compile real candidates: under
 TRITON_INTERPRET=1 a Triton warmup compiles nothing, so they test the protocol, the call's round trip and

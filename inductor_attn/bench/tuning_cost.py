@@ -259,9 +259,8 @@ summary = table  # RESULTS.md's section (report.py ``update_summary_sections``)
 
 def merge(results: list[dict]) -> dict:
     """One result from the files of several shards and parts of one device (report.py ``_merged``): their rows in
-    turn (a workload measured twice keeps both rows' phases, the later file's where both measured one), the summary
-    over all of them. The shipped tables are on where every file with cold rows had them on; files that differ say
-    so in a note."""
+    turn (a workload that several files measured keeps the last file's row), the summary over all of them. The
+    shipped tables are on where every file with cold rows had them on; files that differ say so in a note."""
     merged = {key: [x for r in results for x in r.get(key, ())] for key in ("notes", "cold", "agreement", "regret")}
     merged["workloads"] = list(dict.fromkeys(w for r in results for w in r.get("workloads", ())))
     for key in ("cold", "agreement", "regret"):
