@@ -170,10 +170,10 @@ class CudaGraphTimer:
         graphs of n trivial kernels take T(n) = F + n t a sample, so F = (n2 T(n1) - n1 T(n2)) / (n2 - n1)."""
         device = torch.cuda.current_device()
         if device not in _REPLAY_COST_MS:
-            x = torch.zeros(1, device="cuda")
+            trivial = _trivial_kernel()
             totals = []
             for n in REPLAY_COST_KERNELS:
-                sample, graph, _ = self._replay_sampler([x.zero_] * n)
+                sample, graph, _ = self._replay_sampler([trivial] * n)
                 totals.append(statistics.median(sample() for _ in range(REPLAY_COST_SAMPLES)) if graph else None)
             (n1, n2), (t1, t2) = REPLAY_COST_KERNELS, totals
             _REPLAY_COST_MS[device] = 0.0 if t1 is None or t2 is None else max(0.0, (n2 * t1 - n1 * t2) / (n2 - n1))
@@ -228,6 +228,11 @@ class CudaGraphTimer:
             return start.elapsed_time(end)
 
         return sample_total, graph, note
+
+
+def _trivial_kernel() -> Callable[[], object]:
+    """A launch of one tiny kernel on the current device (a one-element fill)."""
+    return torch.zeros(1, device="cuda").zero_
 
 
 def _capture(graph: torch.cuda.CUDAGraph, pool, stream: torch.cuda.Stream, fn: Callable[[], object]) -> None:
