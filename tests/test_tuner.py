@@ -860,3 +860,33 @@ def test_the_gate_fails_an_output_with_a_few_wrong_rows_that_one_norm_would_pass
     masked = ref.clone()
     masked[:, :, :3] = 0  # rows no key reaches: zeros in both, no norm of their own
     assert check_output(masked, lse, masked, lse, dtype) is None
+
+
+def test_the_cuda_graph_timer_takes_a_replays_fixed_cost_off_each_sample(monkeypatch):
+    """A replay of n calls takes F + their times: the timer measures F from graphs of trivial kernels of two sizes,
+    once per device, and takes it off each sample of a captured graph, never more than half of it; plain launches
+    of a kernel that cannot be captured carry no replay and keep their time."""
+    fixed, trivial_ms, measured = 0.011, 0.002, []
+
+    def sampler(self, fns):
+        captured = not any(getattr(fn, "uncapturable", False) for fn in fns)
+        total = (fixed if captured else 0.0) + sum(getattr(fn, "ms", trivial_ms) for fn in fns)
+        measured.append(len(fns))
+        return (lambda: total), (object() if captured else None), ""
+
+    def call(ms, uncapturable=False):
+        fn = lambda: None  # noqa: E731
+        fn.ms, fn.uncapturable = ms, uncapturable
+        return fn
+
+    monkeypatch.setattr(timing.CudaGraphTimer, "_replay_sampler", sampler)
+    monkeypatch.setattr(timing, "_trivial_kernel", lambda: (lambda: None))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(timing, "_REPLAY_COST_MS", {})
+    timer = timing.CudaGraphTimer()
+    assert timer.replay_cost_ms() == pytest.approx(fixed)
+    assert timer.prepare([call(0.015)] * 2).sample() == pytest.approx(0.015)  # 2 copies: 5.5 us off each
+    assert timer.prepare([call(0.080)]).sample() == pytest.approx(0.080)
+    assert timer.prepare([call(0.004)]).sample() == pytest.approx(0.0075)  # at most half of a 15 us sample off
+    assert timer.prepare([call(0.015, uncapturable=True)]).sample() == pytest.approx(0.015)
+    assert measured.count(timing.REPLAY_COST_KERNELS[1]) == 1  # measured once, then remembered
