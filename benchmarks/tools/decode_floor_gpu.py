@@ -23,9 +23,10 @@ Writes DIR/decode_sweep_gpu.json.
 
 ``--replay-cost``: one config of that shape timed with as many calls per graph replay as the tuner's timer makes
 (``measure.input_copies``), as this script makes, and with this script's copies cycled two and four times per
-replay; and a trivial kernel per copy. A replay carries a fixed cost (graph launch, events: ~10-12 us, 24a336e)
-that each timed call shares with the others of its replay, so a per-call time that falls as the calls per replay
-grow says how much of a suite's decode time is the timer's. Writes DIR/decode_replay_cost_gpu.json.
+replay; and a trivial kernel per copy. What a replay adds beyond its calls is shared by the calls of one replay, so
+a per-call time that falls as the calls per replay grow says how much of a suite's decode time is the timer's (it
+was 4 us of 18 before e81adb1 took the replay's fixed cost off and made the L2 flush read). Writes
+DIR/decode_replay_cost_gpu.json.
 """
 
 from __future__ import annotations
@@ -53,9 +54,7 @@ SHAPES = [(1, 32, 16, 256, 4096), (1, 32, 16, 256, 16384), (1, 16, 2, 256, 16384
 READ_PROGRAMS = (128, 256, 512, 1024, 2048)
 READ_BLOCK = 4096
 SAMPLES = 40
-# At least two input copies per replay: one replay carries ~10-12 us of fixed cost (graph launch, events;
-# H100 and H200, 24a336e), which a single 268 MB copy at Lkv 16k would pay alone.
-ROTATE_BYTES, MIN_COPIES, MAX_COPIES = 256 << 20, 2, 32
+ROTATE_BYTES, MAX_COPIES = 256 << 20, 32
 
 
 @triton.jit
@@ -77,7 +76,7 @@ def calls_for(shape) -> list[AttnCall]:
     b, hq, hkv, d, lk = shape
     gen = torch.Generator(device="cuda").manual_seed(0)
     one = 2 * b * (hkv * lk + hq) * d * 2
-    copies = max(MIN_COPIES, min(MAX_COPIES, math.ceil(ROTATE_BYTES / one)))
+    copies = min(MAX_COPIES, math.ceil(ROTATE_BYTES / one))
     make = lambda h, n: torch.randn(b, h, n, d, generator=gen, device="cuda", dtype=torch.bfloat16)  # noqa: E731
     return [AttnCall("attention", make(hq, 1), make(hkv, lk), make(hkv, lk), d ** -0.5) for _ in range(copies)]
 

@@ -147,11 +147,10 @@ class CudaGraphTimer:
     """One sample = one replay of a graph that calls the kernel once per input copy, after an L2 flush, less the
     replay's own fixed cost (:meth:`replay_cost_ms`), divided by the number of copies.
 
-    The fixed cost (the graph's start and the events around it: 10-12 us on an H100 and an H200, 24a336e) is no
-    part of a call in a user's program, where a step's kernels run back to back; a sample holds one per replay,
-    and a replay holds as many calls as input copies, which are few where inputs are large (two at a B1 D256
-    decode over a 16k cache): left in, it would add microseconds to a call of tens and pull every ratio of such a
-    problem towards 1."""
+    The fixed cost (the graph's start and the events around it: about 2 us on an H200) is no part of a call in a
+    user's program, where a step's kernels run back to back; a sample holds one per replay, and a replay holds as
+    many calls as input copies, which are few where inputs are large (two at a B1 D256 decode over a 16k cache):
+    left in, it would add a microsecond to a call of 14 and pull every ratio of such a problem towards 1."""
 
     name = "cuda-graph"
     host_ms_each = staticmethod(host_ms_each)
