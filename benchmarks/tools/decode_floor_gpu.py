@@ -3,6 +3,7 @@
     PYTHONPATH=. python benchmarks/tools/decode_floor_gpu.py --out DIR      (about a minute on an H100)
     PYTHONPATH=. python benchmarks/tools/decode_floor_gpu.py --out DIR --sweep
     PYTHONPATH=. python benchmarks/tools/decode_floor_gpu.py --out DIR --replay-cost
+    PYTHONPATH=. python benchmarks/tools/decode_floor_gpu.py --out DIR --paged
 
 For each decode target of issue #4 (bf16, Lq 1, no kv_seqlens):
 1. every runnable ``triton_decode`` config through its plan, timed with the tuner's timer
@@ -27,6 +28,11 @@ replay; and a trivial kernel per copy. What a replay adds beyond its calls is sh
 a per-call time that falls as the calls per replay grow says how much of a suite's decode time is the timer's (it
 was 4 us of 18 before e81adb1 took the replay's fixed cost off and made the L2 flush read). Writes
 DIR/decode_replay_cost_gpu.json.
+
+``--paged``: that shape's keys read by two configs from a contiguous cache in each row layout and from paged pools
+of 16, 64 and 256-token pages, in order and shuffled, each with its kernels' device times: which of layout,
+indirection and page placement costs the paged call its gap to the contiguous one. Writes
+DIR/decode_paged_layouts_gpu.json.
 """
 
 from __future__ import annotations
@@ -197,6 +203,53 @@ def replay_cost() -> list[dict]:
     return rows
 
 
+PAGED_CONFIGS = ("block_n=32,num_splits=128,num_warps=4", "block_n=64,num_splits=128,num_warps=4")
+PAGE_SIZES = (16, 64, 256)
+
+
+def paged_layouts() -> list[dict]:
+    """SWEEP_SHAPE's keys read by the same decode configs from: a contiguous (B, Hkv, L, D) cache (the paged suite's
+    "contiguous decode"); a contiguous (B, L, Hkv, D) cache, the pool's row layout without pages; pools of each page
+    size with pages in order; and pools with pages shuffled (the paged suite's tables). What sets the paged call's
+    gap to the contiguous one apart: the row layout, the table's indirection, or where the pages lie."""
+    from inductor_attn.ops.paged import paged_call
+
+    b, hq, hkv, d, lk = SWEEP_SHAPE
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    copies = len(calls_for(SWEEP_SHAPE))
+    randn = lambda *shape: torch.randn(*shape, generator=gen, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    qs = [randn(b, hq, 1, d) for _ in range(copies)]
+    rows_major = [(randn(b, lk, hkv, d), randn(b, lk, hkv, d)) for _ in range(copies)]  # (B, L, Hkv, D)
+    lens = torch.full((b,), lk, dtype=torch.int32, device="cuda")
+    # causal with lengths, as the paged calls and the paged suite's contiguous decode are
+    contiguous = lambda q, k, v: AttnCall("attention", q, k, v, d ** -0.5, True, kv_seqlens=lens)  # noqa: E731
+    heads_major = [tuple(x.transpose(1, 2).contiguous() for x in kv) for kv in rows_major]  # (B, Hkv, L, D)
+    layouts = {"contiguous (B, Hkv, L, D)": [contiguous(q, *kv) for q, kv in zip(qs, heads_major)],
+               "contiguous (B, L, Hkv, D)": [contiguous(q, k.transpose(1, 2), v.transpose(1, 2))
+                                             for q, (k, v) in zip(qs, rows_major)]}
+    for page in PAGE_SIZES:
+        width = lk // page
+        for order in ("in order", "shuffled"):
+            calls = []
+            for q, (k, v) in zip(qs, rows_major):
+                ids = torch.arange(b * width, device="cuda") if order == "in order" else \
+                    torch.randperm(b * width, generator=gen, device="cuda")
+                # page ids[i] holds the sequence's i-th run of `page` keys
+                k_pool, v_pool = (torch.empty_like(x).view(b * width, page, hkv, d) for x in (k, v))
+                k_pool[ids], v_pool[ids] = k.reshape(b * width, page, hkv, d), v.reshape(b * width, page, hkv, d)
+                table = ids.view(b, width).to(torch.int32)
+                calls.append(paged_call(q.reshape(b, hq, d), k_pool, v_pool, table, lens, None, 1, lk, d ** -0.5,
+                                        True, -1, -1))
+            layouts[f"paged {page}, pages {order}"] = calls
+    dev, rows = device_info("cuda"), []
+    for config in PAGED_CONFIGS:
+        for layout, calls in layouts.items():
+            plan = plan_for(calls[0].problem, f"triton_decode:{config}", dev, "forward")
+            launches = [lambda c=c, p=plan: p.launch(c) for c in calls]
+            rows.append(dict(config=config, layout=layout, ms=time_ms(launches), kernel_ms=kernel_ms(launches)))
+    return rows
+
+
 def run_meta(copy_gbps: float | None = None) -> dict:
     """Where and when a run measured: device, commit, versions, date (and the copy bandwidth it measured)."""
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -209,6 +262,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--replay-cost", action="store_true")
+    parser.add_argument("--paged", action="store_true")
     args = parser.parse_args()
     if args.replay_cost:
         rows = replay_cost()
@@ -218,6 +272,15 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "decode_replay_cost_gpu.json").write_text(
             json.dumps(dict(meta=run_meta(), case=case_name(SWEEP_SHAPE), config=REPLAY_CONFIG, rows=rows), indent=1))
+        return
+    if args.paged:
+        rows = paged_layouts()
+        for r in rows:
+            kernels = ", ".join(f"{k[:16]} {v * 1e3:.1f}" for k, v in r["kernel_ms"].items())
+            print(f"{r['ms'] * 1e3:6.1f} us  {r['config']:40} {r['layout']:28} {kernels}")
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "decode_paged_layouts_gpu.json").write_text(
+            json.dumps(dict(meta=run_meta(), case=case_name(SWEEP_SHAPE), rows=rows), indent=1))
         return
     if args.sweep:
         rows = sweep()
