@@ -25,8 +25,8 @@ Writes DIR/decode_sweep_gpu.json.
 ``--replay-cost``: one config of that shape timed with as many calls per graph replay as the tuner's timer makes
 (``measure.input_copies``), as this script makes, and with this script's copies cycled two and four times per
 replay; and a trivial kernel per copy. What a replay adds beyond its calls is shared by the calls of one replay, so
-a per-call time that falls as the calls per replay grow says how much of a suite's decode time is the timer's (it
-was 4 us of 18 before e81adb1 took the replay's fixed cost off and made the L2 flush read). Writes
+a per-call time that falls as the calls per replay grow says how much of a suite's decode time is the timer's (4 us
+of 18 on an H200 before the timer took the replay's fixed cost off and made its L2 flush read). Writes
 DIR/decode_replay_cost_gpu.json.
 
 ``--paged``: that shape's keys read by two configs from a contiguous cache in each row layout and from paged pools
