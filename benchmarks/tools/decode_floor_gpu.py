@@ -30,8 +30,8 @@ of 18 on an H200 before the timer took the replay's fixed cost off and made its 
 DIR/decode_replay_cost_gpu.json.
 
 ``--paged``: that shape's keys read by two configs from a contiguous cache in each row layout and from paged pools
-of 16, 64 and 256-token pages, in order and shuffled, each with its kernels' device times: which of layout,
-indirection and page placement costs the paged call its gap to the contiguous one. Writes
+of 16, 64 and 256-token pages, in order and shuffled, NHD and HND, each with its kernels' device times: which of
+layout, indirection and page placement costs the paged call its gap to the contiguous one. Writes
 DIR/decode_paged_layouts_gpu.json.
 """
 
@@ -210,8 +210,9 @@ PAGE_SIZES = (16, 64, 256)
 def paged_layouts() -> list[dict]:
     """SWEEP_SHAPE's keys read by the same decode configs from: a contiguous (B, Hkv, L, D) cache (the paged suite's
     "contiguous decode"); a contiguous (B, L, Hkv, D) cache, the pool's row layout without pages; pools of each page
-    size with pages in order; and pools with pages shuffled (the paged suite's tables). What sets the paged call's
-    gap to the contiguous one apart: the row layout, the table's indirection, or where the pages lie."""
+    size with pages in order, with pages shuffled (the paged suite's tables), and shuffled in HND memory order. What
+    sets the paged call's gap to the contiguous one apart: the row layout, the table's indirection, or where the
+    pages lie."""
     from inductor_attn.ops.paged import paged_call
 
     b, hq, hkv, d, lk = SWEEP_SHAPE
@@ -229,18 +230,24 @@ def paged_layouts() -> list[dict]:
                                              for q, (k, v) in zip(qs, rows_major)]}
     for page in PAGE_SIZES:
         width = lk // page
-        for order in ("in order", "shuffled"):
+        for order, memory in (("in order", "NHD"), ("shuffled", "NHD"), ("shuffled", "HND")):
             calls = []
             for q, (k, v) in zip(qs, rows_major):
                 ids = torch.arange(b * width, device="cuda") if order == "in order" else \
                     torch.randperm(b * width, generator=gen, device="cuda")
-                # page ids[i] holds the sequence's i-th run of `page` keys
-                k_pool, v_pool = (torch.empty_like(x).view(b * width, page, hkv, d) for x in (k, v))
-                k_pool[ids], v_pool[ids] = k.reshape(b * width, page, hkv, d), v.reshape(b * width, page, hkv, d)
+                # page ids[i] holds the sequence's i-th run of `page` keys; an HND pool keeps each head's keys of a
+                # page together, and is handed over as a (num_blocks, page, Hkv, D) view, as FlashInfer users do
+                pages = [x.reshape(b * width, page, hkv, d) for x in (k, v)]
+                if memory == "HND":
+                    pages = [x.transpose(1, 2).contiguous() for x in pages]
+                k_pool, v_pool = (torch.empty_like(x) for x in pages)
+                k_pool[ids], v_pool[ids] = pages
+                if memory == "HND":
+                    k_pool, v_pool = (x.transpose(1, 2) for x in (k_pool, v_pool))
                 table = ids.view(b, width).to(torch.int32)
                 calls.append(paged_call(q.reshape(b, hq, d), k_pool, v_pool, table, lens, None, 1, lk, d ** -0.5,
                                         True, -1, -1))
-            layouts[f"paged {page}, pages {order}"] = calls
+            layouts[f"paged {page} {memory}, pages {order}"] = calls
     dev, rows = device_info("cuda"), []
     for config in PAGED_CONFIGS:
         for layout, calls in layouts.items():
@@ -277,7 +284,7 @@ def main() -> None:
         rows = paged_layouts()
         for r in rows:
             kernels = ", ".join(f"{k[:16]} {v * 1e3:.1f}" for k, v in r["kernel_ms"].items())
-            print(f"{r['ms'] * 1e3:6.1f} us  {r['config']:40} {r['layout']:28} {kernels}")
+            print(f"{r['ms'] * 1e3:6.1f} us  {r['config']:40} {r['layout']:32} {kernels}")
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "decode_paged_layouts_gpu.json").write_text(
             json.dumps(dict(meta=run_meta(), case=case_name(SWEEP_SHAPE), rows=rows), indent=1))
