@@ -161,8 +161,8 @@ class CudaGraphTimer:
 
     def _flush_l2(self) -> None:
         # Read, not written: a written flush leaves L2 full of dirty lines whose write-back the first call after it
-        # pays (up to what L2 holds, ~7 us on a 14 us B1 decode of an H200), which a user's step, whose L2 before
-        # attention holds mostly read data (weights, activations), does not.
+        # pays (up to what L2 holds, ~7 us on a 14 us B1 decode of an H200). In a user's step L2 before attention
+        # holds mostly what the projection before it read (its weights), which leaves without a write-back.
         if self._flush is None or self._flush.get_device() != torch.cuda.current_device():
             self._flush = torch.zeros(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
         self._flush.sum()
