@@ -78,13 +78,18 @@ def case_name(shape) -> str:
     return f"B{b} Hq{hq} Hkv{hkv} D{d} Lkv{lk}"
 
 
+def copies_for(shape) -> int:
+    """Input copies of a shape's calls: enough that one replay reads ROTATE_BYTES, at most MAX_COPIES."""
+    b, hq, hkv, d, lk = shape
+    return min(MAX_COPIES, math.ceil(ROTATE_BYTES / (2 * b * (hkv * lk + hq) * d * 2)))
+
+
 def calls_for(shape) -> list[AttnCall]:
     b, hq, hkv, d, lk = shape
     gen = torch.Generator(device="cuda").manual_seed(0)
-    one = 2 * b * (hkv * lk + hq) * d * 2
-    copies = min(MAX_COPIES, math.ceil(ROTATE_BYTES / one))
     make = lambda h, n: torch.randn(b, h, n, d, generator=gen, device="cuda", dtype=torch.bfloat16)  # noqa: E731
-    return [AttnCall("attention", make(hq, 1), make(hkv, lk), make(hkv, lk), d ** -0.5) for _ in range(copies)]
+    return [AttnCall("attention", make(hq, 1), make(hkv, lk), make(hkv, lk), d ** -0.5)
+            for _ in range(copies_for(shape))]
 
 
 def time_ms(fns) -> float:
@@ -217,7 +222,7 @@ def paged_layouts() -> list[dict]:
 
     b, hq, hkv, d, lk = SWEEP_SHAPE
     gen = torch.Generator(device="cuda").manual_seed(0)
-    copies = len(calls_for(SWEEP_SHAPE))
+    copies = copies_for(SWEEP_SHAPE)
     randn = lambda *shape: torch.randn(*shape, generator=gen, device="cuda", dtype=torch.bfloat16)  # noqa: E731
     qs = [randn(b, hq, 1, d) for _ in range(copies)]
     rows_major = [(randn(b, lk, hkv, d), randn(b, lk, hkv, d)) for _ in range(copies)]  # (B, L, Hkv, D)
