@@ -89,11 +89,13 @@ def test_split_k_decode_reads_pages_through_the_table(name, splits, block_n):
     _check_against_the_oracle(case, x, out, lse)
 
 
+@pytest.mark.parametrize("page_size", [4, 16])
 @pytest.mark.parametrize("bad", [None, "length", "block id", "block id past the length"])
-def test_split_k_decode_asked_by_compiled_code_checks_lengths_and_block_ids_itself(bad, monkeypatch):
+def test_split_k_decode_asked_by_compiled_code_checks_lengths_and_block_ids_itself(bad, page_size, monkeypatch):
     """With ``check_indices`` the partial kernel stops where a length is outside [0, max_seqlen_k] or a page it
     reads has a block id outside [0, num_blocks), with the API's compiled messages; an id past the lengths is
-    never read and never checked. Triton keeps device asserts only with ``debug``, as Inductor compiles."""
+    never read and never checked. Triton keeps device asserts only with ``debug``, as Inductor compiles. Page 16
+    holds whole 16-key tiles (one block id per tile), page 4 splits a tile across pages."""
     import re
 
     from triton.runtime import interpreter
@@ -102,12 +104,12 @@ def test_split_k_decode_asked_by_compiled_code_checks_lengths_and_block_ids_itse
 
     builder = interpreter.interpreter_builder
     monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, debug=True))
-    case = pi.PagedCase(kv_lens=(37, 5), page_size=4)
+    case = pi.PagedCase(kv_lens=(37, 5), page_size=page_size)
     x = pi.make(case)
     if bad == "length":
         x.kv_seqlens[1] = x.block_table.shape[1] * case.page_size + 1
     elif bad == "block id":
-        x.block_table[0, 3] = x.k_cache.shape[0]
+        x.block_table[0, 36 // page_size] = x.k_cache.shape[0]  # the page of key 36, the last one
     elif bad == "block id past the length":
         x.block_table[1, 2] = -7
     call = _call(case, x)

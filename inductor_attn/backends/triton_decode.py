@@ -104,7 +104,7 @@ def _decode_partial(
     qk_scale, HKV, G, LQ, LK, D, DV, NUM_SPLITS, NUM_M_BLOCKS, WINDOW_LEFT, WINDOW_RIGHT, NUM_PAGES,
     HAS_SEQLENS: tl.constexpr, CHECK_SEQLENS: tl.constexpr, CHECK_PAGES: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CU_Q: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    SINGLE: tl.constexpr, WRITE_LSE: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr, SINGLE: tl.constexpr, WRITE_LSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PRECISION: tl.constexpr, DOT_IN_F32: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -171,7 +171,14 @@ def _decode_partial(
     for s0 in range(start, end, BLOCK_N):
         keys = s0 + offs_n
         key_ok = keys < end
-        if PAGE_SIZE > 0:  # key j in slot j % PAGE_SIZE of its page; pages past the keys are never read
+        if TILE_IN_PAGE:  # the tile starts at a multiple of BLOCK_N, which divides PAGE_SIZE: one page, one id
+            page = tl.load(TABLE + b * stb + s0 // PAGE_SIZE).to(tl.int64)  # s0 < end <= n: a page n reaches
+            if CHECK_PAGES:
+                tl.device_assert((page >= 0) & (page < NUM_PAGES), _PAGED_IDS_ASSERT)
+            slot = s0 % PAGE_SIZE + offs_n
+            k_rows = page * skb + slot * skn
+            v_rows = page * svb + slot * svn
+        elif PAGE_SIZE > 0:  # key j in slot j % PAGE_SIZE of its page; pages past the keys are never read
             page = tl.load(TABLE + b * stb + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
             if CHECK_PAGES:  # every page a length reaches is read here, by one split or another
                 tl.device_assert((page >= 0) & (page < NUM_PAGES), _PAGED_IDS_ASSERT)
@@ -453,6 +460,8 @@ class DecodePlan:
             HAS_KEY_MASK=call.key_mask is not None,
             HAS_LEFT=call.window_left >= 0, HAS_RIGHT=right >= 0, HAS_CU_Q=call.cu_seqlens_q is not None,
             PAGE_SIZE=g.page_size,
+            # without a left window every tile starts at a multiple of block_n (lo = 0)
+            TILE_IN_PAGE=g.page_size > 0 and g.page_size % self.block_n == 0 and call.window_left < 0,
             SINGLE=single, WRITE_LSE=write_lse,
             BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_D=_block_d(d), BLOCK_DV=_block_d(dv),
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
