@@ -31,7 +31,7 @@ this process's children and garbage collections per window) next to stock compil
 leaves anything that slows the calls after it.
 
 ``--report DIR``: the markdown section of benchmarks/RESULTS.md from a run's files in DIR: compiled_choice.json,
-spell.json and llama.json. Each file records its date, commit and library versions (``--commit`` and ``--date``
+spell.json and llama.json, those it holds. Each file records its date, commit and library versions (``--commit`` and ``--date``
 override compiled_choice.json's where the device's git lagged, and ``--commit`` a spell or Llama file's recorded at
 the same commit); a spell or Llama file from another run than compiled_choice.json's says so.
 
@@ -355,10 +355,22 @@ def llama(labels: list[str], save) -> dict:
 def report(run: Path, commit: str | None = None, date: str | None = None) -> str:
     """benchmarks/RESULTS.md's section for one run's files (see the module doc); ``commit`` and ``date`` override
     what compiled_choice.json records, and ``commit`` also what a Llama or spell file records where that is the same
-    (the device's git lagged for the whole run)."""
-    choice = json.loads((run / "compiled_choice.json").read_text())
-    lagged = {choice["commit"]: commit} if commit and "commit" in choice else {}
-    commit, date = commit or choice.get("commit", "?"), date or choice.get("date", "?")
+    (the device's git lagged for the whole run). A DIR without compiled_choice.json (a ``--llama`` call of its own)
+    gives the parts its files hold."""
+    choice_path = run / "compiled_choice.json"
+    lines = []
+    if choice_path.exists():
+        choice = json.loads(choice_path.read_text())
+        lagged = {choice["commit"]: commit} if commit and "commit" in choice else {}
+        lines = _choice_lines(choice, commit or choice.get("commit", "?"), date or choice.get("date", "?"))
+    else:
+        lagged = {part["commit"]: commit for name in ("llama.json", "spell.json") if (run / name).exists()
+                  for part in [json.loads((run / name).read_text())] if commit and "commit" in part}
+    return "\n".join(lines + _part_lines(run, lagged)).lstrip("\n")
+
+
+def _choice_lines(choice: dict, commit: str, date: str) -> list[str]:
+    """The compiled-choice part of the section: the per-shape table, the training step, probes and costs."""
     shapes = [row["shape"] for row in choice["prefill"]]
     probed = [row["shape"] for row in choice["prefill"] if row.get("probes")]
     command = (f"--shapes {' '.join(shapes)} --probes{''.join(' ' + shape for shape in probed)}"
@@ -419,6 +431,12 @@ def report(run: Path, commit: str | None = None, date: str | None = None) -> str
     if "foreign_gate_s" in choice:
         gates = ", ".join(f"L{k} {v * 1e3:.0f} ms" for k, v in choice["foreign_gate_s"].items())
         lines += ["", f"First decision of a bucket this process did not tune (its winner gated here): {gates}."]
+    return lines
+
+
+def _part_lines(run: Path, lagged: dict) -> list[str]:
+    """The HF Llama and spell parts of the section, from their files in ``run`` where they exist."""
+    lines = []
     llama_path = run / "llama.json"
     if llama_path.exists():
         llama = json.loads(llama_path.read_text())
@@ -445,7 +463,7 @@ def report(run: Path, commit: str | None = None, date: str | None = None) -> str
                   f"{last['stock']:.0f} ({first['stock'] / last['stock']:.2f}x); the main thread's CPU us per call, "
                   f"ours {cpu_first['ours']:.0f} / {cpu_last['ours']:.0f}; SM clock {clocks[0]}-{clocks[-1]} MHz; "
                   f"{gcs} garbage collections."]
-    return "\n".join(lines)
+    return lines
 
 
 def _own_run(part: dict, lagged: dict) -> str:
