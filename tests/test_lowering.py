@@ -547,13 +547,16 @@ def copies_of_traced_triton_plans():
 
 
 @pytest.mark.parametrize("kernels", ["triton backward", "triton backward, kv_seqlens", "triton forward",
-                                     "triton_decode forward, kv_seqlens", "triton_decode paged forward"])
+                                     "triton_decode forward, kv_seqlens", "triton_decode paged forward",
+                                     "triton_decode paged forward, cu_seqlens_q"])
 def test_traced_triton_plans_write_only_their_own_buffers_so_compiled_code_copies_nothing(
         kernels, copies_of_traced_triton_plans):
     """torch's analysis of what a user kernel writes decides which of its tensors compiled code copies before
     the launch (``tensors_to_clone``, where Inductor cannot reuse the buffer in place): a kernel that seems to
     write an input, or one tensor passed as two arguments, costs a copy kernel per launch (four per layer of
-    an HF Llama training step, H200, 2026-11-28). Inductor's in-place pass must leave nothing to copy."""
+    an HF Llama training step, H200, 2026-11-28). Inductor's in-place pass must leave nothing to copy, and no
+    input may read as written: a pointer handed to a Triton helper whose results address a store counts as written
+    (cu_seqlens_q, read by a helper of the split-K kernels, once did)."""
     assert copies_of_traced_triton_plans[kernels] == {}
 
 

@@ -1,7 +1,8 @@
 """What compiled code would copy before each Triton launch of our traced plans (run by tests/test_lowering.py in a
 process without TRITON_INTERPRET, on any machine): each plan traced as the compile-time pass traces it, on meta
 tensors, then Inductor's in-place pass (torch/_inductor/fx_passes/reinplace.py) applied; printed as JSON, per
-plan, {kernel index: the tensors still to copy}. Triton's CUDA backend targets sm_90 without a GPU: torch's
+plan, {kernel index: the tensors still to copy}, and under "inputs written" the plan's arguments that the graph
+copies a kernel's result back into (an input Inductor must treat as mutated, which also keeps CUDA graphs off). Triton's CUDA backend targets sm_90 without a GPU: torch's
 analysis of what a user kernel writes (torch/_higher_order_ops/triton_kernel_wrap.py) reads the kernel's TTIR,
 which needs a target, not a device."""
 
@@ -23,7 +24,7 @@ from inductor_attn.ops.paged import paged_call
 
 H100 = DeviceInfo("NVIDIA H100", (9, 0), 132)
 CASES = ("triton backward", "triton backward, kv_seqlens", "triton forward", "triton_decode forward, kv_seqlens",
-         "triton_decode paged forward")
+         "triton_decode paged forward", "triton_decode paged forward, cu_seqlens_q")
 
 
 class Sm90Target:
@@ -41,19 +42,21 @@ def _traced_forward(backend: str, problem):
     return next(plan.traced for plan in plans if plan.traced is not None)
 
 
-def _paged_launch():
-    """A paged decode's traced split-K launch and its meta arguments: B2 Hq16 Hkv4 D64, 16-key pages, a
-    (num_blocks, page_size, Hkv, D) pool, 16 pages per sequence."""
+def _paged_launch(chunks: bool):
+    """A paged call's traced split-K launch and its meta arguments: B2 Hq16 Hkv4 D64, 16-key pages, a
+    (num_blocks, page_size, Hkv, D) pool, 16 pages per sequence; one query each, or with ``chunks`` 8 query tokens
+    packed by cu_seqlens_q."""
     with FakeTensorMode():
-        q = torch.empty(2, 16, 64, dtype=torch.bfloat16, device="meta")
+        q = torch.empty(8 if chunks else 2, 16, 64, dtype=torch.bfloat16, device="meta")
         k, v = (torch.empty(40, 16, 4, 64, dtype=torch.bfloat16, device="meta") for _ in range(2))
-        table, lens = (torch.empty(*shape, dtype=torch.int32, device="meta") for shape in ((2, 16), (2,)))
+        table, lens, cu_q = (torch.empty(*shape, dtype=torch.int32, device="meta") for shape in ((2, 16), (2,), (3,)))
 
-    def call_of(q, k, v, table, lens):
-        return paged_call(q, k, v, table, lens, None, 1, 256, 0.125, True, -1, -1)
+    def call_of(q, k, v, table, lens, cu_q=None):
+        return paged_call(q, k, v, table, lens, cu_q, 4 if chunks else 1, 256, 0.125, True, -1, -1)
 
-    traced = _traced_forward("triton_decode", call_of(q, k, v, table, lens).problem)
-    return (lambda *args: tuple(traced(call_of(*args)))), [q, k, v, table, lens]
+    args = [q, k, v, table, lens] + ([cu_q] if chunks else [])
+    traced = _traced_forward("triton_decode", call_of(*args).problem)
+    return (lambda *args: tuple(traced(call_of(*args)))), args
 
 
 def copies(case: str) -> dict:
@@ -66,8 +69,8 @@ def copies(case: str) -> dict:
     def call_of(q, k, v, lens):
         return AttnCall("attention", q, k, v, 0.125, not decode, -1, -1, lens if with_lens else None)
 
-    if case == "triton_decode paged forward":
-        launch, args = _paged_launch()
+    if case.startswith("triton_decode paged"):
+        launch, args = _paged_launch(chunks=case.endswith("cu_seqlens_q"))
     elif case.startswith("triton backward"):
         cfg = Config.of(bwd_block_m=32, bwd_block_n=128, bwd_dq="separate", bwd_stages=3, bwd_warps=4)
 
@@ -84,8 +87,12 @@ def copies(case: str) -> dict:
     launches = [n for n in graph.nodes if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
     if not launches:
         raise AssertionError(f"{case}: no Triton launch traced")
+    # the in-place pass turns such a copy back into the launch writing the input itself: look before it
+    written = [n.args[0].name for n in graph.nodes
+               if n.target is torch.ops.aten.copy_.default and n.args[0].op == "placeholder"]
     reinplace_inplaceable_ops_core(graph)
-    return {n.kwargs["kernel_idx"]: n.kwargs["tensors_to_clone"] for n in launches if n.kwargs["tensors_to_clone"]}
+    found = {n.kwargs["kernel_idx"]: n.kwargs["tensors_to_clone"] for n in launches if n.kwargs["tensors_to_clone"]}
+    return {**found, **({"inputs written": written} if written else {})}
 
 
 if __name__ == "__main__":

@@ -134,8 +134,14 @@ def _decode_partial(
                 tl.device_assert((n >= 0) & (n <= LK), _KV_SEQLENS_ASSERT)
     else:
         n = LK
-    # This batch's queries: rows q0 .. q0 + lq - 1 of the packed queries (paged chunked prefill), else all LQ
-    q0, lq = _query_run(CU_Q, b, LQ, HAS_CU_Q)
+    # This batch's queries: rows q0 .. q0 + lq - 1 of the packed queries (paged chunked prefill), else all LQ.
+    # Loaded here and in _decode_combine, not in a helper: torch's analysis of what a user kernel writes
+    # (wrap_triton) counts a pointer handed to a helper whose results address a store as written, and compiled
+    # code would then treat cu_seqlens_q as a mutated input (no CUDA graphs).
+    q0, lq = 0, LQ
+    if HAS_CU_Q:
+        q0 = tl.load(CU_Q + b).to(tl.int32)
+        lq = tl.load(CU_Q + b + 1).to(tl.int32) - q0
     # Keys any row may see: [lo, n). The left window bound of the first query is the lowest.
     lo = 0
     if HAS_LEFT:
@@ -233,15 +239,6 @@ def _decode_partial(
         tl.store(LSE + ws_row, lse2, mask=row_ok)
 
 
-@jit()
-def _query_run(CU_Q, b, LQ, HAS_CU_Q: tl.constexpr):
-    """(first packed row, rows) of batch b's queries: from cu_seqlens_q, else (0, LQ) with b's own q stride."""
-    if HAS_CU_Q:
-        q0 = tl.load(CU_Q + b).to(tl.int32)
-        return q0, tl.load(CU_Q + b + 1).to(tl.int32) - q0
-    return 0, LQ
-
-
 @jit(do_not_specialize=["slh"])
 def _decode_combine(WS_O, WS_LSE, OUT, LSE, CU_Q, sob, soh, som, sod, slb, slh, slm, HQ, LQ,
                     NUM_SPLITS: tl.constexpr, DV, HAS_CU_Q: tl.constexpr, WRITE_LSE: tl.constexpr,
@@ -259,7 +256,10 @@ def _decode_combine(WS_O, WS_LSE, OUT, LSE, CU_Q, sob, soh, som, sod, slb, slh, 
     b = row // (HQ * LQ)
     h = (row // LQ) % HQ
     i = row % LQ
-    q0, lq = _query_run(CU_Q, b, LQ, HAS_CU_Q)
+    q0, lq = 0, LQ  # batch b's packed query rows, loaded here as in _decode_partial (why there)
+    if HAS_CU_Q:
+        q0 = tl.load(CU_Q + b).to(tl.int32)
+        lq = tl.load(CU_Q + b + 1).to(tl.int32) - q0
     if i >= lq:  # a padded row of a sequence with fewer queries than LQ
         return
     q_row = q0 + i
