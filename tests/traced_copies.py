@@ -1,10 +1,10 @@
 """What compiled code would copy before each Triton launch of our traced plans (run by tests/test_lowering.py in a
 process without TRITON_INTERPRET, on any machine): each plan traced as the compile-time pass traces it, on meta
-tensors, then Inductor's in-place pass (torch/_inductor/fx_passes/reinplace.py) applied; printed as JSON, per
-plan, {kernel index: the tensors still to copy}, and under "inputs written" the plan's arguments that the graph
-copies a kernel's result back into (an input Inductor must treat as mutated, which also keeps CUDA graphs off). Triton's CUDA backend targets sm_90 without a GPU: torch's
-analysis of what a user kernel writes (torch/_higher_order_ops/triton_kernel_wrap.py) reads the kernel's TTIR,
-which needs a target, not a device."""
+tensors, then Inductor's in-place pass (torch/_inductor/fx_passes/reinplace.py) applied; printed as JSON, per plan,
+{kernel index: the tensors still to copy}, and under "inputs written" the plan's arguments that the graph copies a
+kernel's result back into (an input Inductor must treat as mutated, which also keeps CUDA graphs off). Triton's CUDA
+backend targets sm_90 without a GPU: torch's analysis of what a user kernel writes
+(torch/_higher_order_ops/triton_kernel_wrap.py) reads the kernel's TTIR, which needs a target, not a device."""
 
 import json
 

@@ -31,9 +31,9 @@ this process's children and garbage collections per window) next to stock compil
 leaves anything that slows the calls after it.
 
 ``--report DIR``: the markdown section of benchmarks/RESULTS.md from a run's files in DIR: compiled_choice.json,
-spell.json and llama.json, those it holds. Each file records its date, commit and library versions (``--commit`` and ``--date``
-override compiled_choice.json's where the device's git lagged, and ``--commit`` a spell or Llama file's recorded at
-the same commit); a spell or Llama file from another run than compiled_choice.json's says so.
+spell.json and llama.json, those it holds. Each file records its date, commit and library versions (``--commit`` and
+``--date`` override compiled_choice.json's where the device's git lagged, and ``--commit`` a spell or Llama file's
+recorded at the same commit); a spell or Llama file from another run than compiled_choice.json's says so.
 
 ``--llama``: the HF Llama entries of ``inductor_attn.bench.models`` (prefill, the B4 L2048 and B1 L512 training
 steps, the static-cache decode step; plain launches), each in a fresh process with a fresh store, stock
