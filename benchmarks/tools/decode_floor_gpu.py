@@ -29,7 +29,7 @@ a per-call time that falls as the calls per replay grow says how much of a suite
 of 18 on an H200 before the timer took the replay's fixed cost off and made its L2 flush read). Writes
 DIR/decode_replay_cost_gpu.json.
 
-``--paged``: that shape's keys read by two configs from a contiguous cache in each row layout and from paged pools
+``--paged``: that shape's keys read by three configs from a contiguous cache in each row layout and from paged pools
 of 16, 64 and 256-token pages, in order and shuffled, NHD and HND, each with its kernels' device times: which of
 layout, indirection and page placement costs the paged call its gap to the contiguous one. Writes
 DIR/decode_paged_layouts_gpu.json.
@@ -208,7 +208,8 @@ def replay_cost() -> list[dict]:
     return rows
 
 
-PAGED_CONFIGS = ("block_n=32,num_splits=128,num_warps=4", "block_n=64,num_splits=128,num_warps=4")
+# block_n 16, which the tuner does not search, is the one whose tiles each lie in one 16-key page
+PAGED_CONFIGS = tuple(f"block_n={n},num_splits=128,num_warps=4" for n in (16, 32, 64))
 PAGE_SIZES = (16, 64, 256)
 
 
