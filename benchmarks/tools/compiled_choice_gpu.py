@@ -358,15 +358,15 @@ def report(run: Path, commit: str | None = None, date: str | None = None) -> str
     (the device's git lagged for the whole run). A DIR without compiled_choice.json (a ``--llama`` call of its own)
     gives the parts its files hold."""
     choice_path = run / "compiled_choice.json"
-    lines = []
+    lines, lagged = [], None  # lagged: the recorded commit that ``commit`` corrects; None: whatever a file recorded
     if choice_path.exists():
         choice = json.loads(choice_path.read_text())
-        lagged = {choice["commit"]: commit} if commit and "commit" in choice else {}
+        lagged = choice.get("commit", "")  # "" is no file's commit: nothing to correct
         lines = _choice_lines(choice, commit or choice.get("commit", "?"), date or choice.get("date", "?"))
-    else:
-        lagged = {part["commit"]: commit for name in ("llama.json", "spell.json") if (run / name).exists()
-                  for part in [json.loads((run / name).read_text())] if commit and "commit" in part}
-    return "\n".join(lines + _part_lines(run, lagged)).lstrip("\n")
+
+    def corrected(recorded: str) -> str:
+        return commit if commit and lagged in (None, recorded) else recorded
+    return "\n".join(lines + _part_lines(run, corrected)).lstrip("\n")
 
 
 def _choice_lines(choice: dict, commit: str, date: str) -> list[str]:
@@ -434,7 +434,7 @@ def _choice_lines(choice: dict, commit: str, date: str) -> list[str]:
     return lines
 
 
-def _part_lines(run: Path, lagged: dict) -> list[str]:
+def _part_lines(run: Path, corrected) -> list[str]:
     """The HF Llama and spell parts of the section, from their files in ``run`` where they exist."""
     lines = []
     llama_path = run / "llama.json"
@@ -443,7 +443,7 @@ def _part_lines(run: Path, lagged: dict) -> list[str]:
         lines += ["", "HF Llama (8 layers, hidden 1024, 16/4 heads, bf16, random weights), stock `torch.compile` "
                   "against `backend=\"inductor_attn\"`, each entry in a fresh process and store, plain launches "
                   "(`PYTHONPATH=. python benchmarks/tools/compiled_choice_gpu.py --out $OUT --llama`)"
-                  f"{_own_run(llama, lagged)}:",
+                  f"{_own_run(llama, corrected)}:",
                   "", f"| entry | {STEP_HEADER} |", "|---|---|---|---|---|"]
         for label, entry in llama["llama"].items():
             lines.append(f"| {label} | {step_cells(entry)} |" if "error" not in entry else
@@ -457,7 +457,7 @@ def _part_lines(run: Path, lagged: dict) -> list[str]:
         clocks = sorted({w["sm_mhz"] for w in windows})
         gcs = sum(len(w["gcs"]) for w in windows)
         lines += ["", "Calls right after a tune (decode B1 H32/8 Lkv2k D128, `compiled_choice_gpu.py --out $OUT "
-                  f"--spell`{_own_run(spell, lagged)}), median us per call of the first 200 / the last 100 of each: "
+                  f"--spell`{_own_run(spell, corrected)}), median us per call of the first 200 / the last 100 of each: "
                   f"ours {first['ours']:.0f} / "
                   f"{last['ours']:.0f} ({first['ours'] / last['ours']:.2f}x), stock compile {first['stock']:.0f} / "
                   f"{last['stock']:.0f} ({first['stock'] / last['stock']:.2f}x); the main thread's CPU us per call, "
@@ -466,13 +466,13 @@ def _part_lines(run: Path, lagged: dict) -> list[str]:
     return lines
 
 
-def _own_run(part: dict, lagged: dict) -> str:
+def _own_run(part: dict, corrected) -> str:
     """Where a part's file was measured in a run of its own (files that record it: date, commit, libraries), as a
-    clause, its commit as ``lagged`` corrects it; empty for files without it, which the section's first line
+    clause, its commit as ``corrected`` gives it; empty for files without it, which the section's first line
     describes."""
     if "commit" not in part:
         return ""
-    return (f", measured {part['date']} at commit {lagged.get(part['commit'], part['commit'])} with "
+    return (f", measured {part['date']} at commit {corrected(part['commit'])} with "
             + versions_text(part["versions"]))
 
 
