@@ -430,7 +430,8 @@ def _choice_lines(choice: dict, commit: str, date: str) -> list[str]:
         lines += ["", f"What a compiled call of each choice costs over a compiled `q + 1`: {'; '.join(costs)}."]
     if "foreign_gate_s" in choice:
         gates = ", ".join(f"L{k} {v * 1e3:.0f} ms" for k, v in choice["foreign_gate_s"].items())
-        lines += ["", f"First decision of a bucket this process did not tune (its winner gated here): {gates}."]
+        # a line of the paragraph above: both say what a call costs besides its kernel
+        lines += [f"First decision of a bucket this process did not tune (its winner gated here): {gates}."]
     return lines
 
 

@@ -294,9 +294,25 @@ def _provenance(metas: list[dict]) -> str:
         same = list(same)
         m = same[0]
         lines.append(f"- {_date_span([x['date'] for x in same])}, commit {m['commit']}: "
-                     + ", ".join(f"`{x['command']}`" for x in same) + "; " + versions_text(m["versions"])
+                     + _commands_text([x["command"] for x in same]) + "; " + versions_text(m["versions"])
                      + (f"; {m['timer']} timer" if "timer" in m else ""))
     return "\n".join(lines)
+
+
+def _commands_text(commands: list[str]) -> str:
+    """A run's commands, written once where they differ only in ``--shard K/N`` and ``--out``.
+
+    >>> _commands_text(["bench --shard 1/8 --out /o/tc1", "bench --shard 3/8 --out /o/tc3"])
+    '`bench --shard K/8 --out DIR` for K in 1, 3'
+    >>> _commands_text(["bench --suite paged --out /o/p", "bench --suite fp8 --out /o/f"])
+    '`bench --suite paged --out /o/p`, `bench --suite fp8 --out /o/f`'
+    """
+    shard = re.compile(r"--shard (\d+)/(\d+)")
+    shards = [shard.search(c) for c in commands]
+    templates = {re.sub(r"--out \S+", "--out DIR", shard.sub(r"--shard K/\2", c)) for c in commands}
+    if len(commands) > 1 and all(shards) and len(templates) == 1:
+        return f"`{templates.pop()}` for K in {', '.join(s.group(1) for s in shards)}"
+    return ", ".join(f"`{c}`" for c in commands)
 
 
 def _date_span(dates: list[str]) -> str:
@@ -530,10 +546,11 @@ def _notes(rows: list[dict]) -> list[str]:
             if not d.get("choice"):
                 reason = d.get("reason") or "no candidate for this problem"
                 refused.setdefault(d["label"], {}).setdefault(reason, []).append(r["name"])
-    notes = [f"- {text} ({_workloads_text(names, len(rows))})" for text, names in found.items()]
+    every = [r["name"] for r in rows]
+    notes = [f"- {text} ({_workloads_text(names, every)})" for text, names in found.items()]
     labels: dict[str, list[str]] = {}
     for label, reasons in refused.items():
-        text = "; ".join(f"{reason} ({_workloads_text(names, len(rows))})" for reason, names in reasons.items())
+        text = "; ".join(f"{reason} ({_workloads_text(names, every)})" for reason, names in reasons.items())
         labels.setdefault(text, []).append(label)
     notes += [f"- {', '.join(names)}: {text}" for text, names in labels.items()]
     if len(notes) > MAX_NOTES:
@@ -541,9 +558,15 @@ def _notes(rows: list[dict]) -> list[str]:
     return notes
 
 
-def _workloads_text(names: list[str], total: int) -> str:
-    if len(names) == total and total > 1:
-        return f"all {total} workloads"
+def _workloads_text(names: list[str], every: list[str]) -> str:
+    """``names`` among the table's workloads ``every``, or the few left out where that is shorter.
+
+    >>> _workloads_text(["a", "b", "c", "d"], ["a", "b", "c", "d", "e"]), _workloads_text(["a"], ["a", "b"])
+    ('all 5 workloads but e', 'a')
+    """
+    rest = [n for n in every if n not in names]
+    if len(every) > 1 and len(rest) < len(names) - 1:
+        return f"all {len(every)} workloads" + (f" but {'; '.join(rest)}" if rest else "")
     return "; ".join(names)
 
 
