@@ -17,8 +17,8 @@ How decisions use them (tuning/decisions.py), for the same op, bucket and device
   near-tie whose recorded compile took more than ``SHORTLIST_COMPILE_FACTOR`` times the fastest
   candidate's (which must compile anyway; at least ``SHORTLIST_COMPILE_FLOOR_S``) is left out, as its gain
   is within the margin. Configs of one library rise and fall together from one session to the next, two
-  libraries do not: at B2 H32 L16k D128 causal on an H200, FA3's kernel was 3.5% behind FA4's in the H200
-  table's tune and 7.7% ahead of it in a bench run the same day (2026-11-29). So each other library's fastest
+  libraries do not: at B2 H32 L16k D128 causal on an H200, FA3's kernel was 3.5% behind FA4's in one tune
+  and 7.7% ahead of it in a bench run the same day (2026-11-29). So each other library's fastest
   candidate within the margin widened by the record's own measured noise is timed too, under the same
   compile bound (``rivals``);
 - cache-only: the shipped winner is used as it is;
