@@ -177,18 +177,15 @@ def _decode_partial(
     for s0 in range(start, end, BLOCK_N):
         keys = s0 + offs_n
         key_ok = keys < end
-        if TILE_IN_PAGE:  # the tile starts at a multiple of BLOCK_N, which divides PAGE_SIZE: one page, one id
-            page = tl.load(TABLE + b * stb + s0 // PAGE_SIZE).to(tl.int64)  # s0 < end <= n: a page n reaches
-            if CHECK_PAGES:
-                tl.device_assert((page >= 0) & (page < NUM_PAGES), _PAGED_IDS_ASSERT)
-            slot = s0 % PAGE_SIZE + offs_n
-            k_rows = page * skb + slot * skn
-            v_rows = page * svb + slot * svn
-        elif PAGE_SIZE > 0:  # key j in slot j % PAGE_SIZE of its page; pages past the keys are never read
-            page = tl.load(TABLE + b * stb + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+        if PAGE_SIZE > 0:  # key j in slot j % PAGE_SIZE of its page; pages past the keys are never read
+            if TILE_IN_PAGE:  # the tile starts at a multiple of BLOCK_N, which divides PAGE_SIZE: one page, one id
+                page = tl.load(TABLE + b * stb + s0 // PAGE_SIZE).to(tl.int64)  # s0 < end <= n: a page n reaches
+                slot = s0 % PAGE_SIZE + offs_n
+            else:
+                page = tl.load(TABLE + b * stb + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+                slot = keys % PAGE_SIZE
             if CHECK_PAGES:  # every page a length reaches is read here, by one split or another
                 tl.device_assert((page >= 0) & (page < NUM_PAGES), _PAGED_IDS_ASSERT)
-            slot = keys % PAGE_SIZE
             k_rows = page * skb + slot * skn
             v_rows = page * svb + slot * svn
         else:
