@@ -270,6 +270,16 @@ def run_meta(copy_gbps: float | None = None) -> dict:
                 triton=triton.__version__, date=date, **({"copy_gbps": copy_gbps} if copy_gbps is not None else {}))
 
 
+def kernels_text(kernel_ms: dict, width: int = 16) -> str:
+    """A timed call's kernels and their device us, names cut to ``width``."""
+    return ", ".join(f"{k[:width]} {v * 1e3:.1f}" for k, v in kernel_ms.items())
+
+
+def write(out: Path, name: str, payload: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text(json.dumps(payload, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -282,40 +292,32 @@ def main() -> None:
         for r in rows:
             print(f"{r['calls_per_replay']:3} calls a replay ({r['copies']} copies x {r['passes']}): decode "
                   f"{r['decode_ms'] * 1e3:6.1f} us a call, a trivial kernel {r['trivial_ms'] * 1e3:5.1f} us a call")
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "decode_replay_cost_gpu.json").write_text(
-            json.dumps(dict(meta=run_meta(), case=case_name(SWEEP_SHAPE), config=REPLAY_CONFIG, rows=rows), indent=1))
+        write(args.out, "decode_replay_cost_gpu.json",
+              dict(meta=run_meta(), case=case_name(SWEEP_SHAPE), config=REPLAY_CONFIG, rows=rows))
         return
     if args.paged:
         rows = paged_layouts()
         for r in rows:
-            kernels = ", ".join(f"{k[:16]} {v * 1e3:.1f}" for k, v in r["kernel_ms"].items())
-            print(f"{r['ms'] * 1e3:6.1f} us  {r['config']:40} {r['layout']:32} {kernels}")
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "decode_paged_layouts_gpu.json").write_text(
-            json.dumps(dict(meta=run_meta(), case=case_name(SWEEP_SHAPE), rows=rows), indent=1))
+            print(f"{r['ms'] * 1e3:6.1f} us  {r['config']:40} {r['layout']:32} {kernels_text(r['kernel_ms'])}")
+        write(args.out, "decode_paged_layouts_gpu.json", dict(meta=run_meta(), case=case_name(SWEEP_SHAPE), rows=rows))
         return
     if args.sweep:
         rows = sweep()
         for r in sorted(rows, key=lambda r: r["ms"])[:25]:
-            kernels = ", ".join(f"{k[:16]} {v * 1e3:.1f}" for k, v in r.get("kernel_ms", {}).items())
-            print(f"{r['ms'] * 1e3:6.1f} us  combine chunk {r['combine_chunk']:3}  {r['config']:55} {kernels}")
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "decode_sweep_gpu.json").write_text(
-            json.dumps(dict(meta=run_meta(), case=case_name(SWEEP_SHAPE), rows=rows), indent=1))
+            print(f"{r['ms'] * 1e3:6.1f} us  combine chunk {r['combine_chunk']:3}  {r['config']:55} "
+                  f"{kernels_text(r.get('kernel_ms', {}))}")
+        write(args.out, "decode_sweep_gpu.json", dict(meta=run_meta(), case=case_name(SWEEP_SHAPE), rows=rows))
         return
     copy_gbps = measure_copy_gbps(torch.device("cuda"), CudaGraphTimer())
     results = [run_shape(shape, copy_gbps) for shape in SHAPES]
     print(f"copy bandwidth {copy_gbps:.0f} GB/s")
     print(f"{'case':30} {'ours us':>8} {'of copy':>8} {'read us':>8} {'of copy':>8} {'SDPA us':>8}  ours kernels (us)")
     for r in results:
-        kernels = ", ".join(f"{k[:24]} {v * 1e3:.1f}" for k, v in r["ours"]["kernel_ms"].items())
+        kernels = kernels_text(r["ours"]["kernel_ms"], 24)
         print(f"{r['case']:30} {r['ours']['ms'] * 1e3:8.1f} {r['ours']['frac_copy']:8.2f} "
               f"{r['read_floor']['ms'] * 1e3:8.1f} {r['read_floor']['frac_copy']:8.2f} {r['sdpa']['ms'] * 1e3:8.1f}"
               f"  {kernels}  [{r['ours']['config']}]")
-    meta = run_meta(copy_gbps)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "decode_floor_gpu.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+    write(args.out, "decode_floor_gpu.json", dict(meta=run_meta(copy_gbps), results=results))
 
 
 if __name__ == "__main__":
