@@ -104,7 +104,7 @@ def _decode_partial(
     qk_scale, HKV, G, LQ, LK, D, DV, NUM_SPLITS, NUM_M_BLOCKS, WINDOW_LEFT, WINDOW_RIGHT, NUM_PAGES,
     HAS_SEQLENS: tl.constexpr, CHECK_SEQLENS: tl.constexpr, CHECK_PAGES: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CU_Q: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    TILE_IN_PAGE: tl.constexpr, SINGLE: tl.constexpr, WRITE_LSE: tl.constexpr,
+    TILE_PAGES: tl.constexpr, SINGLE: tl.constexpr, WRITE_LSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PRECISION: tl.constexpr, DOT_IN_F32: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -177,8 +177,22 @@ def _decode_partial(
     for s0 in range(start, end, BLOCK_N):
         keys = s0 + offs_n
         key_ok = keys < end
-        if PAGE_SIZE > 0:  # key j in slot j % PAGE_SIZE of its page; pages past the keys are never read
-            if TILE_IN_PAGE:  # the tile starts at a multiple of BLOCK_N, which divides PAGE_SIZE: one page, one id
+        # A tile starts at a multiple of BLOCK_N (no left window, _tile_pages): where it lies in one page, or holds
+        # TILE_PAGES whole pages, it loads one block id per page, not one per key
+        if TILE_PAGES > 1:  # each key takes its page's row base by a select: no per-key load, no layout change
+            slot = offs_n % PAGE_SIZE
+            k_rows = slot.to(tl.int64) * skn
+            v_rows = slot.to(tl.int64) * svn
+            for nth in tl.static_range(TILE_PAGES):  # pages past the keys are never read
+                page = tl.load(TABLE + b * stb + s0 // PAGE_SIZE + nth, mask=s0 + nth * PAGE_SIZE < end,
+                               other=0).to(tl.int64)
+                if CHECK_PAGES:
+                    tl.device_assert((page >= 0) & (page < NUM_PAGES), _PAGED_IDS_ASSERT)
+                in_page = offs_n // PAGE_SIZE == nth
+                k_rows = tl.where(in_page, k_rows + page * skb, k_rows)
+                v_rows = tl.where(in_page, v_rows + page * svb, v_rows)
+        elif PAGE_SIZE > 0:  # key j in slot j % PAGE_SIZE of its page; pages past the keys are never read
+            if TILE_PAGES == 1:
                 page = tl.load(TABLE + b * stb + s0 // PAGE_SIZE).to(tl.int64)  # s0 < end <= n: a page n reaches
                 slot = s0 % PAGE_SIZE + offs_n
             else:
@@ -281,6 +295,21 @@ def _decode_combine(WS_O, WS_LSE, OUT, LSE, CU_Q, sob, soh, som, sod, slb, slh, 
 
 
 # ------------------------------------------------------------------------------------------- sizes
+def _tile_pages(page_size: int, block_n: int, window_left: int) -> int:
+    """How many pages a tile of ``block_n`` keys touches where it touches whole pages or lies inside one (1), so
+    that the kernel loads a block id per page; else 0 (a block id per key). Without a left window every tile
+    starts at a multiple of block_n (lo = 0); 4 bounds the per-key selects among a tile's pages.
+
+    >>> [_tile_pages(p, n, w) for p, n, w in ((64, 32, -1), (16, 64, -1), (16, 64, 100), (12, 32, -1), (8, 64, -1))]
+    [1, 4, 0, 0, 0]
+    """
+    if page_size == 0 or window_left >= 0:
+        return 0
+    if page_size % block_n == 0:
+        return 1
+    return block_n // page_size if block_n % page_size == 0 and block_n // page_size <= 4 else 0
+
+
 def _block_d(d: int) -> int:
     """Padded head dim (masked loads cover the rest); tl.dot needs >= 16.
 
@@ -457,8 +486,7 @@ class DecodePlan:
             HAS_KEY_MASK=call.key_mask is not None,
             HAS_LEFT=call.window_left >= 0, HAS_RIGHT=right >= 0, HAS_CU_Q=call.cu_seqlens_q is not None,
             PAGE_SIZE=g.page_size,
-            # without a left window every tile starts at a multiple of block_n (lo = 0)
-            TILE_IN_PAGE=g.page_size > 0 and g.page_size % self.block_n == 0 and call.window_left < 0,
+            TILE_PAGES=_tile_pages(g.page_size, self.block_n, call.window_left),
             SINGLE=single, WRITE_LSE=write_lse,
             BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_D=_block_d(d), BLOCK_DV=_block_d(dv),
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
