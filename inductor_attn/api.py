@@ -355,7 +355,8 @@ def _bhld(x: torch.Tensor) -> torch.Tensor:
 
 def paged_attention(q, k_cache, v_cache, block_table, kv_seqlens, *, cu_seqlens_q=None, max_seqlen_q: int | None = None,
                     max_seqlen_k: int | None = None, causal: bool = True, scale: float | None = None, window=None,
-                    layout: str = "NHD", return_lse: bool = False, check_indices: bool = True):
+                    softcap: float | None = None, layout: str = "NHD", return_lse: bool = False,
+                    check_indices: bool = True):
     """Attention over a KV cache kept in pages (serving: decode and chunked prefill), forward only.
 
     Args:
@@ -378,6 +379,8 @@ def paged_attention(q, k_cache, v_cache, block_table, kv_seqlens, *, cu_seqlens_
         causal: queries are the last tokens of their sequence: query i of a sequence with n queries and L keys sees
             keys j <= i + L - n (lower-right, per sequence). Decode is the same either way.
         scale, window: as in :func:`attention`, aligned per sequence.
+        softcap: a logit softcap (Gemma 2, Grok): each scaled score s becomes ``softcap * tanh(s / softcap)`` before
+            the mask and softmax, as FlashAttention's ``softcap`` does; None or 0: none.
         return_lse: also return the float32 lse of shape (Hq, total_q).
         check_indices: check kv_seqlens (in [0, max_seqlen_k]), the block ids of the pages they reach (in
             [0, num_blocks)) and cu_seqlens_q: eagerly with a device sync and a ValueError, in compiled code with
@@ -394,8 +397,9 @@ def paged_attention(q, k_cache, v_cache, block_table, kv_seqlens, *, cu_seqlens_
         k_cache, v_cache = (x.transpose(1, 2) if isinstance(x, torch.Tensor) and x.dim() == 4 else x
                             for x in (k_cache, v_cache))
     left, right = _window(window, causal)
+    softcap = 0.0 if softcap is None else softcap
     check_paged(q, k_cache, v_cache, block_table, kv_seqlens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale, left,
-                right)
+                right, softcap)
     refuse_grad("paged_attention", {"q": q, "k_cache": k_cache, "v_cache": v_cache})
     refuse_forward_ad("paged_attention", {"q": q, "k_cache": k_cache, "v_cache": v_cache})
     if max_seqlen_q is None:
@@ -405,5 +409,5 @@ def paged_attention(q, k_cache, v_cache, block_table, kv_seqlens, *, cu_seqlens_
     if check_indices:
         check_paged_values(k_cache, block_table, kv_seqlens, cu_seqlens_q, q, max_seqlen_q, max_seqlen_k)
     out, lse = _PAGED(q, k_cache, v_cache, block_table, kv_seqlens, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
-                      _scale(scale, q), causal, left, right, checked())
+                      _scale(scale, q), causal, left, right, softcap, checked())
     return (out, lse) if return_lse else out

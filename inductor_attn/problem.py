@@ -18,7 +18,7 @@ OPS = ("attention", "varlen", "block_sparse", "paged")
 DECIDED_AT_COMPILE_TIME = ("attention", "paged")
 # Fields added after decisions were first stored: left out of ``key()`` at their default, so the keys of every
 # problem that does not use them (and the shipped tables' rows) stay what they were.
-_KEY_OPTIONAL = {"page_size": 0, "equal_chunks": False}
+_KEY_OPTIONAL = {"page_size": 0, "equal_chunks": False, "softcap": False}
 
 
 def next_power_of_two(n: int) -> int:
@@ -63,6 +63,8 @@ class Problem:
     per page; ``total_k`` is 0 (the page pool's size does not change which kernel is fastest); ``equal_chunks``:
     every sequence has ``len_q`` queries (decode, or equal chunks), which a bucket keeps apart, since a kernel may
     run only those (the gather baseline) and bucketing the sizes alone mixes them with uneven chunks.
+    ``softcap``: the scores pass through a logit softcap (a paged call's ``softcap`` > 0); its value is the call's,
+    not the bucket's (one kernel serves every value).
     """
 
     op: str
@@ -88,6 +90,7 @@ class Problem:
     partial_fraction: float = 0.0
     page_size: int = 0
     equal_chunks: bool = False
+    softcap: bool = False
 
     def __post_init__(self):
         if self.op not in OPS:

@@ -21,12 +21,15 @@ def dense_mask(lq: int, lk: int, causal=False, window_left=-1, window_right=-1, 
     return ok
 
 
-def attend(q, k, v, mask, scale):
-    """q (B,Hq,Lq,D), k/v (B,Hkv,Lk,*), mask broadcastable to (B,Hq,Lq,Lk); float64 out and lse."""
+def attend(q, k, v, mask, scale, softcap=0.0):
+    """q (B,Hq,Lq,D), k/v (B,Hkv,Lk,*), mask broadcastable to (B,Hq,Lq,Lk); float64 out and lse. ``softcap`` > 0:
+    scores capped as softcap * tanh(s / softcap) before the mask."""
     q, k, v = q.double(), k.double(), v.double()
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     s = (q @ k.transpose(-1, -2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     s = s.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])

@@ -26,6 +26,7 @@ class PagedCase:
     spare_pages: int = 1  # table entries past the longest sequence's last page (-1, never read)
     width: int | None = None  # pages per table row; None: the longest sequence's pages + spare_pages
     num_blocks: int | None = None  # pages in the pool; None: the sequences' pages + 3 that no row names
+    softcap: float = 0.0
 
     @property
     def max_seqlen_q(self) -> int:
@@ -43,7 +44,8 @@ class PagedInputs:
 
     def kwargs(self, case: PagedCase) -> dict:
         return dict(cu_seqlens_q=self.cu_seqlens_q, max_seqlen_q=case.max_seqlen_q, causal=case.causal,
-                    window=case.window if case.window != (-1, -1) else None, layout=case.layout)
+                    window=case.window if case.window != (-1, -1) else None, layout=case.layout,
+                    softcap=case.softcap)
 
 
 def make(case: PagedCase, device="cpu", seed: int = 0) -> PagedInputs:
@@ -86,7 +88,7 @@ def oracle(case: PagedCase, x: PagedInputs, scale: float):
         start += lq
         mask = naive.dense_mask(lq, n, case.causal, *case.window)
         out, lse = naive.attend(qb.cpu().transpose(0, 1)[None], kb.cpu().transpose(0, 1)[None],
-                                vb.cpu().transpose(0, 1)[None], mask, scale)
+                                vb.cpu().transpose(0, 1)[None], mask, scale, case.softcap)
         outs.append(torch.nan_to_num(out[0].transpose(0, 1)))  # a row that sees no key: zeros
         lses.append(lse[0])
     return torch.cat(outs), torch.cat(lses, dim=1)

@@ -94,14 +94,15 @@ def fp8_args(out_dtype):
 
 
 def paged_args(dtype, chunked: bool):
-    """3 sequences of 7, 0 and 12 keys in pages of 4 (pool of 8 pages; -1 past each sequence's last page)."""
+    """3 sequences of 7, 0 and 12 keys in pages of 4 (pool of 8 pages; -1 past each sequence's last page); the
+    chunked call with a softcap."""
     table = torch.tensor([[5, 0, -1, -1], [-1, -1, -1, -1], [2, 7, 1, -1]], dtype=torch.int32)
     lens = torch.tensor([7, 0, 12], dtype=torch.int32)
     k, v = rand(8, 4, 2, 16, dtype=dtype, seed=1), rand(8, 4, 2, 8, dtype=dtype, seed=2)
     if not chunked:
-        return (rand(3, 4, 16, dtype=dtype), k, v, table, lens, None, 1, 16, 0.25, True, -1, -1, "")
+        return (rand(3, 4, 16, dtype=dtype), k, v, table, lens, None, 1, 16, 0.25, True, -1, -1, 0.0, "")
     cu = torch.tensor([0, 3, 3, 5], dtype=torch.int32)
-    return (rand(5, 4, 16, dtype=dtype), k, v, table, lens, cu, 3, 16, 0.25, True, 2, 0, "")
+    return (rand(5, 4, 16, dtype=dtype), k, v, table, lens, cu, 3, 16, 0.25, True, 2, 0, 5.0, "")
 
 
 # Forward-only ops (serving): checked without inputs that require grad

@@ -19,7 +19,7 @@ from inductor_attn.backends import triton_decode as decode
 from inductor_attn.backends.pages import key_slots, unused_slots
 from inductor_attn.backends.paged_gather import BACKEND as GATHER
 from inductor_attn.backends.paged_gather import as_packed, dense_call
-from inductor_attn.device import device_info
+from inductor_attn.device import device_info, parse_device_override
 from inductor_attn.ops.paged import paged_call
 from inductor_attn.problem import Problem
 from inductor_attn.tuning.correctness import check_output, check_tensor
@@ -36,6 +36,10 @@ CASES = {
     # one sequence, a pool of exactly its pages (the serving loop whose B1 tune lost its CUDA context on an H200)
     "decode_one_sequence_pool_of_its_pages": pi.PagedCase(kv_lens=(150,), page_size=16, hq=8, hkv=2, spare_pages=4,
                                                           num_blocks=10),
+    # softcaps that bend scores of order 1 plainly (Gemma 2's 50 would hardly change them)
+    "decode_softcap": pi.PagedCase(kv_lens=(37, 5, 0), page_size=8, softcap=1.0),
+    "chunked_prefill_softcap_window": pi.PagedCase(kv_lens=(40, 21, 6), q_lens=(5, 1, 6), page_size=8, hq=6, hkv=3,
+                                                   window=(9, 0), softcap=2.5),
 }
 
 
@@ -43,7 +47,7 @@ def _call(case: pi.PagedCase, x: pi.PagedInputs, dtype=None):
     k, v = (c.transpose(1, 2) if case.layout == "HND" else c for c in (x.k_cache, x.v_cache))
     cast = (lambda t: t.to(dtype)) if dtype else (lambda t: t)
     return paged_call(cast(x.q), cast(k), cast(v), x.block_table, x.kv_seqlens, x.cu_seqlens_q, case.max_seqlen_q,
-                      x.block_table.shape[1] * case.page_size, case.d ** -0.5, case.causal, *case.window)
+                      x.block_table.shape[1] * case.page_size, case.d ** -0.5, case.causal, *case.window, case.softcap)
 
 
 def _poisoned(call):
@@ -124,8 +128,8 @@ def test_split_k_decode_asked_by_compiled_code_checks_lengths_and_block_ids_itse
         _check_against_the_oracle(case, x, out, lse)
 
 
-@pytest.mark.parametrize("name", [n for n in CASES if len(set(CASES[n].q_lens or (1,))) == 1])
-def test_the_gather_baselines_dense_call_is_the_paged_call(name):
+@pytest.mark.parametrize("name", [n for n in CASES if len(set(CASES[n].q_lens or (1,))) == 1 and not CASES[n].softcap])
+def test_the_gather_baselines_dense_call_is_the_paged_call(name):  # SDPA has no softcap: the baseline takes none
     # on the CPU the dense call runs on the reference (the baseline's SDPA kernels need CUDA)
     case = CASES[name]
     x = pi.make(case)
@@ -192,6 +196,27 @@ def test_candidates_of_a_paged_decode():
     assert GATHER.supports(dataclasses.replace(call.problem, device_type="cuda", total_q=3, batch=2,
                                                equal_chunks=False),
                            device_info("cpu")).startswith("needs as many queries in every sequence")
+
+
+def test_a_softcap_runs_on_the_kernels_that_apply_it_and_keeps_its_own_bucket():
+    case = CASES["decode_softcap"]
+    call = _call(case, pi.make(case))
+    plain = _call(dataclasses.replace(case, softcap=0.0), pi.make(case))
+    assert call.problem.softcap and not plain.problem.softcap
+    assert call.problem.key() == plain.problem.key() + ",softcap=True"  # keys without a softcap are as they were
+    assert Problem.from_key(call.problem.key()) == call.problem
+    cuda = dataclasses.replace(call.problem, device_type="cuda")
+    listed = {c.name: c.pruned for c in enumerate_candidates(cuda, parse_device_override("NVIDIA H200:9.0:132"))}
+    assert listed["paged_gather:-"] == "paged_gather has no logit softcap (softcap runs on triton_decode, reference)"
+    assert any(name.startswith("triton_decode:") and why is None for name, why in listed.items())
+
+
+def test_the_gate_uses_a_softcap_that_bends_the_scores():
+    case = CASES["decode_softcap"]
+    call = _call(dataclasses.replace(case, softcap=50.0), pi.make(case))
+    assert gate_inputs(call, seed=1).softcap == 1.0
+    assert gate_inputs(_call(case, pi.make(case)), seed=1).softcap == 1.0  # one at most 1 stays
+    assert gate_once(call, "reference:default", "forward").status == "passed"
 
 
 def test_a_bucket_keeps_equal_chunks_apart_from_uneven_ones():
@@ -281,6 +306,10 @@ def test_bad_arguments_are_named():
     _raises(ValueError, r"without cu_seqlens_q, each sequence has one query: max_seqlen_q must be 1 .*got 2",
             max_seqlen_q=2)  # a decode kernel would run a second row per sequence into the same output
     _raises(ValueError, "layout must be one of", layout="NDH")
+    _raises(ValueError, r"softcap must be >= 0 \(0 = no softcap\), got -1.0", softcap=-1.0)
+    _raises(ValueError, "softcap must be finite, got nan", softcap=float("nan"))
+    _raises(TypeError, "softcap must be a float, got str", softcap="50")
+    _raises(TypeError, r"softcap must be a float, got a Tensor", softcap=torch.tensor(50.0))
     _raises(ValueError, "paged_attention is forward only .*: q requires grad while grad mode is on",
             q=x.q.float().requires_grad_(), k_cache=x.k_cache.float(), v_cache=x.v_cache.float())
 
@@ -401,7 +430,7 @@ def test_a_static_paged_call_is_decided_while_compiling(traceable, monkeypatch, 
         assert "torch.ops.inductor_attn" not in code
         assert inductor_attn.stats() == {"paged/forward -> b:x=1 (launched by compiled code, per graph)": 1}
     else:
-        assert "torch.ops.inductor_attn.launch.default(" in code and "'forward|b:x=1|0.25,48|op=paged," in code
+        assert "torch.ops.inductor_attn.launch.default(" in code and "'forward|b:x=1|0.25,48,0.0|op=paged," in code
         assert inductor_attn.stats() == {"paged/forward -> b:x=1": 1}
     assert [p.op for p in tuned] == ["paged"]
     _check_against_the_oracle(case, x, out, lse)
@@ -445,7 +474,8 @@ def test_the_representative_paged_call_is_valid_and_fills_the_capacity():
                            torch.empty(4, dtype=torch.int32))
     for pool in pools:
         vals = dict(q=q, k_cache=pool, v_cache=pool, block_table=table, kv_seqlens=lens, cu_seqlens_q=cu,
-                    max_seqlen_q=6, max_seqlen_k=37, scale=0.25, causal=True, window_left=-1, window_right=-1)
+                    max_seqlen_q=6, max_seqlen_k=37, scale=0.25, causal=True, window_left=-1, window_right=-1,
+                    softcap=0.0)
         call = emit._concrete_call("paged", vals)
         check_paged_values(call.k, call.block_table, call.kv_seqlens, call.cu_seqlens_q, call.q, 6, 37)
         assert call.cu_seqlens_q.tolist() == [0, 4, 8, 12]
@@ -465,7 +495,7 @@ def test_a_named_triton_decode_choice_reads_pages_through_the_launch_op(fresh_co
     op = torch.ops.inductor_attn.paged_attention
 
     def fn(q, k, v, table, lens, cu):
-        return op(q, k, v, table, lens, cu, 2, table.shape[1] * 4, case.d ** -0.5, True, -1, -1, choice)
+        return op(q, k, v, table, lens, cu, 2, table.shape[1] * 4, case.d ** -0.5, True, -1, -1, 0.0, choice)
 
     (out, lse), (code,) = run_and_get_code(torch.compile(fn, fullgraph=True), x.q, x.k_cache, x.v_cache,
                                            x.block_table, x.kv_seqlens, x.cu_seqlens_q)
@@ -519,7 +549,8 @@ def test_the_representative_paged_call_copies_the_pages_its_table_can_name_not_t
         pool = torch.empty(1000, 2, 8, 16, dtype=torch.float16).transpose(1, 2)  # HND storage, 1,000 pages
         table, lens = torch.empty(3, 5, dtype=torch.int32), torch.empty(3, dtype=torch.int32)
     vals = dict(q=q, k_cache=pool, v_cache=pool, block_table=table, kv_seqlens=lens, cu_seqlens_q=None,
-                max_seqlen_q=1, max_seqlen_k=37, scale=0.25, causal=False, window_left=-1, window_right=-1)
+                max_seqlen_q=1, max_seqlen_k=37, scale=0.25, causal=False, window_left=-1, window_right=-1,
+                softcap=0.0)
     call = emit._concrete_call("paged", vals)
     assert call.k.shape == call.v.shape == (16, 8, 2, 16)
     assert call.k.stride() == call.v.stride() == (256, 16, 128, 1) and int(call.block_table.max()) < 16

@@ -31,13 +31,17 @@ CASES = {
                                                         hkv=4, d=64, window=(100, 0)),
     "prefill_chunk64_page16": pi.PagedCase(kv_lens=(700, 64), q_lens=(64, 64), page_size=16, hq=8, hkv=2, d=128,
                                            dtype=torch.bfloat16),
+    "decode_softcap_page16": pi.PagedCase(kv_lens=(900, 33, 0), page_size=16, hq=16, hkv=2, d=128,
+                                          dtype=torch.bfloat16, softcap=1.5),
+    "prefill_softcap_window_page64": pi.PagedCase(kv_lens=(500, 90), q_lens=(16, 3), page_size=64, hq=8, hkv=2, d=64,
+                                                  window=(100, 0), softcap=3.0),
 }
 
 
 def _call(case, x):
     k, v = (c.transpose(1, 2) if case.layout == "HND" else c for c in (x.k_cache, x.v_cache))
     return paged_call(x.q, k, v, x.block_table, x.kv_seqlens, x.cu_seqlens_q, case.max_seqlen_q,
-                      x.block_table.shape[1] * case.page_size, case.d ** -0.5, case.causal, *case.window)
+                      x.block_table.shape[1] * case.page_size, case.d ** -0.5, case.causal, *case.window, case.softcap)
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -59,7 +63,7 @@ def test_every_candidate_matches_float64(name):
     assert "reference" in ran
     if case.max_seqlen_q <= 16:
         assert "triton_decode" in ran
-    if len(set(case.q_lens or (1,))) == 1 and case.dtype != torch.float32:
+    if len(set(case.q_lens or (1,))) == 1 and case.dtype != torch.float32 and not case.softcap:  # SDPA: no softcap
         assert "paged_gather" in ran
     if _fa3_takes(case):
         assert "fa3" in ran
@@ -67,12 +71,13 @@ def test_every_candidate_matches_float64(name):
 
 def _fa3_takes(case) -> bool:
     """Whether FA3's paged path is a candidate for ``case`` here: the wheel on an sm_90 GPU, a 16-bit dtype, one of
-    its head dims, and at most 128 query rows per sequence (backends/fa3.py)."""
+    its head dims, at most 128 query rows per sequence (backends/fa3.py), and no softcap (the build has none)."""
     from inductor_attn.backends import fa3
     from inductor_attn.problem import next_power_of_two
 
     return (fa3.unavailable("cuda", device_info(torch.device("cuda"))) is None and case.dtype != torch.float32
-            and case.d in fa3.HEAD_DIMS and next_power_of_two(case.max_seqlen_q) * (case.hq // case.hkv) <= 128)
+            and case.d in fa3.HEAD_DIMS and next_power_of_two(case.max_seqlen_q) * (case.hq // case.hkv) <= 128
+            and not case.softcap)
 
 
 @pytest.mark.parametrize("name", ["decode_page16_mqa_d128", "prefill_equal_chunks_page16"])

@@ -113,7 +113,8 @@ class AttnCall:
     packed (total_tokens, H, D) with ``cu_seqlens_*``. ``paged``: q packed (total_q, Hq, D) by ``cu_seqlens_q``
     (None: one query per sequence), k and v the page pools (num_blocks, page_size, Hkv, D) with any strides,
     ``block_table`` int32 (num_seqs, pages per sequence), ``kv_seqlens`` int32 (num_seqs,), ``max_seqlen_k``
-    the longest kv length.
+    the longest kv length; ``softcap`` > 0 (paged calls): each scaled score s becomes softcap * tanh(s / softcap)
+    before the mask and softmax, as in FlashAttention and Gemma 2.
     """
 
     op: str
@@ -135,6 +136,7 @@ class AttnCall:
     descale: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     out_dtype: torch.dtype | None = None
     block_table: torch.Tensor | None = None
+    softcap: float = 0.0
     _problem: Problem | None = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -163,7 +165,7 @@ def problem_of(call: AttnCall) -> Problem:
     q, k, v = call.q, call.k, call.v
     common = dict(op=call.op, dtype=str(q.dtype).removeprefix("torch."), device_type=q.device.type,
                   head_dim=q.shape[-1], head_dim_v=v.shape[-1], causal=bool(call.causal),
-                  window_left=call.window_left, window_right=call.window_right)
+                  window_left=call.window_left, window_right=call.window_right, softcap=call.softcap > 0)
     if call.op == "paged":
         # len_k is bucketed here already: the kernels read each sequence's length from kv_seqlens, and a serving
         # loop whose longest sequence grows every step then builds no plan per step (plans are per problem)
@@ -222,13 +224,14 @@ class Takes:
     reads a paged cache (a block table, packed queries) only where it says so. ``key_mask``: its plans apply
     ``AttnCall.key_mask``. ``fp8``: they take float8_e4m3fn q/k/v with ``AttnCall.descale``. ``backward``: it has
     backward plans. ``grad_lse``: its backward takes a gradient of the lse (a loss that uses the lse, not only the
-    output)."""
+    output). ``softcap``: its plans apply ``AttnCall.softcap``."""
 
     ops: tuple[str, ...] = ("attention", "varlen", "block_sparse")
     key_mask: bool = False
     fp8: bool = False
     backward: bool = False
     grad_lse: bool = True
+    softcap: bool = False
 
 
 def _nothing() -> tuple:

@@ -65,14 +65,18 @@ def _keys(x: torch.Tensor, acc: torch.dtype, lengths: torch.Tensor | None) -> to
     return converted.masked_fill(past, 0) if converted is x else converted.masked_fill_(past, 0)
 
 
-def _scores(qc, k, scale, mask):
+def _scores(qc, k, scale, mask, softcap: float = 0.0):
     s = _grouped_matmul(qc, k.transpose(-1, -2)) * scale
+    if softcap > 0:
+        s = torch.tanh(s / softcap) * softcap
     return s if mask is None else s.masked_fill(~mask, float("-inf"))
 
 
-def forward(q, k, v, scale: float, mask_fn: MaskFn | None, align: int = 1, lengths: torch.Tensor | None = None):
+def forward(q, k, v, scale: float, mask_fn: MaskFn | None, align: int = 1, lengths: torch.Tensor | None = None,
+            softcap: float = 0.0):
     """(B, H, Lq, D) attention; returns out (q.dtype) and lse (float32, -inf on fully masked rows). What keys at
-    and past ``lengths[b]`` hold (kv_seqlens, which ``mask_fn`` masks) never reaches them (:func:`_keys`)."""
+    and past ``lengths[b]`` hold (kv_seqlens, which ``mask_fn`` masks) never reaches them (:func:`_keys`).
+    ``softcap`` > 0: scores softcapped (AttnCall.softcap; forward only, as the paged op that takes one)."""
     acc = _acc_dtype(q.dtype)
     b, hq, lq, _ = q.shape
     hkv, lk, dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -87,7 +91,7 @@ def forward(q, k, v, scale: float, mask_fn: MaskFn | None, align: int = 1, lengt
     step = _chunk_rows(q, lk, align)
     for s in range(0, lq, step):
         e = min(lq, s + step)
-        scores = _scores(qg[:, :, :, s:e], kf, scale, mask_fn(s, e) if mask_fn else None)
+        scores = _scores(qg[:, :, :, s:e], kf, scale, mask_fn(s, e) if mask_fn else None, softcap)
         m = scores.amax(-1, keepdim=True)
         m = torch.where(torch.isinf(m), 0.0, m)
         p = torch.exp(scores - m)
@@ -178,7 +182,7 @@ def _paged_as_varlen(call: AttnCall) -> AttnCall:
     cu_q = query_starts(call.cu_seqlens_q, call.block_table.shape[0], call.q.device)
     return AttnCall("varlen", call.q, k, v, call.scale, call.causal, call.window_left, call.window_right,
                     cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=call.max_seqlen_q,
-                    max_seqlen_k=call.max_seqlen_k)
+                    max_seqlen_k=call.max_seqlen_k, softcap=call.softcap)
 
 
 def run_forward(call: AttnCall):
@@ -189,7 +193,7 @@ def run_forward(call: AttnCall):
     if call.op != "varlen":
         q, k, v = (call.q, call.k, call.v) if call.descale is None else dequantised(call)
         mask, align = _mask(call)
-        out, lse = forward(q, k, v, call.scale, mask, align, call.kv_seqlens)
+        out, lse = forward(q, k, v, call.scale, mask, align, call.kv_seqlens, call.softcap)
         return conform(out if call.descale is None else out.to(call.out_dtype), call.q), lse
     q, v = call.q, call.v
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
@@ -197,7 +201,8 @@ def run_forward(call: AttnCall):
     for (q0, q1), (k0, k1), mask in _varlen_sequences(call):
         if q1 == q0 or k1 == k0:
             continue
-        o, l = forward(_bhld(q, q0, q1), _bhld(call.k, k0, k1), _bhld(v, k0, k1), call.scale, mask)
+        o, l = forward(_bhld(q, q0, q1), _bhld(call.k, k0, k1), _bhld(v, k0, k1), call.scale, mask,
+                       softcap=call.softcap)
         out[q0:q1] = o[0].transpose(0, 1)
         lse[:, q0:q1] = l[0]
     return conform(out, q), lse
@@ -228,7 +233,8 @@ class ReferenceBackend(Backend):
     code must give the same numbers as eager, which Inductor's fusion of this math would not."""
 
     name = "reference"
-    takes = Takes(ops=("attention", "varlen", "block_sparse", "paged"), key_mask=True, fp8=True, backward=True)
+    takes = Takes(ops=("attention", "varlen", "block_sparse", "paged"), key_mask=True, fp8=True, backward=True,
+                  softcap=True)
 
     def supports(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> str | None:
         return None

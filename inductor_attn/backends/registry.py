@@ -123,6 +123,8 @@ def _unsupported(backend: Backend, p: Problem, dev: DeviceInfo, direction: str) 
     reason = backend.supports(p, dev, direction)
     if reason is None and p.has_key_mask and not backend.takes.key_mask:
         reason = f"{backend.name} does not take key_mask (per-batch key masks run on {_backends_taking('key_mask')})"
+    if reason is None and p.softcap and not backend.takes.softcap:
+        reason = f"{backend.name} has no logit softcap (softcap runs on {_backends_taking('softcap')})"
     return reason
 
 

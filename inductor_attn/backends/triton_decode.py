@@ -93,6 +93,14 @@ _KV_SEQLENS_ASSERT, _PAGED_SEQLENS_ASSERT, _PAGED_IDS_ASSERT = (
     if tl is not None else (None, None, None))
 
 
+@jit()
+def _tanh(x):
+    """tanh(x) from exp2, which GPUs and Triton's interpreter alike have: sign(x) (1 - e^-2|x|) / (1 + e^-2|x|)."""
+    t = tl.exp2(-2.0 * 1.4426950408889634 * tl.abs(x))
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -y, y)
+
+
 # Lengths, split counts and windows change between calls (every decode step without kv_seqlens): never
 # specialise on their values, or Triton would compile a variant for Lk == 1 and for Lk % 16 == 0. The key
 # mask's strides (its batch stride is Lk) likewise.
@@ -101,10 +109,10 @@ _KV_SEQLENS_ASSERT, _PAGED_SEQLENS_ASSERT, _PAGED_IDS_ASSERT = (
 def _decode_partial(
     Q, K, V, SEQLENS, KEY_MASK, OUT, LSE, TABLE, CU_Q,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, smn, sob, soh, som, sod, slb, slh, slm, stb,
-    qk_scale, HKV, G, LQ, LK, D, DV, NUM_SPLITS, NUM_M_BLOCKS, WINDOW_LEFT, WINDOW_RIGHT, NUM_PAGES,
+    qk_scale, softcap, HKV, G, LQ, LK, D, DV, NUM_SPLITS, NUM_M_BLOCKS, WINDOW_LEFT, WINDOW_RIGHT, NUM_PAGES,
     HAS_SEQLENS: tl.constexpr, CHECK_SEQLENS: tl.constexpr, CHECK_PAGES: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CU_Q: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    TILE_PAGES: tl.constexpr, SINGLE: tl.constexpr, WRITE_LSE: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_CU_Q: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, TILE_PAGES: tl.constexpr, SINGLE: tl.constexpr, WRITE_LSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PRECISION: tl.constexpr, DOT_IN_F32: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -115,7 +123,7 @@ def _decode_partial(
         gdc_wait()
         gdc_launch_dependents()
     # Inductor's launcher types a Python float argument as fp64 (eager Triton: fp32); keep the math fp32
-    qk_scale = tl.cast(qk_scale, tl.float32)
+    qk_scale, softcap = tl.cast(qk_scale, tl.float32), tl.cast(softcap, tl.float32)
     # Row blocks of one (split, batch, kv head) are adjacent in launch order, so they run together and
     # share the K/V tiles in L2 when G * Lq needs more than one row block.
     pid = tl.program_id(0)
@@ -210,6 +218,8 @@ def _decode_partial(
         if DOT_IN_F32:
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if HAS_SOFTCAP:  # qk_scale is scale / softcap and softcap log2(e) * softcap (_score_scales)
+            qk = _tanh(qk) * softcap
         ok = key_ok[None, :]
         if HAS_RIGHT:
             ok = ok & (keys[None, :] <= diag[:, None] + WINDOW_RIGHT)
@@ -295,6 +305,18 @@ def _decode_combine(WS_O, WS_LSE, OUT, LSE, CU_Q, sob, soh, som, sod, slb, slh, 
 
 
 # ------------------------------------------------------------------------------------------- sizes
+def _score_scales(scale: float, softcap: float) -> tuple[float, float]:
+    """The partial kernel's (qk_scale, softcap): it takes scores in log2 units, scale * log2(e) * q.k, or with a
+    softcap log2(e) * softcap * tanh(q.k * scale / softcap).
+
+    >>> _score_scales(0.5, 0.0)[0] == 0.5 * _LOG2E, _score_scales(0.5, 10.0) == (0.05, 10.0 * _LOG2E)
+    (True, True)
+    """
+    if softcap > 0:
+        return scale / softcap, softcap * _LOG2E
+    return scale * _LOG2E, 0.0
+
+
 def _tile_pages(page_size: int, block_n: int, window_left: int) -> int:
     """How many pages a tile of ``block_n`` keys touches where it touches whole pages or lies inside one (1), so
     that the kernel loads a block id per page; else 0 (a block id per key). Without a left window every tile
@@ -479,13 +501,14 @@ class DecodePlan:
         launcher(_decode_partial)[(self.m_blocks * splits * b * hkv,)](
             q, k, v, call.kv_seqlens, key_mask, target_o, target_lse, call.block_table, call.cu_seqlens_q, *g.q,
             *g.k, *g.v,
-            *mask_strides, *g.out, *g.lse, g.table, call.scale * _LOG2E, hkv, hq // hkv, lq, lk, d, dv, splits,
+            *mask_strides, *g.out, *g.lse, g.table, *_score_scales(call.scale, call.softcap), hkv, hq // hkv, lq, lk,
+            d, dv, splits,
             self.m_blocks, max(call.window_left, 0), max(right, 0), k.shape[0] if g.page_size else 0,
             HAS_SEQLENS=call.kv_seqlens is not None, CHECK_SEQLENS=check_indices and call.kv_seqlens is not None,
             CHECK_PAGES=check_indices and g.page_size > 0,
             HAS_KEY_MASK=call.key_mask is not None,
             HAS_LEFT=call.window_left >= 0, HAS_RIGHT=right >= 0, HAS_CU_Q=call.cu_seqlens_q is not None,
-            PAGE_SIZE=g.page_size,
+            HAS_SOFTCAP=call.softcap > 0, PAGE_SIZE=g.page_size,
             TILE_PAGES=_tile_pages(g.page_size, self.block_n, call.window_left),
             SINGLE=single, WRITE_LSE=write_lse,
             BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_D=_block_d(d), BLOCK_DV=_block_d(dv),
@@ -566,7 +589,7 @@ class TritonDecodeBackend(Backend):
 
     name = "triton_decode"
     knobs = {"block_n": int, "num_splits": int, "num_warps": int, "num_stages": int}
-    takes = Takes(ops=("attention", "paged"), key_mask=True)
+    takes = Takes(ops=("attention", "paged"), key_mask=True, softcap=True)
     library = TRITON
 
     def supports(self, p: Problem, dev: DeviceInfo, direction: str = "forward") -> str | None:

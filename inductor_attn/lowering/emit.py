@@ -326,7 +326,7 @@ def _call_of(op: str, args: dict, tensors: dict) -> AttnCall:
     if op == "paged":
         return paged_call(tensors["q"], tensors["k_cache"], tensors["v_cache"], tensors["block_table"],
                           tensors["kv_seqlens"], tensors.get("cu_seqlens_q"), int(args["max_seqlen_q"]),
-                          int(args["max_seqlen_k"]), *scalars)
+                          int(args["max_seqlen_k"]), *scalars, float(args["softcap"]))
     return AttnCall("attention", tensors["q"], tensors["k"], tensors["v"], *scalars, tensors.get("kv_seqlens"),
                     key_mask=tensors.get("key_mask"))
 

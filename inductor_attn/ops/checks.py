@@ -216,27 +216,42 @@ def check_scale(scale) -> None:
     and NumPy floats and ints, as F.scaled_dot_product_attention takes them; never bool or a tensor."""
     if scale is None or isinstance(scale, torch.SymFloat):
         return  # under dynamic shapes the default scale is symbolic: its value is checked when it runs
-    if isinstance(scale, torch.Tensor):
-        fail(TypeError, f"scale must be a float, got a Tensor of shape {shape_text(scale.shape)}; pass float(scale) "
+    _check_real("scale", scale)
+
+
+def check_softcap(softcap) -> None:
+    """A real number >= 0 (0: no softcap), taken as :func:`check_scale` takes the scale."""
+    if isinstance(softcap, torch.SymFloat):
+        return
+    if _check_real("softcap", softcap) and softcap < 0:
+        fail(ValueError, f"softcap must be >= 0 (0 = no softcap), got {softcap}")
+
+
+def _check_real(name: str, x) -> bool:
+    """``x`` a real number that converts to float without loss; whether its value was checked (not in traced code,
+    where the op's fake impl checks it)."""
+    if isinstance(x, torch.Tensor):
+        fail(TypeError, f"{name} must be a float, got a Tensor of shape {shape_text(x.shape)}; pass float({name}) "
                         f"(a host sync for a device tensor)")
-    if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
+    if not isinstance(x, numbers.Real) or isinstance(x, bool):
         # torch.compile traces a NumPy scalar as an array (F.scaled_dot_product_attention refuses it there too)
-        traced_numpy = torch.compiler.is_compiling() and type(scale).__module__ == "numpy"
-        accepted = "; in compiled code pass float(scale)" if traced_numpy else " (an int or NumPy scalar works too)"
-        fail(TypeError, f"scale must be a float, got {type(scale).__name__}{accepted}")
-    if torch.compiler.is_dynamo_compiling() and type(scale) is not int:
+        traced_numpy = torch.compiler.is_compiling() and type(x).__module__ == "numpy"
+        accepted = f"; in compiled code pass float({name})" if traced_numpy else " (an int or NumPy scalar works too)"
+        fail(TypeError, f"{name} must be a float, got {type(x).__name__}{accepted}")
+    if torch.compiler.is_dynamo_compiling() and type(x) is not int:
         # traced code (the public functions'), where Dynamo may trace a float argument as a symbol whose value is
         # not known: the op's fake impl checks it at trace time, where the op's float argument has made it a
-        # value (a guard on that value: another scale traces again). An int is a constant there, and only here
+        # value (a guard on that value: another one traces again). An int is a constant there, and only here
         # can one past float's range or precision be told: the op sees the float it became.
-        return
+        return False
     # an int past float's range is compared as an int: float() overflows (inside Dynamo, an internal error)
-    if not (math.isfinite(scale) if type(scale) is not int else abs(scale) < 2 ** 1024):
-        fail(ValueError, f"scale must be finite, got {scale}")
-    if abs(scale) > torch.finfo(torch.float32).max:  # the kernels scale in float32, where it would be inf
-        fail(ValueError, f"scale must be within float32's range (+-3.4e38), got {scale}")
-    if float(scale) != scale:
-        fail(ValueError, f"scale must convert to float without loss, got {scale!r}")
+    if not (math.isfinite(x) if type(x) is not int else abs(x) < 2 ** 1024):
+        fail(ValueError, f"{name} must be finite, got {x}")
+    if abs(x) > torch.finfo(torch.float32).max:  # the kernels compute in float32, where it would be inf
+        fail(ValueError, f"{name} must be within float32's range (+-3.4e38), got {x}")
+    if float(x) != x:
+        fail(ValueError, f"{name} must convert to float without loss, got {x!r}")
+    return True
 
 
 def check_index_tensor(name: str, x, shape: tuple, device: torch.device, layout: str,
@@ -461,7 +476,7 @@ def check_block_sparse_values(k, sparse) -> None:
 
 
 def check_paged(q, k_cache, v_cache, block_table, kv_seqlens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale,
-                window_left, window_right) -> None:
+                window_left, window_right, softcap=0.0) -> None:
     """Everything the paged op needs that does not read tensor values: k_cache and v_cache in the (vLLM,
     FlashAttention) page layout, int32 tables and lengths of one sequence count. The public API passes None
     for max_seqlen_q/k (defaults filled in after this check) and for scale (the default)."""
@@ -516,6 +531,7 @@ def check_paged(q, k_cache, v_cache, block_table, kv_seqlens, cu_seqlens_q, max_
                          f"{max_seqlen_q}): cu_seqlens_q gives no sequence more than max_seqlen_q queries")
     check_scale(scale)
     check_window(window_left, window_right)
+    check_softcap(softcap)
 
 
 def check_paged_values(k_cache, block_table, kv_seqlens, cu_seqlens_q, q, max_seqlen_q, max_seqlen_k) -> None:

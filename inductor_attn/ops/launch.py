@@ -2,10 +2,10 @@
 
 lowering/emit.py replaces an op call decided at compile time by this op where the chosen plan has no
 traced form (FA4's CuTe DSL kernels, Triton configs with host-side TMA descriptors, the reference). Its
-string argument names the plan: direction, choice, scale (and a paged call's max_seqlen_k) and the exact
-problem, so a fresh process that replays the compiled code from Inductor's cache rebuilds the plan from it. Per
-call the op parses nothing and checks nothing (the fake impl checked at trace time): one dictionary lookup, then
-the plan's launch.
+string argument names the plan: direction, choice, scale (and a paged call's max_seqlen_k and softcap) and the
+exact problem, so a fresh process that replays the compiled code from Inductor's cache rebuilds the plan from it.
+Per call the op parses nothing and checks nothing (the fake impl checked at trace time): one dictionary lookup,
+then the plan's launch.
 
 Paged calls decided at compile time whose plan has no traced form (the gather baseline, the reference) come
 here too, their block_table and cu_seqlens_q last, as an op's own tensors.
@@ -41,12 +41,13 @@ _LIB.define("launch(Tensor?[] tensors, str plan) -> Tensor[]")
 def plan_key(direction: str, choice: str, call) -> str:
     """The ``plan`` argument: everything the plan and the call's scalars depend on: direction, choice, the scalars
     that the problem does not hold (the scale; a paged call's max_seqlen_k, which its problem holds rounded up to
-    a power of two) and the problem.
+    a power of two, and its softcap) and the problem.
 
     Tensors (in order): q, k, v, kv_seqlens, key_mask, for the backward out, lse, grad_out, grad_lse, then
     the op's own (``OWN_TENSORS``).
     """
-    scalars = repr(float(call.scale)) + (f",{int(call.max_seqlen_k)}" if call.op == "paged" else "")
+    paged = f",{int(call.max_seqlen_k)},{float(call.softcap)!r}" if call.op == "paged" else ""
+    scalars = repr(float(call.scale)) + paged
     return "|".join((direction, choice, scalars, call.problem.key()))
 
 
@@ -63,10 +64,12 @@ _PLANS: dict[tuple[str, int], tuple] = {}  # (plan string, device index) -> what
 
 def _resolve(plan: str, device: torch.device) -> tuple:
     direction, choice, scalars, problem = plan.split("|", 3)
-    scale, _, max_seqlen_k = scalars.partition(",")
+    scale, *paged = scalars.split(",")
+    max_seqlen_k, softcap = paged or (0, 0.0)  # a paged call's (plan_key)
     p = Problem.from_key(problem)
     launch = None if choice == runtime.CHECKED else runtime.plan_for(p, choice, device_info(device), direction).launch
-    return launch, (float(scale), int(max_seqlen_k or 0)), p, (p.op, direction, choice), registry.state["generation"]
+    return (launch, (float(scale), int(max_seqlen_k), float(softcap)), p, (p.op, direction, choice),
+            registry.state["generation"])
 
 
 def _launch(tensors, plan: str):
@@ -93,8 +96,8 @@ def _launch(tensors, plan: str):
     return result
 
 
-def _call(p: Problem, scalars: tuple[float, int], q, k, v, kv_seqlens, key_mask, own) -> AttnCall:
-    scale, max_seqlen_k = scalars
+def _call(p: Problem, scalars: tuple[float, int, float], q, k, v, kv_seqlens, key_mask, own) -> AttnCall:
+    scale, max_seqlen_k, softcap = scalars
     if p.op == "block_sparse":
         sparse = sparse_mask(q, k, *own, p.block_q, p.block_kv, p.density, p.partial_fraction)
         return AttnCall("block_sparse", q, k, v, scale, sparse=sparse, _problem=p)
@@ -104,7 +107,7 @@ def _call(p: Problem, scalars: tuple[float, int], q, k, v, kv_seqlens, key_mask,
     if p.op == "paged":
         return AttnCall("paged", q, k, v, scale, p.causal, p.window_left, p.window_right, kv_seqlens,
                         cu_seqlens_q=own[1], max_seqlen_q=p.len_q, max_seqlen_k=max_seqlen_k, block_table=own[0],
-                        _problem=p)
+                        softcap=softcap, _problem=p)
     return AttnCall("attention", q, k, v, scale, p.causal, p.window_left, p.window_right, kv_seqlens,
                     key_mask=key_mask, _problem=p)
 
