@@ -97,8 +97,8 @@ def use(model, name: str = NAME):
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     softcap = getattr(config, "attn_logit_softcapping", None)
     if softcap:
-        raise ValueError(f"{NAME} has no logit softcap (the model's config has attn_logit_softcapping={softcap}); "
-                         "use transformers' own attention for this model")
+        raise ValueError(f"{NAME} has no logit softcap in prefill (varlen_attention takes none; the model's config "
+                         f"has attn_logit_softcapping={softcap}); use transformers' own attention for this model")
     sinks = next((f"{n}.{a}" for n, m in model.named_modules() for a in ("sinks", "s_aux")
                   if isinstance(getattr(m, a, None), torch.Tensor)), None)
     if sinks is not None:
@@ -120,7 +120,8 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     if dropout:
         raise ValueError(f"{NAME} runs inference only: dropout must be 0, got {dropout}")
     if softcap is not None:
-        raise ValueError(f"{NAME} has no logit softcap (got softcap={softcap})")
+        raise ValueError(f"{NAME} has no logit softcap in prefill (varlen_attention takes none; got "
+                         f"softcap={softcap})")
     if s_aux is not None or sinks is not None:  # GPT-OSS and others: a learned sink column in every softmax
         raise ValueError(f"{NAME} has no attention sinks (got {'s_aux' if s_aux is not None else 'sinks'}); use "
                          "transformers' own attention for this model")
