@@ -211,6 +211,29 @@ def test_a_softcap_runs_on_the_kernels_that_apply_it_and_keeps_its_own_bucket():
     assert any(name.startswith("triton_decode:") and why is None for name, why in listed.items())
 
 
+@pytest.mark.parametrize("named", [False, True])
+def test_a_compiled_call_with_a_softcap_matches_the_oracle(named, fresh_compile):
+    """Decided while compiling (the softcap reaches the plan from the graph's arguments), or a named split-K choice
+    through the launch op (the softcap in its plan string); two softcaps."""
+    case = CASES["chunked_prefill_softcap_window"]
+    x = pi.make(case)
+    op = torch.ops.inductor_attn.paged_attention
+    choice = "triton_decode:block_n=16,num_splits=2,num_warps=4"
+
+    def fn(q, k, v, table, lens, cu, softcap):
+        if named:
+            return op(q, k, v, table, lens, cu, case.max_seqlen_q, table.shape[1] * case.page_size, case.d ** -0.5,
+                      True, *case.window, softcap, choice)
+        return inductor_attn.paged_attention(q, k, v, table, lens, return_lse=True,
+                                             **(x.kwargs(case) | {"softcap": softcap}))
+
+    compiled = torch.compile(fn, fullgraph=True)
+    with inductor_attn.tuning_mode("autotune"):
+        for softcap in (case.softcap, 0.75):
+            out, lse = compiled(x.q, x.k_cache, x.v_cache, x.block_table, x.kv_seqlens, x.cu_seqlens_q, softcap)
+            _check_against_the_oracle(dataclasses.replace(case, softcap=softcap), x, out, lse)
+
+
 def test_the_gate_uses_a_softcap_that_bends_the_scores():
     case = CASES["decode_softcap"]
     call = _call(dataclasses.replace(case, softcap=50.0), pi.make(case))
