@@ -43,13 +43,15 @@ def _traced_forward(backend: str, problem):
 
 
 def _paged_launch(chunks: bool):
-    """A paged call's traced split-K launch and its meta arguments: B2 Hq16 Hkv4 D64, 16-key pages, a
-    (num_blocks, page_size, Hkv, D) pool, 16 pages per sequence; one query each, or with ``chunks`` 8 query tokens
-    packed by cu_seqlens_q."""
+    """A paged call's traced split-K launch and its meta arguments: B2 Hq16 Hkv4 D64, a (num_blocks, page_size,
+    Hkv, D) pool, 256 keys per sequence; one query each in 16-key pages (a tile spans pages), or with ``chunks`` 8
+    query tokens packed by cu_seqlens_q in 64-key pages (a tile lies in one page: one block id a tile)."""
+    page = 64 if chunks else 16
     with FakeTensorMode():
         q = torch.empty(8 if chunks else 2, 16, 64, dtype=torch.bfloat16, device="meta")
-        k, v = (torch.empty(40, 16, 4, 64, dtype=torch.bfloat16, device="meta") for _ in range(2))
-        table, lens, cu_q = (torch.empty(*shape, dtype=torch.int32, device="meta") for shape in ((2, 16), (2,), (3,)))
+        k, v = (torch.empty(40, page, 4, 64, dtype=torch.bfloat16, device="meta") for _ in range(2))
+        table, lens, cu_q = (torch.empty(*shape, dtype=torch.int32, device="meta")
+                             for shape in ((2, 256 // page), (2,), (3,)))
 
     def call_of(q, k, v, table, lens, cu_q=None):
         return paged_call(q, k, v, table, lens, cu_q, 4 if chunks else 1, 256, 0.125, True, -1, -1)
