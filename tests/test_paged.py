@@ -234,6 +234,14 @@ def test_a_compiled_call_with_a_softcap_matches_the_oracle(named, fresh_compile)
             _check_against_the_oracle(dataclasses.replace(case, softcap=softcap), x, out, lse)
 
 
+def test_a_bad_softcap_is_named_in_compiled_code_too(fresh_compile):
+    case = CASES["decode_softcap"]
+    x = pi.make(case)
+    fn = torch.compile(inductor_attn.paged_attention, fullgraph=True)
+    with pytest.raises(ValueError, match=r"softcap must be >= 0 \(0 = no softcap\), got -2.0"):
+        fn(x.q, x.k_cache, x.v_cache, x.block_table, x.kv_seqlens, softcap=-2.0)
+
+
 def test_the_gate_uses_a_softcap_that_bends_the_scores():
     case = CASES["decode_softcap"]
     call = _call(dataclasses.replace(case, softcap=50.0), pi.make(case))
