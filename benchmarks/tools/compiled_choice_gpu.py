@@ -14,8 +14,9 @@ Per shape, in one process with a fresh decision store: ``inductor_attn.attention
 - wall us per call of the plain forms, ours and stock taking turns (``interleaved_wall_us``);
 - the host probe of every candidate the tune timed (``host_ms``, what the rule weighs) against a loop of the same
   launches, and the probe taken again taking turns with that loop (``ROUNDS`` rounds of two bursts of ``BURST``,
-  medians), and against the compiled call's own cost for a few forced choices (a compiled call of that choice
-  minus a compiled ``q + 1``): the probe must stand for what compiled code pays;
+  medians), the tune's own procedure taken again (every candidate in turns, as ``tuner.host_times`` probes), and
+  against the compiled call's own cost for a few forced choices (a compiled call of that choice minus a compiled
+  ``q + 1``): the probe must stand for what compiled code pays;
 - for the probed shapes and the training step's two directions, FA4's and cuDNN's launches through the launch op,
   called alone and taking turns (``OP_LAUNCHES``): issue 52 asks for FA4's within 1.1x of cuDNN's there.
 
@@ -68,7 +69,7 @@ from inductor_attn.bench.wallclock import BURST, burst_host_us, interleaved_meas
 from inductor_attn.device import device_info
 from inductor_attn.tuning.measure import Direction
 from inductor_attn.tuning.step_cost import entry_point
-from inductor_attn.tuning.timing import host_ms
+from inductor_attn.tuning.timing import host_ms, host_ms_each
 
 SHAPES = {f"{n}{'c' if c else 'f'}": (1, 32, 32, n, 128, c) for n in (512, 2048, 8192) for c in (True, False)}
 FORCED = ("sdpa:kernel=cudnn", "sdpa:kernel=flash", "fa4:default")
@@ -113,8 +114,9 @@ def _devices(rec: dict, choice: str) -> dict:
 
 def probes(rec: dict, call: AttnCall, direction: str) -> list[dict]:
     """Each timed candidate's probe from the record (taken inside the tune) against a loop of the same launches,
-    and the tuner's probe taken again now, taking turns with the loop (``ROUNDS`` rounds): the first ratio is what the
-    rule read, the second whether the probe's method agrees with the loop under the same conditions. With autograd
+    the tuner's probe taken again now, taking turns with the loop (``ROUNDS`` rounds), and the tune's procedure
+    again now (all candidates in turns): the first ratio is what the rule read, the second whether the probe's
+    method agrees with the loop under the same conditions, the third whether the tune's procedure does. With autograd
     off, as the tune probes and compiled code runs (an aten call's autograd dispatch doubled a cuDNN forward's host
     time, tuning/tuner.py)."""
     with torch.no_grad():
@@ -124,11 +126,12 @@ def probes(rec: dict, call: AttnCall, direction: str) -> list[dict]:
 def _probes(rec: dict, call: AttnCall, direction: str) -> list[dict]:
     mode = Direction(direction, call)
     dev = device_info(call.q.device)
-    rows = []
+    rows, launches = [], {}
     for c in rec["candidates"]:
         if c["status"] != "passed" or c.get("host_ms") is None or c["name"].startswith("reference"):
             continue
-        launch = mode.as_compiled_code_runs(plan_for(call.problem, c["name"], dev, direction), call, c["name"])
+        launch = launches[c["name"]] = mode.as_compiled_code_runs(plan_for(call.problem, c["name"], dev, direction),
+                                                                  call, c["name"])
         warm(launch)
         now, loop = [], []
         for _ in range(ROUNDS):
@@ -138,6 +141,12 @@ def _probes(rec: dict, call: AttnCall, direction: str) -> list[dict]:
         rows.append({"name": c["name"], "device_us": c["median_ms"] * 1e3, "probe_us": c["host_ms"] * 1e3,
                      "probe_now_us": now_us, "loop_us": loop_us, "probe_over_loop": c["host_ms"] * 1e3 / loop_us,
                      "probe_now_over_loop": now_us / loop_us})
+    # the tune's own procedure again, now: every candidate in turns, bursts sized by its device time
+    # (timing.host_ms_each as tuner.host_times calls it): beside probe_now (one candidate at a time, in turns with
+    # its loop) it tells whether a tune's probes differ from the loop by the procedure or by the moment
+    again = host_ms_each(launches, call.q.device, device_ms={r["name"]: r["device_us"] / 1e3 for r in rows})
+    for row in rows:
+        row["tune_procedure_now_over_loop"] = again[row["name"]] * 1e3 / row["loop_us"]
     return rows
 
 
@@ -440,14 +449,17 @@ def _choice_lines(choice: dict, commit: str, date: str) -> list[str]:
     ratios = {}  # (call, launch path) -> (probe / loop, probe again / loop), medians over its configs
     for key, group in paths.items():
         probe, loop = (statistics.median(p[k] for p in group) for k in ("probe_us", "loop_us"))
-        again = [p["probe_now_over_loop"] for p in group if p.get("probe_now_over_loop") is not None]
-        ratios[key] = (probe / loop, statistics.median(again) if again else None)
+        again, procedure = ([p[k] for p in group if p.get(k) is not None]
+                            for k in ("probe_now_over_loop", "tune_procedure_now_over_loop"))
+        ratios[key] = (probe / loop, statistics.median(again) if again else None,
+                       statistics.median(procedure) if procedure else None)
     if ratios:
         lines += ["", f"Host probe against a loop of the same launches, {len(ratios)} launch paths (configs pooled, "
                   "as the rule pools them, tuning/step_cost.py; per path in compiled_choice.json): "
                   + "; ".join(_ratio_range(ratios, i, what) for i, what in
                               ((0, "the tune's probe / loop"),
-                               (1, f"the probe taken again, taking turns with the loop ({ROUNDS} rounds) / loop")))
+                               (1, f"the probe taken again, taking turns with the loop ({ROUNDS} rounds) / loop"),
+                               (2, "the tune's procedure again (every candidate in turns) / loop")))
                   + "."]
     costs = ["L{} (its `q + 1` {:.0f} us): {}".format(
         row["shape"], row["compiled_us"]["floor_us"], ", ".join(
