@@ -1167,10 +1167,12 @@ def test_the_paged_suites_smoke_run_measures_a_serving_loop_and_reports_it(refer
     assert len(data["rows"]) == 2 and "continuous_batching" not in data
     (loop,) = data["serving"]
     assert set(loop["paths"]) == {"paged", "contiguous"} and loop["paged_vs_contiguous_err"] < 1e-5
+    assert loop["ops_alone_err"] < 1e-5  # the two decode ops alone, beside their steps
     assert loop["compiles_after_first_pass"] == loop["tunes_after_first_pass"] == 0
     for path in loop["paths"].values():
-        assert path["compiles"] == 1 and {"host_us", "wall_us", "loop_host_us", "first_pass_s"} <= set(path)
-        assert path["kernels"] and all(" -> reference:" in k for k in path["kernels"])  # what ran
+        for timed in (path, path["op_alone"]):
+            assert timed["compiles"] == 1 and {"host_us", "wall_us", "loop_host_us", "first_pass_s"} <= set(timed)
+            assert timed["kernels"] and all(" -> reference:" in k for k in timed["kernels"])  # what ran
     printed = capsys.readouterr().out
     assert "| serving loop | decode op | ran |" in printed and " | paged | `paged/forward -> reference:" in printed
     for row in data["rows"]:
@@ -1346,7 +1348,7 @@ def test_the_results_files_of_one_suite_and_device_make_one_section(tmp_path):
     assert report.update_summary_sections([ops, client], path) == ["Paged KV cache on NVIDIA H200"]
     text = path.read_text()
     assert text.count("<!-- bench paged on NVIDIA H200 -->") == 1 and "`bench --suite paged --part models`" in text
-    assert "| B1 H32/8 D128 page16 Lkv4096->5095, 1000 steps | | | | | | | | | RuntimeError: x |" in text
+    assert "| B1 H32/8 D128 page16 Lkv4096->5095, 1000 steps | | | | | | | | | | RuntimeError: x |" in text
     assert paged.client_table(cb) in text and "`bench --suite paged --part ops`" in text
 
 

@@ -26,9 +26,11 @@ decode op"): ``steps`` decode steps of a ``torch.compile``d function calling ``i
 sequences one key longer each step (the new key written into its slot in the compiled step; the block table, sized
 for the last step so shapes stay static, gets each sequence's next page on the host when its last one is full),
 against the same loop with the contiguous-cache decode op (``inductor_attn.attention`` with ``kv_seqlens``) over the
-same keys. On a fresh decision store: the first pass's compiles (Dynamo graphs) and tunes (decisions it stored);
-then, the two loops taking turns (wallclock.interleaved_loops), host us per step (this thread's CPU time, steps in
-bursts) and wall us per step (a plain run of every step). A compile or tune after the first pass is recorded.
+same keys; and each decode op alone (the same lengths growing, no cache writes: the paged step's writes gather a
+block id before they write a slot, which the contiguous step's do not), reported beside its step. On a fresh
+decision store: the first pass's compiles (Dynamo graphs) and tunes (decisions it stored); then, the four loops
+taking turns (wallclock.interleaved_loops), host us per step (this thread's CPU time, steps in bursts) and wall us
+per step (a plain run of every step). A compile or tune after the first pass is recorded.
 
 transformers' continuous batching (models.continuous_batching): ``generate_batch``'s tokens/s with our attention
 (hf_paged.py) against transformers' own paged paths, and their greedy tokens against eager ``generate``.
@@ -299,10 +301,29 @@ def _contiguous_step(q, k_new, v_new, k_cache, v_cache, lens):
     return attention(q, k_cache, v_cache, kv_seqlens=lens)
 
 
+def _paged_attend(q, k_pool, v_pool, block_table, lens):
+    """The paged step without its cache writes: one key longer, the keys read as the pool holds them. Beside
+    :func:`_contiguous_attend` it times the two decode ops alone, which the steps' writes (a block id gathered, then
+    a slot written, for the pages) would blur."""
+    lens += 1
+    return paged_attention(q, k_pool, v_pool, block_table, lens)
+
+
+def _contiguous_attend(q, k_cache, v_cache, lens):
+    lens += 1
+    return attention(q, k_cache, v_cache, kv_seqlens=lens)
+
+
+# The loops of a serving loop: (name, compiled step, paged): each step one call of its own compiled function
+LOOP_STEPS = (("paged", _paged_step, True), ("contiguous", _contiguous_step, False),
+              ("paged op", _paged_attend, True), ("contiguous op", _contiguous_attend, False))
+
+
 def loop_paths(loop: Loop, device: torch.device, dtype: torch.dtype) -> dict[str, tuple]:
-    """{"paged": (step, restart), "contiguous": (step, restart)}: each step one call of its own compiled function
-    (``own_code``: one compile each); the pools' pages each used once, in random order (a fragmented pool), and
-    the contiguous caches holding the same keys, so both loops' outputs agree."""
+    """{name: (step, restart)} of ``LOOP_STEPS``, each step one call of its own compiled function (``own_code``:
+    one compile each); the pools' pages each used once, in random order (a fragmented pool), and the contiguous
+    caches holding the same keys, so the paged and contiguous loops' outputs agree. A paged loop's block table gets
+    each sequence's next page on the host when its last one is full."""
     gen = torch.Generator(device=device).manual_seed(0)
 
     def randn(*shape):
@@ -316,28 +337,31 @@ def loop_paths(loop: Loop, device: torch.device, dtype: torch.dtype) -> dict[str
     k_new, v_new = (randn(loop.batch, loop.heads_kv, loop.head_dim) for _ in range(2))
     held = -(-(loop.start - 1) // loop.page_size)  # the pages that the keys before the first step fill
     first_table = torch.where(torch.arange(width, device=device) < held, pages, -1).to(torch.int32)
-    table = first_table.clone()
-    lens = {name: torch.empty(loop.batch, dtype=torch.int32, device=device) for name in ("paged", "contiguous")}
-    paged = torch.compile(own_code(_paged_step), fullgraph=True)
-    contiguous = torch.compile(own_code(_contiguous_step), fullgraph=True)
-    new_key = [0]  # the position of the paged loop's next key
-
-    def restart_paged():
-        lens["paged"].fill_(loop.start - 1)
-        table.copy_(first_table)
-        new_key[0] = loop.start - 1
-
-    def paged_step():
-        if new_key[0] % loop.page_size == 0:  # every sequence's last page is full: each gets its next one
-            column = new_key[0] // loop.page_size
-            table[:, column] = pages[:, column]
-        new_key[0] += 1
-        return paged(q, k_new, v_new, k_pool, v_pool, table, lens["paged"])
-
     q4 = q[:, :, None]  # (B, Hq, 1, D): attention's layout
-    return {"paged": (paged_step, restart_paged),
-            "contiguous": (lambda: contiguous(q4, k_new, v_new, k_cache, v_cache, lens["contiguous"]),
-                           lambda: lens["contiguous"].fill_(loop.start - 1))}
+
+    def path(fn, is_paged: bool) -> tuple:
+        compiled = torch.compile(own_code(fn), fullgraph=True)
+        lens = torch.empty(loop.batch, dtype=torch.int32, device=device)
+        new = (k_new, v_new) if fn in (_paged_step, _contiguous_step) else ()
+        if not is_paged:
+            return (lambda: compiled(q4, *new, k_cache, v_cache, lens)), (lambda: lens.fill_(loop.start - 1))
+        table, new_key = first_table.clone(), [0]  # new_key: the position of the loop's next key
+
+        def restart():
+            lens.fill_(loop.start - 1)
+            table.copy_(first_table)
+            new_key[0] = loop.start - 1
+
+        def step():
+            if new_key[0] % loop.page_size == 0:  # every sequence's last page is full: each gets its next one
+                column = new_key[0] // loop.page_size
+                table[:, column] = pages[:, column]
+            new_key[0] += 1
+            return compiled(q, *new, k_pool, v_pool, table, lens)
+
+        return step, restart
+
+    return {name: path(fn, is_paged) for name, fn, is_paged in LOOP_STEPS}
 
 
 class _Since:
@@ -379,10 +403,13 @@ def run_loop(loop: Loop, device: torch.device, rounds: int) -> dict:
         for name, (step, restart) in paths.items():
             row["paths"][name], last[name] = _first_pass(step, restart, loop.steps)
         row["paged_vs_contiguous_err"] = rel_err(last["paged"], last["contiguous"].squeeze(2))
+        row["ops_alone_err"] = rel_err(last["paged op"], last["contiguous op"].squeeze(2))
         since = _Since()
         for name, numbers in interleaved_loops(paths, loop.steps, rounds).items():
             row["paths"][name].update(numbers)
         row["compiles_after_first_pass"], row["tunes_after_first_pass"] = since.counts()
+        for name in ("paged", "contiguous"):  # the op alone goes beside its step: one row per decode op
+            row["paths"][name]["op_alone"] = row["paths"].pop(f"{name} op")
     except Exception as err:  # noqa: BLE001 - one loop's failure must not lose the suite's other numbers
         if strict():
             raise
@@ -435,18 +462,22 @@ def serving_table(rows: list[dict]) -> str:
     """Markdown: per serving loop and path, what its first pass ran, compiled and tuned and its seconds, then host,
     wall and loop host us per step, and what the timed passes compiled or tuned (nothing, if the targets hold)."""
     lines = ["| serving loop | decode op | ran | compiles | tunes | first pass s | host us / step | wall us / step | "
-             "loop host us / step | paged vs contiguous, after the first pass |", "|---" * 10 + "|"]
+             "loop host us / step | the op alone: host / wall us per step | paged vs contiguous, after the first "
+             "pass |", "|---" * 11 + "|"]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['loop']}, {row['steps']} steps | | | | | | | | | {cell(row['error'])} |")
+            lines.append(f"| {row['loop']}, {row['steps']} steps | | | | | | | | | | {cell(row['error'])} |")
             continue
-        note = (f"rel. err {row['paged_vs_contiguous_err']:.1e}; {row['compiles_after_first_pass']} compiles, "
+        alone = f" (the ops alone {row['ops_alone_err']:.1e})" if "ops_alone_err" in row else ""
+        note = (f"rel. err {row['paged_vs_contiguous_err']:.1e}{alone}; {row['compiles_after_first_pass']} compiles, "
                 f"{row['tunes_after_first_pass']} tunes")
         for name, p in row["paths"].items():
             ran = ", ".join(f"`{k}`" for k in p.get("kernels", ()))
+            op = p.get("op_alone")
+            op_text = f"{op['host_us']:.1f} / {op['wall_us']:.1f}" if op else ""
             lines.append(f"| {row['loop']}, {row['steps']} steps | {name} | {ran} | {p['compiles']} | {p['tunes']} | "
                          f"{p['first_pass_s']:.1f} | {p['host_us']:.1f} | {p['wall_us']:.1f} | {p['loop_host_us']:.1f} "
-                         f"| {note if name == 'paged' else ''} |")
+                         f"| {op_text} | {note if name == 'paged' else ''} |")
     return "\n".join(lines)
 
 
