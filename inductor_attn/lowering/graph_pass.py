@@ -85,10 +85,12 @@ class DecisionPass(_Base):
 
 @functools.cache
 def _rule_hash() -> str:
-    """The source of what decides which candidate compiled code runs, given the store's decisions."""
+    """The source of what decides which candidate compiled code runs, given the store's decisions, and of the launch
+    op that runs it (cached code calls it with a plan string in the format of that module's ``plan_key``)."""
     here = Path(__file__).parent
     digest = hashlib.sha256()
-    for path in (here / "emit.py", here / "graph_cost.py", here.parent / "tuning" / "step_cost.py"):
+    for path in (here / "emit.py", here / "graph_cost.py", here.parent / "tuning" / "step_cost.py",
+                 here.parent / "ops" / "launch.py"):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
