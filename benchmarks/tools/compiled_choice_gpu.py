@@ -487,8 +487,10 @@ def _op_launch_text(us: dict) -> str:
     '`sdpa:kernel=cudnn` 40 us, `fa4:default` 46 us (1.15x)'
     """
     parts = [f"`{k}` {v:.0f} us" if isinstance(v, float) else f"`{k}` did not run ({v})" for k, v in us.items()]
-    timed = [v for v in us.values() if isinstance(v, float)]
-    return ", ".join(parts) + (f" ({timed[1] / timed[0]:.2f}x)" if len(timed) == 2 else "")
+    cudnn = us.get("sdpa:kernel=cudnn")
+    fa4 = next((v for k, v in us.items() if k.startswith("fa4:")), None)
+    both = isinstance(cudnn, float) and isinstance(fa4, float)
+    return ", ".join(parts) + (f" ({fa4 / cudnn:.2f}x)" if both else "")
 
 
 def _part_lines(run: Path, corrected) -> list[str]:

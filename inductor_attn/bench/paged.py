@@ -301,20 +301,20 @@ def _contiguous_step(q, k_new, v_new, k_cache, v_cache, lens):
     return attention(q, k_cache, v_cache, kv_seqlens=lens)
 
 
-def _paged_attend(q, k_pool, v_pool, block_table, lens):
-    """The paged step without its cache writes: one key longer, the keys read as the pool holds them. Beside
-    :func:`_contiguous_attend` it times the two decode ops alone, which the steps' writes (a block id gathered, then
-    a slot written, for the pages) would blur."""
+def _paged_attend(q, k_new, v_new, k_pool, v_pool, block_table, lens):
+    """The paged step without its cache writes (``k_new`` and ``v_new`` unread): one key longer, the keys read as
+    the pool holds them. Beside :func:`_contiguous_attend` it times the two decode ops alone, which the steps' writes
+    (a block id gathered, then a slot written, for the pages) would blur."""
     lens += 1
     return paged_attention(q, k_pool, v_pool, block_table, lens)
 
 
-def _contiguous_attend(q, k_cache, v_cache, lens):
+def _contiguous_attend(q, k_new, v_new, k_cache, v_cache, lens):
     lens += 1
     return attention(q, k_cache, v_cache, kv_seqlens=lens)
 
 
-# The loops of a serving loop: (name, compiled step, paged): each step one call of its own compiled function
+# The loops of a serving loop: (name, the function each step calls compiled, whether it reads the pages)
 LOOP_STEPS = (("paged", _paged_step, True), ("contiguous", _contiguous_step, False),
               ("paged op", _paged_attend, True), ("contiguous op", _contiguous_attend, False))
 
@@ -342,9 +342,8 @@ def loop_paths(loop: Loop, device: torch.device, dtype: torch.dtype) -> dict[str
     def path(fn, is_paged: bool) -> tuple:
         compiled = torch.compile(own_code(fn), fullgraph=True)
         lens = torch.empty(loop.batch, dtype=torch.int32, device=device)
-        new = (k_new, v_new) if fn in (_paged_step, _contiguous_step) else ()
         if not is_paged:
-            return (lambda: compiled(q4, *new, k_cache, v_cache, lens)), (lambda: lens.fill_(loop.start - 1))
+            return (lambda: compiled(q4, k_new, v_new, k_cache, v_cache, lens)), (lambda: lens.fill_(loop.start - 1))
         table, new_key = first_table.clone(), [0]  # new_key: the position of the loop's next key
 
         def restart():
@@ -357,7 +356,7 @@ def loop_paths(loop: Loop, device: torch.device, dtype: torch.dtype) -> dict[str
                 column = new_key[0] // loop.page_size
                 table[:, column] = pages[:, column]
             new_key[0] += 1
-            return compiled(q, *new, k_pool, v_pool, table, lens)
+            return compiled(q, k_new, v_new, k_pool, v_pool, table, lens)
 
         return step, restart
 
