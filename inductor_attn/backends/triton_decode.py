@@ -101,6 +101,22 @@ def _tanh(x):
     return tl.where(x < 0, -y, y)
 
 
+@jit()
+def _tile_page_ids(TABLE_ROW, s0, end, offs_n, PAGE_SIZE: tl.constexpr, TILE_PAGES: tl.constexpr):
+    """The block ids of the pages the tile of keys from ``s0`` reads: one where it lies in one page, else each
+    key's page's id, chosen by a select (no per-key load); 0 for pages at or past ``end``, which are never read.
+    Its results address K/V loads only: torch's write analysis of a kernel (wrap_triton) sees no store through
+    TABLE."""
+    if TILE_PAGES == 1:
+        ids = tl.load(TABLE_ROW + s0 // PAGE_SIZE, mask=s0 < end, other=0)
+    else:
+        ids = tl.zeros_like(offs_n)
+        for nth in tl.static_range(TILE_PAGES):
+            page = tl.load(TABLE_ROW + s0 // PAGE_SIZE + nth, mask=s0 + nth * PAGE_SIZE < end, other=0)
+            ids = tl.where(offs_n // PAGE_SIZE == nth, page, ids)
+    return ids
+
+
 # Lengths, split counts and windows change between calls (every decode step without kv_seqlens): never
 # specialise on their values, or Triton would compile a variant for Lk == 1 and for Lk % 16 == 0. The key
 # mask's strides (its batch stride is Lk) likewise.
@@ -159,6 +175,10 @@ def _decode_partial(
     nblk = tl.cdiv(n - lo, BLOCK_N)
     start = lo + (split * nblk // NUM_SPLITS) * BLOCK_N
     end = tl.minimum(lo + ((split + 1) * nblk // NUM_SPLITS) * BLOCK_N, n)
+    offs_n = tl.arange(0, BLOCK_N)
+    if TILE_PAGES > 0:  # the first tile's block ids, loaded before q so that the two latencies overlap; each tile
+        # then loads the next tile's (the loop), so that no K/V load waits on a table load issued just before it
+        next_ids = _tile_page_ids(TABLE + b * stb, start, end, offs_n, PAGE_SIZE, TILE_PAGES)
 
     rows = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
     g = rows // LQ
@@ -181,33 +201,22 @@ def _decode_partial(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
     for s0 in range(start, end, BLOCK_N):
         keys = s0 + offs_n
         key_ok = keys < end
-        # A tile starts at a multiple of BLOCK_N (no left window, _tile_pages): where it lies in one page, or holds
-        # TILE_PAGES whole pages, it loads one block id per page, not one per key
-        if TILE_PAGES > 1:  # each key takes its page's row base by a select: no per-key load, no layout change
-            slot = offs_n % PAGE_SIZE
-            k_rows = slot.to(tl.int64) * skn
-            v_rows = slot.to(tl.int64) * svn
-            for nth in tl.static_range(TILE_PAGES):  # pages past the keys are never read
-                page = tl.load(TABLE + b * stb + s0 // PAGE_SIZE + nth, mask=s0 + nth * PAGE_SIZE < end,
-                               other=0).to(tl.int64)
-                if CHECK_PAGES:
-                    tl.device_assert((page >= 0) & (page < NUM_PAGES), _PAGED_IDS_ASSERT)
-                in_page = offs_n // PAGE_SIZE == nth
-                k_rows = tl.where(in_page, k_rows + page * skb, k_rows)
-                v_rows = tl.where(in_page, v_rows + page * svb, v_rows)
-        elif PAGE_SIZE > 0:  # key j in slot j % PAGE_SIZE of its page; pages past the keys are never read
-            if TILE_PAGES == 1:
-                page = tl.load(TABLE + b * stb + s0 // PAGE_SIZE).to(tl.int64)  # s0 < end <= n: a page n reaches
-                slot = s0 % PAGE_SIZE + offs_n
-            else:
-                page = tl.load(TABLE + b * stb + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
-                slot = keys % PAGE_SIZE
+        if TILE_PAGES > 0:  # a tile lies in one page or holds TILE_PAGES whole pages (_tile_pages): ids per page
+            ids = next_ids.to(tl.int64)
+            next_ids = _tile_page_ids(TABLE + b * stb, s0 + BLOCK_N, end, offs_n, PAGE_SIZE, TILE_PAGES)
             if CHECK_PAGES:  # every page a length reaches is read here, by one split or another
+                tl.device_assert((ids >= 0) & (ids < NUM_PAGES), _PAGED_IDS_ASSERT)
+            slot = s0 % PAGE_SIZE + offs_n % PAGE_SIZE  # one page: s0's offset in it; whole pages: s0 starts one
+            k_rows = ids * skb + slot * skn
+            v_rows = ids * svb + slot * svn
+        elif PAGE_SIZE > 0:  # key j in slot j % PAGE_SIZE of its page; pages past the keys are never read
+            page = tl.load(TABLE + b * stb + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+            if CHECK_PAGES:
                 tl.device_assert((page >= 0) & (page < NUM_PAGES), _PAGED_IDS_ASSERT)
+            slot = keys % PAGE_SIZE
             k_rows = page * skb + slot * skn
             v_rows = page * svb + slot * svn
         else:
