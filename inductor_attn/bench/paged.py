@@ -91,9 +91,9 @@ def shapes(quick: bool, smoke: bool) -> list[Shape]:
     out = []
     for page in (16, 64, 256):
         for batch in (1, 8, 32):
-            for hq, hkv, d in ((32, 8, 128), (16, 2, 256)):
+            for hq, hkv, d in ((32, 8, 128), (16, 2, 256), (32, 32, 128)):  # GQA, few KV heads, MHA
                 for length in (1024, 16384):
-                    representative = length == 16384 and (batch, hkv) in ((1, 2), (8, 8))
+                    representative = length == 16384 and (batch, hkv) in ((1, 2), (8, 8), (1, 32))
                     out.append(Shape(batch, hq, hkv, d, length, page, quick=representative))
         out.append(Shape(4, 32, 8, 128, 4096, page, chunk=16, quick=page == 64))
     return [s for s in out if s.quick] if quick else out
@@ -273,7 +273,10 @@ class Loop:
 # largest where the kernel is shortest)
 LOOPS = (Loop(8, 32, 8, 128, 16, 4096, 1000), Loop(1, 32, 8, 128, 16, 4096, 1000))
 SMOKE_LOOPS = (Loop(2, 4, 2, 32, 16, 44, 8),)  # its keys 43 to 50: the sequences get a page at key 48
-LOOP_ROUNDS = 3
+# Rounds of the loops taking turns. The host's speed moves between two levels about 1.5x apart in spells of 0.2-2 s
+# (benchmarks/tools/host_speed.py), about one loop's turn: with three rounds two ops' host times came out 5-14%
+# apart, either way round (H200, 2026-12-01).
+LOOP_ROUNDS = 9
 
 
 def _paged_step(q, k_new, v_new, k_pool, v_pool, block_table, lens):
