@@ -527,7 +527,7 @@ def client_table(cb: dict) -> str:
                for name, r in impls.items() if r.get("top_kernels_ms")]
     if kernels:
         lines += ["", "The kernels that took most of one call's device time, in ms (a profiled call after the timed "
-                      "ones):", "", *kernels]
+                      "ones):", *kernels]
     if "taking_turns_error" in cb:
         lines += ["", f"- Each ran in a process of its own: {cell(cb['taking_turns_error'])}"]
     if any(r.get("differ_at_near_tie") for r in impls.values()):
