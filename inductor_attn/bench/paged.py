@@ -317,16 +317,19 @@ def _contiguous_attend(q, k_new, v_new, k_cache, v_cache, lens):
     return attention(q, k_cache, v_cache, kv_seqlens=lens)
 
 
-# The loops of a serving loop: (name, the function each step calls compiled, whether it reads the pages)
-LOOP_STEPS = (("paged", _paged_step, True), ("contiguous", _contiguous_step, False),
-              ("paged op", _paged_attend, True), ("contiguous op", _contiguous_attend, False))
+# The loops of a serving loop: (name, the function each step calls compiled, its cache: "contiguous", "paged" (the
+# table gets each page when the keys reach it, as a server's does) or "paged, full table" (every page in the table
+# from the start: the op alone, with nothing on the host but its call)
+LOOP_STEPS = (("paged", _paged_step, "paged"), ("contiguous", _contiguous_step, "contiguous"),
+              ("paged op", _paged_attend, "paged, full table"), ("contiguous op", _contiguous_attend, "contiguous"))
 
 
 def loop_paths(loop: Loop, device: torch.device, dtype: torch.dtype) -> dict[str, tuple]:
     """{name: (step, restart)} of ``LOOP_STEPS``, each step one call of its own compiled function (``own_code``:
     one compile each); the pools' pages each used once, in random order (a fragmented pool), and the contiguous
-    caches holding the same keys, so the paged and contiguous loops' outputs agree. A paged loop's block table gets
-    each sequence's next page on the host when its last one is full."""
+    caches holding the same keys, so the paged and contiguous loops' outputs agree. A paged step's block table gets
+    each sequence's next page on the host when its last one is full; the paged op alone reads a full table (entries
+    past a sequence's length are never read)."""
     gen = torch.Generator(device=device).manual_seed(0)
 
     def randn(*shape):
@@ -342,11 +345,15 @@ def loop_paths(loop: Loop, device: torch.device, dtype: torch.dtype) -> dict[str
     first_table = torch.where(torch.arange(width, device=device) < held, pages, -1).to(torch.int32)
     q4 = q[:, :, None]  # (B, Hq, 1, D): attention's layout
 
-    def path(fn, is_paged: bool) -> tuple:
+    def path(fn, cache: str) -> tuple:
         compiled = torch.compile(own_code(fn), fullgraph=True)
         lens = torch.empty(loop.batch, dtype=torch.int32, device=device)
-        if not is_paged:
+        if cache == "contiguous":
             return (lambda: compiled(q4, k_new, v_new, k_cache, v_cache, lens)), (lambda: lens.fill_(loop.start - 1))
+        if cache == "paged, full table":
+            table = pages.to(torch.int32)
+            restart = lambda: lens.fill_(loop.start - 1)  # noqa: E731
+            return (lambda: compiled(q, k_new, v_new, k_pool, v_pool, table, lens)), restart
         table, new_key = first_table.clone(), [0]  # new_key: the position of the loop's next key
 
         def restart():
@@ -363,7 +370,7 @@ def loop_paths(loop: Loop, device: torch.device, dtype: torch.dtype) -> dict[str
 
         return step, restart
 
-    return {name: path(fn, is_paged) for name, fn, is_paged in LOOP_STEPS}
+    return {name: path(fn, cache) for name, fn, cache in LOOP_STEPS}
 
 
 class _Since:
