@@ -348,16 +348,19 @@ def loop_paths(loop: Loop, device: torch.device, dtype: torch.dtype) -> dict[str
     def path(fn, cache: str) -> tuple:
         compiled = torch.compile(own_code(fn), fullgraph=True)
         lens = torch.empty(loop.batch, dtype=torch.int32, device=device)
+
+        def restart_lengths():
+            lens.fill_(loop.start - 1)
+
         if cache == "contiguous":
-            return (lambda: compiled(q4, k_new, v_new, k_cache, v_cache, lens)), (lambda: lens.fill_(loop.start - 1))
+            return (lambda: compiled(q4, k_new, v_new, k_cache, v_cache, lens)), restart_lengths
         if cache == "paged, full table":
-            table = pages.to(torch.int32)
-            restart = lambda: lens.fill_(loop.start - 1)  # noqa: E731
-            return (lambda: compiled(q, k_new, v_new, k_pool, v_pool, table, lens)), restart
+            full_table = pages.to(torch.int32)
+            return (lambda: compiled(q, k_new, v_new, k_pool, v_pool, full_table, lens)), restart_lengths
         table, new_key = first_table.clone(), [0]  # new_key: the position of the loop's next key
 
         def restart():
-            lens.fill_(loop.start - 1)
+            restart_lengths()
             table.copy_(first_table)
             new_key[0] = loop.start - 1
 
