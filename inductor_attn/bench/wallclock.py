@@ -132,7 +132,8 @@ def interleaved_loops(loops: dict[str, tuple[Callable[[], object], Callable[[], 
     puts the loop back at its start. Per round, the loops taking turns as in ``interleaved_wall_us``: restart,
     one plain run of ``calls`` steps (``wall_us`` and ``loop_host_us``, :func:`_plain_run`), restart, the same
     steps in bursts (``host_us``: :func:`burst_host_us`); the median round's wall and loop host us, and the median
-    host us."""
+    host us, with every round's host us in order (``host_us_rounds``: whether two loops differ in every round, or
+    in the rounds that met the host's slower spells)."""
     plain: dict[str, list[tuple[float, float]]] = {name: [] for name in loops}
     host: dict[str, list[float]] = {name: [] for name in loops}
     for name in _turns(list(loops), rounds):
@@ -141,7 +142,8 @@ def interleaved_loops(loops: dict[str, tuple[Callable[[], object], Callable[[], 
         plain[name].append(_plain_run(step, calls))
         restart()
         host[name].append(burst_host_us(step, calls))
-    return {name: {"host_us": statistics.median(host[name]), **_median_run(plain[name])} for name in loops}
+    return {name: {"host_us": statistics.median(host[name]), "host_us_rounds": host[name], **_median_run(plain[name])}
+            for name in loops}
 
 
 def _median_run(runs: list[tuple[float, float]]) -> dict:
