@@ -14,7 +14,8 @@ Per shape, in one process with a fresh decision store: ``inductor_attn.attention
 - wall us per call of the plain forms, ours and stock taking turns (``interleaved_wall_us``);
 - the host probe of every candidate the tune timed (``host_ms``, what the rule weighs) against a loop of the same
   launches, and the probe taken again taking turns with that loop (``ROUNDS`` rounds of two bursts of ``BURST``,
-  medians), the tune's own procedure taken again (every candidate in turns, as ``tuner.host_times`` probes), and
+  medians), the tune's own procedure taken again (every candidate in turns, as ``tuner.host_times`` probes; each
+  of ``ROUNDS`` rounds against a loop of each candidate taken right after it), and
   against the compiled call's own cost for a few forced choices (a compiled call of that choice minus a compiled
   ``q + 1``): the probe must stand for what compiled code pays;
 - for the probed shapes and the training step's two directions, FA4's and cuDNN's launches through the launch op,
@@ -115,8 +116,9 @@ def _devices(rec: dict, choice: str) -> dict:
 def probes(rec: dict, call: AttnCall, direction: str) -> list[dict]:
     """Each timed candidate's probe from the record (taken inside the tune) against a loop of the same launches,
     the tuner's probe taken again now, taking turns with the loop (``ROUNDS`` rounds), and the tune's procedure
-    again now (all candidates in turns): the first ratio is what the rule read, the second whether the probe's
-    method agrees with the loop under the same conditions, the third whether the tune's procedure does. With autograd
+    again now (all candidates in turns, each round against loops taken right after it): the first ratio is what the
+    rule read, the second whether the probe's method agrees with the loop under the same conditions, the third
+    whether the tune's procedure does. With autograd
     off, as the tune probes and compiled code runs (an aten call's autograd dispatch doubled a cuDNN forward's host
     time, tuning/tuner.py)."""
     with torch.no_grad():
@@ -141,12 +143,19 @@ def _probes(rec: dict, call: AttnCall, direction: str) -> list[dict]:
         rows.append({"name": c["name"], "device_us": c["median_ms"] * 1e3, "probe_us": c["host_ms"] * 1e3,
                      "probe_now_us": now_us, "loop_us": loop_us, "probe_over_loop": c["host_ms"] * 1e3 / loop_us,
                      "probe_now_over_loop": now_us / loop_us})
-    # the tune's own procedure again, now: every candidate in turns, bursts sized by its device time
-    # (timing.host_ms_each as tuner.host_times calls it): beside probe_now (one candidate at a time, in turns with
-    # its loop) it tells whether a tune's probes differ from the loop by the procedure or by the moment
-    again = host_ms_each(launches, call.q.device, device_ms={r["name"]: r["device_us"] / 1e3 for r in rows})
+    # the tune's own procedure again: every candidate in turns, bursts sized by its device time (timing.host_ms_each
+    # as tuner.host_times calls it), each round followed at once by every candidate's loop, the ratio taken per
+    # round: beside probe_now (one candidate at a time) it tells whether a tune's probes differ from a loop by the
+    # procedure or by the moment (the host runs at two speeds in spells of 0.2-2 s: a loop taken seconds from the
+    # procedure may meet the other one)
+    device_ms = {r["name"]: r["device_us"] / 1e3 for r in rows}
+    ratios: dict[str, list[float]] = {name: [] for name in launches}
+    for _ in range(ROUNDS):
+        again = host_ms_each(launches, call.q.device, device_ms=device_ms)
+        for name, launch in launches.items():
+            ratios[name].append(again[name] * 1e3 / burst_host_us(launch, 2 * BURST))
     for row in rows:
-        row["tune_procedure_now_over_loop"] = again[row["name"]] * 1e3 / row["loop_us"]
+        row["tune_procedure_now_over_loop"] = statistics.median(ratios[row["name"]])
     return rows
 
 
