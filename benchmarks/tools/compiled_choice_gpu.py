@@ -15,9 +15,9 @@ Per shape, in one process with a fresh decision store: ``inductor_attn.attention
 - the host probe of every candidate the tune timed (``host_ms``, what the rule weighs) against a loop of the same
   launches, and the probe taken again taking turns with that loop (``ROUNDS`` rounds of two bursts of ``BURST``,
   medians), the tune's own procedure taken again (every candidate in turns, as ``tuner.host_times`` probes; each
-  of ``ROUNDS`` rounds against a loop of each candidate taken right after it), and
-  against the compiled call's own cost for a few forced choices (a compiled call of that choice minus a compiled
-  ``q + 1``): the probe must stand for what compiled code pays;
+  of ``ROUNDS`` rounds against a loop of each candidate taken right after it), and against the compiled call's own
+  cost for a few forced choices (a compiled call of that choice minus a compiled ``q + 1``): the probe must stand
+  for what compiled code pays;
 - for the probed shapes and the training step's two directions, FA4's and cuDNN's launches through the launch op,
   called alone and taking turns (``OP_LAUNCHES``): issue 52 asks for FA4's within 1.1x of cuDNN's there.
 
@@ -118,9 +118,8 @@ def probes(rec: dict, call: AttnCall, direction: str) -> list[dict]:
     the tuner's probe taken again now, taking turns with the loop (``ROUNDS`` rounds), and the tune's procedure
     again now (all candidates in turns, each round against loops taken right after it): the first ratio is what the
     rule read, the second whether the probe's method agrees with the loop under the same conditions, the third
-    whether the tune's procedure does. With autograd
-    off, as the tune probes and compiled code runs (an aten call's autograd dispatch doubled a cuDNN forward's host
-    time, tuning/tuner.py)."""
+    whether the tune's procedure does. With autograd off, as the tune probes and compiled code runs (an aten call's
+    autograd dispatch doubled a cuDNN forward's host time, tuning/tuner.py)."""
     with torch.no_grad():
         return _probes(rec, call, direction)
 

@@ -27,7 +27,8 @@ sequences one key longer each step (the new key written into its slot in the com
 for the last step so shapes stay static, gets each sequence's next page on the host when its last one is full),
 against the same loop with the contiguous-cache decode op (``inductor_attn.attention`` with ``kv_seqlens``) over the
 same keys; and each decode op alone (the same lengths growing, no cache writes: the paged step's writes gather a
-block id before they write a slot, which the contiguous step's do not), reported beside its step. On a fresh
+block id before they write a slot, which the contiguous step's do not; the paged op on a table holding every page
+from the start, so the host does nothing but the call), reported beside its step. On a fresh
 decision store: the first pass's compiles (Dynamo graphs) and tunes (decisions it stored); then, the four loops
 taking turns (wallclock.interleaved_loops), host us per step (this thread's CPU time, steps in bursts) and wall us
 per step (a plain run of every step). A compile or tune after the first pass is recorded.
@@ -274,8 +275,8 @@ class Loop:
 LOOPS = (Loop(8, 32, 8, 128, 16, 4096, 1000), Loop(1, 32, 8, 128, 16, 4096, 1000))
 SMOKE_LOOPS = (Loop(2, 4, 2, 32, 16, 44, 8),)  # its keys 43 to 50: the sequences get a page at key 48
 # Rounds of the loops taking turns. The host's speed moves between two levels about 1.5x apart in spells of 0.2-2 s
-# (benchmarks/tools/host_speed.py), about one loop's turn: with three rounds two ops' host times came out 5-14%
-# apart, either way round (H200, 2026-12-01).
+# (benchmarks/tools/host_speed.py), about one loop's turn, so each loop's median needs rounds enough to meet both;
+# every round's figure is kept (interleaved_loops' host_us_rounds).
 LOOP_ROUNDS = 9
 
 
