@@ -29,8 +29,24 @@ def test_a_host_bound_graph_runs_the_cheapest_launch():
 def test_a_graph_of_the_call_alone_runs_what_makes_the_call_fastest():
     # a compiled attention call alone: ~38 us of frame and guards, no other kernel
     assert _choice(GraphWork(host_ms=0.038, device_ms=0.0)) == FLASH.name
-    big = [LaunchCost("fa4:default", 0.0686, 0.082), LaunchCost("sdpa:kernel=cudnn", 0.0822, 0.041)]  # L2048
-    assert _choice(GraphWork(host_ms=0.038, device_ms=0.0), costs=big) == "sdpa:kernel=cudnn"
+    # L2048: at half the probes' host speed FA4's launch hides behind its kernel, and cuDNN's slower kernel
+    # makes the step slower: the faster kernel stays
+    big = [LaunchCost("fa4:default", 0.0686, 0.082), LaunchCost("sdpa:kernel=cudnn", 0.0822, 0.041)]
+    assert _choice(GraphWork(host_ms=0.038, device_ms=0.0), costs=big) == "fa4:default"
+
+
+def test_a_probe_read_high_at_the_tunes_moment_does_not_trade_a_faster_kernel_away():
+    """B1 H32 L2048 D128 causal on an H200 (2026-12-01): FA3's probe read 2.02x a later loop of its launches, and
+    the rule, taking it at its word, ran cuDNN's kernel, 1.31x slower, in a call device-bound at the loop's speed.
+    At its loop's host time FA3 makes the faster step; which one the probe's speed stands for is unknown."""
+    fa3 = LaunchCost("fa3:num_splits=1", device_ms=0.125, host_ms=0.140 + OP_IN_GRAPH_MS)
+    cudnn = LaunchCost("sdpa:kernel=cudnn", device_ms=0.164, host_ms=0.050)
+    alone = GraphWork(host_ms=0.038, device_ms=0.0)
+    assert _choice(alone, winner=fa3.name, costs=(fa3, cudnn)) == fa3.name
+    # a launch cheaper by far more than any host speed can undo: a host-bound step at every speed
+    slow_kernel = LaunchCost("sdpa:kernel=flash", device_ms=0.130, host_ms=0.020)
+    decode_like = GraphWork(host_ms=4.0, device_ms=0.6)
+    assert _choice(decode_like, calls=8, winner=fa3.name, costs=(fa3, slow_kernel)) == slow_kernel.name
 
 
 def test_the_winner_stays_within_the_tie_margin_of_the_best_step():
@@ -64,11 +80,12 @@ def test_a_kernel_tied_with_the_winners_and_cheaper_to_launch_runs_in_plain_mode
 
 
 def test_buckets_of_one_graph_are_decided_together():
-    """Two dear launches make the graph host-bound (3.5 ms of host against 3.0 of device); one cheap launch
-    makes it device-bound again (3.05), and the other bucket then keeps its fast kernel (both cheap: 3.1)."""
-    costs = [LaunchCost("fast", 1.0, 1.0), LaunchCost("cheap", 1.05, 0.1)]
+    """Two dear launches make the graph host-bound (5.5 ms of host against 4.0 of device); one cheap launch
+    makes it device-bound again (3.6 against 4.05), and the other bucket then keeps its fast kernel (both
+    cheap: 4.1)."""
+    costs = [LaunchCost("fast", 1.0, 2.0), LaunchCost("cheap", 1.05, 0.1)]
     buckets = {"fwd": Bucket("fast", costs, 1), "bwd": Bucket("fast", costs, 1)}
-    chosen = choose_for_graph(buckets, GraphWork(host_ms=1.5, device_ms=1.0))
+    chosen = choose_for_graph(buckets, GraphWork(host_ms=1.5, device_ms=2.0))
     assert sorted(choice for choice, _ in chosen.values()) == ["cheap", "fast"]
     assert "host" in chosen["fwd"][1] or "host" in chosen["bwd"][1]
 
