@@ -201,6 +201,47 @@ def compiled_costs(call: AttnCall) -> dict:
     return out | {choice: us - out["floor_us"] for choice, us in host.items()}
 
 
+class GcInProbes:
+    """The garbage collections that ran while a tune probed host times (``tuner._Search.host_times``), per
+    generation: count and ms, in ``tunes`` (one dict per tune since the last :meth:`take`). The probes are CPU time,
+    so a collection inside a burst is charged to the launch that triggered it."""
+
+    def __init__(self):
+        from inductor_attn.tuning import tuner
+
+        self.tunes, self._inside, self._start = [], False, None
+        real = tuner._Search.host_times
+
+        def host_times(search, names):
+            self.tunes.append({})
+            self._inside = True
+            try:
+                return real(search, names)
+            finally:
+                self._inside = False
+
+        tuner._Search.host_times = host_times
+        gc.callbacks.append(self._note)
+
+    def _note(self, phase: str, info: dict) -> None:
+        if not self._inside:
+            return
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            n, ms = self.tunes[-1].get(info["generation"], (0, 0.0))
+            self.tunes[-1][info["generation"]] = (n + 1, ms + (time.perf_counter() - self._start) * 1e3)
+            self._start = None
+
+    def take(self) -> list[dict]:
+        taken, self.tunes = self.tunes, []
+        return [{f"gen{g}": {"collections": n, "ms": round(ms, 2)} for g, (n, ms) in sorted(t.items())}
+                for t in taken]
+
+
+GC_IN_PROBES: GcInProbes | None = None
+
+
 def prefill(name: str, b, hq, hkv, n, d, causal, with_probes: bool) -> dict:
     torch._dynamo.reset()
     inductor_attn.reset_stats()
@@ -227,6 +268,7 @@ def prefill(name: str, b, hq, hkv, n, d, causal, with_probes: bool) -> dict:
            "wall_us": walls, "wall_ours_over_stock": walls["ours"] / walls["stock"]}
     p = row["plain"]
     row["plain"]["device_bound"] = bool(p["device_ms"] and p["host_ms"] and p["device_ms"] > p["host_ms"])
+    row["gc_in_host_probes"] = GC_IN_PROBES.take()
     if with_probes:
         row["probes"] = probes(rec, call, "forward")
         row["compiled_us"] = compiled_costs(call)
@@ -281,7 +323,8 @@ def training() -> dict:
             failed[" + ".join(pair)] = f"{type(err).__name__}: {str(err)[:200]}"
     measured = interleaved_measure(steps) | {name: {"error": why} for name, why in failed.items()}
     walls = {name: m["wall_us"] for name, m in measured.items() if "wall_us" in m}
-    row = {"stats": stats, "wall_us": {name: walls[name] for name in ("ours", "stock")},
+    row = {"stats": stats, "gc_in_host_probes": GC_IN_PROBES.take(),
+           "wall_us": {name: walls[name] for name in ("ours", "stock")},
            "wall_ours_over_stock": walls["ours"] / walls["stock"], "steps": measured}
     for direction, rec in records.items():
         row[direction] = _devices(rec, _choice_of(stats, direction))
@@ -601,6 +644,8 @@ def main() -> None:
         result["spell"] = spell()
         print(json.dumps({k: v for k, v in result["spell"].items() if k != "windows"}), flush=True)
     else:
+        global GC_IN_PROBES
+        GC_IN_PROBES = GcInProbes()
         result["prefill"] = []
         for shape in args.shapes:
             row = prefill(shape, *SHAPES[shape], with_probes=shape in args.probes)
