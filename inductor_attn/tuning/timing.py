@@ -18,7 +18,6 @@ A call's device time split by kernel (torch.profiler) is bench/wallclock.py's ``
 
 from __future__ import annotations
 
-import gc
 import math
 import statistics
 import time
@@ -86,12 +85,6 @@ def host_ms_each(launches: dict, device: torch.device, warmup: int = 10, bursts:
             for _ in range(warmup):
                 launch()
             sync(device)
-        # A tune inside a compile probes while the compile's young objects await the collector, whose passes are
-        # then triggered by allocations and charged to the launches that allocate Python objects: there a tune's
-        # probes of launches through the launch op (FA3, FA4, Triton's launcher) read 1.62-2.02x a later loop of
-        # the same launches, while aten calls read 0.98-1.06x (H200, 2026-12-01, compiled_choice_gpu.py). One
-        # full collection first leaves the probes the collector's steady-state share, as compiled code meets it.
-        gc.collect()
         sizes = {name: burst_calls((device_ms or {}).get(name), calls) for name in launches}
         for _ in range(bursts):
             for name, launch in launches.items():
