@@ -223,8 +223,8 @@ decision <key>  attention/forward
   winner:           b:x=1  (default a:default)
   why:              2.000x faster than the default a:default (95% CI 2.000-2.000; tie margin 2.0%)
   compiled code:    under CUDA graphs: b:x=1 (device time only)
-                    plain launches, H - D < -0.791 ms: b:x=1
-                    plain launches, H - D >= -0.791 ms: a:default
+                    plain launches, H - D < 0.087 ms: b:x=1
+                    plain launches, H - D >= 0.087 ms: a:default
   search:           staged (margin 1.25x)
   noise:            not measured: the two fastest are 2.000x apart (> 1.10x): not timed again
   seconds:          compile 0.02, gate 0.02, timing 0.02, host 0.01, total 0.15
