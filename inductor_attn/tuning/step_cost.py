@@ -166,12 +166,12 @@ def _robustly_faster(step, challenger, incumbent) -> bool:
     host-bound step's cost shrinks with the host's speed while the margin is a share of the whole step: HF Llama's
     B1 L512 training forward (8 calls, 4.2 ms of other host time) kept FA4's launch, 37 us dearer than cuDNN's per
     call, for a kernel 1.6 us faster, when the margin was asked at half the probes' speed too (H200, 2026-12-01)."""
-    def gain(f: float) -> tuple[float, float]:
+    def steps(f: float) -> tuple[float, float]:
         return step(challenger, f * (1 + HOST_ERROR)), step(incumbent, f * (1 - HOST_ERROR))
 
-    nominal_challenger, nominal_incumbent = gain(1.0)
-    return (nominal_challenger * (1 + TIE_MARGIN) < nominal_incumbent
-            and all(a <= b for a, b in map(gain, _scales())))
+    challenger_ms, incumbent_ms = steps(1.0)
+    return (challenger_ms * (1 + TIE_MARGIN) < incumbent_ms
+            and all(a <= b for a, b in map(steps, _scales())))
 
 
 def choose_for_graph(buckets: dict, rest: GraphWork | None) -> dict:
