@@ -303,8 +303,8 @@ def explain_choice(winner: str, costs: list[LaunchCost]) -> list[str]:
     >>> for line in explain_choice("fa4", [LaunchCost("fa4", 0.014, 0.045), LaunchCost("sdpa", 0.023, 0.015)]):
     ...     print(line)
     under CUDA graphs: fa4 (device time only)
-    plain launches, H - D < -0.017 ms: fa4
-    plain launches, H - D >= -0.017 ms: sdpa
+    plain launches, H - D < 0.003 ms: fa4
+    plain launches, H - D >= 0.003 ms: sdpa
     """
     lines = [f"under CUDA graphs: {winner} (device time only)"]
     bucket = Bucket(winner, costs)
