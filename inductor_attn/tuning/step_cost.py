@@ -54,6 +54,8 @@ HOST_ERROR = 0.1
 # probes' speed can be device-bound at the host's real one, where a cheaper launch of a slower kernel loses.
 HOST_SCALES = (0.5, 2.0)
 SCALE_STEPS = 17  # host scales checked, geometrically spaced over HOST_SCALES, 1 among them
+_SCALES = tuple(HOST_SCALES[0] * (HOST_SCALES[1] / HOST_SCALES[0]) ** (i / (SCALE_STEPS - 1))
+                for i in range(SCALE_STEPS))
 # What compiled code pays for a call through the launch op beyond the op called alone (the tune's probe): a
 # compiled function making one such call against a compiled ``q + 1`` plus the op's probe, B1 H32 D128 L512 and
 # L2048 causal on an H200: 15-21 us for FA4, SDPA flash and cuDNN plans through the op (2026-11-29, one run),
@@ -154,11 +156,6 @@ class Bucket:
     calls: int = 1
 
 
-def _scales() -> list[float]:
-    low, high = HOST_SCALES
-    return [low * (high / low) ** (i / (SCALE_STEPS - 1)) for i in range(SCALE_STEPS)]
-
-
 def _robustly_faster(step, challenger, incumbent) -> bool:
     """Whether ``step(challenger, host_factor)`` beats ``step(incumbent, host_factor)`` with the challenger's host
     times ``HOST_ERROR`` higher and the incumbent's that much lower: by more than the tie margin at the probes'
@@ -171,7 +168,7 @@ def _robustly_faster(step, challenger, incumbent) -> bool:
 
     challenger_ms, incumbent_ms = steps(1.0)
     return (challenger_ms * (1 + TIE_MARGIN) < incumbent_ms
-            and all(a <= b for a, b in map(steps, _scales())))
+            and all(a <= b for a, b in map(steps, _SCALES)))
 
 
 def choose_for_graph(buckets: dict, rest: GraphWork | None) -> dict:
