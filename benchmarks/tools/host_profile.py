@@ -10,6 +10,7 @@
     PYTHONPATH=. python benchmarks/tools/host_profile.py --loop [--case CASE] [--mode MODE]
     PYTHONPATH=. python benchmarks/tools/host_profile.py --guards [--case CASE] [--mode MODE]
     PYTHONPATH=. python benchmarks/tools/host_profile.py --continuous-batching IMPLEMENTATION
+    PYTHONPATH=. python benchmarks/tools/host_profile.py --serving-loop B1 [--output-code DIR]
 
 For each backend (only it and the reference are registered, so the tuner must pick it): host us per call
 of the compiled function, of the plan's launch called directly, and a cProfile of the compiled calls
@@ -36,6 +37,12 @@ reference), so that two trees compare one backend's launch, whatever their tunes
 (bench/models.py) with that attention (``inductor_attn`` or one of transformers' paged paths, e.g.
 ``flash_attention_3``): seconds per call after a warm-up call, and a cProfile of one call (top entries by own
 time, then by cumulative time): where a host-bound serving loop spends its Python, ours against transformers'.
+
+``--serving-loop {B1,B8}``: the paged suite's serving loop of that batch (bench/paged.py ``LOOPS``): its four
+paths in the suite's rounds, each round's host us and paged/contiguous per round (the ratio of two loops taken
+next to each other); then the two decode ops alone (no cache writes) compared as above, with Dynamo's frame and
+guards alone of each, and their generated code written to ``--output-code`` DIR if given: whether the paged op
+costs the host more than the contiguous one, and where.
 
 ``--output-code DIR``: Inductor's generated code of stock compiled SDPA and of ours, written to DIR (one file
 per graph, forward and backward), for one of the overhead suite's calls as the suite writes them (``--case``,
@@ -66,6 +73,7 @@ import contextlib
 import cProfile
 import io
 import pstats
+import statistics
 
 import torch
 
@@ -98,9 +106,13 @@ def main() -> None:
                         "and Dynamo's frame and guards alone")
     parser.add_argument("--continuous-batching", metavar="IMPLEMENTATION",
                         help="profile transformers' generate_batch with this attention")
+    parser.add_argument("--serving-loop", choices=["B1", "B8"], help="the paged suite's serving loop of this batch")
     args = parser.parse_args()
     if args.continuous_batching:
         continuous_batching(args.continuous_batching)
+        return
+    if args.serving_loop:
+        serving_loop(int(args.serving_loop[1:]), args.calls or 500, args.output_code)
         return
     only = (only_backends(get_backend(args.only), REFERENCE) if args.only else contextlib.nullcontext())
     if args.training:
@@ -173,6 +185,48 @@ def continuous_batching(implementation: str) -> None:
     for order, rows in (("tottime", 30), ("cumulative", 45)):
         stats.sort_stats(order).print_stats(rows)
     print("\n".join(line for line in text.getvalue().splitlines() if line.strip()))
+
+
+def serving_loop(batch: int, calls: int, out_dir: str | None) -> None:
+    """``--serving-loop``: the module doc's serving-loop anatomy."""
+    from inductor_attn.bench.paged import LOOP_ROUNDS, LOOPS, loop_paths, run_loop
+
+    loop = next(x for x in LOOPS if x.batch == batch)
+    device = torch.device("cuda")
+    row = run_loop(loop, device, LOOP_ROUNDS)
+    if "error" in row:
+        raise SystemExit(f"{loop.name}: {row['error']}")
+    paths = row["paths"]
+    print(f"== {loop.name}: host us per step in each of {LOOP_ROUNDS} rounds (the suite's loops), paged / contiguous")
+    for kind in ("", "op_alone"):
+        paged, contiguous = ((paths[n][kind] if kind else paths[n]) for n in ("paged", "contiguous"))
+        ratios = [a / b for a, b in zip(paged["host_us_rounds"], contiguous["host_us_rounds"])]
+        print(f"   {'the ops alone' if kind else 'the steps'}: "
+              + "; ".join(f"{a:.1f}/{b:.1f}" for a, b in zip(paged["host_us_rounds"], contiguous["host_us_rounds"]))
+              + f"\n      ratio per round {', '.join(f'{r:.3f}' for r in ratios)}; median {statistics.median(ratios):.3f}")
+
+    def restarting(step, restart):
+        """The step, put back at the loop's start every ``loop.steps`` calls, so that any number of calls stays
+        within the cache."""
+        done = [0]
+        restart()
+
+        def call():
+            if done[0] == loop.steps:
+                restart()
+                done[0] = 0
+            done[0] += 1
+            return step()
+        return call
+
+    ops = {name: restarting(*loop_paths(loop, device, torch.bfloat16)[name]) for name in ("paged op", "contiguous op")}
+    if out_dir:
+        write_code(out_dir, ops)
+    frames = loop_paths(loop, device, torch.bfloat16, compile_step=lambda fn: torch.compile(own_code(fn),
+                                                                                             backend=_frozen))
+    steps = {**ops, **{f"{name}: Dynamo frame + guards only": restarting(*frames[name])
+                       for name in ("paged op", "contiguous op")}}
+    compare(steps, calls, taking_turns=True)
 
 
 LLAMA_MAX_CALLS = 250  # within bench/models.py's DECODE_ROOM (512) less the warm-up's, settle's, host bursts',

@@ -325,12 +325,14 @@ LOOP_STEPS = (("paged", _paged_step, "paged"), ("contiguous", _contiguous_step, 
               ("paged op", _paged_attend, "paged, full table"), ("contiguous op", _contiguous_attend, "contiguous"))
 
 
-def loop_paths(loop: Loop, device: torch.device, dtype: torch.dtype) -> dict[str, tuple]:
+def loop_paths(loop: Loop, device: torch.device, dtype: torch.dtype, compile_step=None) -> dict[str, tuple]:
     """{name: (step, restart)} of ``LOOP_STEPS``, each step one call of its own compiled function (``own_code``:
-    one compile each); the pools' pages each used once, in random order (a fragmented pool), and the contiguous
+    one compile each; ``compile_step`` compiles them otherwise, as benchmarks/tools/host_profile.py's Dynamo frame
+    alone); the pools' pages each used once, in random order (a fragmented pool), and the contiguous
     caches holding the same keys, so the paged and contiguous loops' outputs agree. A paged step's block table gets
     each sequence's next page on the host when its last one is full; the paged op alone reads a full table (entries
     past a sequence's length are never read)."""
+    compile_step = compile_step or (lambda fn: torch.compile(own_code(fn), fullgraph=True))
     gen = torch.Generator(device=device).manual_seed(0)
 
     def randn(*shape):
@@ -347,7 +349,7 @@ def loop_paths(loop: Loop, device: torch.device, dtype: torch.dtype) -> dict[str
     q4 = q[:, :, None]  # (B, Hq, 1, D): attention's layout
 
     def path(fn, cache: str) -> tuple:
-        compiled = torch.compile(own_code(fn), fullgraph=True)
+        compiled = compile_step(fn)
         lens = torch.empty(loop.batch, dtype=torch.int32, device=device)
 
         def restart_lengths():
