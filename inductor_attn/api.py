@@ -11,9 +11,10 @@ from .layout import conform
 from .ops import BlockSparseMask, attention_op, block_sparse_attention_op, varlen_attention_op
 # The checks by name, not through their module: Dynamo reaches the module from the checks' own globals too, and
 # one object reached two ways gets a guard evaluated in Python on every compiled call.
-from .ops.checks import (KV_SEQLENS_VALUES, MAX_INT32, check_attention, check_attention_values, check_block_sparse,
-                         check_block_sparse_values, check_bool, check_kv_seqlens, check_paged, check_paged_values,
-                         check_scale, check_varlen, check_varlen_values, check_window, device_message, fail,
+from .ops.checks import (KV_SEQLENS_VALUES, MAX_INT32, PAGED_BLOCK_IDS, PAGED_KV_SEQLENS_VALUES, check_attention,
+                         check_attention_values, check_block_sparse, check_block_sparse_values, check_bool,
+                         check_cu_seqlens_values, check_kv_seqlens, check_paged, check_paged_values, check_scale,
+                         check_softcap, check_varlen, check_varlen_values, check_window, device_message, fail,
                          refuse_forward_ad, refuse_grad, refuse_to_trace)
 from .problem import default_scale
 from .runtime import CHECKED
@@ -21,6 +22,7 @@ from .runtime import CHECKED
 # The compiled kv_seqlens check as the traced path writes it: the builtin and its text, read from this module alone.
 _device_assert = _compat.assert_async
 _KV_SEQLENS_ASSERT = device_message(KV_SEQLENS_VALUES)
+_PAGED_SEQLENS_ASSERT, _PAGED_IDS_ASSERT = (device_message(m) for m in (PAGED_KV_SEQLENS_VALUES, PAGED_BLOCK_IDS))
 # The op's overload, one guard where its CustomOpDef (attention_op) costs Dynamo four
 _ATTENTION = torch.ops.inductor_attn.attention.default
 _PAGED = torch.ops.inductor_attn.paged_attention.default
@@ -388,6 +390,49 @@ def paged_attention(q, k_cache, v_cache, block_table, kv_seqlens, *, cu_seqlens_
 
     Returns out (total_q, Hq, Dv). A query row that sees no key gives zeros (lse -inf).
     """
+    if (torch.compiler.is_compiling() and layout in ("NHD", "HND") and isinstance(q, torch.Tensor)
+            and isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
+            and isinstance(block_table, torch.Tensor) and isinstance(kv_seqlens, torch.Tensor)
+            and q.dim() == 3 and k_cache.dim() == v_cache.dim() == 4 and block_table.dim() == 2
+            and q.layout == k_cache.layout == v_cache.layout == torch.strided
+            and q.is_floating_point() and q.element_size() > 1 and q.dtype == k_cache.dtype == v_cache.dtype
+            and block_table.dtype == kv_seqlens.dtype == torch.int32 and kv_seqlens.shape == block_table.shape[:1]
+            and q.device == block_table.device == kv_seqlens.device
+            and not (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad)
+            and (cu_seqlens_q is None or isinstance(cu_seqlens_q, torch.Tensor) and cu_seqlens_q.dtype == torch.int32
+                 and cu_seqlens_q.shape == (block_table.shape[0] + 1,) and max_seqlen_q is not None)
+            and (max_seqlen_q is None or type(max_seqlen_q) is int)
+            and (max_seqlen_k is None or type(max_seqlen_k) is int)):
+        # Traced by Dynamo, as attention()'s fast path: every global and helper a compiled call passes through is a
+        # guard checked on every call (the checked path below made a serving loop's paged step 83 guards against the
+        # contiguous decode's 21). The op's fake impl makes check_paged's structural checks, with the same messages;
+        # arguments of the wrong type, rank or dtype, a gradient to refuse and a max_seqlen_q to read take the
+        # checked path, as do fp8 (one byte; the message names fp8_attention) and lengths or a table that the
+        # value checks could not index. Those checks are check_paged_values' device asserts, from this module's
+        # names, ahead of the op in the graph (the lowering drops them where the kernel asserts the same).
+        for name, flag in (("causal", causal), ("return_lse", return_lse), ("check_indices", check_indices)):
+            if flag is not True and flag is not False:
+                check_bool(name, flag)
+        if scale is not None:
+            check_scale(scale)
+        if softcap is not None:
+            check_softcap(softcap)
+        if layout == "HND":
+            k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+        left, right = (-1, -1) if window is None else _window(window, causal)
+        page_size = k_cache.shape[1]
+        max_seqlen_q = 1 if max_seqlen_q is None else max_seqlen_q
+        max_seqlen_k = block_table.shape[1] * page_size if max_seqlen_k is None else max_seqlen_k
+        if check_indices:
+            reached = torch.arange(block_table.shape[1], device=block_table.device) * page_size < kv_seqlens[:, None]
+            ids = torch.where(reached, block_table, 0)
+            _device_assert(((kv_seqlens >= 0) & (kv_seqlens <= max_seqlen_k)).all(), _PAGED_SEQLENS_ASSERT)
+            _device_assert(((ids >= 0) & (ids < k_cache.shape[0])).all(), _PAGED_IDS_ASSERT)
+            if cu_seqlens_q is not None:
+                check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
+        out, lse = _PAGED(q, k_cache, v_cache, block_table, kv_seqlens, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
+                          _scale(scale, q), causal, left, right, 0.0 if softcap is None else softcap, "")
+        return (out, lse) if return_lse else out
     for name, flag in (("causal", causal), ("return_lse", return_lse), ("check_indices", check_indices)):
         check_bool(name, flag)
     if layout not in PAGE_LAYOUTS:

@@ -570,6 +570,41 @@ def test_compiled_call_refuses_bad_flags_and_out_of_range_sizes_naming_the_argum
         torch.compile(call, fullgraph=True)(Q, K, V)
 
 
+PAGED_ARGS = (t(2, 4, 16), t(3, 4, 2, 16), t(3, 4, 2, 16), i32(0, 1, 2, 0).view(2, 2), i32(5, 3))
+COMPILED_BAD_PAGED = {  # the traced fast path leaves these to the op's fake impl or to the checked path
+    "causal_str": (dict(causal="yes"), TypeError, r"^causal must be a bool"),
+    "layout": (dict(layout="NDH"), ValueError, r"^layout must be one of 'NHD' \(num_blocks, page_size"),
+    "softcap": (dict(softcap=-2.0), ValueError, r"^softcap must be >= 0"),
+    "max_seqlen_k_float": (dict(max_seqlen_k=8.0), TypeError, r"^max_seqlen_k must be an int"),
+    "max_seqlen_k_past_table": (dict(max_seqlen_k=9), ValueError,
+                                r"^max_seqlen_k must be in \[1, block_table.shape\[1\] \* page_size\] = \[1, 8\]"),
+    "max_seqlen_q_decode": (dict(max_seqlen_q=2), ValueError, r"^without cu_seqlens_q, each sequence has one query"),
+    "q_four_dims": (dict(q=t(2, 4, 1, 16)), ValueError, r"^q must have 3 dims"),
+    "heads": (dict(q=t(2, 3, 16)), ValueError, r"^q heads \(3\) must be a multiple of k/v heads \(2\)"),
+    "table_int64": (dict(block_table=torch.zeros(2, 2, dtype=torch.int64)), TypeError,
+                    r"^block_table must have dtype int32"),
+    "lengths_shape": (dict(kv_seqlens=i32(5, 3, 1)), ValueError, r"^kv_seqlens must have shape \(2,\)"),
+    "page_size": (dict(k_cache=t(1, 300, 2, 16), v_cache=t(1, 300, 2, 16)), ValueError,
+                  r"^page_size \(k_cache.shape\[1\] in the NHD layout\) must be in \[1, 256\]"),
+    "mixed_dtypes": (dict(v_cache=t(3, 4, 2, 16).half()), TypeError, r"^v_cache has dtype torch.float16 but q has"),
+    "grad": (dict(q=t(2, 4, 16).requires_grad_()), ValueError, r"^paged_attention is forward only"),
+    "cu_seqlens_q_shape": (dict(cu_seqlens_q=i32(0, 1, 2, 2), max_seqlen_q=1), ValueError,
+                           r"^cu_seqlens_q must have shape \(num_seqs \+ 1,\) = \(3,\)"),
+    "max_seqlen_q_unread": (dict(cu_seqlens_q=i32(0, 1, 2)), ValueError, r"^max_seqlen_q is None: it is read from"),
+}
+
+
+@pytest.mark.parametrize("change, error, message", COMPILED_BAD_PAGED.values(), ids=COMPILED_BAD_PAGED.keys())
+def test_a_compiled_paged_call_refuses_bad_input_naming_the_argument(change, error, message, fresh_dynamo, caplog):
+    names = ("q", "k_cache", "v_cache", "block_table", "kv_seqlens")
+    given = dict(zip(names, PAGED_ARGS)) | change
+    tensors = [given.pop(name) for name in names]
+    fn = torch.compile(lambda *args: paged_attention(*args, **given), fullgraph=True)
+    with caplog.at_level("ERROR"), pytest.raises(error, match=message):
+        fn(*tensors)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]  # no traceback logged before our error
+
+
 def test_a_compiled_call_of_mixed_dtypes_reads_as_our_error_alone(fresh_dynamo, caplog):
     # raised in the op's fake impl, a TypeError is first logged with its traceback by FakeTensorMode
     with caplog.at_level("ERROR"), pytest.raises(TypeError, match=r"^k has dtype torch.float16 but q has"):

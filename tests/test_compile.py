@@ -173,18 +173,25 @@ def test_a_compiled_call_is_guarded_in_cpp_only_as_compiled_sdpa_is():
     def sdpa(q, k, v):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
+    table = torch.arange(4, dtype=torch.int32)[None]  # k and v as one sequence's pool of four 16-key pages
+
+    def ours_paged(q, k, v):
+        return inductor_attn.paged_attention(q[:, :, 0], k[0].unflatten(1, (4, 16)).permute(1, 2, 0, 3),
+                                             v[0].unflatten(1, (4, 16)).permute(1, 2, 0, 3), table, lens)
+
     python_guards, guarded = {}, {}
-    for fn in (ours, ours_decode, sdpa):
+    for fn in (ours, ours_decode, ours_paged, sdpa):
         torch.compile(fn, backend="eager", fullgraph=True)(q, k, v)
         (entry,) = _debug_get_cache_entry_list(fn.__code__)
         python_guards[fn.__name__] = entry.guard_manager.root.get_epilogue_lambda_guards()
         guarded[fn.__name__] = entry.guard_manager.code_parts
-    assert python_guards == {"ours": [], "ours_decode": [], "sdpa": []}
+    assert python_guards == {"ours": [], "ours_decode": [], "ours_paged": [], "sdpa": []}
     # Every function and global Dynamo reads is guarded on every call: the op's fake impl checks the arguments
     # while tracing, so a traced dense call does not pass through the API's copy of those checks; the default
     # scale skips check_scale and the default window calls no helper; the op is reached as its overload (one
     # guard, where the CustomOpDef costs four).
     ours_checks = ("check_attention", "check_kv_seqlens", "check_index_tensor", "assert_on_device", "make_call",
-                   "check_scale", "_window", "attention_op", "_zero_size")
-    for name in ("ours", "ours_decode"):
+                   "check_scale", "_window", "attention_op", "_zero_size", "check_paged", "refuse_grad", "check_bool",
+                   "PAGE_LAYOUTS")
+    for name in ("ours", "ours_decode", "ours_paged"):
         assert not [part for part in guarded[name] if any(check in part for check in ours_checks)], name

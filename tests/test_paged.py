@@ -60,12 +60,14 @@ def _check_against_the_oracle(case, x, out, lse):
     assert check_output(out, lse, ref_out, ref_lse, case.dtype) is None
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("name", CASES)
-def test_paged_attention_matches_a_naive_page_by_page_oracle(name):
+def test_paged_attention_matches_a_naive_page_by_page_oracle(name, compiled, fresh_compile):
+    """Eagerly, and compiled through the API's traced fast path (layouts, windows, softcaps, chunked prefill)."""
     case = CASES[name]
     x = pi.make(case)
-    out, lse = inductor_attn.paged_attention(x.q, x.k_cache, x.v_cache, x.block_table, x.kv_seqlens,
-                                             return_lse=True, **x.kwargs(case))
+    fn = torch.compile(inductor_attn.paged_attention, fullgraph=True) if compiled else inductor_attn.paged_attention
+    out, lse = fn(x.q, x.k_cache, x.v_cache, x.block_table, x.kv_seqlens, return_lse=True, **x.kwargs(case))
     _check_against_the_oracle(case, x, out, lse)
 
 
