@@ -1233,7 +1233,7 @@ def test_implementations_of_one_client_entry_take_turns_call_by_call(monkeypatch
     got = models._continuous_entry("a+b", "full")["implementations"]
     assert order == ["a", "b"] + ["a", "b", "b", "a", "a", "b"] + ["a", "b"]  # warm-ups, turns, profiled calls
     assert got["a"]["taking_turns"] == ["b"] and got["b"]["taking_turns"] == ["a"]
-    assert got["a"]["timed_s"] == [0.5] * 3 and got["b"]["tokens_per_s"] == 4.0
+    assert got["a"]["timed_s"] == got["a"]["turns_s"] == [0.5] * 3 and got["b"]["tokens_per_s"] == 4.0
     seconds["a"] = 0.6 * models.CB_TIMED_BUDGET_S  # a's budget ends after its second call: b stops with it
     got = models._continuous_entry("a+b", "full")["implementations"]
     assert len(got["a"]["timed_s"]) == len(got["b"]["timed_s"]) == 2
@@ -1313,6 +1313,13 @@ def test_the_client_table_gives_the_median_call_its_range_and_where_the_gpu_spen
     assert "| `x` | 1000 (750-1200) | 0.67 |" in text and "| `y` | 1500 | 1.00 |" in text
     assert "GPU busy 0.45 s of a 0.60 s call" in text
     assert f"- inductor_attn: `{('_decode_partial' + '_' * 80)[:paged.KERNEL_NAME_CHARS]}` 120, `nvjet_gemm` 90" in text
+    # taking turns, ours is measured against its partner turn by turn: the median of the calls' ratios (here 1.0,
+    # 1.2, 0.5: each turn's partner call over ours), not the ratio of the two medians (0.67)
+    ours |= {"taking_turns": ["flash_attention_3"], "turns_s": [0.5, 0.8, 0.6]}
+    fa3 |= {"taking_turns": ["inductor_attn"], "turns_s": [0.5, 0.4, 0.72], "timed_s": [0.4, 0.5, 0.72]}
+    text = paged.client_table(cb)
+    assert "| `x` | 1000 (750-1200) | 1.00 |" in text
+    assert "/ best built-in: the median of 3 turns' ratios (0.50-1.20)" in text
 
 
 def test_a_serving_loops_first_pass_counts_the_buckets_it_tuned_and_the_timed_passes_none(monkeypatch):

@@ -299,8 +299,11 @@ CB_LENGTHS = (128, 183, 238, 293, 347, 402, 457, 512)
 CB_PER_LENGTH = 4
 CB_NEW_TOKENS = 128
 # timed generate_batch calls per implementation, after the warm-up one: one call generates 4k tokens in 0.6-0.8 s
-# on an H200, and one timed call's tokens/s moved by up to 25% between runs of one implementation (2026-11-29)
-CB_TIMED_RUNS = 5
+# on an H200, and one timed call's tokens/s moved by up to 25% between runs of one implementation (2026-11-29); ours
+# and FA3's path, taking turns, 0.69-0.80 against 0.66-0.77 s over three calls each with the same Python per call
+# (2026-12-01, benchmarks/tools/host_profile.py --continuous-batching): the turns' ratios need calls enough to
+# settle.
+CB_TIMED_RUNS = 15
 # Timed calls stop once they add up to this many seconds (one at least): transformers' SDPA paged path takes
 # ~9 s a call on an H200, 14x ours, and five of them pushed the suite past a device call's time.
 CB_TIMED_BUDGET_S = 20.0
@@ -415,7 +418,8 @@ def _continuous_entry(implementation: str, size: str) -> dict:
     """``reference``: eager ``generate``'s greedy tokens, one batch per prompt length. Else ``generate_batch``
     with ``implementation`` (``OURS`` or a ``BUILT_IN`` key) on one manager: the first call warms up (CUDA graphs,
     compiles, tunes: ``first_run_s``), the next ``CB_TIMED_RUNS`` are timed (fewer where they reach
-    ``CB_TIMED_BUDGET_S``): new tokens per second of the median one (``timed_s``: each one's seconds, sorted), then
+    ``CB_TIMED_BUDGET_S``): new tokens per second of the median one (``timed_s``: each one's seconds, sorted;
+    ``turns_s``: in call order, where implementations take turns), then
     one profiled call (``_device_kernels``). Records the attention implementations that ran (transformers may
     switch), the tokens, and for ours the kernels.
 
@@ -454,7 +458,8 @@ def _continuous_entry(implementation: str, size: str) -> dict:
             "tokens_per_s": sum(map(len, tokens)) / statistics.median(seconds), "timed_s": seconds,
             "first_run_s": first_s[name], "transformers": transformers.__version__, **profiled[name],
             "kernels": _ours_ran() if name == OURS else None, "tokens": tokens,
-            **({"taking_turns": [n for n in names if n != name]} if len(names) > 1 else {})}
+            **({"taking_turns": [n for n in names if n != name], "turns_s": [s for _, s in runs[name]]}
+               if len(names) > 1 else {})}
     return results[names[0]] if len(names) == 1 else {"implementations": results}
 
 
