@@ -185,7 +185,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, wind
     if (block_mask is None and torch.compiler.is_compiling() and isinstance(q, torch.Tensor)
             and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and q.dim() == k.dim() == v.dim() == 4
             and q.layout == k.layout == v.layout == torch.strided  # nested ones: their sizes are no ints
-            and q.is_floating_point() and q.dtype == k.dtype == v.dtype
+            and q.is_floating_point() and q.element_size() > 1 and q.dtype == k.dtype == v.dtype
             and (kv_seqlens is None or isinstance(kv_seqlens, torch.Tensor))
             and (key_mask is None or isinstance(key_mask, torch.Tensor) and key_mask.dtype == torch.bool)
             and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] != 0):
@@ -193,8 +193,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, wind
         # those guards on every call: the op's fake impl makes the structural checks (check_attention, with the
         # same messages); the default scale skips check_scale (only _scale's default_scale runs) and the default
         # window calls no helper, nor do flags that are bools. Zero sizes (which never reach the op), and arguments
-        # of the wrong type, rank or dtype, take the checked path: a TypeError raised in a fake impl is logged
-        # with a traceback by FakeTensorMode before it reaches the user, and a rank below 3 cannot be indexed.
+        # of the wrong type, rank or dtype (fp8 among them: one byte), take the checked path: a TypeError raised in
+        # a fake impl is logged with a traceback by FakeTensorMode before it reaches the user, and a rank below 3
+        # cannot be indexed.
         for name, flag in (("causal", causal), ("return_lse", return_lse), ("check_indices", check_indices)):
             if flag is not True and flag is not False:
                 check_bool(name, flag)

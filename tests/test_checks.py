@@ -587,6 +587,8 @@ COMPILED_BAD_PAGED = {  # the traced fast path leaves these to the op's fake imp
     "page_size": (dict(k_cache=t(1, 300, 2, 16), v_cache=t(1, 300, 2, 16)), ValueError,
                   r"^page_size \(k_cache.shape\[1\] in the NHD layout\) must be in \[1, 256\]"),
     "mixed_dtypes": (dict(v_cache=t(3, 4, 2, 16).half()), TypeError, r"^v_cache has dtype torch.float16 but q has"),
+    "fp8": ({name: x.to(torch.float8_e4m3fn) for name, x in zip(("q", "k_cache", "v_cache"), PAGED_ARGS)}, TypeError,
+            r"^q has dtype torch.float8_e4m3fn; supported dtypes are"),
     "grad": (dict(q=t(2, 4, 16).requires_grad_()), ValueError, r"^paged_attention is forward only"),
     "cu_seqlens_q_shape": (dict(cu_seqlens_q=i32(0, 1, 2, 2), max_seqlen_q=1), ValueError,
                            r"^cu_seqlens_q must have shape \(num_seqs \+ 1,\) = \(3,\)"),
@@ -605,10 +607,15 @@ def test_a_compiled_paged_call_refuses_bad_input_naming_the_argument(change, err
     assert not [r for r in caplog.records if r.levelname == "ERROR"]  # no traceback logged before our error
 
 
-def test_a_compiled_call_of_mixed_dtypes_reads_as_our_error_alone(fresh_dynamo, caplog):
+@pytest.mark.parametrize("q, k, message", [
+    (Q, K.half(), r"^k has dtype torch.float16 but q has"),
+    (Q.to(torch.float8_e4m3fn), K.to(torch.float8_e4m3fn), r"^q has dtype torch.float8_e4m3fn; supported dtypes are "
+                                                           r".*go to inductor_attn.fp8_attention"),
+], ids=["mixed", "fp8"])
+def test_a_compiled_call_of_a_wrong_dtype_reads_as_our_error_alone(q, k, message, fresh_dynamo, caplog):
     # raised in the op's fake impl, a TypeError is first logged with its traceback by FakeTensorMode
-    with caplog.at_level("ERROR"), pytest.raises(TypeError, match=r"^k has dtype torch.float16 but q has"):
-        torch.compile(lambda q, k, v: attention(q, k, v), fullgraph=True)(Q, K.half(), V)
+    with caplog.at_level("ERROR"), pytest.raises(TypeError, match=message):
+        torch.compile(lambda q, k, v: attention(q, k, v), fullgraph=True)(q, k, k)
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
 
 
