@@ -200,10 +200,10 @@ def serving_loop(batch: int, calls: int, out_dir: str | None) -> None:
     print(f"== {loop.name}: host us per step in each of {LOOP_ROUNDS} rounds (the suite's loops), paged / contiguous")
     for kind in ("", "op_alone"):
         paged, contiguous = ((paths[n][kind] if kind else paths[n]) for n in ("paged", "contiguous"))
-        ratios = [a / b for a, b in zip(paged["host_us_rounds"], contiguous["host_us_rounds"])]
-        print(f"   {'the ops alone' if kind else 'the steps'}: "
-              + "; ".join(f"{a:.1f}/{b:.1f}" for a, b in zip(paged["host_us_rounds"], contiguous["host_us_rounds"]))
-              + f"\n      ratio per round {', '.join(f'{r:.3f}' for r in ratios)}; median {statistics.median(ratios):.3f}")
+        rounds = list(zip(paged["host_us_rounds"], contiguous["host_us_rounds"]))
+        ratios = ", ".join(f"{a / b:.3f}" for a, b in rounds)
+        print(f"   {'the ops alone' if kind else 'the steps'}: " + "; ".join(f"{a:.1f}/{b:.1f}" for a, b in rounds)
+              + f"\n      ratio per round {ratios}; median {statistics.median(a / b for a, b in rounds):.3f}")
 
     def restarting(step, restart):
         """The step, put back at the loop's start every ``loop.steps`` calls, so that any number of calls stays
