@@ -11,11 +11,11 @@ from .layout import conform
 from .ops import BlockSparseMask, attention_op, block_sparse_attention_op, varlen_attention_op
 # The checks by name, not through their module: Dynamo reaches the module from the checks' own globals too, and
 # one object reached two ways gets a guard evaluated in Python on every compiled call.
-from .ops.checks import (KV_SEQLENS_VALUES, MAX_INT32, PAGED_BLOCK_IDS, PAGED_KV_SEQLENS_VALUES, check_attention,
-                         check_attention_values, check_block_sparse, check_block_sparse_values, check_bool,
-                         check_cu_seqlens_values, check_kv_seqlens, check_paged, check_paged_values, check_scale,
-                         check_softcap, check_varlen, check_varlen_values, check_window, device_message, fail,
-                         refuse_forward_ad, refuse_grad, refuse_to_trace)
+from .ops.checks import (KV_SEQLENS_VALUES, MAX_INT32, PAGED_BLOCK_IDS, PAGED_KV_SEQLENS_VALUES, assert_cu_seqlens,
+                         check_attention, check_attention_values, check_block_sparse, check_block_sparse_values,
+                         check_bool, check_kv_seqlens, check_paged, check_paged_values, check_scale, check_softcap,
+                         check_varlen, check_varlen_values, check_window, device_message, fail, refuse_forward_ad,
+                         refuse_grad, refuse_to_trace)
 from .problem import default_scale
 from .runtime import CHECKED
 
@@ -26,9 +26,19 @@ _PAGED_SEQLENS_ASSERT, _PAGED_IDS_ASSERT = (device_message(m) for m in (PAGED_KV
 # The op's overload, one guard where its CustomOpDef (attention_op) costs Dynamo four
 _ATTENTION = torch.ops.inductor_attn.attention.default
 _PAGED = torch.ops.inductor_attn.paged_attention.default
+_VARLEN = torch.ops.inductor_attn.varlen_attention.default
+# The ops' SymInt arguments are int64: a traced fast path sends a larger int to the checked path, whose message
+# names it (_decided: a size read with .item() has no value while tracing).
+_INT64_BOUND = 2 ** 63
 # Page layouts: how a pool's dims are ordered. HND pools (FlashInfer's) are viewed as NHD: the kernels take strides.
 PAGE_LAYOUTS = {"NHD": "(num_blocks, page_size, kv_heads, head_dim)",
                 "HND": "(num_blocks, kv_heads, page_size, head_dim)"}
+
+
+def _decided(expr) -> bool:
+    """_compat.guard_or_false for the traced fast paths, where Dynamo has imported it: reached through this module's
+    ``torch`` (through _compat's, Dynamo would guard the two paths' sameness in Python on every call)."""
+    return torch.fx.experimental.symbolic_shapes.guard_or_false(expr)
 
 
 def checked() -> str:
@@ -191,15 +201,15 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, wind
             and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] != 0):
         # Traced by Dynamo, which guards every global and function a compiled call passes through and checks
         # those guards on every call: the op's fake impl makes the structural checks (check_attention, with the
-        # same messages); the default scale skips check_scale (only _scale's default_scale runs) and the default
-        # window calls no helper, nor do flags that are bools. Zero sizes (which never reach the op), and arguments
-        # of the wrong type, rank or dtype (fp8 among them: one byte), take the checked path: a TypeError raised in
-        # a fake impl is logged with a traceback by FakeTensorMode before it reaches the user, and a rank below 3
-        # cannot be indexed.
+        # same messages); a float scale skips check_scale (its `torch` is a second path to this module's, which
+        # Dynamo guards in Python) and the default window calls no helper, nor do flags that are bools. Zero sizes
+        # (which never reach the op), and arguments of the wrong type, rank or dtype (fp8 among them: one byte),
+        # take the checked path: a TypeError raised in a fake impl is logged with a traceback by FakeTensorMode
+        # before it reaches the user, and a rank below 3 cannot be indexed.
         for name, flag in (("causal", causal), ("return_lse", return_lse), ("check_indices", check_indices)):
             if flag is not True and flag is not False:
                 check_bool(name, flag)
-        if scale is not None:
+        if scale is not None and type(scale) is not float:  # a float's value is the fake impl's to check
             check_scale(scale)
         left, right = (-1, -1) if window is None else _window(window, causal)
         if kv_seqlens is not None and check_indices:  # the values' device-side assert goes before the kernel
@@ -330,6 +340,31 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
 
     total_q, Hq or total_k of 0 run no kernel: empty outputs, or with no keys zeros and lse = -inf.
     """
+    if (torch.compiler.is_compiling() and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+            and isinstance(v, torch.Tensor) and q.dim() == k.dim() == v.dim() == 3
+            and q.layout == k.layout == v.layout == torch.strided
+            and q.is_floating_point() and q.element_size() > 1 and q.dtype == k.dtype == v.dtype
+            and isinstance(cu_seqlens_q, torch.Tensor) and isinstance(cu_seqlens_k, torch.Tensor)
+            and cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32 and cu_seqlens_q.dim() == 1
+            and cu_seqlens_q.shape == cu_seqlens_k.shape and q.device == cu_seqlens_q.device == cu_seqlens_k.device
+            and type(max_seqlen_q) is int and type(max_seqlen_k) is int  # (a traced SymInt's type reads int too)
+            and not _decided(max_seqlen_q >= _INT64_BOUND) and not _decided(max_seqlen_k >= _INT64_BOUND)
+            and q.shape[0] * q.shape[1] * k.shape[0] != 0):
+        # Traced by Dynamo: as attention()'s fast path (why there). The op's fake impl makes check_varlen's checks;
+        # max_seqlen_q/k to read from the lengths (a graph break), zero sizes and arguments of the wrong type, rank
+        # or dtype take the checked path.
+        for name, flag in (("causal", causal), ("return_lse", return_lse), ("check_indices", check_indices)):
+            if flag is not True and flag is not False:
+                check_bool(name, flag)
+        if scale is not None and type(scale) is not float:  # a float's value is the fake impl's to check
+            check_scale(scale)
+        left, right = (-1, -1) if window is None else _window(window, causal)
+        if check_indices:
+            assert_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
+            assert_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
+        out, lse = _VARLEN(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, _scale(scale, q), causal,
+                           left, right, "")
+        return (out, lse) if return_lse else out
     for name, flag in (("causal", causal), ("return_lse", return_lse), ("check_indices", check_indices)):
         check_bool(name, flag)
     refuse_forward_ad("varlen_attention", {"q": q, "k": k, "v": v})
@@ -402,8 +437,8 @@ def paged_attention(q, k_cache, v_cache, block_table, kv_seqlens, *, cu_seqlens_
             and not (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad)
             and (cu_seqlens_q is None or isinstance(cu_seqlens_q, torch.Tensor) and cu_seqlens_q.dtype == torch.int32
                  and cu_seqlens_q.shape == (block_table.shape[0] + 1,) and max_seqlen_q is not None)
-            and (max_seqlen_q is None or type(max_seqlen_q) is int)
-            and (max_seqlen_k is None or type(max_seqlen_k) is int)):
+            and (max_seqlen_q is None or type(max_seqlen_q) is int and not _decided(max_seqlen_q >= _INT64_BOUND))
+            and (max_seqlen_k is None or type(max_seqlen_k) is int and not _decided(max_seqlen_k >= _INT64_BOUND))):
         # Traced by Dynamo, as attention()'s fast path: every global and helper a compiled call passes through is a
         # guard checked on every call (the checked path below made a serving loop's paged step 83 guards against the
         # contiguous decode's 21). The op's fake impl makes check_paged's structural checks, with the same messages;
@@ -414,9 +449,9 @@ def paged_attention(q, k_cache, v_cache, block_table, kv_seqlens, *, cu_seqlens_
         for name, flag in (("causal", causal), ("return_lse", return_lse), ("check_indices", check_indices)):
             if flag is not True and flag is not False:
                 check_bool(name, flag)
-        if scale is not None:
+        if scale is not None and type(scale) is not float:  # a float's value is the fake impl's to check
             check_scale(scale)
-        if softcap is not None:
+        if softcap is not None and type(softcap) is not float:
             check_softcap(softcap)
         if layout == "HND":
             k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
@@ -427,10 +462,11 @@ def paged_attention(q, k_cache, v_cache, block_table, kv_seqlens, *, cu_seqlens_
         if check_indices:
             reached = torch.arange(block_table.shape[1], device=block_table.device) * page_size < kv_seqlens[:, None]
             ids = torch.where(reached, block_table, 0)
-            _device_assert(((kv_seqlens >= 0) & (kv_seqlens <= max_seqlen_k)).all(), _PAGED_SEQLENS_ASSERT)
+            _device_assert(((kv_seqlens >= 0) & (kv_seqlens <= min(max_seqlen_k, MAX_INT32))).all(),
+                           _PAGED_SEQLENS_ASSERT)  # min: past int32, the op's checks refuse it while tracing
             _device_assert(((ids >= 0) & (ids < k_cache.shape[0])).all(), _PAGED_IDS_ASSERT)
             if cu_seqlens_q is not None:
-                check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
+                assert_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
         out, lse = _PAGED(q, k_cache, v_cache, block_table, kv_seqlens, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
                           _scale(scale, q), causal, left, right, 0.0 if softcap is None else softcap, "")
         return (out, lse) if return_lse else out

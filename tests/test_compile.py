@@ -168,30 +168,41 @@ def test_a_compiled_call_is_guarded_in_cpp_only_as_compiled_sdpa_is():
         return inductor_attn.attention(q, k, v, causal=True)
 
     def ours_decode(q, k, v):
-        return inductor_attn.attention(q[:, :, :1], k, v, kv_seqlens=lens)
+        return inductor_attn.attention(q[:, :, :1], k, v, kv_seqlens=lens, scale=0.125)
 
     def sdpa(q, k, v):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
     table = torch.arange(4, dtype=torch.int32)[None]  # k and v as one sequence's pool of four 16-key pages
+    cu_seqlens_q = torch.tensor([0, 64], dtype=torch.int32)
 
-    def ours_paged(q, k, v):
-        return inductor_attn.paged_attention(q[:, :, 0], k[0].unflatten(1, (4, 16)).permute(1, 2, 0, 3),
-                                             v[0].unflatten(1, (4, 16)).permute(1, 2, 0, 3), table, lens)
+    def ours_paged(q, k, v):  # a chunk of 64 queries, a scale and a softcap
+        return inductor_attn.paged_attention(q[0].transpose(0, 1), k[0].unflatten(1, (4, 16)).permute(1, 2, 0, 3),
+                                             v[0].unflatten(1, (4, 16)).permute(1, 2, 0, 3), table, lens,
+                                             cu_seqlens_q=cu_seqlens_q, max_seqlen_q=64, scale=0.125, softcap=30.0)
+
+    cu_seqlens = torch.tensor([0, 24, 64], dtype=torch.int32)
+
+    def ours_varlen(q, k, v):  # two packed sequences
+        return inductor_attn.varlen_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                                              cu_seqlens, cu_seqlens, 40, 40, causal=True, scale=0.125)
 
     python_guards, guarded = {}, {}
-    for fn in (ours, ours_decode, ours_paged, sdpa):
+    for fn in (ours, ours_decode, ours_paged, ours_varlen, sdpa):
         torch.compile(fn, backend="eager", fullgraph=True)(q, k, v)
         (entry,) = _debug_get_cache_entry_list(fn.__code__)
         python_guards[fn.__name__] = entry.guard_manager.root.get_epilogue_lambda_guards()
         guarded[fn.__name__] = entry.guard_manager.code_parts
-    assert python_guards == {"ours": [], "ours_decode": [], "ours_paged": [], "sdpa": []}
+    assert python_guards == {"ours": [], "ours_decode": [], "ours_paged": [], "ours_varlen": [], "sdpa": []}
     # Every function and global Dynamo reads is guarded on every call: the op's fake impl checks the arguments
-    # while tracing, so a traced dense call does not pass through the API's copy of those checks; the default
-    # scale skips check_scale and the default window calls no helper; the op is reached as its overload (one
-    # guard, where the CustomOpDef costs four).
+    # while tracing, so a traced dense call does not pass through the API's copy of those checks; a float scale
+    # skips check_scale and the default window calls no helper; the op is reached as its overload (one guard,
+    # where the CustomOpDef costs four). The paged call's value checks are device asserts made from api.py's
+    # own names and checks.assert_cu_seqlens, which reaches no torch of its own.
     ours_checks = ("check_attention", "check_kv_seqlens", "check_index_tensor", "assert_on_device", "make_call",
                    "check_scale", "_window", "attention_op", "_zero_size", "check_paged", "refuse_grad", "check_bool",
-                   "PAGE_LAYOUTS")
-    for name in ("ours", "ours_decode", "ours_paged"):
-        assert not [part for part in guarded[name] if any(check in part for check in ours_checks)], name
+                   "PAGE_LAYOUTS", "check_softcap", "check_cu_seqlens", "check_varlen", "varlen_attention_op")
+    for name in ("ours", "ours_decode", "ours_paged", "ours_varlen"):
+        packed = name in ("ours_paged", "ours_varlen")  # their cu_seqlens' value asserts
+        refused = [c for c in ours_checks if not (packed and c == "assert_on_device")]
+        assert not [part for part in guarded[name] if any(check in part for check in refused)], name

@@ -370,7 +370,7 @@ def check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 def check_cu_seqlens_values(name: str, cu: torch.Tensor, total, max_len) -> None:
     """One side of :func:`check_varlen_values` (``name`` ends in q or k: the side its messages name)."""
     if values_deferred(cu):
-        _assert_cu_seqlens(name, cu, total, max_len)
+        assert_cu_seqlens(name, cu, total, max_len)
         return
     values = cu.tolist()
     if values[0] != 0:
@@ -384,13 +384,17 @@ def check_cu_seqlens_values(name: str, cu: torch.Tensor, total, max_len) -> None
         raise ValueError(f"max_seqlen_{name[-1]} ({max_len}) is smaller than the longest sequence ({max(lengths)})")
 
 
-def _assert_cu_seqlens(name: str, cu: torch.Tensor, total, max_len) -> None:
+def assert_cu_seqlens(name: str, cu: torch.Tensor, total, max_len) -> None:
+    """The values' checks of ``cu`` as device asserts (compiled code). It names no global that reaches ``torch``, so
+    that the API's traced fast paths may call it without Dynamo adding a guard in Python (api.py)."""
     side = name[-1]
     lengths = cu[1:] - cu[:-1]
     assert_on_device(cu[0] == 0, f"{name} must start at 0")
     assert_on_device((lengths >= 0).all(), f"{name} must be non-decreasing (monotone)")
     assert_on_device(cu[-1] == total, f"{name}[-1] must equal the total tokens of {side} ({side}.shape[0])")
-    assert_on_device(lengths.max() <= max_len, f"max_seqlen_{side} must be >= the longest sequence in {name}")
+    # int32 lengths never pass MAX_INT32, and a larger bound (the op's checks refuse it) would overflow the comparison
+    assert_on_device(lengths.max() <= min(max_len, MAX_INT32),
+                     f"max_seqlen_{side} must be >= the longest sequence in {name}")
 
 
 def check_block_sparse(q, k, v, sparse, scale) -> None:
