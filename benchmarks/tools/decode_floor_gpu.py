@@ -1,6 +1,7 @@
 """Where split-K decode's time goes: ``triton_decode`` against a kernel that only reads the same bytes.
 
     PYTHONPATH=. python benchmarks/tools/decode_floor_gpu.py --out DIR      (about a minute on an H100)
+    PYTHONPATH=. python benchmarks/tools/decode_floor_gpu.py --out DIR --shapes 1,16,2,256,65536 ...
     PYTHONPATH=. python benchmarks/tools/decode_floor_gpu.py --out DIR --sweep
     PYTHONPATH=. python benchmarks/tools/decode_floor_gpu.py --out DIR --replay-cost
     PYTHONPATH=. python benchmarks/tools/decode_floor_gpu.py --out DIR --paged
@@ -15,7 +16,9 @@ For each decode target of issue #4 (bf16, Lq 1, no kv_seqlens):
    on this device under this timer;
 3. SDPA (enable_gqa) as users call it.
 Fractions are of the copy bandwidth the benchmark measures (``bench.runner.measure_copy_gbps``), bytes
-as the benchmark counts them (``bench.metrics.decode_bytes``). Writes DIR/decode_floor_gpu.json.
+as the benchmark counts them (``bench.metrics.decode_bytes``). Writes DIR/decode_floor_gpu.json. ``--shapes``
+measures others (B,Hq,Hkv,D,Lkv each): the few-KV-head shape at longer caches, say, where its bytes outgrow
+the start and end of a kernel.
 
 ``--sweep``: the few-KV-head shape (B1 Hq16 Hkv2 D256 Lkv16k) over knobs the tuner does not search (pipeline
 stages, block_n 16, 2 warps) and the combine's column tile, each config with its kernels' device times:
@@ -286,6 +289,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--replay-cost", action="store_true")
     parser.add_argument("--paged", action="store_true")
+    parser.add_argument("--shapes", nargs="+", metavar="B,Hq,Hkv,D,Lkv",
+                        type=lambda text: tuple(int(n) for n in text.split(",")), default=SHAPES)
     args = parser.parse_args()
     if args.replay_cost:
         rows = replay_cost()
@@ -309,7 +314,7 @@ def main() -> None:
         write(args.out, "decode_sweep_gpu.json", dict(meta=run_meta(), case=case_name(SWEEP_SHAPE), rows=rows))
         return
     copy_gbps = measure_copy_gbps(torch.device("cuda"), CudaGraphTimer())
-    results = [run_shape(shape, copy_gbps) for shape in SHAPES]
+    results = [run_shape(shape, copy_gbps) for shape in args.shapes]
     print(f"copy bandwidth {copy_gbps:.0f} GB/s")
     print(f"{'case':30} {'ours us':>8} {'of copy':>8} {'read us':>8} {'of copy':>8} {'SDPA us':>8}  ours kernels (us)")
     for r in results:
