@@ -70,6 +70,18 @@ def _window(window, causal: bool) -> tuple[int, int]:
     fail(TypeError, f"window must be None, an int or a (left, right) pair of ints, got {got}")
 
 
+def _traced_arguments(causal, return_lse, check_indices, scale, window) -> tuple[int, int]:
+    """The traced fast paths' checks of what no fake impl sees (the flags, a scale that is not a float: a float's
+    value is the fake impl's to check) and the window as (left, right). A flag that is a bool and the default window
+    call no helper: each helper is a guard on every compiled call."""
+    for name, flag in (("causal", causal), ("return_lse", return_lse), ("check_indices", check_indices)):
+        if flag is not True and flag is not False:
+            check_bool(name, flag)
+    if scale is not None and type(scale) is not float:
+        check_scale(scale)
+    return (-1, -1) if window is None else _window(window, causal)
+
+
 def _scale(scale, q) -> float:
     """The checked ``scale`` (check_scale) as a float; None -> default_scale(head_dim)."""
     if scale is None:
@@ -200,18 +212,13 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, wind
             and (key_mask is None or isinstance(key_mask, torch.Tensor) and key_mask.dtype == torch.bool)
             and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] != 0):
         # Traced by Dynamo, which guards every global and function a compiled call passes through and checks
-        # those guards on every call: the op's fake impl makes the structural checks (check_attention, with the
-        # same messages); a float scale skips check_scale (its `torch` is a second path to this module's, which
-        # Dynamo guards in Python) and the default window calls no helper, nor do flags that are bools. Zero sizes
-        # (which never reach the op), and arguments of the wrong type, rank or dtype (fp8 among them: one byte),
-        # take the checked path: a TypeError raised in a fake impl is logged with a traceback by FakeTensorMode
-        # before it reaches the user, and a rank below 3 cannot be indexed.
-        for name, flag in (("causal", causal), ("return_lse", return_lse), ("check_indices", check_indices)):
-            if flag is not True and flag is not False:
-                check_bool(name, flag)
-        if scale is not None and type(scale) is not float:  # a float's value is the fake impl's to check
-            check_scale(scale)
-        left, right = (-1, -1) if window is None else _window(window, causal)
+        # those guards on every call, in Python where one object is reached two ways (ops/checks.py's `torch` and
+        # this module's): the op's fake impl makes the structural checks (check_attention, with the same
+        # messages), and _traced_arguments the rest. Zero sizes (which never reach the op), and arguments of the
+        # wrong type, rank or dtype (fp8 among them: one byte), take the checked path: a TypeError raised in a fake
+        # impl is logged with a traceback by FakeTensorMode before it reaches the user, and a rank below 3 cannot
+        # be indexed.
+        left, right = _traced_arguments(causal, return_lse, check_indices, scale, window)
         if kv_seqlens is not None and check_indices:  # the values' device-side assert goes before the kernel
             if kv_seqlens.dtype != torch.int32 or kv_seqlens.shape != (q.shape[0],) or kv_seqlens.device != q.device:
                 # its message while tracing, before the assert exists: a graph break at the op would run an
@@ -353,12 +360,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
         # Traced by Dynamo: as attention()'s fast path (why there). The op's fake impl makes check_varlen's checks;
         # max_seqlen_q/k to read from the lengths (a graph break), zero sizes and arguments of the wrong type, rank
         # or dtype take the checked path.
-        for name, flag in (("causal", causal), ("return_lse", return_lse), ("check_indices", check_indices)):
-            if flag is not True and flag is not False:
-                check_bool(name, flag)
-        if scale is not None and type(scale) is not float:  # a float's value is the fake impl's to check
-            check_scale(scale)
-        left, right = (-1, -1) if window is None else _window(window, causal)
+        left, right = _traced_arguments(causal, return_lse, check_indices, scale, window)
         if check_indices:
             assert_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
             assert_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
@@ -444,18 +446,14 @@ def paged_attention(q, k_cache, v_cache, block_table, kv_seqlens, *, cu_seqlens_
         # contiguous decode's 21). The op's fake impl makes check_paged's structural checks, with the same messages;
         # arguments of the wrong type, rank or dtype, a gradient to refuse and a max_seqlen_q to read take the
         # checked path, as do fp8 (one byte; the message names fp8_attention) and lengths or a table that the
-        # value checks could not index. Those checks are check_paged_values' device asserts, from this module's
-        # names, ahead of the op in the graph (the lowering drops them where the kernel asserts the same).
-        for name, flag in (("causal", causal), ("return_lse", return_lse), ("check_indices", check_indices)):
-            if flag is not True and flag is not False:
-                check_bool(name, flag)
-        if scale is not None and type(scale) is not float:  # a float's value is the fake impl's to check
-            check_scale(scale)
+        # value checks could not index. Those checks are check_paged_values' device asserts, the table's and the
+        # lengths' from this module's names and cu_seqlens_q's from assert_cu_seqlens (which names no torch), ahead
+        # of the op in the graph (the lowering drops them where the kernel asserts the same).
+        left, right = _traced_arguments(causal, return_lse, check_indices, scale, window)
         if softcap is not None and type(softcap) is not float:
             check_softcap(softcap)
         if layout == "HND":
             k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
-        left, right = (-1, -1) if window is None else _window(window, causal)
         page_size = k_cache.shape[1]
         max_seqlen_q = 1 if max_seqlen_q is None else max_seqlen_q
         max_seqlen_k = block_table.shape[1] * page_size if max_seqlen_k is None else max_seqlen_k
