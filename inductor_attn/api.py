@@ -60,7 +60,9 @@ def _window(window, causal: bool) -> tuple[int, int]:
         return (window, 0) if causal else (window, window)
     if isinstance(window, (tuple, list)) and len(window) == 2:
         left, right = window
-        check_window(left, right)
+        # plain ints in range need no check_window, whose `torch` would cost a traced call a guard in Python
+        if not (type(left) is int and type(right) is int and -1 <= left <= MAX_INT32 and -1 <= right <= MAX_INT32):
+            check_window(left, right)
         return left, right
     # torch.compile traces a NumPy scalar as an array, whose repr it cannot take
     traced_numpy = torch.compiler.is_compiling() and type(window).__module__ == "numpy"

@@ -183,9 +183,10 @@ def test_a_compiled_call_is_guarded_in_cpp_only_as_compiled_sdpa_is():
 
     cu_seqlens = torch.tensor([0, 24, 64], dtype=torch.int32)
 
-    def ours_varlen(q, k, v):  # two packed sequences
+    def ours_varlen(q, k, v):  # two packed sequences, a window given as a pair
         return inductor_attn.varlen_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
-                                              cu_seqlens, cu_seqlens, 40, 40, causal=True, scale=0.125)
+                                              cu_seqlens, cu_seqlens, 40, 40, causal=True, scale=0.125,
+                                              window=(16, 0))
 
     python_guards, guarded = {}, {}
     for fn in (ours, ours_decode, ours_paged, ours_varlen, sdpa):
@@ -196,13 +197,15 @@ def test_a_compiled_call_is_guarded_in_cpp_only_as_compiled_sdpa_is():
     assert python_guards == {"ours": [], "ours_decode": [], "ours_paged": [], "ours_varlen": [], "sdpa": []}
     # Every function and global Dynamo reads is guarded on every call: the op's fake impl checks the arguments
     # while tracing, so a traced dense call does not pass through the API's copy of those checks; a float scale
-    # skips check_scale and the default window calls no helper; the op is reached as its overload (one guard,
-    # where the CustomOpDef costs four). The paged call's value checks are device asserts made from api.py's
-    # own names and checks.assert_cu_seqlens, which reaches no torch of its own.
+    # skips check_scale and the default window calls no helper (a pair of ints calls _window, not check_window); the
+    # op is reached as its overload (one guard, where the CustomOpDef costs four). The paged and varlen calls' value
+    # checks are device asserts made from api.py's own names and checks.assert_cu_seqlens (assert_on_device), which
+    # reaches no torch of its own.
     ours_checks = ("check_attention", "check_kv_seqlens", "check_index_tensor", "assert_on_device", "make_call",
-                   "check_scale", "_window", "attention_op", "_zero_size", "check_paged", "refuse_grad", "check_bool",
-                   "PAGE_LAYOUTS", "check_softcap", "check_cu_seqlens", "check_varlen", "varlen_attention_op")
+                   "check_scale", "_window", "check_window", "attention_op", "_zero_size", "check_paged", "refuse_grad",
+                   "check_bool", "PAGE_LAYOUTS", "check_softcap", "check_cu_seqlens", "check_varlen",
+                   "varlen_attention_op")
+    called = {"ours_paged": ("assert_on_device",), "ours_varlen": ("assert_on_device", "_window")}
     for name in ("ours", "ours_decode", "ours_paged", "ours_varlen"):
-        packed = name in ("ours_paged", "ours_varlen")  # their cu_seqlens' value asserts
-        refused = [c for c in ours_checks if not (packed and c == "assert_on_device")]
+        refused = [c for c in ours_checks if c not in called.get(name, ())]
         assert not [part for part in guarded[name] if any(check in part for check in refused)], name
