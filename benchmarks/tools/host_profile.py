@@ -219,7 +219,8 @@ def serving_loop(batch: int, calls: int, out_dir: str | None) -> None:
             return step()
         return call
 
-    ops = {name: restarting(*loop_paths(loop, device, torch.bfloat16)[name]) for name in ("paged op", "contiguous op")}
+    built = loop_paths(loop, device, torch.bfloat16)
+    ops = {name: restarting(*built[name]) for name in ("paged op", "contiguous op")}
     if out_dir:
         write_code(out_dir, ops)
     frames = loop_paths(loop, device, torch.bfloat16, compile_step=lambda fn: torch.compile(own_code(fn),

@@ -419,9 +419,9 @@ def _continuous_entry(implementation: str, size: str) -> dict:
     with ``implementation`` (``OURS`` or a ``BUILT_IN`` key) on one manager: the first call warms up (CUDA graphs,
     compiles, tunes: ``first_run_s``), the next ``CB_TIMED_RUNS`` are timed (fewer where they reach
     ``CB_TIMED_BUDGET_S``): new tokens per second of the median one (``timed_s``: each one's seconds, sorted;
-    ``turns_s``: in call order, where implementations take turns), then
-    one profiled call (``_device_kernels``). Records the attention implementations that ran (transformers may
-    switch), the tokens, and for ours the kernels.
+    ``turns_s``: in call order, where implementations take turns), then one profiled call (``_device_kernels``).
+    Records the attention implementations that ran (transformers may switch), the tokens, and for ours the
+    kernels.
 
     Several implementations joined by ``TURNS``: a model and manager each, warmed up in that order (the first pays
     the process's start-up in its ``first_run_s``), then their timed calls taking turns, who goes first alternating,

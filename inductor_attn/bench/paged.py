@@ -500,8 +500,7 @@ def client_table(cb: dict) -> str:
     """Markdown: transformers' ``generate_batch`` per attention implementation: what was asked for and what ran,
     new tokens per second against the best of transformers' own paths (for ours, when it took turns with one of
     them in one process, against that one, as the median of the turns' ratios: each turn's two calls meet one speed
-    of the host), and greedy tokens against
-    eager ``generate``."""
+    of the host), and greedy tokens against eager ``generate``."""
     if "error" in cb or "skipped" in cb:
         return f"transformers continuous batching: {cb.get('error') or cb['skipped']}"
     from .models import BUILT_IN
@@ -531,13 +530,14 @@ def client_table(cb: dict) -> str:
         partner = next((impls[n] for n in r.get("taking_turns", ()) if n in BUILT_IN and "tokens_per_s" in impls[n]),
                        None)
         turns = f"calls taking turns with {', '.join(r['taking_turns'])} (one process)" if r.get("taking_turns") else ""
-        ratio = f"{r['tokens_per_s'] / best:.2f}" if best else ""
         if partner and "turns_s" in r and "turns_s" in partner:  # each turn's two calls, the same tokens
             each = sorted(p / o for p, o in zip(partner["turns_s"], r["turns_s"]))
             ratio = f"{statistics.median(each):.2f}"
             turns += f"; / best built-in: the median of {len(each)} turns' ratios ({each[0]:.2f}-{each[-1]:.2f})"
         elif partner:
             ratio = f"{r['tokens_per_s'] / partner['tokens_per_s']:.2f}"
+        else:
+            ratio = f"{r['tokens_per_s'] / best:.2f}" if best else ""
         cells = [name, _code(r["asked"]), ", ".join(map(_code, r["ran"])), _tokens_per_s_text(r),
                  ratio, same, f"{r['first_run_s']:.1f}",
                  "; ".join(filter(None, [busy, f"our ops: {ops}" if ops else "", turns,
